@@ -1,0 +1,153 @@
+"""The Device interface: where compute runs and how bytes reach it.
+
+A device owns its streams (one per role: compute, host-to-device, device-to-host), a pinned-host slab
+allocator, an optional memory cap and the hardware facts kernels ask for. The engine never talks to
+``torch.cuda`` directly; it asks its device, so the same schedule runs on CUDA, ROCm and the CPU.
+
+Devices are created closed. ``open()`` (or ``with device:``) creates streams and pools; ``close()`` frees
+them and is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Device", "DeviceFacts", "Event", "StreamRole"]
+
+StreamRole = str
+"""One of ``"compute"``, ``"h2d"`` or ``"d2h"``."""
+
+STREAM_ROLES: tuple[StreamRole, ...] = ("compute", "h2d", "d2h")
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """Hardware facts that kernels and the planner ask for."""
+
+    name: str
+    backend: str  # "cuda", "rocm" or "cpu"
+    total_memory_bytes: int
+    multiprocessor_count: int
+    warp_size: int
+    max_num_warps: int
+
+
+class Event(ABC):
+    """A point in one stream's work that other streams, or the host, can wait for."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling host thread until the event has completed. note: CPU-GPU sync point."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True when the work before the event is done. Never blocks."""
+
+    @abstractmethod
+    def elapsed_ms(self, end: Event) -> float:
+        """Device time between this event and ``end``; both must have completed."""
+
+
+class Device(ABC):
+    """Compute, transfer and pinned memory for one accelerator (or the host CPU)."""
+
+    backend: str = "abstract"
+
+    def __init__(self, memory_limit_bytes: int | None = None) -> None:
+        if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+            raise ValueError(f"memory_limit_bytes must be positive, got {memory_limit_bytes}")
+        self.memory_limit_bytes = memory_limit_bytes
+        self._open = False
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def open(self) -> Device:
+        if not self._open:
+            self._open_resources()
+            self._open = True
+        return self
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._close_resources()
+
+    def __enter__(self) -> Device:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def _open_resources(self) -> None:  # noqa: B027 - optional hook
+        """Create streams and pools. Called once by ``open``."""
+
+    def _close_resources(self) -> None:  # noqa: B027 - optional hook
+        """Drain work and free streams and pools. Called once by ``close``."""
+
+    # -- identity --------------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def torch_device(self) -> torch.device:
+        """The torch device compute tensors live on."""
+
+    @abstractmethod
+    def facts(self) -> DeviceFacts:
+        """Hardware facts (name, memory, SM/CU count, warp size)."""
+
+    @property
+    def is_accelerator(self) -> bool:
+        """False for the host CPU: then 'device' and 'host' memory are the same memory."""
+        return self.torch_device.type != "cpu"
+
+    # -- streams and events ----------------------------------------------------------------------------
+    @abstractmethod
+    def stream(self, role: StreamRole) -> contextlib.AbstractContextManager[Any]:
+        """Context in which work is issued on the stream for ``role``."""
+
+    @abstractmethod
+    def record_event(self, role: StreamRole, *, timing: bool = False) -> Event:
+        """Record an event at the current end of the ``role`` stream."""
+
+    @abstractmethod
+    def wait_event(self, role: StreamRole, event: Event) -> None:
+        """Make future work on ``role`` wait for ``event`` (no host blocking)."""
+
+    @abstractmethod
+    def keep_alive(self, tensor: torch.Tensor, role: StreamRole) -> None:
+        """Tell the allocator that ``tensor`` is used by ``role``, so its memory is not reused too early."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all streams. note: CPU-GPU sync point."""
+
+    # -- memory ----------------------------------------------------------------------------------------
+    @abstractmethod
+    def alloc_pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """One host tensor the device can copy to and from at full speed (page-locked on GPUs)."""
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat device tensor, counted against the memory cap."""
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
+    def memory_allocated_bytes(self) -> int:
+        return 0
+
+    def peak_memory_bytes(self) -> int:
+        return 0
+
+    def reset_peak_memory(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @contextlib.contextmanager
+    def autocast(self, dtype: torch.dtype) -> Iterator[None]:
+        """Compute happens in the dtype of the bound parameters; no autocast is needed by default."""
+        yield

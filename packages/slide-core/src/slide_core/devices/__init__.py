@@ -1,0 +1,1 @@
+"""Devices that ship with slide-core: the host CPU and CUDA."""

@@ -1,0 +1,87 @@
+"""AdamW on flat host ranges through torch's own kernels.
+
+It uses ``torch._fused_adamw_`` (one pass, all cores) when this torch build has it for the tensor's
+device, and otherwise the same single-tensor arithmetic as ``torch.optim.AdamW(foreach=False)``.
+Low-precision gradients are cast into a preallocated fp32 scratch first, so nothing is allocated per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from slide_core.optimizer import AdamWConfig, Optimizer
+
+__all__ = ["TorchAdamW"]
+
+
+def _fused_adamw_available() -> bool:
+    return hasattr(torch, "_fused_adamw_")
+
+
+class TorchAdamW(Optimizer):
+    """AdamW with decoupled weight decay, applied only to ranges flagged ``decay``."""
+
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, config: AdamWConfig, *, fused: bool | None = None) -> None:
+        super().__init__(config)
+        self.fused = _fused_adamw_available() if fused is None else fused
+        self._scratch = torch.empty(0, dtype=torch.float32)
+        self._step_tensor = torch.zeros((), dtype=torch.float32)
+
+    def reserve(self, max_range_numel: int) -> None:
+        if self._scratch.numel() < max_range_numel:
+            self._scratch = torch.empty(max_range_numel, dtype=torch.float32)
+
+    def _fp32(self, grad: torch.Tensor) -> torch.Tensor:
+        if grad.dtype == torch.float32:
+            return grad
+        if self._scratch.numel() < grad.numel():
+            self.reserve(grad.numel())
+        scratch = self._scratch[: grad.numel()]
+        scratch.copy_(grad)
+        return scratch
+
+    def step(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        lr: float,
+        step: int,
+        decay: bool,
+    ) -> None:
+        cfg = self.config
+        weight_decay = cfg.weight_decay if decay else 0.0
+        grad32 = self._fp32(grad)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if self.fused:
+            self._step_tensor.fill_(float(step))
+            torch._fused_adamw_(
+                [master],
+                [grad32],
+                [exp_avg],
+                [exp_avg_sq],
+                [],
+                [self._step_tensor],
+                lr=lr,
+                beta1=cfg.beta1,
+                beta2=cfg.beta2,
+                weight_decay=weight_decay,
+                eps=cfg.eps,
+                amsgrad=False,
+                maximize=False,
+            )
+            return
+        if weight_decay:
+            master.mul_(1.0 - lr * weight_decay)
+        exp_avg.lerp_(grad32, 1.0 - cfg.beta1)
+        exp_avg_sq.mul_(cfg.beta2).addcmul_(grad32, grad32, value=1.0 - cfg.beta2)
+        bias_correction1 = 1.0 - cfg.beta1**step
+        bias_correction2_sqrt = math.sqrt(1.0 - cfg.beta2**step)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
+        master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)

@@ -1,0 +1,1 @@
+"""Tiers that ship with slide-core."""

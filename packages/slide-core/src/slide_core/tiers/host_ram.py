@@ -1,0 +1,56 @@
+"""The simplest tier: ordinary host memory, synchronous copies.
+
+It keeps slide-core usable on its own. slide-io adds a pinned slab tier and NVMe/GDS tiers.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from slide_core.tier import Tier, TierError
+
+
+def _done(value: object) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+class HostRamTier(Tier):
+    """Stores each key in its own host tensor."""
+
+    name = "ram"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._store: dict[str, torch.Tensor] = {}
+
+    def put(self, key: str, tensor: torch.Tensor) -> Future[None]:
+        held = self._store.get(key)
+        if held is None or held.numel() != tensor.numel() or held.dtype != tensor.dtype:
+            held = torch.empty(tensor.numel(), dtype=tensor.dtype)
+            self._store[key] = held
+        held.copy_(tensor.reshape(-1))
+        return _done(None)
+
+    def get(self, key: str, out: torch.Tensor) -> Future[torch.Tensor]:
+        held = self._store.get(key)
+        if held is None:
+            raise TierError(f"ram tier has no key {key!r}")
+        if held.numel() != out.numel() or held.dtype != out.dtype:
+            raise TierError(
+                f"ram tier key {key!r} holds {held.numel()} x {held.dtype}, asked for {out.numel()} x {out.dtype}"
+            )
+        out.reshape(-1).copy_(held)
+        return _done(out)
+
+    def delete(self, key: str) -> None:
+        self._store.pop(key, None)
+
+    def capacity_bytes(self) -> int | None:
+        return None
+
+    def _close_resources(self) -> None:
+        self._store.clear()
