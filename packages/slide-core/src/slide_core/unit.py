@@ -144,12 +144,20 @@ class SlideModel(ABC):
         return [self.embedding, *self.blocks, self.head]
 
     @abstractmethod
-    def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, device: torch.device) -> Any:
-        """Side inputs for one micro-batch (positions, rotary cos/sin, masks, labels), built on ``device``.
+    def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> Any:
+        """Side inputs for one micro-batch (positions, rotary cos/sin, masks, labels).
 
-        ``input_ids`` and ``labels`` are already on ``device``. Labels are aligned with ``input_ids``
-        (HF convention: the head shifts them), with ``-100`` marking tokens without loss.
+        ``input_ids`` and ``labels`` (both (B, S), int64) are already on the compute device; ``dtype`` is
+        the compute dtype. Labels are aligned with ``input_ids`` (HF convention: the head shifts them),
+        with ``-100`` marking tokens without loss.
         """
+
+    def loss_token_count(self, labels: torch.Tensor) -> int:
+        """Tokens that carry loss in ``labels`` (a host tensor): the engine's divisor for the step.
+
+        The default is the causal-LM shift: position t predicts label t+1.
+        """
+        return int((labels[..., 1:] != -100).sum())
 
     def extra_tensors_bytes(self) -> int:
         """Device bytes of state the model keeps outside units (e.g. rotary tables)."""

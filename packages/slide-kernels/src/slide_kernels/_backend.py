@@ -149,7 +149,7 @@ def num_warps_for(block_size: int) -> int:
     starving occupancy on small rows (same steps as Liger-Kernel's ``calculate_settings``).
     """
     if block_size >= 32768:
-        return 32
+        return 16 if torch.version.hip else 32  # AMD wavefronts are 64 wide: 16 warps is the maximum
     if block_size >= 8192:
         return 16
     if block_size >= 2048:

@@ -1,0 +1,17 @@
+"""The sliding-window engine."""
+
+from slide_core.engine.config import EngineConfig
+from slide_core.engine.engine import Engine, StepResult
+from slide_core.engine.timeline import Timeline, UnitTimes
+from slide_core.engine.workers import EngineError, EngineTimeout, WorkerFailure
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineTimeout",
+    "StepResult",
+    "Timeline",
+    "UnitTimes",
+    "WorkerFailure",
+]

@@ -1,0 +1,43 @@
+"""The engine's one frozen, typed configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine slides units through the device.
+
+    - ``block_slots``: device cache slots for block units (params + grads each). Prefetch can run at most
+      ``block_slots - 1`` units ahead of compute; 1 means no overlap at all.
+    - ``compute_dtype``: the dtype of the device copies of parameters, activations and gradients. The
+      master weights and optimizer state are always fp32.
+    - ``transfer_chunk_numel``: elements per host<->device chunk; gradient chunks feed the optimizer as they
+      land, so smaller chunks start updates sooner at a small per-chunk cost.
+    - ``grad_ring_slots``: pinned host chunks for gradients in flight between the device and the optimizer.
+    - ``timeout_s``: the longest any single wait may block before the engine gives up with an error.
+    """
+
+    block_slots: int = 2
+    compute_dtype: torch.dtype = torch.bfloat16
+    transfer_chunk_numel: int = 16 * 1024 * 1024
+    grad_ring_slots: int = 4
+    timeout_s: float = 600.0
+    record_timings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_slots < 1:
+            raise ValueError(f"block_slots must be >= 1, got {self.block_slots}")
+        if self.transfer_chunk_numel < 1024:
+            raise ValueError(f"transfer_chunk_numel must be >= 1024, got {self.transfer_chunk_numel}")
+        if self.grad_ring_slots < 1:
+            raise ValueError(f"grad_ring_slots must be >= 1, got {self.grad_ring_slots}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype}")

@@ -1,0 +1,451 @@
+"""The sliding-window training engine: one optimizer step, read as one page.
+
+For each micro-batch:
+1. Forward. Each unit waits for its slot's h2d, prefetches the units after it, computes without grad,
+   and sends its output (the next block's input) to pinned host memory.
+2. Head. Loss and the head's gradients come out of one forward-with-grad; their d2h starts at once.
+3. Backward, last block to first. Each block prefetches the one before it (params and input activation),
+   recomputes with grad, backpropagates, and hands its gradients to the d2h thread, which streams them
+   in chunks to the optimizer thread. The optimizer updates the fp32 master while the device computes
+   earlier blocks.
+On the last micro-batch each unit's last gradient chunk triggers its update; earlier micro-batches (and a
+tied head's share of the embedding gradient) accumulate in fp32 on the host.
+
+Threads: main (issues compute), ``h2d`` (waits for a unit's update, then loads it), ``d2h`` (streams
+gradients into the ring), ``optimizer`` (applies chunks). See Note [Worker failures] in workers.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from slide_core.device import Device, Event
+from slide_core.host_params import HostParameters
+from slide_core.optimizer import Optimizer
+from slide_core.unit import SlideModel, Unit
+
+from .activations import ActivationStash
+from .config import EngineConfig
+from .grad_ring import GradRing
+from .slots import ParamSlot, SlotWindow, Visit
+from .timeline import Timeline, UnitTimes
+from .updates import GradChunk, UnitUpdates
+from .workers import EngineError, Workers
+
+__all__ = ["Engine", "StepResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step measured. ``loss`` is the mean over every label token the step consumed,
+    computed before the step's update."""
+
+    step: int
+    loss: float
+    tokens: int
+    loss_tokens: int
+    lr: float
+    wall_s: float
+
+
+class Engine:
+    """Trains a :class:`SlideModel` whose fp32 master lives in ``host_params`` on ``device``.
+
+    A context manager: entering allocates slots, rings and threads; leaving drains pending updates (when
+    no exception is in flight), joins every thread and drops every buffer. Two engines can coexist.
+    """
+
+    def __init__(
+        self,
+        model: SlideModel,
+        device: Device,
+        host_params: HostParameters,
+        optimizer: Optimizer,
+        config: EngineConfig | None = None,
+    ) -> None:
+        if host_params.model is not model:
+            raise ValueError("host_params was built for a different model")
+        if not device.is_open:
+            raise ValueError("open the device first: `with device:` or device.open()")
+        self.model = model
+        self.device = device
+        self.host_params = host_params
+        self.optimizer = optimizer
+        self.config = config or EngineConfig()
+        self.dtype = self.config.compute_dtype
+        self.step_count = 0
+        self.timeline = Timeline(self.config.record_timings)
+        self.updates = UnitUpdates(model, host_params, optimizer, self.timeline)
+        self._workers: Workers | None = None
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def __enter__(self) -> Engine:
+        cfg = self.config
+        model = self.model
+        edge = [model.embedding, model.head]
+        self.window = SlotWindow(self.device, list(model.blocks), edge, cfg.block_slots, self.dtype)
+        for slot in self.window.all_slots():
+            slot.grads.zero_()  # alignment padding is never written by compute; keep it zero
+        self.ring = GradRing(self.device, cfg.grad_ring_slots, cfg.transfer_chunk_numel, self.dtype)
+        self.optimizer.reserve(cfg.transfer_chunk_numel)
+        self.stash = ActivationStash(self.device, len(model.blocks))
+        self._workers = Workers(("h2d", "d2h", "optimizer"), cfg.timeout_s)
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close(drain=exc is None)
+
+    def close(self, *, drain: bool = True) -> None:
+        """Finish (or, with ``drain=False``, abandon) pending work and join every thread. Idempotent."""
+        if self._closed or self._workers is None:
+            self._closed = True
+            return
+        self._closed = True
+        try:
+            if drain:
+                self.drain()
+        finally:
+            stuck = self._workers.stop(abandon=not drain)
+            if stuck:
+                log.error("engine threads did not stop in time: %s", ", ".join(stuck))
+            self.window = None  # type: ignore[assignment]
+            self.ring = None  # type: ignore[assignment]
+            self.stash = None  # type: ignore[assignment]
+
+    @property
+    def workers(self) -> Workers:
+        if self._workers is None or self._closed:
+            raise EngineError("the engine is not running; use it inside `with Engine(...) as engine:`")
+        return self._workers
+
+    def drain(self) -> None:
+        """Wait until every pending update has been applied to the host master."""
+        workers = self.workers
+        for name, future in self.updates.updated.items():
+            workers.wait(future, f"the update of {name}")
+        self.device.synchronize()
+        self.timeline.resolve(block=True)
+
+    # -- one optimizer step ----------------------------------------------------------------------------
+    def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
+        """Run forward and backward over ``micro_batches`` (host ``(input_ids, labels)`` pairs, each
+        (B, S) int64) and update every unit once."""
+        workers = self.workers
+        if not micro_batches:
+            raise ValueError("a step needs at least one micro-batch")
+        began = time.perf_counter()
+        loss_tokens = sum(self.model.loss_token_count(labels) for _, labels in micro_batches)
+        if loss_tokens == 0:
+            raise ValueError("no label tokens in this step's micro-batches (every label is -100)")
+        self.step_count += 1
+        schedule = self._schedule(len(micro_batches))
+        self.window.start_step(schedule)
+        self._ready_after = self.updates.begin_step()
+        self._contributions: dict[str, int] = {unit.name: 0 for unit in self.model.units}
+        self._expected = self._expected_contributions(len(micro_batches))
+        self._lr = lr
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
+        position = 0
+        for index, (input_ids, labels) in enumerate(micro_batches):
+            position = self._micro_batch(index, input_ids, labels, loss_tokens, loss_sum, schedule, position)
+        workers.check()
+        total = float(loss_sum)  # note: CPU-GPU sync point (once per step, for the reported loss)
+        tokens = sum(int(ids.numel()) for ids, _ in micro_batches)
+        return StepResult(
+            step=self.step_count,
+            loss=total / loss_tokens,
+            tokens=tokens,
+            loss_tokens=loss_tokens,
+            lr=lr,
+            wall_s=time.perf_counter() - began,
+        )
+
+    def unit_times(self) -> dict[str, UnitTimes]:
+        """Per-unit phase times collected since the last call (completed device spans only)."""
+        return self.timeline.take()
+
+    def _schedule(self, micro_batches: int) -> list[Visit]:
+        model = self.model
+        schedule: list[Visit] = []
+        for mb in range(micro_batches):
+            schedule.append(Visit(model.embedding, "forward", mb))
+            schedule.extend(Visit(block, "forward", mb) for block in model.blocks)
+            schedule.append(Visit(model.head, "head", mb))
+            schedule.extend(Visit(block, "backward", mb) for block in reversed(model.blocks))
+            schedule.append(Visit(model.embedding, "backward", mb))
+        return schedule
+
+    def _expected_contributions(self, micro_batches: int) -> dict[str, int]:
+        expected = {unit.name: micro_batches for unit in self.model.units}
+        if self.model.head.borrowed:
+            expected[self.model.embedding.name] += micro_batches
+        return expected
+
+    def _micro_batch(
+        self,
+        mb: int,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss_tokens: int,
+        loss_sum: torch.Tensor,
+        schedule: list[Visit],
+        position: int,
+    ) -> int:
+        model, device = self.model, self.device
+        target = device.torch_device
+        ids = input_ids.to(target, non_blocking=True)
+        lab = labels.to(target, non_blocking=True)
+        inputs = model.prepare_inputs(ids, lab, self.dtype)
+        blocks = list(model.blocks)
+        scale = 1.0 / loss_tokens
+
+        # 1. forward: embedding, then blocks; each block's input slides out to the host.
+        x = self._compute(position, schedule, lambda p: model.embedding.forward(p, ids, inputs), grad=False)
+        position += 1
+        for index, block in enumerate(blocks):
+            if index == 0:
+                self.stash.ensure(tuple(x.shape), x.dtype)
+            self.stash.save(index, x, device.record_event("compute"))
+            x = self._compute(position, schedule, lambda p, b=block, h=x: b.forward(p, h, inputs), grad=False)
+            position += 1
+
+        # 2. head: loss and its gradients in one pass.
+        grad_x = self._head(position, schedule, x, inputs, scale, loss_sum)
+        position += 1
+
+        # 3. backward: recompute each block from its stashed input, last to first.
+        for index in reversed(range(len(blocks))):
+            if index > 0:
+                self.stash.prefetch(index - 1)
+            grad_x = self._backward_block(position, schedule, index, grad_x, inputs)
+            position += 1
+        self._backward_embedding(position, schedule, ids, inputs, grad_x)
+        return position + 1
+
+    # -- visits ----------------------------------------------------------------------------------------
+    def _compute(self, position: int, schedule: list[Visit], fn, *, grad: bool) -> torch.Tensor:
+        visit = schedule[position]
+        slot = self._acquire(position, schedule, visit.unit)
+        params = visit.unit.layout.views(slot.params)
+        start = self._mark()
+        with torch.set_grad_enabled(grad):
+            out = fn(params)
+        self._span(visit.unit, visit.phase, start)
+        slot.compute_done = self.device.record_event("compute")
+        return out
+
+    def _head(
+        self,
+        position: int,
+        schedule: list[Visit],
+        x: torch.Tensor,
+        inputs: object,
+        scale: float,
+        loss_sum: torch.Tensor,
+    ) -> torch.Tensor:
+        head, embedding = self.model.head, self.model.embedding
+        slot = self._acquire(position, schedule, head)
+        params = _leaves(head.layout.views(slot.params))
+        borrowed_slot: ParamSlot | None = None
+        if head.borrowed:
+            borrowed_slot = self._acquire(position, schedule, embedding, pinned={slot.index})
+            lender = embedding.layout.views(borrowed_slot.params)
+            params.update({mine: lender[theirs].detach().requires_grad_() for mine, theirs in head.borrowed.items()})
+        start = self._mark()
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = head.forward(params, x, inputs)
+            names = list(params)
+            grads = torch.autograd.grad(loss * scale, [x, *params.values()], allow_unused=True)
+        loss_sum.add_(loss.detach().float())
+        self._span(head, "head", start)
+        own = {name: g for name, g in zip(names, grads[1:], strict=True) if name not in head.borrowed}
+        self._offload(head, slot, own)
+        slot.compute_done = self.device.record_event("compute")
+        if borrowed_slot is not None:
+            lent = {theirs: grads[1 + names.index(mine)] for mine, theirs in head.borrowed.items()}
+            self._offload(embedding, borrowed_slot, lent)
+            borrowed_slot.compute_done = slot.compute_done
+        return grads[0]
+
+    def _backward_block(
+        self, position: int, schedule: list[Visit], index: int, grad_out: torch.Tensor, inputs: object
+    ) -> torch.Tensor:
+        block = self.model.blocks[index]
+        slot = self._acquire(position, schedule, block)
+        params = _leaves(block.layout.views(slot.params))
+        start = self._mark()
+        x = self.stash.load(index).detach().requires_grad_()
+        with torch.enable_grad():
+            y = block.forward(params, x, inputs)
+            grads = torch.autograd.grad(y, [x, *params.values()], grad_out, allow_unused=True)
+        self._span(block, "backward", start)
+        self._offload(block, slot, dict(zip(params, grads[1:], strict=True)))
+        done = self.device.record_event("compute")
+        slot.compute_done = done
+        self.stash.release(index, done)
+        return grads[0]
+
+    def _backward_embedding(
+        self, position: int, schedule: list[Visit], ids: torch.Tensor, inputs: object, grad_out: torch.Tensor
+    ) -> None:
+        embedding = self.model.embedding
+        slot = self._acquire(position, schedule, embedding)
+        params = _leaves(embedding.layout.views(slot.params))
+        start = self._mark()
+        with torch.enable_grad():
+            y = embedding.forward(params, ids, inputs)
+            grads = torch.autograd.grad(y, list(params.values()), grad_out, allow_unused=True)
+        self._span(embedding, "backward", start)
+        self._offload(embedding, slot, dict(zip(params, grads, strict=True)))
+        slot.compute_done = self.device.record_event("compute")
+
+    # -- residency -------------------------------------------------------------------------------------
+    def _acquire(self, position: int, schedule: list[Visit], unit: Unit, pinned: set[int] | None = None) -> ParamSlot:
+        """The slot holding ``unit`` for the visit at ``position``; loads it if needed, then prefetches."""
+        window, workers = self.window, self.workers
+        window.advance(position)
+        pinned = set(pinned or ())
+        slot = window.resident(unit)
+        if slot is None:
+            slot = window.slot_for(unit, position, pinned)
+            if slot is None:
+                raise EngineError(f"no device slot free for {unit.name}; raise block_slots")
+            self._load(slot, unit)
+        pinned.add(slot.index)
+        self._prefetch(position, schedule, pinned)
+        began = time.perf_counter()
+        assert slot.loaded is not None
+        loaded = workers.wait(slot.loaded, f"the parameters of {unit.name}")
+        self.timeline.host_span(unit.name, "wait", (time.perf_counter() - began) * 1e3)
+        self.device.wait_event("compute", loaded)
+        return slot
+
+    def _prefetch(self, position: int, schedule: list[Visit], pinned: set[int]) -> None:
+        horizon = min(len(schedule), position + 1 + len(self.window.all_slots()))
+        for ahead in range(position + 1, horizon):
+            unit = schedule[ahead].unit
+            if self.window.resident(unit) is not None:
+                continue
+            slot = self.window.slot_for(unit, ahead, pinned)
+            if slot is None:
+                continue
+            self._load(slot, unit)
+
+    def _load(self, slot: ParamSlot, unit: Unit) -> None:
+        slot.unit = unit
+        slot.loaded = self.workers["h2d"].submit(
+            self._h2d_job, unit, slot, self._ready_after[unit.name], slot.compute_done
+        )
+
+    def _h2d_job(self, unit: Unit, slot: ParamSlot, ready: Future[None], reuse_after: Event | None) -> Event:
+        """h2d thread: wait for the unit's last update, then copy its master into the slot."""
+        began = time.perf_counter()
+        self.workers.wait(ready, f"the update of {unit.name} before loading it")
+        self.timeline.host_span(unit.name, "wait", (time.perf_counter() - began) * 1e3)
+        device = self.device
+        source = self.host_params.flat(unit)
+        target = slot.params[: source.numel()]
+        chunk = self.config.transfer_chunk_numel
+        with device.stream("h2d"):
+            if reuse_after is not None:
+                device.wait_event("h2d", reuse_after)
+            start = device.record_event("h2d", timing=self.timeline.enabled)
+            for offset in range(0, source.numel(), chunk):
+                target[offset : offset + chunk].copy_(source[offset : offset + chunk], non_blocking=True)
+            end = device.record_event("h2d", timing=self.timeline.enabled)
+        self.timeline.device_span(unit.name, "h2d", start, end)
+        return end
+
+    # -- gradients -------------------------------------------------------------------------------------
+    def _offload(self, unit: Unit, slot: ParamSlot, grads: dict[str, torch.Tensor | None]) -> None:
+        """Write ``grads`` into the slot's flat gradient buffer and start streaming it to the optimizer.
+
+        Parameters missing from ``grads`` (a tied head's share covers only the borrowed matrix) or
+        unused by autograd get zeros, so every contribution covers the whole unit.
+        """
+        workers, device = self.workers, self.device
+        if slot.grads_free is not None:
+            device.wait_event("compute", workers.wait(slot.grads_free, f"the gradient buffer of {unit.name}"))
+        targets, sources = [], []
+        for name, view in unit.layout.views(slot.grads).items():
+            grad = grads.get(name)
+            if grad is None:
+                view.zero_()
+            else:
+                targets.append(view)
+                sources.append(grad)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        count = self._contributions[unit.name]
+        self._contributions[unit.name] = count + 1
+        expected = self._expected[unit.name]
+        if expected == 1:
+            mode = "step"
+        elif count == 0:
+            mode = "stash"
+        else:
+            mode = "add_step" if count + 1 == expected else "add"
+        computed = device.record_event("compute")
+        slot.grads_free = workers["d2h"].submit(
+            self._d2h_job, unit, slot.grads, computed, mode, self._lr, self.step_count
+        )
+
+    def _d2h_job(self, unit: Unit, grads: torch.Tensor, computed: Event, mode: str, lr: float, step: int) -> Event:
+        """d2h thread: stream the unit's gradient in chunks; each landed chunk becomes an optimizer job."""
+        device, workers, ring = self.device, self.workers, self.ring
+        chunks = list(_chunks(unit.layout.numel, ring.chunk_numel, unit.layout.decay_numel))
+        start = None
+        end = computed
+        with device.stream("d2h"):
+            device.wait_event("d2h", computed)
+            for number, (lo, hi) in enumerate(chunks):
+                index = workers.get(ring.free, "a free gradient ring chunk")
+                if start is None:
+                    start = device.record_event("d2h", timing=self.timeline.enabled)
+                ring.chunks[index][: hi - lo].copy_(grads[lo:hi], non_blocking=True)
+                end = device.record_event("d2h", timing=self.timeline.enabled)
+                chunk = GradChunk(unit, lo, hi, mode, number == len(chunks) - 1, lr, step)
+                workers["optimizer"].submit(self._update_job, chunk, index, end)
+        if start is not None:
+            self.timeline.device_span(unit.name, "d2h", start, end)
+        return end
+
+    def _update_job(self, chunk: GradChunk, index: int, landed: Event) -> None:
+        """Optimizer thread: apply one landed chunk, then give its ring slot back."""
+        landed.synchronize()  # note: CPU-GPU sync point (on the optimizer thread, by design)
+        try:
+            self.updates.apply(chunk, self.ring.chunks[index][: chunk.end - chunk.start])
+        finally:
+            self.ring.release(index)
+
+    # -- timing helpers --------------------------------------------------------------------------------
+    def _mark(self) -> Event | None:
+        return self.device.record_event("compute", timing=True) if self.timeline.enabled else None
+
+    def _span(self, unit: Unit, phase: str, start: Event | None) -> None:
+        if start is not None:
+            self.timeline.device_span(unit.name, phase, start, self.device.record_event("compute", timing=True))
+
+
+def _leaves(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Bind slot views as autograd leaves: gradients flow to them, storage stays the slot's."""
+    return {name: view.detach().requires_grad_() for name, view in views.items()}
+
+
+def _chunks(numel: int, chunk: int, decay_numel: int):
+    """Split ``[0, numel)`` into ring-sized chunks that never straddle the decay boundary."""
+    cuts = sorted({0, numel, *((decay_numel,) if 0 < decay_numel < numel else ())})
+    for lo, hi in itertools.pairwise(cuts):
+        for offset in range(lo, hi, chunk):
+            yield offset, min(hi, offset + chunk)

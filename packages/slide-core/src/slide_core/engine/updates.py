@@ -1,0 +1,106 @@
+"""The host side of one unit's update: optimizer state, gradient accumulation and 'updated' futures.
+
+Everything here runs on the optimizer thread, except ``begin_step`` (main thread, between steps).
+
+Note [Update futures]: each unit has one future per step that the optimizer thread resolves when the
+unit's last gradient chunk of that step has been applied. A host-to-device load of the unit for the next
+step waits for the future of the step before it, so a unit is never read while it is being written.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from slide_core.host_params import HostParameters
+from slide_core.optimizer import Optimizer
+from slide_core.unit import SlideModel, Unit
+
+from .timeline import Timeline
+
+__all__ = ["GradChunk", "UnitUpdates"]
+
+
+@dataclass(frozen=True)
+class GradChunk:
+    """One landed range ``[start, end)`` of a unit's flat gradient, and what to do with it."""
+
+    unit: Unit
+    start: int
+    end: int
+    mode: str  # "step": apply directly; "stash": start accumulation; "add": accumulate; "add_step"
+    last_chunk: bool
+    lr: float
+    step: int
+
+
+def _done_future() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
+
+
+class UnitUpdates:
+    """Optimizer state per unit (one fp32 slab per state tensor) and the per-step update futures."""
+
+    def __init__(self, model: SlideModel, host_params: HostParameters, optimizer: Optimizer, timeline: Timeline):
+        self.model = model
+        self.host_params = host_params
+        self.optimizer = optimizer
+        self.timeline = timeline
+        self.state_slabs = {name: torch.zeros(host_params.numel, dtype=torch.float32) for name in optimizer.state_names}
+        self._accum: dict[str, torch.Tensor] = {}
+        self.updated: dict[str, Future[None]] = {unit.name: _done_future() for unit in model.units}
+
+    @property
+    def host_bytes(self) -> int:
+        state = sum(t.numel() * t.element_size() for t in self.state_slabs.values())
+        return state + sum(t.numel() * t.element_size() for t in self._accum.values())
+
+    def state_views(self, unit: Unit | str) -> dict[str, torch.Tensor]:
+        """This unit's flat optimizer state (for checkpoints and tests)."""
+        master = self.host_params.flat(unit)
+        start = master.data_ptr() - self.host_params.slab.data_ptr()
+        start //= master.element_size()
+        return {name: slab[start : start + master.numel()] for name, slab in self.state_slabs.items()}
+
+    def begin_step(self) -> dict[str, Future[None]]:
+        """Hand out fresh futures for this step; return the previous step's (what loads must wait for)."""
+        previous = self.updated
+        self.updated = {unit.name: Future() for unit in self.model.units}
+        return previous
+
+    def apply(self, chunk: GradChunk, grad: torch.Tensor) -> None:
+        """Apply one landed gradient chunk (optimizer thread)."""
+        began = time.perf_counter()
+        unit, start, end = chunk.unit, chunk.start, chunk.end
+        if chunk.mode == "step":
+            self._step(unit, start, end, grad, chunk)
+        else:
+            accum = self._accum_for(unit)[start:end]
+            if chunk.mode == "stash":
+                accum.copy_(grad)
+            else:
+                accum.add_(grad)
+                if chunk.mode == "add_step":
+                    self._step(unit, start, end, accum, chunk)
+        self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
+        if chunk.last_chunk and chunk.mode in ("step", "add_step"):
+            self.updated[unit.name].set_result(None)
+
+    def _step(self, unit: Unit, start: int, end: int, grad: torch.Tensor, chunk: GradChunk) -> None:
+        master = self.host_params.flat(unit)[start:end]
+        state = {name: view[start:end] for name, view in self.state_views(unit).items()}
+        decay = end <= unit.layout.decay_numel
+        self.optimizer.step(master, grad, state, lr=chunk.lr, step=chunk.step, decay=decay)
+
+    def _accum_for(self, unit: Unit) -> torch.Tensor:
+        # Allocated on first use only: with no accumulation and no tied weights, none is ever needed.
+        accum = self._accum.get(unit.name)
+        if accum is None:
+            accum = torch.empty(unit.layout.numel, dtype=torch.float32)
+            self._accum[unit.name] = accum
+        return accum

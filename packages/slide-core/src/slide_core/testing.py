@@ -1,0 +1,131 @@
+"""A tiny decoder written directly against the unit interface.
+
+It lets slide-core's engine be tested, and demonstrated, without transformers: pre-norm causal
+self-attention and an MLP per block, an RMS-normed linear head with cross-entropy, optionally tied to the
+embedding. ``reference_loss`` runs the same units as one ordinary autograd graph, which is what the
+engine's results are compared against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
+
+__all__ = ["ToyConfig", "ToyModel", "reference_loss"]
+
+
+@dataclass(frozen=True)
+class ToyConfig:
+    vocab_size: int = 97
+    hidden_size: int = 32
+    num_heads: int = 4
+    intermediate_size: int = 48
+    num_layers: int = 3
+    tie_embeddings: bool = False
+    eps: float = 1e-6
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+@dataclass
+class ToyInputs:
+    shifted_labels: torch.Tensor
+
+
+class ToyEmbedding(Unit):
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__("embed", UnitRole.EMBEDDING, ParamLayout([("weight", (cfg.vocab_size, cfg.hidden_size))]))
+
+    def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs: ToyInputs) -> torch.Tensor:
+        return F.embedding(x, params["weight"])
+
+
+class ToyBlock(Unit):
+    def __init__(self, cfg: ToyConfig, index: int) -> None:
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        layout = ParamLayout(
+            [
+                ("attn_norm", (h,)),
+                ("qkv", (3 * h, h)),
+                ("proj", (h, h)),
+                ("mlp_norm", (h,)),
+                ("up", (i, h)),
+                ("up_bias", (i,)),
+                ("down", (h, i)),
+            ]
+        )
+        super().__init__(f"layers.{index}", UnitRole.BLOCK, layout)
+        self.cfg = cfg
+
+    def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs: ToyInputs) -> torch.Tensor:
+        cfg = self.cfg
+        batch, seq, hidden = x.shape
+        heads = cfg.num_heads
+        q, k, v = F.linear(_rms_norm(x, params["attn_norm"], cfg.eps), params["qkv"]).chunk(3, dim=-1)
+        q, k, v = (t.view(batch, seq, heads, hidden // heads).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + F.linear(attn.transpose(1, 2).reshape(batch, seq, hidden), params["proj"])
+        up = F.gelu(F.linear(_rms_norm(x, params["mlp_norm"], cfg.eps), params["up"], params["up_bias"]))
+        return x + F.linear(up, params["down"])
+
+
+class ToyHead(Unit):
+    def __init__(self, cfg: ToyConfig) -> None:
+        shapes: list[tuple[str, tuple[int, ...]]] = [("norm", (cfg.hidden_size,))]
+        if not cfg.tie_embeddings:
+            shapes.append(("weight", (cfg.vocab_size, cfg.hidden_size)))
+        super().__init__("head", UnitRole.HEAD, ParamLayout(shapes))
+        if cfg.tie_embeddings:
+            self.borrowed = {"weight": "weight"}
+        self.cfg = cfg
+
+    def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs: ToyInputs) -> torch.Tensor:
+        logits = F.linear(_rms_norm(x, params["norm"], self.cfg.eps), params["weight"])
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), inputs.shifted_labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+
+
+class ToyModel(SlideModel):
+    def __init__(self, cfg: ToyConfig) -> None:
+        self.cfg = cfg
+        self.embedding = ToyEmbedding(cfg)
+        self.blocks = [ToyBlock(cfg, i) for i in range(cfg.num_layers)]
+        self.head = ToyHead(cfg)
+
+    def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> ToyInputs:
+        shifted = torch.full_like(labels, -100)
+        shifted[:, :-1] = labels[:, 1:]
+        return ToyInputs(shifted)
+
+    def init_(self, params: Mapping[str, Mapping[str, torch.Tensor]], seed: int) -> None:
+        """Random init into host views (``params[unit_name][param_name]``): small normals, unit norms."""
+        generator = torch.Generator().manual_seed(seed)
+        for unit_params in params.values():
+            for name, tensor in unit_params.items():
+                if "norm" in name:
+                    tensor.copy_(1.0 + 0.1 * torch.randn(tensor.shape, generator=generator))
+                else:
+                    tensor.copy_(0.2 * torch.randn(tensor.shape, generator=generator))
+
+
+def reference_loss(
+    model: ToyModel, params: Mapping[str, Mapping[str, torch.Tensor]], input_ids: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """The summed token loss of one micro-batch as one ordinary autograd graph over ``params``."""
+    inputs = model.prepare_inputs(input_ids, labels, torch.float32)
+    x = model.embedding.forward(params[model.embedding.name], input_ids, inputs)
+    for block in model.blocks:
+        x = block.forward(params[block.name], x, inputs)
+    head_params = dict(params[model.head.name])
+    for mine, theirs in model.head.borrowed.items():
+        head_params[mine] = params[model.embedding.name][theirs]
+    return model.head.forward(head_params, x, inputs)

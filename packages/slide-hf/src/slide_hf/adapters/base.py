@@ -1,0 +1,378 @@
+"""The generic HF adapter: units that run Hugging Face's own submodules on explicitly bound weights.
+
+Why wrap HF modules instead of re-implementing each family: the math (attention variants, softcapping,
+sandwich norms, rotary flavours, MoE routing) stays exactly HF's, so a checkpoint trained here behaves
+the same in ``transformers`` and new families cost a few lines. The modules are instantiated on the
+``meta`` device, so they hold no storage; every call binds the engine's views (bf16 on the GPU, fp32 in
+tests) with :func:`torch.func.functional_call`. That is the explicit binding the engine wants: no
+``param.data`` swapping, and the autograd graph is rooted at the engine's own leaf tensors.
+
+A family (see ``llama.py``) subclasses :class:`HFCausalLM` and names its HF classes; everything else --
+unit layouts, checkpoint key mapping, side inputs (positions, rotary tables, masks through
+``transformers.masking_utils``), the fused LM-head loss -- lives here.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+from transformers import PreTrainedConfig
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BlockUnit",
+    "BufferFactory",
+    "CheckpointSlice",
+    "EmbeddingUnit",
+    "HFCausalLM",
+    "HFInputs",
+    "HFUnit",
+    "HeadUnit",
+    "causal_lm_loss_sum",
+]
+
+IGNORE_INDEX = -100
+
+BufferFactory = Callable[[], torch.Tensor]
+
+_MASK_BUILDERS: dict[str, Callable[..., Any]] = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
+"""HF layer type -> the ``masking_utils`` builder HF itself uses for it (sdpa/eager/flex/flash aware)."""
+
+
+@dataclass(frozen=True)
+class CheckpointSlice:
+    """Part of a unit parameter stored under its own key on disk.
+
+    HF keeps some fused parameters split in checkpoints (Qwen3-MoE experts: one ``gate_proj`` /
+    ``up_proj`` / ``down_proj`` per expert on disk, one 3-d ``gate_up_proj`` in memory). The loader copies
+    tensor ``key`` into ``view[index]``; the exporter writes ``view[index]`` as ``key``.
+    """
+
+    key: str
+    index: tuple[Any, ...] = ()
+
+
+@dataclass
+class HFInputs:
+    """Side inputs of one micro-batch, built once by :meth:`HFCausalLM.prepare_inputs`.
+
+    ``masks`` is keyed by HF layer type (``"full_attention"``, ``"sliding_attention"``); a value may be
+    ``None`` where HF's mask builder decided none is needed (sdpa's ``is_causal`` path).
+    """
+
+    position_ids: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    masks: dict[str, torch.Tensor | None]
+    shift_labels: torch.Tensor
+
+    def layer_kwargs(self, attention_type: str) -> dict[str, Any]:
+        """Every keyword an HF decoder layer may want; :class:`BlockUnit` keeps the ones it accepts."""
+        return {
+            "attention_mask": self.masks[attention_type],
+            "position_ids": self.position_ids,
+            "position_embeddings": self.position_embeddings,
+            "past_key_values": None,
+            "use_cache": False,
+        }
+
+
+class HFUnit(Unit):
+    """A unit whose parameters are those of ``root``, a meta-device module tree of HF submodules.
+
+    Parameter names are the submodules' own names (``self_attn.q_proj.weight``). ``checkpoint_names``
+    maps each to its key in the HF model's state dict; ``checkpoint_slices`` overrides that for parameters
+    split across several keys on disk. ``buffers`` supplies real values for the few buffers HF modules keep
+    (a meta buffer has no value); they are tiny and cached per device.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        role: UnitRole,
+        root: nn.Module,
+        *,
+        checkpoint_prefix: str,
+        extra_params: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+        buffers: Mapping[str, BufferFactory] | None = None,
+    ) -> None:
+        root.eval()  # no dropout: the engine may recompute a unit in backward, which must be deterministic
+        shapes: list[tuple[str, Sequence[int]]] = [(n, tuple(p.shape)) for n, p in root.named_parameters()]
+        extra = dict(extra_params or {})
+        shapes += [(n, shape) for n, (shape, _) in extra.items()]
+        super().__init__(name, role, ParamLayout(shapes))
+        self.root = root
+        self.checkpoint_names: dict[str, str] = {n: checkpoint_prefix + n for n, _ in root.named_parameters()}
+        self.checkpoint_names.update({n: key for n, (_, key) in extra.items()})
+        self.checkpoint_slices: dict[str, tuple[CheckpointSlice, ...]] = {}
+        factories = dict(buffers or {})
+        missing = [n for n, _ in root.named_buffers() if n not in factories]
+        if missing:
+            raise TypeError(f"{name}: the adapter gives no value for HF buffers {missing}")
+        self._buffer_factories = factories
+        self._buffers: dict[torch.device, dict[str, torch.Tensor]] = {}
+
+    def buffers_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        found = self._buffers.get(device)
+        if found is None:
+            found = {n: make().to(device) for n, make in self._buffer_factories.items()}
+            self._buffers[device] = found
+        return found
+
+    def call(self, path: str, params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        """Run submodule ``path`` of ``root`` ("" for root itself) on the bound ``params``."""
+        module = self.root.get_submodule(path) if path else self.root
+        prefix = f"{path}." if path else ""
+        bound = {n[len(prefix) :]: t for n, t in params.items() if n.startswith(prefix) and n in self.layout}
+        if self._buffer_factories:
+            device = args[0].device
+            bound.update({n[len(prefix) :]: t for n, t in self.buffers_on(device).items() if n.startswith(prefix)})
+        return functional_call(module, bound, args, kwargs)
+
+
+class EmbeddingUnit(HFUnit):
+    """Token ids (B, S) -> hidden (B, S, H) through the family's embedding module (``root.<embed_name>``)."""
+
+    def __init__(self, root: nn.Module, embed_name: str, **kwargs: Any) -> None:
+        super().__init__("embedding", UnitRole.EMBEDDING, root, **kwargs)
+        self.embed_name = embed_name
+
+    def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs: HFInputs) -> torch.Tensor:
+        return self.call(self.embed_name, params, x)
+
+
+class BlockUnit(HFUnit):
+    """One HF decoder layer: hidden -> hidden.
+
+    Only the keywords the layer's ``forward`` names are passed (HF layers differ: GPT-2 takes no rotary
+    embeddings, Gemma2 no ``use_cache``); unnamed ones would leak into the attention kernel's ``**kwargs``.
+    """
+
+    def __init__(self, index: int, layer: nn.Module, attention_type: str, **kwargs: Any) -> None:
+        super().__init__(f"block.{index}", UnitRole.BLOCK, layer, **kwargs)
+        self.index = index
+        self.attention_type = attention_type
+        self._accepts = _named_parameters_of(type(layer).forward)
+
+    def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs: HFInputs) -> torch.Tensor:
+        kwargs = {k: v for k, v in inputs.layer_kwargs(self.attention_type).items() if k in self._accepts}
+        out = self.call("", params, x, **kwargs)
+        return out[0] if isinstance(out, tuple) else out  # transformers 5 layers return tensors; older: tuples
+
+
+class HeadUnit(HFUnit):
+    """Final norm + LM head + loss: hidden -> the sum of per-token cross-entropy over label tokens."""
+
+    def __init__(
+        self, root: nn.Module, norm_name: str, lm_head_name: str, softcap: float | None, **kwargs: Any
+    ) -> None:
+        super().__init__("head", UnitRole.HEAD, root, **kwargs)
+        self.norm_name = norm_name
+        self.lm_head_name = lm_head_name
+        self.softcap = softcap
+
+    def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs: HFInputs) -> torch.Tensor:
+        hidden = self.call(self.norm_name, params, x)
+        return causal_lm_loss_sum(hidden, params[self.lm_head_name], inputs.shift_labels, softcap=self.softcap)
+
+
+@functools.cache
+def _fused_linear_cross_entropy() -> Callable[..., torch.Tensor] | None:
+    # Resolved on first use, not at import: slide_kernels may pull in triton, which `import slide_hf` must not.
+    try:
+        import slide_kernels
+
+        return slide_kernels.linear_cross_entropy
+    except (ImportError, AttributeError):
+        return None
+
+
+def causal_lm_loss_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, *, softcap: float | None = None
+) -> torch.Tensor:
+    """Sum of token cross-entropies (fp32, 0-dim) of ``hidden @ weight.T`` against shifted labels.
+
+    Uses slide-kernels' fused linear + cross-entropy when installed (the (tokens, vocab) logits never exist
+    in full); otherwise HF's own recipe: logits in the compute dtype, softcap, upcast to fp32, then CE.
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    labels = shift_labels.reshape(-1)
+    fused = _fused_linear_cross_entropy()
+    if fused is not None:
+        loss = fused(h, weight, labels, bias=None, ignore_index=IGNORE_INDEX, reduction="sum", softcap=softcap)
+        return loss.float()
+    logits = F.linear(h, weight)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class HFCausalLM(SlideModel):
+    """A Hugging Face causal LM as a :class:`SlideModel`.
+
+    A family sets the class attributes below (HF classes and state-dict names) and overrides a ``make_*``
+    hook only where it differs from Llama. The config is copied: the HF modules read
+    ``config._attn_implementation`` at call time, and resolving its default must not touch the caller's.
+    """
+
+    decoder_layer: ClassVar[type[nn.Module]]
+    """HF decoder layer class, called as ``decoder_layer(config, layer_idx)``."""
+    rotary_embedding: ClassVar[type[nn.Module] | None] = None
+    """HF rotary embedding class (has buffers, so it is built for real, per device); None: no rotary."""
+    base_prefix: ClassVar[str] = "model."
+    """State-dict prefix of the base model (``model.``; GPT-2: ``transformer.``)."""
+    layers_name: ClassVar[str] = "layers"
+    embed_name: ClassVar[str] = "embed_tokens"
+    norm_name: ClassVar[str] = "norm"
+    lm_head_key: ClassVar[str] = "lm_head.weight"
+    norm_init: ClassVar[float] = 1.0
+    """Initial value of norm weights: 1 for ``w * x``; Gemma's zero-centred ``(1 + w) * x`` wants 0."""
+
+    def __init__(self, config: PreTrainedConfig) -> None:
+        self.config = _runtime_config(config)
+        self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        with torch.device("meta"):
+            self.embedding = self.make_embedding_unit()
+            self.blocks = [self.make_block_unit(i) for i in range(self.config.num_hidden_layers)]
+            self.head = self.make_head_unit()
+        unknown = {b.attention_type for b in self.blocks} - set(_MASK_BUILDERS)
+        if unknown:
+            raise ValueError(f"{self.config.model_type}: unsupported attention layer types {sorted(unknown)}")
+        self._rotary: dict[torch.device, nn.Module] = {}
+
+    # ---- family hooks -------------------------------------------------------------------------------
+    def make_embedding(self) -> nn.Module:
+        c = self.config
+        return nn.Embedding(c.vocab_size, c.hidden_size, getattr(c, "pad_token_id", None))
+
+    def make_norm(self) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must define make_norm()")
+
+    def make_layer(self, index: int) -> nn.Module:
+        return self.decoder_layer(self.config, index)
+
+    def attention_type(self, index: int) -> str:
+        """HF's choice of mask for layer ``index``: ``config.layer_types`` where the family has it,
+        else sliding when ``config.sliding_window`` is set (Mistral, Phi-3, Qwen3-MoE)."""
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types:
+            return layer_types[index]
+        return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+
+    def embedding_buffers(self) -> dict[str, BufferFactory]:
+        return {}
+
+    def make_embedding_unit(self) -> EmbeddingUnit:
+        root = nn.Module()
+        root.add_module(self.embed_name, self.make_embedding())
+        return EmbeddingUnit(
+            root, self.embed_name, checkpoint_prefix=self.base_prefix, buffers=self.embedding_buffers()
+        )
+
+    def make_block_unit(self, index: int) -> BlockUnit:
+        prefix = f"{self.base_prefix}{self.layers_name}.{index}."
+        return BlockUnit(index, self.make_layer(index), self.attention_type(index), checkpoint_prefix=prefix)
+
+    def make_head_unit(self) -> HeadUnit:
+        c = self.config
+        root = nn.Module()
+        root.add_module(self.norm_name, self.make_norm())
+        lm_head = "lm_head.weight"
+        extra = {} if self.tied else {lm_head: ((c.vocab_size, c.hidden_size), self.lm_head_key)}
+        head = HeadUnit(
+            root,
+            self.norm_name,
+            lm_head,
+            getattr(c, "final_logit_softcapping", None),
+            checkpoint_prefix=self.base_prefix,
+            extra_params=extra,
+        )
+        if self.tied:
+            head.borrowed = {lm_head: self.token_embedding_param}
+        return head
+
+    @property
+    def token_embedding_param(self) -> str:
+        """The embedding unit's (vocab, hidden) matrix; a tied head borrows it."""
+        return f"{self.embed_name}.weight"
+
+    def padding_row(self) -> tuple[str, int] | None:
+        """``(param, row)`` of the token embedding that HF keeps at zero (``padding_idx``), if any."""
+        module = self.embedding.root.get_submodule(self.embed_name)
+        index = getattr(module, "padding_idx", None)
+        return None if index is None else (self.token_embedding_param, int(index))
+
+    def init_rule(self, unit: Unit, name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+        """HF-style initial value of a parameter: ``("normal", std)`` or ``("constant", value)``."""
+        if len(shape) >= 2:
+            return "normal", float(self.config.initializer_range)
+        if name.endswith("bias"):
+            return "constant", 0.0
+        return "constant", self.norm_init
+
+    # ---- side inputs --------------------------------------------------------------------------------
+    def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> HFInputs:
+        batch, seq = input_ids.shape
+        device = input_ids.device
+        position_ids = torch.arange(seq, device=device).unsqueeze(0)
+        # HF's mask builders and rotary read only (batch, seq, dtype, device) of the hidden states.
+        probe = torch.empty((batch, seq, 0), dtype=dtype, device=device)
+        masks = {}
+        for kind in {b.attention_type for b in self.blocks}:
+            masks[kind] = _MASK_BUILDERS[kind](
+                config=self.config,
+                inputs_embeds=probe,
+                attention_mask=None,
+                past_key_values=None,
+                position_ids=position_ids,
+            )
+        rotary = None
+        if self.rotary_embedding is not None:
+            rotary = self._rotary_on(device)(probe, position_ids)
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+        return HFInputs(position_ids, rotary, masks, shift_labels)
+
+    def _rotary_on(self, device: torch.device) -> nn.Module:
+        rotary = self._rotary.get(device)
+        if rotary is None:
+            with torch.device(device):
+                rotary = self.rotary_embedding(self.config)  # type: ignore[misc]
+            self._rotary[device] = rotary
+        return rotary
+
+    def extra_tensors_bytes(self) -> int:
+        """Rotary buffers (``inv_freq`` and its copy, fp32): the only device state outside units."""
+        if self.rotary_embedding is None:
+            return 0
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 2 * (head_dim // 2) * 4
+
+
+def _runtime_config(config: PreTrainedConfig) -> PreTrainedConfig:
+    """A private copy with HF's defaults resolved the way ``from_config``/``from_pretrained`` would."""
+    config = copy.deepcopy(config)
+    if config._attn_implementation is None:
+        config._attn_implementation = "sdpa"
+    if getattr(config, "_experts_implementation", None) is None and hasattr(config, "num_experts"):
+        config._experts_implementation = "grouped_mm"
+    return config
+
+
+def _named_parameters_of(fn: Callable[..., Any]) -> frozenset[str]:
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds)

@@ -1,0 +1,191 @@
+"""Read an HF model directory: its config, and its safetensors weights streamed into the fp32 masters.
+
+The model is never built in RAM. Each tensor goes from the file straight into its host view
+(``view.copy_``, converting bf16 -> fp32 on the way), a bounded chunk at a time. safetensors reads
+through ``mmap``; pages a mapping has touched count in the process's resident set until it is unmapped,
+so the reader re-opens the file whenever it has copied ``budget`` bytes: peak memory stays the fp32 slab
+plus a few budgets (0.5% of the slab each, 1 to 64 MiB), however large the shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from slide_core.host_params import HostParameters
+from slide_core.unit import SlideModel
+from slide_hf.model import CheckpointEntry, checkpoint_entries, unit_views
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+__all__ = ["CheckpointError", "load_config", "load_weights"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_BUDGET_DIVISOR = 200
+_MIN_BUDGET = 1 << 20
+_MAX_BUDGET = 64 << 20
+"""Bytes copied between re-maps: 0.5% of the slab, within [1, 64] MiB. Mapped pages, the chunk being
+converted and what the allocator keeps of freed chunks each stay around this size."""
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model: a missing key, a wrong shape, an unusable dtype."""
+
+
+def load_config(model_dir: str | os.PathLike[str]) -> PreTrainedConfig:
+    """The HF config of a local model directory (no network).
+
+    Raises ``FileNotFoundError`` for a missing directory or ``config.json`` and ``ValueError`` for a config
+    transformers cannot read, each with a one-line message.
+    """
+    path = Path(model_dir).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, OSError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"cannot read {path / 'config.json'}: {first}") from exc
+
+
+def load_weights(model: SlideModel, host_params: HostParameters, model_dir: str | os.PathLike[str]) -> None:
+    """Stream the safetensors weights in ``model_dir`` into ``host_params``.
+
+    Every tensor the model needs must be present with the right shape; that is checked from the file
+    headers before any weight is written. Extra tensors are ignored, which covers tied checkpoints that
+    also store ``lm_head.weight``; a tied model never asks for it.
+    """
+    path = Path(model_dir).expanduser()
+    weight_map = _weight_map(path)
+    entries = checkpoint_entries(model)
+    prefix = getattr(model, "base_prefix", "")
+    by_file: dict[Path, list[tuple[CheckpointEntry, str]]] = defaultdict(list)
+    missing = []
+    for entry in entries:
+        stored = _find_key(entry.key, weight_map, prefix)
+        if stored is None:
+            missing.append(entry.key)
+        else:
+            by_file[path / weight_map[stored]].append((entry, stored))
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
+
+    views = unit_views(host_params)
+    targets = {id(entry): entry.target(views[entry.unit.name]) for entry in entries}
+    for file, items in by_file.items():
+        _check_headers(file, [(stored, tuple(targets[id(entry)].shape)) for entry, stored in items])
+    budget = min(max(host_params.nbytes // _BUDGET_DIVISOR, _MIN_BUDGET), _MAX_BUDGET)
+    with torch.no_grad():
+        for file, items in by_file.items():
+            reader = _ShardReader(file, budget)
+            for entry, stored in items:
+                reader.copy_into(stored, targets[id(entry)])
+            reader.close()
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    """Checkpoint key -> file name, from the index when sharded, else from the file headers."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
+        absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if absent:
+            raise CheckpointError(f"{index} lists shard(s) that are missing: {', '.join(absent[:3])}")
+        return dict(weight_map)
+    files = [path / SINGLE_FILE] if (path / SINGLE_FILE).is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not supported; "
+            "re-save with save_pretrained(safe_serialization=True))"
+        )
+    from safetensors import safe_open
+
+    weight_map = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            weight_map.update(dict.fromkeys(f.keys(), file.name))
+    return weight_map
+
+
+def _find_key(key: str, weight_map: dict[str, str], prefix: str) -> str | None:
+    if key in weight_map:
+        return key
+    # Old checkpoints of some families (the original GPT-2) store the base model without its prefix.
+    if prefix and key.startswith(prefix) and key[len(prefix) :] in weight_map:
+        return key[len(prefix) :]
+    return None
+
+
+def _check_headers(file: Path, wanted: list[tuple[str, tuple[int, ...]]]) -> None:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        present = set(f.keys())
+        for key, shape in wanted:
+            if key not in present:
+                raise CheckpointError(f"{file}: the index lists {key} in this file, but it is not there")
+            piece = f.get_slice(key)
+            stored = tuple(piece.get_shape())
+            if stored != shape:
+                raise CheckpointError(f"{file.name}: {key} has shape {list(stored)}, the model expects {list(shape)}")
+            if piece.get_dtype() not in _DTYPE_BYTES:
+                raise CheckpointError(
+                    f"{file.name}: {key} is {piece.get_dtype()}; only float checkpoints (F32/F16/BF16) load"
+                )
+
+
+class _ShardReader:
+    """Copies tensors out of one safetensors file in chunks, re-mapping the file every ``budget`` bytes."""
+
+    def __init__(self, file: Path, budget: int) -> None:
+        self.file = file
+        self.budget = budget
+        self._handle: Any = None
+        self._read = 0
+
+    def _open(self) -> Any:
+        from safetensors import safe_open
+
+        if self._handle is None or self._read >= self.budget:
+            self.close()
+            self._handle = safe_open(self.file, framework="pt")
+            self._read = 0
+        return self._handle
+
+    def close(self) -> None:
+        self._handle = None  # dropping the last reference unmaps the file
+
+    def copy_into(self, key: str, dst: torch.Tensor) -> None:
+        piece = self._open().get_slice(key)
+        shape = tuple(piece.get_shape())
+        itemsize = _DTYPE_BYTES[piece.get_dtype()]
+        del piece
+        if not shape:
+            dst.copy_(self._open().get_tensor(key))
+            self._read += itemsize
+            return
+        row_bytes = max(1, itemsize * dst[0].numel())
+        step = max(1, self.budget // row_bytes)
+        for start in range(0, shape[0], step):
+            stop = min(start + step, shape[0])
+            dst[start:stop].copy_(self._open().get_slice(key)[start:stop])
+            self._read += (stop - start) * row_bytes

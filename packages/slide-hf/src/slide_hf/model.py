@@ -1,0 +1,67 @@
+"""Where every checkpoint tensor lives in a :class:`SlideModel`: shared by loading, export and init.
+
+Loading and export walk the same list, so a key the loader reads is exactly a key the exporter writes.
+Kept free of transformers imports: it only reads the ``checkpoint_names`` / ``checkpoint_slices`` that
+adapter units carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slide_core.host_params import HostParameters
+from slide_core.unit import SlideModel, Unit
+
+__all__ = ["CheckpointEntry", "checkpoint_entries", "param_count", "unit_views"]
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One tensor of an HF checkpoint: stored under ``key``, it is ``view(param)[index]`` of ``unit``."""
+
+    key: str
+    unit: Unit
+    param: str
+    index: tuple[Any, ...] = ()
+
+    def target(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The region of the unit's views (from :meth:`HostParameters.views`) this entry covers."""
+        view = views[self.param]
+        return view[self.index] if self.index else view
+
+
+def checkpoint_entries(model: SlideModel) -> list[CheckpointEntry]:
+    """Every checkpoint tensor of ``model``, in unit and layout order.
+
+    Borrowed (tied) parameters are not listed: they belong to the embedding, and HF checkpoints store a
+    tied matrix once, under the embedding's key.
+    """
+    return list(_iter_entries(model))
+
+
+def _iter_entries(model: SlideModel) -> Iterator[CheckpointEntry]:
+    for unit in model.units:
+        names: dict[str, str] | None = getattr(unit, "checkpoint_names", None)
+        if names is None:
+            raise TypeError(f"unit {unit.name!r} has no checkpoint_names; it was not built by a slide-hf adapter")
+        slices = getattr(unit, "checkpoint_slices", {})
+        for spec in unit.layout:
+            if spec.name in slices:
+                for piece in slices[spec.name]:
+                    yield CheckpointEntry(piece.key, unit, spec.name, piece.index)
+            else:
+                yield CheckpointEntry(names[spec.name], unit, spec.name)
+
+
+def param_count(model: SlideModel) -> int:
+    """Parameters of ``model`` without alignment padding; a tied matrix counts once (as HF counts)."""
+    return sum(unit.layout.param_numel for unit in model.units)
+
+
+def unit_views(host_params: HostParameters) -> dict[str, dict[str, torch.Tensor]]:
+    """``unit name -> (param -> fp32 view)`` for every unit, built once per load/export."""
+    return {unit.name: host_params.views(unit) for unit in host_params.model.units}

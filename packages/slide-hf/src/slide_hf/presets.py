@@ -1,0 +1,331 @@
+"""Named model shapes, model resolution and fast HF-style random initialisation.
+
+Presets let a run start without a checkpoint: the published architectures (so memory planning and
+benchmarks can use real shapes offline), a ``tiny-llama`` for the CPU demo, and one small config per
+supported family for tests. Shapes are copied from each model's public ``config.json``.
+
+``init_random`` writes straight into the host slab, in parallel: ``normal_`` on CPU runs on one core
+(~2 s per GB), so an 8B model (32 GB of fp32) would take a minute serially. Each fixed-size chunk gets
+its own generator, seeded from (seed, unit, parameter, chunk), so the result does not depend on the
+thread count or scheduling -- and torch releases the GIL inside ``normal_``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from slide_core.host_params import HostParameters
+from slide_core.unit import SlideModel, Unit
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+__all__ = ["PRESETS", "ModelNotFoundError", "init_random", "resolve_model"]
+
+PresetFactory = Callable[..., "PreTrainedConfig"]
+
+
+class ModelNotFoundError(ValueError):
+    """Neither a preset name nor an existing model directory."""
+
+
+def _config(model_type: str, shape: dict[str, Any], **overrides: Any) -> PreTrainedConfig:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**shape, **overrides})
+
+
+def _preset(model_type: str, **shape: Any) -> PresetFactory:
+    """A factory ``(**overrides) -> config``; overrides (e.g. ``vocab_size`` from a tokenizer) win."""
+    return partial(_config, model_type, shape)
+
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+def _default_rope(theta: float) -> dict[str, Any]:
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+_TEST = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+_TEST_VOCAB = 160
+
+PRESETS: dict[str, PresetFactory] = {
+    # ---- demo ----------------------------------------------------------------------------------------
+    "tiny-llama": _preset(
+        "llama",
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_parameters=_default_rope(10000.0),
+        tie_word_embeddings=True,
+    ),
+    # ---- published shapes (config.json of each Hub repo) ---------------------------------------------
+    "llama3.2-3b": _preset(  # meta-llama/Llama-3.2-3B
+        "llama",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=_llama3_rope(32.0),
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        dtype="bfloat16",
+    ),
+    "llama3.1-8b": _preset(  # meta-llama/Llama-3.1-8B
+        "llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=_llama3_rope(8.0),
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        dtype="bfloat16",
+    ),
+    "qwen2.5-7b": _preset(  # Qwen/Qwen2.5-7B
+        "qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        rope_parameters=_default_rope(1000000.0),
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        sliding_window=131072,
+        max_window_layers=28,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        dtype="bfloat16",
+    ),
+    "qwen2.5-14b": _preset(  # Qwen/Qwen2.5-14B
+        "qwen2",
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=_default_rope(1000000.0),
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        sliding_window=131072,
+        max_window_layers=48,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        dtype="bfloat16",
+    ),
+    "qwen3-8b": _preset(  # Qwen/Qwen3-8B
+        "qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters=_default_rope(1000000.0),
+        tie_word_embeddings=False,
+        attention_bias=False,
+        max_window_layers=36,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        dtype="bfloat16",
+    ),
+    "mistral-7b": _preset(  # mistralai/Mistral-7B-v0.3
+        "mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=32768,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_parameters=_default_rope(1000000.0),
+        sliding_window=None,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="bfloat16",
+    ),
+    # ---- one tiny config per family, for tests (seq 12 > sliding windows of 4) -----------------------
+    "test-llama": _preset("llama", **_TEST, intermediate_size=96, vocab_size=_TEST_VOCAB, tie_word_embeddings=True),
+    "test-llama-untied": _preset(
+        "llama", **_TEST, intermediate_size=96, vocab_size=_TEST_VOCAB, tie_word_embeddings=False
+    ),
+    "test-mistral": _preset("mistral", **_TEST, intermediate_size=96, vocab_size=_TEST_VOCAB, sliding_window=4),
+    "test-qwen2": _preset(
+        "qwen2",
+        **_TEST,
+        intermediate_size=96,
+        vocab_size=_TEST_VOCAB,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,  # layer 0 full, layer 1 sliding
+    ),
+    "test-qwen3": _preset("qwen3", **_TEST, head_dim=16, intermediate_size=96, vocab_size=_TEST_VOCAB),
+    "test-gemma2": _preset(
+        "gemma2",
+        **_TEST,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        intermediate_size=96,
+        vocab_size=_TEST_VOCAB,
+        sliding_window=4,
+        final_logit_softcapping=2.0,  # small caps so the tanh is far from linear at test scale
+        attn_logit_softcapping=1.0,
+    ),
+    "test-phi3": _preset(
+        "phi3",
+        **_TEST,
+        intermediate_size=96,
+        vocab_size=_TEST_VOCAB,
+        pad_token_id=None,
+        eos_token_id=2,
+        max_position_embeddings=64,
+    ),
+    "test-gpt2": _preset(
+        "gpt2",
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        vocab_size=_TEST_VOCAB,
+        bos_token_id=_TEST_VOCAB - 1,
+        eos_token_id=_TEST_VOCAB - 1,
+    ),
+    "test-qwen3-moe": _preset(
+        "qwen3_moe",
+        **_TEST,
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],  # layer 0 routed experts, layer 1 dense MLP
+        vocab_size=_TEST_VOCAB,
+    ),
+}
+
+
+def resolve_model(name_or_dir: str | os.PathLike[str], **overrides: Any) -> tuple[PreTrainedConfig, Path | None]:
+    """``(config, model_dir)`` for an existing HF model directory, ``(config, None)`` for a preset.
+
+    ``overrides`` apply to presets only (a checkpoint's shape is what it is). An existing directory wins
+    over a preset of the same name. Raises :class:`ModelNotFoundError` in one line, listing the presets.
+    """
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():
+        from slide_hf.load import load_config
+
+        return load_config(path), path
+    name = str(name_or_dir)
+    if name in PRESETS:
+        return PRESETS[name](**overrides), None
+    if os.sep in name or name.startswith((".", "~")) or path.suffix:
+        raise ModelNotFoundError(f"model directory {path} does not exist")
+    raise ModelNotFoundError(
+        f"unknown model {name!r}: not a directory, and not a preset ({', '.join(sorted(PRESETS))})"
+    )
+
+
+_CHUNK = 1 << 22  # 4M elements (16 MB fp32) per generator
+_Rule = Callable[[Unit, str, tuple[int, ...]], tuple[str, float]]
+
+
+def init_random(
+    model: SlideModel,
+    host_params: HostParameters,
+    config: PreTrainedConfig,
+    seed: int = 0,
+    *,
+    threads: int | None = None,
+) -> None:
+    """Fill ``host_params`` the way HF's ``_init_weights`` would, deterministically for ``seed``.
+
+    Matrices and embeddings ~ N(0, ``initializer_range``) (adapters may scale some, e.g. GPT-2's
+    residual projections), biases 0, norm weights 1 (0 for Gemma's ``1 + w`` norms), the padding row of
+    the embedding 0.
+    """
+    rule: _Rule = getattr(model, "init_rule", None) or partial(_default_rule, config)
+    normal_jobs = []
+    with torch.no_grad():
+        for unit in model.units:
+            views = host_params.views(unit)
+            for spec in unit.layout:
+                kind, value = rule(unit, spec.name, spec.shape)
+                flat = views[spec.name].view(-1)
+                if kind == "constant":
+                    flat.fill_(value)
+                elif kind == "normal":
+                    for i, chunk in enumerate(flat.split(_CHUNK)):
+                        normal_jobs.append((chunk, value, _chunk_seed(seed, unit.name, spec.name, i)))
+                else:
+                    raise ValueError(f"unknown init kind {kind!r} for {unit.name}/{spec.name}")
+        workers = threads or os.cpu_count() or 1
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slide-init") as pool:
+            list(pool.map(_normal_chunk, normal_jobs))
+        padding = getattr(model, "padding_row", lambda: None)()
+        if padding is not None:
+            param, row = padding
+            host_params.views(model.embedding)[param][row].zero_()
+
+
+def _default_rule(config: PreTrainedConfig, unit: Unit, name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+    if len(shape) >= 2:
+        return "normal", float(getattr(config, "initializer_range", 0.02))
+    return "constant", 0.0 if name.endswith("bias") else 1.0
+
+
+def _chunk_seed(seed: int, unit: str, param: str, chunk: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{unit}/{param}/{chunk}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _normal_chunk(job: tuple[torch.Tensor, float, int]) -> None:
+    chunk, std, chunk_seed = job
+    chunk.normal_(0.0, std, generator=torch.Generator().manual_seed(chunk_seed))

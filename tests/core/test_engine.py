@@ -1,0 +1,154 @@
+"""The engine against a plain PyTorch loop with torch.optim.AdamW, on the CPU device in fp32."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from slide_core import AdamWConfig, HostParameters, LRSchedule
+from slide_core.devices.cpu import CPUDevice
+from slide_core.engine import Engine, EngineConfig
+from slide_core.optim import TorchAdamW
+from slide_core.testing import ToyConfig, ToyModel, reference_loss
+
+RTOL = 1e-5
+
+
+def _batches(cfg: ToyConfig, steps: int, accum: int, batch: int = 2, seq: int = 12, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        micro = []
+        for _ in range(accum):
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator)
+            labels = ids.clone()
+            labels[0, : seq // 3] = -100  # prompt-style masking; token counts differ per micro-batch
+            micro.append((ids, labels))
+        out.append(micro)
+    return out
+
+
+def _reference_lambda(kind: str, warmup: int, total: int):
+    """Written independently of slide_core.schedule, from transformers' scheduler formulas."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        if kind == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        if kind == "linear":
+            return max(0.0, (total - step) / max(1, total - warmup))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    return factor
+
+
+def _reference_run(model, init, batches, adam: AdamWConfig, schedule: LRSchedule):
+    params = {
+        unit: {name: torch.nn.Parameter(t.clone()) for name, t in views.items()} for unit, views in init.items()
+    }
+    flat = [p for views in params.values() for p in views.values()]
+    decay = [p for p in flat if p.dim() >= 2]
+    no_decay = [p for p in flat if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": adam.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=schedule.base_lr,
+        betas=(adam.beta1, adam.beta2),
+        eps=adam.eps,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _reference_lambda(schedule.kind, schedule.warmup_steps, schedule.total_steps)
+    )
+    losses = []
+    for micro in batches:
+        tokens = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
+        total = 0.0
+        for ids, labels in micro:
+            loss = reference_loss(model, params, ids, labels)
+            (loss / tokens).backward()
+            total += loss.item()
+        losses.append(total / tokens)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return losses, params
+
+
+def _engine_run(model, init, batches, adam, schedule, engine_config):
+    with CPUDevice() as device:
+        host = HostParameters(model, device.alloc_pinned)
+        for unit in model.units:
+            for name, view in host.views(unit).items():
+                view.copy_(init[unit.name][name])
+        losses = []
+        with Engine(model, device, host, TorchAdamW(adam), engine_config) as engine:
+            for step, micro in enumerate(batches):
+                losses.append(engine.step(micro, lr=schedule.lr_at(step)).loss)
+        return losses, {unit.name: host.views(unit) for unit in model.units}
+
+
+def _init(model: ToyModel, seed: int = 1):
+    init = {unit.name: {s.name: torch.empty(s.shape) for s in unit.layout} for unit in model.units}
+    model.init_(init, seed)
+    return init
+
+
+def _assert_close(engine_result, reference_result):
+    losses, params = engine_result
+    ref_losses, ref_params = reference_result
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert got == pytest.approx(want, rel=RTOL), f"loss differs at step {step + 1}"
+    for unit, views in ref_params.items():
+        for name, want in views.items():
+            got = params[unit][name]
+            err = (got - want.detach()).norm() / want.detach().norm()
+            assert err <= RTOL, f"{unit}.{name} differs: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("block_slots", [1, 2, 3])
+@pytest.mark.parametrize("tied", [False, True])
+def test_engine_matches_plain_adamw(block_slots: int, tied: bool) -> None:
+    cfg = ToyConfig(tie_embeddings=tied, num_layers=4)
+    model = ToyModel(cfg)
+    init = _init(model)
+    batches = _batches(cfg, steps=4, accum=1)
+    adam = AdamWConfig(weight_decay=0.1)
+    schedule = LRSchedule(3e-3, "constant")
+    config = EngineConfig(block_slots=block_slots, compute_dtype=torch.float32, transfer_chunk_numel=2048)
+    _assert_close(
+        _engine_run(model, init, batches, adam, schedule, config),
+        _reference_run(model, init, batches, adam, schedule),
+    )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gradient_accumulation_matches(tied: bool) -> None:
+    cfg = ToyConfig(tie_embeddings=tied)
+    model = ToyModel(cfg)
+    init = _init(model, seed=3)
+    batches = _batches(cfg, steps=3, accum=3, seed=5)
+    adam = AdamWConfig(beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.05)
+    schedule = LRSchedule(2e-3, "constant")
+    config = EngineConfig(block_slots=2, compute_dtype=torch.float32, transfer_chunk_numel=1024, grad_ring_slots=2)
+    _assert_close(
+        _engine_run(model, init, batches, adam, schedule, config),
+        _reference_run(model, init, batches, adam, schedule),
+    )
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_lr_schedules_match(kind: str) -> None:
+    cfg = ToyConfig(num_layers=2)
+    model = ToyModel(cfg)
+    init = _init(model, seed=7)
+    batches = _batches(cfg, steps=6, accum=1, seed=9)
+    adam = AdamWConfig(weight_decay=0.01)
+    schedule = LRSchedule(5e-3, kind, warmup_steps=2, total_steps=6)
+    config = EngineConfig(block_slots=2, compute_dtype=torch.float32)
+    _assert_close(
+        _engine_run(model, init, batches, adam, schedule, config),
+        _reference_run(model, init, batches, adam, schedule),
+    )
