@@ -110,11 +110,11 @@ class Engine:
         if self._closed or self._workers is None:
             self._closed = True
             return
-        self._closed = True
         try:
             if drain:
                 self.drain()
         finally:
+            self._closed = True
             stuck = self._workers.stop(abandon=not drain)
             if stuck:
                 log.error("engine threads did not stop in time: %s", ", ".join(stuck))
@@ -398,10 +398,19 @@ class Engine:
             mode = "add_step" if count + 1 == expected else "add"
         computed = device.record_event("compute")
         slot.grads_free = workers["d2h"].submit(
-            self._d2h_job, unit, slot.grads, computed, mode, self._lr, self.step_count
+            self._d2h_job, unit, slot.grads, computed, mode, self._lr, self.step_count, self.updates.updated[unit.name]
         )
 
-    def _d2h_job(self, unit: Unit, grads: torch.Tensor, computed: Event, mode: str, lr: float, step: int) -> Event:
+    def _d2h_job(
+        self,
+        unit: Unit,
+        grads: torch.Tensor,
+        computed: Event,
+        mode: str,
+        lr: float,
+        step: int,
+        updated: Future[None],
+    ) -> Event:
         """d2h thread: stream the unit's gradient in chunks; each landed chunk becomes an optimizer job."""
         device, workers, ring = self.device, self.workers, self.ring
         chunks = list(_chunks(unit.layout.numel, ring.chunk_numel, unit.layout.decay_numel))
@@ -415,7 +424,7 @@ class Engine:
                     start = device.record_event("d2h", timing=self.timeline.enabled)
                 ring.chunks[index][: hi - lo].copy_(grads[lo:hi], non_blocking=True)
                 end = device.record_event("d2h", timing=self.timeline.enabled)
-                chunk = GradChunk(unit, lo, hi, mode, number == len(chunks) - 1, lr, step)
+                chunk = GradChunk(unit, lo, hi, mode, number == len(chunks) - 1, lr, step, updated)
                 workers["optimizer"].submit(self._update_job, chunk, index, end)
         if start is not None:
             self.timeline.device_span(unit.name, "d2h", start, end)

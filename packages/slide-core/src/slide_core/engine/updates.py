@@ -35,6 +35,9 @@ class GradChunk:
     last_chunk: bool
     lr: float
     step: int
+    updated: Future[None]
+    """Resolved after the unit's last chunk of the step; captured when the chunk is issued, because the
+    main thread may already have begun the next step (see Note [Update futures])."""
 
 
 def _done_future() -> Future[None]:
@@ -89,7 +92,7 @@ class UnitUpdates:
                     self._step(unit, start, end, accum, chunk)
         self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
         if chunk.last_chunk and chunk.mode in ("step", "add_step"):
-            self.updated[unit.name].set_result(None)
+            chunk.updated.set_result(None)
 
     def _step(self, unit: Unit, start: int, end: int, grad: torch.Tensor, chunk: GradChunk) -> None:
         master = self.host_params.flat(unit)[start:end]
