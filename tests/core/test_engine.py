@@ -47,9 +47,7 @@ def _reference_lambda(kind: str, warmup: int, total: int):
 
 
 def _reference_run(model, init, batches, adam: AdamWConfig, schedule: LRSchedule):
-    params = {
-        unit: {name: torch.nn.Parameter(t.clone()) for name, t in views.items()} for unit, views in init.items()
-    }
+    params = {unit: {name: torch.nn.Parameter(t.clone()) for name, t in views.items()} for unit, views in init.items()}
     flat = [p for views in params.values() for p in views.values()]
     decay = [p for p in flat if p.dim() >= 2]
     no_decay = [p for p in flat if p.dim() < 2]

@@ -55,7 +55,7 @@ def test_sdpa_matches_hf(reference, helpers, preset):
     _check_loss_and_grads(ref, helpers)
 
 
-@pytest.mark.parametrize("preset", ["test-llama", "test-gemma2", "test-qwen3-moe", "test-gpt2"])
+@pytest.mark.parametrize("preset", FAMILIES)
 def test_adamw_steps_track_hf(reference, helpers, preset):
     ref = reference(preset)
     ids, labels = helpers.batch(ref.hf.config.vocab_size)

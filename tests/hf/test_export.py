@@ -127,6 +127,14 @@ def _failing_save(monkeypatch, fail_on_call: int):
     monkeypatch.setattr(export_mod, "save_file", save)
 
 
+def test_overwrite_replaces_a_file(tmp_path):
+    config, model, host = _tiny()
+    (tmp_path / "out").write_text("a file, not an export")
+    out = export_hf(model, host, config, tmp_path / "out", overwrite=True)
+    assert (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch):
     config, model, host = _tiny()
     _failing_save(monkeypatch, fail_on_call=2)

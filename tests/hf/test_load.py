@@ -41,6 +41,17 @@ def test_sharded_checkpoint_with_index(reference, preset):
     _assert_host_equals_files(ref.model, ref.host, ref.path)
 
 
+def test_fused_moe_state_dict_loads(reference, tmp_path):
+    """A transformers-5 state dict saved as-is keeps MoE experts fused; that loads too."""
+    ref = reference("test-qwen3-moe")
+    state = {k: v.detach().contiguous() for k, v in ref.hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    host = HostParameters(ref.model)
+    load_weights(ref.model, host, tmp_path)
+    assert torch.equal(host.slab, ref.host.slab)
+
+
 def test_bf16_checkpoint_upcasts(tmp_path):
     config = PRESETS["test-llama"]()
     model = build_model(config)

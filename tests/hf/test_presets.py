@@ -70,6 +70,9 @@ def test_resolve_errors(tmp_path):
         resolve_model(str(tmp_path / "missing"))
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         resolve_model("./checkpoints/run1")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError, match="is not a directory"):
+        resolve_model(tmp_path / "model.safetensors")
 
 
 def _init(name: str, seed: int, **kw) -> tuple:

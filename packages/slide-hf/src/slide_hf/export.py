@@ -186,10 +186,17 @@ def _publish(tmp: Path, out: Path) -> None:
             os.rename(out, old)
             os.rename(tmp, out)
             tmp = old
-        shutil.rmtree(tmp, ignore_errors=True)  # `tmp` now holds the previous export
+        _remove(tmp)  # `tmp` now holds the previous export
     else:
         os.rename(tmp, out)
     _fsync(out.parent)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:

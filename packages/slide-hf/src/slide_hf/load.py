@@ -70,7 +70,7 @@ def load_weights(model: SlideModel, host_params: HostParameters, model_dir: str 
     """
     path = Path(model_dir).expanduser()
     weight_map = _weight_map(path)
-    entries = checkpoint_entries(model)
+    entries = _prefer_fused(checkpoint_entries(model), weight_map)
     prefix = getattr(model, "base_prefix", "")
     by_file: dict[Path, list[tuple[CheckpointEntry, str]]] = defaultdict(list)
     missing = []
@@ -124,6 +124,25 @@ def _weight_map(path: Path) -> dict[str, str]:
         with safe_open(file, framework="pt") as f:
             weight_map.update(dict.fromkeys(f.keys(), file.name))
     return weight_map
+
+
+def _prefer_fused(entries: list[CheckpointEntry], weight_map: dict[str, str]) -> list[CheckpointEntry]:
+    """Read a split parameter (MoE experts) from its fused in-memory key when a checkpoint stores that.
+
+    Hub checkpoints and ``save_pretrained`` keep experts one by one; a state dict saved straight from a
+    transformers 5 model (``save_file(model.state_dict())``) holds the fused tensor instead.
+    """
+    out: list[CheckpointEntry] = []
+    done: set[tuple[str, str]] = set()
+    for entry in entries:
+        fused = getattr(entry.unit, "checkpoint_names", {}).get(entry.param)
+        if entry.index and entry.key not in weight_map and fused in weight_map:
+            if (entry.unit.name, entry.param) not in done:
+                done.add((entry.unit.name, entry.param))
+                out.append(CheckpointEntry(fused, entry.unit, entry.param))
+        else:
+            out.append(entry)
+    return out
 
 
 def _find_key(key: str, weight_map: dict[str, str], prefix: str) -> str | None:

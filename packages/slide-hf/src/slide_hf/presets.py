@@ -259,6 +259,8 @@ def resolve_model(name_or_dir: str | os.PathLike[str], **overrides: Any) -> tupl
     over a preset of the same name. Raises :class:`ModelNotFoundError` in one line, listing the presets.
     """
     path = Path(name_or_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ModelNotFoundError(f"{path} is not a directory; pass the model directory (with config.json)")
     if path.is_dir():
         from slide_hf.load import load_config
 

@@ -40,8 +40,9 @@ _STOP = object()
 class Worker:
     """One daemon thread draining a bounded queue of jobs in order."""
 
-    def __init__(self, name: str, max_queued: int = 1024) -> None:
+    def __init__(self, name: str, closing: threading.Event, max_queued: int = 1024) -> None:
         self.name = name
+        self._closing = closing
         self._jobs: queue.Queue[Any] = queue.Queue(maxsize=max_queued)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"slide-{name}", daemon=True)
@@ -50,7 +51,7 @@ class Worker:
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
         if self.error is not None:
-            future.set_exception(WorkerFailure(f"{self.name} thread stopped after an earlier failure"))
+            future.set_exception(self._stopped_error())
             return future
         self._jobs.put((future, fn, args))
         return future
@@ -61,14 +62,22 @@ class Worker:
             if item is _STOP:
                 return
             future, fn, args = item
+            if self._closing.is_set():
+                future.set_exception(EngineError(f"the engine closed before this {self.name} job ran"))
+                continue
             if self.error is not None:
-                future.set_exception(WorkerFailure(f"{self.name} thread stopped after an earlier failure"))
+                future.set_exception(self._stopped_error())
                 continue
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:
                 self.error = exc
                 future.set_exception(exc)
+
+    def _stopped_error(self) -> WorkerFailure:
+        error = WorkerFailure(f"the {self.name} thread stopped after an earlier failure: {self.error!r}")
+        error.__cause__ = self.error
+        return error
 
     def stop(self, timeout_s: float) -> bool:
         """Ask the thread to finish its queue and exit; True when it did within ``timeout_s``."""
@@ -90,8 +99,8 @@ class Workers:
 
     def __init__(self, names: tuple[str, ...], timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._workers = {name: Worker(name) for name in names}
         self._closing = threading.Event()
+        self._workers = {name: Worker(name, self._closing) for name in names}
 
     def __getitem__(self, name: str) -> Worker:
         return self._workers[name]
