@@ -1,0 +1,1 @@
+"""The `slide` command line: one module per command."""

@@ -1,0 +1,291 @@
+"""The training recipe behind `slide train`: setup in dependency order, then one loop.
+
+Read top to bottom: resolve the model and tokenizer, load the data, build units, pick the device, check
+the plan fits, fill the fp32 master (checkpoint, HF weights or random init), then loop over optimizer
+steps (LR, forward/backward with accumulation, step, logging, checkpoint, termination) and export an HF
+directory at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from slide_core import AdamWConfig, HostParameters, LRSchedule
+from slide_core.device import Device
+from slide_core.engine import Engine, EngineConfig
+from slide_core.optim import TorchAdamW
+from slide_hf.data import Batches, load_dataset
+from slide_hf.errors import UserError
+from slide_hf.progress import Progress
+from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
+
+__all__ = ["TrainConfig", "TrainSummary", "train"]
+
+log = logging.getLogger("slide.train")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every `slide train` option, with the same names (underscores) as the flags and the TOML file."""
+
+    model: str = "tiny-llama"
+    data: Path | None = None
+    output: Path | None = None
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    seq_len: int = 128
+    batch_size: int = 4
+    grad_accum: int = 1
+    steps: int | None = None
+    epochs: int | None = None
+    lr: float | None = None
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    lr_schedule: str = "linear"
+    warmup_steps: int = 0
+    max_grad_norm: float = 0.0
+    seed: int = 0
+    no_shuffle: bool = False
+    metrics: Path | None = None
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    resume: Path | None = None
+    gpu_memory: str | None = None
+    offload_optimizer: str = "ram"
+    nvme_dir: Path | None = None
+    nvme_fraction: float = 1.0
+    offload_activations: str = "ram"
+    save_dtype: str = "auto"
+    block_slots: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "grad_accum", "block_slots", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("steps", "epochs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"--{name} must be positive, got {value}")
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise UserError(f"--device must be auto, cuda or cpu, got {self.device!r}")
+        if self.save_dtype not in ("auto", "float32", "bfloat16"):
+            raise UserError(f"--save-dtype must be auto, float32 or bfloat16, got {self.save_dtype!r}")
+        if self.lr is not None and self.lr < 0:
+            raise UserError(f"--lr must be >= 0, got {self.lr}")
+        if self.max_grad_norm < 0:
+            raise UserError(f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
+        if self.offload_optimizer not in ("ram", "nvme"):
+            raise UserError(f"--offload-optimizer must be ram or nvme, got {self.offload_optimizer!r}")
+        if self.offload_activations not in ("ram", "nvme"):
+            raise UserError(f"--offload-activations must be ram or nvme, got {self.offload_activations!r}")
+        if not 0.0 <= self.nvme_fraction <= 1.0:
+            raise UserError(f"--nvme-fraction must be in [0, 1], got {self.nvme_fraction}")
+        if self.save_every < 0:
+            raise UserError(f"--save-every must be >= 0, got {self.save_every}")
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    first_loss: float
+    last_loss: float
+    output: Path
+    model_dir: Path
+    losses: list[float] = field(default_factory=list)
+
+
+def train(cfg: TrainConfig) -> TrainSummary:
+    """Run a whole training job; see the module docstring for the order of things."""
+    torch.manual_seed(cfg.seed)
+    output = cfg.output or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+    # Model and tokenizer.
+    from slide_hf import build_model, export_hf, init_random, load_weights, resolve_model
+
+    preset_overrides = {"vocab_size": BYTE_VOCAB_SIZE} if cfg.model == "tiny-llama" else {}
+    try:
+        config, model_dir = resolve_model(cfg.model, **preset_overrides)
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    tokenizer = load_tokenizer(model_dir)
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}")
+    try:
+        model = build_model(config)
+    except ValueError as error:
+        raise UserError(str(error)) from error
+
+    # Data.
+    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, max_positions)
+    batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed)
+    epochs = cfg.epochs or (10 if cfg.data is None else 1)
+    total_steps = cfg.steps or epochs * batches.steps_per_epoch
+    lr = cfg.lr if cfg.lr is not None else (1e-3 if model_dir is None else 2e-5)
+    schedule = LRSchedule(lr, cfg.lr_schedule, cfg.warmup_steps, total_steps)
+    adam = AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay)
+    if cfg.max_grad_norm > 0:
+        raise UserError("--max-grad-norm is not available yet in this build; use --max-grad-norm 0")
+
+    # Device, then the fp32 master in (pinned) host memory.
+    device = _make_device(cfg)
+    compute_dtype = DTYPES[cfg.dtype]
+    with device:
+        host = HostParameters(model, device.alloc_pinned)
+        if model_dir is None:
+            init_random(model, host, config, seed=cfg.seed)
+        else:
+            load_weights(model, host, model_dir)
+        params = sum(unit.layout.param_numel for unit in model.units)
+        flops_per_token = _flops_per_token(config, params, cfg.seq_len)
+        log.info(
+            "model %s: %.1fM params, %d blocks | data: %s, %d sequences of %d tokens | %d steps of %d tokens | "
+            "device %s (%s)",
+            cfg.model,
+            params / 1e6,
+            len(model.blocks),
+            dataset.source,
+            len(dataset),
+            cfg.seq_len,
+            total_steps,
+            cfg.batch_size * cfg.grad_accum * cfg.seq_len,
+            device.facts().name,
+            cfg.dtype,
+        )
+        engine_config = EngineConfig(block_slots=cfg.block_slots, compute_dtype=compute_dtype)
+        losses: list[float] = []
+        metrics = _open_metrics(cfg.metrics)
+        process = psutil.Process()
+        with Engine(model, device, host, TorchAdamW(adam), engine_config) as engine:
+            device.reset_peak_memory()
+            with Progress(total_steps) as progress:
+                for step in range(total_steps):
+                    # LR for this step, then forward/backward over its micro-batches and the update.
+                    result = engine.step(batches.next_step(), lr=schedule.lr_at(step))
+                    losses.append(result.loss)
+                    if not math.isfinite(result.loss):
+                        raise UserError(f"the loss became {result.loss} at step {result.step}; try a lower --lr")
+                    # Logging.
+                    times = engine.unit_times()
+                    record = {
+                        "step": result.step,
+                        "loss": result.loss,
+                        "lr": result.lr,
+                        "tokens": result.tokens,
+                        "tokens_per_s": result.tokens / result.wall_s,
+                        "step_time_s": result.wall_s,
+                        "tflops": flops_per_token * result.tokens / result.wall_s / 1e12,
+                        "eta": _overall_eta(times),
+                        "gpu_mem_peak_gb": device.peak_memory_bytes() / 1e9,
+                        "host_rss_gb": process.memory_info().rss / 1e9,
+                    }
+                    if metrics is not None:
+                        metrics.write(json.dumps(record) + "\n")
+                        metrics.flush()
+                    progress.update(record)
+        if metrics is not None:
+            metrics.close()
+        # Export: an HF directory next to the run's other outputs.
+        model_out = output / "model"
+        save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
+        tokenizer_dir = _save_tokenizer(tokenizer, output)
+        export_hf(model, host, config, model_out, dtype=save_dtype, tokenizer_dir=tokenizer_dir, overwrite=True)
+    log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
+    return TrainSummary(len(losses), losses[0], losses[-1], output, model_out, losses)
+
+
+def _make_device(cfg: TrainConfig) -> Device:
+    from slide_core.devices.cpu import CPUDevice
+
+    wants_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if not wants_gpu:
+        if cfg.gpu_memory is not None:
+            log.warning("--gpu-memory is ignored on the CPU device")
+        return CPUDevice()
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but torch sees no GPU; use --device auto or cpu")
+    limit = _parse_size(cfg.gpu_memory) if cfg.gpu_memory else None
+    if torch.version.hip:
+        from slide_core import plugins
+
+        try:
+            rocm = plugins.load("slide.devices", "rocm")
+        except plugins.PluginError as error:
+            raise UserError(str(error)) from error
+        return rocm(memory_limit_bytes=limit)
+    from slide_core.devices.cuda import CUDADevice
+
+    return CUDADevice(memory_limit_bytes=limit)
+
+
+_UNITS = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10, "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3}
+
+
+def _parse_size(text: str) -> int:
+    raw = text.strip().lower().replace(" ", "")
+    for suffix, scale in _UNITS.items():
+        if raw.endswith(suffix):
+            number = raw[: -len(suffix)]
+            break
+    else:
+        number, scale = raw.rstrip("b"), 1
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise UserError(f"cannot read size {text!r}; write e.g. 24GiB or 80GB") from None
+    if value <= 0:
+        raise UserError(f"size {text!r} must be positive")
+    return int(value)
+
+
+def _flops_per_token(config: Any, params: int, seq_len: int) -> float:
+    """Model FLOPs per token: 6N for the matmuls plus 12·L·H·S for attention scores (fwd+bwd);
+    the recompute forward is not counted, so TFLOPS compares fairly with a run that keeps activations."""
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    return 6.0 * params + 12.0 * layers * hidden * seq_len
+
+
+def _overall_eta(times: dict[str, Any]) -> float | None:
+    busy = sum(t.ms["backward"] + t.ms["head"] for t in times.values())
+    cost = sum(t.ms["d2h"] + t.ms["update"] for t in times.values())
+    return busy / cost if cost > 0 and busy > 0 else None
+
+
+def _open_metrics(path: Path | None):
+    if path is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("a", encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"cannot write metrics to {path}: {error.strerror}") from None
+
+
+def _save_tokenizer(tokenizer: Any, output: Path) -> Path:
+    target = output / "tokenizer"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create output directory {output}: {error.strerror}") from None
+    tokenizer.save_pretrained(str(target))
+    return target
+
+
+def config_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
