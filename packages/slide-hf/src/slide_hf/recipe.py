@@ -238,12 +238,8 @@ _UNITS = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10, "tb": 10**12, 
 
 def _parse_size(text: str) -> int:
     raw = text.strip().lower().replace(" ", "")
-    for suffix, scale in _UNITS.items():
-        if raw.endswith(suffix):
-            number = raw[: -len(suffix)]
-            break
-    else:
-        number, scale = raw.rstrip("b"), 1
+    suffix = next((s for s in _UNITS if raw.endswith(s)), None)
+    number, scale = (raw[: -len(suffix)], _UNITS[suffix]) if suffix else (raw.rstrip("b"), 1)
     try:
         value = float(number) * scale
     except ValueError:
