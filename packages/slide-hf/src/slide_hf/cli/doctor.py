@@ -1,6 +1,209 @@
-def add_parser(commands):
-    commands.add_parser("doctor", help="(coming)")
+"""`slide doctor`: what this machine and install can run, in one screen.
+
+Every probe is independent and guarded: an optional package that is missing, or installed but broken
+(a kvikio wheel for another CUDA, a flash-attn built for another torch), becomes a line saying so, never
+a traceback. That is the point of the command: it is what people run when something does not work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["add_parser", "collect", "render", "run"]
+
+DISTRIBUTIONS = (
+    "torch",
+    "triton",
+    "transformers",
+    "safetensors",
+    "flash-attn",
+    "kvikio",
+    "slide-core",
+    "slide-hf",
+    "slide-kernels",
+    "slide-io",
+    "slide-rocm",
+)
+
+EPILOG = textwrap.dedent(
+    """\
+    examples:
+      slide doctor
+      slide doctor --json > doctor.json   # attach to a bug report
+    """
+)
 
 
-def run(args):
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="report versions, devices, kernels, storage and plugins",
+        description="Report what this machine and install can run: versions, GPU, host RAM, kernels, I/O, plugins.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect()
+    print(json.dumps(report) if args.json else render(report))
     return 0
+
+
+def collect() -> dict[str, Any]:
+    """The whole report as plain data (strings, numbers, lists, dicts)."""
+    return {
+        "versions": _guard(_versions),
+        "device": _guard(_device),
+        "host": _guard(_host),
+        "kernels": _guard(_kernels),
+        "storage": _guard(_storage),
+        "plugins": _guard(_plugins),
+    }
+
+
+def _guard(probe: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return probe()
+    except Exception as error:  # a broken optional install must not take the report down
+        return {"error": _one_line(error)}
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _versions() -> dict[str, Any]:
+    versions: dict[str, Any] = {"python": f"{platform.python_version()} ({sys.executable})"}
+    for name in DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def _device() -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        reason = "torch is a CPU build" if torch.version.cuda is None and torch.version.hip is None else "no GPU visible"
+        return {"backend": "cpu", "detail": f"no accelerator ({reason}); training runs on the CPU device"}
+    props = torch.cuda.get_device_properties(0)
+    info: dict[str, Any] = {
+        "backend": "rocm" if torch.version.hip else "cuda",
+        "name": props.name,
+        "memory_bytes": int(props.total_memory),
+        "count": torch.cuda.device_count(),
+    }
+    if torch.version.hip:
+        info["hip"] = torch.version.hip
+        info["rocm_policy"] = _guard(_rocm_policy)
+    else:
+        info["cuda"] = torch.version.cuda
+        info["capability"] = f"{props.major}.{props.minor}"
+    return info
+
+
+def _rocm_policy() -> dict[str, Any]:
+    try:
+        from slide_rocm.policy import ROCmPolicy
+    except ImportError:
+        return {"detail": "slide-rocm not installed (pip install slide-rocm)"}
+    return dict(ROCmPolicy.detect().describe())
+
+
+def _host() -> dict[str, Any]:
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return {
+        "ram_total_bytes": int(memory.total),
+        "ram_available_bytes": int(memory.available),
+        "cpu_cores_logical": os.cpu_count() or 0,
+        "cpu_cores_physical": psutil.cpu_count(logical=False) or 0,
+        "platform": platform.platform(),
+    }
+
+
+def _kernels() -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    try:
+        import slide_kernels
+
+        for device_type in ("cuda", "cpu"):
+            usable = slide_kernels.kernels_available(device_type)
+            info[f"triton_{device_type}"] = "yes" if usable else "no (torch fallback)"
+    except Exception as error:
+        info["triton"] = f"slide-kernels unusable: {_one_line(error)}"
+    info["flash_attn"] = _importable("flash_attn")
+    return info
+
+
+def _storage() -> dict[str, Any]:
+    info: dict[str, Any] = {"kvikio": _importable("kvikio")}
+    try:
+        from slide_io import gds_status
+
+        info["gds"] = gds_status()
+    except ImportError:
+        info["gds"] = "slide-io not installed (pip install slide-io)"
+    return info
+
+
+def _plugins() -> dict[str, Any]:
+    from slide_core import plugins
+
+    found: dict[str, Any] = {}
+    for group in plugins.GROUPS:
+        try:
+            found[group] = plugins.available(group)
+        except Exception as error:
+            found[group] = f"error: {_one_line(error)}"
+    return found
+
+
+def _importable(module: str) -> str:
+    """``"yes (version)"`` or ``"no (why)"``; any exception counts as not importable (broken builds raise
+    OSError or undefined-symbol ImportErrors, not ModuleNotFoundError)."""
+    try:
+        imported = importlib.import_module(module)
+    except Exception as error:
+        return f"no ({_one_line(error)})"
+    return f"yes ({getattr(imported, '__version__', 'unknown version')})"
+
+
+def render(report: dict[str, Any]) -> str:
+    """Human-readable text: one section per probe, one ``key: value`` line per fact."""
+    lines: list[str] = []
+    for section, values in report.items():
+        lines.append(f"{section}:")
+        lines += _lines(values, indent="  ")
+    return "\n".join(lines)
+
+
+def _lines(values: dict[str, Any], indent: str) -> list[str]:
+    out = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.append(f"{indent}{key}:")
+            out += _lines(value, indent + "  ")
+            continue
+        if isinstance(value, list):
+            value = ", ".join(value) or "none"
+        elif key.endswith("_bytes") and isinstance(value, int):
+            value = f"{value / 2**30:.1f} GiB"
+        out.append(f"{indent}{key}: {value}")
+    return out

@@ -1,6 +1,175 @@
-def add_parser(commands):
-    commands.add_parser("plan", help="(coming)")
+"""`slide plan`: GPU, host and disk memory, max batch and step time for a model, before any allocation.
+
+Planning builds the model on the meta device (no weights), so it runs in seconds for any size, on any
+machine. Without ``--gpu-memory`` the GPU budget is the visible CUDA device's memory (none on a CPU-only
+machine); without ``--host-memory`` the host budget is this machine's available RAM. A configuration that
+does not fit is still reported (exit 0), with the fix to try; ``--check`` turns that into exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+from typing import Any
+
+from slide_hf.errors import UserError
+from slide_hf.planner import Plan, PlanInputs, available_host_bytes, check_fits, format_bytes, make_plan, parse_size
+
+__all__ = ["add_parser", "run"]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
+"""Short names, and the torch spellings ``slide train --dtype`` takes."""
+
+EPILOG = textwrap.dedent(
+    """\
+    examples:
+      slide plan --model llama3.1-8b --batch-size 8 --seq-len 2048 --gpu-memory 24GiB
+      slide plan --model ./my-qwen --offload-optimizer nvme --nvme-fraction 0.5 --json
+      slide plan --model qwen2.5-14b --host-memory 128GB --check   # exit 2 if it does not fit
+
+    sizes accept GiB, GB, MiB, MB or a byte count (GB = 1e9 bytes, GiB = 2^30).
+    """
+)
 
 
-def run(args):
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="memory and step-time plan for a model (no weights loaded)",
+        description="Estimate GPU, host and disk memory, the largest batch that fits and the step time.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", required=True, metavar="DIR|PRESET", help="HF model directory or preset name")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory budget (default: the visible GPU's)")
+    parser.add_argument("--host-memory", metavar="SIZE", help="host RAM budget (default: available RAM here)")
+    parser.add_argument(
+        "--offload-optimizer", choices=("ram", "nvme"), default="ram", help="where Adam m and v live (default ram)"
+    )
+    parser.add_argument(
+        "--nvme-fraction",
+        type=float,
+        default=1.0,
+        help="with --offload-optimizer nvme: fraction of units whose m, v go to NVMe (default 1)",
+    )
+    parser.add_argument(
+        "--offload-activations",
+        choices=("ram", "nvme"),
+        default="ram",
+        help="where the per-block activation stash lives (default ram)",
+    )
+    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="compute dtype (default bf16)", metavar="{bf16,fp16,fp32}")
+    parser.add_argument("--block-slots", type=int, default=2, help="GPU slots for blocks (default 2)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--check", action="store_true", help="exit with status 2 when the plan does not fit")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    model = _build(args.model)
+    gpu_cap, gpu_source = _gpu_budget(args.gpu_memory)
+    if args.host_memory is not None:
+        host_cap, host_source = parse_size(args.host_memory, what="--host-memory"), "allowed by --host-memory"
+    else:
+        host_cap, host_source = available_host_bytes(), "available"
+    inputs = PlanInputs(
+        model=model,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        grad_accum=args.grad_accum,
+        compute_dtype_bytes=DTYPE_BYTES[args.dtype],
+        block_slots=args.block_slots,
+        gpu_memory_bytes=gpu_cap,
+        host_memory_bytes=host_cap,
+        offload_optimizer=args.offload_optimizer,
+        nvme_fraction=args.nvme_fraction,
+        offload_activations=args.offload_activations,
+    )
+    plan = make_plan(inputs)
+    problem = None
+    try:
+        check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source)
+    except UserError as error:
+        problem = str(error)
+    if args.json:
+        payload = {"model": args.model, "dtype": args.dtype, **plan.to_dict(), "fits": problem is None}
+        payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
+        print(json.dumps(payload, sort_keys=False))
+    else:
+        print(render(plan, model_name=args.model, dtype=args.dtype, gpu_source=gpu_source, problem=problem))
+    if problem is not None and args.check:
+        raise UserError(problem)
     return 0
+
+
+def _build(name: str) -> Any:
+    """The meta-device model for a directory or preset; every failure becomes one :class:`UserError` line."""
+    from slide_hf import build_model, resolve_model
+
+    try:
+        config, _ = resolve_model(name)
+        return build_model(config)
+    except (ValueError, OSError) as error:  # ModelNotFoundError, UnsupportedModelError, unreadable config
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(message) from error
+
+
+def _gpu_budget(text: str | None) -> tuple[int | None, str]:
+    if text is not None:
+        return parse_size(text, what="--gpu-memory"), "allowed by --gpu-memory"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return int(props.total_memory), f"on {props.name}"
+    return None, "no GPU visible; pass --gpu-memory"
+
+
+def render(plan: Plan, *, model_name: str, dtype: str, gpu_source: str, problem: str | None) -> str:
+    """The human-readable table."""
+    i = plan.inputs
+    lines = [
+        f"{model_name}: {plan.params / 1e9:.2f} B params, batch {i.batch_size} x seq {i.seq_len} x accum "
+        f"{i.grad_accum} = {plan.tokens_per_step:,} tokens/step, {dtype}",
+        "",
+        _row("GPU peak", format_bytes(plan.gpu_peak_bytes), f"largest phase: {plan.gpu_peak_phase}"),
+    ]
+    lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v), indent=True) for k, v in plan.gpu_breakdown.items()]
+    lines.append(_row("host peak", format_bytes(plan.host_peak_bytes)))
+    lines += [
+        _row(f"  {k.replace('_', ' ')}", format_bytes(v), indent=True) for k, v in plan.host_breakdown.items() if v
+    ]
+    lines.append(_row("disk", format_bytes(plan.disk_bytes)))
+    lines.append(_row("params", f"{plan.params:,}"))
+    lines.append(_row("max batch", _max_batch(plan, gpu_source)))
+    lines.append(
+        _row(
+            "step time",
+            f"{plan.step_time_s:.3g} s",
+            f"compute {plan.compute_s:.3g} s, pcie {plan.pcie_s:.3g} s, "
+            f"update {plan.update_s:.3g} s, nvme {plan.disk_s:.3g} s; {plan.tokens_per_s:,.0f} tokens/s",
+        )
+    )
+    eta_note = "larger batches raise eta" if plan.eta < 1 else "gradient transfer and update hide behind backward"
+    lines.append(_row("eta", f"{plan.eta:.2f}", eta_note))
+    lines.append(_row("binding limit", plan.binding))
+    critical = "n/a" if plan.critical_batch_size is None else str(plan.critical_batch_size)
+    lines.append(_row("critical batch", critical, "smallest batch with eta >= 1"))
+    lines.append(_row("fits", "yes" if problem is None else "no", problem or ""))
+    return "\n".join(lines)
+
+
+def _max_batch(plan: Plan, gpu_source: str) -> str:
+    if plan.max_batch_size is None:
+        return "no budget to fit"
+    limit = {"gpu": f"GPU memory, {gpu_source}", "host": "host RAM"}.get(plan.max_batch_limit or "", "")
+    return f"{plan.max_batch_size}" + (f" (limited by {limit})" if limit else "")
+
+
+def _row(label: str, value: str, note: str = "", *, indent: bool = False) -> str:
+    text = f"{label:<22}{value:>12}"
+    return f"{text}   {note}" if note else text
