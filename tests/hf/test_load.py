@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from slide_core.host_params import HostParameters
-from slide_hf import PRESETS, CheckpointError, build_model, load_config, load_weights
+from slide_hf import PRESETS, CheckpointError, ModelFilesError, build_model, load_config, load_weights
 from slide_hf.model import checkpoint_entries, unit_views
 
 
@@ -135,8 +135,9 @@ def test_index_listing_missing_shard(reference):
 
 
 def test_directory_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ModelFilesError, match="does not exist") as info:
         load_config(tmp_path / "nope")
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, ValueError)
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         load_config(tmp_path)
     model = build_model(PRESETS["test-llama"]())

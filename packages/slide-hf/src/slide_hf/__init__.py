@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PRESETS",
     "CheckpointError",
+    "ModelFilesError",
     "ModelNotFoundError",
     "UnsupportedModelError",
     "build_model",
@@ -32,6 +33,7 @@ __all__ = [
 _LAZY = {
     "PRESETS": "slide_hf.presets",
     "CheckpointError": "slide_hf.load",
+    "ModelFilesError": "slide_hf.load",
     "ModelNotFoundError": "slide_hf.presets",
     "UnsupportedModelError": "slide_hf.adapters",
     "build_model": "slide_hf.adapters",
@@ -46,7 +48,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from slide_hf.adapters import UnsupportedModelError, build_model, supported_model_types
     from slide_hf.export import export_hf
-    from slide_hf.load import CheckpointError, load_config, load_weights
+    from slide_hf.load import CheckpointError, ModelFilesError, load_config, load_weights
     from slide_hf.presets import PRESETS, ModelNotFoundError, init_random, resolve_model
 
 

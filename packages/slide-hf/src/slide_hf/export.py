@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from slide_core.host_params import HostParameters
 from slide_core.unit import SlideModel
-from slide_hf.load import INDEX_FILE, SINGLE_FILE
+from slide_hf.load import INDEX_FILE, SINGLE_FILE, ModelFilesError
 from slide_hf.model import CheckpointEntry, checkpoint_entries, unit_views
 
 if TYPE_CHECKING:
@@ -161,11 +161,11 @@ def _write_weights(
 
 def _tokenizer_files(directory: Path) -> list[Path]:
     if not directory.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {directory} does not exist")
+        raise ModelFilesError(f"tokenizer directory {directory} does not exist")
     found = [directory / n for n in TOKENIZER_FILES if (directory / n).is_file()]
     found += sorted(directory.glob("*.tiktoken"))
     if not any(f.name != "generation_config.json" for f in found):
-        raise FileNotFoundError(f"{directory} has no tokenizer files ({', '.join(TOKENIZER_FILES[:5])}, ...)")
+        raise ModelFilesError(f"{directory} has no tokenizer files ({', '.join(TOKENIZER_FILES[:5])}, ...)")
     return found
 
 

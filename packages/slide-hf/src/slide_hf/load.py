@@ -24,7 +24,7 @@ from slide_hf.model import CheckpointEntry, checkpoint_entries, unit_views
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["CheckpointError", "load_config", "load_weights"]
+__all__ = ["CheckpointError", "ModelFilesError", "load_config", "load_weights"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -41,17 +41,25 @@ class CheckpointError(ValueError):
     """The checkpoint does not match the model: a missing key, a wrong shape, an unusable dtype."""
 
 
+class ModelFilesError(FileNotFoundError, ValueError):
+    """A model directory, its ``config.json`` or its weights are missing.
+
+    Both a ``FileNotFoundError`` (what it is) and a ``ValueError`` (what callers that turn bad user
+    input into one-line messages catch, like every other error of this package).
+    """
+
+
 def load_config(model_dir: str | os.PathLike[str]) -> PreTrainedConfig:
     """The HF config of a local model directory (no network).
 
-    Raises ``FileNotFoundError`` for a missing directory or ``config.json`` and ``ValueError`` for a config
-    transformers cannot read, each with a one-line message.
+    Raises :class:`ModelFilesError` for a missing directory or ``config.json`` and ``ValueError`` for a
+    config transformers cannot read, each with a one-line message.
     """
     path = Path(model_dir).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
+        raise ModelFilesError(f"model directory {path} does not exist")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model directory?")
+        raise ModelFilesError(f"{path} has no config.json; is it a Hugging Face model directory?")
     from transformers import AutoConfig
 
     try:
@@ -100,7 +108,7 @@ def load_weights(model: SlideModel, host_params: HostParameters, model_dir: str 
 def _weight_map(path: Path) -> dict[str, str]:
     """Checkpoint key -> file name, from the index when sharded, else from the file headers."""
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
+        raise ModelFilesError(f"model directory {path} does not exist")
     index = path / INDEX_FILE
     if index.is_file():
         try:
@@ -113,7 +121,7 @@ def _weight_map(path: Path) -> dict[str, str]:
         return dict(weight_map)
     files = [path / SINGLE_FILE] if (path / SINGLE_FILE).is_file() else sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(
+        raise ModelFilesError(
             f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not supported; "
             "re-save with save_pretrained(safe_serialization=True))"
         )

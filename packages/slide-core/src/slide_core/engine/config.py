@@ -21,6 +21,8 @@ class EngineConfig:
       land, so smaller chunks start updates sooner at a small per-chunk cost.
     - ``grad_ring_slots``: pinned host chunks for gradients in flight between the device and the optimizer.
     - ``timeout_s``: the longest any single wait may block before the engine gives up with an error.
+    - ``resident_units``: names of units whose master and optimizer state live on the device (see
+      resident.py); they skip PCIe and the host optimizer entirely.
     """
 
     block_slots: int = 2
@@ -29,6 +31,7 @@ class EngineConfig:
     grad_ring_slots: int = 4
     timeout_s: float = 600.0
     record_timings: bool = True
+    resident_units: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_slots < 1:

@@ -28,12 +28,14 @@ import torch
 
 from slide_core.device import Device, Event
 from slide_core.host_params import HostParameters
+from slide_core.optim.adamw import TorchAdamW
 from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel, Unit
 
 from .activations import ActivationStash
 from .config import EngineConfig
 from .grad_ring import GradRing
+from .resident import ResidentUnits
 from .slots import ParamSlot, SlotWindow, Visit
 from .timeline import Timeline, UnitTimes
 from .updates import GradChunk, UnitUpdates
@@ -92,8 +94,19 @@ class Engine:
     def __enter__(self) -> Engine:
         cfg = self.config
         model = self.model
-        edge = [model.embedding, model.head]
-        self.window = SlotWindow(self.device, list(model.blocks), edge, cfg.block_slots, self.dtype)
+        resident = set(cfg.resident_units)
+        self.residents = ResidentUnits(
+            model,
+            cfg.resident_units,
+            self.device,
+            self.host_params,
+            {name: self.updates.state_views(name) for name in cfg.resident_units},
+            TorchAdamW(self.optimizer.config),
+            self.dtype,
+        )
+        edge = [unit for unit in (model.embedding, model.head) if unit.name not in resident]
+        sliding = [block for block in model.blocks if block.name not in resident]
+        self.window = SlotWindow(self.device, sliding, edge, cfg.block_slots, self.dtype)
         for slot in self.window.all_slots():
             slot.grads.zero_()  # alignment padding is never written by compute; keep it zero
         self.ring = GradRing(self.device, cfg.grad_ring_slots, cfg.transfer_chunk_numel, self.dtype)
@@ -134,6 +147,7 @@ class Engine:
         for name, future in self.updates.updated.items():
             workers.wait(future, f"the update of {name}")
         self.device.synchronize()
+        self.residents.sync_to_host({name: self.updates.state_views(name) for name in self.residents.units})
         self.timeline.resolve(block=True)
 
     # -- one optimizer step ----------------------------------------------------------------------------
@@ -316,6 +330,9 @@ class Engine:
         window, workers = self.window, self.workers
         window.advance(position)
         pinned = set(pinned or ())
+        if unit.name in self.residents:
+            self._prefetch(position, schedule, pinned)
+            return self.residents.slot(unit.name)
         slot = window.resident(unit)
         if slot is None:
             slot = window.slot_for(unit, position, pinned)
@@ -335,7 +352,7 @@ class Engine:
         horizon = min(len(schedule), position + 1 + len(self.window.all_slots()))
         for ahead in range(position + 1, horizon):
             unit = schedule[ahead].unit
-            if self.window.resident(unit) is not None:
+            if unit.name in self.residents or self.window.resident(unit) is not None:
                 continue
             slot = self.window.slot_for(unit, ahead, pinned)
             if slot is None:
@@ -396,6 +413,14 @@ class Engine:
             mode = "stash"
         else:
             mode = "add_step" if count + 1 == expected else "add"
+        if unit.name in self.residents:
+            # See Note [Resident update ordering] in resident.py.
+            start = self._mark()
+            self.residents.apply(unit.name, mode, self._lr, self.step_count)
+            self._span(unit, "update", start)
+            if mode in ("step", "add_step"):
+                self.updates.updated[unit.name].set_result(None)
+            return
         computed = device.record_event("compute")
         slot.grads_free = workers["d2h"].submit(
             self._d2h_job, unit, slot.grads, computed, mode, self._lr, self.step_count, self.updates.updated[unit.name]

@@ -29,19 +29,23 @@ class TorchAdamW(Optimizer):
     def __init__(self, config: AdamWConfig, *, fused: bool | None = None) -> None:
         super().__init__(config)
         self.fused = _fused_adamw_available() if fused is None else fused
-        self._scratch = torch.empty(0, dtype=torch.float32)
-        self._step_tensor = torch.zeros((), dtype=torch.float32)
+        # Per device: the same instance may update host ranges and device-resident units.
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._step_tensors: dict[torch.device, torch.Tensor] = {}
 
-    def reserve(self, max_range_numel: int) -> None:
-        if self._scratch.numel() < max_range_numel:
-            self._scratch = torch.empty(max_range_numel, dtype=torch.float32)
+    def reserve(self, max_range_numel: int, device: torch.device | str = "cpu") -> None:
+        device = torch.device(device)
+        held = self._scratch.get(device)
+        if held is None or held.numel() < max_range_numel:
+            self._scratch[device] = torch.empty(max_range_numel, dtype=torch.float32, device=device)
 
     def _fp32(self, grad: torch.Tensor) -> torch.Tensor:
         if grad.dtype == torch.float32:
             return grad
-        if self._scratch.numel() < grad.numel():
-            self.reserve(grad.numel())
-        scratch = self._scratch[: grad.numel()]
+        held = self._scratch.get(grad.device)
+        if held is None or held.numel() < grad.numel():
+            self.reserve(grad.numel(), grad.device)
+        scratch = self._scratch[grad.device][: grad.numel()]
         scratch.copy_(grad)
         return scratch
 
@@ -60,14 +64,17 @@ class TorchAdamW(Optimizer):
         grad32 = self._fp32(grad)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         if self.fused:
-            self._step_tensor.fill_(float(step))
+            step_tensor = self._step_tensors.get(master.device)
+            if step_tensor is None:
+                step_tensor = self._step_tensors[master.device] = torch.zeros((), device=master.device)
+            step_tensor.fill_(float(step))
             torch._fused_adamw_(
                 [master],
                 [grad32],
                 [exp_avg],
                 [exp_avg_sq],
                 [],
-                [self._step_tensor],
+                [step_tensor],
                 lr=lr,
                 beta1=cfg.beta1,
                 beta2=cfg.beta2,

@@ -99,7 +99,9 @@ def _device() -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
-        reason = "torch is a CPU build" if torch.version.cuda is None and torch.version.hip is None else "no GPU visible"
+        reason = (
+            "torch is a CPU build" if torch.version.cuda is None and torch.version.hip is None else "no GPU visible"
+        )
         return {"backend": "cpu", "detail": f"no accelerator ({reason}); training runs on the CPU device"}
     props = torch.cuda.get_device_properties(0)
     info: dict[str, Any] = {
@@ -157,7 +159,8 @@ def _storage() -> dict[str, Any]:
     try:
         from slide_io import gds_status
 
-        info["gds"] = gds_status()
+        line = gds_status()
+        info["gds"] = line.removeprefix("gds: ")
     except ImportError:
         info["gds"] = "slide-io not installed (pip install slide-io)"
     return info

@@ -62,7 +62,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="ram",
         help="where the per-block activation stash lives (default ram)",
     )
-    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="compute dtype (default bf16)", metavar="{bf16,fp16,fp32}")
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(DTYPE_BYTES),
+        default="bf16",
+        help="compute dtype (default bf16)",
+        metavar="{bf16,fp16,fp32}",
+    )
     parser.add_argument("--block-slots", type=int, default=2, help="GPU slots for blocks (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--check", action="store_true", help="exit with status 2 when the plan does not fit")
@@ -138,11 +144,9 @@ def render(plan: Plan, *, model_name: str, dtype: str, gpu_source: str, problem:
         "",
         _row("GPU peak", format_bytes(plan.gpu_peak_bytes), f"largest phase: {plan.gpu_peak_phase}"),
     ]
-    lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v), indent=True) for k, v in plan.gpu_breakdown.items()]
+    lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v)) for k, v in plan.gpu_breakdown.items()]
     lines.append(_row("host peak", format_bytes(plan.host_peak_bytes)))
-    lines += [
-        _row(f"  {k.replace('_', ' ')}", format_bytes(v), indent=True) for k, v in plan.host_breakdown.items() if v
-    ]
+    lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v)) for k, v in plan.host_breakdown.items() if v]
     lines.append(_row("disk", format_bytes(plan.disk_bytes)))
     lines.append(_row("params", f"{plan.params:,}"))
     lines.append(_row("max batch", _max_batch(plan, gpu_source)))
@@ -165,11 +169,13 @@ def render(plan: Plan, *, model_name: str, dtype: str, gpu_source: str, problem:
 
 def _max_batch(plan: Plan, gpu_source: str) -> str:
     if plan.max_batch_size is None:
-        return "no budget to fit"
+        return "n/a (no GPU or host budget)"
     limit = {"gpu": f"GPU memory, {gpu_source}", "host": "host RAM"}.get(plan.max_batch_limit or "", "")
+    if plan.max_batch_size == 0:
+        return f"none fits ({limit})"
     return f"{plan.max_batch_size}" + (f" (limited by {limit})" if limit else "")
 
 
-def _row(label: str, value: str, note: str = "", *, indent: bool = False) -> str:
+def _row(label: str, value: str, note: str = "") -> str:
     text = f"{label:<22}{value:>12}"
     return f"{text}   {note}" if note else text

@@ -1,0 +1,128 @@
+"""Units whose fp32 master and optimizer state live on the device.
+
+Beyond the paper: when the GPU has memory to spare beyond the sliding window, the engine keeps whole units
+there: a persistent compute-dtype copy, the fp32 master, and Adam's m and v (16 bytes/param, plus 4 for an
+fp32 accumulator when the unit receives several gradient contributions per step). Such a unit never
+crosses PCIe and is updated on the device in a millisecond, which takes its bytes off the host's memory
+bus: the resource that limits speed on fast GPUs. The embedding is the natural first candidate: it is the
+largest unit and the last one updated before the next forward needs it.
+
+Note [Resident update ordering]: the update runs on the compute stream right after the unit's backward,
+so stream order alone makes every later read of the unit's parameters see the new values. The host copy
+of the master is refreshed only in :meth:`ResidentUnits.sync_to_host` (drain, checkpoint, export).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from slide_core.device import Device
+from slide_core.host_params import HostParameters
+from slide_core.optimizer import Optimizer
+from slide_core.unit import SlideModel, Unit
+
+from .slots import ParamSlot
+
+__all__ = ["ResidentUnit", "ResidentUnits", "resident_bytes"]
+
+
+def resident_bytes(unit: Unit, compute_dtype: torch.dtype, *, accumulates: bool) -> int:
+    """Device bytes a unit costs when resident (params + grads in compute dtype, fp32 master, m, v)."""
+    element = torch.empty((), dtype=compute_dtype).element_size()
+    per_param = 2 * element + 12 + (4 if accumulates else 0)
+    return unit.layout.numel * per_param
+
+
+@dataclass
+class ResidentUnit:
+    unit: Unit
+    slot: ParamSlot
+    master: torch.Tensor
+    state: dict[str, torch.Tensor]
+    accum: torch.Tensor | None
+
+
+class ResidentUnits:
+    """The device-resident units of one engine, and their on-device updates."""
+
+    def __init__(
+        self,
+        model: SlideModel,
+        names: tuple[str, ...],
+        device: Device,
+        host_params: HostParameters,
+        host_state: Mapping[str, Mapping[str, torch.Tensor]],
+        optimizer: Optimizer,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        by_name = {unit.name: unit for unit in model.units}
+        unknown = [name for name in names if name not in by_name]
+        if unknown:
+            raise ValueError(f"resident_units names unknown units: {', '.join(unknown)}")
+        self.device = device
+        self.host_params = host_params
+        self.optimizer = optimizer
+        self.units: dict[str, ResidentUnit] = {}
+        for index, name in enumerate(names):
+            unit = by_name[name]
+            numel = unit.layout.numel
+            master = device.empty(numel, torch.float32)
+            master.copy_(host_params.flat(unit))
+            state = {}
+            for key, host_view in host_state[name].items():
+                state[key] = device.empty(numel, torch.float32)
+                state[key].copy_(host_view)
+            params = device.empty(numel, compute_dtype)
+            params.copy_(master)
+            grads = device.empty(numel, compute_dtype)
+            grads.zero_()
+            slot = ParamSlot(-1 - index, params, grads, unit=unit)
+            self.units[name] = ResidentUnit(unit, slot, master, state, None)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.units
+
+    def slot(self, name: str) -> ParamSlot:
+        return self.units[name].slot
+
+    @property
+    def device_bytes(self) -> int:
+        total = 0
+        for resident in self.units.values():
+            tensors = [resident.master, resident.slot.params, resident.slot.grads, *resident.state.values()]
+            if resident.accum is not None:
+                tensors.append(resident.accum)
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
+
+    def apply(self, name: str, mode: str, lr: float, step: int) -> None:
+        """Consume the gradient in the unit's slot (see GradChunk modes), on the current (compute) stream."""
+        resident = self.units[name]
+        grads = resident.slot.grads
+        if mode == "stash":
+            if resident.accum is None:  # first accumulation only; reused by every later step
+                resident.accum = self.device.empty(grads.numel(), torch.float32)
+            resident.accum.copy_(grads)
+            return
+        if mode in ("add", "add_step"):
+            resident.accum.add_(grads)
+            if mode == "add":
+                return
+            grads = resident.accum
+        decay_numel = resident.unit.layout.decay_numel
+        numel = resident.unit.layout.numel
+        for start, end, decay in ((0, decay_numel, True), (decay_numel, numel, False)):
+            if end > start:
+                state = {key: view[start:end] for key, view in resident.state.items()}
+                self.optimizer.step(resident.master[start:end], grads[start:end], state, lr=lr, step=step, decay=decay)
+        resident.slot.params.copy_(resident.master)
+
+    def sync_to_host(self, host_state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Copy device masters and state back to the host slabs (drain, checkpoint, export)."""
+        for name, resident in self.units.items():
+            self.host_params.flat(name).copy_(resident.master)
+            for key, tensor in resident.state.items():
+                host_state[name][key].copy_(tensor)

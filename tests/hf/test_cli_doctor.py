@@ -1,0 +1,100 @@
+"""`slide doctor`, run in-process through `slide_hf.cli.main.main`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import pytest
+
+from slide_core import plugins
+from slide_hf.cli import doctor
+from slide_hf.cli import main as cli
+
+SECTIONS = ("versions", "device", "host", "kernels", "storage", "plugins")
+
+
+@pytest.fixture
+def slide(capsys, monkeypatch):
+    """``slide(*argv) -> (exit status, stdout, stderr)``, leaving out commands still being written whose
+    ``add_parser`` cannot run yet."""
+
+    def usable(name: str) -> bool:
+        try:
+            importlib.import_module(f"slide_hf.cli.{name}").add_parser(argparse.ArgumentParser().add_subparsers())
+        except Exception:
+            return False
+        return True
+
+    monkeypatch.setattr(cli, "COMMANDS", tuple(name for name in cli.COMMANDS if usable(name)))
+
+    def call(*argv: str) -> tuple[int, str, str]:
+        status = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    return call
+
+
+def test_doctor_text(slide):
+    status, out, err = slide("doctor")
+    assert status == 0, err
+    for section in SECTIONS:
+        assert f"{section}:" in out
+    for line in ("python:", "torch:", "transformers:", "slide-core:", "ram_total_bytes:", "backend:"):
+        assert line in out
+    assert "slide.adapters: " in out and "llama" in out
+    assert "GiB" in out
+
+
+def test_doctor_json(slide):
+    status, out, _ = slide("doctor", "--json")
+    assert status == 0
+    report = json.loads(out)
+    assert tuple(report) == SECTIONS
+    versions = report["versions"]
+    assert versions["python"].startswith(".".join(map(str, sys.version_info[:2])))
+    assert versions["torch"] != "not installed"
+    assert report["host"]["ram_total_bytes"] >= report["host"]["ram_available_bytes"] > 0
+    assert report["host"]["cpu_cores_logical"] >= 1
+    assert report["device"]["backend"] in ("cpu", "cuda", "rocm")
+    assert set(report["plugins"]) == set(plugins.GROUPS)
+    assert "llama" in report["plugins"]["slide.adapters"]
+    assert report["storage"]["gds"] and not report["storage"]["gds"].startswith("gds:")
+    assert report["kernels"]["flash_attn"].startswith(("yes", "no"))
+
+
+def test_missing_distribution_reads_not_installed(monkeypatch):
+    monkeypatch.setattr(doctor, "DISTRIBUTIONS", ("surely-not-a-real-distribution",))
+    assert doctor.collect()["versions"]["surely-not-a-real-distribution"] == "not installed"
+
+
+def test_missing_or_broken_optional_packages_never_crash(slide, monkeypatch):
+    # None in sys.modules makes `import` raise ImportError, as for a package that is absent.
+    for module in ("flash_attn", "kvikio", "slide_io", "slide_kernels", "slide_rocm", "slide_rocm.policy"):
+        monkeypatch.setitem(sys.modules, module, None)
+
+    def broken(group: str) -> list[str]:
+        raise OSError(f"metadata of {group} is unreadable\nsecond line")
+
+    monkeypatch.setattr(plugins, "available", broken)
+    status, out, err = slide("doctor", "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["kernels"]["flash_attn"].startswith("no (")
+    assert report["storage"]["kvikio"].startswith("no (")
+    assert "slide-io not installed" in report["storage"]["gds"]
+    assert "slide-kernels unusable" in report["kernels"]["triton"]
+    assert report["plugins"]["slide.devices"] == "error: OSError: metadata of slide.devices is unreadable"
+
+
+def test_a_failing_probe_becomes_an_error_entry(slide, monkeypatch):
+    def explode() -> dict:
+        raise RuntimeError("driver went away")
+
+    monkeypatch.setattr(doctor, "_device", explode)
+    status, out, _ = slide("doctor")
+    assert status == 0
+    assert "error: RuntimeError: driver went away" in out

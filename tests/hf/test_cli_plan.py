@@ -1,0 +1,120 @@
+"""`slide plan`, run in-process through `slide_hf.cli.main.main`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Callable
+
+import pytest
+
+from slide_hf.cli import main as cli
+
+pytest.importorskip("transformers")
+
+Slide = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def slide(capsys, monkeypatch) -> Slide:
+    """``slide(*argv) -> (exit status, stdout, stderr)``.
+
+    Commands other than the one under test are being written concurrently; one whose ``add_parser``
+    cannot run yet is left out of the parser so it cannot fail these tests.
+    """
+
+    def usable(name: str) -> bool:
+        try:
+            importlib.import_module(f"slide_hf.cli.{name}").add_parser(argparse.ArgumentParser().add_subparsers())
+        except Exception:
+            return False
+        return True
+
+    monkeypatch.setattr(cli, "COMMANDS", tuple(name for name in cli.COMMANDS if usable(name)))
+
+    def call(*argv: str) -> tuple[int, str, str]:
+        status = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    return call
+
+
+def test_plan_tiny_llama_table(slide):
+    status, out, err = slide("plan", "--model", "tiny-llama", "--batch-size", "2", "--seq-len", "256")
+    assert status == 0, err
+    for label in ("GPU peak", "block slots", "host peak", "master fp32", "disk", "params", "max batch"):
+        assert label in out
+    for label in ("step time", "eta", "binding limit", "critical batch", "fits"):
+        assert label in out
+    assert "11,094,272" in out  # tiny-llama's parameter count
+    assert "larger batches raise eta" in out  # a tiny batch cannot hide the optimizer
+
+
+def test_plan_tiny_llama_json(slide):
+    status, out, _ = slide("plan", "--model", "tiny-llama", "--seq-len", "128", "--gpu-memory", "4GiB", "--json")
+    assert status == 0
+    plan = json.loads(out)
+    assert plan["model"] == "tiny-llama" and plan["params"] == 11_094_272
+    assert plan["gpu_peak_bytes"] == sum(plan["gpu_breakdown"].values())
+    assert plan["host_peak_bytes"] == sum(plan["host_breakdown"].values())
+    assert plan["inputs"]["gpu_memory_bytes"] == 4 << 30
+    assert plan["max_batch_size"] >= 1 and plan["max_batch_limit"] in ("gpu", "host")
+    assert plan["binding"] in ("gpu compute", "pcie", "host memory bandwidth", "nvme")
+    assert plan["fits"] is True and plan["problem"] is None
+
+
+def test_plan_llama31_8b_table(slide):
+    status, out, err = slide(
+        "plan", "--model", "llama3.1-8b", "--batch-size", "8", "--gpu-memory", "24GiB", "--host-memory", "1TB"
+    )
+    assert status == 0, err
+    assert "8,030,261,248" in out
+    assert "limited by GPU memory, allowed by --gpu-memory" in out
+    assert out.rstrip().splitlines()[-1].split() == ["fits", "yes"]
+
+
+def test_plan_llama31_8b_json_that_does_not_fit(slide):
+    argv = ["plan", "--model", "llama3.1-8b", "--batch-size", "64", "--gpu-memory", "24GiB", "--host-memory", "1TiB"]
+    status, out, _ = slide(*argv, "--offload-optimizer", "nvme", "--nvme-fraction", "0.5", "--json")
+    assert status == 0  # a plan is a report; --check makes a misfit an error
+    plan = json.loads(out)
+    assert plan["fits"] is False
+    assert f"largest that fits: {plan['max_batch_size']})" in plan["problem"]
+    assert plan["disk_bytes"] > 0 and plan["inputs"]["nvme_fraction"] == 0.5
+    status, out, err = slide(*argv, "--check")
+    assert status == 2
+    assert err.count("\n") == 1 and err.startswith("slide plan: error: needs ") and "Traceback" not in err
+    assert "GPU memory, 24.0 GiB allowed by --gpu-memory" in err
+
+
+@pytest.mark.parametrize("value", ["24XB", "lots", "-3GiB"])
+def test_bad_gpu_memory_is_one_line(slide, value):
+    status, out, err = slide("plan", "--model", "tiny-llama", f"--gpu-memory={value}")
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "--gpu-memory" in err and repr(value) in err
+
+
+def test_unknown_preset_is_one_line(slide):
+    status, out, err = slide("plan", "--model", "llama-9000")
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "unknown model 'llama-9000'" in err and "tiny-llama" in err
+
+
+def test_missing_directory_is_one_line(slide, tmp_path):
+    status, _, err = slide("plan", "--model", str(tmp_path / "nothing" / "here"))
+    assert status == 2 and err.count("\n") == 1 and "does not exist" in err
+
+
+def test_bad_nvme_fraction_is_one_line(slide):
+    status, _, err = slide("plan", "--model", "tiny-llama", "--nvme-fraction", "2")
+    assert status == 2 and err.count("\n") == 1 and "--nvme-fraction" in err
+
+
+def test_help_has_examples(slide):
+    with pytest.raises(SystemExit) as info:
+        slide("plan", "--help")
+    assert info.value.code == 0
