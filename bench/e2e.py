@@ -76,7 +76,12 @@ def run_engine(args, config) -> dict:
         host = HostParameters(model, device.alloc_pinned)
         init_random(model, host, config, seed=0)
         setup_s = time.perf_counter() - began
-        engine_config = EngineConfig(block_slots=args.block_slots, compute_dtype=torch.bfloat16)
+        from slide_core.engine.placement import choose_resident_units
+
+        resident = choose_resident_units(model, int(args.resident_gib * 2**30), torch.bfloat16, accumulates=False)
+        engine_config = EngineConfig(
+            block_slots=args.block_slots, compute_dtype=torch.bfloat16, resident_units=resident
+        )
         with Engine(model, device, host, TorchAdamW(AdamWConfig()), engine_config) as engine:
             device.reset_peak_memory()
             unit_times = {}
@@ -105,6 +110,7 @@ def run_engine(args, config) -> dict:
     flops = _flops_per_token(config, params, args.seq_len)
     return {
         "params": params,
+        "resident_units": list(resident),
         "setup_s": round(setup_s, 1),
         "step_s": round(step_s, 4),
         "step_times_s": [round(t, 4) for t in times],
@@ -172,6 +178,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--gpu-memory", help="GiB cap for the engine's device")
     parser.add_argument("--block-slots", type=int, default=2)
+    parser.add_argument(
+        "--resident-gib",
+        type=float,
+        default=0.0,
+        help="GPU memory (GiB) to spend on device-resident units (master + Adam state on the GPU)",
+    )
     parser.add_argument("--compare", choices=("plain",), help="also run the plain PyTorch reference")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args()

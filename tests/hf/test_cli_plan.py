@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from slide_hf.cli import main as cli
+from slide_hf.cli import plan as plan_cli
 
 pytest.importorskip("transformers")
 
@@ -32,6 +33,8 @@ def slide(capsys, monkeypatch) -> Slide:
         return True
 
     monkeypatch.setattr(cli, "COMMANDS", tuple(name for name in cli.COMMANDS if usable(name)))
+    # slide-kernels is a dependency of slide-hf, but a dev checkout may lack it; plan as installed.
+    monkeypatch.setattr(plan_cli, "_fused_loss_available", lambda: True)
 
     def call(*argv: str) -> tuple[int, str, str]:
         status = cli.main(list(argv))
@@ -112,6 +115,16 @@ def test_missing_directory_is_one_line(slide, tmp_path):
 def test_bad_nvme_fraction_is_one_line(slide):
     status, _, err = slide("plan", "--model", "tiny-llama", "--nvme-fraction", "2")
     assert status == 2 and err.count("\n") == 1 and "--nvme-fraction" in err
+
+
+def test_without_slide_kernels_the_logits_count_in_full(slide, monkeypatch):
+    argv = ("plan", "--model", "llama3.1-8b", "--batch-size", "8", "--gpu-memory", "80GiB", "--json")
+    fused = json.loads(slide(*argv)[1])
+    monkeypatch.setattr(plan_cli, "_fused_loss_available", lambda: False)
+    eager = json.loads(slide(*argv)[1])
+    assert fused["inputs"]["fused_loss"] and not eager["inputs"]["fused_loss"]
+    assert eager["gpu_phases"]["head"] - fused["gpu_phases"]["head"] > 8 * 2048 * 128256 * 12
+    assert "slide-kernels is not installed" in slide(*argv[:-1])[1]
 
 
 def test_help_has_examples(slide):

@@ -229,7 +229,9 @@ class PlanInputs:
     :class:`ModelShape`. ``gpu_memory_bytes`` / ``host_memory_bytes`` cap what ``max_batch_size`` may use
     (None: no cap on that side). With ``offload_optimizer == "nvme"``, ``nvme_fraction`` of the units
     (counted in units, rounded; blocks first in index order, then the embedding, then the head) keep m
-    and v on NVMe. ``transfer_chunk_numel`` and ``grad_ring_slots`` are the engine's (``EngineConfig``).
+    and v on NVMe. ``fused_loss`` says slide-kernels' chunked linear + cross-entropy will run the head
+    (without it, HF's recipe materialises the whole logits). ``transfer_chunk_numel`` and
+    ``grad_ring_slots`` are the engine's (``EngineConfig``).
     """
 
     model: SlideModel | ModelShape
@@ -244,6 +246,7 @@ class PlanInputs:
     nvme_fraction: float = 1.0
     offload_activations: Offload = "ram"
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
+    fused_loss: bool = True
     transfer_chunk_numel: int = _ENGINE_DEFAULTS.transfer_chunk_numel
     grad_ring_slots: int = _ENGINE_DEFAULTS.grad_ring_slots
 
@@ -341,6 +344,7 @@ class Plan:
                 "nvme_fraction": i.nvme_fraction,
                 "offload_activations": i.offload_activations,
                 "bandwidths": dataclasses.asdict(i.bandwidths),
+                "fused_loss": i.fused_loss,
             },
             "params": self.params,
             "tokens_per_step": self.tokens_per_step,
@@ -495,14 +499,16 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         "model_extras": shape.extra_device_bytes + side_inputs,
         "cuda_context": CUDA_CONTEXT_BYTES,
     }
-    rows = _ce_chunk_rows(tokens, v, d)
+    # Fused: one reused (rows, vocab) chunk in the compute dtype. Eager: the logits, their fp32 upcast,
+    # the fp32 log-softmax saved for backward and its gradient.
+    logits = _ce_chunk_rows(tokens, v, d) * v * d if inputs.fused_loss else tokens * v * (d + 12)
     phases = {
         # no-grad block: input and output, plus the larger of attention's (normed x, q, k, v) and the
         # MLP's (gate, up, act) intermediates.
         "forward": tokens * (2 * h + max(2 * h + 2 * kv, 3 * i)) * d,
-        # fused head: last hidden, normed hidden, its fp32 norm temporary, grad_h and grad_x; one
-        # (rows, vocab) logits chunk; the head-matrix gradient; per-token fp32 loss scalars.
-        "head": tokens * h * (4 * d + 4) + rows * v * d + v * h * d + 2 * tokens * 4,
+        # head: last hidden, normed hidden, its fp32 norm temporary, grad_h and grad_x; the logits
+        # (above); the head-matrix gradient; per-token fp32 loss scalars.
+        "head": tokens * h * (4 * d + 4) + logits + v * h * d + 2 * tokens * 4,
         # one block with grad: grad_out and grad_in, the saved tensors (x the calibration factor), and
         # the parameter gradients autograd returns before they are copied into the slot.
         "backward": int(_BLOCK_WORKSPACE_FACTOR * tokens * _saved_elems_per_token(shape) * d)

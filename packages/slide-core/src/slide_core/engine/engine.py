@@ -103,6 +103,7 @@ class Engine:
             {name: self.updates.state_views(name) for name in cfg.resident_units},
             TorchAdamW(self.optimizer.config),
             self.dtype,
+            cfg.transfer_chunk_numel,
         )
         edge = [unit for unit in (model.embedding, model.head) if unit.name not in resident]
         sliding = [block for block in model.blocks if block.name not in resident]

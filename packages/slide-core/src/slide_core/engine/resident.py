@@ -57,6 +57,7 @@ class ResidentUnits:
         host_state: Mapping[str, Mapping[str, torch.Tensor]],
         optimizer: Optimizer,
         compute_dtype: torch.dtype,
+        chunk_numel: int,
     ) -> None:
         by_name = {unit.name: unit for unit in model.units}
         unknown = [name for name in names if name not in by_name]
@@ -65,6 +66,7 @@ class ResidentUnits:
         self.device = device
         self.host_params = host_params
         self.optimizer = optimizer
+        self.chunk_numel = chunk_numel  # bounds the optimizer's fp32 scratch for low-precision grads
         self.units: dict[str, ResidentUnit] = {}
         for index, name in enumerate(names):
             unit = by_name[name]
