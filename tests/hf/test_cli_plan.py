@@ -127,7 +127,9 @@ def test_without_slide_kernels_the_logits_count_in_full(slide, monkeypatch):
     assert "slide-kernels is not installed" in slide(*argv[:-1])[1]
 
 
-def test_help_has_examples(slide):
+def test_help_has_examples(slide, capsys):
     with pytest.raises(SystemExit) as info:
         slide("plan", "--help")
     assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:\n  slide plan --model llama3.1-8b" in out and "--offload-optimizer {ram,nvme}" in out

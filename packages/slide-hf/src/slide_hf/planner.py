@@ -4,16 +4,17 @@ The host side mirrors, buffer by buffer, what the engine allocates (``slide_core
 master slab (``HostParameters``), AdamW's m and v (``UnitUpdates.state_slabs``), fp32 gradient
 accumulators for units with more than one gradient contribution per step, the pinned gradient ring
 (``GradRing``), the pinned activation stash (``ActivationStash``) and the optimizer's fp32 cast scratch
-(``TorchAdamW.reserve``). Those are exact (tests compare them with a real engine); the process baseline
-and everything on the GPU beyond the preallocated slots are estimates from the model's shapes.
+(``TorchAdamW.reserve``). Those are exact (tests compare them with a real engine); the process baseline,
+NVMe staging (the engine has no NVMe tier yet; this is the budget one needs) and everything on the GPU
+beyond the preallocated slots are estimates from the model's shapes.
 
 The GPU peak is the persistent part (parameter/gradient slots, the two activation buffers, the CUDA
 context) plus the largest transient of the four phases of a micro-batch: the no-grad forward of one
-block, the head (fused linear + cross-entropy), the recomputed backward of one block, and the embedding
-backward. Only one of them runs at a time, so they do not add up.
+block, the head (slide-kernels' chunked linear + cross-entropy, or HF's full logits without it), the
+recomputed backward of one block, and the embedding backward. Only one runs at a time, so they do not add.
 
-Step time assumes perfect overlap of the three pipelines the engine runs concurrently (GPU compute,
-PCIe in both directions, the CPU optimizer) and takes the slowest; see :func:`make_plan` for each
+Step time assumes perfect overlap of the pipelines the engine runs concurrently (GPU compute, PCIe in
+each direction, the CPU optimizer, NVMe when used) and takes the slowest; see :func:`make_plan` for each
 formula. It is a planning number (within tens of percent), not a benchmark.
 """
 
@@ -70,8 +71,9 @@ _CE_CHUNK_LOGITS_BYTES = 256 << 20
 logits buffer. Copied, not imported, so planning never imports triton."""
 
 _H2D_BYTES_PER_PARAM = 4
-"""Bytes per parameter per load: the engine copies the fp32 master slab into the compute-dtype slot
-(``Engine._h2d_job``), so fp32 bytes cross the bus and the cast happens on arrival."""
+"""Bytes per parameter per load: the engine copies straight from the fp32 master slab into the
+compute-dtype slot (``Engine._h2d_job``); a non-blocking cross-dtype host-to-device copy moves the
+source's fp32 bytes and casts on the device."""
 
 _ADAM_BYTES_PER_PARAM = 32
 """Host memory traffic of one fp32 AdamW update per parameter: read and write master, m and v (24 B),
@@ -602,8 +604,9 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     backward_s = tokens * bwd_flops_per_token / gpu_rate
 
     stash = layers * inputs.batch_size * seq * shape.hidden_size * d  # per micro-batch
-    stash_pcie = 0 if not layers else stash * accum
-    loads = shape.embedding_numel + shape.head_numel + _block_loads(shape, inputs) * shape.max_block_numel
+    stash_pcie = stash * accum
+    mean_block = sum(shape.block_numels) / layers if layers else 0.0
+    loads = shape.embedding_numel + shape.head_numel + _block_loads(shape, inputs) * mean_block
     h2d_bytes = _H2D_BYTES_PER_PARAM * loads + stash_pcie
     grad_numel = shape.total_numel + (shape.embedding_numel if shape.tied else 0)
     d2h_grad_bytes = accum * grad_numel * d

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
+import threading
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -20,10 +22,11 @@ import psutil
 import torch
 
 from slide_core import AdamWConfig, HostParameters, LRSchedule
+from slide_core.checkpoint import CheckpointCorrupt, find_latest, load_checkpoint, prune_checkpoints, save_checkpoint
 from slide_core.device import Device
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
-from slide_hf.data import Batches, load_dataset
+from slide_hf.data import Batches, DataPosition, load_dataset
 from slide_hf.errors import UserError
 from slide_hf.progress import Progress
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
@@ -168,13 +171,27 @@ def train(cfg: TrainConfig) -> TrainSummary:
             cfg.dtype,
         )
         engine_config = EngineConfig(block_slots=cfg.block_slots, compute_dtype=compute_dtype)
+        engine = Engine(model, device, host, TorchAdamW(adam), engine_config)
+        checkpoints = output / "checkpoints"
+        run_state = {"model": cfg.model, "seed": cfg.seed, "total_steps": total_steps}
+        first_step = _resume(cfg.resume, engine, host, batches, run_state) if cfg.resume is not None else 0
         losses: list[float] = []
         metrics = _open_metrics(cfg.metrics)
         process = psutil.Process()
-        with Engine(model, device, host, TorchAdamW(adam), engine_config) as engine:
+        stop = _StopRequests()
+
+        def checkpoint(step: int) -> None:
+            engine.drain()  # note: waits for every pending update (a host sync), only when saving
+            state = {**run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
+            state["rng"] = torch.get_rng_state().tolist()
+            saved = save_checkpoint(checkpoints, step, {"master": host.slab, **engine.updates.state_slabs}, state)
+            prune_checkpoints(checkpoints, cfg.keep_checkpoints)
+            log.info("checkpoint written to %s", saved)
+
+        with stop, engine:
             device.reset_peak_memory()
-            with Progress(total_steps) as progress:
-                for step in range(total_steps):
+            with Progress(total_steps, first_step=first_step) as progress:
+                for step in range(first_step, total_steps):
                     # LR for this step, then forward/backward over its micro-batches and the update.
                     result = engine.step(batches.next_step(), lr=schedule.lr_at(step))
                     losses.append(result.loss)
@@ -198,6 +215,12 @@ def train(cfg: TrainConfig) -> TrainSummary:
                         metrics.write(json.dumps(record) + "\n")
                         metrics.flush()
                     progress.update(record)
+                    # Checkpoint: every --save-every steps, and when asked to stop (SIGINT/SIGTERM).
+                    done = step + 1
+                    if (cfg.save_every and done % cfg.save_every == 0) or stop.requested:
+                        checkpoint(done)
+                    if stop.requested:
+                        raise UserError(f"stopped by {stop.requested} after step {done}; resume with --resume {output}")
         if metrics is not None:
             metrics.close()
         # Export: an HF directory next to the run's other outputs.
@@ -207,6 +230,47 @@ def train(cfg: TrainConfig) -> TrainSummary:
         export_hf(model, host, config, model_out, dtype=save_dtype, tokenizer_dir=tokenizer_dir, overwrite=True)
     log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
     return TrainSummary(len(losses), losses[0], losses[-1], output, model_out, losses)
+
+
+class _StopRequests:
+    """Turns SIGINT/SIGTERM into a request to checkpoint and stop at the end of the current step."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self) -> _StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+def _resume(path: Path, engine: Engine, host: HostParameters, batches: Batches, run_state: dict[str, Any]) -> int:
+    """Load the newest checkpoint at ``path`` into the engine's buffers; return the step to continue from."""
+    try:
+        found = find_latest(path)
+        state = load_checkpoint(found, {"master": host.slab, **engine.updates.state_slabs})
+    except CheckpointCorrupt as error:
+        raise UserError(str(error)) from None
+    extra = state["extra"]
+    if extra.get("model") != run_state["model"]:
+        raise UserError(f"checkpoint {found} is of model {extra.get('model')!r}, not {run_state['model']!r}")
+    engine.step_count = state["step"]
+    batches.position = DataPosition(extra["data"]["epoch"], extra["data"]["index"])
+    torch.set_rng_state(torch.tensor(extra["rng"], dtype=torch.uint8))
+    log.info("resumed from %s at step %d", found, state["step"])
+    return state["step"]
 
 
 def _make_device(cfg: TrainConfig) -> Device:

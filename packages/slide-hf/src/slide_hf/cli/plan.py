@@ -76,12 +76,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = _build(args.model)
-    gpu_cap, gpu_source = _gpu_budget(args.gpu_memory)
+    gpu_cap, gpu_source = _gpu_budget(args.gpu_memory)  # option errors first: building takes seconds
     if args.host_memory is not None:
         host_cap, host_source = parse_size(args.host_memory, what="--host-memory"), "allowed by --host-memory"
     else:
         host_cap, host_source = available_host_bytes(), "available"
+    model = _build(args.model)
     inputs = PlanInputs(
         model=model,
         batch_size=args.batch_size,

@@ -1,0 +1,178 @@
+"""Training checkpoints: the full state, written atomically, verified on load.
+
+Layout of one checkpoint directory (``<output>/checkpoints/step-00000042``)::
+
+    state.json        format version, step, element count, per-file sizes and per-block CRC32s,
+                      plus the caller's ``extra`` (schedule, data position, RNG, run config)
+    master.bin        fp32 master weights: HostParameters.slab, raw little-endian
+    exp_avg.bin ...   one raw fp32 file per optimizer state tensor, same element order
+
+Writes go to a hidden temporary directory beside the final one; every file and the directory are fsynced,
+then one ``rename`` publishes it. A save killed at any point leaves either the new checkpoint complete or
+only a temporary directory that loading ignores, so the previous checkpoint stays usable. Loading checks
+every file's size and the CRC32 of every 256 MiB block and names the first bad one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CheckpointCorrupt",
+    "find_latest",
+    "list_checkpoints",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "save_checkpoint",
+]
+
+FORMAT = 1
+_BLOCK_BYTES = 256 * 2**20
+_PREFIX = "step-"
+
+
+class CheckpointCorrupt(ValueError):
+    """A checkpoint is incomplete, truncated or fails its checksums; the message names the file."""
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("checkpoint tensors must be contiguous host tensors")
+    return memoryview(tensor.view(torch.uint8).numpy())
+
+
+def _crcs(data: memoryview, pool: ThreadPoolExecutor) -> list[int]:
+    # zlib releases the GIL on large buffers, so blocks are checksummed in parallel.
+    blocks = [data[offset : offset + _BLOCK_BYTES] for offset in range(0, len(data), _BLOCK_BYTES)]
+    return list(pool.map(zlib.crc32, blocks))
+
+
+def _write(path: Path, data: memoryview) -> None:
+    with path.open("wb") as handle:
+        for offset in range(0, len(data), _BLOCK_BYTES):
+            handle.write(data[offset : offset + _BLOCK_BYTES])
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    tensors: Mapping[str, torch.Tensor],
+    extra: Mapping[str, Any],
+) -> Path:
+    """Write ``tensors`` (name -> flat host tensor) and ``extra`` as ``root/step-NNNNNNNN``, atomically."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{step:08d}"
+    temp = root / f".tmp-{final.name}-{os.getpid()}"
+    if temp.exists():
+        shutil.rmtree(temp)
+    temp.mkdir()
+    files: dict[str, Any] = {}
+    try:
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            for name, tensor in tensors.items():
+                data = _as_bytes(tensor)
+                filename = f"{name}.bin"
+                _write(temp / filename, data)
+                files[filename] = {
+                    "bytes": len(data),
+                    "dtype": str(tensor.dtype).removeprefix("torch."),
+                    "numel": tensor.numel(),
+                    "crc32": _crcs(data, pool),
+                }
+        state = {"format": FORMAT, "step": step, "files": files, "extra": dict(extra)}
+        (temp / "state.json").write_text(json.dumps(state, indent=1))
+        with (temp / "state.json").open("rb") as handle:
+            os.fsync(handle.fileno())
+        _fsync_dir(temp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(temp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Published checkpoints under ``root``, oldest first (temporary directories are ignored)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / "state.json").exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def find_latest(path: Path) -> Path:
+    """``path`` itself if it is a checkpoint; else the newest checkpoint of an output directory."""
+    if (path / "state.json").exists():
+        return path
+    for root in (path / "checkpoints", path):
+        found = list_checkpoints(root)
+        if found:
+            return found[-1]
+    raise CheckpointCorrupt(f"no checkpoint found in {path} (looked for {path}/checkpoints/step-*/state.json)")
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and leftovers of interrupted saves."""
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Verify ``path`` and read it into ``tensors`` (same names, numel and dtype); return its state."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointCorrupt(f"{path / 'state.json'} is unreadable: {error}") from None
+    if state.get("format") != FORMAT:
+        raise CheckpointCorrupt(f"{path} has checkpoint format {state.get('format')!r}, expected {FORMAT}")
+    files = state.get("files", {})
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for name, tensor in tensors.items():
+            filename = f"{name}.bin"
+            meta = files.get(filename)
+            if meta is None:
+                raise CheckpointCorrupt(f"{path} has no {filename}")
+            if meta["numel"] != tensor.numel() or meta["dtype"] != str(tensor.dtype).removeprefix("torch."):
+                raise CheckpointCorrupt(
+                    f"{path / filename} holds {meta['numel']} x {meta['dtype']}; this run needs "
+                    f"{tensor.numel()} x {tensor.dtype} (a different model?)"
+                )
+            file = path / filename
+            size = file.stat().st_size if file.exists() else -1
+            if size != meta["bytes"]:
+                raise CheckpointCorrupt(f"{file} is {size} bytes, expected {meta['bytes']} (truncated?)")
+            data = _as_bytes(tensor)
+            with file.open("rb") as handle:
+                for offset in range(0, len(data), _BLOCK_BYTES):
+                    handle.readinto(data[offset : offset + _BLOCK_BYTES])
+            crcs = _crcs(data, pool)
+            for block, (got, want) in enumerate(zip(crcs, meta["crc32"], strict=True)):
+                if got != want:
+                    raise CheckpointCorrupt(
+                        f"{file} fails its checksum in block {block} (bytes {block * _BLOCK_BYTES}+); "
+                        "the checkpoint is corrupt"
+                    )
+    return state

@@ -1,0 +1,271 @@
+"""AdamW in one fused, multi-threaded pass over a flat host range, compiled with numba.
+
+Why: on the host the optimizer step is memory-bound, and it is the engine's bottleneck. Per parameter,
+``TorchAdamW`` first casts the bf16 gradient into an fp32 scratch (read 2 bytes, write 4, plus 4 of
+write-allocate) and then runs ``torch._fused_adamw_`` (read the fp32 gradient 4, read+write master 8,
+exp_avg 8, exp_avg_sq 8): ~38-40 bytes per parameter through DRAM. This kernel reads the bf16 gradient
+directly and widens it in registers, so a step moves 26 bytes per parameter (grad 2 + master 8 + exp_avg 8
++ exp_avg_sq 8): at the same bandwidth that is ~1.5x the parameters per second.
+
+The arithmetic is ``torch.optim.AdamW(foreach=False)``'s, op for op, in fp32, with the scalars computed
+in Python float64 and rounded to fp32 exactly where torch rounds them:
+
+    p  = p * f32(1 - lr*wd)                              # mul_ (only when decaying)
+    m  = fma(c, g - m, m if w < .5 else g)               # lerp_(g, w), w = 1 - beta1; c = w or w - 1
+    v  = fma(f32(1 - beta2) * g, g, v * f32(beta2))      # mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    d  = sqrt(v) / f32(sqrt(1 - beta2**t)) + f32(eps)
+    p  = p + (f32(-lr / (1 - beta1**t)) * m) / d         # addcdiv_(m, d, value=-step_size)
+
+The two fused multiply-adds are there because torch's CPU kernels have them: ``lerp`` calls
+``vec::fmadd`` explicitly and GCC contracts ``addcmul``'s ``self + value*t1*t2``; with them exp_avg and
+exp_avg_sq come out bit-identical to torch's on AVX2/AVX512 builds. ``p`` can still differ by an ulp of
+the update: torch's ``sqrt`` on x86 goes through MKL VML in high-accuracy mode (< 1 ulp, not correctly
+rounded), while this kernel's ``sqrt`` is the IEEE one.
+
+numba is optional: nothing here imports it until a kernel is first needed (``step`` or ``warmup``), and
+``import slide_core`` never does. ``best_adamw`` picks this optimizer when numba is importable and
+falls back to ``TorchAdamW`` otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from slide_core.optim.adamw import TorchAdamW
+from slide_core.optimizer import AdamWConfig, Optimizer
+
+__all__ = ["FusedAdamW", "best_adamw"]
+
+log = logging.getLogger(__name__)
+
+BLOCK = 4096
+"""Elements per parallel work item. The bf16 kernel widens one block of gradient at a time into a small
+uint32 buffer (numba has no scalar float bitcast, only array ``.view``); 4096 keeps that buffer (16 KiB)
+in L1 and gives ~4k work items per 16M range, plenty to balance 16 threads."""
+
+_compile_lock = threading.Lock()
+
+
+@functools.cache
+def _numba_available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except Exception:  # ImportError, or a numba/llvmlite/numpy version mismatch raising on import
+        return False
+    return True
+
+
+# The kernels, as plain Python until ``_kernels`` compiles them. They live at module level (not in a
+# closure) so numba's on-disk cache can key them by file and name: a closure over jitted helpers gets a
+# fresh cache key, and a fresh cache file, in every process. ``_fma32``, ``_update_block`` and ``_prange``
+# are rebound to numba objects by ``_kernels`` before the first compile; until then they are pure-Python
+# stand-ins, so the arithmetic can be read (and run, slowly) without numba.
+
+
+def _fma32(a, b, c):  # pragma: no cover - replaced by an llvm.fma intrinsic
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+_prange = range
+
+
+def _update_block_py(p, g, m, v, start, stop, goff, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
+    """Update ``p, m, v[start:stop]`` from ``g[start - goff : stop - goff]``; every value is fp32."""
+    for i in range(start, stop):
+        gi = g[i - goff]
+        mi = m[i]
+        pi = p[i] * decay
+        base = gi if large else mi
+        mi = _fma32(coeff, gi - mi, base)
+        vi = _fma32(one_minus_beta2 * gi, gi, v[i] * beta2)
+        denom = np.sqrt(vi) / bc2_sqrt + eps
+        p[i] = pi + (neg_step * mi) / denom
+        m[i] = mi
+        v[i] = vi
+
+
+_update_block = _update_block_py
+
+
+def _adamw_bf16_py(p, g16, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
+    n = p.shape[0]
+    blocks = (n + BLOCK - 1) // BLOCK
+    for b in _prange(blocks):
+        start = b * BLOCK
+        stop = min(start + BLOCK, n)
+        bits = np.empty(stop - start, np.uint32)
+        for j in range(stop - start):
+            bits[j] = np.uint32(g16[start + j]) << 16  # a bf16 is the top half of an fp32
+        g = bits.view(np.float32)
+        _update_block(p, g, m, v, start, stop, start, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+
+
+def _adamw_fp32_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
+    n = p.shape[0]
+    blocks = (n + BLOCK - 1) // BLOCK
+    for b in _prange(blocks):
+        start = b * BLOCK
+        stop = min(start + BLOCK, n)
+        _update_block(p, g, m, v, start, stop, 0, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+
+
+@functools.cache
+def _kernels() -> Any:
+    """Import numba and build the two kernels (compiled, or loaded from numba's disk cache, on first call).
+
+    ``cache=True`` stores the machine code in ``__pycache__`` next to this file (numba falls back to a
+    per-user cache directory when that is read-only), so only the first process on a machine pays the
+    few seconds of LLVM compile.
+    """
+    global _fma32, _prange, _update_block
+    import numba
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def fma32(typingctx, a, b, c):
+        """A true fused multiply-add (``llvm.fma``), the single rounding torch's CPU kernels do."""
+        sig = a(a, b, c)
+
+        def codegen(context, builder, signature, args):
+            return builder.fma(*args)
+
+        return sig, codegen
+
+    _fma32 = fma32
+    _prange = numba.prange
+    _update_block = numba.njit(inline="always", fastmath=False, nogil=True)(_update_block_py)
+    kernel = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)
+
+    class Kernels:
+        bf16 = kernel(_adamw_bf16_py)
+        fp32 = kernel(_adamw_fp32_py)
+        set_num_threads = staticmethod(numba.set_num_threads)
+        max_threads = numba.config.NUMBA_NUM_THREADS
+
+    return Kernels
+
+
+def _np(t: torch.Tensor, name: str) -> np.ndarray:
+    if t.device.type != "cpu":
+        raise ValueError(f"FusedAdamW runs on host tensors, got {name} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"FusedAdamW needs contiguous ranges, {name} is not")
+    return t.detach().numpy()
+
+
+class FusedAdamW(Optimizer):
+    """AdamW (decoupled weight decay, applied only to ranges flagged ``decay``) as one numba kernel.
+
+    ``grad`` may be bf16 (read as raw 16-bit words, never materialised in fp32), fp32, or any other float
+    dtype (cast into a reserved fp32 scratch first, like ``TorchAdamW``). ``threads`` caps numba's worker
+    count for this optimizer's calls (default: all of numba's threads, i.e. every core).
+    """
+
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, config: AdamWConfig, *, threads: int | None = None) -> None:
+        super().__init__(config)
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    @staticmethod
+    def available() -> bool:
+        """Whether numba imports here (the kernels are compiled on first use, not by this check)."""
+        return _numba_available()
+
+    def reserve(self, max_range_numel: int) -> None:
+        """Scratch is needed only for gradients that are neither bf16 nor fp32 (e.g. fp16)."""
+        if self._scratch.numel() < max_range_numel:
+            self._scratch = torch.empty(max_range_numel, dtype=torch.float32)
+
+    def _kernels(self) -> Any:
+        if not _numba_available():
+            raise RuntimeError("FusedAdamW needs numba (pip install numba); use TorchAdamW without it")
+        with _compile_lock:
+            kernels = _kernels()
+        if self.threads is not None:
+            # numba's thread count is per calling thread; set it on the optimizer thread, every call.
+            kernels.set_num_threads(min(self.threads, kernels.max_threads))
+        return kernels
+
+    def warmup(self) -> None:
+        """Compile (or load from cache) both kernels on tiny arrays, off the training critical path."""
+        config = AdamWConfig(weight_decay=0.1)
+        master = torch.ones(3)
+        state = {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+        for dtype in (torch.bfloat16, torch.float32):
+            FusedAdamW(config, threads=self.threads).step(
+                master, torch.ones(3, dtype=dtype), state, lr=1e-3, step=1, decay=True
+            )
+
+    def step(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        lr: float,
+        step: int,
+        decay: bool,
+    ) -> None:
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        n = master.numel()
+        if not (grad.numel() == exp_avg.numel() == exp_avg_sq.numel() == n):
+            raise ValueError(
+                f"range sizes differ: master {n}, grad {grad.numel()}, "
+                f"exp_avg {exp_avg.numel()}, exp_avg_sq {exp_avg_sq.numel()}"
+            )
+        for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t.dtype != torch.float32:
+                raise ValueError(f"{name} must be fp32, got {t.dtype}")
+        if n == 0:
+            return
+        kernels = self._kernels()
+        cfg = self.config
+        f32 = np.float32
+        # Scalars exactly as torch.optim.AdamW forms them: Python float64, then rounded to fp32 by the op.
+        weight_decay = cfg.weight_decay if decay else 0.0
+        decay_factor = f32(1 - lr * weight_decay) if weight_decay != 0 else f32(1.0)
+        weight = f32(1 - cfg.beta1)  # lerp's weight, as an fp32 opmath scalar
+        large = not abs(weight) < f32(0.5)
+        coeff = weight - f32(1.0) if large else weight  # torch's vectorised lerp: fmadd(coeff, end - self, base)
+        bias_correction1 = 1 - cfg.beta1**step
+        bias_correction2_sqrt = (1 - cfg.beta2**step) ** 0.5
+        args = (
+            decay_factor,
+            f32(coeff),
+            large,
+            f32(cfg.beta2),
+            f32(1 - cfg.beta2),
+            f32(bias_correction2_sqrt),
+            f32(cfg.eps),
+            f32(-(lr / bias_correction1)),
+        )
+        p, m, v = _np(master, "master"), _np(exp_avg, "exp_avg"), _np(exp_avg_sq, "exp_avg_sq")
+        if grad.dtype == torch.bfloat16:
+            kernels.bf16(p, _np(grad.view(torch.int16), "grad").view(np.uint16), m, v, *args)
+            return
+        if grad.dtype != torch.float32:
+            if self._scratch.numel() < n:
+                self.reserve(n)
+            grad = self._scratch[:n].copy_(grad)
+        kernels.fp32(p, _np(grad, "grad"), m, v, *args)
+
+
+def best_adamw(config: AdamWConfig, *, threads: int | None = None) -> Optimizer:
+    """The fastest host AdamW this environment can run: ``FusedAdamW`` with numba, else ``TorchAdamW``."""
+    if FusedAdamW.available():
+        log.info("host optimizer: FusedAdamW (numba, one pass, 26 B/param)")
+        return FusedAdamW(config, threads=threads)
+    log.info("host optimizer: TorchAdamW (numba not importable; bf16 grads cast first, ~40 B/param)")
+    return TorchAdamW(config)
+
