@@ -73,7 +73,7 @@ def test_corrupt_checkpoint_is_named(tmp_path: Path) -> None:
     data = bytearray(master.read_bytes())
     data[len(data) // 2] ^= 0xFF
     master.write_bytes(bytes(data))
-    with pytest.raises(UserError, match="master.bin fails its checksum"):
+    with pytest.raises(UserError, match=r"master\.bin fails its checksum"):
         train(_config(tmp_path / "again", steps=4, resume=tmp_path / "run"))
     master.write_bytes(bytes(data[:100]))
     with pytest.raises(UserError, match="truncated"):

@@ -145,9 +145,12 @@ def train(cfg: TrainConfig) -> TrainSummary:
     if cfg.max_grad_norm > 0:
         raise UserError("--max-grad-norm is not available yet in this build; use --max-grad-norm 0")
 
-    # Device, then the fp32 master in (pinned) host memory.
+    # Plan: refuse what cannot fit before allocating anything; spend spare GPU memory on resident units.
+    if cfg.offload_optimizer == "nvme" or cfg.offload_activations == "nvme":
+        raise UserError("NVMe offload is not wired into the training engine yet; use --offload-optimizer ram")
     device = _make_device(cfg)
     compute_dtype = DTYPES[cfg.dtype]
+    resident = _plan_and_place(cfg, model, device, compute_dtype)
     with device:
         host = HostParameters(model, device.alloc_pinned)
         if model_dir is None:
@@ -170,7 +173,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
             device.facts().name,
             cfg.dtype,
         )
-        engine_config = EngineConfig(block_slots=cfg.block_slots, compute_dtype=compute_dtype)
+        engine_config = EngineConfig(block_slots=cfg.block_slots, compute_dtype=compute_dtype, resident_units=resident)
+        if resident:
+            log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(resident))
         engine = Engine(model, device, host, TorchAdamW(adam), engine_config)
         checkpoints = output / "checkpoints"
         run_state = {"model": cfg.model, "seed": cfg.seed, "total_steps": total_steps}
@@ -230,6 +235,36 @@ def train(cfg: TrainConfig) -> TrainSummary:
         export_hf(model, host, config, model_out, dtype=save_dtype, tokenizer_dir=tokenizer_dir, overwrite=True)
     log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
     return TrainSummary(len(losses), losses[0], losses[-1], output, model_out, losses)
+
+
+def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype: torch.dtype) -> tuple[str, ...]:
+    """Check the run fits (host RAM, GPU budget) and choose the units to keep on the GPU."""
+    from slide_core.engine.placement import choose_resident_units
+    from slide_hf.planner import PlanInputs, available_host_bytes, check_fits, make_plan
+
+    gpu_budget = None
+    if device.is_accelerator:
+        gpu_budget = device.memory_limit_bytes or device.facts().total_memory_bytes
+    plan = make_plan(
+        PlanInputs(
+            model,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            grad_accum=cfg.grad_accum,
+            compute_dtype_bytes=torch.empty((), dtype=compute_dtype).element_size(),
+            block_slots=cfg.block_slots,
+            gpu_memory_bytes=gpu_budget,
+        )
+    )
+    check_fits(plan, host_available=available_host_bytes(), gpu_available=gpu_budget)
+    if gpu_budget is None:
+        return ()
+    spare = gpu_budget - plan.gpu_peak_bytes - _GPU_MARGIN_BYTES
+    return choose_resident_units(model, max(0, spare), compute_dtype, accumulates=cfg.grad_accum > 1)
+
+
+_GPU_MARGIN_BYTES = 1 << 30
+"""Headroom left unplanned on the GPU for allocator fragmentation and library workspaces."""
 
 
 class _StopRequests:

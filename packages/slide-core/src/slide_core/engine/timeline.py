@@ -8,14 +8,29 @@ moving and updating a unit's gradients hides entirely behind the backward of the
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from slide_core.device import Event
 
-__all__ = ["PHASES", "Timeline", "UnitTimes"]
+__all__ = ["PHASES", "TRACKS", "Timeline", "TraceSpan", "UnitTimes"]
 
 PHASES = ("forward", "backward", "head", "h2d", "d2h", "update", "wait")
+
+
+TRACKS = {"forward": "GPU compute", "backward": "GPU compute", "head": "GPU compute", "h2d": "h2d", "d2h": "d2h"}
+"""Which timeline track a phase is drawn on; ``update`` goes to 'CPU update' (or 'GPU compute' when a
+device-resident unit is updated on the compute stream)."""
+
+
+@dataclass(frozen=True)
+class TraceSpan:
+    unit: str
+    phase: str
+    track: str
+    start_ms: float
+    duration_ms: float
 
 
 @dataclass
@@ -39,6 +54,22 @@ class Timeline:
         self._lock = threading.Lock()
         self._pending: list[tuple[str, str, Event, Event]] = []
         self.units: dict[str, UnitTimes] = defaultdict(UnitTimes)
+        self._trace_origin: tuple[Event, float] | None = None
+        self.trace: list[TraceSpan] = []
+
+    def begin_trace(self, origin: Event) -> None:
+        """Start recording spans with timestamps, relative to ``origin`` (a timing event recorded on an
+        idle device) and to the host clock now. Both clocks then share the same zero."""
+        with self._lock:
+            self._trace_origin = (origin, time.perf_counter())
+            self.trace = []
+
+    def end_trace(self) -> list[TraceSpan]:
+        self.resolve(block=True)
+        with self._lock:
+            self._trace_origin = None
+            spans, self.trace = self.trace, []
+        return sorted(spans, key=lambda span: span.start_ms)
 
     def device_span(self, unit: str, phase: str, start: Event, end: Event) -> None:
         if self.enabled:
@@ -46,9 +77,13 @@ class Timeline:
                 self._pending.append((unit, phase, start, end))
 
     def host_span(self, unit: str, phase: str, ms: float) -> None:
+        """Record ``ms`` of host work on ``unit`` that ended just now."""
         if self.enabled:
             with self._lock:
                 self.units[unit].ms[phase] += ms
+                if self._trace_origin is not None and phase == "update":
+                    start_ms = (time.perf_counter() - self._trace_origin[1]) * 1e3 - ms
+                    self.trace.append(TraceSpan(unit, phase, "CPU update", start_ms, ms))
 
     def resolve(self, *, block: bool = False) -> None:
         """Fold completed device spans into the totals; with ``block``, wait for all of them."""
@@ -59,8 +94,13 @@ class Timeline:
             if block:
                 end.synchronize()  # note: CPU-GPU sync point (only when a caller asks for final numbers)
             if end.query():
+                duration = start.elapsed_ms(end)
                 with self._lock:
-                    self.units[unit].ms[phase] += start.elapsed_ms(end)
+                    self.units[unit].ms[phase] += duration
+                    if self._trace_origin is not None:
+                        track = TRACKS.get(phase, "GPU compute")
+                        offset = self._trace_origin[0].elapsed_ms(start)
+                        self.trace.append(TraceSpan(unit, phase, track, offset, duration))
             else:
                 keep.append((unit, phase, start, end))
         with self._lock:

@@ -76,19 +76,23 @@ def _fma32(a, b, c):  # pragma: no cover - replaced by an llvm.fma intrinsic
 _prange = range
 
 
-def _update_block_py(p, g, m, v, start, stop, goff, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
-    """Update ``p, m, v[start:stop]`` from ``g[start - goff : stop - goff]``; every value is fp32."""
-    for i in range(start, stop):
-        gi = g[i - goff]
-        mi = m[i]
-        pi = p[i] * decay
+def _update_block_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
+    """Update one block in place; arrays are same-length slices, every value is fp32.
+
+    The loop runs over slices from index 0 so LLVM can prove the indices non-negative, drop numba's
+    negative-index wraparound and vectorise (with ``start + j`` indexing it stays scalar).
+    """
+    for j in range(p.shape[0]):
+        gi = g[j]
+        mi = m[j]
+        pi = p[j] * decay
         base = gi if large else mi
         mi = _fma32(coeff, gi - mi, base)
-        vi = _fma32(one_minus_beta2 * gi, gi, v[i] * beta2)
+        vi = _fma32(one_minus_beta2 * gi, gi, v[j] * beta2)
         denom = np.sqrt(vi) / bc2_sqrt + eps
-        p[i] = pi + (neg_step * mi) / denom
-        m[i] = mi
-        v[i] = vi
+        p[j] = pi + (neg_step * mi) / denom
+        m[j] = mi
+        v[j] = vi
 
 
 _update_block = _update_block_py
@@ -96,24 +100,24 @@ _update_block = _update_block_py
 
 def _adamw_bf16_py(p, g16, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
     n = p.shape[0]
-    blocks = (n + BLOCK - 1) // BLOCK
-    for b in _prange(blocks):
-        start = b * BLOCK
-        stop = min(start + BLOCK, n)
-        bits = np.empty(stop - start, np.uint32)
-        for j in range(stop - start):
-            bits[j] = np.uint32(g16[start + j]) << 16  # a bf16 is the top half of an fp32
-        g = bits.view(np.float32)
-        _update_block(p, g, m, v, start, stop, start, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+    for b in _prange((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        e = min(s + BLOCK, n)
+        words = g16[s:e]
+        bits = np.empty(e - s, np.uint32)
+        for j in range(e - s):
+            bits[j] = np.uint32(words[j]) << 16  # a bf16 is the top half of an fp32
+        _update_block(
+            p[s:e], bits.view(np.float32), m[s:e], v[s:e], decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+        )
 
 
 def _adamw_fp32_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
     n = p.shape[0]
-    blocks = (n + BLOCK - 1) // BLOCK
-    for b in _prange(blocks):
-        start = b * BLOCK
-        stop = min(start + BLOCK, n)
-        _update_block(p, g, m, v, start, stop, 0, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+    for b in _prange((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        e = min(s + BLOCK, n)
+        _update_block(p[s:e], g[s:e], m[s:e], v[s:e], decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
 
 
 @functools.cache
@@ -176,15 +180,25 @@ class FusedAdamW(Optimizer):
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
         self._scratch = torch.empty(0, dtype=torch.float32)
+        self._off_host: TorchAdamW | None = None
+
+    def _device_fallback(self) -> TorchAdamW:
+        """Ranges that live on an accelerator go through torch's kernels (numba only runs on the host)."""
+        if self._off_host is None:
+            self._off_host = TorchAdamW(self.config)
+        return self._off_host
 
     @staticmethod
     def available() -> bool:
         """Whether numba imports here (the kernels are compiled on first use, not by this check)."""
         return _numba_available()
 
-    def reserve(self, max_range_numel: int) -> None:
-        """Scratch is needed only for gradients that are neither bf16 nor fp32 (e.g. fp16)."""
-        if self._scratch.numel() < max_range_numel:
+    def reserve(self, max_range_numel: int, device: torch.device | str = "cpu") -> None:
+        """Host scratch is needed only for gradients that are neither bf16 nor fp32 (e.g. fp16)."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            self._device_fallback().reserve(max_range_numel, device)  # type: ignore[call-arg]
+        elif self._scratch.numel() < max_range_numel:
             self._scratch = torch.empty(max_range_numel, dtype=torch.float32)
 
     def _kernels(self) -> Any:
@@ -228,6 +242,9 @@ class FusedAdamW(Optimizer):
             if t.dtype != torch.float32:
                 raise ValueError(f"{name} must be fp32, got {t.dtype}")
         if n == 0:
+            return
+        if master.device.type != "cpu":
+            self._device_fallback().step(master, grad, state, lr=lr, step=step, decay=decay)
             return
         kernels = self._kernels()
         cfg = self.config
