@@ -108,7 +108,13 @@ def main() -> None:
     def triad() -> None:
         torch.add(tb, tc, alpha=1.5, out=ta)
 
-    cases = {"torch_cast": torch_step, "fused": fused_step, "cast_only": cast_only, "adam_only": adam_only, "triad": triad}
+    cases = {
+        "torch_cast": torch_step,
+        "fused": fused_step,
+        "cast_only": cast_only,
+        "adam_only": adam_only,
+        "triad": triad,
+    }
     for _ in range(args.warmup):
         for fn in cases.values():
             fn()
@@ -167,7 +173,9 @@ def main() -> None:
             f"| {r['label']} | {r['ms']:.1f} | {r['gparam_s']:.3f} | {r['bytes_per_param']} | "
             f"{r['gb_s']:.1f} | {r['pct_triad']:.0f}% |"
         )
-    print(f"| (c) triad a = b + s*c ({triad_n:,} fp32 x 3) | {med['triad'] * 1e3:.1f} | | 12/elt | {triad_gbs:.1f} | 100% |")
+    print(
+        f"| (c) triad a = b + s*c ({triad_n:,} fp32 x 3) | {med['triad'] * 1e3:.1f} | | 12/elt | {triad_gbs:.1f} | 100% |"
+    )
     print(f"\nspeedup fused vs torch+cast: {speedup:.2f}x")
     if args.json is not None:
         args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))

@@ -1,0 +1,327 @@
+"""Timed training steps on a preset or model directory, and the plain-PyTorch reference beside them.
+
+Used by `slide bench` and `bench/e2e.py`. Inputs are random token ids (never zeros). Reported numbers:
+- tok/s and TFLOPS, with FLOPs per token = 6·N + 12·L·H·S (matmuls fwd+bwd plus attention scores);
+  the engine's recompute forward is *not* counted, so both sides are credited the same work;
+- GPU peak (``max_memory_allocated``) and host peak RSS (sampled every 50 ms);
+- per unit, eta = T_bwd / (T_d2h + T_update) and the phase times behind it;
+- the physical bound of the run: the largest of the summed per-unit compute, the PCIe time (bytes moved
+  over the PCIe bandwidth measured in the same run) and the host optimizer time; and which one binds;
+- the critical batch, the batch size at which the median block's eta reaches 1 (eta grows linearly with
+  tokens per step, since T_bwd does and T_d2h + T_update do not).
+The plain reference is the HF model entirely on the GPU: fp32 weights, bf16 autocast, gradient
+checkpointing, SDPA and fused GPU AdamW, the same batch and sequence length.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+__all__ = ["BenchConfig", "run_bench", "write_trace"]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "llama3.2-3b"
+    batch_size: int = 16
+    seq_len: int = 1024
+    steps: int = 6
+    warmup: int = 2
+    gpu_memory_gib: float | None = None
+    resident_gib: float | None = None  # None: whatever the GPU budget leaves (as `slide train` does)
+    block_slots: int = 2
+    compare_plain: bool = False
+    trace_dir: Path | None = None
+    optimizer: str = "auto"
+
+
+class PeakRss:
+    """Samples this process's RSS every 50 ms on its own thread (a context manager)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        process = psutil.Process()
+        while not self._stop.is_set():
+            self.peak = max(self.peak, process.memory_info().rss)
+            time.sleep(0.05)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _batches(vocab: int, batch: int, seq: int, count: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(1, vocab, (batch, seq), generator=generator)
+        out.append([(ids, ids.clone())])
+    return out
+
+
+def flops_per_token(config: Any, params: int, seq_len: int) -> float:
+    return 6.0 * params + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def _pcie_gbps(device: Any) -> tuple[float, float]:
+    """Pinned h2d and d2h bandwidth measured now, on 1 GiB of random bytes."""
+    if not device.is_accelerator:
+        return float("inf"), float("inf")
+    host = device.alloc_pinned(2**28, torch.float32)
+    host.uniform_()
+    target = torch.empty_like(host, device=device.torch_device)
+    rates = []
+    for src, dst in ((host, target), (target, host)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        rates.append(3 * src.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    del target
+    return rates[0], rates[1]
+
+
+def _make_optimizer(name: str, config: Any) -> Any:
+    from slide_core.optim import TorchAdamW
+
+    if name == "torch":
+        return TorchAdamW(config)
+    try:
+        from slide_core.optim.fused_adamw import FusedAdamW, best_adamw
+    except ImportError:
+        return TorchAdamW(config)
+    return FusedAdamW(config) if name == "fused" else best_adamw(config)
+
+
+def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
+    from slide_core import AdamWConfig, HostParameters
+    from slide_core.engine import Engine, EngineConfig
+    from slide_core.engine.placement import choose_resident_units
+    from slide_hf import build_model, init_random
+    from slide_hf.planner import PlanInputs, make_plan
+
+    model = build_model(config)
+    params = sum(u.layout.param_numel for u in model.units)
+    limit = int(cfg.gpu_memory_gib * 2**30) if cfg.gpu_memory_gib else None
+    if torch.cuda.is_available():
+        from slide_core.devices.cuda import CUDADevice
+
+        device = CUDADevice(memory_limit_bytes=limit)
+    else:  # a smoke test on a machine without a GPU
+        from slide_core.devices.cpu import CPUDevice
+
+        device = CPUDevice()
+    plan = make_plan(PlanInputs(model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, block_slots=cfg.block_slots))
+    if cfg.resident_gib is not None:
+        budget = int(cfg.resident_gib * 2**30)
+    elif limit is not None:
+        budget = max(0, limit - plan.gpu_peak_bytes - 2**30)
+    else:
+        budget = 0
+    resident = choose_resident_units(model, budget, torch.bfloat16, accumulates=False)
+    batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.steps)
+    times, losses, spans = [], [], []
+    per_unit: dict[str, list[dict[str, float]]] = {}
+    with PeakRss() as rss, device:
+        h2d_gbps, d2h_gbps = _pcie_gbps(device)
+        began = time.perf_counter()
+        host = HostParameters(model, device.alloc_pinned)
+        init_random(model, host, config, seed=0)
+        setup_s = time.perf_counter() - began
+        optimizer = _make_optimizer(cfg.optimizer, AdamWConfig())
+        engine_config = EngineConfig(block_slots=cfg.block_slots, compute_dtype=torch.bfloat16, resident_units=resident)
+        with Engine(model, device, host, optimizer, engine_config) as engine:
+            device.reset_peak_memory()
+            for index, micro in enumerate(batches):
+                traced = cfg.trace_dir is not None and index == len(batches) - 1
+                if traced:
+                    engine.drain()
+                    engine.timeline.begin_trace(device.record_event("compute", timing=True))
+                device.synchronize()
+                start = time.perf_counter()
+                result = engine.step(micro, lr=1e-5)
+                if traced:
+                    engine.drain()
+                times.append(time.perf_counter() - start)
+                losses.append(result.loss)
+                if traced:
+                    spans = engine.timeline.end_trace()
+                taken = engine.unit_times()
+                if index >= cfg.warmup:
+                    for name, t in taken.items():
+                        per_unit.setdefault(name, []).append(dict(t.ms))
+            gpu_peak = device.peak_memory_bytes()
+    steady = times[cfg.warmup :] or times
+    step_s = statistics.median(steady)
+    tokens = cfg.batch_size * cfg.seq_len
+    units = {}
+    for name, records in per_unit.items():
+        keys = sorted({k for r in records for k in r})
+        phases = {k: round(statistics.mean(r.get(k, 0.0) for r in records), 2) for k in keys}
+        busy = phases.get("backward", 0.0) + phases.get("head", 0.0)
+        cost = phases.get("d2h", 0.0) + (0.0 if name in resident else phases.get("update", 0.0))
+        units[name] = {"eta": round(busy / cost, 3) if cost else None, **phases}
+    compute_ms = sum(u.get(k, 0.0) for u in units.values() for k in ("forward", "backward", "head"))
+    host_update_ms = sum(u.get("update", 0.0) for n, u in units.items() if n not in resident)
+    sliding_numel = sum(u.layout.numel for u in model.units if u.name not in resident)
+    loads_bytes = 2 * sliding_numel * 4  # fp32 master h2d, forward and backward
+    grads_bytes = sliding_numel * 2
+    pcie_ms = (loads_bytes / h2d_gbps + grads_bytes / d2h_gbps) / 1e6
+    bounds = {"gpu compute": compute_ms, "pcie": pcie_ms, "host optimizer": host_update_ms}
+    binding = max(bounds, key=bounds.get)
+    block_etas = [u["eta"] for n, u in units.items() if n.startswith("block") and u["eta"]]
+    median_eta = statistics.median(block_etas) if block_etas else None
+    flops = flops_per_token(config, params, cfg.seq_len)
+    result = {
+        "params": params,
+        "resident_units": list(resident),
+        "optimizer": type(optimizer).__name__,
+        "setup_s": round(setup_s, 1),
+        "step_s": round(step_s, 4),
+        "step_times_s": [round(t, 4) for t in times],
+        "tokens_per_s": round(tokens / step_s, 1),
+        "tflops": round(flops * tokens / step_s / 1e12, 1),
+        "gpu_peak_gib": round(gpu_peak / 2**30, 2),
+        "planned_gpu_peak_gib": round(plan.gpu_peak_bytes / 2**30, 2),
+        "host_peak_rss_gib": round(rss.peak / 2**30, 2),
+        "planned_host_peak_gib": round(plan.host_peak_bytes / 2**30, 2),
+        "host_bytes_per_param": round(rss.peak / params, 2),
+        "pcie_gbps": {"h2d": round(h2d_gbps, 1), "d2h": round(d2h_gbps, 1)},
+        "bound_ms": {k: round(v, 1) for k, v in bounds.items()},
+        "binding_limit": binding,
+        "physical_bound_tokens_per_s": round(tokens / (max(bounds.values()) / 1e3), 1),
+        "median_block_eta": median_eta,
+        "critical_batch_size": round(cfg.batch_size / median_eta, 1) if median_eta else None,
+        "losses": [round(x, 4) for x in losses],
+        "units": units,
+    }
+    if cfg.trace_dir is not None:
+        result["trace"] = write_trace(spans, cfg.trace_dir)
+    return result
+
+
+def run_plain(cfg: BenchConfig, config: Any) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.steps)
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for micro in batches:
+        ids, labels = (t.cuda() for t in micro[0])
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    params = sum(p.numel() for p in model.parameters())
+    step_s = statistics.median(times[cfg.warmup :] or times)
+    tokens = cfg.batch_size * cfg.seq_len
+    result = {
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(tokens / step_s, 1),
+        "tflops": round(flops_per_token(config, params, cfg.seq_len) * tokens / step_s / 1e12, 1),
+        "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "losses": [round(x, 4) for x in losses],
+    }
+    del model, optimizer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def write_trace(spans: list[Any], directory: Path) -> dict[str, str]:
+    """A Chrome trace (chrome://tracing, Perfetto) and a PNG timeline of one step, four tracks."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tracks = ["GPU compute", "h2d", "d2h", "CPU update"]
+    events = [
+        {
+            "name": span.unit,
+            "cat": span.phase,
+            "ph": "X",
+            "ts": round(span.start_ms * 1e3, 1),
+            "dur": round(span.duration_ms * 1e3, 1),
+            "pid": 0,
+            "tid": tracks.index(span.track) if span.track in tracks else 0,
+        }
+        for span in spans
+    ]
+    meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": t}} for i, t in enumerate(tracks)]
+    trace_path = directory / "trace.json"
+    trace_path.write_text(json.dumps({"traceEvents": meta + events}))
+    out = {"chrome_trace": str(trace_path)}
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        out["png"] = "matplotlib not installed"
+        return out
+    colors = {"forward": "#4c72b0", "backward": "#dd8452", "head": "#c44e52", "h2d": "#55a868", "d2h": "#8172b3"}
+    figure, axis = plt.subplots(figsize=(16, 3.2))
+    for span in spans:
+        row = len(tracks) - 1 - (tracks.index(span.track) if span.track in tracks else 0)
+        color = colors.get(span.phase, "#937860")
+        axis.broken_barh([(span.start_ms, max(span.duration_ms, 0.05))], (row - 0.4, 0.8), color=color)
+    axis.set_yticks(range(len(tracks)), list(reversed(tracks)))
+    axis.set_xlabel("ms from step start")
+    axis.set_title(
+        "one training step: forward (blue), backward (orange), head (red), h2d (green), d2h (purple), update"
+    )
+    figure.tight_layout()
+    png = directory / "timeline.png"
+    figure.savefig(png, dpi=110)
+    plt.close(figure)
+    out["png"] = str(png)
+    return out
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    from slide_hf import resolve_model
+
+    config, _ = resolve_model(cfg.model)
+    config._attn_implementation = "sdpa"
+    result: dict[str, Any] = {
+        "model": cfg.model,
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "gpu_memory_gib": cfg.gpu_memory_gib,
+        "slide": run_engine(cfg, config),
+    }
+    if cfg.compare_plain:
+        result["plain"] = run_plain(cfg, config)
+        result["ratio"] = round(result["slide"]["tokens_per_s"] / result["plain"]["tokens_per_s"], 3)
+    return result
