@@ -25,7 +25,9 @@ def _batches(cfg: ToyConfig, steps: int, device: str = "cpu"):
     return out
 
 
-def _engine_losses(cfg: ToyConfig, init, batches, dtype: torch.dtype, lr: float) -> list[float]:
+def _engine_losses(
+    cfg: ToyConfig, init, batches, dtype: torch.dtype, lr: float, resident: tuple[str, ...] = ()
+) -> list[float]:
     from slide_core.devices.cuda import CUDADevice
 
     model = ToyModel(cfg)
@@ -34,7 +36,7 @@ def _engine_losses(cfg: ToyConfig, init, batches, dtype: torch.dtype, lr: float)
         for unit in model.units:
             for name, view in host.views(unit).items():
                 view.copy_(init[unit.name][name])
-        config = EngineConfig(block_slots=2, compute_dtype=dtype, transfer_chunk_numel=4096)
+        config = EngineConfig(block_slots=2, compute_dtype=dtype, transfer_chunk_numel=4096, resident_units=resident)
         with Engine(model, device, host, TorchAdamW(AdamWConfig(weight_decay=0.01)), config) as engine:
             return [engine.step(micro, lr).loss for micro in batches]
 
@@ -77,16 +79,17 @@ def test_fp32_on_gpu_matches_cpu_reference(tied: bool) -> None:
     cfg = ToyConfig(hidden_size=64, num_layers=4, tie_embeddings=tied)
     init = _init(cfg)
     batches = _batches(cfg, 6)
-    got = _engine_losses(cfg, init, batches, torch.float32, 2e-3)
+    got = _engine_losses(cfg, init, batches, torch.float32, 2e-3, ("layers.1",))
     want = _plain_losses(cfg, init, batches, torch.float32, 2e-3, "cpu")
     assert got == pytest.approx(want, rel=1e-4)
 
 
-def test_bf16_on_gpu_tracks_plain_bf16() -> None:
+@pytest.mark.parametrize("resident", [(), ("embed", "layers.0", "head")])
+def test_bf16_on_gpu_tracks_plain_bf16(resident: tuple[str, ...]) -> None:
     cfg = ToyConfig(vocab_size=512, hidden_size=256, num_heads=8, intermediate_size=688, num_layers=6)
     init = _init(cfg)
     batches = _batches(cfg, 12)
-    got = _engine_losses(cfg, init, batches, torch.bfloat16, 1e-3)
+    got = _engine_losses(cfg, init, batches, torch.bfloat16, 1e-3, resident)
     want = _plain_losses(cfg, init, batches, torch.bfloat16, 1e-3, "cuda")
     assert got[0] == pytest.approx(want[0], rel=1e-2)
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
