@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,16 @@ class EngineConfig:
     - ``timeout_s``: the longest any single wait may block before the engine gives up with an error.
     - ``resident_units``: names of units whose master and optimizer state live on the device (see
       resident.py); they skip PCIe and the host optimizer entirely.
+    - ``max_grad_norm``: global gradient-norm clipping, exactly ``torch.nn.utils.clip_grad_norm_`` over
+      every parameter's final gradient of the step; 0 turns it off. Updates stay overlapped with
+      backward through speculation and rollback (see clipping.py). With it on, the host gradients of a
+      step are kept in a full-model pinned store instead of ``grad_ring_slots`` ring chunks: one
+      compute-dtype element per host-updated parameter (2 bytes/param in bf16).
+    - ``skip_nonfinite``: with clipping on, a step whose gradient norm is NaN or Inf is skipped exactly
+      (every speculative update taken back, the Adam step counter not advanced). With clipping off the
+      engine cannot take updates back, so it only detects non-finite per-unit gradients and stops with an
+      :class:`EngineError`. False turns both off (non-finite gradients are applied as they are).
+    - ``max_consecutive_nonfinite``: this many skipped steps in a row raise an :class:`EngineError`.
     """
 
     block_slots: int = 2
@@ -32,6 +43,9 @@ class EngineConfig:
     timeout_s: float = 600.0
     record_timings: bool = True
     resident_units: tuple[str, ...] = ()
+    max_grad_norm: float = 0.0
+    skip_nonfinite: bool = True
+    max_consecutive_nonfinite: int = 3
 
     def __post_init__(self) -> None:
         if self.block_slots < 1:
@@ -44,3 +58,12 @@ class EngineConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0.0):
+            raise ValueError(f"max_grad_norm must be a finite number >= 0 (0 = off), got {self.max_grad_norm}")
+        if self.max_consecutive_nonfinite < 1:
+            raise ValueError(f"max_consecutive_nonfinite must be >= 1, got {self.max_consecutive_nonfinite}")
+
+    @property
+    def clipping(self) -> bool:
+        """Whether gradient-norm clipping (and with it the exact skip of non-finite steps) is on."""
+        return self.max_grad_norm > 0.0

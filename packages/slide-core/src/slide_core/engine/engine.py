@@ -13,12 +13,18 @@ tied head's share of the embedding gradient) accumulate in fp32 on the host.
 
 Threads: main (issues compute), ``h2d`` (waits for a unit's update, then loads it), ``d2h`` (streams
 gradients into the ring), ``optimizer`` (applies chunks). See Note [Worker failures] in workers.py.
+
+With ``max_grad_norm > 0`` those updates are speculative (coefficient 1) and gradients land in a full-model
+store instead of the ring; at the end of the step the main thread forms the global norm and, when it clips
+or is not finite, has every update corrected or taken back (clipping.py). Per-unit squared gradient norms
+are computed on the device whenever ``skip_nonfinite`` or clipping is on.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -33,8 +39,18 @@ from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel, Unit
 
 from .activations import ActivationStash
+from .clipping import (
+    ADAMW_STATE,
+    AdamWCorrection,
+    ClipStep,
+    Correction,
+    UnitNorms,
+    clip_coefficient,
+    correct_resident,
+    resident_step,
+)
 from .config import EngineConfig
-from .grad_ring import GradRing
+from .grad_ring import GradRing, GradStore
 from .resident import ResidentUnits
 from .slots import ParamSlot, SlotWindow, Visit
 from .timeline import Timeline, UnitTimes
@@ -49,7 +65,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StepResult:
     """What one optimizer step measured. ``loss`` is the mean over every label token the step consumed,
-    computed before the step's update."""
+    computed before the step's update.
+
+    ``grad_norm`` is the global gradient 2-norm before clipping (None when clipping is off). ``skipped``
+    says the step's gradients were not finite and the step was taken back exactly; ``step`` is then the
+    number the step would have had, and the next step reuses it (the Adam step counter did not advance).
+    """
 
     step: int
     loss: float
@@ -57,6 +78,8 @@ class StepResult:
     loss_tokens: int
     lr: float
     wall_s: float
+    grad_norm: float | None = None
+    skipped: bool = False
 
 
 class Engine:
@@ -86,9 +109,16 @@ class Engine:
         self.dtype = self.config.compute_dtype
         self.step_count = 0
         self.timeline = Timeline(self.config.record_timings)
-        self.updates = UnitUpdates(model, host_params, optimizer, self.timeline)
+        self.clipping = self.config.clipping
+        if self.clipping and tuple(optimizer.state_names) != ADAMW_STATE:
+            raise ValueError(
+                f"max_grad_norm needs an AdamW optimizer (state {ADAMW_STATE}); got state {optimizer.state_names}"
+            )
+        corrector = AdamWCorrection(optimizer.config, self.config.transfer_chunk_numel) if self.clipping else None
+        self.updates = UnitUpdates(model, host_params, optimizer, self.timeline, corrector)
         self._workers: Workers | None = None
         self._closed = False
+        self._nonfinite_streak = 0
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def __enter__(self) -> Engine:
@@ -110,7 +140,17 @@ class Engine:
         self.window = SlotWindow(self.device, sliding, edge, cfg.block_slots, self.dtype)
         for slot in self.window.all_slots():
             slot.grads.zero_()  # alignment padding is never written by compute; keep it zero
-        self.ring = GradRing(self.device, cfg.grad_ring_slots, cfg.transfer_chunk_numel, self.dtype)
+        host_units = [unit for unit in model.units if unit.name not in resident]
+        self.ring: GradRing | None = None
+        self.store: GradStore | None = None
+        if self.clipping:  # see grad_ring.py: the store replaces the ring
+            self.store = GradStore(self.device, host_units, self.dtype)
+        else:
+            self.ring = GradRing(self.device, cfg.grad_ring_slots, cfg.transfer_chunk_numel, self.dtype)
+        self.norms = UnitNorms(self.device, model.units) if self.clipping or cfg.skip_nonfinite else None
+        self._resident_corrector = AdamWCorrection(self.optimizer.config, cfg.transfer_chunk_numel)
+        self._consumed: dict[str, Future[None]] = {}  # d2h thread only, see Note [Grad store reuse]
+        self._last_d2h: Future[Event] | None = None
         self.optimizer.reserve(cfg.transfer_chunk_numel)
         self.stash = ActivationStash(self.device, len(model.blocks))
         self._workers = Workers(("h2d", "d2h", "optimizer"), cfg.timeout_s)
@@ -133,7 +173,8 @@ class Engine:
             if stuck:
                 log.error("engine threads did not stop in time: %s", ", ".join(stuck))
             self.window = None  # type: ignore[assignment]
-            self.ring = None  # type: ignore[assignment]
+            self.ring = None
+            self.store = None
             self.stash = None  # type: ignore[assignment]
 
     @property
@@ -163,26 +204,37 @@ class Engine:
         if loss_tokens == 0:
             raise ValueError("no label tokens in this step's micro-batches (every label is -100)")
         self.step_count += 1
+        number = self.step_count
         schedule = self._schedule(len(micro_batches))
         self.window.start_step(schedule)
         self._ready_after = self.updates.begin_step()
         self._contributions: dict[str, int] = {unit.name: 0 for unit in self.model.units}
         self._expected = self._expected_contributions(len(micro_batches))
         self._lr = lr
+        self._clip = ClipStep(self.config.skip_nonfinite) if self.clipping else None
+        self._last_d2h = None
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         position = 0
         for index, (input_ids, labels) in enumerate(micro_batches):
             position = self._micro_batch(index, input_ids, labels, loss_tokens, loss_sum, schedule, position)
         workers.check()
         total = float(loss_sum)  # note: CPU-GPU sync point (once per step, for the reported loss)
+        grad_norm: float | None = None
+        skipped = False
+        if self._clip is not None:
+            grad_norm, skipped = self._finish_clipped_step(self._clip, number)
+        elif self.norms is not None:
+            self._check_resident_norms(number)
         tokens = sum(int(ids.numel()) for ids, _ in micro_batches)
         return StepResult(
-            step=self.step_count,
+            step=number,
             loss=total / loss_tokens,
             tokens=tokens,
             loss_tokens=loss_tokens,
             lr=lr,
             wall_s=time.perf_counter() - began,
+            grad_norm=grad_norm,
+            skipped=skipped,
         )
 
     def unit_times(self) -> dict[str, UnitTimes]:
@@ -417,15 +469,50 @@ class Engine:
         if unit.name in self.residents:
             # See Note [Resident update ordering] in resident.py.
             start = self._mark()
-            self.residents.apply(unit.name, mode, self._lr, self.step_count)
+            if self._clip is not None:
+                self._speculate_resident(unit, mode)
+            else:
+                if self.norms is not None:
+                    self.norms.add(unit, slot.grads, first=count == 0)
+                self.residents.apply(unit.name, mode, self._lr, self.step_count)
+                if mode in ("step", "add_step"):
+                    self.updates.updated[unit.name].set_result(None)
             self._span(unit, "update", start)
-            if mode in ("step", "add_step"):
-                self.updates.updated[unit.name].set_result(None)
             return
+        if self.norms is not None:
+            self.norms.add(unit, slot.grads[: unit.layout.numel], first=count == 0)
         computed = device.record_event("compute")
-        slot.grads_free = workers["d2h"].submit(
-            self._d2h_job, unit, slot.grads, computed, mode, self._lr, self.step_count, self.updates.updated[unit.name]
+        slot.grads_free = self._last_d2h = workers["d2h"].submit(
+            self._d2h_job,
+            unit,
+            slot.grads,
+            computed,
+            mode,
+            self._lr,
+            self.step_count,
+            self.updates.updated[unit.name],
+            self._clip,
         )
+
+    def _speculate_resident(self, unit: Unit, mode: str) -> None:
+        """Compute stream: a resident unit's update, speculative with clipping on (see clipping.py)."""
+        name, lr, step = unit.name, self._lr, self.step_count
+        if mode in ("stash", "add"):
+            self.residents.apply(name, mode, lr, step)
+            return
+        resident = self.residents.units[name]
+        if mode == "add_step":
+            self.residents.apply(name, "add", lr, step)
+            assert resident.accum is not None
+            grad = resident.accum
+        else:
+            grad = resident.slot.grads
+        assert self.norms is not None
+        squared = self.norms.add(unit, grad, first=True)
+        if self.config.skip_nonfinite:
+            # See Note [Speculative non-finite guard] in clipping.py: a zero gradient's update can be undone.
+            grad.masked_fill_(~torch.isfinite(squared), 0.0)
+        resident_step(resident, grad, self.residents.optimizer, lr=lr, step=step)
 
     def _d2h_job(
         self,
@@ -436,33 +523,142 @@ class Engine:
         lr: float,
         step: int,
         updated: Future[None],
+        clip: ClipStep | None,
     ) -> Event:
-        """d2h thread: stream the unit's gradient in chunks; each landed chunk becomes an optimizer job."""
-        device, workers, ring = self.device, self.workers, self.ring
-        chunks = list(_chunks(unit.layout.numel, ring.chunk_numel, unit.layout.decay_numel))
+        """d2h thread: stream the unit's gradient in chunks; each landed chunk becomes an optimizer job.
+
+        Chunks go to ring slots, or with clipping on straight to the unit's range of the grad store. On a
+        unit's final contribution its squared norm goes first, so it has landed when the first chunk has.
+        """
+        device, workers, ring, store = self.device, self.workers, self.ring, self.store
+        chunks = list(_chunks(unit.layout.numel, self.config.transfer_chunk_numel, unit.layout.decay_numel))
         start = None
         end = computed
+        norm_sq: torch.Tensor | None = None
         with device.stream("d2h"):
             device.wait_event("d2h", computed)
+            if self.norms is not None and mode in ("step", "add_step"):
+                norm_sq = self.norms.send(unit)
+            if store is not None:
+                previous = self._consumed.get(unit.name)  # see Note [Grad store reuse] in grad_ring.py
+                if previous is not None:
+                    workers.wait(previous, f"the optimizer to take the previous gradient of {unit.name}")
+            consumed: Future[None] | None = None
             for number, (lo, hi) in enumerate(chunks):
-                index = workers.get(ring.free, "a free gradient ring chunk")
+                index: int | None = None
+                if store is not None:
+                    target = store.flat(unit)[lo:hi]
+                else:
+                    assert ring is not None
+                    index = workers.get(ring.free, "a free gradient ring chunk")
+                    target = ring.chunks[index][: hi - lo]
                 if start is None:
                     start = device.record_event("d2h", timing=self.timeline.enabled)
-                ring.chunks[index][: hi - lo].copy_(grads[lo:hi], non_blocking=True)
+                target.copy_(grads[lo:hi], non_blocking=True)
                 end = device.record_event("d2h", timing=self.timeline.enabled)
-                chunk = GradChunk(unit, lo, hi, mode, number == len(chunks) - 1, lr, step, updated)
-                workers["optimizer"].submit(self._update_job, chunk, index, end)
+                last = number == len(chunks) - 1
+                first_norm = norm_sq if number == 0 else None
+                chunk = GradChunk(unit, lo, hi, mode, last, lr, step, updated, first_norm, clip)
+                consumed = workers["optimizer"].submit(self._update_job, chunk, target, index, end)
+            if store is not None and consumed is not None:
+                self._consumed[unit.name] = consumed
         if start is not None:
             self.timeline.device_span(unit.name, "d2h", start, end)
         return end
 
-    def _update_job(self, chunk: GradChunk, index: int, landed: Event) -> None:
-        """Optimizer thread: apply one landed chunk, then give its ring slot back."""
+    def _update_job(self, chunk: GradChunk, grad: torch.Tensor, index: int | None, landed: Event) -> None:
+        """Optimizer thread: apply one landed chunk, then give its ring slot (if any) back."""
         landed.synchronize()  # note: CPU-GPU sync point (on the optimizer thread, by design)
         try:
-            self.updates.apply(chunk, self.ring.chunks[index][: chunk.end - chunk.start])
+            self.updates.apply(chunk, grad)
         finally:
-            self.ring.release(index)
+            if index is not None and self.ring is not None:
+                self.ring.release(index)
+
+    # -- the end of a step: clipping and non-finite gradients -------------------------------------------
+    def _finish_clipped_step(self, clip: ClipStep, number: int) -> tuple[float, bool]:
+        """Main thread: form the step's global gradient norm, then keep, rescale or take back every
+        speculative update. Returns ``(norm, skipped)``. See Note [Clip rollback ordering] in clipping.py."""
+        workers, cfg, norms = self.workers, self.config, self.norms
+        assert norms is not None
+        if self._last_d2h is not None:
+            workers.wait(self._last_d2h, "the gradient transfers of the step")
+        workers.wait(workers["optimizer"].submit(_barrier), "the speculative updates of the step")
+        residents = [unit for unit in self.model.units if unit.name in self.residents]
+        squares = norms.device_values(residents)
+        for unit in self.model.units:
+            if unit.name in self.residents:
+                continue
+            if self._expected[unit.name] == 1:
+                squares.append(norms.host_value(unit))
+            else:
+                squares.append(clip.host_sq.get(unit.name, math.nan))
+        norm = math.sqrt(math.fsum(squares))
+        if clip.nonfinite_unit is not None:
+            norm = norm if not math.isfinite(norm) else math.nan
+        updated = self.updates.updated
+        if not math.isfinite(norm) and cfg.skip_nonfinite:
+            self._correct_all(clip, Correction("undo"), updated, number)
+            self.step_count = number - 1
+            self._nonfinite_streak += 1
+            where = clip.nonfinite_unit or ", ".join(
+                unit.name for unit, value in zip(residents, squares, strict=False) if not math.isfinite(value)
+            )
+            log.warning("step %d skipped: gradient norm %s (non-finite gradients in %s)", number, norm, where)
+            if self._nonfinite_streak >= cfg.max_consecutive_nonfinite:
+                for name, future in updated.items():
+                    workers.wait(future, f"the rollback of {name}")
+                raise EngineError(
+                    f"non-finite gradients in {self._nonfinite_streak} consecutive steps (the last, step {number}, "
+                    f"in {where}); every one was skipped and the weights are those from before the first. "
+                    "Training diverged: lower --lr (or raise --warmup-steps), or check the data"
+                )
+            return norm, True
+        self._nonfinite_streak = 0
+        coeff = clip_coefficient(norm, cfg.max_grad_norm)
+        if math.isfinite(norm) and coeff < 1.0:
+            self._correct_all(clip, Correction("rescale", coeff), updated, number)
+        else:
+            for future in updated.values():
+                future.set_result(None)
+        return norm, False
+
+    def _correct_all(self, clip: ClipStep, correction: Correction, updated: dict[str, Future[None]], step: int) -> None:
+        """Correct every unit's speculative update, in forward order: the next step loads the embedding
+        first, so its correction is released first."""
+        for unit in self.model.units:
+            name = unit.name
+            if name in self.residents:
+                resident = self.residents.units[name]
+                grad = resident.accum if self._expected[name] > 1 else resident.slot.grads
+                assert grad is not None
+                start = self._mark()
+                correct_resident(resident, grad, self._resident_corrector, correction, lr=self._lr, step=step)
+                self._span(unit, "update", start)
+                updated[name].set_result(None)
+                continue
+            ranges = clip.applied.get(name)
+            if ranges:
+                self.workers["optimizer"].submit(
+                    self.updates.correct, unit, ranges, correction, self._lr, step, updated[name]
+                )
+            else:
+                updated[name].set_result(None)
+
+    def _check_resident_norms(self, number: int) -> None:
+        """Clipping off: resident units were updated on the device unchecked; stop if they saw NaN/Inf."""
+        assert self.norms is not None
+        residents = [unit for unit in self.model.units if unit.name in self.residents]
+        if not residents:
+            return
+        values = self.norms.device_values(residents)
+        bad = [unit.name for unit, value in zip(residents, values, strict=True) if not math.isfinite(value)]
+        if bad:
+            raise EngineError(
+                f"non-finite gradients in {', '.join(bad)} at step {number}; with max_grad_norm = 0 the engine "
+                "cannot skip a step exactly, so it stops here. Lower --lr, or set max_grad_norm > 0 to skip "
+                "such steps"
+            )
 
     # -- timing helpers --------------------------------------------------------------------------------
     def _mark(self) -> Event | None:
@@ -471,6 +667,10 @@ class Engine:
     def _span(self, unit: Unit, phase: str, start: Event | None) -> None:
         if start is not None:
             self.timeline.device_span(unit.name, phase, start, self.device.record_event("compute", timing=True))
+
+
+def _barrier() -> None:
+    """An optimizer-thread job that does nothing: when it is done, every job queued before it is."""
 
 
 def _leaves(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

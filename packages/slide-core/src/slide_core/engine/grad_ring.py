@@ -1,18 +1,36 @@
-"""Pinned host chunks that carry gradients from the device to the optimizer thread.
+"""Pinned host memory that carries gradients from the device to the optimizer thread.
 
-A fixed ring bounds the host memory gradients use in flight (``slots x chunk`` elements, whatever the
-model size) and gives back-pressure: the transfer thread waits for a free chunk, never allocates one.
+Two layouts, chosen by ``EngineConfig.max_grad_norm``:
+
+- :class:`GradRing` (clipping off): a fixed ring bounds the host memory gradients use in flight
+  (``slots x chunk`` elements, whatever the model size) and gives back-pressure: the transfer thread waits
+  for a free chunk, never allocates one. A chunk is reused as soon as the optimizer has applied it.
+- :class:`GradStore` (clipping on): every host-updated unit's gradient of the step, each at its own offset.
+  Clipping is decided only once the whole step's gradient norm is known, after the speculative updates
+  (see clipping.py); correcting them needs the very gradient each one applied, so the bytes must outlive
+  the update. The device-to-host copy lands straight in the unit's range, so keeping the gradient costs
+  no extra host copy, only memory: one compute-dtype element per host-updated parameter (2 bytes/param in
+  bf16; 16 GB for an 8B model), instead of the ring's ``slots x chunk``.
+
+Note [Grad store reuse]: a unit's store range is written once per gradient contribution. Within a step
+(gradient accumulation, a tied head's share of the embedding gradient) the transfer of contribution k+1
+waits until the optimizer thread has consumed contribution k (folded it into the fp32 accumulator).
+Across steps no wait is needed: a unit's first transfer of step n+1 follows its backward, which follows
+its load, which waits for its step-n ``updated`` future, resolved only after the step-n correction that
+reads the range (Note [Clip rollback ordering] in clipping.py).
 """
 
 from __future__ import annotations
 
 import queue
+from collections.abc import Sequence
 
 import torch
 
 from slide_core.device import Device
+from slide_core.unit import Unit
 
-__all__ = ["GradRing"]
+__all__ = ["GradRing", "GradStore"]
 
 
 class GradRing:
@@ -26,6 +44,30 @@ class GradRing:
 
     def release(self, index: int) -> None:
         self.free.put(index)
+
+    @property
+    def nbytes(self) -> int:
+        return self._slab.numel() * self._slab.element_size()
+
+
+class GradStore:
+    """One pinned compute-dtype slab holding the gradient of every unit in ``units`` (see module notes)."""
+
+    def __init__(self, device: Device, units: Sequence[Unit], dtype: torch.dtype) -> None:
+        self._ranges: dict[str, tuple[int, int]] = {}
+        total = 0
+        for unit in units:
+            self._ranges[unit.name] = (total, unit.layout.numel)
+            total += unit.layout.numel
+        self._slab = device.alloc_pinned(max(total, 1), dtype)
+
+    def flat(self, unit: Unit | str) -> torch.Tensor:
+        """The unit's gradient range: ``layout.numel`` elements, alignment padding included."""
+        start, numel = self._ranges[unit if isinstance(unit, str) else unit.name]
+        return self._slab[start : start + numel]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._ranges
 
     @property
     def nbytes(self) -> int:

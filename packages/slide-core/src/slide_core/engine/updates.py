@@ -4,11 +4,14 @@ Everything here runs on the optimizer thread, except ``begin_step`` (main thread
 
 Note [Update futures]: each unit has one future per step that the optimizer thread resolves when the
 unit's last gradient chunk of that step has been applied. A host-to-device load of the unit for the next
-step waits for the future of the step before it, so a unit is never read while it is being written.
+step waits for the future of the step before it, so a unit is never read while it is being written. With
+gradient clipping on, the last chunk's update is only speculative, and the future is resolved after the
+step's clipping decision instead (Note [Clip rollback ordering] in clipping.py).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -19,7 +22,9 @@ from slide_core.host_params import HostParameters
 from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel, Unit
 
+from .clipping import AdamWCorrection, AppliedRange, ClipStep, Correction
 from .timeline import Timeline
+from .workers import EngineError
 
 __all__ = ["GradChunk", "UnitUpdates"]
 
@@ -38,6 +43,11 @@ class GradChunk:
     updated: Future[None]
     """Resolved after the unit's last chunk of the step; captured when the chunk is issued, because the
     main thread may already have begun the next step (see Note [Update futures])."""
+    norm_sq: torch.Tensor | None = None
+    """On the first chunk of a unit's final contribution (when the engine checks gradients): the pinned
+    squared norm of the unit's gradient, landed before this chunk; checked before anything is applied."""
+    clip: ClipStep | None = None
+    """Set when clipping is on: the update is speculative (see clipping.py)."""
 
 
 def _done_future() -> Future[None]:
@@ -49,11 +59,19 @@ def _done_future() -> Future[None]:
 class UnitUpdates:
     """Optimizer state per unit (one fp32 slab per state tensor) and the per-step update futures."""
 
-    def __init__(self, model: SlideModel, host_params: HostParameters, optimizer: Optimizer, timeline: Timeline):
+    def __init__(
+        self,
+        model: SlideModel,
+        host_params: HostParameters,
+        optimizer: Optimizer,
+        timeline: Timeline,
+        corrector: AdamWCorrection | None = None,
+    ):
         self.model = model
         self.host_params = host_params
         self.optimizer = optimizer
         self.timeline = timeline
+        self.corrector = corrector  # set when clipping is on; used on the optimizer thread only
         self.state_slabs = {name: torch.zeros(host_params.numel, dtype=torch.float32) for name in optimizer.state_names}
         self._accum: dict[str, torch.Tensor] = {}
         self.updated: dict[str, Future[None]] = {unit.name: _done_future() for unit in model.units}
@@ -80,19 +98,72 @@ class UnitUpdates:
         """Apply one landed gradient chunk (optimizer thread)."""
         began = time.perf_counter()
         unit, start, end = chunk.unit, chunk.start, chunk.end
-        if chunk.mode == "step":
-            self._step(unit, start, end, grad, chunk)
-        else:
+        if chunk.norm_sq is not None:
+            self._check_finite(chunk, float(chunk.norm_sq))
+        final: torch.Tensor | None = grad
+        if chunk.mode != "step":
             accum = self._accum_for(unit)[start:end]
             if chunk.mode == "stash":
                 accum.copy_(grad)
             else:
                 accum.add_(grad)
-                if chunk.mode == "add_step":
-                    self._step(unit, start, end, accum, chunk)
+            final = accum if chunk.mode == "add_step" else None
+        if final is not None:
+            if chunk.clip is None:
+                self._step(unit, start, end, final, chunk)
+            else:
+                self._speculate(chunk, final)
         self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
-        if chunk.last_chunk and chunk.mode in ("step", "add_step"):
+        if chunk.last_chunk and final is not None and chunk.clip is None:
             chunk.updated.set_result(None)
+
+    def _check_finite(self, chunk: GradChunk, norm_sq: float) -> None:
+        """See Note [Speculative non-finite guard] in clipping.py."""
+        if math.isfinite(norm_sq):
+            return
+        if chunk.clip is None:
+            raise EngineError(
+                f"non-finite gradients in {chunk.unit.name} at step {chunk.step} (squared norm {norm_sq}); "
+                "with max_grad_norm = 0 the engine cannot skip a step exactly, so it stops here. Lower --lr, "
+                "or set max_grad_norm > 0 to skip such steps"
+            )
+        chunk.clip.mark_nonfinite(chunk.unit.name)
+
+    def _speculate(self, chunk: GradChunk, final: torch.Tensor) -> None:
+        """Apply ``final`` assuming clip coefficient 1, and remember it for the step's correction."""
+        clip, unit = chunk.clip, chunk.unit
+        assert clip is not None
+        if chunk.mode == "add_step":
+            # The summed gradient exists only here: its norm is taken in the pass that applies it.
+            squared = float(torch.linalg.vector_norm(final, dtype=torch.float32)) ** 2
+            clip.add_sq(unit.name, squared)
+            if not math.isfinite(squared):
+                clip.mark_nonfinite(unit.name)
+        if clip.halted:
+            return
+        self._step(unit, chunk.start, chunk.end, final, chunk)
+        clip.record(unit.name, AppliedRange(chunk.start, chunk.end, final, chunk.end <= unit.layout.decay_numel))
+
+    def correct(
+        self,
+        unit: Unit,
+        ranges: list[AppliedRange],
+        correction: Correction,
+        lr: float,
+        step: int,
+        updated: Future[None],
+    ) -> None:
+        """Optimizer thread: correct the unit's speculative update, then release its next load."""
+        assert self.corrector is not None
+        began = time.perf_counter()
+        master = self.host_params.flat(unit)
+        states = self.state_views(unit)
+        for applied in ranges:
+            lo, hi = applied.start, applied.end
+            state = {name: view[lo:hi] for name, view in states.items()}
+            self.corrector.apply(correction, master[lo:hi], applied.grad, state, lr=lr, step=step, decay=applied.decay)
+        self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
+        updated.set_result(None)
 
     def _step(self, unit: Unit, start: int, end: int, grad: torch.Tensor, chunk: GradChunk) -> None:
         master = self.host_params.flat(unit)[start:end]

@@ -66,7 +66,7 @@ def _numba_available() -> bool:
 # closure) so numba's on-disk cache can key them by file and name: a closure over jitted helpers gets a
 # fresh cache key, and a fresh cache file, in every process. ``_fma32``, ``_update_block`` and ``_prange``
 # are rebound to numba objects by ``_kernels`` before the first compile; until then they are pure-Python
-# stand-ins, so the arithmetic can be read (and run, slowly) without numba.
+# stand-ins (the kernels are only ever run compiled).
 
 
 def _fma32(a, b, c):  # pragma: no cover - replaced by an llvm.fma intrinsic
@@ -107,9 +107,8 @@ def _adamw_bf16_py(p, g16, m, v, decay, coeff, large, beta2, one_minus_beta2, bc
         bits = np.empty(e - s, np.uint32)
         for j in range(e - s):
             bits[j] = np.uint32(words[j]) << 16  # a bf16 is the top half of an fp32
-        _update_block(
-            p[s:e], bits.view(np.float32), m[s:e], v[s:e], decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
-        )
+        g = bits.view(np.float32)
+        _update_block(p[s:e], g, m[s:e], v[s:e], decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
 
 
 def _adamw_fp32_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
@@ -117,7 +116,9 @@ def _adamw_fp32_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_
     for b in _prange((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         e = min(s + BLOCK, n)
-        _update_block(p[s:e], g[s:e], m[s:e], v[s:e], decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+        _update_block(
+            p[s:e], g[s:e], m[s:e], v[s:e], decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+        )
 
 
 @functools.cache
@@ -130,6 +131,7 @@ def _kernels() -> Any:
     """
     global _fma32, _prange, _update_block
     import numba
+    from llvmlite import ir as llvm_ir
     from numba.extending import intrinsic
 
     @intrinsic
@@ -138,7 +140,9 @@ def _kernels() -> Any:
         sig = a(a, b, c)
 
         def codegen(context, builder, signature, args):
-            return builder.fma(*args)
+            t = args[0].type
+            fn = builder.module.declare_intrinsic("llvm.fma", [t], llvm_ir.FunctionType(t, [t, t, t]))
+            return builder.call(fn, args)
 
         return sig, codegen
 
@@ -151,6 +155,7 @@ def _kernels() -> Any:
         bf16 = kernel(_adamw_bf16_py)
         fp32 = kernel(_adamw_fp32_py)
         set_num_threads = staticmethod(numba.set_num_threads)
+        get_num_threads = staticmethod(numba.get_num_threads)
         max_threads = numba.config.NUMBA_NUM_THREADS
 
     return Kernels
@@ -197,7 +202,7 @@ class FusedAdamW(Optimizer):
         """Host scratch is needed only for gradients that are neither bf16 nor fp32 (e.g. fp16)."""
         device = torch.device(device)
         if device.type != "cpu":
-            self._device_fallback().reserve(max_range_numel, device)  # type: ignore[call-arg]
+            self._device_fallback().reserve(max_range_numel, device)
         elif self._scratch.numel() < max_range_numel:
             self._scratch = torch.empty(max_range_numel, dtype=torch.float32)
 
@@ -207,8 +212,10 @@ class FusedAdamW(Optimizer):
         with _compile_lock:
             kernels = _kernels()
         if self.threads is not None:
-            # numba's thread count is per calling thread; set it on the optimizer thread, every call.
-            kernels.set_num_threads(min(self.threads, kernels.max_threads))
+            # numba's thread count is a per-calling-thread setting, so it is checked on every call (~1 us).
+            want = min(self.threads, kernels.max_threads)
+            if kernels.get_num_threads() != want:
+                kernels.set_num_threads(want)
         return kernels
 
     def warmup(self) -> None:
@@ -278,11 +285,22 @@ class FusedAdamW(Optimizer):
         kernels.fp32(p, _np(grad, "grad"), m, v, *args)
 
 
-def best_adamw(config: AdamWConfig, *, threads: int | None = None) -> Optimizer:
-    """The fastest host AdamW this environment can run: ``FusedAdamW`` with numba, else ``TorchAdamW``."""
-    if FusedAdamW.available():
-        log.info("host optimizer: FusedAdamW (numba, one pass, 26 B/param)")
-        return FusedAdamW(config, threads=threads)
-    log.info("host optimizer: TorchAdamW (numba not importable; bf16 grads cast first, ~40 B/param)")
-    return TorchAdamW(config)
+def best_adamw(config: AdamWConfig, *, threads: int | None = None, warmup: bool = True) -> Optimizer:
+    """The fastest host AdamW this environment can run: ``FusedAdamW`` with numba, else ``TorchAdamW``.
 
+    With ``warmup`` (the default) the kernels are compiled (or loaded from numba's cache) here, off the
+    training critical path, and a compile failure falls back to ``TorchAdamW`` instead of failing the
+    first step. ``threads`` applies to ``FusedAdamW`` only.
+    """
+    if not FusedAdamW.available():
+        log.info("host optimizer: TorchAdamW (numba not importable; bf16 grads cast first, ~40 B/param)")
+        return TorchAdamW(config)
+    optimizer = FusedAdamW(config, threads=threads)
+    if warmup:
+        try:
+            optimizer.warmup()
+        except Exception:
+            log.warning("host optimizer: FusedAdamW failed to compile, using TorchAdamW", exc_info=True)
+            return TorchAdamW(config)
+    log.info("host optimizer: FusedAdamW (numba, one fused pass, 26 B/param)")
+    return optimizer

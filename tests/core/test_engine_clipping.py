@@ -1,0 +1,317 @@
+"""Gradient-norm clipping and non-finite step skipping against a plain PyTorch loop, on the CPU device in fp32.
+
+The reference is ``torch.nn.utils.clip_grad_norm_`` followed by ``torch.optim.AdamW.step()``; a skipped
+step's reference simply never sees that step's batch. See Note [Clip rollback ordering] and Note
+[Speculative non-finite guard] in slide_core/engine/clipping.py.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import pytest
+import torch
+
+from slide_core import AdamWConfig, HostParameters
+from slide_core.devices.cpu import CPUDevice
+from slide_core.engine import Engine, EngineConfig, EngineError, StepResult
+from slide_core.optim import TorchAdamW
+from slide_core.testing import ToyBlock, ToyConfig, ToyModel, reference_loss
+
+RTOL = 1e-5
+LR = 3e-3
+
+
+class _PoisonGrad(torch.autograd.Function):
+    """Identity forward; NaN backward: the gradients of everything before it become NaN, the loss not."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, math.nan)
+
+
+class _PoisonableBlock(ToyBlock):
+    def __init__(self, cfg: ToyConfig, index: int) -> None:
+        super().__init__(cfg, index)
+        self.poisoned = False
+
+    def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs) -> torch.Tensor:
+        y = super().forward(params, x, inputs)
+        return _PoisonGrad.apply(y) if self.poisoned and torch.is_grad_enabled() else y
+
+
+class _PoisonableToy(ToyModel):
+    """A ToyModel whose block ``poison_at`` can be told to return NaN gradients."""
+
+    def __init__(self, cfg: ToyConfig, poison_at: int = 1) -> None:
+        super().__init__(cfg)
+        self.blocks[poison_at] = _PoisonableBlock(cfg, poison_at)
+        self.poisonable = self.blocks[poison_at]
+
+    def poison(self, on: bool) -> None:
+        self.poisonable.poisoned = on
+
+
+def _batches(cfg: ToyConfig, steps: int, accum: int, seed: int = 0, batch: int = 2, seq: int = 12):
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        micro = []
+        for _ in range(accum):
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator)
+            labels = ids.clone()
+            labels[0, : seq // 3] = -100
+            micro.append((ids, labels))
+        out.append(micro)
+    return out
+
+
+def _init(model: ToyModel, seed: int = 1):
+    init = {unit.name: {s.name: torch.empty(s.shape) for s in unit.layout} for unit in model.units}
+    model.init_(init, seed)
+    return init
+
+
+def _reference_run(model, init, batches, adam: AdamWConfig, max_norm: float, skip: frozenset[int] = frozenset()):
+    """Plain autograd + clip_grad_norm_ + torch.optim.AdamW; steps in ``skip`` are never taken."""
+    params = {unit: {name: torch.nn.Parameter(t.clone()) for name, t in views.items()} for unit, views in init.items()}
+    flat = [p for views in params.values() for p in views.values()]
+    decay = [p for p in flat if p.dim() >= 2]
+    no_decay = [p for p in flat if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": adam.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(adam.beta1, adam.beta2),
+        eps=adam.eps,
+    )
+    losses, norms = {}, {}
+    for step, micro in enumerate(batches):
+        if step in skip:
+            continue
+        tokens = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
+        total = 0.0
+        for ids, labels in micro:
+            loss = reference_loss(model, params, ids, labels)
+            (loss / tokens).backward()
+            total += loss.item()
+        losses[step] = total / tokens
+        norms[step] = float(torch.nn.utils.clip_grad_norm_(flat, max_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {
+        unit: {
+            name: (optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"], int(optimizer.state[p]["step"]))
+            for name, p in views.items()
+        }
+        for unit, views in params.items()
+    }
+    return losses, norms, params, state
+
+
+def _engine_run(
+    model,
+    init,
+    batches,
+    adam: AdamWConfig,
+    config: EngineConfig,
+    before_step: Callable[[int], None] = lambda step: None,
+):
+    with CPUDevice() as device:
+        host = HostParameters(model, device.alloc_pinned)
+        for unit in model.units:
+            for name, view in host.views(unit).items():
+                view.copy_(init[unit.name][name])
+        results: list[StepResult] = []
+        with Engine(model, device, host, TorchAdamW(adam), config) as engine:
+            for step, micro in enumerate(batches):
+                before_step(step)
+                results.append(engine.step(micro, lr=LR))
+        params = {unit.name: host.views(unit) for unit in model.units}
+        state = {
+            unit.name: {
+                name: unit.layout.views(flat) for name, flat in engine.updates.state_views(unit).items()
+            }
+            for unit in model.units
+        }
+        return results, params, state, engine.step_count
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.detach()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _assert_weights_and_state(params, state, ref_params, ref_state, step_count: int) -> None:
+    for unit, views in ref_params.items():
+        for name, want in views.items():
+            assert _rel(params[unit][name], want) <= RTOL, f"{unit}.{name} differs"
+            exp_avg, exp_avg_sq, steps = ref_state[unit][name]
+            assert steps == step_count, f"{unit}.{name}: reference took {steps} steps, engine {step_count}"
+            assert _rel(state[unit]["exp_avg"][name], exp_avg) <= RTOL, f"{unit}.{name} exp_avg differs"
+            assert _rel(state[unit]["exp_avg_sq"][name], exp_avg_sq) <= RTOL, f"{unit}.{name} exp_avg_sq differs"
+
+
+CASES = {
+    # name: (tied, accum, block_slots, resident_units)
+    "plain-slots1": (False, 1, 1, ()),
+    "tied-accum2": (True, 2, 2, ()),
+    "tied-accum2-resident": (True, 2, 2, ("embed", "layers.0")),
+    "accum2-slots1-resident": (False, 2, 1, ("embed", "layers.0")),
+}
+
+
+@pytest.mark.parametrize("regime", ["clips", "mixed", "never"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_clipping_matches_clip_grad_norm(case: str, regime: str) -> None:
+    """Speculative updates corrected at the end of the step (Note [Clip rollback ordering]) equal
+    clip_grad_norm_ + AdamW: losses, reported norms, weights and Adam state."""
+    tied, accum, slots, resident = CASES[case]
+    cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
+    model = ToyModel(cfg)
+    init = _init(model, seed=11)
+    batches = _batches(cfg, steps=4, accum=accum, seed=3)
+    adam = AdamWConfig(weight_decay=0.1)
+    if regime == "clips":
+        max_norm = 0.05
+    elif regime == "never":
+        max_norm = 1e6
+    else:  # between the unclipped norms: some steps clip, some do not
+        _, unclipped, _, _ = _reference_run(model, init, batches, adam, 1e6)
+        max_norm = sorted(unclipped.values())[len(unclipped) // 2]
+    ref_losses, ref_norms, ref_params, ref_state = _reference_run(model, init, batches, adam, max_norm)
+    clipped = [norm > max_norm for norm in ref_norms.values()]
+    expected = {"clips": all(clipped), "never": not any(clipped), "mixed": any(clipped) and not all(clipped)}
+    assert expected[regime], f"test setup: clipped steps {clipped} do not fit regime {regime}"
+
+    config = EngineConfig(
+        block_slots=slots,
+        compute_dtype=torch.float32,
+        transfer_chunk_numel=1024,
+        resident_units=resident,
+        max_grad_norm=max_norm,
+    )
+    results, params, state, step_count = _engine_run(model, init, batches, adam, config)
+    for step, result in enumerate(results):
+        assert not result.skipped
+        assert result.step == step + 1
+        assert result.loss == pytest.approx(ref_losses[step], rel=RTOL), f"loss differs at step {step + 1}"
+        assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL), f"grad norm differs at step {step + 1}"
+    _assert_weights_and_state(params, state, ref_params, ref_state, step_count)
+
+
+NAN_CASES = {
+    # name: (tied, accum, block_slots, resident_units, max_norm)
+    "plain-clips": (False, 1, 2, (), 0.05),
+    "tied-accum2-resident": (True, 2, 1, ("embed", "layers.0"), 1e6),
+    "accum2-resident-head": (False, 2, 2, ("head", "layers.0"), 0.05),
+}
+
+
+@pytest.mark.parametrize("case", list(NAN_CASES))
+def test_nan_step_is_skipped_exactly(case: str) -> None:
+    """NaN gradients in layers.1 and everything before it (Note [Speculative non-finite guard]): head and
+    layers.2 were already updated speculatively and are taken back; the step counter does not advance."""
+    tied, accum, slots, resident, max_norm = NAN_CASES[case]
+    cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
+    model = _PoisonableToy(cfg, poison_at=1)
+    init = _init(model, seed=5)
+    batches = _batches(cfg, steps=5, accum=accum, seed=8)
+    adam = AdamWConfig(weight_decay=0.1)
+    bad = 2
+    ref_losses, ref_norms, ref_params, ref_state = _reference_run(model, init, batches, adam, max_norm, frozenset({bad}))
+    config = EngineConfig(
+        block_slots=slots,
+        compute_dtype=torch.float32,
+        transfer_chunk_numel=1024,
+        resident_units=resident,
+        max_grad_norm=max_norm,
+    )
+    results, params, state, step_count = _engine_run(
+        model, init, batches, adam, config, before_step=lambda step: model.poison(step == bad)
+    )
+    assert [r.skipped for r in results] == [step == bad for step in range(len(batches))]
+    assert results[bad].grad_norm is not None and not math.isfinite(results[bad].grad_norm)
+    assert [r.step for r in results] == [1, 2, 3, 3, 4]
+    assert step_count == len(batches) - 1
+    for step, result in enumerate(results):
+        if step != bad:
+            assert result.loss == pytest.approx(ref_losses[step], rel=RTOL), f"loss differs at step {step + 1}"
+            assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL)
+    _assert_weights_and_state(params, state, ref_params, ref_state, step_count)
+
+
+def _engine_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("slide-") and t.is_alive()}
+
+
+def _no_threads_left(before: set[threading.Thread]) -> None:
+    deadline = time.monotonic() + 5.0
+    while _engine_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _engine_threads() - before, "engine threads left behind"
+
+
+@pytest.mark.timeout(30)
+def test_consecutive_nan_steps_raise() -> None:
+    """Three skipped steps in a row stop training, with the weights of before the first of them."""
+    cfg = ToyConfig(num_layers=3)
+    model = _PoisonableToy(cfg)
+    init = _init(model, seed=2)
+    batches = _batches(cfg, steps=6, accum=1, seed=1)
+    adam = AdamWConfig(weight_decay=0.1)
+    _, _, ref_params, _ = _reference_run(model, init, batches[:1], adam, 0.05)
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=0.05, timeout_s=10)
+    before = _engine_threads()
+    began = time.monotonic()
+    results: list[StepResult] = []
+    with CPUDevice() as device:
+        host = HostParameters(model, device.alloc_pinned)
+        for unit in model.units:
+            for name, view in host.views(unit).items():
+                view.copy_(init[unit.name][name])
+        with pytest.raises(EngineError) as caught, Engine(model, device, host, TorchAdamW(adam), config) as engine:
+            for step, micro in enumerate(batches):
+                model.poison(step >= 1)
+                results.append(engine.step(micro, lr=LR))
+        assert time.monotonic() - began < 10.0
+        message = str(caught.value)
+        assert "non-finite gradients in 3 consecutive steps" in message
+        assert "lower --lr" in message
+        assert [r.skipped for r in results] == [False, True, True]
+        assert engine.step_count == 1
+        for unit, views in ref_params.items():
+            for name, want in views.items():
+                assert _rel(host.views(unit)[name], want) <= RTOL, f"{unit}.{name} not rolled back"
+    _no_threads_left(before)
+
+
+@pytest.mark.timeout(30)
+def test_nan_without_clipping_stops_with_a_message() -> None:
+    """With clipping off nothing can be taken back: the engine detects the NaN and raises."""
+    cfg = ToyConfig(num_layers=3)
+    model = _PoisonableToy(cfg)
+    init = _init(model)
+    batches = _batches(cfg, steps=3, accum=1)
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, timeout_s=10)
+    before = _engine_threads()
+    with pytest.raises(EngineError) as caught:
+        _engine_run(model, init, batches, AdamWConfig(), config, before_step=lambda step: model.poison(step == 1))
+    chain = [caught.value, caught.value.__cause__]
+    assert any("non-finite gradients in" in str(e) and "max_grad_norm" in str(e) for e in chain)
+    _no_threads_left(before)
+
+
+def test_clipping_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        EngineConfig(max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        EngineConfig(max_grad_norm=math.inf)
+    with pytest.raises(ValueError, match="max_consecutive_nonfinite"):
+        EngineConfig(max_consecutive_nonfinite=0)
