@@ -148,14 +148,22 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def _assert_weights_and_state(params, state, ref_params, ref_state, step_count: int) -> None:
+CLIPPED_STATE_RTOL = (1e-4, 1e-3)
+"""(exp_avg, exp_avg_sq) tolerance once a rescale ran: correcting a coefficient-1 update to coefficient c
+amplifies the fp32 rounding of the speculative moments by ~1/c and ~1/c^2 (c is ~0.01 here), see the
+undo arithmetic in clipping.py. Weights and losses stay within RTOL."""
+
+
+def _assert_weights_and_state(
+    params, state, ref_params, ref_state, step_count: int, state_rtol: tuple[float, float] = (RTOL, RTOL)
+) -> None:
     for unit, views in ref_params.items():
         for name, want in views.items():
             assert _rel(params[unit][name], want) <= RTOL, f"{unit}.{name} differs"
             exp_avg, exp_avg_sq, steps = ref_state[unit][name]
             assert steps == step_count, f"{unit}.{name}: reference took {steps} steps, engine {step_count}"
-            assert _rel(state[unit]["exp_avg"][name], exp_avg) <= RTOL, f"{unit}.{name} exp_avg differs"
-            assert _rel(state[unit]["exp_avg_sq"][name], exp_avg_sq) <= RTOL, f"{unit}.{name} exp_avg_sq differs"
+            assert _rel(state[unit]["exp_avg"][name], exp_avg) <= state_rtol[0], f"{unit}.{name} exp_avg differs"
+            assert _rel(state[unit]["exp_avg_sq"][name], exp_avg_sq) <= state_rtol[1], f"{unit}.{name} v differs"
 
 
 CASES = {
@@ -203,7 +211,8 @@ def test_clipping_matches_clip_grad_norm(case: str, regime: str) -> None:
         assert result.step == step + 1
         assert result.loss == pytest.approx(ref_losses[step], rel=RTOL), f"loss differs at step {step + 1}"
         assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL), f"grad norm differs at step {step + 1}"
-    _assert_weights_and_state(params, state, ref_params, ref_state, step_count)
+    state_rtol = (RTOL, RTOL) if regime == "never" else CLIPPED_STATE_RTOL
+    _assert_weights_and_state(params, state, ref_params, ref_state, step_count, state_rtol)
 
 
 NAN_CASES = {
@@ -244,7 +253,8 @@ def test_nan_step_is_skipped_exactly(case: str) -> None:
         if step != bad:
             assert result.loss == pytest.approx(ref_losses[step], rel=RTOL), f"loss differs at step {step + 1}"
             assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL)
-    _assert_weights_and_state(params, state, ref_params, ref_state, step_count)
+    state_rtol = (RTOL, RTOL) if max_norm > max(ref_norms.values()) else CLIPPED_STATE_RTOL
+    _assert_weights_and_state(params, state, ref_params, ref_state, step_count, state_rtol)
 
 
 def _engine_threads() -> set[threading.Thread]:

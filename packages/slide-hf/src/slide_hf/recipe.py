@@ -176,7 +176,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         engine_config = EngineConfig(block_slots=cfg.block_slots, compute_dtype=compute_dtype, resident_units=resident)
         if resident:
             log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(resident))
-        engine = Engine(model, device, host, TorchAdamW(adam), engine_config)
+        engine = Engine(model, device, host, _host_optimizer(adam), engine_config)
         checkpoints = output / "checkpoints"
         run_state = {"model": cfg.model, "seed": cfg.seed, "total_steps": total_steps}
         first_step = _resume(cfg.resume, engine, host, batches, run_state) if cfg.resume is not None else 0
@@ -265,6 +265,15 @@ def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype:
 
 _GPU_MARGIN_BYTES = 1 << 30
 """Headroom left unplanned on the GPU for allocator fragmentation and library workspaces."""
+
+
+def _host_optimizer(adam: AdamWConfig) -> Any:
+    """The fused one-pass CPU AdamW when numba is installed; torch's fused AdamW + casts otherwise."""
+    try:
+        from slide_core.optim.fused_adamw import best_adamw
+    except ImportError:
+        return TorchAdamW(adam)
+    return best_adamw(adam)
 
 
 class _StopRequests:
