@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("numba")
+from slide_core import AdamWConfig
+from slide_core.optim import TorchAdamW, fused_adamw
+from slide_core.optim.fused_adamw import FusedAdamW, best_adamw
 
-from slide_core import AdamWConfig  # noqa: E402
-from slide_core.optim import TorchAdamW  # noqa: E402
-from slide_core.optim import fused_adamw  # noqa: E402
-from slide_core.optim.fused_adamw import FusedAdamW, best_adamw  # noqa: E402
+pytest.importorskip("numba")
 
 SIZES = (1, 7, 2049, 100_003)
 LR = 1e-3

@@ -2,44 +2,56 @@
 
 ``torch.nn.utils.clip_grad_norm_`` scales every gradient of a step by ``c = min(1, max_norm / (norm +
 1e-6))``, where ``norm`` is the 2-norm over *all* parameters' final gradients. The engine updates each
-unit as soon as its gradient chunks land on the host, long before the last block's backward has produced
-the rest of the norm. Waiting for the norm would serialize the whole host update after backward, the very
-overlap the engine exists for. So the engine speculates:
+unit as soon as its gradient lands on the host, long before the last block's backward has produced the
+rest of the norm. Waiting for the norm would serialize the whole host update after backward, the very
+overlap the engine exists for. So the engine speculates, then corrects:
 
-1. Every unit is updated as its gradients land, assuming ``c = 1``. Its gradients are kept: host units'
-   in the pinned :class:`~slide_core.engine.grad_ring.GradStore` (the d2h lands there directly, so no
-   extra copy; 2 bytes/param in bf16), accumulated units' in their fp32 accumulators, resident units' in
-   their device slot or accumulator.
-2. Each unit's squared norm is computed on the device right after its gradient is written (fp32, no host
-   sync) and copied to a pinned scalar with its chunks. An accumulated host unit's final gradient exists
-   only in its host accumulator, so its squared norm is summed chunk by chunk in the pass that applies it.
+1. Each unit's squared gradient norm is computed on the device right after its gradient is written (fp32,
+   no host sync) and copied to a pinned scalar ahead of its chunks. An accumulated host unit's final
+   (summed) gradient exists only in its host accumulator, so its squared norm is summed chunk by chunk in
+   the pass that accumulates it.
+2. Every unit is updated speculatively, with the largest coefficient its own gradient allows,
+   ``c_u = min(1, max_norm / (|g_u| + 1e-6))``. Since ``|g| >= |g_u|``, ``c <= c_u``; when the step ends up
+   unclipped every ``c_u`` is 1, so nothing is scaled and nothing corrected. A unit with one gradient
+   contribution knows ``|g_u|`` before its first chunk is applied; an accumulated unit is applied once its
+   last chunk has been summed (same work, a little later). Its gradient is kept: host units' in the pinned
+   :class:`~slide_core.engine.grad_ring.GradStore` (the d2h lands there directly: no extra host copy, 2
+   bytes/param in bf16) or their fp32 accumulator, resident units' in their device slot or accumulator.
 3. At the end of the step the main thread waits for the speculative updates, forms the total norm and
    decides. ``c >= 1``: nothing to do. ``c < 1``: every unit is corrected exactly, one fused pass per chunk
-   (:class:`AdamWCorrection`: take the update back from the kept gradient, redo it with ``c * g``), on the
-   optimizer thread for host units and on the compute stream for resident ones. Non-finite norm: every
-   speculative update is taken back and the Adam step counter does not advance.
+   (:class:`AdamWCorrection`: take the ``c_u * g`` update back, redo it with ``c * g``), on the optimizer
+   thread for host units and on the compute stream for resident ones. Non-finite norm: every speculative
+   update is taken back and the Adam step counter does not advance.
+
+Why ``c_u`` rather than 1: a correction recovers the moments before the step from their speculative
+values, so it amplifies their fp32 rounding by the ratio of speculative to final contribution, ~``a/c``
+for m and ``(a/c)^2`` for v when the update applied coefficient ``a``. With ``a = 1`` and ``c = 0.01``
+(a loss spike, early training) v would be off by ~1e-4 relative; with ``a = c_u`` the ratio is
+``|g| / |g_u|``, modest for every unit that holds a fair share of the norm.
 
 Cost: nothing extra while the norm stays below ``max_norm`` (the overlap is intact; the per-unit device
-norms are a reduction each). When clipping triggers, one extra pass over the updated state (master, m, v
-and the kept gradient) per step, partly overlapped with the next step's forward. Either way ``step``
-returns only once the step's host updates are done (it must report the norm): the next step's first load,
-the embedding, had to wait for its update anyway, so only a device-resident embedding loses a little
-overlap. Memory: the store replaces the gradient ring, one compute-dtype element per host-updated param.
+norms are one reduction each). When clipping triggers: scaling ``c_u * g`` into an fp32 scratch as each
+chunk is applied, and one extra pass over the updated state (master, m, v and the kept gradient) per step,
+partly overlapped with the next step's forward. Either way ``step`` returns once the step's host updates
+are done (it must report the norm); the next step's first load, the embedding, waited for its update
+anyway, so only a device-resident embedding loses a little overlap. Memory: the store replaces the
+gradient ring, one compute-dtype element per host-updated param.
 
-Undo arithmetic (decoupled AdamW, ``s = lr / (1 - beta1^t)``, ``d = sqrt(v) / sqrt(1 - beta2^t) + eps``):
-``p_decayed = p + s * m / d`` (m and v are still the ones the step divided by), ``m_prev = (m - (1 - beta1)
-g) / beta1``, ``v_prev = (v - (1 - beta2) g^2) / beta2``, ``p_prev = p_decayed / (1 - lr * wd)`` on decay
-ranges. At ``t = 1`` the moments are restored to exactly zero (Adam's state before its first step). The
-result matches the never-updated state to rounding (~1 ulp of p, a few ulp of m and v), not bit for bit.
+Undo arithmetic (decoupled AdamW, ``s = lr / (1 - beta1^t)``, ``d = sqrt(v) / sqrt(1 - beta2^t) + eps``,
+``g`` the gradient exactly as applied): ``p_decayed = p + s * m / d`` (m and v are still the ones the step
+divided by), ``m_prev = (m - (1 - beta1) g) / beta1``, ``v_prev = (v - (1 - beta2) g^2) / beta2``, ``p_prev
+= p_decayed / (1 - lr * wd)`` on decay ranges. At ``t = 1`` the moments are restored to exactly zero
+(Adam's state before its first step). The result matches the never-updated state to rounding (~1 ulp of
+p, a few ulp of m and v times the amplification above), not bit for bit.
 
 Note [Speculative non-finite guard]: a chunk with NaN or Inf gradients must never be applied, because its
 update cannot be taken back (``p + s * m / d`` is NaN). The optimizer thread therefore checks the unit's
 device-computed squared norm (it lands, on the d2h stream, before the unit's first chunk) before applying
-any chunk of the unit's final contribution, and an accumulated unit's host squared norm chunk by chunk;
-from the first non-finite value on, no further chunk of the step is applied. Resident units are updated on
-the compute stream without a host sync, so their gradient is instead zeroed on the device when its norm is
-non-finite (``masked_fill_``) before the speculative update, which makes that update undoable too.
-Tested by ``test_nan_step_is_skipped_exactly``.
+any chunk of the unit's final contribution, and an accumulated unit's host-summed squared norm before
+applying any of it; from the first non-finite value on, nothing more of the step is applied. Resident
+units are updated on the compute stream without a host sync, so their gradient is instead zeroed on the
+device when its norm is not finite (``masked_fill_``) before the speculative update, which makes that
+update undoable too. Tested by ``test_nan_step_is_skipped_exactly``.
 
 Note [Clip rollback ordering]: a unit's ``updated`` future of the step (Note [Update futures]) is resolved
 by the main thread's decision or, when the unit needs a correction, by the correction job; never at the
@@ -72,11 +84,15 @@ __all__ = [
     "AdamWCorrection",
     "AppliedRange",
     "ClipStep",
+    "Coefficient",
     "Correction",
+    "ScaledGrads",
     "UnitNorms",
     "clip_coefficient",
     "correct_resident",
     "resident_step",
+    "scale_into",
+    "unit_coefficient",
 ]
 
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")
@@ -85,15 +101,46 @@ ADAMW_STATE = ("exp_avg", "exp_avg_sq")
 CLIP_EPS = 1e-6
 """``clip_grad_norm_``'s epsilon in ``max_norm / (total_norm + eps)``."""
 
+Coefficient = float | torch.Tensor
+"""A gradient scale: a host float, or a 0-dim fp32 device tensor (resident units, no host sync)."""
+
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """``clip_grad_norm_``'s coefficient before clamping to 1 (so ``< 1`` means 'clip')."""
     return max_norm / (total_norm + CLIP_EPS)
 
 
+def unit_coefficient(squared_norm: float, max_norm: float) -> float:
+    """The speculative coefficient ``c_u`` of a unit with squared gradient norm ``squared_norm``."""
+    return min(1.0, clip_coefficient(math.sqrt(squared_norm), max_norm))
+
+
+def scale_into(out: torch.Tensor, grad: torch.Tensor, coeff: Coefficient) -> torch.Tensor:
+    """``out = coeff * grad`` in fp32. The one way the engine scales a gradient, so that a correction
+    recomputes bit for bit the gradient a speculative update applied."""
+    out.copy_(grad)
+    out.mul_(coeff)
+    return out
+
+
+class ScaledGrads:
+    """fp32 scratch, per device, for ``coeff * grad`` ranges. One instance per thread."""
+
+    def __init__(self) -> None:
+        self._held: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, grad: torch.Tensor, coeff: Coefficient) -> torch.Tensor:
+        if isinstance(coeff, float) and coeff == 1.0:
+            return grad
+        held = self._held.get(grad.device)
+        if held is None or held.numel() < grad.numel():
+            held = self._held[grad.device] = torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
+        return scale_into(held[: grad.numel()], grad, coeff)
+
+
 @dataclass(frozen=True)
 class Correction:
-    """What to do to an update applied speculatively with coefficient 1."""
+    """What to do to the step's speculative updates: take them back, or rescale them to ``coeff``."""
 
     kind: Literal["undo", "rescale"]
     coeff: float = 1.0
@@ -101,12 +148,13 @@ class Correction:
 
 @dataclass(frozen=True)
 class AppliedRange:
-    """One speculatively applied range ``[start, end)`` of a host unit and the gradient it applied."""
+    """One speculatively applied range ``[start, end)`` of a host unit: it applied ``coeff * grad``."""
 
     start: int
     end: int
     grad: torch.Tensor  # a view of the grad store or of the unit's fp32 accumulator
     decay: bool
+    coeff: float
 
 
 @dataclass
@@ -117,9 +165,14 @@ class ClipStep:
     [Clip rollback ordering]), so it needs no lock.
     """
 
+    max_norm: float
     skip_nonfinite: bool
+    coeffs: dict[str, float] = field(default_factory=dict)
+    """Units with one contribution: ``c_u``, from the device norm that landed before the first chunk."""
     host_sq: dict[str, float] = field(default_factory=dict)
     """Accumulated host units: the squared norm of the final (summed) gradient, summed over chunks."""
+    pending: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """Accumulated host units: the summed ranges waiting for the unit's last chunk."""
     applied: dict[str, list[AppliedRange]] = field(default_factory=dict)
     nonfinite_unit: str | None = None
     """The first unit found with a non-finite gradient (see Note [Speculative non-finite guard])."""
@@ -130,7 +183,7 @@ class ClipStep:
 
     @property
     def halted(self) -> bool:
-        """True once no further chunk of the step may be applied."""
+        """True once nothing more of the step may be applied."""
         return self.skip_nonfinite and self.nonfinite_unit is not None
 
     def add_sq(self, name: str, value: float) -> None:
@@ -146,7 +199,7 @@ class UnitNorms:
     The device slot of a unit sums the squared norms of the unit's gradient contributions of the step (for
     a unit with one contribution, and for a resident unit's final gradient, that is the squared norm of
     the gradient). The host copy is sent once per step, with the unit's final contribution, on the d2h
-    stream ahead of its chunks.
+    stream ahead of its chunks. ``coeffs`` holds resident units' device-side ``c_u``.
     """
 
     def __init__(self, device: Device, units: Sequence[Unit]) -> None:
@@ -155,9 +208,11 @@ class UnitNorms:
         self.on_device.zero_()
         self.on_host = device.alloc_pinned(len(units), torch.float32)
         self.on_host.zero_()
+        self.coeffs = device.empty(len(units), torch.float32)
+        self.coeffs.fill_(1.0)
 
     def add(self, unit: Unit, grad: torch.Tensor, *, first: bool) -> torch.Tensor:
-        """Compute stream: fold ``||grad||^2`` into the unit's device slot; return that 0-dim slot."""
+        """Compute stream: fold ``|grad|^2`` into the unit's device slot; return that 0-dim slot."""
         squared = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         slot = self.on_device[self._index[unit.name]]
         if first:
@@ -165,6 +220,18 @@ class UnitNorms:
         else:
             slot.add_(squared)
         return slot
+
+    def device_coefficient(self, unit: Unit, squared: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """Compute stream: ``c_u`` as a 0-dim device tensor (1 where the norm is not finite: the
+        gradient was zeroed, see Note [Speculative non-finite guard])."""
+        coeff = (max_norm / (squared.sqrt() + CLIP_EPS)).clamp_(max=1.0)
+        slot = self.coeffs[self._index[unit.name]]
+        slot.copy_(torch.where(torch.isfinite(squared), coeff, torch.ones_like(coeff)))
+        return slot
+
+    def coefficient(self, unit: Unit) -> torch.Tensor:
+        """The resident unit's device-side ``c_u`` of this step (as its speculative update applied it)."""
+        return self.coeffs[self._index[unit.name]]
 
     def send(self, unit: Unit) -> torch.Tensor:
         """d2h stream: start copying the unit's squared norm to the host; return the pinned 0-dim view."""
@@ -174,7 +241,7 @@ class UnitNorms:
         return host
 
     def host_value(self, unit: Unit) -> float:
-        """The landed host copy (after the unit's first chunk was synchronized)."""
+        """The landed host copy (valid once the unit's first chunk was synchronized)."""
         return float(self.on_host[self._index[unit.name]])
 
     def device_values(self, units: Sequence[Unit]) -> list[float]:
@@ -186,7 +253,7 @@ class UnitNorms:
 
 
 class AdamWCorrection:
-    """Takes back, or redoes with a scaled gradient, an AdamW update applied with a known gradient.
+    """Takes back, or redoes with another coefficient, an AdamW update applied with a known gradient.
 
     One fused pass per piece of at most ``max_range_numel`` elements (so the piece stays in cache and the
     fp32 scratch is bounded): take the step back, then (``rescale``) apply it again with ``c * g`` using
@@ -210,18 +277,21 @@ class AdamWCorrection:
         correction: Correction,
         master: torch.Tensor,
         grad: torch.Tensor,
+        applied: Coefficient,
         state: Mapping[str, torch.Tensor],
         *,
         lr: float,
         step: int,
         decay: bool,
     ) -> None:
-        """Correct ``master`` and ``state`` in place; ``grad`` (any float dtype) is left untouched."""
+        """Correct ``master`` and ``state`` in place for an update that applied ``applied * grad``.
+        ``grad`` (any float dtype) is left untouched."""
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         numel = master.numel()
         for lo in range(0, numel, self.max_range_numel):
             hi = min(numel, lo + self.max_range_numel)
-            self._piece(correction, master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], lr, step, decay)
+            pieces = (master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi])
+            self._piece(correction, *pieces, applied, lr, step, decay)
 
     def _piece(
         self,
@@ -230,13 +300,14 @@ class AdamWCorrection:
         grad: torch.Tensor,
         m: torch.Tensor,
         v: torch.Tensor,
+        applied: Coefficient,
         lr: float,
         step: int,
         decay: bool,
     ) -> None:
         cfg = self.config
         g, denom = self._buffers(p.device, p.numel())
-        g.copy_(grad)
+        scale_into(g, grad, applied)  # bit for bit what the speculative update applied
         beta1, beta2 = cfg.beta1, cfg.beta2
         step_size = lr / (1.0 - beta1**step)
         bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
@@ -256,9 +327,9 @@ class AdamWCorrection:
             if weight_decay:
                 p.div_(1.0 - lr * weight_decay)
             return
-        # 3. Redo with c * g, as torch.optim.AdamW after clip_grad_norm_ would (the decay factor is still in
-        #    p, so it is neither divided out nor applied again).
-        g.mul_(correction.coeff)
+        # 3. Redo with c * g (one rounding, as clip_grad_norm_'s in-place multiply), as torch.optim.AdamW
+        #    would. The decay factor is still in p, so it is neither divided out nor applied again.
+        scale_into(g, grad, correction.coeff)
         m.lerp_(g, 1.0 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         torch.sqrt(v, out=denom)
@@ -266,24 +337,38 @@ class AdamWCorrection:
         p.addcdiv_(m, denom, value=-step_size)
 
 
-def _decay_ranges(unit: Unit) -> list[tuple[int, int, bool]]:
+def _pieces(unit: Unit, piece_numel: int) -> list[tuple[int, int, bool]]:
+    """``[lo, hi)`` pieces of at most ``piece_numel`` that never straddle the unit's decay boundary."""
     decay_numel, numel = unit.layout.decay_numel, unit.layout.numel
-    return [(lo, hi, decay) for lo, hi, decay in ((0, decay_numel, True), (decay_numel, numel, False)) if hi > lo]
+    out = []
+    for start, end, decay in ((0, decay_numel, True), (decay_numel, numel, False)):
+        out.extend((lo, min(end, lo + piece_numel), decay) for lo in range(start, end, piece_numel))
+    return out
 
 
-def resident_step(resident: ResidentUnit, grad: torch.Tensor, optimizer: Optimizer, *, lr: float, step: int) -> None:
-    """Compute stream: one optimizer step of a resident unit from ``grad`` (its final gradient), as
-    :meth:`ResidentUnits.apply` does for ``step`` mode, but from any gradient tensor (e.g. its
-    accumulator after its norm was taken)."""
-    for lo, hi, decay in _decay_ranges(resident.unit):
+def resident_step(
+    resident: ResidentUnit,
+    grad: torch.Tensor,
+    coeff: torch.Tensor,
+    optimizer: Optimizer,
+    scaled: ScaledGrads,
+    piece_numel: int,
+    *,
+    lr: float,
+    step: int,
+) -> None:
+    """Compute stream: a resident unit's speculative step with ``coeff * grad`` (``coeff`` on the device),
+    in pieces so the fp32 scratch stays small; as :meth:`ResidentUnits.apply` does for ``step`` mode."""
+    for lo, hi, decay in _pieces(resident.unit, piece_numel):
         state = {key: view[lo:hi] for key, view in resident.state.items()}
-        optimizer.step(resident.master[lo:hi], grad[lo:hi], state, lr=lr, step=step, decay=decay)
+        optimizer.step(resident.master[lo:hi], scaled(grad[lo:hi], coeff), state, lr=lr, step=step, decay=decay)
     resident.slot.params.copy_(resident.master)
 
 
 def correct_resident(
     resident: ResidentUnit,
     grad: torch.Tensor,
+    applied: torch.Tensor,
     corrector: AdamWCorrection,
     correction: Correction,
     *,
@@ -291,7 +376,7 @@ def correct_resident(
     step: int,
 ) -> None:
     """Compute stream: correct a resident unit's speculative update (see Note [Clip rollback ordering])."""
-    for lo, hi, decay in _decay_ranges(resident.unit):
+    for lo, hi, decay in _pieces(resident.unit, corrector.max_range_numel):
         state = {key: view[lo:hi] for key, view in resident.state.items()}
-        corrector.apply(correction, resident.master[lo:hi], grad[lo:hi], state, lr=lr, step=step, decay=decay)
+        corrector.apply(correction, resident.master[lo:hi], grad[lo:hi], applied, state, lr=lr, step=step, decay=decay)
     resident.slot.params.copy_(resident.master)

@@ -44,6 +44,7 @@ from .clipping import (
     AdamWCorrection,
     ClipStep,
     Correction,
+    ScaledGrads,
     UnitNorms,
     clip_coefficient,
     correct_resident,
@@ -149,6 +150,7 @@ class Engine:
             self.ring = GradRing(self.device, cfg.grad_ring_slots, cfg.transfer_chunk_numel, self.dtype)
         self.norms = UnitNorms(self.device, model.units) if self.clipping or cfg.skip_nonfinite else None
         self._resident_corrector = AdamWCorrection(self.optimizer.config, cfg.transfer_chunk_numel)
+        self._resident_scaled = ScaledGrads()
         self._consumed: dict[str, Future[None]] = {}  # d2h thread only, see Note [Grad store reuse]
         self._last_d2h: Future[Event] | None = None
         self.optimizer.reserve(cfg.transfer_chunk_numel)
@@ -211,7 +213,7 @@ class Engine:
         self._contributions: dict[str, int] = {unit.name: 0 for unit in self.model.units}
         self._expected = self._expected_contributions(len(micro_batches))
         self._lr = lr
-        self._clip = ClipStep(self.config.skip_nonfinite) if self.clipping else None
+        self._clip = ClipStep(self.config.max_grad_norm, self.config.skip_nonfinite) if self.clipping else None
         self._last_d2h = None
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         position = 0
@@ -512,7 +514,9 @@ class Engine:
         if self.config.skip_nonfinite:
             # See Note [Speculative non-finite guard] in clipping.py: a zero gradient's update can be undone.
             grad.masked_fill_(~torch.isfinite(squared), 0.0)
-        resident_step(resident, grad, self.residents.optimizer, lr=lr, step=step)
+        coeff = self.norms.device_coefficient(unit, squared, self.config.max_grad_norm)
+        chunk = self.config.transfer_chunk_numel
+        resident_step(resident, grad, coeff, self.residents.optimizer, self._resident_scaled, chunk, lr=lr, step=step)
 
     def _d2h_job(
         self,
@@ -585,7 +589,8 @@ class Engine:
             workers.wait(self._last_d2h, "the gradient transfers of the step")
         workers.wait(workers["optimizer"].submit(_barrier), "the speculative updates of the step")
         residents = [unit for unit in self.model.units if unit.name in self.residents]
-        squares = norms.device_values(residents)
+        resident_squares = norms.device_values(residents)
+        squares = list(resident_squares)
         for unit in self.model.units:
             if unit.name in self.residents:
                 continue
@@ -601,9 +606,10 @@ class Engine:
             self._correct_all(clip, Correction("undo"), updated, number)
             self.step_count = number - 1
             self._nonfinite_streak += 1
-            where = clip.nonfinite_unit or ", ".join(
-                unit.name for unit, value in zip(residents, squares, strict=False) if not math.isfinite(value)
-            )
+            bad = [
+                unit.name for unit, value in zip(residents, resident_squares, strict=True) if not math.isfinite(value)
+            ]
+            where = clip.nonfinite_unit or ", ".join(bad) or "the total (its square overflowed fp32)"
             log.warning("step %d skipped: gradient norm %s (non-finite gradients in %s)", number, norm, where)
             if self._nonfinite_streak >= cfg.max_consecutive_nonfinite:
                 for name, future in updated.items():
@@ -633,7 +639,9 @@ class Engine:
                 grad = resident.accum if self._expected[name] > 1 else resident.slot.grads
                 assert grad is not None
                 start = self._mark()
-                correct_resident(resident, grad, self._resident_corrector, correction, lr=self._lr, step=step)
+                assert self.norms is not None
+                applied = self.norms.coefficient(unit)
+                correct_resident(resident, grad, applied, self._resident_corrector, correction, lr=self._lr, step=step)
                 self._span(unit, "update", start)
                 updated[name].set_result(None)
                 continue

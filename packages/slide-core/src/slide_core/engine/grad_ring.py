@@ -17,7 +17,8 @@ Note [Grad store reuse]: a unit's store range is written once per gradient contr
 waits until the optimizer thread has consumed contribution k (folded it into the fp32 accumulator).
 Across steps no wait is needed: a unit's first transfer of step n+1 follows its backward, which follows
 its load, which waits for its step-n ``updated`` future, resolved only after the step-n correction that
-reads the range (Note [Clip rollback ordering] in clipping.py).
+reads the range (Note [Clip rollback ordering] in clipping.py). Tested by the accumulated and tied cases of
+``test_clipping_matches_clip_grad_norm``.
 """
 
 from __future__ import annotations

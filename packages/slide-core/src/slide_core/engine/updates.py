@@ -22,7 +22,7 @@ from slide_core.host_params import HostParameters
 from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel, Unit
 
-from .clipping import AdamWCorrection, AppliedRange, ClipStep, Correction
+from .clipping import AdamWCorrection, AppliedRange, ClipStep, Correction, ScaledGrads, unit_coefficient
 from .timeline import Timeline
 from .workers import EngineError
 
@@ -72,6 +72,7 @@ class UnitUpdates:
         self.optimizer = optimizer
         self.timeline = timeline
         self.corrector = corrector  # set when clipping is on; used on the optimizer thread only
+        self._scaled = ScaledGrads()  # c_u * g for speculative updates (optimizer thread)
         self.state_slabs = {name: torch.zeros(host_params.numel, dtype=torch.float32) for name in optimizer.state_names}
         self._accum: dict[str, torch.Tensor] = {}
         self.updated: dict[str, Future[None]] = {unit.name: _done_future() for unit in model.units}
@@ -97,52 +98,72 @@ class UnitUpdates:
     def apply(self, chunk: GradChunk, grad: torch.Tensor) -> None:
         """Apply one landed gradient chunk (optimizer thread)."""
         began = time.perf_counter()
-        unit, start, end = chunk.unit, chunk.start, chunk.end
+        unit, start, end, clip = chunk.unit, chunk.start, chunk.end, chunk.clip
         if chunk.norm_sq is not None:
-            self._check_finite(chunk, float(chunk.norm_sq))
-        final: torch.Tensor | None = grad
-        if chunk.mode != "step":
+            self._first_chunk(chunk, float(chunk.norm_sq))
+        if chunk.mode == "step":
+            if clip is None:
+                self._step(unit, start, end, grad, chunk)
+            else:
+                self._speculate(chunk, start, end, grad, clip.coeffs.get(unit.name, 1.0))
+        else:
             accum = self._accum_for(unit)[start:end]
             if chunk.mode == "stash":
                 accum.copy_(grad)
             else:
                 accum.add_(grad)
-            final = accum if chunk.mode == "add_step" else None
-        if final is not None:
-            if chunk.clip is None:
-                self._step(unit, start, end, final, chunk)
-            else:
-                self._speculate(chunk, final)
+                if chunk.mode == "add_step":
+                    if clip is None:
+                        self._step(unit, start, end, accum, chunk)
+                    else:
+                        self._speculate_accumulated(chunk, accum)
         self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
-        if chunk.last_chunk and final is not None and chunk.clip is None:
+        if chunk.last_chunk and chunk.mode in ("step", "add_step") and clip is None:
             chunk.updated.set_result(None)
 
-    def _check_finite(self, chunk: GradChunk, norm_sq: float) -> None:
-        """See Note [Speculative non-finite guard] in clipping.py."""
-        if math.isfinite(norm_sq):
-            return
-        if chunk.clip is None:
-            raise EngineError(
-                f"non-finite gradients in {chunk.unit.name} at step {chunk.step} (squared norm {norm_sq}); "
-                "with max_grad_norm = 0 the engine cannot skip a step exactly, so it stops here. Lower --lr, "
-                "or set max_grad_norm > 0 to skip such steps"
-            )
-        chunk.clip.mark_nonfinite(chunk.unit.name)
+    def _first_chunk(self, chunk: GradChunk, norm_sq: float) -> None:
+        """Check the unit's device-computed squared norm before anything of it is applied (see Note
+        [Speculative non-finite guard] in clipping.py); with clipping, derive the unit's ``c_u``."""
+        clip = chunk.clip
+        if not math.isfinite(norm_sq):
+            if clip is None:
+                raise EngineError(
+                    f"non-finite gradients in {chunk.unit.name} at step {chunk.step} (squared norm {norm_sq}); "
+                    "with max_grad_norm = 0 the engine cannot skip a step exactly, so it stops here. Lower "
+                    "--lr, or set max_grad_norm > 0 to skip such steps"
+                )
+            clip.mark_nonfinite(chunk.unit.name)
+        elif clip is not None and chunk.mode == "step":
+            clip.coeffs[chunk.unit.name] = unit_coefficient(norm_sq, clip.max_norm)
 
-    def _speculate(self, chunk: GradChunk, final: torch.Tensor) -> None:
-        """Apply ``final`` assuming clip coefficient 1, and remember it for the step's correction."""
+    def _speculate_accumulated(self, chunk: GradChunk, accum: torch.Tensor) -> None:
+        """Sum the squared norm of the unit's final gradient as its chunks are summed; apply the whole unit
+        once its last chunk is in, with its ``c_u`` (see clipping.py)."""
         clip, unit = chunk.clip, chunk.unit
         assert clip is not None
-        if chunk.mode == "add_step":
-            # The summed gradient exists only here: its norm is taken in the pass that applies it.
-            squared = float(torch.linalg.vector_norm(final, dtype=torch.float32)) ** 2
-            clip.add_sq(unit.name, squared)
-            if not math.isfinite(squared):
-                clip.mark_nonfinite(unit.name)
+        clip.add_sq(unit.name, float(torch.linalg.vector_norm(accum, dtype=torch.float32)) ** 2)
+        clip.pending.setdefault(unit.name, []).append((chunk.start, chunk.end))
+        if not chunk.last_chunk:
+            return
+        squared = clip.host_sq[unit.name]
+        ranges = clip.pending.pop(unit.name)
+        coeff = 1.0
+        if math.isfinite(squared):
+            coeff = unit_coefficient(squared, clip.max_norm)
+        else:
+            clip.mark_nonfinite(unit.name)
+        whole = self._accum_for(unit)
+        for lo, hi in ranges:
+            self._speculate(chunk, lo, hi, whole[lo:hi], coeff)
+
+    def _speculate(self, chunk: GradChunk, start: int, end: int, grad: torch.Tensor, coeff: float) -> None:
+        """Apply ``coeff * grad`` to ``[start, end)`` and remember it for the step's correction."""
+        clip, unit = chunk.clip, chunk.unit
+        assert clip is not None
         if clip.halted:
             return
-        self._step(unit, chunk.start, chunk.end, final, chunk)
-        clip.record(unit.name, AppliedRange(chunk.start, chunk.end, final, chunk.end <= unit.layout.decay_numel))
+        self._step(unit, start, end, self._scaled(grad, coeff), chunk)
+        clip.record(unit.name, AppliedRange(start, end, grad, end <= unit.layout.decay_numel, coeff))
 
     def correct(
         self,
@@ -161,7 +182,9 @@ class UnitUpdates:
         for applied in ranges:
             lo, hi = applied.start, applied.end
             state = {name: view[lo:hi] for name, view in states.items()}
-            self.corrector.apply(correction, master[lo:hi], applied.grad, state, lr=lr, step=step, decay=applied.decay)
+            self.corrector.apply(
+                correction, master[lo:hi], applied.grad, applied.coeff, state, lr=lr, step=step, decay=applied.decay
+            )
         self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
         updated.set_result(None)
 
