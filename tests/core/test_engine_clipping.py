@@ -2,7 +2,8 @@
 
 The reference is ``torch.nn.utils.clip_grad_norm_`` followed by ``torch.optim.AdamW.step()``; a skipped
 step's reference simply never sees that step's batch. See Note [Clip rollback ordering] and Note
-[Speculative non-finite guard] in slide_core/engine/clipping.py.
+[Speculative non-finite guard] in slide_core/engine/clipping.py, and Note [Grad store reuse] in
+slide_core/engine/grad_ring.py (exercised by the accumulated and tied cases).
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ class _PoisonableToy(ToyModel):
 
     def poison(self, on: bool) -> None:
         self.poisonable.poisoned = on
+
+
+class _CountingAdamW(TorchAdamW):
+    """Counts host optimizer steps, to show that a skipped step had applied speculative updates."""
+
+    def __init__(self, config: AdamWConfig) -> None:
+        super().__init__(config)
+        self.calls = 0
+
+    def step(self, *args, **kwargs) -> None:
+        self.calls += 1
+        super().step(*args, **kwargs)
 
 
 def _batches(cfg: ToyConfig, steps: int, accum: int, seed: int = 0, batch: int = 2, seq: int = 12):
@@ -236,9 +249,15 @@ def test_nan_step_is_skipped_exactly(case: str) -> None:
         resident_units=resident,
         max_grad_norm=max_norm,
     )
-    results, params, state, step_count = _engine_run(
-        model, init, batches, adam, config, before_step=lambda step: model.poison(step == bad)
-    )
+    optimizer = _CountingAdamW(adam)
+    calls: list[int] = []
+
+    def before_step(step: int) -> None:
+        calls.append(optimizer.calls)
+        model.poison(step == bad)
+
+    results, params, state, step_count = _engine_run(model, init, batches, adam, config, before_step, optimizer)
+    assert calls[bad + 1] > calls[bad], "the bad step applied no speculative update: nothing was rolled back"
     assert [r.skipped for r in results] == [step == bad for step in range(len(batches))]
     assert results[bad].grad_norm is not None and not math.isfinite(results[bad].grad_norm)
     assert [r.step for r in results] == [1, 2, 3, 3, 4]

@@ -251,6 +251,8 @@ class PlanInputs:
     fused_loss: bool = True
     transfer_chunk_numel: int = _ENGINE_DEFAULTS.transfer_chunk_numel
     grad_ring_slots: int = _ENGINE_DEFAULTS.grad_ring_slots
+    resident_units: tuple[str, ...] = ()
+    """Units whose master and Adam state live on the GPU (``EngineConfig.resident_units``)."""
 
     def __post_init__(self) -> None:
         for name, flag in (
@@ -347,6 +349,7 @@ class Plan:
                 "offload_activations": i.offload_activations,
                 "bandwidths": dataclasses.asdict(i.bandwidths),
                 "fused_loss": i.fused_loss,
+                "resident_units": list(i.resident_units),
             },
             "params": self.params,
             "tokens_per_step": self.tokens_per_step,
@@ -493,10 +496,12 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
     h, kv, i, v = shape.hidden_size, shape.kv_dim, shape.intermediate_size, shape.vocab_size
     slots = inputs.block_slots if shape.num_blocks else 0
     side_inputs = 3 * tokens * 8 + 2 * inputs.seq_len * shape.head_dim * d  # ids, labels, shifted; cos, sin
+    resident = set(inputs.resident_units)
     persistent = {
         "block_slots": slots * 2 * shape.max_block_numel * d,
-        "embedding_slot": 2 * shape.embedding_numel * d,
-        "head_slot": 2 * shape.head_numel * d,
+        "embedding_slot": 0 if "embedding" in resident else 2 * shape.embedding_numel * d,
+        "head_slot": 0 if "head" in resident else 2 * shape.head_numel * d,
+        "resident_units": _resident_bytes(shape, inputs),
         "activation_buffers": 2 * tokens * h * d,
         "model_extras": shape.extra_device_bytes + side_inputs,
         "cuda_context": CUDA_CONTEXT_BYTES,
@@ -523,6 +528,15 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         phases.pop("forward")
         phases.pop("backward")
     return persistent, phases
+
+
+def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+    """Device-resident units: params and grads in the compute dtype, fp32 master, m and v, and an fp32
+    accumulator under gradient accumulation (see slide_core/engine/resident.py)."""
+    per_param = 2 * inputs.compute_dtype_bytes + 12 + (4 if inputs.grad_accum > 1 else 0)
+    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
+    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    return sum(numel.get(name, 0) for name in inputs.resident_units) * per_param
 
 
 def _gpu_peak(shape: ModelShape, inputs: PlanInputs) -> int:
@@ -645,6 +659,29 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 # fitting
 # ---------------------------------------------------------------------------------------------------
+GPU_MARGIN_BYTES = 1 << 30
+"""GPU memory left unplanned for allocator fragmentation and library workspaces."""
+
+
+def plan_with_placement(inputs: PlanInputs) -> Plan:
+    """The plan after spending the GPU budget's spare memory on device-resident units.
+
+    Without a GPU budget nothing is placed. The units are chosen by
+    :func:`slide_core.engine.placement.choose_resident_units` (embedding, head, then the first blocks).
+    """
+    import torch
+
+    from slide_core.engine.placement import choose_resident_units
+
+    base = make_plan(inputs)
+    if inputs.gpu_memory_bytes is None or isinstance(inputs.model, ModelShape):
+        return base
+    spare = max(0, inputs.gpu_memory_bytes - base.gpu_peak_bytes - GPU_MARGIN_BYTES)
+    dtype = torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16
+    resident = choose_resident_units(inputs.model, spare, dtype, accumulates=inputs.grad_accum > 1)
+    return make_plan(dataclasses.replace(inputs, resident_units=resident)) if resident else base
+
+
 def available_host_bytes() -> int:
     """Host RAM a new training process can take without swapping: the kernel's ``MemAvailable``.
 

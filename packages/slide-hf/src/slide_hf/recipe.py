@@ -239,32 +239,22 @@ def train(cfg: TrainConfig) -> TrainSummary:
 
 def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype: torch.dtype) -> tuple[str, ...]:
     """Check the run fits (host RAM, GPU budget) and choose the units to keep on the GPU."""
-    from slide_core.engine.placement import choose_resident_units
-    from slide_hf.planner import PlanInputs, available_host_bytes, check_fits, make_plan
+    from slide_hf.planner import PlanInputs, available_host_bytes, check_fits, make_plan, plan_with_placement
 
     gpu_budget = None
     if device.is_accelerator:
         gpu_budget = device.memory_limit_bytes or device.facts().total_memory_bytes
-    plan = make_plan(
-        PlanInputs(
-            model,
-            batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            grad_accum=cfg.grad_accum,
-            compute_dtype_bytes=torch.empty((), dtype=compute_dtype).element_size(),
-            block_slots=cfg.block_slots,
-            gpu_memory_bytes=gpu_budget,
-        )
+    inputs = PlanInputs(
+        model,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        grad_accum=cfg.grad_accum,
+        compute_dtype_bytes=torch.empty((), dtype=compute_dtype).element_size(),
+        block_slots=cfg.block_slots,
+        gpu_memory_bytes=gpu_budget,
     )
-    check_fits(plan, host_available=available_host_bytes(), gpu_available=gpu_budget)
-    if gpu_budget is None:
-        return ()
-    spare = gpu_budget - plan.gpu_peak_bytes - _GPU_MARGIN_BYTES
-    return choose_resident_units(model, max(0, spare), compute_dtype, accumulates=cfg.grad_accum > 1)
-
-
-_GPU_MARGIN_BYTES = 1 << 30
-"""Headroom left unplanned on the GPU for allocator fragmentation and library workspaces."""
+    check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
+    return plan_with_placement(inputs).inputs.resident_units
 
 
 def _host_optimizer(adam: AdamWConfig) -> Any:

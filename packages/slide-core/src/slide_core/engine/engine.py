@@ -14,10 +14,10 @@ tied head's share of the embedding gradient) accumulate in fp32 on the host.
 Threads: main (issues compute), ``h2d`` (waits for a unit's update, then loads it), ``d2h`` (streams
 gradients into the ring), ``optimizer`` (applies chunks). See Note [Worker failures] in workers.py.
 
-With ``max_grad_norm > 0`` those updates are speculative (coefficient 1) and gradients land in a full-model
-store instead of the ring; at the end of the step the main thread forms the global norm and, when it clips
-or is not finite, has every update corrected or taken back (clipping.py). Per-unit squared gradient norms
-are computed on the device whenever ``skip_nonfinite`` or clipping is on.
+With ``max_grad_norm > 0`` those updates are speculative (each unit clipped by its own norm only) and
+gradients land in a full-model store instead of the ring; at the end of the step the main thread forms the
+global norm and, when it clips or is not finite, has every update corrected or taken back (clipping.py).
+Per-unit squared gradient norms are computed on the device whenever ``skip_nonfinite`` or clipping is on.
 """
 
 from __future__ import annotations

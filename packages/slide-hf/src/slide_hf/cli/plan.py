@@ -14,7 +14,16 @@ import textwrap
 from typing import Any
 
 from slide_hf.errors import UserError
-from slide_hf.planner import Plan, PlanInputs, available_host_bytes, check_fits, format_bytes, make_plan, parse_size
+from slide_hf.planner import (
+    Plan,
+    PlanInputs,
+    available_host_bytes,
+    check_fits,
+    format_bytes,
+    make_plan,
+    parse_size,
+    plan_with_placement,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -97,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         fused_loss=_fused_loss_available(),
     )
     plan = make_plan(inputs)
+    if gpu_cap is not None and plan.gpu_peak_bytes <= gpu_cap:
+        plan = plan_with_placement(inputs)  # spare GPU memory holds whole units (master + Adam state)
     problem = None
     try:
         check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source)
@@ -155,6 +166,8 @@ def render(plan: Plan, *, model_name: str, dtype: str, gpu_source: str, problem:
         lines.append("(slide-kernels is not installed here: the head's logits are counted in full)")
     lines += ["", _row("GPU peak", format_bytes(plan.gpu_peak_bytes), f"largest phase: {plan.gpu_peak_phase}")]
     lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v)) for k, v in plan.gpu_breakdown.items()]
+    resident = ", ".join(i.resident_units) if i.resident_units else "none (no spare GPU memory, or no --gpu-memory)"
+    lines.append(_row("on the GPU", resident, "units whose master and Adam state live on the GPU"))
     lines.append(_row("host peak", format_bytes(plan.host_peak_bytes)))
     lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v)) for k, v in plan.host_breakdown.items() if v]
     lines.append(_row("disk", format_bytes(plan.disk_bytes)))
