@@ -28,6 +28,7 @@ import torch
 
 __all__ = [
     "CheckpointCorrupt",
+    "CheckpointWriteError",
     "find_latest",
     "list_checkpoints",
     "load_checkpoint",
@@ -42,6 +43,10 @@ _PREFIX = "step-"
 
 class CheckpointCorrupt(ValueError):
     """A checkpoint is incomplete, truncated or fails its checksums; the message names the file."""
+
+
+class CheckpointWriteError(OSError):
+    """A save failed (full disk, file too large, no permission); the previous checkpoint is untouched."""
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -107,6 +112,15 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.rename(temp, final)
         _fsync_dir(root)
+    except OSError as error:
+        shutil.rmtree(temp, ignore_errors=True)
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        free = shutil.disk_usage(root).free
+        raise CheckpointWriteError(
+            error.errno,
+            f"cannot write checkpoint {final}: {error.strerror or error} "
+            f"(needs {needed / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free); the previous checkpoint is kept",
+        ) from error
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise

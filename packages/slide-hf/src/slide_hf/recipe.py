@@ -22,7 +22,14 @@ import psutil
 import torch
 
 from slide_core import AdamWConfig, HostParameters, LRSchedule
-from slide_core.checkpoint import CheckpointCorrupt, find_latest, load_checkpoint, prune_checkpoints, save_checkpoint
+from slide_core.checkpoint import (
+    CheckpointCorrupt,
+    CheckpointWriteError,
+    find_latest,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from slide_core.device import Device
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
@@ -189,7 +196,10 @@ def train(cfg: TrainConfig) -> TrainSummary:
             engine.drain()  # note: waits for every pending update (a host sync), only when saving
             state = {**run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
             state["rng"] = torch.get_rng_state().tolist()
-            saved = save_checkpoint(checkpoints, step, {"master": host.slab, **engine.updates.state_slabs}, state)
+            try:
+                saved = save_checkpoint(checkpoints, step, {"master": host.slab, **engine.updates.state_slabs}, state)
+            except CheckpointWriteError as error:
+                raise UserError(error.strerror) from error
             prune_checkpoints(checkpoints, cfg.keep_checkpoints)
             log.info("checkpoint written to %s", saved)
 
