@@ -208,7 +208,10 @@ def train(cfg: TrainConfig) -> TrainSummary:
             with Progress(total_steps, first_step=first_step) as progress:
                 for step in range(first_step, total_steps):
                     # LR for this step, then forward/backward over its micro-batches and the update.
-                    result = engine.step(batches.next_step(), lr=schedule.lr_at(step))
+                    try:
+                        result = engine.step(batches.next_step(), lr=schedule.lr_at(step))
+                    except torch.OutOfMemoryError as error:
+                        raise UserError(_oom_message(error, cfg, step + 1)) from error
                     losses.append(result.loss)
                     if not math.isfinite(result.loss):
                         raise UserError(f"the loss became {result.loss} at step {result.step}; try a lower --lr")
@@ -265,6 +268,17 @@ def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype:
     )
     check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
     return plan_with_placement(inputs).inputs.resident_units
+
+
+def _oom_message(error: BaseException, cfg: TrainConfig, step: int) -> str:
+    """One line: what the device could not allocate, and how to see and fix what fits."""
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+    cap = f" --gpu-memory {cfg.gpu_memory}" if cfg.gpu_memory else ""
+    return (
+        f"GPU out of memory in step {step} ({detail}); see what fits with `slide plan --model {cfg.model} "
+        f"--batch-size {cfg.batch_size} --seq-len {cfg.seq_len}{cap}`, then lower --batch-size or --seq-len, "
+        "or use --block-slots 1"
+    )
 
 
 def _host_optimizer(adam: AdamWConfig) -> Any:
