@@ -43,8 +43,13 @@ class Dataset:
         return self.input_ids.shape[0]
 
 
-def load_dataset(path: Path | None, tokenizer: Any, seq_len: int, max_positions: int | None = None) -> Dataset:
-    """Read ``path`` (None: the bundled English text) into fixed-length examples."""
+def load_dataset(
+    path: Path | None, tokenizer: Any, seq_len: int, max_positions: int | None = None, *, vocab_size: int | None = None
+) -> Dataset:
+    """Read ``path`` (None: the bundled English text) into fixed-length examples.
+
+    ``vocab_size``, when given, bounds the token ids of ``input_ids`` lines (the model's embedding rows).
+    """
     if seq_len < 2:
         raise UserError(f"--seq-len must be at least 2, got {seq_len}")
     if max_positions is not None and seq_len > max_positions:
@@ -73,6 +78,8 @@ def load_dataset(path: Path | None, tokenizer: Any, seq_len: int, max_positions:
                 raise UserError(f"{path}:{line}: input_ids must be a list of non-negative integers")
             if len(ids) > seq_len:
                 raise UserError(f"{path}:{line}: {len(ids)} input_ids exceed --seq-len {seq_len}")
+            if vocab_size is not None and ids and max(ids) >= vocab_size:
+                raise UserError(f"{path}:{line}: token id {max(ids)} is outside the model's vocabulary of {vocab_size}")
             sequences.append((ids, list(ids)))
     for start in range(0, len(stream) - seq_len + 1, seq_len):
         chunk = stream[start : start + seq_len]

@@ -253,6 +253,8 @@ class PlanInputs:
     grad_ring_slots: int = _ENGINE_DEFAULTS.grad_ring_slots
     resident_units: tuple[str, ...] = ()
     """Units whose master and Adam state live on the GPU (``EngineConfig.resident_units``)."""
+    clipping: bool = False
+    """``--max-grad-norm > 0``: gradients land in a full-model pinned store (for the exact rollback)."""
 
     def __post_init__(self) -> None:
         for name, flag in (
@@ -449,7 +451,9 @@ def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
         "master_fp32": 4 * shape.total_numel,
         "optimizer_state": 8 * (shape.total_numel - sum(on_nvme)),
         "grad_accumulators": 4 * _accumulated_numel(shape, inputs.grad_accum),
-        "grad_ring": inputs.grad_ring_slots * inputs.transfer_chunk_numel * d,
+        "grad_ring": (
+            shape.total_numel * d if inputs.clipping else inputs.grad_ring_slots * inputs.transfer_chunk_numel * d
+        ),
         "activation_stash": shape.num_blocks * boundary if inputs.offload_activations == "ram" else 0,
         "optimizer_scratch": 4 * inputs.transfer_chunk_numel,
         # Double buffers in front of NVMe: one unit's m and v (or one block input) read ahead while the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import threading
 from dataclasses import asdict, dataclass, field
@@ -31,7 +32,7 @@ from slide_core.checkpoint import (
     save_checkpoint,
 )
 from slide_core.device import Device
-from slide_core.engine import Engine, EngineConfig
+from slide_core.engine import Engine, EngineConfig, EngineError
 from slide_core.optim import TorchAdamW
 from slide_hf.data import Batches, DataPosition, load_dataset
 from slide_hf.errors import UserError
@@ -107,6 +108,17 @@ class TrainConfig:
             raise UserError(f"--nvme-fraction must be in [0, 1], got {self.nvme_fraction}")
         if self.save_every < 0:
             raise UserError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise UserError(f"--lr-schedule must be constant, linear or cosine, got {self.lr_schedule!r}")
+        if self.warmup_steps < 0:
+            raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.weight_decay < 0:
+            raise UserError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise UserError(f"--adam-eps must be > 0, got {self.adam_eps}")
 
 
 @dataclass
@@ -142,19 +154,18 @@ def train(cfg: TrainConfig) -> TrainSummary:
 
     # Data.
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, max_positions)
+    dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, max_positions, vocab_size=config.vocab_size)
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed)
     epochs = cfg.epochs or (10 if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
     lr = cfg.lr if cfg.lr is not None else (1e-3 if model_dir is None else 2e-5)
     schedule = LRSchedule(lr, cfg.lr_schedule, cfg.warmup_steps, total_steps)
     adam = AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay)
-    if cfg.max_grad_norm > 0:
-        raise UserError("--max-grad-norm is not available yet in this build; use --max-grad-norm 0")
 
     # Plan: refuse what cannot fit before allocating anything; spend spare GPU memory on resident units.
     if cfg.offload_optimizer == "nvme" or cfg.offload_activations == "nvme":
         raise UserError("NVMe offload is not wired into the training engine yet; use --offload-optimizer ram")
+    _make_output_dir(output)  # an unwritable --output fails now, not after training
     device = _make_device(cfg)
     compute_dtype = DTYPES[cfg.dtype]
     resident = _plan_and_place(cfg, model, device, compute_dtype)
@@ -180,7 +191,12 @@ def train(cfg: TrainConfig) -> TrainSummary:
             device.facts().name,
             cfg.dtype,
         )
-        engine_config = EngineConfig(block_slots=cfg.block_slots, compute_dtype=compute_dtype, resident_units=resident)
+        engine_config = EngineConfig(
+            block_slots=cfg.block_slots,
+            compute_dtype=compute_dtype,
+            resident_units=resident,
+            max_grad_norm=cfg.max_grad_norm,
+        )
         if resident:
             log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(resident))
         engine = Engine(model, device, host, _host_optimizer(adam), engine_config)
@@ -212,9 +228,14 @@ def train(cfg: TrainConfig) -> TrainSummary:
                         result = engine.step(batches.next_step(), lr=schedule.lr_at(step))
                     except torch.OutOfMemoryError as error:
                         raise UserError(_oom_message(error, cfg, step + 1)) from error
-                    losses.append(result.loss)
-                    if not math.isfinite(result.loss):
+                    except EngineError as error:
+                        raise UserError(str(error)) from error
+                    if result.skipped:
+                        log.warning("step %d skipped exactly: non-finite gradients (nothing applied)", step + 1)
+                    elif not math.isfinite(result.loss):
                         raise UserError(f"the loss became {result.loss} at step {result.step}; try a lower --lr")
+                    else:
+                        losses.append(result.loss)
                     # Logging.
                     times = engine.unit_times()
                     record = {
@@ -226,6 +247,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
                         "step_time_s": result.wall_s,
                         "tflops": flops_per_token * result.tokens / result.wall_s / 1e12,
                         "eta": _overall_eta(times),
+                        "grad_norm": result.grad_norm,
+                        "skipped": result.skipped,
                         "gpu_mem_peak_gb": device.peak_memory_bytes() / 1e9,
                         "host_rss_gb": process.memory_info().rss / 1e9,
                     }
@@ -265,6 +288,7 @@ def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype:
         compute_dtype_bytes=torch.empty((), dtype=compute_dtype).element_size(),
         block_slots=cfg.block_slots,
         gpu_memory_bytes=gpu_budget,
+        clipping=cfg.max_grad_norm > 0,
     )
     check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
     return plan_with_placement(inputs).inputs.resident_units
@@ -393,6 +417,15 @@ def _open_metrics(path: Path | None):
         return path.open("a", encoding="utf-8")
     except OSError as error:
         raise UserError(f"cannot write metrics to {path}: {error.strerror}") from None
+
+
+def _make_output_dir(output: Path) -> None:
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create output directory {output}: {error.strerror}") from None
+    if not os.access(output, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write to output directory {output}: permission denied")
 
 
 def _save_tokenizer(tokenizer: Any, output: Path) -> Path:

@@ -55,7 +55,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--seed", type=int, help="seed for init and shuffling (default 0)")
     add("--no-shuffle", action="store_true", default=None, help="keep file order")
     add("--metrics", type=Path, help="JSON Lines file with one record per optimizer step")
-    add("--save-every", type=int, help="checkpoint every N steps (default 0 = only at the end)")
+    add("--save-every", type=int, help="checkpoint every N steps (default 0 = none; the model is exported at the end)")
     add("--keep-checkpoints", type=int, help="how many checkpoints to keep (default 2)")
     add("--resume", type=Path, help="an output directory or one of its checkpoints")
     add("--gpu-memory", help="hard GPU memory cap, e.g. 24GiB")
@@ -78,6 +78,18 @@ def _from_toml(path: Path) -> dict[str, Any]:
     return data
 
 
+_TOML_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_TOML_TYPES["Path"] = _TOML_TYPES["str"]
+
+
+def _check_toml_value(path: Path, key: str, value: Any, annotation: str) -> None:
+    """A TOML value of the wrong type (``steps = 2.5``, ``data = 5``) is named here, not deep in training."""
+    names = [name for name in str(annotation).split(" | ") if name != "None"]
+    allowed = tuple(kind for name in names for kind in _TOML_TYPES.get(name, (object,)))
+    if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+        raise UserError(f"config file {path}: {key} must be {' or '.join(names)}, got {value!r}")
+
+
 def build_config(args: argparse.Namespace):
     from slide_hf.recipe import TrainConfig
 
@@ -87,6 +99,7 @@ def build_config(args: argparse.Namespace):
         for key, value in _from_toml(args.config).items():
             if key not in fields:
                 raise UserError(f"config file {args.config}: unknown option {key!r}")
+            _check_toml_value(args.config, key, value, fields[key].type)
             values[key] = value
     for name in fields:
         value = getattr(args, name, None)
