@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # The benchmark suite behind docs/benchmarks.md, on one GPU machine. Usage: bench/h200_suite.sh OUT_DIR
-# Each result is a JSON file in OUT_DIR; the last lines printed summarise them.
+# Writes one JSON per run (plus the trace of one 3B step) into OUT_DIR and prints a summary.
 set -uo pipefail
 out=${1:?usage: bench/h200_suite.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-run() { local name=$1; shift; echo "== $name: $*"; timeout 900 "$@" > "$out/$name.log" 2>&1; echo "   rc=$?"; }
+run() { local name=$1; shift; echo "== $name: $*"; timeout 900 "$@" > "/tmp/$name.log" 2>&1; echo "   rc=$?"; tail -3 "/tmp/$name.log"; }
 
 run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core tests/hf
-run cpu_adam python3 bench/cpu_adam.py --json "$out/cpu_adam.json"
 run e2e_3b_12g python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 6 \
-    --gpu-memory 12 --compare plain --trace "$out/trace3b" --json "$out/e2e_3b_12g.json"
+    --gpu-memory 12 --compare plain --trace "$out" --json "$out/e2e_3b_12g.json"
+run e2e_3b_12g_clip python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 6 \
+    --gpu-memory 12 --max-grad-norm 1.0 --json "$out/e2e_3b_12g_clip.json"
 run e2e_3b_40g python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 6 \
     --gpu-memory 40 --json "$out/e2e_3b_40g.json"
 run e2e_8b_24g python3 bench/e2e.py --model llama3.1-8b --batch-size 16 --seq-len 1024 --steps 5 \
     --gpu-memory 24 --json "$out/e2e_8b_24g.json"
+run io python3 bench/io.py --dir /tmp/slide-io-bench --size-gb 1 --json "$out/io.json"
 python3 - "$out" <<'PY'
 import json, sys, pathlib
 for f in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):
@@ -22,5 +24,6 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):
     print(f.stem, "tok/s", s["tokens_per_s"], "plain", r.get("plain", {}).get("tokens_per_s"), "ratio", r.get("ratio"),
           "bound", s["physical_bound_tokens_per_s"], s["binding_limit"], "gpu", s["gpu_peak_gib"], "plan", s["planned_gpu_peak_gib"],
           "host", s["host_peak_rss_gib"], "plan", s["planned_host_peak_gib"], "B/param", s["host_bytes_per_param"],
-          "eta", s["median_block_eta"], "crit", s["critical_batch_size"], "resident", len(s["resident_units"]), s["optimizer"])
+          "eta", s["median_block_eta"], "crit", s["critical_batch_size"], "resident", len(s["resident_units"]),
+          "steps", s["step_times_s"], "norms", s.get("grad_norms"))
 PY

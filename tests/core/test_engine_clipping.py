@@ -147,6 +147,7 @@ def _engine_run(
             for step, micro in enumerate(batches):
                 before_step(step)
                 results.append(engine.step(micro, lr=LR))
+            engine.drain(with_state=True)  # device-resident units' Adam state, copied to the host
         params = {unit.name: host.views(unit) for unit in model.units}
         state = {
             unit.name: {name: unit.layout.views(flat) for name, flat in engine.updates.state_views(unit).items()}

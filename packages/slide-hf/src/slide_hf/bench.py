@@ -15,6 +15,7 @@ checkpointing, SDPA and fused GPU AdamW, the same batch and sequence length.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import statistics
@@ -43,6 +44,7 @@ class BenchConfig:
     compare_plain: bool = False
     trace_dir: Path | None = None
     optimizer: str = "auto"
+    max_grad_norm: float = 0.0
 
 
 class PeakRss:
@@ -118,7 +120,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from slide_core.engine import Engine, EngineConfig
     from slide_core.engine.placement import choose_resident_units
     from slide_hf import build_model, init_random
-    from slide_hf.planner import PlanInputs, make_plan
+    from slide_hf.planner import PlanInputs, make_plan, plan_with_placement
 
     model = build_model(config)
     params = sum(u.layout.param_numel for u in model.units)
@@ -131,16 +133,22 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         from slide_core.devices.cpu import CPUDevice
 
         device = CPUDevice()
-    plan = make_plan(PlanInputs(model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, block_slots=cfg.block_slots))
+    inputs = PlanInputs(
+        model,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        block_slots=cfg.block_slots,
+        gpu_memory_bytes=limit,
+        clipping=cfg.max_grad_norm > 0,
+    )
     if cfg.resident_gib is not None:
-        budget = int(cfg.resident_gib * 2**30)
-    elif limit is not None:
-        budget = max(0, limit - plan.gpu_peak_bytes - 2**30)
+        resident = choose_resident_units(model, int(cfg.resident_gib * 2**30), torch.bfloat16, accumulates=False)
+        plan = make_plan(dataclasses.replace(inputs, resident_units=resident))
     else:
-        budget = 0
-    resident = choose_resident_units(model, budget, torch.bfloat16, accumulates=False)
+        plan = plan_with_placement(inputs)  # the placement `slide train` would pick
+        resident = plan.inputs.resident_units
     batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.steps)
-    times, losses, spans = [], [], []
+    times, losses, spans, norms = [], [], [], []
     per_unit: dict[str, list[dict[str, float]]] = {}
     with PeakRss() as rss, device:
         h2d_gbps, d2h_gbps = _pcie_gbps(device)
@@ -149,7 +157,12 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         init_random(model, host, config, seed=0)
         setup_s = time.perf_counter() - began
         optimizer = _make_optimizer(cfg.optimizer, AdamWConfig())
-        engine_config = EngineConfig(block_slots=cfg.block_slots, compute_dtype=torch.bfloat16, resident_units=resident)
+        engine_config = EngineConfig(
+            block_slots=cfg.block_slots,
+            compute_dtype=torch.bfloat16,
+            resident_units=resident,
+            max_grad_norm=cfg.max_grad_norm,
+        )
         with Engine(model, device, host, optimizer, engine_config) as engine:
             device.reset_peak_memory()
             for index, micro in enumerate(batches):
@@ -164,6 +177,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
                     engine.drain()
                 times.append(time.perf_counter() - start)
                 losses.append(result.loss)
+                norms.append(result.grad_norm)
                 if traced:
                     spans = engine.timeline.end_trace()
                 taken = engine.unit_times()
@@ -196,6 +210,8 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "params": params,
         "resident_units": list(resident),
         "optimizer": type(optimizer).__name__,
+        "max_grad_norm": cfg.max_grad_norm,
+        "grad_norms": [None if r is None else round(r, 4) for r in norms],
         "setup_s": round(setup_s, 1),
         "step_s": round(step_s, 4),
         "step_times_s": [round(t, 4) for t in times],

@@ -14,6 +14,7 @@ sees exactly the batches the uninterrupted run would have.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -27,6 +28,8 @@ from slide_hf.errors import UserError
 __all__ = ["Batches", "DataPosition", "Dataset", "bundled_text_path", "load_dataset"]
 
 IGNORE = -100
+
+log = logging.getLogger("slide.train")
 
 
 def bundled_text_path() -> Path:
@@ -64,6 +67,7 @@ def load_dataset(
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     sequences: list[tuple[list[int], list[int]]] = []
+    unlabelled: list[int] = []  # lines whose sequence has no label the head can use (labels[1:])
     stream: list[int] = []
     for line, record in records:
         kind = _kind(record, path, line)
@@ -71,7 +75,11 @@ def load_dataset(
             ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
             stream.extend([*ids, eos] if eos is not None else ids)
         elif kind == "messages":
-            sequences.append(_chat(record["messages"], tokenizer, seq_len, path, line))
+            ids, labels = _chat(record["messages"], tokenizer, seq_len, path, line)
+            if all(label == IGNORE for label in labels[1:]):
+                unlabelled.append(line)
+            else:
+                sequences.append((ids, labels))
         else:
             ids = record["input_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
@@ -80,7 +88,18 @@ def load_dataset(
                 raise UserError(f"{path}:{line}: {len(ids)} input_ids exceed --seq-len {seq_len}")
             if vocab_size is not None and ids and max(ids) >= vocab_size:
                 raise UserError(f"{path}:{line}: token id {max(ids)} is outside the model's vocabulary of {vocab_size}")
-            sequences.append((ids, list(ids)))
+            if len(ids) < 2:
+                unlabelled.append(line)
+            else:
+                sequences.append((ids, list(ids)))
+    if unlabelled:
+        log.warning(
+            "%s: skipped %d sequence(s) with no label token within --seq-len %d (line %s)",
+            source,
+            len(unlabelled),
+            seq_len,
+            ", ".join(map(str, unlabelled[:5])) + (", ..." if len(unlabelled) > 5 else ""),
+        )
     for start in range(0, len(stream) - seq_len + 1, seq_len):
         chunk = stream[start : start + seq_len]
         sequences.append((chunk, list(chunk)))

@@ -449,10 +449,11 @@ def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
     boundary = inputs.batch_size * inputs.seq_len * shape.hidden_size * d  # one block's input
     host = {
         "master_fp32": 4 * shape.total_numel,
-        "optimizer_state": 8 * (shape.total_numel - sum(on_nvme)),
+        # device-resident units keep m and v on the GPU; their host ranges are never touched
+        "optimizer_state": 8 * (shape.total_numel - sum(on_nvme) - _resident_numel(shape, inputs)),
         "grad_accumulators": 4 * _accumulated_numel(shape, inputs.grad_accum),
         "grad_ring": (
-            shape.total_numel * d if inputs.clipping else inputs.grad_ring_slots * inputs.transfer_chunk_numel * d
+            shape.total_numel * d if inputs.clipping else _ring_slots(shape, inputs) * inputs.transfer_chunk_numel * d
         ),
         "activation_stash": shape.num_blocks * boundary if inputs.offload_activations == "ram" else 0,
         "optimizer_scratch": 4 * inputs.transfer_chunk_numel,
@@ -532,6 +533,20 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         phases.pop("forward")
         phases.pop("backward")
     return persistent, phases
+
+
+def _ring_slots(shape: ModelShape, inputs: PlanInputs) -> int:
+    """The engine's rule (``EngineConfig.ring_slots``) over the host-updated units."""
+    config = dataclasses.replace(
+        _ENGINE_DEFAULTS, grad_ring_slots=inputs.grad_ring_slots, transfer_chunk_numel=inputs.transfer_chunk_numel
+    )
+    return config.ring_slots(shape.total_numel - _resident_numel(shape, inputs))
+
+
+def _resident_numel(shape: ModelShape, inputs: PlanInputs) -> int:
+    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
+    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    return sum(numel.get(name, 0) for name in inputs.resident_units)
 
 
 def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:

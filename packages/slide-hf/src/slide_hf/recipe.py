@@ -209,7 +209,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         stop = _StopRequests()
 
         def checkpoint(step: int) -> None:
-            engine.drain()  # note: waits for every pending update (a host sync), only when saving
+            engine.drain(with_state=True)  # note: waits for every pending update (a host sync), only when saving
             state = {**run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
             state["rng"] = torch.get_rng_state().tolist()
             try:
@@ -343,6 +343,7 @@ def _resume(path: Path, engine: Engine, host: HostParameters, batches: Batches, 
     try:
         found = find_latest(path)
         state = load_checkpoint(found, {"master": host.slab, **engine.updates.state_slabs})
+        engine.updates.mark_host_state_valid()
     except CheckpointCorrupt as error:
         raise UserError(str(error)) from None
     extra = state["extra"]

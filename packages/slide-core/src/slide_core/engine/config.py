@@ -20,7 +20,12 @@ class EngineConfig:
       master weights and optimizer state are always fp32.
     - ``transfer_chunk_numel``: elements per host<->device chunk; gradient chunks feed the optimizer as they
       land, so smaller chunks start updates sooner at a small per-chunk cost.
-    - ``grad_ring_slots``: pinned host chunks for gradients in flight between the device and the optimizer.
+    - ``grad_ring_slots``: pinned host chunks for gradients in flight between the device and the optimizer
+      (at least this many).
+    - ``grad_ring_fraction``: ...or enough chunks for this fraction of the host-updated parameters, if
+      more. The ring holds the backlog the optimizer carries from one backward into the next forward
+      (see Note [Optimizer priority] in workers.py): about T_fwd / T_update of the model, 0.2-0.25 on
+      the H200 machine. 0 keeps the ring at ``grad_ring_slots``.
     - ``timeout_s``: the longest any single wait may block before the engine gives up with an error.
     - ``resident_units``: names of units whose master and optimizer state live on the device (see
       resident.py); they skip PCIe and the host optimizer entirely.
@@ -40,6 +45,7 @@ class EngineConfig:
     compute_dtype: torch.dtype = torch.bfloat16
     transfer_chunk_numel: int = 16 * 1024 * 1024
     grad_ring_slots: int = 4
+    grad_ring_fraction: float = 0.25
     timeout_s: float = 600.0
     record_timings: bool = True
     resident_units: tuple[str, ...] = ()
@@ -52,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"block_slots must be >= 1, got {self.block_slots}")
         if self.transfer_chunk_numel < 1024:
             raise ValueError(f"transfer_chunk_numel must be >= 1024, got {self.transfer_chunk_numel}")
+        if not 0.0 <= self.grad_ring_fraction <= 1.0:
+            raise ValueError(f"grad_ring_fraction must be in [0, 1], got {self.grad_ring_fraction}")
         if self.grad_ring_slots < 1:
             raise ValueError(f"grad_ring_slots must be >= 1, got {self.grad_ring_slots}")
         if self.timeout_s <= 0:
@@ -67,3 +75,8 @@ class EngineConfig:
     def clipping(self) -> bool:
         """Whether gradient-norm clipping (and with it the exact skip of non-finite steps) is on."""
         return self.max_grad_norm > 0.0
+
+    def ring_slots(self, host_numel: int) -> int:
+        """Ring chunks for ``host_numel`` host-updated parameters (see ``grad_ring_fraction``)."""
+        wanted = math.ceil(self.grad_ring_fraction * host_numel / self.transfer_chunk_numel)
+        return max(self.grad_ring_slots, wanted)

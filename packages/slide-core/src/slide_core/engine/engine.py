@@ -110,13 +110,16 @@ class Engine:
         self.dtype = self.config.compute_dtype
         self.step_count = 0
         self.timeline = Timeline(self.config.record_timings)
+        self._forward_position = {unit.name: index for index, unit in enumerate(model.units)}
         self.clipping = self.config.clipping
         if self.clipping and tuple(optimizer.state_names) != ADAMW_STATE:
             raise ValueError(
                 f"max_grad_norm needs an AdamW optimizer (state {ADAMW_STATE}); got state {optimizer.state_names}"
             )
         corrector = AdamWCorrection(optimizer.config, self.config.transfer_chunk_numel) if self.clipping else None
-        self.updates = UnitUpdates(model, host_params, optimizer, self.timeline, corrector)
+        self.updates = UnitUpdates(
+            model, host_params, optimizer, self.timeline, corrector, frozenset(self.config.resident_units)
+        )
         self._workers: Workers | None = None
         self._closed = False
         self._nonfinite_streak = 0
@@ -131,7 +134,10 @@ class Engine:
             cfg.resident_units,
             self.device,
             self.host_params,
-            {name: self.updates.state_views(name) for name in cfg.resident_units},
+            {
+                name: self.updates.state_views(name) if self.updates.host_state_valid[name] else None
+                for name in cfg.resident_units
+            },
             TorchAdamW(self.optimizer.config),
             self.dtype,
             cfg.transfer_chunk_numel,
@@ -147,7 +153,9 @@ class Engine:
         if self.clipping:  # see grad_ring.py: the store replaces the ring
             self.store = GradStore(self.device, host_units, self.dtype)
         else:
-            self.ring = GradRing(self.device, cfg.grad_ring_slots, cfg.transfer_chunk_numel, self.dtype)
+            host_numel = sum(u.layout.numel for u in model.units if u.name not in resident)
+            slots = cfg.ring_slots(host_numel)
+            self.ring = GradRing(self.device, slots, cfg.transfer_chunk_numel, self.dtype)
         self.norms = UnitNorms(self.device, model.units) if self.clipping or cfg.skip_nonfinite else None
         self._resident_corrector = AdamWCorrection(self.optimizer.config, cfg.transfer_chunk_numel)
         self._resident_scaled = ScaledGrads()
@@ -185,13 +193,21 @@ class Engine:
             raise EngineError("the engine is not running; use it inside `with Engine(...) as engine:`")
         return self._workers
 
-    def drain(self) -> None:
-        """Wait until every pending update has been applied to the host master."""
+    def drain(self, *, with_state: bool = False) -> None:
+        """Wait until every pending update has been applied to the host master.
+
+        ``with_state`` also copies device-resident units' optimizer state to the host slabs (for a
+        checkpoint of the full training state).
+        """
         workers = self.workers
         for name, future in self.updates.updated.items():
             workers.wait(future, f"the update of {name}")
         self.device.synchronize()
-        self.residents.sync_to_host({name: self.updates.state_views(name) for name in self.residents.units})
+        if with_state:
+            self.residents.sync_to_host({name: self.updates.state_views(name) for name in self.residents.units})
+            self.updates.mark_host_state_valid()
+        else:
+            self.residents.sync_to_host()
         self.timeline.resolve(block=True)
 
     # -- one optimizer step ----------------------------------------------------------------------------
@@ -494,6 +510,7 @@ class Engine:
             self.step_count,
             self.updates.updated[unit.name],
             self._clip,
+            (self.step_count, 0, self._forward_position[unit.name], count),
         )
 
     def _speculate_resident(self, unit: Unit, mode: str) -> None:
@@ -528,6 +545,7 @@ class Engine:
         step: int,
         updated: Future[None],
         clip: ClipStep | None,
+        order: tuple[int, ...],
     ) -> Event:
         """d2h thread: stream the unit's gradient in chunks; each landed chunk becomes an optimizer job.
 
@@ -563,7 +581,9 @@ class Engine:
                 last = number == len(chunks) - 1
                 first_norm = norm_sq if number == 0 else None
                 chunk = GradChunk(unit, lo, hi, mode, last, lr, step, updated, first_norm, clip)
-                consumed = workers["optimizer"].submit(self._update_job, chunk, target, index, end)
+                consumed = workers["optimizer"].submit(
+                    self._update_job, chunk, target, index, end, priority=(*order, lo)
+                )
             if store is not None and consumed is not None:
                 self._consumed[unit.name] = consumed
         if start is not None:
@@ -587,7 +607,9 @@ class Engine:
         assert norms is not None
         if self._last_d2h is not None:
             workers.wait(self._last_d2h, "the gradient transfers of the step")
-        workers.wait(workers["optimizer"].submit(_barrier), "the speculative updates of the step")
+        # After every update job of this step (see Note [Optimizer priority] in workers.py).
+        barrier = workers["optimizer"].submit(_barrier, priority=(self.step_count, 1))
+        workers.wait(barrier, "the speculative updates of the step")
         residents = [unit for unit in self.model.units if unit.name in self.residents]
         resident_squares = norms.device_values(residents)
         squares = list(resident_squares)
@@ -648,7 +670,7 @@ class Engine:
             ranges = clip.applied.get(name)
             if ranges:
                 self.workers["optimizer"].submit(
-                    self.updates.correct, unit, ranges, correction, self._lr, step, updated[name]
+                    self.updates.correct, unit, ranges, correction, self._lr, step, updated[name], priority=(step, 1)
                 )
             else:
                 updated[name].set_result(None)

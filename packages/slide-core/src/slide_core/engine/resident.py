@@ -54,7 +54,7 @@ class ResidentUnits:
         names: tuple[str, ...],
         device: Device,
         host_params: HostParameters,
-        host_state: Mapping[str, Mapping[str, torch.Tensor]],
+        host_state: Mapping[str, Mapping[str, torch.Tensor] | None],
         optimizer: Optimizer,
         compute_dtype: torch.dtype,
         chunk_numel: int,
@@ -74,9 +74,13 @@ class ResidentUnits:
             master = device.empty(numel, torch.float32)
             master.copy_(host_params.flat(unit))
             state = {}
-            for key, host_view in host_state[name].items():
+            views = host_state[name]
+            for key in optimizer.state_names:
                 state[key] = device.empty(numel, torch.float32)
-                state[key].copy_(host_view)
+                if views is None:  # a fresh run: the host copy was never written
+                    state[key].zero_()
+                else:
+                    state[key].copy_(views[key])
             params = device.empty(numel, compute_dtype)
             params.copy_(master)
             grads = device.empty(numel, compute_dtype)
@@ -122,9 +126,11 @@ class ResidentUnits:
                 self.optimizer.step(resident.master[start:end], grads[start:end], state, lr=lr, step=step, decay=decay)
         resident.slot.params.copy_(resident.master)
 
-    def sync_to_host(self, host_state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Copy device masters and state back to the host slabs (drain, checkpoint, export)."""
+    def sync_to_host(self, host_state: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
+        """Copy device masters back to the host slab (drain, export) and, given ``host_state``, the
+        optimizer state too (checkpoints only: it touches 8 bytes/param of host pages)."""
         for name, resident in self.units.items():
             self.host_params.flat(name).copy_(resident.master)
-            for key, tensor in resident.state.items():
-                host_state[name][key].copy_(tensor)
+            if host_state is not None:
+                for key, tensor in resident.state.items():
+                    host_state[name][key].copy_(tensor)

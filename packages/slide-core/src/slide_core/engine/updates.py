@@ -66,6 +66,7 @@ class UnitUpdates:
         optimizer: Optimizer,
         timeline: Timeline,
         corrector: AdamWCorrection | None = None,
+        device_resident: frozenset[str] = frozenset(),
     ):
         self.model = model
         self.host_params = host_params
@@ -73,9 +74,21 @@ class UnitUpdates:
         self.timeline = timeline
         self.corrector = corrector  # set when clipping is on; used on the optimizer thread only
         self._scaled = ScaledGrads()  # c_u * g for speculative updates (optimizer thread)
-        self.state_slabs = {name: torch.zeros(host_params.numel, dtype=torch.float32) for name in optimizer.state_names}
+        # The host ranges of device-resident units are left unwritten (so their pages are never
+        # touched and cost no RSS) until a checkpoint needs them; ``host_state_valid`` says which hold
+        # real values (a resumed checkpoint makes them all valid).
+        self.state_slabs = {name: torch.empty(host_params.numel, dtype=torch.float32) for name in optimizer.state_names}
+        self.host_state_valid = {unit.name: unit.name not in device_resident for unit in model.units}
+        for unit in model.units:
+            if unit.name not in device_resident:
+                for view in self.state_views(unit).values():
+                    view.zero_()
         self._accum: dict[str, torch.Tensor] = {}
         self.updated: dict[str, Future[None]] = {unit.name: _done_future() for unit in model.units}
+
+    def mark_host_state_valid(self) -> None:
+        """Every unit's host state now holds real values (e.g. a checkpoint was loaded into the slabs)."""
+        self.host_state_valid = dict.fromkeys(self.host_state_valid, True)
 
     @property
     def host_bytes(self) -> int:

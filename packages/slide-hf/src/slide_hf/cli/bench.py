@@ -34,6 +34,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--resident-gib", type=float, help="GPU GiB for device-resident units (default: what the cap leaves)")
     add("--block-slots", type=int, default=2)
     add("--optimizer", choices=("auto", "torch", "fused"), default="auto", help="host AdamW implementation")
+    add("--max-grad-norm", type=float, default=0.0, help="exact global clipping (default 0 = off)")
     add("--compare", choices=("plain",), help="also run plain PyTorch in the same invocation")
     add("--trace", type=Path, help="write trace.json (Chrome) and timeline.png of the last step here")
     add("--json", type=Path, help="also write the result to this file")
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         compare_plain=args.compare == "plain",
         trace_dir=args.trace,
         optimizer=args.optimizer,
+        max_grad_norm=args.max_grad_norm,
     )
     try:
         result = run_bench(cfg)
