@@ -137,13 +137,15 @@ def test_gradient_accumulation_matches(tied: bool) -> None:
     )
 
 
+@pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("resident", [("embed",), ("head", "layers.0", "layers.2"), ("embed", "layers.1", "head")])
-def test_device_resident_units_match(tied: bool, resident: tuple[str, ...]) -> None:
+def test_device_resident_units_match(tied: bool, resident: tuple[str, ...], accum: int) -> None:
+    """Covers Note [Tied gradient in the slot] (tied, accum 1) and the fp32 accumulator (accum 2)."""
     cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
     model = ToyModel(cfg)
     init = _init(model, seed=13)
-    batches = _batches(cfg, steps=3, accum=2, seed=4)
+    batches = _batches(cfg, steps=3, accum=accum, seed=4)
     adam = AdamWConfig(weight_decay=0.1)
     schedule = LRSchedule(3e-3, "constant")
     config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, resident_units=resident)

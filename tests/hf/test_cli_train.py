@@ -48,6 +48,9 @@ def slide(capsys, monkeypatch) -> Slide:
         return True
 
     monkeypatch.setattr(cli, "COMMANDS", tuple(name for name in cli.COMMANDS if usable(name)))
+    # tests/conftest.py turns Triton's CPU interpreter on for the kernel tests; a real CPU run never has it
+    # and uses slide-kernels' torch fallback, which is also ~15x faster than the interpreter here.
+    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
 
     def call(*argv: str | Path) -> tuple[int, str, str]:
         status = cli.main([str(a) for a in argv])
@@ -193,7 +196,7 @@ def test_config_toml_errors(slide, tmp_path):
 
 
 def test_model_directory(slide, tmp_path, model_dir):
-    status, out, err = slide(
+    status, _, err = slide(
         "train", "--model", model_dir, *TINY, "--output", tmp_path / "run", "--lr-schedule", "constant",
         "--metrics", tmp_path / "m.jsonl",
     )  # fmt: skip
@@ -347,7 +350,7 @@ def test_metrics_records(slide, tmp_path):
     records = _records(metrics)
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
-        assert RECORD_KEYS <= record.keys()
+        assert record.keys() >= RECORD_KEYS
         assert all(isinstance(record[k], int | float) and math.isfinite(record[k]) for k in RECORD_KEYS)
         assert record["loss"] > 0 and record["tokens"] == 64
         assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slide_hf.data import IGNORE, Batches, Dataset, DataPosition, bundled_text_path, load_dataset
+from slide_hf.data import IGNORE, Batches, DataPosition, Dataset, bundled_text_path, load_dataset
 from slide_hf.errors import UserError
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer
 

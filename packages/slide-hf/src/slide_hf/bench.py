@@ -142,7 +142,9 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         clipping=cfg.max_grad_norm > 0,
     )
     if cfg.resident_gib is not None:
-        resident = choose_resident_units(model, int(cfg.resident_gib * 2**30), torch.bfloat16, accumulates=False)
+        resident = choose_resident_units(
+            model, int(cfg.resident_gib * 2**30), torch.bfloat16, accumulates=cfg.max_grad_norm > 0
+        )
         plan = make_plan(dataclasses.replace(inputs, resident_units=resident))
     else:
         plan = plan_with_placement(inputs)  # the placement `slide train` would pick

@@ -552,7 +552,7 @@ def _resident_numel(shape: ModelShape, inputs: PlanInputs) -> int:
 def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     """Device-resident units: params and grads in the compute dtype, fp32 master, m and v, and an fp32
     accumulator under gradient accumulation (see slide_core/engine/resident.py)."""
-    per_param = 2 * inputs.compute_dtype_bytes + 12 + (4 if inputs.grad_accum > 1 else 0)
+    per_param = 2 * inputs.compute_dtype_bytes + 12 + (4 if inputs.grad_accum > 1 or inputs.clipping else 0)
     numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
     numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
     return sum(numel.get(name, 0) for name in inputs.resident_units) * per_param
@@ -697,7 +697,8 @@ def plan_with_placement(inputs: PlanInputs) -> Plan:
         return base
     spare = max(0, inputs.gpu_memory_bytes - base.gpu_peak_bytes - GPU_MARGIN_BYTES)
     dtype = torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16
-    resident = choose_resident_units(inputs.model, spare, dtype, accumulates=inputs.grad_accum > 1)
+    accumulates = inputs.grad_accum > 1 or inputs.clipping
+    resident = choose_resident_units(inputs.model, spare, dtype, accumulates=accumulates)
     return make_plan(dataclasses.replace(inputs, resident_units=resident)) if resident else base
 
 

@@ -223,6 +223,7 @@ class Engine:
             raise ValueError("no label tokens in this step's micro-batches (every label is -100)")
         self.step_count += 1
         number = self.step_count
+        self._micro_batches = len(micro_batches)
         schedule = self._schedule(len(micro_batches))
         self.window.start_step(schedule)
         self._ready_after = self.updates.begin_step()
@@ -466,16 +467,24 @@ class Engine:
         if slot.grads_free is not None:
             device.wait_event("compute", workers.wait(slot.grads_free, f"the gradient buffer of {unit.name}"))
         targets, sources = [], []
+        keep_missing = unit.name in self.residents and self._clip is None and self._micro_batches == 1
+        keep_missing = keep_missing and self._contributions[unit.name] > 0
         for name, view in unit.layout.views(slot.grads).items():
             grad = grads.get(name)
             if grad is None:
-                view.zero_()
+                if not keep_missing:
+                    view.zero_()
             else:
                 targets.append(view)
                 sources.append(grad)
-        if targets:
-            torch._foreach_copy_(targets, sources)
         count = self._contributions[unit.name]
+        # See Note [Tied gradient in the slot] in resident.py.
+        in_slot = unit.name in self.residents and self._clip is None and self._micro_batches == 1 and count > 0
+        if targets:
+            if in_slot:
+                torch._foreach_add_(targets, sources)
+            else:
+                torch._foreach_copy_(targets, sources)
         self._contributions[unit.name] = count + 1
         expected = self._expected[unit.name]
         if expected == 1:
@@ -491,8 +500,8 @@ class Engine:
                 self._speculate_resident(unit, mode)
             else:
                 if self.norms is not None:
-                    self.norms.add(unit, slot.grads, first=count == 0)
-                self.residents.apply(unit.name, mode, self._lr, self.step_count)
+                    self.norms.add(unit, slot.grads, first=count == 0 or in_slot)
+                self.residents.apply(unit.name, mode, self._lr, self.step_count, in_slot=self._micro_batches == 1)
                 if mode in ("step", "add_step"):
                     self.updates.updated[unit.name].set_result(None)
             self._span(unit, "update", start)

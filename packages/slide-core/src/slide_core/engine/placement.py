@@ -33,8 +33,9 @@ def choose_resident_units(
     chosen: list[str] = []
     left = budget_bytes
     for unit in order:
-        tied_embedding = unit is model.embedding and bool(model.head.borrowed)
-        cost = resident_bytes(unit, compute_dtype, accumulates=accumulates or tied_embedding)
+        # ``accumulates``: gradient accumulation or clipping; otherwise a tied embedding sums its two
+        # contributions in its slot (Note [Tied gradient in the slot] in resident.py).
+        cost = resident_bytes(unit, compute_dtype, accumulates=accumulates)
         cost -= _window_bytes_saved(unit, model, compute_dtype)
         if cost > left:
             if unit in (model.embedding, model.head):

@@ -7,6 +7,13 @@ crosses PCIe and is updated on the device in a millisecond, which takes its byte
 bus: the resource that limits speed on fast GPUs. The embedding is the natural first candidate: it is the
 largest unit and the last one updated before the next forward needs it.
 
+Note [Tied gradient in the slot]: with one micro-batch per step and clipping off, the only resident unit
+that receives two gradient contributions is a tied embedding (the head's share, then its own). Its
+slot's gradient buffer then accumulates both (the second is added in place), instead of an fp32
+accumulator of 4 bytes/param: that is what lets a 128K-vocabulary embedding fit a 12 GiB budget. In bf16
+the sum is rounded once more than plain PyTorch's fp32 ``.grad`` accumulation; in fp32 it is the same
+sum. Tested by ``test_device_resident_units_match`` (tied cases).
+
 Note [Resident update ordering]: the update runs on the compute stream right after the unit's backward,
 so stream order alone makes every later read of the unit's parameters see the new values. The host copy
 of the master is refreshed only in :meth:`ResidentUnits.sync_to_host` (drain, checkpoint, export).
@@ -104,10 +111,18 @@ class ResidentUnits:
             total += sum(t.numel() * t.element_size() for t in tensors)
         return total
 
-    def apply(self, name: str, mode: str, lr: float, step: int) -> None:
-        """Consume the gradient in the unit's slot (see GradChunk modes), on the current (compute) stream."""
+    def apply(self, name: str, mode: str, lr: float, step: int, *, in_slot: bool = False) -> None:
+        """Consume the gradient in the unit's slot (see GradChunk modes), on the current (compute) stream.
+
+        ``in_slot``: contributions are summed in the slot's own gradient buffer (Note [Tied gradient in
+        the slot]); the update runs on the last one.
+        """
         resident = self.units[name]
         grads = resident.slot.grads
+        if in_slot and mode in ("stash", "add"):
+            return
+        if in_slot and mode == "add_step":
+            mode = "step"
         if mode == "stash":
             if resident.accum is None:  # first accumulation only; reused by every later step
                 resident.accum = self.device.empty(grads.numel(), torch.float32)
