@@ -479,12 +479,14 @@ def test_preset_smaller_than_the_byte_tokenizer(slide, tmp_path):
 
 
 @pytest.mark.parametrize("save_every", ["0", "1"])
-def test_unwritable_output_fails_before_training(slide, tmp_path, save_every):
+def test_unwritable_output_fails_before_training(slide, tmp_path, caplog, save_every):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     output = blocker / "run"
-    line = _fails(slide, *TINY, "--output", output, "--save-every", save_every, match="cannot create output directory")
+    with caplog.at_level("INFO", logger="slide.train"):
+        line = _fails(slide, *TINY, "--output", output, "--save-every", save_every, match="cannot create output")
     assert str(output) in line
+    assert "step 1/2" not in caplog.text  # refused up front, not after the training it would throw away
 
 
 def test_step_without_labels_cannot_happen(slide, tmp_path):

@@ -269,6 +269,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
         save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
         tokenizer_dir = _save_tokenizer(tokenizer, output)
         export_hf(model, host, config, model_out, dtype=save_dtype, tokenizer_dir=tokenizer_dir, overwrite=True)
+    if not losses:  # every step was skipped (non-finite gradients) or resumed past the end
+        raise UserError(f"no optimizer step was applied; the model was still written to {model_out}")
     log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
     return TrainSummary(len(losses), losses[0], losses[-1], output, model_out, losses)
 
