@@ -70,7 +70,7 @@ _DTYPES = {
 def resolve_dtype(dtype: torch.dtype | str | None, config: PreTrainedConfig | None = None) -> torch.dtype:
     """``dtype`` as a torch dtype; ``None`` means the config's ``dtype`` (``torch_dtype``), else fp32."""
     if dtype is None and config is not None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        dtype = getattr(config, "dtype", None)  # transformers 5.x; `torch_dtype` is its deprecated alias
     if dtype is None:
         return torch.float32
     found = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype).removeprefix("torch."))

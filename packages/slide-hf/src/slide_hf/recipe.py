@@ -201,6 +201,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
             log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(resident))
         engine = Engine(model, device, host, _host_optimizer(adam), engine_config)
         checkpoints = output / "checkpoints"
+        # What `slide export` needs to turn any checkpoint of this run into an HF directory.
+        tokenizer_dir = _save_tokenizer(tokenizer, output)
+        config.save_pretrained(str(output / "config"))
         run_state = {"model": cfg.model, "seed": cfg.seed, "total_steps": total_steps}
         first_step = _resume(cfg.resume, engine, host, batches, run_state) if cfg.resume is not None else 0
         losses: list[float] = []
@@ -267,7 +270,6 @@ def train(cfg: TrainConfig) -> TrainSummary:
         # Export: an HF directory next to the run's other outputs.
         model_out = output / "model"
         save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
-        tokenizer_dir = _save_tokenizer(tokenizer, output)
         export_hf(model, host, config, model_out, dtype=save_dtype, tokenizer_dir=tokenizer_dir, overwrite=True)
     if not losses:  # every step was skipped (non-finite gradients) or resumed past the end
         raise UserError(f"no optimizer step was applied; the model was still written to {model_out}")

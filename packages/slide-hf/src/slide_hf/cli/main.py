@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from slide_hf.errors import UserError
 
-COMMANDS = ("train", "plan", "bench", "doctor")
+COMMANDS = ("train", "plan", "bench", "doctor", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:
