@@ -13,6 +13,12 @@ from slide_core.checkpoint import find_latest, list_checkpoints
 from slide_hf.cli.main import main
 
 
+@pytest.fixture(autouse=True)
+def _torch_loss(monkeypatch):
+    """A CPU user's run takes the torch fallback of the fused loss (not the Triton interpreter)."""
+    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+
+
 @pytest.mark.timeout(120)
 def test_oom_names_the_allocation_and_the_plan_command(tmp_path: Path, monkeypatch, capsys) -> None:
     from slide_hf.adapters import base

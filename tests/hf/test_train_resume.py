@@ -19,6 +19,13 @@ from slide_hf.errors import UserError
 from slide_hf.recipe import TrainConfig, train
 
 
+@pytest.fixture(autouse=True)
+def _torch_loss(monkeypatch):
+    """A CPU user's run takes the torch fallback of the fused loss; the Triton interpreter that the kernel
+    tests turn on would make these end-to-end runs minutes long."""
+    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+
+
 def _config(output: Path, **overrides) -> TrainConfig:
     base = dict(
         output=output,
@@ -102,7 +109,8 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path: Path) -> 
                           batch_size=2, save_every=2, lr=3e-3))
         """
     )
-    process = subprocess.Popen([sys.executable, "-c", script])
+    env = {**os.environ, "SLIDE_KERNELS_BACKEND": "torch"}
+    process = subprocess.Popen([sys.executable, "-c", script], env=env)
     deadline = time.monotonic() + 90
     while not (tmp_path / "saving").exists():
         assert process.poll() is None, "training exited before the save under test"

@@ -49,6 +49,8 @@ class EngineConfig:
     timeout_s: float = 600.0
     record_timings: bool = True
     resident_units: tuple[str, ...] = ()
+    offloaded_units: tuple[str, ...] = ()
+    """Units whose Adam state lives on the engine's ``state_tier`` (NVMe), see state_offload.py."""
     max_grad_norm: float = 0.0
     skip_nonfinite: bool = True
     max_consecutive_nonfinite: int = 3

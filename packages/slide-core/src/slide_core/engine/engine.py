@@ -36,6 +36,7 @@ from slide_core.device import Device, Event
 from slide_core.host_params import HostParameters
 from slide_core.optim.adamw import TorchAdamW
 from slide_core.optimizer import Optimizer
+from slide_core.tier import Tier
 from slide_core.unit import SlideModel, Unit
 
 from .activations import ActivationStash
@@ -54,6 +55,7 @@ from .config import EngineConfig
 from .grad_ring import GradRing, GradStore
 from .resident import ResidentUnits
 from .slots import ParamSlot, SlotWindow, Visit
+from .state_offload import OffloadedState
 from .timeline import Timeline, UnitTimes
 from .updates import GradChunk, UnitUpdates
 from .workers import EngineError, Workers
@@ -97,7 +99,9 @@ class Engine:
         host_params: HostParameters,
         optimizer: Optimizer,
         config: EngineConfig | None = None,
+        state_tier: Tier | None = None,
     ) -> None:
+        """``state_tier`` (an open :class:`Tier`) holds the Adam state of ``config.offloaded_units``."""
         if host_params.model is not model:
             raise ValueError("host_params was built for a different model")
         if not device.is_open:
@@ -117,8 +121,24 @@ class Engine:
                 f"max_grad_norm needs an AdamW optimizer (state {ADAMW_STATE}); got state {optimizer.state_names}"
             )
         corrector = AdamWCorrection(optimizer.config, self.config.transfer_chunk_numel) if self.clipping else None
+        offloaded = None
+        if self.config.offloaded_units:
+            if state_tier is None:
+                raise ValueError("offloaded_units needs a state_tier (e.g. slide_io's nvme tier)")
+            unknown = set(self.config.offloaded_units) - {u.name for u in model.units}
+            both = set(self.config.offloaded_units) & set(self.config.resident_units)
+            if unknown or both:
+                raise ValueError(f"offloaded_units: unknown {sorted(unknown)} or also resident {sorted(both)}")
+            chosen = [u for u in model.units if u.name in self.config.offloaded_units]
+            offloaded = OffloadedState(state_tier, chosen, optimizer.state_names, self.config.timeout_s)
         self.updates = UnitUpdates(
-            model, host_params, optimizer, self.timeline, corrector, frozenset(self.config.resident_units)
+            model,
+            host_params,
+            optimizer,
+            self.timeline,
+            corrector,
+            frozenset(self.config.resident_units),
+            offloaded,
         )
         self._workers: Workers | None = None
         self._closed = False
@@ -129,6 +149,10 @@ class Engine:
         cfg = self.config
         model = self.model
         resident = set(cfg.resident_units)
+        offloaded = self.updates.offloaded
+        for name in offloaded.units if offloaded is not None else ():
+            if self.updates.host_state_valid[name]:  # a resumed checkpoint: seed the tier from the host
+                offloaded.load_from(name, self.updates.state_views(name))
         self.residents = ResidentUnits(
             model,
             cfg.resident_units,
@@ -203,8 +227,13 @@ class Engine:
         for name, future in self.updates.updated.items():
             workers.wait(future, f"the update of {name}")
         self.device.synchronize()
+        offloaded = self.updates.offloaded
+        if offloaded is not None:
+            offloaded.flush()
         if with_state:
             self.residents.sync_to_host({name: self.updates.state_views(name) for name in self.residents.units})
+            for name in offloaded.units if offloaded is not None else ():
+                offloaded.copy_to(name, self.updates.state_views(name))
             self.updates.mark_host_state_valid()
         else:
             self.residents.sync_to_host()

@@ -11,6 +11,7 @@ step's clipping decision instead (Note [Clip rollback ordering] in clipping.py).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from concurrent.futures import Future
@@ -23,6 +24,7 @@ from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel, Unit
 
 from .clipping import AdamWCorrection, AppliedRange, ClipStep, Correction, ScaledGrads, unit_coefficient
+from .state_offload import OffloadedState
 from .timeline import Timeline
 from .workers import EngineError
 
@@ -67,6 +69,7 @@ class UnitUpdates:
         timeline: Timeline,
         corrector: AdamWCorrection | None = None,
         device_resident: frozenset[str] = frozenset(),
+        offloaded: OffloadedState | None = None,
     ):
         self.model = model
         self.host_params = host_params
@@ -78,9 +81,14 @@ class UnitUpdates:
         # touched and cost no RSS) until a checkpoint needs them; ``host_state_valid`` says which hold
         # real values (a resumed checkpoint makes them all valid).
         self.state_slabs = {name: torch.empty(host_params.numel, dtype=torch.float32) for name in optimizer.state_names}
-        self.host_state_valid = {unit.name: unit.name not in device_resident for unit in model.units}
+        self.offloaded = offloaded
+        elsewhere = set(device_resident) | (set(offloaded.units) if offloaded is not None else set())
+        self.host_state_valid = {unit.name: unit.name not in elsewhere for unit in model.units}
+        # Backward order of the offloaded units: the order their updates come in, for read-ahead.
+        order = [u.name for u in reversed(model.units) if offloaded is not None and u.name in offloaded]
+        self._next_offloaded = dict(itertools.pairwise(order))
         for unit in model.units:
-            if unit.name not in device_resident:
+            if unit.name not in elsewhere:
                 for view in self.state_views(unit).values():
                     view.zero_()
         self._accum: dict[str, torch.Tensor] = {}
@@ -101,6 +109,12 @@ class UnitUpdates:
         start = master.data_ptr() - self.host_params.slab.data_ptr()
         start //= master.element_size()
         return {name: slab[start : start + master.numel()] for name, slab in self.state_slabs.items()}
+
+    def _unit_state(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """The unit's optimizer state to update in place: host slab views, or staged from the tier."""
+        if self.offloaded is not None and unit.name in self.offloaded:
+            return self.offloaded.acquire(unit.name)
+        return self.state_views(unit)
 
     def begin_step(self) -> dict[str, Future[None]]:
         """Hand out fresh futures for this step; return the previous step's (what loads must wait for)."""
@@ -131,7 +145,13 @@ class UnitUpdates:
                     else:
                         self._speculate_accumulated(chunk, accum)
         self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
-        if chunk.last_chunk and chunk.mode in ("step", "add_step") and clip is None:
+        final = chunk.last_chunk and chunk.mode in ("step", "add_step")
+        if final and self.offloaded is not None and unit.name in self.offloaded:
+            self.offloaded.release(unit.name)  # see Note [Staging reuse ordering] in state_offload.py
+            following = self._next_offloaded.get(unit.name)
+            if following is not None:
+                self.offloaded.prefetch(following)
+        if final and clip is None:
             chunk.updated.set_result(None)
 
     def _first_chunk(self, chunk: GradChunk, norm_sq: float) -> None:
@@ -191,19 +211,21 @@ class UnitUpdates:
         assert self.corrector is not None
         began = time.perf_counter()
         master = self.host_params.flat(unit)
-        states = self.state_views(unit)
+        states = self._unit_state(unit)
         for applied in ranges:
             lo, hi = applied.start, applied.end
             state = {name: view[lo:hi] for name, view in states.items()}
             self.corrector.apply(
                 correction, master[lo:hi], applied.grad, applied.coeff, state, lr=lr, step=step, decay=applied.decay
             )
+        if self.offloaded is not None and unit.name in self.offloaded:
+            self.offloaded.release(unit.name)
         self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
         updated.set_result(None)
 
     def _step(self, unit: Unit, start: int, end: int, grad: torch.Tensor, chunk: GradChunk) -> None:
         master = self.host_params.flat(unit)[start:end]
-        state = {name: view[start:end] for name, view in self.state_views(unit).items()}
+        state = {name: view[start:end] for name, view in self._unit_state(unit).items()}
         decay = end <= unit.layout.decay_numel
         self.optimizer.step(master, grad, state, lr=chunk.lr, step=chunk.step, decay=decay)
 

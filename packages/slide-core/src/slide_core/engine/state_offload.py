@@ -1,0 +1,159 @@
+"""Adam state of some units on a storage tier (NVMe), staged through host buffers around each update.
+
+When host RAM cannot hold 8 bytes/param of Adam moments, the chosen units keep m and v on a
+:class:`~slide_core.tier.Tier`. Two staging sets, each sized for the largest offloaded unit, act as a tiny
+cache on the optimizer thread: ``acquire`` waits for (or starts) the read of a unit's state, the update
+runs in place on the staging views, ``release`` starts the write-back, and ``prefetch`` starts the next
+unit's read while the current one is being updated, so disk I/O overlaps the update.
+
+Note [Staging reuse ordering]: a staging set is overwritten (by a read or by an update) only after the
+write-back that last read it has completed, and a unit's state is read back only after its own last
+write-back has completed: the tier may still be writing the bytes a read would return. Both waits are
+on futures, bounded by ``timeout_s``. Tested by ``test_nvme_state_is_bit_identical_to_ram``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, TimeoutError
+from dataclasses import dataclass, field
+
+import torch
+
+from slide_core.tier import Tier, TierError
+from slide_core.unit import Unit
+
+__all__ = ["OffloadedState"]
+
+
+@dataclass
+class _StagingSet:
+    tensors: dict[str, torch.Tensor]
+    owner: str | None = None
+    reads: list[Future] = field(default_factory=list)
+    writes: list[Future] = field(default_factory=list)
+    last_used: float = 0.0
+    dirty: bool = False  # acquired (so possibly updated) since the last write-back
+
+
+def _wait(futures: list[Future], what: str, timeout_s: float) -> None:
+    for future in futures:
+        try:
+            future.result(timeout=timeout_s)
+        except TimeoutError:
+            raise TierError(f"timed out after {timeout_s:.0f} s waiting for {what}") from None
+    futures.clear()
+
+
+class OffloadedState:
+    """The optimizer state of ``units`` on ``tier``; every method runs on the optimizer thread."""
+
+    def __init__(
+        self, tier: Tier, units: Sequence[Unit], state_names: Sequence[str], timeout_s: float, sets: int = 2
+    ) -> None:
+        self.tier = tier
+        self.units = {unit.name: unit for unit in units}
+        self.state_names = tuple(state_names)
+        self.timeout_s = timeout_s
+        largest = max((unit.layout.numel for unit in units), default=0)
+        self._sets = [
+            _StagingSet({name: torch.empty(largest, dtype=torch.float32) for name in self.state_names})
+            for _ in range(sets)
+        ]
+        self._written: set[str] = set()
+        self._pending_writes: dict[str, list[Future]] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.units
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self._sets for t in s.tensors.values())
+
+    def _key(self, unit: str, state: str) -> str:
+        return f"{unit}/{state}"
+
+    def _views(self, staging: _StagingSet, unit: str) -> dict[str, torch.Tensor]:
+        numel = self.units[unit].layout.numel
+        return {name: tensor[:numel] for name, tensor in staging.tensors.items()}
+
+    def _find(self, unit: str) -> _StagingSet | None:
+        return next((s for s in self._sets if s.owner == unit), None)
+
+    def _claim(self, unit: str) -> _StagingSet:
+        """A staging set for ``unit``: its own, else the least recently used one (after its write-back)."""
+        staging = self._find(unit)
+        if staging is not None:
+            return staging
+        staging = min(self._sets, key=lambda s: s.last_used)
+        if staging.dirty and staging.owner is not None:
+            # Its unit is part-way through an update (chunks of several units interleave): write back
+            # what it has; its remaining chunks read it back (chunk ranges are disjoint).
+            self.release(staging.owner)
+        _wait(staging.writes, f"the write-back of {staging.owner}'s optimizer state", self.timeout_s)
+        _wait(staging.reads, f"a read of {staging.owner}'s optimizer state", self.timeout_s)
+        staging.owner = unit
+        views = self._views(staging, unit)
+        if unit not in self._written:  # never written: Adam state starts at zero
+            for view in views.values():
+                view.zero_()
+            return staging
+        _wait(self._pending_writes.get(unit, []), f"the write-back of {unit}'s optimizer state", self.timeout_s)
+        staging.reads = [self.tier.get(self._key(unit, name), view) for name, view in views.items()]
+        return staging
+
+    def prefetch(self, unit: str) -> None:
+        """Start reading ``unit``'s state if a staging set is free of other pending work (a hint)."""
+        if unit in self.units and self._find(unit) is None:
+            self._claim(unit).last_used = time.monotonic()
+
+    def acquire(self, unit: str) -> dict[str, torch.Tensor]:
+        """``unit``'s state in host memory, ready to update in place."""
+        staging = self._claim(unit)
+        _wait(staging.writes, f"the write-back of {unit}'s optimizer state", self.timeout_s)
+        _wait(staging.reads, f"the read of {unit}'s optimizer state", self.timeout_s)
+        staging.last_used = time.monotonic()
+        staging.dirty = True
+        return self._views(staging, unit)
+
+    def release(self, unit: str) -> None:
+        """Start writing ``unit``'s updated state back to the tier; the staging set keeps a copy."""
+        staging = self._find(unit)
+        if staging is None:
+            return
+        writes = [self.tier.put(self._key(unit, name), view) for name, view in self._views(staging, unit).items()]
+        staging.writes = list(writes)
+        staging.dirty = False
+        self._pending_writes[unit] = list(writes)
+        self._written.add(unit)
+
+    def load_from(self, unit: str, host_views: dict[str, torch.Tensor]) -> None:
+        """Seed ``unit``'s state from host views (a resumed checkpoint)."""
+        writes = [self.tier.put(self._key(unit, name), host_views[name]) for name in self.state_names]
+        _wait(writes, f"writing {unit}'s optimizer state", self.timeout_s)
+        self._written.add(unit)
+
+    def copy_to(self, unit: str, host_views: dict[str, torch.Tensor]) -> None:
+        """Copy ``unit``'s current state into host views (a checkpoint), waiting for pending I/O."""
+        staging = self._find(unit)
+        if staging is not None:
+            _wait(staging.reads, f"the read of {unit}'s optimizer state", self.timeout_s)
+            for name, view in self._views(staging, unit).items():
+                host_views[name].copy_(view)
+            return
+        if unit not in self._written:
+            for view in host_views.values():
+                view.zero_()
+            return
+        _wait(self._pending_writes.get(unit, []), f"the write-back of {unit}'s optimizer state", self.timeout_s)
+        _wait(
+            [self.tier.get(self._key(unit, name), host_views[name]) for name in self.state_names],
+            f"reading {unit}'s optimizer state",
+            self.timeout_s,
+        )
+
+    def flush(self) -> None:
+        """Wait for every write-back (the engine's drain)."""
+        for staging in self._sets:
+            _wait(staging.writes, "an optimizer-state write-back", self.timeout_s)
