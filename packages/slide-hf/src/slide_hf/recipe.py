@@ -8,6 +8,7 @@ directory at the end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -163,8 +164,10 @@ def train(cfg: TrainConfig) -> TrainSummary:
     adam = AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay)
 
     # Plan: refuse what cannot fit before allocating anything; spend spare GPU memory on resident units.
-    if cfg.offload_optimizer == "nvme" or cfg.offload_activations == "nvme":
-        raise UserError("NVMe offload is not wired into the training engine yet; use --offload-optimizer ram")
+    if cfg.offload_activations == "nvme":
+        raise UserError("--offload-activations nvme is not wired into the engine yet; use --offload-activations ram")
+    if cfg.offload_optimizer == "nvme" and cfg.nvme_dir is None:
+        raise UserError("--offload-optimizer nvme needs --nvme-dir PATH (a directory on a fast local disk)")
     _make_output_dir(output)  # an unwritable --output fails now, not after training
     device = _make_device(cfg)
     compute_dtype = DTYPES[cfg.dtype]
@@ -191,15 +194,20 @@ def train(cfg: TrainConfig) -> TrainSummary:
             device.facts().name,
             cfg.dtype,
         )
+        offloaded = _offloaded_units(cfg, model, resident)
         engine_config = EngineConfig(
             block_slots=cfg.block_slots,
             compute_dtype=compute_dtype,
             resident_units=resident,
+            offloaded_units=offloaded,
             max_grad_norm=cfg.max_grad_norm,
         )
         if resident:
             log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(resident))
-        engine = Engine(model, device, host, _host_optimizer(adam), engine_config)
+        state_tier = _open_state_tier(cfg) if offloaded else None
+        if offloaded:
+            log.info("Adam state on NVMe (%s) for %d units", cfg.nvme_dir, len(offloaded))
+        engine = Engine(model, device, host, _host_optimizer(adam), engine_config, state_tier=state_tier)
         checkpoints = output / "checkpoints"
         # What `slide export` needs to turn any checkpoint of this run into an HF directory.
         tokenizer_dir = _save_tokenizer(tokenizer, output)
@@ -222,7 +230,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
             prune_checkpoints(checkpoints, cfg.keep_checkpoints)
             log.info("checkpoint written to %s", saved)
 
-        with stop, engine:
+        with stop, contextlib.ExitStack() as tiers, engine:
+            if state_tier is not None:
+                tiers.callback(state_tier.close)
             device.reset_peak_memory()
             with Progress(total_steps, first_step=first_step) as progress:
                 for step in range(first_step, total_steps):
@@ -293,9 +303,36 @@ def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype:
         block_slots=cfg.block_slots,
         gpu_memory_bytes=gpu_budget,
         clipping=cfg.max_grad_norm > 0,
+        offload_optimizer=cfg.offload_optimizer,
+        nvme_fraction=cfg.nvme_fraction,
     )
     check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
     return plan_with_placement(inputs).inputs.resident_units
+
+
+def _offloaded_units(cfg: TrainConfig, model: Any, resident: tuple[str, ...]) -> tuple[str, ...]:
+    """``--nvme-fraction`` of the units, blocks first in index order, then embedding and head (the
+    planner's order); device-resident units keep their state on the GPU instead."""
+    if cfg.offload_optimizer != "nvme":
+        return ()
+    ordered = [*model.blocks, model.embedding, model.head]
+    count = math.floor(cfg.nvme_fraction * len(ordered) + 0.5)
+    return tuple(unit.name for unit in ordered[:count] if unit.name not in resident)
+
+
+def _open_state_tier(cfg: TrainConfig) -> Any:
+    """The NVMe tier from slide-io (an entry point), opened on ``--nvme-dir``."""
+    from slide_core import plugins
+    from slide_core.tier import TierError
+
+    try:
+        tier_class = plugins.load("slide.tiers", "nvme")
+    except plugins.PluginError as error:
+        raise UserError(f"--offload-optimizer nvme needs slide-io: pip install slide-io ({error})") from None
+    try:
+        return tier_class(cfg.nvme_dir).open()
+    except (TierError, OSError, ValueError) as error:
+        raise UserError(str(error).splitlines()[0]) from None
 
 
 def _oom_message(error: BaseException, cfg: TrainConfig, step: int) -> str:
