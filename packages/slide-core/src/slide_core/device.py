@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from slide_core._lifecycle import Lifecycle
+
 __all__ = ["Device", "DeviceFacts", "Event", "StreamRole"]
 
 StreamRole = str
@@ -54,7 +56,7 @@ class Event(ABC):
         """Device time between this event and ``end``; both must have completed."""
 
 
-class Device(ABC):
+class Device(Lifecycle, ABC):
     """Compute, transfer and pinned memory for one accelerator (or the host CPU)."""
 
     backend: str = "abstract"
@@ -63,35 +65,6 @@ class Device(ABC):
         if memory_limit_bytes is not None and memory_limit_bytes <= 0:
             raise ValueError(f"memory_limit_bytes must be positive, got {memory_limit_bytes}")
         self.memory_limit_bytes = memory_limit_bytes
-        self._open = False
-
-    # -- lifecycle -------------------------------------------------------------------------------------
-    def open(self) -> Device:
-        if not self._open:
-            self._open_resources()
-            self._open = True
-        return self
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self._close_resources()
-
-    def __enter__(self) -> Device:
-        return self.open()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
-    def _open_resources(self) -> None:  # noqa: B027 - optional hook
-        """Create streams and pools. Called once by ``open``."""
-
-    def _close_resources(self) -> None:  # noqa: B027 - optional hook
-        """Drain work and free streams and pools. Called once by ``close``."""
 
     # -- identity --------------------------------------------------------------------------------------
     @property
@@ -144,7 +117,7 @@ class Device(ABC):
     def peak_memory_bytes(self) -> int:
         return 0
 
-    def reset_peak_memory(self) -> None:  # noqa: B027 - optional hook
+    def reset_peak_memory(self) -> None:
         pass
 
     @contextlib.contextmanager

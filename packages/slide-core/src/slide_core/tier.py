@@ -11,6 +11,8 @@ from concurrent.futures import Future
 
 import torch
 
+from slide_core._lifecycle import Lifecycle
+
 __all__ = ["Tier", "TierError"]
 
 
@@ -18,7 +20,7 @@ class TierError(RuntimeError):
     """An I/O failure that names the tier, the path or key, and the bytes involved."""
 
 
-class Tier(ABC):
+class Tier(Lifecycle, ABC):
     """Key-value storage for flat tensors with asynchronous put/get.
 
     Tiers are created closed; ``open()`` (or ``with tier:``) creates files, threads and buffers, and
@@ -26,32 +28,6 @@ class Tier(ABC):
     """
 
     name: str = "abstract"
-
-    def __init__(self) -> None:
-        self._open = False
-
-    def open(self) -> Tier:
-        if not self._open:
-            self._open_resources()
-            self._open = True
-        return self
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self._close_resources()
-
-    def __enter__(self) -> Tier:
-        return self.open()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _open_resources(self) -> None:  # noqa: B027 - optional hook
-        pass
-
-    def _close_resources(self) -> None:  # noqa: B027 - optional hook
-        pass
 
     @abstractmethod
     def put(self, key: str, tensor: torch.Tensor) -> Future[None]:
