@@ -208,3 +208,32 @@ def test_nvme_state_is_bit_identical_to_ram(accum: int, clip: float) -> None:
     for unit, views in ram[2].items():
         for name, tensor in views.items():
             assert torch.equal(nvme[2][unit][name], tensor), (unit, name)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_activations_on_a_tier_are_bit_identical(accum: int) -> None:
+    """Block inputs through a tier (Note [Activation staging ordering]) give the same bits as RAM."""
+    from slide_core.tiers.host_ram import HostRamTier
+
+    cfg = ToyConfig(num_layers=5)
+    model = ToyModel(cfg)
+    init = _init(model, seed=17)
+    batches = _batches(cfg, steps=3, accum=accum, seed=2)
+    adam = AdamWConfig(weight_decay=0.1)
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024)
+
+    def run(tier=None):
+        with CPUDevice() as device:
+            host = HostParameters(model, device.alloc_pinned)
+            for unit in model.units:
+                for name, view in host.views(unit).items():
+                    view.copy_(init[unit.name][name])
+            with Engine(model, device, host, TorchAdamW(adam), config, activation_tier=tier) as engine:
+                losses = [engine.step(micro, lr=3e-3).loss for micro in batches]
+            return losses, host.slab.clone()
+
+    ram = run()
+    with HostRamTier() as tier:
+        stashed = run(tier)
+    assert stashed[0] == ram[0]
+    assert torch.equal(stashed[1], ram[1])

@@ -70,3 +70,22 @@ def test_slide_train_offload_optimizer_nvme_matches_ram(tmp_path: Path) -> None:
         [json.loads(line)["loss"] for line in (tmp_path / f).read_text().splitlines()] for f in ("ram.jsonl", "n.jsonl")
     ]
     assert losses[0] == losses[1]
+
+
+def test_activations_on_the_nvme_tier_are_bit_identical(tmp_path: Path) -> None:
+    model = ToyModel(ToyConfig(num_layers=4))
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024)
+    ram = _run(model, config)
+    generator = torch.Generator().manual_seed(5)
+    batches = [[(ids, ids.clone())] for ids in (torch.randint(0, 97, (2, 16), generator=generator) for _ in range(4))]
+    with PosixNvmeTier(tmp_path) as tier, CPUDevice() as device:
+        host = HostParameters(model, device.alloc_pinned)
+        model.init_({u.name: host.views(u) for u in model.units}, 3)
+        with Engine(
+            model, device, host, TorchAdamW(AdamWConfig(weight_decay=0.1)), config, activation_tier=tier
+        ) as engine:
+            losses = [engine.step(micro, lr=2e-3).loss for micro in batches]
+            on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    assert losses == ram[0]
+    assert torch.equal(host.slab, ram[1])
+    assert on_disk >= 4 * 2 * 16 * 32 * 4  # four blocks' inputs (batch 2 x 16 tokens x 32 hidden, fp32)

@@ -164,10 +164,12 @@ def train(cfg: TrainConfig) -> TrainSummary:
     adam = AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay)
 
     # Plan: refuse what cannot fit before allocating anything; spend spare GPU memory on resident units.
-    if cfg.offload_activations == "nvme":
-        raise UserError("--offload-activations nvme is not wired into the engine yet; use --offload-activations ram")
-    if cfg.offload_optimizer == "nvme" and cfg.nvme_dir is None:
-        raise UserError("--offload-optimizer nvme needs --nvme-dir PATH (a directory on a fast local disk)")
+    for flag, value in (
+        ("--offload-optimizer", cfg.offload_optimizer),
+        ("--offload-activations", cfg.offload_activations),
+    ):
+        if value == "nvme" and cfg.nvme_dir is None:
+            raise UserError(f"{flag} nvme needs --nvme-dir PATH (a directory on a fast local disk)")
     _make_output_dir(output)  # an unwritable --output fails now, not after training
     device = _make_device(cfg)
     compute_dtype = DTYPES[cfg.dtype]
@@ -207,7 +209,16 @@ def train(cfg: TrainConfig) -> TrainSummary:
         state_tier = _open_state_tier(cfg) if offloaded else None
         if offloaded:
             log.info("Adam state on NVMe (%s) for %d units", cfg.nvme_dir, len(offloaded))
-        engine = Engine(model, device, host, _host_optimizer(adam), engine_config, state_tier=state_tier)
+        activation_tier = _open_state_tier(cfg) if cfg.offload_activations == "nvme" else None
+        engine = Engine(
+            model,
+            device,
+            host,
+            _host_optimizer(adam),
+            engine_config,
+            state_tier=state_tier,
+            activation_tier=activation_tier,
+        )
         checkpoints = output / "checkpoints"
         # What `slide export` needs to turn any checkpoint of this run into an HF directory.
         tokenizer_dir = _save_tokenizer(tokenizer, output)
@@ -231,8 +242,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
             log.info("checkpoint written to %s", saved)
 
         with stop, contextlib.ExitStack() as tiers, engine:
-            if state_tier is not None:
-                tiers.callback(state_tier.close)
+            for tier in (state_tier, activation_tier):
+                if tier is not None:
+                    tiers.callback(tier.close)
             device.reset_peak_memory()
             with Progress(total_steps, first_step=first_step) as progress:
                 for step in range(first_step, total_steps):
@@ -305,6 +317,7 @@ def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype:
         clipping=cfg.max_grad_norm > 0,
         offload_optimizer=cfg.offload_optimizer,
         nvme_fraction=cfg.nvme_fraction,
+        offload_activations=cfg.offload_activations,
     )
     check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
     return plan_with_placement(inputs).inputs.resident_units
@@ -321,14 +334,14 @@ def _offloaded_units(cfg: TrainConfig, model: Any, resident: tuple[str, ...]) ->
 
 
 def _open_state_tier(cfg: TrainConfig) -> Any:
-    """The NVMe tier from slide-io (an entry point), opened on ``--nvme-dir``."""
+    """An NVMe tier from slide-io (an entry point), opened on ``--nvme-dir`` (its own files inside)."""
     from slide_core import plugins
     from slide_core.tier import TierError
 
     try:
         tier_class = plugins.load("slide.tiers", "nvme")
     except plugins.PluginError as error:
-        raise UserError(f"--offload-optimizer nvme needs slide-io: pip install slide-io ({error})") from None
+        raise UserError(f"NVMe offload needs slide-io: pip install slide-io ({error})") from None
     try:
         return tier_class(cfg.nvme_dir).open()
     except (TierError, OSError, ValueError) as error:

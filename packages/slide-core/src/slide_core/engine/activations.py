@@ -7,11 +7,13 @@ buffer waits (stream-side) for the compute that last read it; compute waits for 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from slide_core.device import Device, Event
 
-__all__ = ["ActivationStash"]
+__all__ = ["ActivationStash", "TierActivationStash"]
 
 
 class ActivationStash:
@@ -74,4 +76,102 @@ class ActivationStash:
 
     def release(self, index: int, consumed: Event) -> None:
         """The compute that read block ``index``'s input has been issued; ``consumed`` marks its end."""
+        self._buffer_free[index % 2] = consumed
+
+
+class TierActivationStash:
+    """The same contract as :class:`ActivationStash`, with block inputs kept on a :class:`Tier` (NVMe).
+
+    For models whose boundary activations do not fit in host RAM. Two pinned staging buffers carry the
+    bytes between the device and the tier; the tier's I/O runs on the engine's transfer threads, so the
+    forward only waits when the disk falls two blocks behind.
+
+    Note [Activation staging ordering]: a staging buffer is refilled (by a device-to-host copy in the
+    forward, or by a tier read in the backward) only after the tier write or the host-to-device copy that
+    last read it has completed. Tested by ``test_activations_on_a_tier_are_bit_identical``.
+    """
+
+    def __init__(self, device: Device, num_blocks: int, tier: Any, workers: Any, *, prefix: str = "act") -> None:
+        self.device = device
+        self.num_blocks = num_blocks
+        self.tier = tier
+        self.workers = workers
+        self.prefix = prefix
+        self._shape: tuple[int, ...] | None = None
+        self._dtype: torch.dtype | None = None
+        self._staging: list[torch.Tensor] = []
+        self._device_buffers: list[torch.Tensor] = []
+        self._staging_busy: list[Any] = [None, None]  # future of the last job that read the staging buffer
+        self._loaded: dict[int, tuple[int, Any]] = {}
+        self._buffer_free: list[Event | None] = [None, None]
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._staging)
+
+    def ensure(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if self._shape == shape and self._dtype == dtype:
+            return
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        slab = self.device.alloc_pinned(2 * numel, dtype)
+        self._staging = [slab[i * numel : (i + 1) * numel].view(shape) for i in range(2)]
+        self._device_buffers = [self.device.empty(numel, dtype).view(shape) for _ in range(2)]
+        self._shape, self._dtype = shape, dtype
+
+    def _key(self, index: int) -> str:
+        return f"{self.prefix}/{index}"
+
+    def _wait_staging(self, buffer: int, what: str) -> None:
+        busy = self._staging_busy[buffer]
+        if busy is not None:
+            self.workers.wait(busy, what)
+
+    def save(self, index: int, x: torch.Tensor, computed: Event) -> None:
+        buffer = index % 2
+        self._wait_staging(buffer, f"the disk write of an activation before staging block {index}")
+        device = self.device
+        with device.stream("d2h"):
+            device.wait_event("d2h", computed)
+            self._staging[buffer].copy_(x, non_blocking=True)
+            device.keep_alive(x, "d2h")
+            copied = device.record_event("d2h")
+        self._staging_busy[buffer] = self.workers["d2h"].submit(self._write, index, buffer, copied)
+
+    def _write(self, index: int, buffer: int, copied: Event) -> None:
+        copied.synchronize()  # note: CPU-GPU sync point (d2h thread)
+        self.workers.wait(self.tier.put(self._key(index), self._staging[buffer]), f"writing activation {index}")
+
+    def prefetch(self, index: int) -> None:
+        if index in self._loaded or index < 0:
+            return
+        buffer = index % 2
+        previous = self._staging_busy[buffer]
+        job = self.workers["h2d"].submit(self._read, index, buffer, previous, self._buffer_free[buffer])
+        self._staging_busy[buffer] = job
+        self._loaded[index] = (buffer, job)
+
+    def _read(self, index: int, buffer: int, previous: Any, free: Event | None) -> Event:
+        if previous is not None:
+            result = self.workers.wait(previous, f"the staging buffer before reading activation {index}")
+            if isinstance(result, Event):
+                result.synchronize()  # the previous h2d from this staging buffer has finished
+        staging = self._staging[buffer]
+        self.workers.wait(self.tier.get(self._key(index), staging), f"reading activation {index}")
+        device = self.device
+        with device.stream("h2d"):
+            if free is not None:
+                device.wait_event("h2d", free)
+            self._device_buffers[buffer].copy_(staging, non_blocking=True)
+            return device.record_event("h2d")
+
+    def load(self, index: int) -> torch.Tensor:
+        self.prefetch(index)
+        buffer, job = self._loaded.pop(index)
+        event = self.workers.wait(job, f"activation {index} from the tier")
+        self.device.wait_event("compute", event)
+        return self._device_buffers[buffer]
+
+    def release(self, index: int, consumed: Event) -> None:
         self._buffer_free[index % 2] = consumed

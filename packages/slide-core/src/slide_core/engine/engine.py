@@ -39,7 +39,7 @@ from slide_core.optimizer import Optimizer
 from slide_core.tier import Tier
 from slide_core.unit import SlideModel, Unit
 
-from .activations import ActivationStash
+from .activations import ActivationStash, TierActivationStash
 from .clipping import (
     ADAMW_STATE,
     AdamWCorrection,
@@ -100,12 +100,15 @@ class Engine:
         optimizer: Optimizer,
         config: EngineConfig | None = None,
         state_tier: Tier | None = None,
+        activation_tier: Tier | None = None,
     ) -> None:
-        """``state_tier`` (an open :class:`Tier`) holds the Adam state of ``config.offloaded_units``."""
+        """``state_tier`` (an open :class:`Tier`) holds the Adam state of ``config.offloaded_units``;
+        ``activation_tier`` (open), when given, holds the blocks' boundary activations instead of RAM."""
         if host_params.model is not model:
             raise ValueError("host_params was built for a different model")
         if not device.is_open:
             raise ValueError("open the device first: `with device:` or device.open()")
+        self._activation_tier = activation_tier
         self.model = model
         self.device = device
         self.host_params = host_params
@@ -186,8 +189,11 @@ class Engine:
         self._consumed: dict[str, Future[None]] = {}  # d2h thread only, see Note [Grad store reuse]
         self._last_d2h: Future[Event] | None = None
         self.optimizer.reserve(cfg.transfer_chunk_numel)
-        self.stash = ActivationStash(self.device, len(model.blocks))
         self._workers = Workers(("h2d", "d2h", "optimizer"), cfg.timeout_s)
+        if self._activation_tier is not None:
+            self.stash = TierActivationStash(self.device, len(model.blocks), self._activation_tier, self._workers)
+        else:
+            self.stash = ActivationStash(self.device, len(model.blocks))
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
