@@ -223,7 +223,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         # What `slide export` needs to turn any checkpoint of this run into an HF directory.
         tokenizer_dir = _save_tokenizer(tokenizer, output)
         config.save_pretrained(str(output / "config"))
-        run_state = {"model": cfg.model, "seed": cfg.seed, "total_steps": total_steps}
+        run_state = {"model": cfg.model, "seed": cfg.seed, "total_steps": total_steps, "config": config_dict(cfg)}
         first_step = _resume(cfg.resume, engine, host, batches, run_state) if cfg.resume is not None else 0
         losses: list[float] = []
         metrics = _open_metrics(cfg.metrics)
@@ -494,4 +494,5 @@ def _save_tokenizer(tokenizer: Any, output: Path) -> Path:
 
 
 def config_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The run's options as JSON-ready values (kept in every checkpoint, for provenance)."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
