@@ -1,0 +1,295 @@
+"""The gradient path of one unit: device buffer -> pinned host memory -> optimizer, and the end of a step.
+
+This is the per-unit seam of the schedule (gradients ready -> d2h -> update -> parameters ready): the
+part a data-parallel engine would extend with a reduce-scatter before the d2h. It is a mixin of
+:class:`~slide_core.engine.engine.Engine`, which owns the state it reads (workers, slots, the ring or
+store, the optimizer state, the clipping state).
+
+- ``_offload`` (main thread) writes a unit's gradients into its slot's flat buffer; a device-resident
+  unit is updated right there on the compute stream, any other is handed to the d2h thread;
+- ``_d2h_job`` (d2h thread) streams the buffer in chunks into the ring (or the clipping store) and
+  queues one optimizer job per landed chunk, by next-forward priority (Note [Optimizer priority]);
+- ``_update_job`` (optimizer thread) applies a chunk;
+- ``_finish_clipped_step`` (main thread) forms the step's global norm and keeps, rescales or takes back
+  the speculative updates (Note [Clip rollback ordering] in clipping.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from concurrent.futures import Future
+
+import torch
+
+from slide_core.device import Event
+from slide_core.unit import Unit
+
+from .clipping import ClipStep, Correction, clip_coefficient, correct_resident, resident_step
+from .slots import ParamSlot
+from .updates import GradChunk
+from .workers import EngineError
+
+__all__ = ["GradientPath"]
+
+log = logging.getLogger(__name__)
+
+
+class GradientPath:
+    """Mixin: the gradient methods of :class:`Engine` (see the module docstring)."""
+
+    # -- gradients -------------------------------------------------------------------------------------
+    def _offload(self, unit: Unit, slot: ParamSlot, grads: dict[str, torch.Tensor | None]) -> None:
+        """Write ``grads`` into the slot's flat gradient buffer and start streaming it to the optimizer.
+
+        Parameters missing from ``grads`` (a tied head's share covers only the borrowed matrix) or
+        unused by autograd get zeros, so every contribution covers the whole unit.
+        """
+        workers, device = self.workers, self.device
+        if slot.grads_free is not None:
+            device.wait_event("compute", workers.wait(slot.grads_free, f"the gradient buffer of {unit.name}"))
+        targets, sources = [], []
+        keep_missing = unit.name in self.residents and self._clip is None and self._micro_batches == 1
+        keep_missing = keep_missing and self._contributions[unit.name] > 0
+        for name, view in unit.layout.views(slot.grads).items():
+            grad = grads.get(name)
+            if grad is None:
+                if not keep_missing:
+                    view.zero_()
+            else:
+                targets.append(view)
+                sources.append(grad)
+        count = self._contributions[unit.name]
+        # See Note [Tied gradient in the slot] in resident.py.
+        in_slot = unit.name in self.residents and self._clip is None and self._micro_batches == 1 and count > 0
+        if targets:
+            if in_slot:
+                torch._foreach_add_(targets, sources)
+            else:
+                torch._foreach_copy_(targets, sources)
+        self._contributions[unit.name] = count + 1
+        expected = self._expected[unit.name]
+        if expected == 1:
+            mode = "step"
+        elif count == 0:
+            mode = "stash"
+        else:
+            mode = "add_step" if count + 1 == expected else "add"
+        if unit.name in self.residents:
+            # See Note [Resident update ordering] in resident.py.
+            start = self._mark()
+            if self._clip is not None:
+                self._speculate_resident(unit, mode)
+            else:
+                if self.norms is not None:
+                    self.norms.add(unit, slot.grads, first=count == 0 or in_slot)
+                self.residents.apply(unit.name, mode, self._lr, self.step_count, in_slot=self._micro_batches == 1)
+                if mode in ("step", "add_step"):
+                    self.updates.updated[unit.name].set_result(None)
+            self._span(unit, "update", start)
+            return
+        if self.norms is not None:
+            self.norms.add(unit, slot.grads[: unit.layout.numel], first=count == 0)
+        computed = device.record_event("compute")
+        slot.grads_free = self._last_d2h = workers["d2h"].submit(
+            self._d2h_job,
+            unit,
+            slot.grads,
+            computed,
+            mode,
+            self._lr,
+            self.step_count,
+            self.updates.updated[unit.name],
+            self._clip,
+            (self.step_count, 0, self._forward_position[unit.name], count),
+        )
+
+    def _speculate_resident(self, unit: Unit, mode: str) -> None:
+        """Compute stream: a resident unit's update, speculative with clipping on (see clipping.py)."""
+        name, lr, step = unit.name, self._lr, self.step_count
+        if mode in ("stash", "add"):
+            self.residents.apply(name, mode, lr, step)
+            return
+        resident = self.residents.units[name]
+        if mode == "add_step":
+            self.residents.apply(name, "add", lr, step)
+            assert resident.accum is not None
+            grad = resident.accum
+        else:
+            grad = resident.slot.grads
+        assert self.norms is not None
+        squared = self.norms.add(unit, grad, first=True)
+        if self.config.skip_nonfinite:
+            # See Note [Speculative non-finite guard] in clipping.py: a zero gradient's update can be undone.
+            grad.masked_fill_(~torch.isfinite(squared), 0.0)
+        coeff = self.norms.device_coefficient(unit, squared, self.config.max_grad_norm)
+        chunk = self.config.transfer_chunk_numel
+        resident_step(resident, grad, coeff, self.residents.optimizer, self._resident_scaled, chunk, lr=lr, step=step)
+
+    def _d2h_job(
+        self,
+        unit: Unit,
+        grads: torch.Tensor,
+        computed: Event,
+        mode: str,
+        lr: float,
+        step: int,
+        updated: Future[None],
+        clip: ClipStep | None,
+        order: tuple[int, ...],
+    ) -> Event:
+        """d2h thread: stream the unit's gradient in chunks; each landed chunk becomes an optimizer job.
+
+        Chunks go to ring slots, or with clipping on straight to the unit's range of the grad store. On a
+        unit's final contribution its squared norm goes first, so it has landed when the first chunk has.
+        """
+        device, workers, ring, store = self.device, self.workers, self.ring, self.store
+        chunks = list(_chunks(unit.layout.numel, self.config.transfer_chunk_numel, unit.layout.decay_numel))
+        start = None
+        end = computed
+        norm_sq: torch.Tensor | None = None
+        with device.stream("d2h"):
+            device.wait_event("d2h", computed)
+            if self.norms is not None and mode in ("step", "add_step"):
+                norm_sq = self.norms.send(unit)
+            if store is not None:
+                previous = self._consumed.get(unit.name)  # see Note [Grad store reuse] in grad_ring.py
+                if previous is not None:
+                    workers.wait(previous, f"the optimizer to take the previous gradient of {unit.name}")
+            consumed: Future[None] | None = None
+            for number, (lo, hi) in enumerate(chunks):
+                index: int | None = None
+                if store is not None:
+                    target = store.flat(unit)[lo:hi]
+                else:
+                    assert ring is not None
+                    index = workers.get(ring.free, "a free gradient ring chunk")
+                    target = ring.chunks[index][: hi - lo]
+                if start is None:
+                    start = device.record_event("d2h", timing=self.timeline.enabled)
+                target.copy_(grads[lo:hi], non_blocking=True)
+                end = device.record_event("d2h", timing=self.timeline.enabled)
+                last = number == len(chunks) - 1
+                first_norm = norm_sq if number == 0 else None
+                chunk = GradChunk(unit, lo, hi, mode, last, lr, step, updated, first_norm, clip)
+                consumed = workers["optimizer"].submit(
+                    self._update_job, chunk, target, index, end, priority=(*order, lo)
+                )
+            if store is not None and consumed is not None:
+                self._consumed[unit.name] = consumed
+        if start is not None:
+            self.timeline.device_span(unit.name, "d2h", start, end)
+        return end
+
+    def _update_job(self, chunk: GradChunk, grad: torch.Tensor, index: int | None, landed: Event) -> None:
+        """Optimizer thread: apply one landed chunk, then give its ring slot (if any) back."""
+        landed.synchronize()  # note: CPU-GPU sync point (on the optimizer thread, by design)
+        try:
+            self.updates.apply(chunk, grad)
+        finally:
+            if index is not None and self.ring is not None:
+                self.ring.release(index)
+
+    # -- the end of a step: clipping and non-finite gradients -------------------------------------------
+    def _finish_clipped_step(self, clip: ClipStep, number: int) -> tuple[float, bool]:
+        """Main thread: form the step's global gradient norm, then keep, rescale or take back every
+        speculative update. Returns ``(norm, skipped)``. See Note [Clip rollback ordering] in clipping.py."""
+        workers, cfg, norms = self.workers, self.config, self.norms
+        assert norms is not None
+        if self._last_d2h is not None:
+            workers.wait(self._last_d2h, "the gradient transfers of the step")
+        # After every update job of this step (see Note [Optimizer priority] in workers.py).
+        barrier = workers["optimizer"].submit(_barrier, priority=(self.step_count, 1))
+        workers.wait(barrier, "the speculative updates of the step")
+        residents = [unit for unit in self.model.units if unit.name in self.residents]
+        resident_squares = norms.device_values(residents)
+        squares = list(resident_squares)
+        for unit in self.model.units:
+            if unit.name in self.residents:
+                continue
+            if self._expected[unit.name] == 1:
+                squares.append(norms.host_value(unit))
+            else:
+                squares.append(clip.host_sq.get(unit.name, math.nan))
+        norm = math.sqrt(math.fsum(squares))
+        if clip.nonfinite_unit is not None:
+            norm = norm if not math.isfinite(norm) else math.nan
+        updated = self.updates.updated
+        if not math.isfinite(norm) and cfg.skip_nonfinite:
+            self._correct_all(clip, Correction("undo"), updated, number)
+            self.step_count = number - 1
+            self._nonfinite_streak += 1
+            bad = [
+                unit.name for unit, value in zip(residents, resident_squares, strict=True) if not math.isfinite(value)
+            ]
+            where = clip.nonfinite_unit or ", ".join(bad) or "the total (its square overflowed fp32)"
+            log.warning("step %d skipped: gradient norm %s (non-finite gradients in %s)", number, norm, where)
+            if self._nonfinite_streak >= cfg.max_consecutive_nonfinite:
+                for name, future in updated.items():
+                    workers.wait(future, f"the rollback of {name}")
+                raise EngineError(
+                    f"non-finite gradients in {self._nonfinite_streak} consecutive steps (the last, step {number}, "
+                    f"in {where}); every one was skipped and the weights are those from before the first. "
+                    "Training diverged: lower --lr (or raise --warmup-steps), or check the data"
+                )
+            return norm, True
+        self._nonfinite_streak = 0
+        coeff = clip_coefficient(norm, cfg.max_grad_norm)
+        if math.isfinite(norm) and coeff < 1.0:
+            self._correct_all(clip, Correction("rescale", coeff), updated, number)
+        else:
+            for future in updated.values():
+                future.set_result(None)
+        return norm, False
+
+    def _correct_all(self, clip: ClipStep, correction: Correction, updated: dict[str, Future[None]], step: int) -> None:
+        """Correct every unit's speculative update, in forward order: the next step loads the embedding
+        first, so its correction is released first."""
+        for unit in self.model.units:
+            name = unit.name
+            if name in self.residents:
+                resident = self.residents.units[name]
+                grad = resident.accum if self._expected[name] > 1 else resident.slot.grads
+                assert grad is not None
+                start = self._mark()
+                assert self.norms is not None
+                applied = self.norms.coefficient(unit)
+                correct_resident(resident, grad, applied, self._resident_corrector, correction, lr=self._lr, step=step)
+                self._span(unit, "update", start)
+                updated[name].set_result(None)
+                continue
+            ranges = clip.applied.get(name)
+            if ranges:
+                self.workers["optimizer"].submit(
+                    self.updates.correct, unit, ranges, correction, self._lr, step, updated[name], priority=(step, 1)
+                )
+            else:
+                updated[name].set_result(None)
+
+    def _check_resident_norms(self, number: int) -> None:
+        """Clipping off: resident units were updated on the device unchecked; stop if they saw NaN/Inf."""
+        assert self.norms is not None
+        residents = [unit for unit in self.model.units if unit.name in self.residents]
+        if not residents:
+            return
+        values = self.norms.device_values(residents)
+        bad = [unit.name for unit, value in zip(residents, values, strict=True) if not math.isfinite(value)]
+        if bad:
+            raise EngineError(
+                f"non-finite gradients in {', '.join(bad)} at step {number}; with max_grad_norm = 0 the engine "
+                "cannot skip a step exactly, so it stops here. Lower --lr, or set max_grad_norm > 0 to skip "
+                "such steps"
+            )
+
+
+def _barrier() -> None:
+    """An optimizer-thread job that does nothing: when it is done, every job queued before it is."""
+
+
+def _chunks(numel: int, chunk: int, decay_numel: int):
+    """Split ``[0, numel)`` into ring-sized chunks that never straddle the decay boundary."""
+    cuts = sorted({0, numel, *((decay_numel,) if 0 < decay_numel < numel else ())})
+    for lo, hi in itertools.pairwise(cuts):
+        for offset in range(lo, hi, chunk):
+            yield offset, min(hi, offset + chunk)
