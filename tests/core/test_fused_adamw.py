@@ -197,3 +197,33 @@ def test_importing_slide_core_does_not_import_numba():
         "assert 'numba' not in sys.modules, 'numba imported at import time'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kind", ["undo", "rescale"])
+@pytest.mark.parametrize("step", [1, 4])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_fused_correction_matches_the_torch_correction(kind: str, step: int, grad_dtype: torch.dtype) -> None:
+    """Clipping's one-pass correction (fused_correct) against AdamWCorrection's torch ops."""
+    pytest.importorskip("numba")
+    from slide_core.engine.clipping import AdamWCorrection, Correction
+
+    config = AdamWConfig(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(step)
+    n = 10_007
+    grad = torch.randn(n, generator=generator).to(grad_dtype)
+    start = (
+        torch.randn(n, generator=generator),
+        torch.randn(n, generator=generator) * 1e-2,
+        torch.rand(n, generator=generator) * 1e-3,
+    )
+    results = []
+    for fused in (False, True):
+        p, m, v = (t.clone() for t in start)
+        correction = Correction(kind, 0.25) if kind == "rescale" else Correction("undo")
+        AdamWCorrection(config, 4096, use_fused=fused).apply(
+            correction, p, grad, 0.8, {"exp_avg": m, "exp_avg_sq": v}, lr=1e-3, step=step, decay=True
+        )
+        results.append((p, m, v))
+    for want, got in zip(*results, strict=True):
+        # Both take an update back arithmetically, so they agree to rounding, not bit for bit.
+        assert (got - want).norm() <= 1e-6 * want.norm()

@@ -261,9 +261,10 @@ class AdamWCorrection:
     tensors alike. One instance per thread (it owns scratch).
     """
 
-    def __init__(self, config: AdamWConfig, max_range_numel: int) -> None:
+    def __init__(self, config: AdamWConfig, max_range_numel: int, *, use_fused: bool = True) -> None:
         self.config = config
         self.max_range_numel = max_range_numel
+        self.use_fused = use_fused
         self._scratch: dict[torch.device, torch.Tensor] = {}
 
     def _buffers(self, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,11 +288,35 @@ class AdamWCorrection:
         """Correct ``master`` and ``state`` in place for an update that applied ``applied * grad``.
         ``grad`` (any float dtype) is left untouched."""
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if isinstance(applied, float) and self._fused(correction, master, grad, applied, state, lr, step, decay):
+            return
         numel = master.numel()
         for lo in range(0, numel, self.max_range_numel):
             hi = min(numel, lo + self.max_range_numel)
             pieces = (master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi])
             self._piece(correction, *pieces, applied, lr, step, decay)
+
+    def _fused(
+        self,
+        correction: Correction,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        applied: float,
+        state: Mapping[str, torch.Tensor],
+        lr: float,
+        step: int,
+        decay: bool,
+    ) -> bool:
+        """Host ranges with numba available: undo and redo in one pass over memory (instead of about
+        fifteen torch passes); the result agrees with the torch ops to rounding."""
+        if master.device.type != "cpu" or not self.use_fused:
+            return False
+        from slide_core.optim.fused_adamw import fused_correct
+
+        new = correction.coeff if correction.kind == "rescale" else None
+        return fused_correct(
+            self.config, master, grad, state, applied=applied, new_coeff=new, lr=lr, step=step, decay=decay
+        )
 
     def _piece(
         self,

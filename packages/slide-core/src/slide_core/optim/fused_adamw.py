@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -116,6 +117,115 @@ def _adamw_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt,
         )
 
 
+def _correct_block_py(
+    p,
+    g,
+    m,
+    v,
+    applied,
+    redo,
+    new_coeff,
+    first,
+    undo_decay,
+    decay,
+    coeff,
+    large,
+    beta1,
+    inv_beta1,
+    one_minus_beta1,
+    beta2,
+    inv_beta2,
+    one_minus_beta2,
+    bc2_sqrt,
+    eps,
+    step_size,
+):
+    """Take back one AdamW update that applied ``applied * g`` and, with ``redo``, apply it again with
+    ``new_coeff * g``: clipping's correction (slide_core/engine/clipping.py) in one pass, fp32 math
+    mirroring ``AdamWCorrection``'s torch ops (the moments' reversal is exact up to rounding)."""
+    for j in range(p.shape[0]):
+        gi = _as_fp32(g[j])
+        gs = gi * applied
+        mi = m[j]
+        vi = v[j]
+        denom = np.sqrt(vi) / bc2_sqrt + eps
+        pi = p[j] + (step_size * mi) / denom
+        if first:
+            mi = np.float32(0.0)
+            vi = np.float32(0.0)
+        else:
+            mi = (mi - one_minus_beta1 * gs) / beta1  # division, as torch's div_: not * (1 / beta1)
+            vi = _fma32(-one_minus_beta2 * gs, gs, vi) / beta2
+            vi = max(vi, np.float32(0.0))
+        if redo:
+            gn = gi * new_coeff
+            base = gn if large else mi
+            mi = _fma32(coeff, gn - mi, base)
+            vi = _fma32(one_minus_beta2 * gn, gn, vi * beta2)
+            denom = np.sqrt(vi) / bc2_sqrt + eps
+            pi = pi + (-step_size * mi) / denom
+        else:
+            pi = pi / undo_decay
+        p[j] = pi
+        m[j] = mi
+        v[j] = vi
+
+
+_correct_block = _correct_block_py
+
+
+def _correct_py(
+    p,
+    g,
+    m,
+    v,
+    applied,
+    redo,
+    new_coeff,
+    first,
+    undo_decay,
+    decay,
+    coeff,
+    large,
+    beta1,
+    inv_beta1,
+    one_minus_beta1,
+    beta2,
+    inv_beta2,
+    one_minus_beta2,
+    bc2_sqrt,
+    eps,
+    step_size,
+):
+    n = p.shape[0]
+    for b in _prange((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        e = min(s + BLOCK, n)
+        _correct_block(
+            p[s:e],
+            g[s:e],
+            m[s:e],
+            v[s:e],
+            applied,
+            redo,
+            new_coeff,
+            first,
+            undo_decay,
+            decay,
+            coeff,
+            large,
+            beta1,
+            inv_beta1,
+            one_minus_beta1,
+            beta2,
+            inv_beta2,
+            one_minus_beta2,
+            bc2_sqrt,
+            eps,
+            step_size,
+        )
+
+
 @functools.cache
 def _kernels() -> Any:
     """Import numba and build the kernel (compiled, or loaded from numba's disk cache, per grad dtype on
@@ -125,7 +235,7 @@ def _kernels() -> Any:
     per-user cache directory when that is read-only), so only the first process on a machine pays the
     few seconds of LLVM compile.
     """
-    global _as_fp32, _fma32, _prange, _update_block
+    global _as_fp32, _fma32, _prange, _update_block, _correct_block
     import numba
     from llvmlite import ir as llvm_ir
     from numba.core import types
@@ -164,9 +274,11 @@ def _kernels() -> Any:
 
     _fma32, _as_fp32, _prange = fma32, as_fp32, numba.prange
     _update_block = numba.njit(inline="always", fastmath=False, nogil=True)(_update_block_py)
+    _correct_block = numba.njit(inline="always", fastmath=False, nogil=True)(_correct_block_py)
 
     class Kernels:
         adamw = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_py)
+        correct = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_correct_py)
         set_num_threads = staticmethod(numba.set_num_threads)
         get_num_threads = staticmethod(numba.get_num_threads)
         max_threads = numba.config.NUMBA_NUM_THREADS
@@ -321,3 +433,39 @@ def best_adamw(config: AdamWConfig, *, threads: int | None = None, warmup: bool 
             return TorchAdamW(config)
     log.info("host optimizer: FusedAdamW (numba, one fused pass, 26 B/param)")
     return optimizer
+
+
+def fused_correct(
+    config: AdamWConfig,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    *,
+    applied: float,
+    new_coeff: float | None,
+    lr: float,
+    step: int,
+    decay: bool,
+) -> bool:
+    """Clipping's correction of one host range in one pass (see ``_correct_block_py``); ``new_coeff``
+    None takes the update back. Returns False (nothing done) when numba is not available, so the caller
+    falls back to the torch ops."""
+    if not _numba_available() or master.device.type != "cpu":
+        return False
+    if grad.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    kernels = _kernels()
+    g = _np(grad.view(torch.uint16) if grad.dtype == torch.bfloat16 else grad, "grad")
+    f32 = np.float32
+    weight_decay = config.weight_decay if decay else 0.0
+    w = 1.0 - config.beta1
+    large = w >= 0.5
+    kernels.correct(
+        _np(master, "master"), g, _np(state["exp_avg"], "exp_avg"), _np(state["exp_avg_sq"], "exp_avg_sq"),
+        f32(applied), new_coeff is not None, f32(new_coeff if new_coeff is not None else 1.0), step == 1,
+        f32(1.0 - lr * weight_decay), f32(1.0 - lr * weight_decay), f32(w - 1.0 if large else w), large,
+        f32(config.beta1), f32(1.0 / config.beta1) if config.beta1 else f32(0.0), f32(w), f32(config.beta2),
+        f32(1.0 / config.beta2) if config.beta2 else f32(0.0), f32(1.0 - config.beta2),
+        f32(math.sqrt(1.0 - config.beta2**step)), f32(config.eps), f32(lr / (1.0 - config.beta1**step)),
+    )  # fmt: skip
+    return True
