@@ -1,0 +1,59 @@
+"""Memory and step-time planning: what a SlideFormer run needs before any byte is allocated.
+
+The host side mirrors, buffer by buffer, what the engine allocates (``slide_core.engine``): the fp32
+master slab (``HostParameters``), AdamW's m and v (``UnitUpdates.state_slabs``), fp32 gradient
+accumulators for units with more than one gradient contribution per step, the pinned gradient ring
+(``GradRing``), the pinned activation stash (``ActivationStash``) and the optimizer's fp32 cast scratch
+(``TorchAdamW.reserve``). Those are exact (tests compare them with a real engine); the process baseline,
+NVMe staging (the engine has no NVMe tier yet; this is the budget one needs) and everything on the GPU
+beyond the preallocated slots are estimates from the model's shapes.
+
+The GPU peak is the persistent part (parameter/gradient slots, the two activation buffers, the CUDA
+context) plus the largest transient of the four phases of a micro-batch: the no-grad forward of one
+block, the head (slide-kernels' chunked linear + cross-entropy, or HF's full logits without it), the
+recomputed backward of one block, and the embedding backward. Only one runs at a time, so they do not add.
+
+Step time assumes perfect overlap of the pipelines the engine runs concurrently (GPU compute, PCIe in
+each direction, the CPU optimizer, NVMe when used) and takes the slowest; see :func:`make_plan` for each
+formula. It is a planning number (within tens of percent), not a benchmark.
+
+The package, one job per module (each imports only the ones above it):
+
+- :mod:`~slide_hf.planner.sizes`: ``24GiB`` in, ``30.1 GiB`` out;
+- :mod:`~slide_hf.planner.inputs`: :class:`Bandwidths`, :class:`ModelShape`, :class:`PlanInputs`;
+- :mod:`~slide_hf.planner.memory`: host, GPU and disk bytes;
+- :mod:`~slide_hf.planner.timing`: step time, eta and the critical batch;
+- :mod:`~slide_hf.planner.plan`: :class:`Plan`, :func:`make_plan`, :func:`largest_batch`,
+  :func:`plan_with_placement`;
+- :mod:`~slide_hf.planner.fit`: :func:`check_fits` against the machine's budgets.
+
+Import from ``slide_hf.planner``; the submodules are an implementation detail.
+"""
+
+from __future__ import annotations
+
+from slide_hf.planner.fit import available_host_bytes, check_fits
+from slide_hf.planner.inputs import Bandwidths, ModelShape, Offload, PlanInputs
+from slide_hf.planner.memory import CUDA_CONTEXT_BYTES, ENGINE_HOST_BUFFERS, PROCESS_BASELINE_BYTES, GiB
+from slide_hf.planner.plan import GPU_MARGIN_BYTES, Plan, largest_batch, make_plan, plan_with_placement
+from slide_hf.planner.sizes import format_bytes, parse_size
+
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "ENGINE_HOST_BUFFERS",
+    "GPU_MARGIN_BYTES",
+    "PROCESS_BASELINE_BYTES",
+    "Bandwidths",
+    "GiB",
+    "ModelShape",
+    "Offload",
+    "Plan",
+    "PlanInputs",
+    "available_host_bytes",
+    "check_fits",
+    "format_bytes",
+    "largest_batch",
+    "make_plan",
+    "parse_size",
+    "plan_with_placement",
+]

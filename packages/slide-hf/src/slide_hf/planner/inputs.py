@@ -1,0 +1,213 @@
+"""What a plan is computed from: the machine's bandwidths, the model's shape and one training configuration.
+
+Everything is validated here, when it is built, so the byte and time models downstream can trust their
+inputs and stay plain arithmetic. Only slide-core's config and unit types are imported: a
+:class:`ModelShape` can be read from a model on the meta device, or filled by hand without one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from slide_core.engine.config import EngineConfig
+from slide_core.unit import SlideModel
+from slide_hf.errors import UserError
+
+__all__ = ["Bandwidths", "ModelShape", "Offload", "PlanInputs"]
+
+Offload = Literal["ram", "nvme"]
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Throughputs the step-time estimate divides by (GB/s are 1e9 bytes/s).
+
+    The defaults are conservative: a PCIe 4 x16 link, a desktop-class CPU, a GPU at modest utilisation.
+    Measured on the H200 machine (16 cores, PCIe 5): h2d 55.5 GB/s and d2h 55.3 GB/s from pinned memory;
+    ``torch._fused_adamw_`` at 4.8 Gparam/s on fp32 alone, 1.6-2.2 Gparam/s including the bf16 -> fp32
+    gradient casts the engine does (see :meth:`measured_h200`).
+
+    - ``cpu_adam_gparams``: AdamW updates per second on the host, in 1e9 parameters/s, casts included.
+    - ``host_mem_gbps``: host memory bandwidth available to the optimizer and gradient accumulation.
+    - ``gpu_tflops``: *achieved* dense compute-dtype throughput (not the datasheet peak).
+    - ``disk_gbps``: sustained NVMe throughput for offloaded optimizer state and activations.
+    """
+
+    h2d_gbps: float = 25.0
+    d2h_gbps: float = 25.0
+    cpu_adam_gparams: float = 1.0
+    host_mem_gbps: float = 60.0
+    gpu_tflops: float = 300.0
+    disk_gbps: float = 2.0
+
+    def __post_init__(self) -> None:
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if not value > 0:
+                raise UserError(f"bandwidth {item.name} must be > 0, got {value}")
+
+    @classmethod
+    def measured_h200(cls) -> Bandwidths:
+        """The H200 machine's measured transfer and optimizer rates (GPU and disk left conservative)."""
+        return cls(h2d_gbps=55.5, d2h_gbps=55.3, cpu_adam_gparams=1.9)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs from a model: the padded size of every unit and the architecture's widths.
+
+    ``*_numel`` are ``unit.layout.numel`` (alignment padding included: that is what the engine allocates);
+    ``params`` is the HF-style count (no padding, a tied matrix once). Built from a :class:`SlideModel`
+    with :meth:`of`; tests and callers without a model can fill it by hand.
+    """
+
+    embedding_numel: int
+    block_numels: tuple[int, ...]
+    head_numel: int
+    params: int
+    block_params: int
+    tied: bool
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    kv_dim: int
+    intermediate_size: int
+    vocab_size: int
+    extra_device_bytes: int = 0
+
+    @classmethod
+    def of(cls, model: SlideModel) -> ModelShape:
+        """Read the shape of ``model``: unit layouts from the units, widths from its config.
+
+        HF adapters keep the transformers config as ``model.config``; slide-core's ``ToyModel`` keeps a
+        ``cfg``. Missing widths fall back to the embedding matrix (vocab, hidden) and Llama-style defaults.
+        """
+        config = getattr(model, "config", None) or getattr(model, "cfg", None)
+        vocab, hidden = _embedding_matrix(model)
+        hidden = int(_first(config, ("hidden_size", "n_embd"), hidden))
+        heads = int(_first(config, ("num_attention_heads", "num_heads", "n_head"), max(1, hidden // 128)))
+        head_dim = int(_first(config, ("head_dim",), hidden // heads))
+        kv_heads = int(_first(config, ("num_key_value_heads", "num_kv_heads"), heads))
+        intermediate = int(_first(config, ("intermediate_size", "n_inner"), 4 * hidden))
+        routed = _first(config, ("moe_intermediate_size",), None)
+        top_k = _first(config, ("num_experts_per_tok",), None)
+        if routed and top_k:  # an MoE token runs top_k experts' MLPs
+            intermediate = max(intermediate, int(routed) * int(top_k))
+        blocks = tuple(unit.layout.numel for unit in model.blocks)
+        return cls(
+            embedding_numel=model.embedding.layout.numel,
+            block_numels=blocks,
+            head_numel=model.head.layout.numel,
+            params=sum(unit.layout.param_numel for unit in model.units),
+            block_params=sum(unit.layout.param_numel for unit in model.blocks),
+            tied=bool(model.head.borrowed),
+            hidden_size=hidden,
+            num_heads=heads,
+            head_dim=head_dim,
+            kv_dim=kv_heads * head_dim,
+            intermediate_size=intermediate,
+            vocab_size=int(_first(config, ("vocab_size",), vocab)),
+            extra_device_bytes=int(model.extra_tensors_bytes()),
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_numels)
+
+    @property
+    def unit_numels(self) -> tuple[int, ...]:
+        """Every unit's padded numel in forward order: embedding, blocks, head."""
+        return (self.embedding_numel, *self.block_numels, self.head_numel)
+
+    @property
+    def total_numel(self) -> int:
+        return sum(self.unit_numels)
+
+    @property
+    def max_block_numel(self) -> int:
+        return max(self.block_numels, default=0)
+
+
+def _first(config: Any, names: tuple[str, ...], default: Any) -> Any:
+    for name in names:
+        value = getattr(config, name, None) if config is not None else None
+        if value:
+            return value
+    return default
+
+
+def _embedding_matrix(model: SlideModel) -> tuple[int, int]:
+    for spec in model.embedding.layout:
+        if len(spec.shape) == 2:
+            return spec.shape[0], spec.shape[1]
+    raise UserError(f"cannot plan {type(model).__name__}: its embedding unit has no (vocab, hidden) matrix")
+
+
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """One training configuration to plan.
+
+    ``model`` is a :class:`SlideModel` (HF modules on the meta device are enough) or a ready
+    :class:`ModelShape`. ``gpu_memory_bytes`` / ``host_memory_bytes`` cap what ``max_batch_size`` may use
+    (None: no cap on that side). With ``offload_optimizer == "nvme"``, ``nvme_fraction`` of the units
+    (counted in units, rounded; blocks first in index order, then the embedding, then the head) keep m
+    and v on NVMe. ``fused_loss`` says slide-kernels' chunked linear + cross-entropy will run the head
+    (without it, HF's recipe materialises the whole logits). ``transfer_chunk_numel`` and
+    ``grad_ring_slots`` are the engine's (``EngineConfig``).
+    """
+
+    model: SlideModel | ModelShape
+    batch_size: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    compute_dtype_bytes: int = 2
+    block_slots: int = _ENGINE_DEFAULTS.block_slots
+    gpu_memory_bytes: int | None = None
+    host_memory_bytes: int | None = None
+    offload_optimizer: Offload = "ram"
+    nvme_fraction: float = 1.0
+    offload_activations: Offload = "ram"
+    bandwidths: Bandwidths = field(default_factory=Bandwidths)
+    fused_loss: bool = True
+    transfer_chunk_numel: int = _ENGINE_DEFAULTS.transfer_chunk_numel
+    grad_ring_slots: int = _ENGINE_DEFAULTS.grad_ring_slots
+    resident_units: tuple[str, ...] = ()
+    """Units whose master and Adam state live on the GPU (``EngineConfig.resident_units``)."""
+    clipping: bool = False
+    """``--max-grad-norm > 0``: gradients land in a full-model pinned store (for the exact rollback)."""
+
+    def __post_init__(self) -> None:
+        for name, flag in (
+            ("batch_size", "--batch-size"),
+            ("seq_len", "--seq-len"),
+            ("grad_accum", "--grad-accum"),
+            ("block_slots", "--block-slots"),
+            ("transfer_chunk_numel", "transfer_chunk_numel"),
+            ("grad_ring_slots", "grad_ring_slots"),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise UserError(f"{flag} must be a positive integer, got {value!r}")
+        if self.compute_dtype_bytes not in (2, 4):
+            raise UserError(f"compute dtype must be 2 (bf16/fp16) or 4 (fp32) bytes, got {self.compute_dtype_bytes}")
+        for name, flag in (
+            ("offload_optimizer", "--offload-optimizer"),
+            ("offload_activations", "--offload-activations"),
+        ):
+            if getattr(self, name) not in ("ram", "nvme"):
+                raise UserError(f"{flag} must be 'ram' or 'nvme', got {getattr(self, name)!r}")
+        if not 0.0 <= self.nvme_fraction <= 1.0:
+            raise UserError(f"--nvme-fraction must be between 0 and 1, got {self.nvme_fraction}")
+        for name, flag in (("gpu_memory_bytes", "--gpu-memory"), ("host_memory_bytes", "--host-memory")):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise UserError(f"{flag} must be positive, got {value}")
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.model if isinstance(self.model, ModelShape) else ModelShape.of(self.model)

@@ -1,0 +1,196 @@
+"""Bytes: what a run holds in host RAM, on the GPU and on NVMe, as a function of its :class:`PlanInputs`.
+
+The host side mirrors, buffer by buffer, what the engine allocates (``slide_core.engine``): the fp32
+master slab (``HostParameters``), AdamW's m and v (``UnitUpdates.state_slabs``), fp32 gradient
+accumulators for units with more than one gradient contribution per step, the pinned gradient ring
+(``GradRing``), the pinned activation stash (``ActivationStash``) and the optimizer's fp32 cast scratch
+(``TorchAdamW.reserve``). Those are exact (tests compare them with a real engine); the process baseline,
+NVMe staging (the engine has no NVMe tier yet; this is the budget one needs) and everything on the GPU
+beyond the preallocated slots are estimates from the model's shapes.
+
+The GPU peak is the persistent part (parameter/gradient slots, the two activation buffers, the CUDA
+context) plus the largest transient of the four phases of a micro-batch: the no-grad forward of one
+block, the head (slide-kernels' chunked linear + cross-entropy, or HF's full logits without it), the
+recomputed backward of one block, and the embedding backward. Only one runs at a time, so they do not add.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from slide_hf.planner.inputs import _ENGINE_DEFAULTS, ModelShape, PlanInputs
+
+__all__ = ["CUDA_CONTEXT_BYTES", "ENGINE_HOST_BUFFERS", "PROCESS_BASELINE_BYTES", "GiB"]
+
+GiB = 1 << 30
+
+PROCESS_BASELINE_BYTES = 1 * GiB
+"""Resident memory of a training process before any engine buffer: Python, torch, transformers and the
+meta-device model. Measured on CPU at ~0.5 GB (``tests/hf/test_planner.py`` checks it stays below this);
+a CUDA build adds the host side of the CUDA runtime and cuBLAS, hence the round 1 GiB."""
+
+CUDA_CONTEXT_BYTES = 512 << 20
+"""GPU memory the CUDA context and cuBLAS workspaces take before the first tensor (~0.5 GB on H100/H200)."""
+
+_BLOCK_WORKSPACE_FACTOR = 1.5
+"""Calibration constant: peak GPU bytes of one block's recompute + backward over the bytes of the
+tensors autograd saves (:func:`_saved_elems_per_token`). The excess over 1 is the gradients of the
+largest intermediates (MLP backward: grads of ``act * up``, ``gate`` and ``up``, about 3 x intermediate
+per token) that live alongside the saved tensors. To be tuned against ``torch.cuda.max_memory_allocated``
+on a GPU."""
+
+_CE_CHUNK_LOGITS_BYTES = 256 << 20
+"""``slide_kernels.ops.linear_cross_entropy.CHUNK_LOGITS_BYTES``: the fused head's one (rows, vocab)
+logits buffer. Copied, not imported, so planning never imports triton."""
+
+ENGINE_HOST_BUFFERS = (
+    "master_fp32",
+    "optimizer_state",
+    "grad_accumulators",
+    "grad_ring",
+    "activation_stash",
+    "optimizer_scratch",
+)
+"""Keys of ``Plan.host_breakdown`` that are buffers the engine itself allocates."""
+
+
+def _nvme_units(shape: ModelShape, inputs: PlanInputs) -> list[int]:
+    """Numels of the units whose m and v live on NVMe."""
+    if inputs.offload_optimizer != "nvme":
+        return []
+    ordered = [*shape.block_numels, shape.embedding_numel, shape.head_numel]
+    count = math.floor(inputs.nvme_fraction * len(ordered) + 0.5)
+    return ordered[:count]
+
+
+def _accumulated_numel(shape: ModelShape, grad_accum: int) -> int:
+    """Numel of the units that get an fp32 host accumulator: those with > 1 gradient contribution per
+    step (every unit with accumulation; the embedding when the head borrows it)."""
+    if grad_accum > 1:
+        return shape.total_numel
+    return shape.embedding_numel if shape.tied else 0
+
+
+def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
+    d = inputs.compute_dtype_bytes
+    on_nvme = _nvme_units(shape, inputs)
+    boundary = inputs.batch_size * inputs.seq_len * shape.hidden_size * d  # one block's input
+    host = {
+        "master_fp32": 4 * shape.total_numel,
+        # device-resident units keep m and v on the GPU; their host ranges are never touched
+        "optimizer_state": 8 * (shape.total_numel - sum(on_nvme) - _resident_numel(shape, inputs)),
+        "grad_accumulators": 4 * _accumulated_numel(shape, inputs.grad_accum),
+        "grad_ring": (
+            shape.total_numel * d if inputs.clipping else _ring_slots(shape, inputs) * inputs.transfer_chunk_numel * d
+        ),
+        "activation_stash": shape.num_blocks * boundary if inputs.offload_activations == "ram" else 0,
+        "optimizer_scratch": 4 * inputs.transfer_chunk_numel,
+        # Double buffers in front of NVMe: one unit's m and v (or one block input) read ahead while the
+        # previous one is in use.
+        "nvme_staging": 2 * 8 * max(on_nvme, default=0) + (2 * boundary if inputs.offload_activations == "nvme" else 0),
+        "process_baseline": PROCESS_BASELINE_BYTES,
+    }
+    return host
+
+
+def _disk_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+    state = 8 * sum(_nvme_units(shape, inputs))
+    stash = 0
+    if inputs.offload_activations == "nvme":
+        stash = shape.num_blocks * inputs.batch_size * inputs.seq_len * shape.hidden_size * inputs.compute_dtype_bytes
+    return state + stash
+
+
+def _saved_elems_per_token(shape: ModelShape) -> int:
+    """Elements autograd saves per token in one Llama-style block (SDPA attention, SwiGLU MLP).
+
+    - two RMSNorms, each keeping its input and its fp32 normalised copy (counted in compute-dtype
+      elements: H + 2H): 6H;
+    - attention: q, k, v and the output for SDPA's backward (H + 2 kv + H), and the output again as
+      o_proj's (reshaped, contiguous) input (H): 3H + 2 kv;
+    - MLP: gate for SiLU, silu(gate) and up for the product, the product for down_proj: 4I.
+    """
+    h, kv, i = shape.hidden_size, shape.kv_dim, shape.intermediate_size
+    return 9 * h + 2 * kv + 4 * i
+
+
+def _ce_chunk_rows(tokens: int, vocab: int, dtype_bytes: int) -> int:
+    """Rows of the fused head's logits chunk (mirrors ``linear_cross_entropy._chunk_rows``)."""
+    rows = max(1, _CE_CHUNK_LOGITS_BYTES // max(1, vocab * dtype_bytes))
+    if rows >= 128:
+        rows -= rows % 128
+    return max(1, min(rows, tokens))
+
+
+def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], dict[str, int]]:
+    """(persistent components, transient peak of each phase), in bytes."""
+    d = inputs.compute_dtype_bytes
+    tokens = inputs.batch_size * inputs.seq_len
+    h, kv, i, v = shape.hidden_size, shape.kv_dim, shape.intermediate_size, shape.vocab_size
+    slots = inputs.block_slots if shape.num_blocks else 0
+    side_inputs = 3 * tokens * 8 + 2 * inputs.seq_len * shape.head_dim * d  # ids, labels, shifted; cos, sin
+    resident = set(inputs.resident_units)
+    persistent = {
+        "block_slots": slots * 2 * shape.max_block_numel * d,
+        "embedding_slot": 0 if "embedding" in resident else 2 * shape.embedding_numel * d,
+        "head_slot": 0 if "head" in resident else 2 * shape.head_numel * d,
+        "resident_units": _resident_bytes(shape, inputs),
+        "activation_buffers": 2 * tokens * h * d,
+        "model_extras": shape.extra_device_bytes + side_inputs,
+        "cuda_context": CUDA_CONTEXT_BYTES,
+    }
+    # Fused: one reused (rows, vocab) chunk in the compute dtype. Eager: the logits, their fp32 upcast,
+    # the fp32 log-softmax saved for backward and its gradient.
+    logits = _ce_chunk_rows(tokens, v, d) * v * d if inputs.fused_loss else tokens * v * (d + 12)
+    phases = {
+        # no-grad block: input and output, plus the larger of attention's (normed x, q, k, v) and the
+        # MLP's (gate, up, act) intermediates.
+        "forward": tokens * (2 * h + max(2 * h + 2 * kv, 3 * i)) * d,
+        # head: last hidden, normed hidden, its fp32 norm temporary, grad_h and grad_x; the logits
+        # (above); the head-matrix gradient; per-token fp32 loss scalars.
+        "head": tokens * h * (4 * d + 4) + logits + v * h * d + 2 * tokens * 4,
+        # one block with grad: grad_out and grad_in, the saved tensors (x the calibration factor), and
+        # the parameter gradients autograd returns before they are copied into the slot.
+        "backward": int(_BLOCK_WORKSPACE_FACTOR * tokens * _saved_elems_per_token(shape) * d)
+        + 2 * tokens * h * d
+        + shape.max_block_numel * d,
+        # embedding backward: grad_out and the dense (vocab, hidden) weight gradient.
+        "embedding_backward": tokens * h * d + v * h * d,
+    }
+    if not shape.num_blocks:
+        phases.pop("forward")
+        phases.pop("backward")
+    return persistent, phases
+
+
+def _ring_slots(shape: ModelShape, inputs: PlanInputs) -> int:
+    """The engine's rule (``EngineConfig.ring_slots``) over the host-updated units."""
+    config = dataclasses.replace(
+        _ENGINE_DEFAULTS, grad_ring_slots=inputs.grad_ring_slots, transfer_chunk_numel=inputs.transfer_chunk_numel
+    )
+    return config.ring_slots(shape.total_numel - _resident_numel(shape, inputs))
+
+
+def _resident_numel(shape: ModelShape, inputs: PlanInputs) -> int:
+    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
+    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    return sum(numel.get(name, 0) for name in inputs.resident_units)
+
+
+def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+    """Device-resident units: params and grads in the compute dtype, fp32 master, m and v, and an fp32
+    accumulator under gradient accumulation (see slide_core/engine/resident.py)."""
+    per_param = 2 * inputs.compute_dtype_bytes + 12 + (4 if inputs.grad_accum > 1 or inputs.clipping else 0)
+    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
+    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    return sum(numel.get(name, 0) for name in inputs.resident_units) * per_param
+
+
+def _gpu_peak(shape: ModelShape, inputs: PlanInputs) -> int:
+    persistent, phases = _gpu_bytes(shape, inputs)
+    return sum(persistent.values()) + max(phases.values(), default=0)
+
+
+def _host_peak(shape: ModelShape, inputs: PlanInputs) -> int:
+    return sum(_host_bytes(shape, inputs).values())

@@ -1,0 +1,215 @@
+"""The plan: one :class:`Plan` that puts the byte model and the time model together for a :class:`PlanInputs`.
+
+Also the searches over plans: :func:`largest_batch` (the biggest batch under memory caps) and
+:func:`plan_with_placement` (spend the GPU budget's spare memory on device-resident units).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from slide_hf.planner.inputs import ModelShape, PlanInputs
+from slide_hf.planner.memory import ENGINE_HOST_BUFFERS, _disk_bytes, _gpu_bytes, _gpu_peak, _host_bytes, _host_peak
+from slide_hf.planner.timing import _times
+
+__all__ = ["GPU_MARGIN_BYTES", "Plan", "largest_batch", "make_plan", "plan_with_placement"]
+
+GPU_MARGIN_BYTES = 1 << 30
+"""GPU memory left unplanned for allocator fragmentation and library workspaces."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Memory and time for one :class:`PlanInputs`. Byte counts are exact integers; times in seconds.
+
+    ``gpu_breakdown`` / ``host_breakdown`` sum to the peaks. ``max_batch_size`` is the largest batch
+    that fits every cap set in the inputs (None when none is set; 0 when not even 1 fits) and
+    ``max_batch_limit`` says which cap binds. ``eta`` is T_bwd / (T_d2h + T_update) for the whole step
+    (>= 1: gradient transfer and update hide behind the backward); ``critical_batch_size`` is the
+    smallest batch with eta >= 1.
+    """
+
+    inputs: PlanInputs = field(repr=False)
+    shape: ModelShape = field(repr=False)
+    params: int
+    tokens_per_step: int
+    gpu_peak_bytes: int
+    gpu_breakdown: dict[str, int]
+    gpu_peak_phase: str
+    gpu_phases: dict[str, int]
+    host_peak_bytes: int
+    host_breakdown: dict[str, int]
+    disk_bytes: int
+    max_batch_size: int | None
+    max_batch_limit: str | None
+    flops_per_step: float
+    compute_s: float
+    pcie_s: float
+    update_s: float
+    disk_s: float
+    step_time_s: float
+    eta: float
+    binding: str
+    critical_batch_size: int | None
+
+    @property
+    def engine_host_bytes(self) -> int:
+        """Host bytes of the engine's own buffers (everything but the process baseline and NVMe staging)."""
+        return sum(self.host_breakdown[key] for key in ENGINE_HOST_BUFFERS)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: every number, plus the inputs that produced them."""
+        i = self.inputs
+        return {
+            "inputs": {
+                "batch_size": i.batch_size,
+                "seq_len": i.seq_len,
+                "grad_accum": i.grad_accum,
+                "compute_dtype_bytes": i.compute_dtype_bytes,
+                "block_slots": i.block_slots,
+                "gpu_memory_bytes": i.gpu_memory_bytes,
+                "host_memory_bytes": i.host_memory_bytes,
+                "offload_optimizer": i.offload_optimizer,
+                "nvme_fraction": i.nvme_fraction,
+                "offload_activations": i.offload_activations,
+                "bandwidths": dataclasses.asdict(i.bandwidths),
+                "fused_loss": i.fused_loss,
+                "resident_units": list(i.resident_units),
+            },
+            "params": self.params,
+            "tokens_per_step": self.tokens_per_step,
+            "gpu_peak_bytes": self.gpu_peak_bytes,
+            "gpu_peak_phase": self.gpu_peak_phase,
+            "gpu_breakdown": dict(self.gpu_breakdown),
+            "gpu_phases": dict(self.gpu_phases),
+            "host_peak_bytes": self.host_peak_bytes,
+            "host_breakdown": dict(self.host_breakdown),
+            "disk_bytes": self.disk_bytes,
+            "max_batch_size": self.max_batch_size,
+            "max_batch_limit": self.max_batch_limit,
+            "flops_per_step": self.flops_per_step,
+            "compute_s": self.compute_s,
+            "pcie_s": self.pcie_s,
+            "update_s": self.update_s,
+            "disk_s": self.disk_s,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "eta": self.eta,
+            "binding": self.binding,
+            "critical_batch_size": self.critical_batch_size,
+        }
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    """Plan memory and time for ``inputs``.
+
+    Time, per optimizer step of T = batch x seq x grad_accum tokens (L blocks, S = seq, d = heads x
+    head_dim, V x H the head matrix, N_b the block parameters):
+
+    - compute = T x (8 N_b + 6 V H + 8 L S d) / gpu_tflops. Blocks run forward, recompute forward and
+      backward: 2 + 2 + 4 = 8 FLOPs per parameter per token (6 without recompute). The head runs once
+      with grad (6 V H). Attention: QK^T and AV are 4 S d per token per layer forward, halved by the
+      causal mask, times the same four passes: 8 L S d.
+    - pcie = max(h2d, d2h) (the directions are independent). h2d: 4 B/param per load (fp32 master, see
+      ``_H2D_BYTES_PER_PARAM``); the embedding and head load once per step; blocks load once in each
+      forward and backward, minus the ``block_slots`` still resident where the schedule turns around:
+      accum x 2L - (2 accum - 1) x slots. d2h: every unit's gradient in the compute dtype per micro-batch
+      (the embedding twice when the head is tied). Both add the activation stash (out and back in).
+    - update = max(params / cpu_adam rate, (AdamW + accumulation bytes) / host memory bandwidth).
+    - disk = bytes moved to and from NVMe (m and v read and written; stash written and read) / disk_gbps.
+
+    step_time = max(compute, pcie, update, disk). eta = T_bwd / (T_d2h + T_update), with T_bwd the
+    recompute + backward of the blocks plus the head (6 N_b + 6 L S d + 6 V H per token).
+    """
+    shape = inputs.shape
+    gpu, phases = _gpu_bytes(shape, inputs)
+    host = _host_bytes(shape, inputs)
+    peak_phase = max(phases, key=phases.__getitem__) if phases else "none"
+    gpu_breakdown = {**gpu, "workspace": phases.get(peak_phase, 0)}
+    times = _times(shape, inputs)
+    max_batch, limit = _max_batch(shape, inputs)
+    return Plan(
+        inputs=inputs,
+        shape=shape,
+        params=shape.params,
+        tokens_per_step=inputs.batch_size * inputs.seq_len * inputs.grad_accum,
+        gpu_peak_bytes=sum(gpu_breakdown.values()),
+        gpu_breakdown=gpu_breakdown,
+        gpu_peak_phase=peak_phase,
+        gpu_phases=phases,
+        host_peak_bytes=sum(host.values()),
+        host_breakdown=host,
+        disk_bytes=_disk_bytes(shape, inputs),
+        max_batch_size=max_batch,
+        max_batch_limit=limit,
+        **times,
+    )
+
+
+def largest_batch(
+    inputs: PlanInputs, *, gpu_cap: int | None, host_cap: int | None, shape: ModelShape | None = None
+) -> tuple[int | None, str | None]:
+    """``(largest batch size whose peaks fit both caps, the cap that stops it: "gpu" | "host")``.
+
+    ``(None, None)`` with no cap; ``(0, cap)`` when not even batch 1 fits. Both peaks grow with the
+    batch, so a doubling search then bisection finds it in a few dozen arithmetic evaluations.
+    """
+    shape = shape or inputs.shape
+    checks: list[tuple[str, Callable[[PlanInputs], int], int]] = []
+    if gpu_cap is not None:
+        checks.append(("gpu", lambda x: _gpu_peak(shape, x), gpu_cap))
+    if host_cap is not None:
+        checks.append(("host", lambda x: _host_peak(shape, x), host_cap))
+    if not checks:
+        return None, None
+
+    def blocker(batch: int) -> str | None:
+        trial = dataclasses.replace(inputs, batch_size=batch)
+        return next((name for name, peak, cap in checks if peak(trial) > cap), None)
+
+    if (first := blocker(1)) is not None:
+        return 0, first
+    low, high = 1, 2
+    limit = 1 << 24
+    while high <= limit and blocker(high) is None:
+        low, high = high, high * 2
+    if high > limit:
+        return limit, None
+    while high - low > 1:
+        mid = (low + high) // 2
+        if blocker(mid) is None:
+            low = mid
+        else:
+            high = mid
+    return low, blocker(high)
+
+
+def _max_batch(shape: ModelShape, inputs: PlanInputs) -> tuple[int | None, str | None]:
+    return largest_batch(inputs, gpu_cap=inputs.gpu_memory_bytes, host_cap=inputs.host_memory_bytes, shape=shape)
+
+
+def plan_with_placement(inputs: PlanInputs) -> Plan:
+    """The plan after spending the GPU budget's spare memory on device-resident units.
+
+    Without a GPU budget nothing is placed. The units are chosen by
+    :func:`slide_core.engine.placement.choose_resident_units` (embedding, head, then the first blocks).
+    """
+    import torch
+
+    from slide_core.engine.placement import choose_resident_units
+
+    base = make_plan(inputs)
+    if inputs.gpu_memory_bytes is None or isinstance(inputs.model, ModelShape):
+        return base
+    spare = max(0, inputs.gpu_memory_bytes - base.gpu_peak_bytes - GPU_MARGIN_BYTES)
+    dtype = torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16
+    accumulates = inputs.grad_accum > 1 or inputs.clipping
+    resident = choose_resident_units(inputs.model, spare, dtype, accumulates=accumulates)
+    return make_plan(dataclasses.replace(inputs, resident_units=resident)) if resident else base

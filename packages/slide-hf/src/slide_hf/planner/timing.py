@@ -1,0 +1,89 @@
+"""Seconds: the step time of a :class:`PlanInputs`, its binding pipeline, eta and the critical batch.
+
+Step time assumes perfect overlap of the pipelines the engine runs concurrently (GPU compute, PCIe in
+each direction, the CPU optimizer, NVMe when used) and takes the slowest; see
+:func:`slide_hf.planner.make_plan` for each formula. It is a planning number (within tens of percent),
+not a benchmark.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from slide_hf.planner.inputs import ModelShape, PlanInputs
+from slide_hf.planner.memory import _nvme_units
+
+__all__: list[str] = []
+
+_H2D_BYTES_PER_PARAM = 4
+"""Bytes per parameter per load: the engine copies straight from the fp32 master slab into the
+compute-dtype slot (``Engine._h2d_job``); a non-blocking cross-dtype host-to-device copy moves the
+source's fp32 bytes and casts on the device."""
+
+_ADAM_BYTES_PER_PARAM = 32
+"""Host memory traffic of one fp32 AdamW update per parameter: read and write master, m and v (24 B),
+and the gradient cast into the fp32 scratch and read back (8 B)."""
+
+
+def _block_loads(shape: ModelShape, inputs: PlanInputs) -> int:
+    blocks = shape.num_blocks
+    if not blocks:
+        return 0
+    resident = min(inputs.block_slots, blocks)
+    return inputs.grad_accum * 2 * blocks - (2 * inputs.grad_accum - 1) * resident
+
+
+def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
+    bw = inputs.bandwidths
+    d = inputs.compute_dtype_bytes
+    accum = inputs.grad_accum
+    seq = inputs.seq_len
+    tokens = inputs.batch_size * seq * accum
+    layers = shape.num_blocks
+    attn_dim = shape.num_heads * shape.head_dim
+    head_matrix = shape.vocab_size * shape.hidden_size
+    flops_per_token = 8 * shape.block_params + 6 * head_matrix + 8 * layers * seq * attn_dim
+    bwd_flops_per_token = 6 * shape.block_params + 6 * head_matrix + 6 * layers * seq * attn_dim
+    flops = float(tokens * flops_per_token)
+    gpu_rate = bw.gpu_tflops * 1e12
+    compute_s = flops / gpu_rate
+    backward_s = tokens * bwd_flops_per_token / gpu_rate
+
+    stash = layers * inputs.batch_size * seq * shape.hidden_size * d  # per micro-batch
+    stash_pcie = stash * accum
+    mean_block = sum(shape.block_numels) / layers if layers else 0.0
+    loads = shape.embedding_numel + shape.head_numel + _block_loads(shape, inputs) * mean_block
+    h2d_bytes = _H2D_BYTES_PER_PARAM * loads + stash_pcie
+    grad_numel = shape.total_numel + (shape.embedding_numel if shape.tied else 0)
+    d2h_grad_bytes = accum * grad_numel * d
+    d2h_s = d2h_grad_bytes / (bw.d2h_gbps * 1e9)
+    pcie_s = max(h2d_bytes / (bw.h2d_gbps * 1e9), (d2h_grad_bytes + stash_pcie) / (bw.d2h_gbps * 1e9))
+
+    contributions = accum * grad_numel  # gradient chunks the optimizer thread receives, in elements
+    accum_traffic = (contributions - shape.total_numel) * (8 + d) if contributions > shape.total_numel else 0
+    host_traffic = shape.total_numel * (_ADAM_BYTES_PER_PARAM + d) + accum_traffic
+    update_s = max(shape.total_numel / (bw.cpu_adam_gparams * 1e9), host_traffic / (bw.host_mem_gbps * 1e9))
+
+    disk_traffic = 2 * 8 * sum(_nvme_units(shape, inputs))
+    if inputs.offload_activations == "nvme":
+        disk_traffic += 2 * stash * accum
+    disk_s = disk_traffic / (bw.disk_gbps * 1e9)
+
+    limits = {"gpu compute": compute_s, "pcie": pcie_s, "host memory bandwidth": update_s, "nvme": disk_s}
+    binding = max(limits, key=limits.__getitem__)
+    hide = d2h_s + update_s
+    eta = backward_s / hide if hide > 0 else math.inf
+    per_sample_bwd = backward_s / inputs.batch_size
+    critical = math.ceil(hide / per_sample_bwd - 1e-9) if per_sample_bwd > 0 else None
+    return {
+        "flops_per_step": flops,
+        "compute_s": compute_s,
+        "pcie_s": pcie_s,
+        "update_s": update_s,
+        "disk_s": disk_s,
+        "step_time_s": max(limits.values()),
+        "eta": eta,
+        "binding": binding,
+        "critical_batch_size": max(1, critical) if critical is not None else None,
+    }
