@@ -303,7 +303,7 @@ def test_consecutive_nan_steps_raise() -> None:
             for step, micro in enumerate(batches):
                 model.poison(step >= 1)
                 results.append(engine.step(micro, lr=LR))
-        assert time.monotonic() - began < 10.0
+        assert time.monotonic() - began < 20.0  # no hang; generous for a loaded 2-core CI machine
         message = str(caught.value)
         assert "non-finite gradients in 3 consecutive steps" in message
         assert "lower --lr" in message
