@@ -7,6 +7,7 @@ buffer waits (stream-side) for the compute that last read it; compute waits for 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,16 +17,18 @@ from slide_core.device import Device, Event
 __all__ = ["ActivationStash", "TierActivationStash"]
 
 
-class ActivationStash:
-    def __init__(self, device: Device, num_blocks: int) -> None:
+class _BlockInputBuffers:
+    """The buffers both stashes share: ``host_copies`` pinned host views of one block input and two
+    device buffers, allocated once per input shape."""
+
+    host_copies: int
+
+    def __init__(self, device: Device) -> None:
         self.device = device
-        self.num_blocks = num_blocks
         self._shape: tuple[int, ...] | None = None
         self._dtype: torch.dtype | None = None
         self._host: list[torch.Tensor] = []
         self._device_buffers: list[torch.Tensor] = []
-        self._saved: dict[int, Event] = {}
-        self._loaded: dict[int, tuple[int, Event]] = {}
         self._buffer_free: list[Event | None] = [None, None]
 
     @property
@@ -33,16 +36,26 @@ class ActivationStash:
         return sum(t.numel() * t.element_size() for t in self._host)
 
     def ensure(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Allocate (once per shape) the host slab and the two device buffers."""
+        """Allocate (once per shape) the pinned host slab and the two device buffers."""
         if self._shape == shape and self._dtype == dtype:
             return
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        slab = self.device.alloc_pinned(numel * self.num_blocks, dtype)
-        self._host = [slab[i * numel : (i + 1) * numel].view(shape) for i in range(self.num_blocks)]
+        numel = math.prod(shape)
+        slab = self.device.alloc_pinned(numel * self.host_copies, dtype)
+        self._host = [slab[i * numel : (i + 1) * numel].view(shape) for i in range(self.host_copies)]
         self._device_buffers = [self.device.empty(numel, dtype).view(shape) for _ in range(2)]
         self._shape, self._dtype = shape, dtype
+
+    def release(self, index: int, consumed: Event) -> None:
+        """The compute that read block ``index``'s input has been issued; ``consumed`` marks its end."""
+        self._buffer_free[index % 2] = consumed
+
+
+class ActivationStash(_BlockInputBuffers):
+    def __init__(self, device: Device, num_blocks: int) -> None:
+        super().__init__(device)
+        self.host_copies = num_blocks  # every block's input stays in host memory until its backward
+        self._saved: dict[int, Event] = {}
+        self._loaded: dict[int, tuple[int, Event]] = {}
 
     def save(self, index: int, x: torch.Tensor, computed: Event) -> None:
         """Start the device-to-host copy of block ``index``'s input once ``computed`` has happened."""
@@ -74,12 +87,8 @@ class ActivationStash:
         self.device.wait_event("compute", event)
         return self._device_buffers[buffer]
 
-    def release(self, index: int, consumed: Event) -> None:
-        """The compute that read block ``index``'s input has been issued; ``consumed`` marks its end."""
-        self._buffer_free[index % 2] = consumed
 
-
-class TierActivationStash:
+class TierActivationStash(_BlockInputBuffers):
     """The same contract as :class:`ActivationStash`, with block inputs kept on a :class:`Tier` (NVMe).
 
     For models whose boundary activations do not fit in host RAM. Two pinned staging buffers carry the
@@ -91,34 +100,16 @@ class TierActivationStash:
     last read it has completed. Tested by ``test_activations_on_a_tier_are_bit_identical``.
     """
 
+    host_copies = 2  # staging only: the tier holds the inputs
+
     def __init__(self, device: Device, num_blocks: int, tier: Any, workers: Any, *, prefix: str = "act") -> None:
-        self.device = device
+        super().__init__(device)
         self.num_blocks = num_blocks
         self.tier = tier
         self.workers = workers
         self.prefix = prefix
-        self._shape: tuple[int, ...] | None = None
-        self._dtype: torch.dtype | None = None
-        self._staging: list[torch.Tensor] = []
-        self._device_buffers: list[torch.Tensor] = []
         self._staging_busy: list[Any] = [None, None]  # future of the last job that read the staging buffer
         self._loaded: dict[int, tuple[int, Any]] = {}
-        self._buffer_free: list[Event | None] = [None, None]
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._staging)
-
-    def ensure(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        if self._shape == shape and self._dtype == dtype:
-            return
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        slab = self.device.alloc_pinned(2 * numel, dtype)
-        self._staging = [slab[i * numel : (i + 1) * numel].view(shape) for i in range(2)]
-        self._device_buffers = [self.device.empty(numel, dtype).view(shape) for _ in range(2)]
-        self._shape, self._dtype = shape, dtype
 
     def _key(self, index: int) -> str:
         return f"{self.prefix}/{index}"
@@ -134,14 +125,14 @@ class TierActivationStash:
         device = self.device
         with device.stream("d2h"):
             device.wait_event("d2h", computed)
-            self._staging[buffer].copy_(x, non_blocking=True)
+            self._host[buffer].copy_(x, non_blocking=True)
             device.keep_alive(x, "d2h")
             copied = device.record_event("d2h")
         self._staging_busy[buffer] = self.workers["d2h"].submit(self._write, index, buffer, copied)
 
     def _write(self, index: int, buffer: int, copied: Event) -> None:
         copied.synchronize()  # note: CPU-GPU sync point (d2h thread)
-        self.workers.wait(self.tier.put(self._key(index), self._staging[buffer]), f"writing activation {index}")
+        self.workers.wait(self.tier.put(self._key(index), self._host[buffer]), f"writing activation {index}")
 
     def prefetch(self, index: int) -> None:
         if index in self._loaded or index < 0:
@@ -157,7 +148,7 @@ class TierActivationStash:
             result = self.workers.wait(previous, f"the staging buffer before reading activation {index}")
             if isinstance(result, Event):
                 result.synchronize()  # the previous h2d from this staging buffer has finished
-        staging = self._staging[buffer]
+        staging = self._host[buffer]
         self.workers.wait(self.tier.get(self._key(index), staging), f"reading activation {index}")
         device = self.device
         with device.stream("h2d"):
@@ -172,6 +163,3 @@ class TierActivationStash:
         event = self.workers.wait(job, f"activation {index} from the tier")
         self.device.wait_event("compute", event)
         return self._device_buffers[buffer]
-
-    def release(self, index: int, consumed: Event) -> None:
-        self._buffer_free[index % 2] = consumed

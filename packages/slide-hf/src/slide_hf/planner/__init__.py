@@ -1,17 +1,7 @@
 """Memory and step-time planning: what a SlideFormer run needs before any byte is allocated.
 
-The host side mirrors, buffer by buffer, what the engine allocates (``slide_core.engine``): the fp32
-master slab (``HostParameters``), AdamW's m and v (``UnitUpdates.state_slabs``), fp32 gradient
-accumulators for units with more than one gradient contribution per step, the pinned gradient ring
-(``GradRing``), the pinned activation stash (``ActivationStash``) and the optimizer's fp32 cast scratch
-(``TorchAdamW.reserve``). Those are exact (tests compare them with a real engine); the process baseline,
-NVMe staging (the engine has no NVMe tier yet; this is the budget one needs) and everything on the GPU
-beyond the preallocated slots are estimates from the model's shapes.
-
-The GPU peak is the persistent part (parameter/gradient slots, the two activation buffers, the CUDA
-context) plus the largest transient of the four phases of a micro-batch: the no-grad forward of one
-block, the head (slide-kernels' chunked linear + cross-entropy, or HF's full logits without it), the
-recomputed backward of one block, and the embedding backward. Only one runs at a time, so they do not add.
+Bytes are modelled in ``memory.py`` (host buffers exactly as the engine allocates them, the GPU peak as
+persistent slots plus the largest per-phase transient); times in ``timing.py``.
 
 Step time assumes perfect overlap of the pipelines the engine runs concurrently (GPU compute, PCIe in
 each direction, the CPU optimizer, NVMe when used) and takes the slowest; see :func:`make_plan` for each

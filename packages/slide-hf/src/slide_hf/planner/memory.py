@@ -5,7 +5,7 @@ master slab (``HostParameters``), AdamW's m and v (``UnitUpdates.state_slabs``),
 accumulators for units with more than one gradient contribution per step, the pinned gradient ring
 (``GradRing``), the pinned activation stash (``ActivationStash``) and the optimizer's fp32 cast scratch
 (``TorchAdamW.reserve``). Those are exact (tests compare them with a real engine); the process baseline,
-NVMe staging (the engine has no NVMe tier yet; this is the budget one needs) and everything on the GPU
+the NVMe staging sets and everything on the GPU
 beyond the preallocated slots are estimates from the model's shapes.
 
 The GPU peak is the persistent part (parameter/gradient slots, the two activation buffers, the CUDA
