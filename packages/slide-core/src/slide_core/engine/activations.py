@@ -102,9 +102,8 @@ class TierActivationStash(_BlockInputBuffers):
 
     host_copies = 2  # staging only: the tier holds the inputs
 
-    def __init__(self, device: Device, num_blocks: int, tier: Any, workers: Any, *, prefix: str = "act") -> None:
+    def __init__(self, device: Device, tier: Any, workers: Any, *, prefix: str = "act") -> None:
         super().__init__(device)
-        self.num_blocks = num_blocks
         self.tier = tier
         self.workers = workers
         self.prefix = prefix

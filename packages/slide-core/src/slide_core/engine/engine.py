@@ -187,7 +187,7 @@ class Engine(GradientPath):
         self.optimizer.reserve(cfg.transfer_chunk_numel)
         self._workers = Workers(("h2d", "d2h", "optimizer"), cfg.timeout_s)
         if self._activation_tier is not None:
-            self.stash = TierActivationStash(self.device, len(model.blocks), self._activation_tier, self._workers)
+            self.stash = TierActivationStash(self.device, self._activation_tier, self._workers)
         else:
             self.stash = ActivationStash(self.device, len(model.blocks))
         return self

@@ -49,33 +49,22 @@ class GradientPath:
         workers, device = self.workers, self.device
         if slot.grads_free is not None:
             device.wait_event("compute", workers.wait(slot.grads_free, f"the gradient buffer of {unit.name}"))
+        count = self._contributions[unit.name]
+        self._contributions[unit.name] = count + 1
+        # See Note [Tied gradient in the slot] in resident.py: later contributions add to the first.
+        sums_in_slot = unit.name in self.residents and self._clip is None and self._micro_batches == 1
+        adding = sums_in_slot and count > 0
         targets, sources = [], []
-        keep_missing = unit.name in self.residents and self._clip is None and self._micro_batches == 1
-        keep_missing = keep_missing and self._contributions[unit.name] > 0
         for name, view in unit.layout.views(slot.grads).items():
             grad = grads.get(name)
-            if grad is None:
-                if not keep_missing:
-                    view.zero_()
-            else:
+            if grad is not None:
                 targets.append(view)
                 sources.append(grad)
-        count = self._contributions[unit.name]
-        # See Note [Tied gradient in the slot] in resident.py.
-        in_slot = unit.name in self.residents and self._clip is None and self._micro_batches == 1 and count > 0
+            elif not adding:
+                view.zero_()
         if targets:
-            if in_slot:
-                torch._foreach_add_(targets, sources)
-            else:
-                torch._foreach_copy_(targets, sources)
-        self._contributions[unit.name] = count + 1
-        expected = self._expected[unit.name]
-        if expected == 1:
-            mode = "step"
-        elif count == 0:
-            mode = "stash"
-        else:
-            mode = "add_step" if count + 1 == expected else "add"
+            (torch._foreach_add_ if adding else torch._foreach_copy_)(targets, sources)
+        mode = _contribution_mode(count, self._expected[unit.name])
         if unit.name in self.residents:
             # See Note [Resident update ordering] in resident.py.
             start = self._mark()
@@ -83,8 +72,8 @@ class GradientPath:
                 self._speculate_resident(unit, mode)
             else:
                 if self.norms is not None:
-                    self.norms.add(unit, slot.grads, first=count == 0 or in_slot)
-                self.residents.apply(unit.name, mode, self._lr, self.step_count, in_slot=self._micro_batches == 1)
+                    self.norms.add(unit, slot.grads, first=count == 0 or adding)
+                self.residents.apply(unit.name, mode, self._lr, self.step_count, in_slot=sums_in_slot)
                 if mode in ("step", "add_step"):
                     self.updates.updated[unit.name].set_result(None)
             self._span(unit, "update", start)
@@ -281,6 +270,15 @@ class GradientPath:
                 "cannot skip a step exactly, so it stops here. Lower --lr, or set max_grad_norm > 0 to skip "
                 "such steps"
             )
+
+
+def _contribution_mode(count: int, expected: int) -> str:
+    """How the ``count``-th of ``expected`` gradient contributions of a step is applied (GradChunk modes)."""
+    if expected == 1:
+        return "step"
+    if count == 0:
+        return "stash"
+    return "add_step" if count + 1 == expected else "add"
 
 
 def _barrier() -> None:
