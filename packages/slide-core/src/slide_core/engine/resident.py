@@ -33,14 +33,19 @@ from slide_core.unit import SlideModel, Unit
 
 from .slots import ParamSlot
 
-__all__ = ["ResidentUnit", "ResidentUnits", "resident_bytes"]
+__all__ = ["ResidentUnit", "ResidentUnits", "resident_bytes", "resident_bytes_per_param"]
+
+
+def resident_bytes_per_param(compute_bytes: int, *, accumulates: bool) -> int:
+    """Params + grads in the compute dtype, fp32 master, m and v, and an fp32 accumulator when the unit
+    gets several gradient contributions per step (accumulation, or clipping's rollback)."""
+    return 2 * compute_bytes + 12 + (4 if accumulates else 0)
 
 
 def resident_bytes(unit: Unit, compute_dtype: torch.dtype, *, accumulates: bool) -> int:
-    """Device bytes a unit costs when resident (params + grads in compute dtype, fp32 master, m, v)."""
+    """Device bytes a unit costs when resident (see :func:`resident_bytes_per_param`)."""
     element = torch.empty((), dtype=compute_dtype).element_size()
-    per_param = 2 * element + 12 + (4 if accumulates else 0)
-    return unit.layout.numel * per_param
+    return unit.layout.numel * resident_bytes_per_param(element, accumulates=accumulates)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from slide_core.engine.resident import resident_bytes_per_param
 from slide_hf.planner.inputs import _ENGINE_DEFAULTS, ModelShape, PlanInputs
 
 __all__ = ["CUDA_CONTEXT_BYTES", "ENGINE_HOST_BUFFERS", "PROCESS_BASELINE_BYTES", "GiB"]
@@ -179,12 +180,10 @@ def _resident_numel(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    """Device-resident units: params and grads in the compute dtype, fp32 master, m and v, and an fp32
-    accumulator under gradient accumulation (see slide_core/engine/resident.py)."""
-    per_param = 2 * inputs.compute_dtype_bytes + 12 + (4 if inputs.grad_accum > 1 or inputs.clipping else 0)
-    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
-    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
-    return sum(numel.get(name, 0) for name in inputs.resident_units) * per_param
+    """Device-resident units, priced by the engine's own rule (slide_core/engine/resident.py)."""
+    accumulates = inputs.grad_accum > 1 or inputs.clipping
+    per_param = resident_bytes_per_param(inputs.compute_dtype_bytes, accumulates=accumulates)
+    return _resident_numel(shape, inputs) * per_param
 
 
 def _gpu_peak(shape: ModelShape, inputs: PlanInputs) -> int:
