@@ -84,6 +84,18 @@ def _as_fp32(x):  # pragma: no cover - replaced by an intrinsic
 _prange = range
 
 
+def _adam_py(gi, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
+    """One element's AdamW moments and parameter step (the part after weight decay), in fp32."""
+    base = gi if large else mi
+    mi = _fma32(coeff, gi - mi, base)
+    vi = _fma32(one_minus_beta2 * gi, gi, vi * beta2)
+    denom = np.sqrt(vi) / bc2_sqrt + eps
+    return mi, vi, (neg_step * mi) / denom
+
+
+_adam = _adam_py
+
+
 def _update_block_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
     """Update one block in place: same-length slices, ``g`` fp32 or bf16-as-uint16, all math in fp32.
 
@@ -91,14 +103,8 @@ def _update_block_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc
     negative-index wraparound and vectorise (with ``start + j`` indexing it stays scalar).
     """
     for j in range(p.shape[0]):
-        gi = _as_fp32(g[j])
-        mi = m[j]
-        pi = p[j] * decay
-        base = gi if large else mi
-        mi = _fma32(coeff, gi - mi, base)
-        vi = _fma32(one_minus_beta2 * gi, gi, v[j] * beta2)
-        denom = np.sqrt(vi) / bc2_sqrt + eps
-        p[j] = pi + (neg_step * mi) / denom
+        mi, vi, step = _adam(_as_fp32(g[j]), m[j], v[j], coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+        p[j] = p[j] * decay + step
         m[j] = mi
         v[j] = vi
 
@@ -127,18 +133,15 @@ def _correct_block_py(
     new_coeff,
     first,
     undo_decay,
-    decay,
     coeff,
     large,
     beta1,
-    inv_beta1,
     one_minus_beta1,
     beta2,
-    inv_beta2,
     one_minus_beta2,
     bc2_sqrt,
     eps,
-    step_size,
+    neg_step,
 ):
     """Take back one AdamW update that applied ``applied * g`` and, with ``redo``, apply it again with
     ``new_coeff * g``: clipping's correction (slide_core/engine/clipping.py) in one pass, fp32 math
@@ -148,27 +151,21 @@ def _correct_block_py(
         gs = gi * applied
         mi = m[j]
         vi = v[j]
-        denom = np.sqrt(vi) / bc2_sqrt + eps
-        pi = p[j] + (step_size * mi) / denom
+        pi = p[j] + (-neg_step * mi) / (np.sqrt(vi) / bc2_sqrt + eps)
         if first:
             mi = np.float32(0.0)
             vi = np.float32(0.0)
         else:
             mi = (mi - one_minus_beta1 * gs) / beta1  # division, as torch's div_: not * (1 / beta1)
-            vi = _fma32(-one_minus_beta2 * gs, gs, vi) / beta2
-            vi = max(vi, np.float32(0.0))
+            vi = max(_fma32(-one_minus_beta2 * gs, gs, vi) / beta2, np.float32(0.0))
         if redo:
-            gn = gi * new_coeff
-            base = gn if large else mi
-            mi = _fma32(coeff, gn - mi, base)
-            vi = _fma32(one_minus_beta2 * gn, gn, vi * beta2)
-            denom = np.sqrt(vi) / bc2_sqrt + eps
-            pi = pi + (-step_size * mi) / denom
+            mi, vi, step = _adam(gi * new_coeff, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+            pi = pi + step
         else:
             pi = pi / undo_decay
         p[j] = pi
         m[j] = mi
-        v[j] = vi
+        v[j] = vi  # fmt: skip
 
 
 _correct_block = _correct_block_py
@@ -184,46 +181,25 @@ def _correct_py(
     new_coeff,
     first,
     undo_decay,
-    decay,
     coeff,
     large,
     beta1,
-    inv_beta1,
     one_minus_beta1,
     beta2,
-    inv_beta2,
     one_minus_beta2,
     bc2_sqrt,
     eps,
-    step_size,
+    neg_step,
 ):
+    """The whole range, block by block across numba's threads."""
     n = p.shape[0]
     for b in _prange((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         e = min(s + BLOCK, n)
         _correct_block(
-            p[s:e],
-            g[s:e],
-            m[s:e],
-            v[s:e],
-            applied,
-            redo,
-            new_coeff,
-            first,
-            undo_decay,
-            decay,
-            coeff,
-            large,
-            beta1,
-            inv_beta1,
-            one_minus_beta1,
-            beta2,
-            inv_beta2,
-            one_minus_beta2,
-            bc2_sqrt,
-            eps,
-            step_size,
-        )
+            p[s:e], g[s:e], m[s:e], v[s:e], applied, redo, new_coeff, first, undo_decay, coeff, large, beta1,
+            one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+        )  # fmt: skip
 
 
 @functools.cache
@@ -235,7 +211,7 @@ def _kernels() -> Any:
     per-user cache directory when that is read-only), so only the first process on a machine pays the
     few seconds of LLVM compile.
     """
-    global _as_fp32, _fma32, _prange, _update_block, _correct_block
+    global _adam, _as_fp32, _fma32, _prange, _update_block, _correct_block
     import numba
     from llvmlite import ir as llvm_ir
     from numba.core import types
@@ -273,6 +249,7 @@ def _kernels() -> Any:
         return None
 
     _fma32, _as_fp32, _prange = fma32, as_fp32, numba.prange
+    _adam = numba.njit(inline="always", fastmath=False, nogil=True)(_adam_py)
     _update_block = numba.njit(inline="always", fastmath=False, nogil=True)(_update_block_py)
     _correct_block = numba.njit(inline="always", fastmath=False, nogil=True)(_correct_block_py)
 
@@ -463,9 +440,8 @@ def fused_correct(
     kernels.correct(
         _np(master, "master"), g, _np(state["exp_avg"], "exp_avg"), _np(state["exp_avg_sq"], "exp_avg_sq"),
         f32(applied), new_coeff is not None, f32(new_coeff if new_coeff is not None else 1.0), step == 1,
-        f32(1.0 - lr * weight_decay), f32(1.0 - lr * weight_decay), f32(w - 1.0 if large else w), large,
-        f32(config.beta1), f32(1.0 / config.beta1) if config.beta1 else f32(0.0), f32(w), f32(config.beta2),
-        f32(1.0 / config.beta2) if config.beta2 else f32(0.0), f32(1.0 - config.beta2),
-        f32(math.sqrt(1.0 - config.beta2**step)), f32(config.eps), f32(lr / (1.0 - config.beta1**step)),
+        f32(1.0 - lr * weight_decay), f32(w - 1.0 if large else w), large, f32(config.beta1), f32(w),
+        f32(config.beta2), f32(1.0 - config.beta2), f32(math.sqrt(1.0 - config.beta2**step)), f32(config.eps),
+        f32(-lr / (1.0 - config.beta1**step)),
     )  # fmt: skip
     return True
