@@ -13,6 +13,7 @@ Every wait is a stream-side wait (no host blocking) except the future that says 
 
 from __future__ import annotations
 
+import bisect
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -78,6 +79,7 @@ class SlotWindow:
             )
             self.pools.dedicated[unit.name] = slot
         self._schedule: list[Visit] = []
+        self._uses: dict[int, list[int]] = {}
         self._position = 0
 
     @property
@@ -92,6 +94,9 @@ class SlotWindow:
         """New parameters arrive every step: forget residency, keep the events that guard memory."""
         self._schedule = schedule
         self._position = 0
+        self._uses: dict[int, list[int]] = {}  # id(unit) -> its positions in the schedule, ascending
+        for position, visit in enumerate(schedule):
+            self._uses.setdefault(id(visit.unit), []).append(position)
         for slot in self.all_slots():
             slot.unit = None
             slot.loaded = None
@@ -110,10 +115,10 @@ class SlotWindow:
         return [dedicated] if dedicated is not None else self.pools.blocks
 
     def _next_use(self, unit: Unit, after: int) -> int:
-        for position in range(after, len(self._schedule)):
-            if self._schedule[position].unit is unit:
-                return position
-        return len(self._schedule) + 1
+        """The first position >= ``after`` that uses ``unit`` (past the end when there is none)."""
+        uses = self._uses.get(id(unit), [])
+        index = bisect.bisect_left(uses, after)
+        return uses[index] if index < len(uses) else len(self._schedule) + 1
 
     def slot_for(self, unit: Unit, needed_at: int, pinned: set[int]) -> ParamSlot | None:
         """A slot to load ``unit`` into for use at ``needed_at``, or None if that would evict a unit
