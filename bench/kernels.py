@@ -168,6 +168,25 @@ def bench_lce(args, dtype) -> list[dict]:
         )
     )
 
+    # What the engine's head does: the autograd API writes grad_W into the slot's gradient buffer
+    # (Unit.grads_in_forward) and autograd hands that buffer back; only grad_h and the chunk are new.
+    def ours_engine_head():
+        loss = linear_cross_entropy(hidden, weight, target, grad_weight_out=grad_w_buffer)
+        torch.autograd.grad(loss, [hidden, weight])
+
+    rows.append(
+        measure(
+            "linear_cross_entropy",
+            "slide_kernels, grad_W written into the engine's slot",
+            ours_engine_head,
+            [],
+            args,
+            check_against_eager(
+                lambda: linear_cross_entropy(hidden, weight, target, grad_weight_out=grad_w_buffer).backward()
+            ),
+        )
+    )
+
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except Exception as exc:

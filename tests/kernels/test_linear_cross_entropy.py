@@ -192,3 +192,38 @@ def test_launcher_accumulates_into_caller_buffers(backend, small_chunks):
     assert d_weight is gw and d_bias is gb
     _, theirs = run_both(hidden, weight, target, bias, label_smoothing=0.1)
     check([loss, d_hidden, d_weight - gw0, d_bias - gb0], theirs)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_grad_weight_out_is_written_and_returned_as_the_gradient(backend, small_chunks, softcap):
+    """Autograd API with a caller-owned weight-gradient buffer (the engine's slot): stale contents are
+    overwritten, the backward's scale is applied in place, and autograd hands back that very buffer."""
+    hidden, weight, target, _ = make_inputs(37, 48, 130)
+    expected = run_both(hidden, weight, target, None, grad_scale=0.37, reduction="sum", softcap=softcap)[0]
+    buffer = torch.full_like(weight, float("nan"))  # stale contents must not leak into the gradient
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    loss = linear_cross_entropy(h, w, target, reduction="sum", softcap=softcap, grad_weight_out=buffer)
+    grad_h, grad_w = torch.autograd.grad(loss * 0.37, [h, w])
+    assert grad_w.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(loss, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(grad_h, expected[1], rtol=0, atol=0)
+    torch.testing.assert_close(grad_w, expected[2], rtol=0, atol=0)
+
+
+def test_grad_weight_out_rejects_a_buffer_autograd_would_copy(backend):
+    hidden, weight, target, _ = make_inputs(5, 16, 37)
+    with pytest.raises(ValueError, match="grad_weight_out must have the weight's dtype"):
+        linear_cross_entropy(hidden, weight, target, grad_weight_out=torch.empty(37, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"grad_weight_out must be a floating-point tensor of shape \(37, 16\)"):
+        linear_cross_entropy(hidden, weight.requires_grad_(), target, grad_weight_out=torch.empty(36, 16))
+
+
+def test_launcher_overwrites_caller_buffers_when_not_accumulating(backend, small_chunks):
+    hidden, weight, target, bias = make_inputs(37, 48, 130, bias=True)
+    gw, gb = torch.full((130, 48), float("nan"), dtype=torch.float64), torch.full((130,), float("nan"))
+    loss, d_hidden, d_weight, d_bias = lce_module.linear_cross_entropy_forward(
+        hidden, weight, target, bias, grad_weight_out=gw, grad_bias_out=gb, accumulate_grad_out=False
+    )
+    assert d_weight is gw and d_bias is gb
+    _, theirs = run_both(hidden, weight, target, bias)
+    check([loss, d_hidden, d_weight, d_bias], theirs)

@@ -124,6 +124,25 @@ class Unit(ABC):
     def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs: Any) -> torch.Tensor:
         """Compute this unit; must not run backward or keep references to ``params`` after returning."""
 
+    @property
+    def grads_in_forward(self) -> frozenset[str]:
+        """Parameters whose gradient this unit's forward computes itself and can write straight into a
+        buffer the engine owns (a fused LM-head loss makes the head matrix's gradient in its forward).
+
+        For these, the engine passes its own gradient buffers to :meth:`forward_into`, which saves a
+        parameter-sized temporary and a copy: at a 128K vocabulary the head matrix's gradient is the
+        largest tensor of the step after the logits.
+        """
+        return frozenset()
+
+    def forward_into(
+        self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs: Any, grad_into: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """``forward``, with the gradients of the parameters in ``grad_into`` (a subset of
+        :attr:`grads_in_forward`) written into those buffers, which autograd then returns as the
+        parameters' gradients. The buffers' old contents are overwritten."""
+        return self.forward(params, x, inputs)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.role.value}, numel={self.layout.param_numel})"
 

@@ -378,10 +378,11 @@ class Engine(GradientPath):
             borrowed_slot = self._acquire(position, schedule, embedding, pinned={slot.index})
             lender = embedding.layout.views(borrowed_slot.params)
             params.update({mine: lender[theirs].detach().requires_grad_() for mine, theirs in head.borrowed.items()})
+        grad_into = self._grads_into_slots(slot, borrowed_slot)
         start = self._mark()
         x = x.detach().requires_grad_()
         with torch.enable_grad():
-            loss = head.forward(params, x, inputs)
+            loss = head.forward_into(params, x, inputs, grad_into)
             names = list(params)
             grads = torch.autograd.grad(loss * scale, [x, *params.values()], allow_unused=True)
         loss_sum.add_(loss.detach().float())

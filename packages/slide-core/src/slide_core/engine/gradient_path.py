@@ -47,17 +47,17 @@ class GradientPath:
         unused by autograd get zeros, so every contribution covers the whole unit.
         """
         workers, device = self.workers, self.device
-        if slot.grads_free is not None:
-            device.wait_event("compute", workers.wait(slot.grads_free, f"the gradient buffer of {unit.name}"))
+        self._wait_grads_free(unit, slot)
         count = self._contributions[unit.name]
         self._contributions[unit.name] = count + 1
-        # See Note [Tied gradient in the slot] in resident.py: later contributions add to the first.
-        sums_in_slot = unit.name in self.residents and self._clip is None and self._micro_batches == 1
+        sums_in_slot = self._sums_in_slot(unit)
         adding = sums_in_slot and count > 0
         targets, sources = [], []
         for name, view in unit.layout.views(slot.grads).items():
             grad = grads.get(name)
             if grad is not None:
+                if grad.data_ptr() == view.data_ptr() and not adding:
+                    continue  # written in place by the unit's forward (see _grads_into_slots)
                 targets.append(view)
                 sources.append(grad)
             elif not adding:
@@ -93,6 +93,34 @@ class GradientPath:
             self._clip,
             (self.step_count, 0, self._forward_position[unit.name], count),
         )
+
+    def _wait_grads_free(self, unit: Unit, slot: ParamSlot) -> None:
+        """Compute stream: wait until the slot's gradient buffer has been streamed out (its last d2h)."""
+        if slot.grads_free is not None:
+            event = self.workers.wait(slot.grads_free, f"the gradient buffer of {unit.name}")
+            self.device.wait_event("compute", event)
+
+    def _sums_in_slot(self, unit: Unit) -> bool:
+        """See Note [Tied gradient in the slot] in resident.py: later contributions add to the first."""
+        return unit.name in self.residents and self._clip is None and self._micro_batches == 1
+
+    def _grads_into_slots(self, head_slot: ParamSlot, borrowed_slot: ParamSlot | None) -> dict[str, torch.Tensor]:
+        """The slot gradient views the head's forward may write into (``Unit.grads_in_forward``): a
+        fused loss then puts the head matrix's gradient straight where :meth:`_offload` streams it from,
+        with no (vocab, hidden) temporary and no copy. Only for a contribution that is written, not
+        added to an earlier one; the buffer is first waited for, as :meth:`_offload` would."""
+        head, embedding = self.model.head, self.model.embedding
+        into: dict[str, torch.Tensor] = {}
+        for name in head.grads_in_forward:
+            unit, slot, own_name = head, head_slot, name
+            if name in head.borrowed:
+                assert borrowed_slot is not None
+                unit, slot, own_name = embedding, borrowed_slot, head.borrowed[name]
+            if self._sums_in_slot(unit) and self._contributions[unit.name] > 0:
+                continue
+            self._wait_grads_free(unit, slot)
+            into[name] = unit.layout.views(slot.grads)[own_name]
+        return into
 
     def _speculate_resident(self, unit: Unit, mode: str) -> None:
         """Compute stream: a resident unit's update, speculative with clipping on (see clipping.py)."""

@@ -186,8 +186,26 @@ class HeadUnit(HFUnit):
         self.softcap = softcap
 
     def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs: HFInputs) -> torch.Tensor:
+        return self.forward_into(params, x, inputs, {})
+
+    @property
+    def grads_in_forward(self) -> frozenset[str]:
+        """The LM head matrix, when slide-kernels' fused loss (which makes its gradient in the forward)
+        is installed."""
+        return frozenset({self.lm_head_name}) if _fused_linear_cross_entropy() is not None else frozenset()
+
+    def forward_into(
+        self,
+        params: Mapping[str, torch.Tensor],
+        x: torch.Tensor,
+        inputs: HFInputs,
+        grad_into: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
         hidden = self.call(self.norm_name, params, x)
-        return causal_lm_loss_sum(hidden, params[self.lm_head_name], inputs.shift_labels, softcap=self.softcap)
+        weight = params[self.lm_head_name]
+        return causal_lm_loss_sum(
+            hidden, weight, inputs.shift_labels, softcap=self.softcap, grad_weight_out=grad_into.get(self.lm_head_name)
+        )
 
 
 @functools.cache
@@ -202,18 +220,27 @@ def _fused_linear_cross_entropy() -> Callable[..., torch.Tensor] | None:
 
 
 def causal_lm_loss_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, *, softcap: float | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    shift_labels: torch.Tensor,
+    *,
+    softcap: float | None = None,
+    grad_weight_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of token cross-entropies (fp32, 0-dim) of ``hidden @ weight.T`` against shifted labels.
 
     Uses slide-kernels' fused linear + cross-entropy when installed (the (tokens, vocab) logits never exist
-    in full); otherwise HF's own recipe: logits in the compute dtype, softcap, upcast to fp32, then CE.
+    in full, and ``weight``'s gradient goes into ``grad_weight_out`` when given); otherwise HF's own
+    recipe: logits in the compute dtype, softcap, upcast to fp32, then CE (``grad_weight_out`` unused).
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     labels = shift_labels.reshape(-1)
     fused = _fused_linear_cross_entropy()
     if fused is not None:
-        loss = fused(h, weight, labels, bias=None, ignore_index=IGNORE_INDEX, reduction="sum", softcap=softcap)
+        loss = fused(
+            h, weight, labels, bias=None, ignore_index=IGNORE_INDEX, reduction="sum", softcap=softcap,
+            grad_weight_out=grad_weight_out,
+        )  # fmt: skip
         return loss.float()
     logits = F.linear(h, weight)
     if softcap is not None:

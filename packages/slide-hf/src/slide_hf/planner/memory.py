@@ -149,8 +149,9 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         # MLP's (gate, up, act) intermediates.
         "forward": tokens * (2 * h + max(2 * h + 2 * kv, 3 * i)) * d,
         # head: last hidden, normed hidden, its fp32 norm temporary, grad_h and grad_x; the logits
-        # (above); the head-matrix gradient; per-token fp32 loss scalars.
-        "head": tokens * h * (4 * d + 4) + logits + v * h * d + 2 * tokens * 4,
+        # (above); per-token fp32 loss scalars; without the fused loss, the head-matrix gradient (the
+        # fused loss writes it straight into the slot's gradient buffer: Unit.grads_in_forward).
+        "head": tokens * h * (4 * d + 4) + logits + (0 if inputs.fused_loss else v * h * d) + 2 * tokens * 4,
         # one block with grad: grad_out and grad_in, the saved tensors (x the calibration factor), and
         # the parameter gradients autograd returns before they are copied into the slot.
         "backward": int(_BLOCK_WORKSPACE_FACTOR * tokens * _saved_elems_per_token(shape) * d)

@@ -258,6 +258,7 @@ def linear_cross_entropy_forward(
     accum_dtype: torch.dtype | None = None,
     grad_weight_out: torch.Tensor | None = None,
     grad_bias_out: torch.Tensor | None = None,
+    accumulate_grad_out: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Loss and the gradients of the loss w.r.t. hidden, weight and bias, without autograd.
 
@@ -267,7 +268,9 @@ def linear_cross_entropy_forward(
 
     ``grad_weight_out`` / ``grad_bias_out`` (engine hook): existing buffers (any float dtype, e.g. a
     persistent fp32 gradient) to *add* this call's weight/bias gradient into, instead of allocating
-    new ones; they are then returned as ``d_weight`` / ``d_bias``.
+    new ones; they are then returned as ``d_weight`` / ``d_bias``. With ``accumulate_grad_out=False``
+    their old contents are overwritten instead (a buffer in the compute dtype is then written by the
+    first chunk's matmul, never zero-filled or read).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -300,7 +303,12 @@ def linear_cross_entropy_forward(
     fresh_gw = False
     if grad_weight:
         if grad_weight_out is not None:
+            _check_grad_out("grad_weight_out", grad_weight_out, weight.shape, device)
             d_weight = grad_weight_out
+            if not accumulate_grad_out:
+                fresh_gw = d_weight.dtype == dtype and d_weight.is_contiguous()
+                if not fresh_gw:
+                    d_weight.zero_()
         elif (accum_dtype or weight.dtype) == dtype:
             d_weight, fresh_gw = torch.empty(weight.shape, dtype=dtype, device=device), True
         else:
@@ -309,6 +317,10 @@ def linear_cross_entropy_forward(
         d_bias = grad_bias_out
         if d_bias is None:
             d_bias = torch.zeros(n_vocab, dtype=accum_dtype or bias.dtype, device=device)
+        else:
+            _check_grad_out("grad_bias_out", d_bias, (n_vocab,), device)
+            if not accumulate_grad_out:
+                d_bias.zero_()
 
     rows_fn = _ce_rows_triton if use_triton(hidden) else _ce_rows_torch
     chunk = _chunk_rows(n_rows, n_vocab, hidden.element_size())
@@ -346,6 +358,14 @@ def linear_cross_entropy_forward(
     if grad_bias_out is None and d_bias is not None and d_bias.dtype != bias.dtype:
         d_bias = d_bias.to(bias.dtype)
     return loss, d_hidden, d_weight, d_bias
+
+
+def _check_grad_out(name: str, buffer: torch.Tensor, shape: tuple[int, ...] | torch.Size, device: torch.device) -> None:
+    if tuple(buffer.shape) != tuple(shape) or buffer.device != device or not buffer.is_floating_point():
+        raise ValueError(
+            f"{name} must be a floating-point tensor of shape {tuple(shape)} on {device}, "
+            f"got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
+        )
 
 
 def linear_cross_entropy_backward(
@@ -390,12 +410,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         label_smoothing: float,
         accum_dtype: torch.dtype | None,
         needs: tuple[bool, bool, bool],
+        grad_weight_out: torch.Tensor | None,
     ) -> torch.Tensor:
         loss, d_hidden, d_weight, d_bias = linear_cross_entropy_forward(
             hidden, weight, target, bias,
             ignore_index=ignore_index, reduction=reduction, softcap=softcap,
             label_smoothing=label_smoothing, grad_hidden=needs[0], grad_weight=needs[1],
             grad_bias=needs[2], accum_dtype=accum_dtype,
+            grad_weight_out=grad_weight_out if needs[1] else None, accumulate_grad_out=False,
         )  # fmt: skip
         # scaled in place by the (single) backward
         ctx.save_for_backward(d_hidden, d_weight, d_bias)
@@ -410,7 +432,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
         ctx.consumed = True
         d_hidden, d_weight, d_bias = linear_cross_entropy_backward(grad_output, *ctx.saved_tensors)
-        return d_hidden, d_weight, None, d_bias, None, None, None, None, None, None
+        return d_hidden, d_weight, None, d_bias, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,6 +449,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     label_smoothing: float = 0.0,
     accum_dtype: torch.dtype | None = None,
+    grad_weight_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of the LM head ``hidden @ weight.T + bias`` without ever holding all the logits.
 
@@ -442,11 +465,20 @@ def linear_cross_entropy(
     ``accum_dtype`` (default: the weight's dtype) is the dtype ``grad_weight`` / ``grad_bias`` are
     accumulated in across chunks; pass ``torch.float32`` for bf16 weights to trade 2 bytes per
     parameter (and some speed) for an exactly-rounded-once sum. Returns a 0-dim fp32 tensor.
+
+    ``grad_weight_out`` (same shape as ``weight``, on its device): a buffer the weight's gradient is
+    written into instead of a fresh ``(V, H)`` tensor -- e.g. a training engine's own gradient buffer,
+    which saves a parameter-sized temporary and a copy. Its old contents are overwritten during this
+    forward, and the backward returns it (scaled in place) as ``weight``'s gradient, so it must not be
+    read or reused before that backward.
     """
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     target1d = target.reshape(-1)
     if target1d.numel() != hidden2d.shape[0]:
         raise ValueError(f"target {tuple(target.shape)} does not match hidden {tuple(hidden.shape)}")
+    if grad_weight_out is not None and grad_weight_out.dtype != weight.dtype:
+        # autograd would cast a gradient of another dtype, i.e. copy it out of the buffer again
+        raise ValueError(f"grad_weight_out must have the weight's dtype {weight.dtype}, got {grad_weight_out.dtype}")
     grad_on = torch.is_grad_enabled()
     needs = (
         grad_on and hidden.requires_grad,
@@ -455,5 +487,5 @@ def linear_cross_entropy(
     )
     return LinearCrossEntropyFunction.apply(
         hidden2d, weight, target1d, bias, ignore_index, reduction, softcap, float(label_smoothing),
-        accum_dtype, needs,
+        accum_dtype, needs, grad_weight_out,
     )  # fmt: skip
