@@ -15,6 +15,7 @@ checkpointing, SDPA and fused GPU AdamW, the same batch and sequence length.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -27,6 +28,8 @@ from typing import Any
 
 import psutil
 import torch
+
+from slide_hf.offload import offloaded_units, open_nvme_tier
 
 __all__ = ["BenchConfig", "run_bench", "write_trace"]
 
@@ -45,6 +48,9 @@ class BenchConfig:
     trace_dir: Path | None = None
     optimizer: str = "auto"
     max_grad_norm: float = 0.0
+    offload_optimizer: str = "ram"  # "nvme": Adam m and v of nvme_fraction of the units on nvme_dir
+    nvme_dir: Path | None = None
+    nvme_fraction: float = 1.0
 
 
 class PeakRss:
@@ -140,6 +146,8 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         block_slots=cfg.block_slots,
         gpu_memory_bytes=limit,
         clipping=cfg.max_grad_norm > 0,
+        offload_optimizer=cfg.offload_optimizer,
+        nvme_fraction=cfg.nvme_fraction,
     )
     if cfg.resident_gib is not None:
         resident = choose_resident_units(
@@ -149,10 +157,18 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     else:
         plan = plan_with_placement(inputs)  # the placement `slide train` would pick
         resident = plan.inputs.resident_units
+    offloaded: tuple[str, ...] = ()
+    if cfg.offload_optimizer == "nvme":
+        offloaded = offloaded_units(model, cfg.nvme_fraction, resident)
     batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.steps)
     times, losses, spans, norms = [], [], [], []
     per_unit: dict[str, list[dict[str, float]]] = {}
-    with PeakRss() as rss, device:
+    with PeakRss() as rss, device, contextlib.ExitStack() as tiers:
+        state_tier = None
+        if offloaded:
+            assert cfg.nvme_dir is not None
+            state_tier = open_nvme_tier(cfg.nvme_dir)
+            tiers.callback(state_tier.close)
         h2d_gbps, d2h_gbps = _pcie_gbps(device)
         began = time.perf_counter()
         host = HostParameters(model, device.alloc_pinned)
@@ -163,9 +179,10 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
             block_slots=cfg.block_slots,
             compute_dtype=torch.bfloat16,
             resident_units=resident,
+            offloaded_units=offloaded,
             max_grad_norm=cfg.max_grad_norm,
         )
-        with Engine(model, device, host, optimizer, engine_config) as engine:
+        with Engine(model, device, host, optimizer, engine_config, state_tier=state_tier) as engine:
             device.reset_peak_memory()
             for index, micro in enumerate(batches):
                 traced = cfg.trace_dir is not None and index == len(batches) - 1
@@ -211,6 +228,8 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     result = {
         "params": params,
         "resident_units": list(resident),
+        "nvme_state_units": list(offloaded),
+        "planned_disk_bytes": plan.disk_bytes,
         "optimizer": type(optimizer).__name__,
         "max_grad_norm": cfg.max_grad_norm,
         "grad_norms": [None if r is None else round(r, 4) for r in norms],

@@ -37,6 +37,7 @@ from slide_core.engine import Engine, EngineConfig, EngineError
 from slide_core.optim import TorchAdamW
 from slide_hf.data import Batches, DataPosition, load_dataset
 from slide_hf.errors import UserError
+from slide_hf.offload import offloaded_units, open_nvme_tier
 from slide_hf.progress import Progress
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
 
@@ -196,7 +197,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
             device.facts().name,
             cfg.dtype,
         )
-        offloaded = _offloaded_units(cfg, model, resident)
+        offloaded = offloaded_units(model, cfg.nvme_fraction, resident) if cfg.offload_optimizer == "nvme" else ()
         engine_config = EngineConfig(
             block_slots=cfg.block_slots,
             compute_dtype=compute_dtype,
@@ -206,10 +207,10 @@ def train(cfg: TrainConfig) -> TrainSummary:
         )
         if resident:
             log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(resident))
-        state_tier = _open_state_tier(cfg) if offloaded else None
+        state_tier = open_nvme_tier(cfg.nvme_dir) if offloaded else None
         if offloaded:
             log.info("Adam state on NVMe (%s) for %d units", cfg.nvme_dir, len(offloaded))
-        activation_tier = _open_state_tier(cfg) if cfg.offload_activations == "nvme" else None
+        activation_tier = open_nvme_tier(cfg.nvme_dir) if cfg.offload_activations == "nvme" else None
         engine = Engine(
             model,
             device,
@@ -321,31 +322,6 @@ def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype:
     )
     check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
     return plan_with_placement(inputs).inputs.resident_units
-
-
-def _offloaded_units(cfg: TrainConfig, model: Any, resident: tuple[str, ...]) -> tuple[str, ...]:
-    """``--nvme-fraction`` of the units, blocks first in index order, then embedding and head (the
-    planner's order); device-resident units keep their state on the GPU instead."""
-    if cfg.offload_optimizer != "nvme":
-        return ()
-    ordered = [*model.blocks, model.embedding, model.head]
-    count = math.floor(cfg.nvme_fraction * len(ordered) + 0.5)
-    return tuple(unit.name for unit in ordered[:count] if unit.name not in resident)
-
-
-def _open_state_tier(cfg: TrainConfig) -> Any:
-    """An NVMe tier from slide-io (an entry point), opened on ``--nvme-dir`` (its own files inside)."""
-    from slide_core import plugins
-    from slide_core.tier import TierError
-
-    try:
-        tier_class = plugins.load("slide.tiers", "nvme")
-    except plugins.PluginError as error:
-        raise UserError(f"NVMe offload needs slide-io: pip install slide-io ({error})") from None
-    try:
-        return tier_class(cfg.nvme_dir).open()
-    except (TierError, OSError, ValueError) as error:
-        raise UserError(str(error).splitlines()[0]) from None
 
 
 def _oom_message(error: BaseException, cfg: TrainConfig, step: int) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 EPILOG = """examples:
   slide bench --model llama3.2-3b --batch-size 16 --seq-len 1024 --compare plain
   slide bench --model llama3.1-8b --gpu-memory 24 --trace out/trace
+  slide bench --model llama3.1-8b --gpu-memory 24 --offload-optimizer nvme --nvme-dir /mnt/nvme
 """
 
 
@@ -35,6 +36,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--block-slots", type=int, default=2)
     add("--optimizer", choices=("auto", "torch", "fused"), default="auto", help="host AdamW implementation")
     add("--max-grad-norm", type=float, default=0.0, help="exact global clipping (default 0 = off)")
+    add("--offload-optimizer", choices=("ram", "nvme"), default="ram", help="where Adam m and v live (default ram)")
+    add("--nvme-dir", type=Path, help="directory on NVMe for offloaded state")
+    add("--nvme-fraction", type=float, default=1.0, help="fraction of units whose state goes to NVMe (default 1.0)")
     add("--compare", choices=("plain",), help="also run plain PyTorch in the same invocation")
     add("--trace", type=Path, help="write trace.json (Chrome) and timeline.png of the last step here")
     add("--json", type=Path, help="also write the result to this file")
@@ -48,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     if args.batch_size < 1 or args.seq_len < 2:
         raise UserError("--batch-size must be >= 1 and --seq-len >= 2")
+    if args.offload_optimizer == "nvme" and args.nvme_dir is None:
+        raise UserError("--offload-optimizer nvme needs --nvme-dir PATH (a directory on a fast local disk)")
+    if not 0.0 <= args.nvme_fraction <= 1.0:
+        raise UserError(f"--nvme-fraction must be in [0, 1], got {args.nvme_fraction}")
     cfg = BenchConfig(
         model=args.model,
         batch_size=args.batch_size,
@@ -61,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         trace_dir=args.trace,
         optimizer=args.optimizer,
         max_grad_norm=args.max_grad_norm,
+        offload_optimizer=args.offload_optimizer,
+        nvme_dir=args.nvme_dir,
+        nvme_fraction=args.nvme_fraction,
     )
     try:
         result = run_bench(cfg)

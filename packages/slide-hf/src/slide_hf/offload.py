@@ -1,0 +1,36 @@
+"""Which units keep their Adam state on NVMe, and the NVMe tier that holds it (for `slide train` and
+`slide bench` alike, so a benchmark offloads exactly what a training run would)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from slide_hf.errors import UserError
+
+__all__ = ["offloaded_units", "open_nvme_tier"]
+
+
+def offloaded_units(model: Any, fraction: float, resident: Sequence[str]) -> tuple[str, ...]:
+    """``fraction`` of the units, blocks first in index order, then embedding and head (the planner's
+    order); device-resident units keep their state on the GPU instead."""
+    ordered = [*model.blocks, model.embedding, model.head]
+    count = math.floor(fraction * len(ordered) + 0.5)
+    return tuple(unit.name for unit in ordered[:count] if unit.name not in resident)
+
+
+def open_nvme_tier(directory: Path) -> Any:
+    """An NVMe tier from slide-io (an entry point), opened on ``directory`` (its own files inside)."""
+    from slide_core import plugins
+    from slide_core.tier import TierError
+
+    try:
+        tier_class = plugins.load("slide.tiers", "nvme")
+    except plugins.PluginError as error:
+        raise UserError(f"NVMe offload needs slide-io: pip install slide-io ({error})") from None
+    try:
+        return tier_class(directory).open()
+    except (TierError, OSError, ValueError) as error:
+        raise UserError(str(error).splitlines()[0]) from None

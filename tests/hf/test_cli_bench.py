@@ -1,0 +1,69 @@
+"""`slide bench` on the CPU (its smoke path): the JSON it prints, NVMe offload of the Adam state, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from slide_hf.cli import main as cli
+
+TINY = ("--model", "test-llama", "--batch-size", "2", "--seq-len", "16", "--steps", "3", "--warmup", "1")
+
+
+@pytest.fixture
+def slide(capsys, monkeypatch):
+    """``slide(*argv) -> (exit status, stdout, stderr)``, in-process."""
+    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")  # the interpreter would only slow this down
+
+    def call(*argv: str | Path) -> tuple[int, str, str]:
+        status = cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    return call
+
+
+def test_bench_prints_and_writes_one_result(slide, tmp_path) -> None:
+    status, out, _ = slide("bench", *TINY, "--json", tmp_path / "r.json")
+    assert status == 0
+    result = json.loads(out)
+    assert result == json.loads((tmp_path / "r.json").read_text())
+    engine = result.get("slide", result)
+    assert len(engine["losses"]) == 3 and engine["tokens_per_s"] > 0
+    assert engine["nvme_state_units"] == [] and engine["planned_disk_bytes"] == 0
+
+
+def test_bench_offloads_adam_state_to_nvme_with_identical_losses(slide, tmp_path) -> None:
+    _, out, _ = slide("bench", *TINY)
+    in_ram = json.loads(out)
+    status, out, _ = slide(
+        "bench", *TINY, "--offload-optimizer", "nvme", "--nvme-dir", tmp_path, "--nvme-fraction", "0.5"
+    )
+    assert status == 0
+    on_nvme = json.loads(out)
+    ram, nvme = (r.get("slide", r) for r in (in_ram, on_nvme))
+    assert nvme["nvme_state_units"] == [
+        "block.0",
+        "block.1",
+    ]  # half of 4 units (2 blocks, embedding, head): blocks first
+    assert nvme["planned_disk_bytes"] > 0
+    assert nvme["losses"] == ram["losses"]
+    assert list(tmp_path.iterdir()) == []  # the tier's files are removed when the run ends
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--offload-optimizer", "nvme"), "--offload-optimizer nvme needs --nvme-dir"),
+        (("--nvme-fraction", "1.5"), "--nvme-fraction must be in [0, 1], got 1.5"),
+        (("--steps", "1"), "--steps (1) must exceed --warmup (1)"),
+    ],
+)
+def test_bench_bad_input_is_one_line(slide, argv, message) -> None:
+    status, _out, err = slide("bench", *TINY, *argv)
+    assert status == 2
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
