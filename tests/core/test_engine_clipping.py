@@ -221,6 +221,47 @@ def test_clipping_matches_clip_grad_norm(case: str, regime: str) -> None:
     _assert_weights_and_state(params, state, ref_params, ref_state, step_count)
 
 
+@pytest.mark.parametrize("case", ["plain-slots1", "tied-accum2"])
+def test_clipping_with_fused_adamw_scales_in_the_optimizer(case: str) -> None:
+    """Host speculative updates hand the optimizer the kept gradient and ``grad_scale=c_u`` (no scaled
+    copy); FusedAdamW scales in its kernel, and the corrected run still equals clip_grad_norm_ + AdamW."""
+    pytest.importorskip("numba")
+    from slide_core.optim.fused_adamw import FusedAdamW
+
+    class _RecordingFusedAdamW(FusedAdamW):
+        def __init__(self, config: AdamWConfig) -> None:
+            super().__init__(config)
+            self.scales: list[float] = []
+
+        def step(self, *args, grad_scale: float = 1.0, **kwargs) -> None:
+            self.scales.append(grad_scale)
+            super().step(*args, grad_scale=grad_scale, **kwargs)
+
+    tied, accum, slots, resident = CASES[case]
+    cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
+    model = ToyModel(cfg)
+    init = _init(model, seed=11)
+    batches = _batches(cfg, steps=3, accum=accum, seed=3)
+    adam = AdamWConfig(weight_decay=0.1)
+    max_norm = 0.05
+    ref_losses, ref_norms, ref_params, ref_state = _reference_run(model, init, batches, adam, max_norm)
+    assert all(norm > max_norm for norm in ref_norms.values()), "test setup: every step must clip"
+    config = EngineConfig(
+        block_slots=slots,
+        compute_dtype=torch.float32,
+        transfer_chunk_numel=1024,
+        resident_units=resident,
+        max_grad_norm=max_norm,
+    )
+    optimizer = _RecordingFusedAdamW(adam)
+    results, params, state, step_count = _engine_run(model, init, batches, adam, config, optimizer=optimizer)
+    assert min(optimizer.scales) < 1.0 and all(0.0 < scale <= 1.0 for scale in optimizer.scales)
+    for step, result in enumerate(results):
+        assert result.loss == pytest.approx(ref_losses[step], rel=RTOL), f"loss differs at step {step + 1}"
+        assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL), f"grad norm differs at step {step + 1}"
+    _assert_weights_and_state(params, state, ref_params, ref_state, step_count)
+
+
 NAN_CASES = {
     # name: (tied, accum, block_slots, resident_units, max_norm)
     "plain-clips": (False, 1, 2, (), 0.05),

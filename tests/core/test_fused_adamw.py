@@ -227,3 +227,79 @@ def test_fused_correction_matches_the_torch_correction(kind: str, step: int, gra
     for want, got in zip(*results, strict=True):
         # Both take an update back arithmetically, so they agree to rounding, not bit for bit.
         assert (got - want).norm() <= 1e-6 * want.norm()
+
+
+GRAD_SCALE = 0.3712345678901  # not an fp32: both paths must round it to fp32 before multiplying
+
+
+def _pre_scaled(grad: torch.Tensor) -> torch.Tensor:
+    """The fp32 ``c * g`` that clipping's speculative updates applied before ``grad_scale`` existed."""
+    from slide_core.engine.clipping import scale_into
+
+    return scale_into(torch.empty(grad.numel()), grad, GRAD_SCALE)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("decay", [True, False])
+@pytest.mark.parametrize("step", [1, 5])
+def test_grad_scale_is_the_pre_scaled_step(n, grad_dtype, decay, step):
+    """``grad_scale=c`` on the raw gradient, scaled in registers, against a step on ``scale_into``'s fp32
+    ``c * g``: bit for bit against FusedAdamW itself, and as close to TorchAdamW as the unscaled tests ask
+    (moments bit for bit on FMA builds, master to an ulp of the update: MKL's sqrt)."""
+    config = AdamWConfig(weight_decay=0.1)
+    start = _state(n, seed=n + step, zeros=step == 1)
+    grad = _grads(n, grad_dtype, seed=n + step)[0]
+    before = grad.clone()
+    scaled = _pre_scaled(grad)
+    results = []
+    for opt, g, scale in (
+        (FusedAdamW(config), grad, GRAD_SCALE),
+        (FusedAdamW(config), scaled, 1.0),
+        (TorchAdamW(config, fused=False), scaled, 1.0),
+    ):
+        master, exp_avg, exp_avg_sq = _clone(*start)
+        state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        opt.step(master, g, state, lr=LR, step=step, decay=decay, grad_scale=scale)
+        results.append((master, exp_avg, exp_avg_sq))
+    assert torch.equal(grad, before), "grad_scale wrote the caller's gradient"
+    (got, pre_scaled, torch_ref) = results
+    for a, b in zip(got, pre_scaled, strict=True):
+        assert torch.equal(a, b)
+    _assert_moments(got[1], got[2], torch_ref[1], torch_ref[2])
+    _assert_master_close(got[0], torch_ref[0])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("step", [1, 5])
+def test_torch_adamw_grad_scale_is_the_pre_scaled_step(fused, grad_dtype, step):
+    """TorchAdamW forms ``c * g`` in its cast scratch exactly as ``scale_into`` does: bit for bit."""
+    if fused and not hasattr(torch, "_fused_adamw_"):
+        pytest.skip("this torch build has no _fused_adamw_")
+    n = 100_003
+    config = AdamWConfig(weight_decay=0.1)
+    start = _state(n, seed=step, zeros=step == 1)
+    grad = _grads(n, grad_dtype, seed=step)[0]
+    before = grad.clone()
+    results = []
+    for g, scale in ((grad, GRAD_SCALE), (_pre_scaled(grad), 1.0)):
+        master, exp_avg, exp_avg_sq = _clone(*start)
+        opt = TorchAdamW(config, fused=fused)
+        opt.step(
+            master, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, lr=LR, step=step, decay=True, grad_scale=scale
+        )
+        results.append((master, exp_avg, exp_avg_sq))
+    assert torch.equal(grad, before), "grad_scale wrote the caller's gradient"
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_grad_scale_reaches_the_device_fallback(monkeypatch):
+    """A range off the host goes through TorchAdamW, which must get the scale too."""
+    opt = FusedAdamW(AdamWConfig())
+    seen = {}
+    monkeypatch.setattr(TorchAdamW, "step", lambda self, *args, **kwargs: seen.update(kwargs))
+    meta = torch.empty(8, device="meta")
+    opt.step(meta, meta, {"exp_avg": meta, "exp_avg_sq": meta}, lr=LR, step=1, decay=True, grad_scale=0.5)
+    assert seen["grad_scale"] == 0.5

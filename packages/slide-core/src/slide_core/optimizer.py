@@ -58,10 +58,16 @@ class Optimizer(ABC):
         lr: float,
         step: int,
         decay: bool,
+        grad_scale: float = 1.0,
     ) -> None:
         """Apply one update to ``master`` (fp32, flat) in place.
 
-        ``grad`` has the same numel in any float dtype; ``state`` holds the matching ranges of this
-        optimizer's state tensors; ``step`` is the 1-based update count used for bias correction;
-        ``decay`` says whether weight decay applies to this range.
+        ``grad`` has the same numel in any float dtype and is never written; ``state`` holds the matching
+        ranges of this optimizer's state tensors; ``step`` is the 1-based update count used for bias
+        correction; ``decay`` says whether weight decay applies to this range.
+
+        The update applies ``grad_scale * grad``, the product formed in fp32 exactly as ``grad.float() *
+        float32(grad_scale)`` (one rounding), i.e. bit for bit what ``slide_core.engine.clipping.scale_into``
+        produces: clipping's correction recomputes that product and relies on the match. It exists so that a
+        fused optimizer can scale in registers instead of in an extra pass over memory.
         """

@@ -30,12 +30,15 @@ for m and ``(a/c)^2`` for v when the update applied coefficient ``a``. With ``a 
 ``|g| / |g_u|``, modest for every unit that holds a fair share of the norm.
 
 Cost: nothing extra while the norm stays below ``max_norm`` (the overlap is intact; the per-unit device
-norms are one reduction each). When clipping triggers: scaling ``c_u * g`` into an fp32 scratch as each
-chunk is applied, and one extra pass over the updated state (master, m, v and the kept gradient) per step,
-partly overlapped with the next step's forward. Either way ``step`` returns once the step's host updates
-are done (it must report the norm); the next step's first load, the embedding, waited for its update
-anyway, so only a device-resident embedding loses a little overlap. Memory: the store replaces the
-gradient ring, one compute-dtype element per host-updated param.
+norms are one reduction each). When clipping triggers: one extra pass over the updated state (master, m, v
+and the kept gradient) per step, partly overlapped with the next step's forward. The speculative updates
+themselves cost what unclipped ones do on the host: the optimizer applies ``c_u * g`` through
+``Optimizer.step``'s ``grad_scale``, which ``FusedAdamW`` multiplies in registers (26 B/param with bf16
+grads, not the ~42 of scaling into an fp32 scratch first); resident units still scale into a device scratch
+(:class:`ScaledGrads`). Either way ``step`` returns once the step's host updates are done (it must report
+the norm); the next step's first load, the embedding, waited for its update anyway, so only a
+device-resident embedding loses a little overlap. Memory: the store replaces the gradient ring, one
+compute-dtype element per host-updated param.
 
 Undo arithmetic (decoupled AdamW, ``s = lr / (1 - beta1^t)``, ``d = sqrt(v) / sqrt(1 - beta2^t) + eps``,
 ``g`` the gradient exactly as applied): ``p_decayed = p + s * m / d`` (m and v are still the ones the step

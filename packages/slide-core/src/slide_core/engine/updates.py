@@ -23,7 +23,7 @@ from slide_core.host_params import HostParameters
 from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel, Unit
 
-from .clipping import AdamWCorrection, AppliedRange, ClipStep, Correction, ScaledGrads, unit_coefficient
+from .clipping import AdamWCorrection, AppliedRange, ClipStep, Correction, unit_coefficient
 from .state_offload import OffloadedState
 from .timeline import Timeline
 from .workers import EngineError
@@ -76,7 +76,6 @@ class UnitUpdates:
         self.optimizer = optimizer
         self.timeline = timeline
         self.corrector = corrector  # set when clipping is on; used on the optimizer thread only
-        self._scaled = ScaledGrads()  # c_u * g for speculative updates (optimizer thread)
         # The host ranges of device-resident units are left unwritten (so their pages are never
         # touched and cost no RSS) until a checkpoint needs them; ``host_state_valid`` says which hold
         # real values (a resumed checkpoint makes them all valid).
@@ -190,12 +189,16 @@ class UnitUpdates:
             self._speculate(chunk, lo, hi, whole[lo:hi], coeff)
 
     def _speculate(self, chunk: GradChunk, start: int, end: int, grad: torch.Tensor, coeff: float) -> None:
-        """Apply ``coeff * grad`` to ``[start, end)`` and remember it for the step's correction."""
+        """Apply ``coeff * grad`` to ``[start, end)`` and remember it for the step's correction.
+
+        The optimizer scales (``grad_scale``), so a bf16 grad-store range is read once, as bf16, by a fused
+        optimizer; its fp32 product is the one the correction forms again (``scale_into``, ``fused_correct``).
+        """
         clip, unit = chunk.clip, chunk.unit
         assert clip is not None
         if clip.halted:
             return
-        self._step(unit, start, end, self._scaled(grad, coeff), chunk)
+        self._step(unit, start, end, grad, chunk, grad_scale=coeff)
         clip.record(unit.name, AppliedRange(start, end, grad, end <= unit.layout.decay_numel, coeff))
 
     def correct(
@@ -223,11 +226,16 @@ class UnitUpdates:
         self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
         updated.set_result(None)
 
-    def _step(self, unit: Unit, start: int, end: int, grad: torch.Tensor, chunk: GradChunk) -> None:
+    def _step(
+        self, unit: Unit, start: int, end: int, grad: torch.Tensor, chunk: GradChunk, *, grad_scale: float = 1.0
+    ) -> None:
         master = self.host_params.flat(unit)[start:end]
         state = {name: view[start:end] for name, view in self._unit_state(unit).items()}
         decay = end <= unit.layout.decay_numel
-        self.optimizer.step(master, grad, state, lr=chunk.lr, step=chunk.step, decay=decay)
+        if grad_scale == 1.0:  # the keyword only where it matters: optimizer plugins written before it still work
+            self.optimizer.step(master, grad, state, lr=chunk.lr, step=chunk.step, decay=decay)
+        else:
+            self.optimizer.step(master, grad, state, lr=chunk.lr, step=chunk.step, decay=decay, grad_scale=grad_scale)
 
     def _accum_for(self, unit: Unit) -> torch.Tensor:
         # Allocated on first use only: with no accumulation and no tied weights, none is ever needed.

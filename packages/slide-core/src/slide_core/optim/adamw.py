@@ -2,7 +2,9 @@
 
 It uses ``torch._fused_adamw_`` (one pass, all cores) when this torch build has it for the tensor's
 device, and otherwise the same single-tensor arithmetic as ``torch.optim.AdamW(foreach=False)``.
-Low-precision gradients are cast into a preallocated fp32 scratch first, so nothing is allocated per step.
+Low-precision gradients are cast into a preallocated fp32 scratch first, so nothing is allocated per step;
+a ``grad_scale`` other than 1 is applied in that same scratch (an fp32 gradient is copied there first, since
+the caller's gradient is never written).
 """
 
 from __future__ import annotations
@@ -39,14 +41,17 @@ class TorchAdamW(Optimizer):
         if held is None or held.numel() < max_range_numel:
             self._scratch[device] = torch.empty(max_range_numel, dtype=torch.float32, device=device)
 
-    def _fp32(self, grad: torch.Tensor) -> torch.Tensor:
-        if grad.dtype == torch.float32:
+    def _fp32(self, grad: torch.Tensor, grad_scale: float) -> torch.Tensor:
+        """``grad_scale * grad`` in fp32: ``grad`` itself when that is already it, else the scratch."""
+        if grad.dtype == torch.float32 and grad_scale == 1.0:
             return grad
         held = self._scratch.get(grad.device)
         if held is None or held.numel() < grad.numel():
             self.reserve(grad.numel(), grad.device)
         scratch = self._scratch[grad.device][: grad.numel()]
         scratch.copy_(grad)
+        if grad_scale != 1.0:
+            scratch.mul_(grad_scale)  # as clipping.scale_into: fp32 * float32(grad_scale), one rounding
         return scratch
 
     def step(
@@ -58,10 +63,11 @@ class TorchAdamW(Optimizer):
         lr: float,
         step: int,
         decay: bool,
+        grad_scale: float = 1.0,
     ) -> None:
         cfg = self.config
         weight_decay = cfg.weight_decay if decay else 0.0
-        grad32 = self._fp32(grad)
+        grad32 = self._fp32(grad, grad_scale)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         if self.fused:
             step_tensor = self._step_tensors.get(master.device)

@@ -5,11 +5,15 @@ Why: on the host the optimizer step is memory-bound, and it is the engine's bott
 write-allocate) and then runs ``torch._fused_adamw_`` (read the fp32 gradient 4, read+write master 8,
 exp_avg 8, exp_avg_sq 8): ~38-40 bytes per parameter through DRAM. This kernel reads the bf16 gradient
 directly and widens it in registers (zero-extend, shift, bitcast), so a step moves 26 bytes per parameter (grad 2 + master 8 + exp_avg 8
-+ exp_avg_sq 8): at the same bandwidth that is ~1.5x the parameters per second.
++ exp_avg_sq 8): at the same bandwidth that is ~1.5x the parameters per second. Clipping's speculative
+updates pass ``grad_scale`` (slide_core/engine/clipping.py), and the kernel multiplies there too, so a
+clipped step still moves 26 bytes per parameter instead of first writing ``c * g`` to an fp32 scratch
+(~42 B/param).
 
 The arithmetic is ``torch.optim.AdamW(foreach=False)``'s, op for op, in fp32, with the scalars computed
 in Python float64 and rounded to fp32 exactly where torch rounds them:
 
+    g  = f32(grad) * f32(grad_scale)                     # clipping.scale_into's copy_ + mul_ (exact at 1)
     p  = p * f32(1 - lr*wd)                              # mul_ (only when decaying)
     m  = fma(c, g - m, m if w < .5 else g)               # lerp_(g, w), w = 1 - beta1; c = w or w - 1
     v  = fma(f32(1 - beta2) * g, g, v * f32(beta2))      # mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -96,14 +100,17 @@ def _adam_py(gi, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, ne
 _adam = _adam_py
 
 
-def _update_block_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
+def _update_block_py(p, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
     """Update one block in place: same-length slices, ``g`` fp32 or bf16-as-uint16, all math in fp32.
 
-    The loop runs over slices from index 0 so LLVM can prove the indices non-negative, drop numba's
-    negative-index wraparound and vectorise (with ``start + j`` indexing it stays scalar).
+    The gradient applied is ``g * scale`` (fp32, one rounding; exact when ``scale`` is 1), the product
+    ``_correct_block_py`` forms as ``gi * applied``. The loop runs over slices from index 0 so LLVM can prove
+    the indices non-negative, drop numba's negative-index wraparound and vectorise (with ``start + j``
+    indexing it stays scalar).
     """
     for j in range(p.shape[0]):
-        mi, vi, step = _adam(_as_fp32(g[j]), m[j], v[j], coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+        gi = _as_fp32(g[j]) * scale
+        mi, vi, step = _adam(gi, m[j], v[j], coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
         p[j] = p[j] * decay + step
         m[j] = mi
         v[j] = vi
@@ -112,14 +119,14 @@ def _update_block_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc
 _update_block = _update_block_py
 
 
-def _adamw_py(p, g, m, v, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
+def _adamw_py(p, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
     """The whole range, block by block across numba's threads."""
     n = p.shape[0]
     for b in _prange((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         e = min(s + BLOCK, n)
         _update_block(
-            p[s:e], g[s:e], m[s:e], v[s:e], decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+            p[s:e], g[s:e], m[s:e], v[s:e], scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
         )
 
 
@@ -275,8 +282,9 @@ class FusedAdamW(Optimizer):
     """AdamW (decoupled weight decay, applied only to ranges flagged ``decay``) as one numba kernel.
 
     ``grad`` may be bf16 (read as raw 16-bit words, never materialised in fp32), fp32, or any other float
-    dtype (cast into a reserved fp32 scratch first, like ``TorchAdamW``). ``threads`` caps numba's worker
-    count for this optimizer's calls (default: all of numba's threads, i.e. every core).
+    dtype (cast into a reserved fp32 scratch first, like ``TorchAdamW``). ``grad_scale`` is applied in
+    registers, never through a scaled copy. ``threads`` caps numba's worker count for this optimizer's calls
+    (default: all of numba's threads, i.e. every core).
     """
 
     state_names = ("exp_avg", "exp_avg_sq")
@@ -342,6 +350,7 @@ class FusedAdamW(Optimizer):
         lr: float,
         step: int,
         decay: bool,
+        grad_scale: float = 1.0,
     ) -> None:
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         n = master.numel()
@@ -356,7 +365,7 @@ class FusedAdamW(Optimizer):
         if n == 0:
             return
         if master.device.type != "cpu":
-            self._device_fallback().step(master, grad, state, lr=lr, step=step, decay=decay)
+            self._device_fallback().step(master, grad, state, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
             return
         kernels = self._kernels()
         cfg = self.config
@@ -388,7 +397,9 @@ class FusedAdamW(Optimizer):
                     self._scratch = torch.empty(max(n, self._reserved), dtype=torch.float32)
                 grad = self._scratch[:n].copy_(grad)
             g = _np(grad, "grad")
-        kernels.adamw(p, g, m, v, *args)
+        # One kernel for every scale: multiplying by 1.0f is exact, and the scale is always an fp32 scalar,
+        # so the compiled (and cached) signatures are the same two as without clipping (bf16, fp32 grads).
+        kernels.adamw(p, g, m, v, f32(grad_scale), *args)
 
 
 def best_adamw(config: AdamWConfig, *, threads: int | None = None, warmup: bool = True) -> Optimizer:
