@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from slide_core import TierError, plugins
-from slide_io import PosixNvmeTier
+from slide_io import GdsTier, PosixNvmeTier
+from slide_io._bytes import aligned_empty
 from slide_io.tiers import posix_nvme
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,12 +28,22 @@ ODD_SIZES = [1, 4095, 4097, 1_000_003]
 MakeTensor = Callable[..., torch.Tensor]  # the ``make_tensor`` fixture from conftest.py
 KiB = 1 << 10
 MiB = 1 << 20
+READ_SIZES = [1, 4095, 4097, 8 * MiB + 3]
+# Where a destination's first byte sits past a 4 KiB boundary: on it (read in place), and 64 bytes past
+# it, where torch.empty puts large host tensors (staged through the bounce buffer).
+OFFSETS = {"page-aligned": 0, "64-past-page": 64}
 
 
 def _read(tier: PosixNvmeTier, key: str, like: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(like)
     assert tier.get(key, out).result(timeout=20) is out
     return out
+
+
+def _landing(like: torch.Tensor, offset: int) -> torch.Tensor:
+    """An empty tensor shaped like ``like`` whose first byte sits ``offset`` bytes past a 4 KiB boundary."""
+    nbytes = like.numel() * like.element_size()
+    return aligned_empty(nbytes + offset)[offset : offset + nbytes].view(like.dtype).view(like.shape)
 
 
 def _files(tier: PosixNvmeTier) -> list[str]:
@@ -56,6 +67,13 @@ def test_round_trip(tier: PosixNvmeTier, make_tensor: MakeTensor, dtype: torch.d
     tensor = make_tensor(numel, dtype)
     assert tier.put("k", tensor).result(timeout=20) is None
     assert torch.equal(_read(tier, "k", tensor), tensor)
+
+
+def test_defaults_are_the_module_constants(tmp_path: Path) -> None:
+    for cls in (PosixNvmeTier, GdsTier):
+        tier = cls(tmp_path)
+        assert (tier.io_threads, tier.chunk_bytes) == (posix_nvme.DEFAULT_IO_THREADS, posix_nvme.DEFAULT_CHUNK_BYTES)
+    assert posix_nvme.DEFAULT_CHUNK_BYTES % 4096 == 0
 
 
 def test_files_are_padded_only_under_direct_io(tier: PosixNvmeTier, make_tensor: MakeTensor) -> None:
@@ -144,6 +162,119 @@ def test_direct_io_probe_and_requirement(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(TierError, match="O_DIRECT was required"):
         PosixNvmeTier(tmp_path, direct=True).open()
     assert os.listdir(tmp_path) == []  # a failed open leaves nothing behind
+
+
+# -- reads straight into the destination: Note [Direct reads] in posix_nvme.py -------------------------------
+
+
+@pytest.mark.parametrize("offset", OFFSETS.values(), ids=OFFSETS.keys())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", READ_SIZES)
+def test_round_trip_into_aligned_and_misaligned_destinations(
+    tier: PosixNvmeTier, make_tensor: MakeTensor, dtype: torch.dtype, numel: int, offset: int
+) -> None:
+    tensor = make_tensor(numel, dtype)
+    tier.put("k", tensor).result(timeout=20)
+    out = _landing(tensor, offset)
+    assert tier.get("k", out).result(timeout=20) is out
+    assert torch.equal(out, tensor)
+
+
+@pytest.fixture
+def direct_tier(tmp_path: Path) -> Iterator[PosixNvmeTier]:
+    with PosixNvmeTier(tmp_path, io_threads=4, chunk_bytes=256 * KiB) as opened:
+        if not opened.direct_io:
+            pytest.skip(f"{tmp_path} refuses O_DIRECT: every read is in place")
+        yield opened
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "copied"),
+    [(8 * MiB, []), (8 * MiB + 3, [3]), (4097, [1]), (4095, [4095]), (1, [1]), (0, [])],
+)
+def test_aligned_destinations_copy_only_the_last_partial_block(
+    direct_tier: PosixNvmeTier,
+    make_tensor: MakeTensor,
+    monkeypatch: pytest.MonkeyPatch,
+    nbytes: int,
+    copied: list[int],
+) -> None:
+    """Note [Direct reads]: page-aligned host memory is read in place; only the bytes of the key's last,
+    partial 4 KiB block pass through the bounce buffer, and no request allocates."""
+    tensor = make_tensor(nbytes, torch.uint8)
+    direct_tier.put("k", tensor).result(timeout=20)
+    out = _landing(tensor, 0)
+    copies: list[int] = []
+    real_copy = posix_nvme._copy_bytes
+
+    def spy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        copies.append(dst.numel())
+        real_copy(dst, src)
+
+    def no_alloc(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("a read allocated a buffer")
+
+    monkeypatch.setattr(posix_nvme, "_copy_bytes", spy)
+    monkeypatch.setattr(posix_nvme, "aligned_empty", no_alloc)
+    direct_tier.get("k", out).result(timeout=20)
+    assert torch.equal(out, tensor)
+    assert copies == copied
+
+
+def test_misaligned_destinations_are_staged_chunk_by_chunk(
+    direct_tier: PosixNvmeTier, make_tensor: MakeTensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note [Direct reads]: a destination off a 4 KiB boundary is read through the bounce buffers whole."""
+    tensor = make_tensor(MiB + 3, torch.uint8)
+    direct_tier.put("k", tensor).result(timeout=20)
+    copies: list[int] = []
+    real_copy = posix_nvme._copy_bytes
+
+    def spy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        copies.append(dst.numel())
+        real_copy(dst, src)
+
+    monkeypatch.setattr(posix_nvme, "_copy_bytes", spy)
+    out = _landing(tensor, 64)
+    direct_tier.get("k", out).result(timeout=20)
+    assert torch.equal(out, tensor)
+    assert sorted(copies) == [3] + [256 * KiB] * 4
+
+
+def test_short_reads_resume_across_iovecs(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = bytes(range(256)) * 40  # 10240 bytes of "file"
+    calls: list[tuple[list[int], int]] = []
+
+    def preadv(fd: int, views: list[memoryview], offset: int) -> int:
+        calls.append(([len(view) for view in views], offset))
+        count = 0
+        for view in views:
+            take = min(len(view), 1000 - count, len(data) - offset - count)  # at most 1000 bytes a call
+            view[:take] = data[offset + count : offset + count + take]
+            count += take
+        return count
+
+    monkeypatch.setattr(posix_nvme.os, "preadv", preadv)
+    body, block = bytearray(4096), bytearray(4096)
+    posix_nvme._pread_into(-1, [memoryview(body), memoryview(block)], 2048, 8192)
+    assert bytes(body) + bytes(block) == data[2048:]
+    assert len(calls) == 9 and calls[0] == ([4096, 4096], 2048)
+    assert calls[4] == ([96, 4096], 6048) and calls[5] == ([3192], 7048)
+    with pytest.raises(OSError, match="file ends"):
+        posix_nvme._pread_into(-1, [memoryview(bytearray(4096))], 8192, 4096)
+
+
+@pytest.mark.timeout(60)
+def test_many_concurrent_reads_into_mixed_destinations(tier: PosixNvmeTier, make_tensor: MakeTensor) -> None:
+    tensors = {f"k{i}": make_tensor(1 + 40_961 * i, DTYPES[i % len(DTYPES)], seed=i) for i in range(48)}
+    for future in [tier.put(key, tensor) for key, tensor in tensors.items()]:
+        future.result(timeout=20)
+    outs = [(key, _landing(tensor, (0, 64, 4096 - 8)[n % 3])) for n in range(3) for key, tensor in tensors.items()]
+    gets = [tier.get(key, out) for key, out in outs]  # 144 requests, three reads of each key, all in flight
+    for future in gets:
+        future.result(timeout=30)
+    for key, out in outs:
+        assert torch.equal(out, tensors[key]), key
 
 
 # -- errors ------------------------------------------------------------------------------------------------

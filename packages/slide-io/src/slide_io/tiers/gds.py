@@ -9,6 +9,10 @@ path. ``mode`` says what actually moves the bytes:
 - ``"compat"``: kvikio is installed but uses POSIX I/O itself (no libcufile, no /run/udev, ...);
 - ``"posix-fallback"``: kvikio is not importable; everything goes through ``PosixNvmeTier``'s path.
 
+For CUDA tensors kvikio's own thread pool moves the bytes in tasks of ``chunk_bytes`` (its ``task_size``);
+the size of that pool is kvikio's process-wide setting (``KVIKIO_NTHREADS``, default 1), not
+``io_threads``, which only drives the POSIX path. ``bench/io.py --sweep`` sets the pool size per row.
+
 The caller must have finished producing a CUDA tensor (synchronise its stream) before ``put``, and must not
 use ``out`` before ``get``'s future is done: cuFile does not order itself after torch streams.
 """
@@ -24,7 +28,14 @@ import torch
 
 from slide_io._bytes import as_bytes
 from slide_io._kvikio import kvikio_mode, load_kvikio
-from slide_io.tiers.posix_nvme import Allocator, PosixNvmeTier, _Entry, _Plan
+from slide_io.tiers.posix_nvme import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_IO_THREADS,
+    Allocator,
+    PosixNvmeTier,
+    _Entry,
+    _Plan,
+)
 
 __all__ = ["GdsTier"]
 
@@ -42,8 +53,8 @@ class GdsTier(PosixNvmeTier):
         self,
         directory: str | os.PathLike[str],
         *,
-        io_threads: int = 4,
-        chunk_bytes: int = 8 << 20,
+        io_threads: int = DEFAULT_IO_THREADS,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         direct: bool | None = None,
         alloc: Allocator | None = None,
     ) -> None:
@@ -66,7 +77,7 @@ class GdsTier(PosixNvmeTier):
         handle = self._kvikio.CuFile(entry.path, "w")
 
         def write() -> None:
-            written = handle.write(src)
+            written = handle.write(src, task_size=self.chunk_bytes)
             if written != entry.nbytes:
                 raise OSError(errno.ENOSPC, f"short write: {written} of {entry.nbytes} bytes")
 
@@ -79,7 +90,7 @@ class GdsTier(PosixNvmeTier):
         dst = as_bytes(out)
 
         def read() -> None:
-            got = handle.read(dst)
+            got = handle.read(dst, task_size=self.chunk_bytes)
             if got != entry.nbytes:
                 raise OSError(errno.EIO, f"short read: {got} of {entry.nbytes} bytes")
 

@@ -10,15 +10,29 @@ file per version also gives the space of deleted keys straight back to the files
 I/O: O_DIRECT when the filesystem accepts it (probed at ``open``; reported as ``direct_io``), so
 offloaded weights and optimizer state do not evict the page cache or get copied twice. O_DIRECT needs
 4 KiB aligned addresses, offsets and lengths: each request is cut into ``chunk_bytes`` chunks that run on
-``io_threads`` threads, each chunk staged through a 4 KiB aligned bounce buffer (one per thread), and the
-last chunk of a key is zero-padded on disk to a 4 KiB multiple while the index records the true length.
-Without O_DIRECT, host tensors are written and read in place, with no bounce copy. ``os.pwrite`` and
-``os.preadv`` (and torch copies) release the GIL, so the threads overlap.
+``io_threads`` threads, and the last chunk of a key is zero-padded on disk to a 4 KiB multiple while the
+index records the true length. Host memory on a 4 KiB boundary is read and written in place (a write
+still stages a key's last chunk when its length is not a 4 KiB multiple); anything else is staged through
+a 4 KiB aligned bounce buffer (one per thread, allocated at ``open``). Reads into an aligned destination
+copy at most the last 4095 bytes of a key (see Note [Direct reads]). Without
+O_DIRECT, host tensors are written and read in place, with no bounce copy. ``os.pwrite``, ``os.preadv``,
+``ctypes.memmove`` and torch copies release the GIL, so the threads overlap.
+
+Note [Direct reads]: a chunk of a host destination whose address is on a 4 KiB boundary is read with one
+``preadv`` straight into the destination. If the chunk's length is not a 4 KiB multiple (only the last
+chunk of a key), the same ``preadv`` gets a second iovec, the first 4 KiB of the thread's bounce buffer,
+for the padded final block, and only those < 4096 bytes are copied. A destination that is not on a 4 KiB
+boundary cannot be read in place at all: file offset ``o`` lands at address ``out + o``, so no aligned file
+block meets an aligned address. Such a chunk is read whole into the bounce buffer and copied with one
+``memmove`` (torch's ``copy_`` may fan out to its intra-op thread pool from every I/O thread at once).
+Allocate destinations on 4 KiB boundaries (``slide_io._bytes.aligned_empty``, or page-locked memory,
+whose blocks start on pages) to get the direct path. ``tests/io/test_posix_nvme.py`` checks each case.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import itertools
 import os
@@ -40,7 +54,18 @@ from slide_core.tier import Tier, TierError
 from slide_io._bytes import DIRECT_ALIGN, aligned_empty, as_bytes, round_up
 from slide_io._futures import failed, gather
 
-__all__ = ["PosixNvmeTier"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_IO_THREADS", "PosixNvmeTier"]
+
+DEFAULT_IO_THREADS = 4
+"""I/O threads per tier when the caller gives none (``GdsTier`` and ``bench/io.py`` share it).
+
+Set it to the io-threads of the row ``python bench/io.py --sweep`` marks "best get" on the target disk:
+reads sit on the critical path of the forward pass, writes overlap compute."""
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+"""Bytes per I/O request and per bounce buffer when the caller gives none; a multiple of 4 KiB.
+
+Set it from the same ``bench/io.py --sweep`` row as ``DEFAULT_IO_THREADS`` (its chunk MiB << 20)."""
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
@@ -69,14 +94,41 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         written += count
 
 
-def _pread_into(fd: int, data: memoryview, offset: int, need: int) -> None:
-    """Fill at least ``need`` bytes of ``data`` from ``offset`` (O_DIRECT may ask for padding past EOF)."""
+def _pread_into(fd: int, views: list[memoryview], offset: int, need: int) -> None:
+    """Fill at least ``need`` bytes of ``views``, in order, with one ``preadv`` from ``offset``.
+
+    Under O_DIRECT the views may ask for more than ``need``: the padding of the file's last 4 KiB block.
+    A short read (end of file, a signal) resumes where it stopped.
+    """
     got = 0
     while got < need:
-        count = os.preadv(fd, [data[got:]], offset + got)
+        count = os.preadv(fd, _skip(views, got) if got else views, offset + got)
         if count <= 0:
             raise OSError(errno.EIO, f"file ends {need - got} bytes early at offset {offset + got}")
         got += count
+
+
+def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """``views`` without their first ``nbytes`` bytes (only after a short read, which is rare)."""
+    rest = []
+    for view in views:
+        if nbytes >= len(view):
+            nbytes -= len(view)
+        else:
+            rest.append(view[nbytes:])
+            nbytes = 0
+    return rest
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the ``uint8`` tensor ``src`` into ``dst`` of the same length.
+
+    Host to host it is one ``memmove`` (GIL released), not torch's ``copy_``: see Note [Direct reads].
+    """
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel())
+    else:
+        dst.copy_(src)
 
 
 def _host_view(tensor: torch.Tensor) -> memoryview:
@@ -110,8 +162,13 @@ class PosixNvmeTier(Tier):
 
     ``direct``: None probes O_DIRECT and uses it if the filesystem accepts it; True requires it (open fails
     otherwise); False never uses it. ``chunk_bytes`` (a multiple of 4 KiB) is the unit of work per thread
-    and the size of each thread's bounce buffer. ``alloc(numel, torch.uint8)`` allocates the bounce
-    buffers: pass ``device.alloc_pinned`` so CUDA tensors are staged through page-locked memory.
+    and the size of each thread's bounce buffer; ``io_threads`` requests run at once. Their defaults,
+    ``DEFAULT_IO_THREADS`` and ``DEFAULT_CHUNK_BYTES``, come from ``bench/io.py --sweep``.
+    ``alloc(numel, torch.uint8)`` allocates the bounce buffers: pass ``device.alloc_pinned`` so CUDA
+    tensors are staged through page-locked memory.
+
+    Host tensors on a 4 KiB boundary move without a copy (Note [Direct reads]); others, and CUDA tensors,
+    go through the bounce buffers.
 
     CUDA tensors are accepted: chunks are copied through the bounce buffers on the I/O threads' current
     (default) stream, so the caller must have synchronised the stream that produced a tensor before
@@ -124,8 +181,8 @@ class PosixNvmeTier(Tier):
         self,
         directory: str | os.PathLike[str],
         *,
-        io_threads: int = 4,
-        chunk_bytes: int = 8 << 20,
+        io_threads: int = DEFAULT_IO_THREADS,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         direct: bool | None = None,
         alloc: Allocator | None = None,
     ) -> None:
@@ -164,8 +221,9 @@ class PosixNvmeTier(Tier):
             ) from error
         try:
             self.direct_io = self._choose_direct(root)
-            # One bounce buffer per thread: a running chunk never waits for a buffer.
-            buffers = [aligned_empty(self.chunk_bytes, alloc=self._alloc) for _ in range(self.io_threads)]
+            # One bounce buffer per thread: a running chunk never waits for a buffer. Touched now, so the
+            # first requests do not pay their page faults.
+            buffers = [aligned_empty(self.chunk_bytes, alloc=self._alloc).zero_() for _ in range(self.io_threads)]
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
             raise
@@ -293,8 +351,9 @@ class PosixNvmeTier(Tier):
 
     def _read_plan(self, entry: _Entry, out: torch.Tensor) -> _Plan:
         fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self.direct_io else 0))
-        # Read straight into ``out`` when it is contiguous; otherwise into a flat buffer copied at the end.
-        dst = as_bytes(out) if out.is_contiguous() else torch.empty(entry.nbytes, dtype=torch.uint8)
+        # Read straight into ``out`` when it is contiguous; otherwise into a flat, aligned (so read in place)
+        # buffer copied at the end: the one per-request allocation, and only for strided outputs.
+        dst = as_bytes(out) if out.is_contiguous() else aligned_empty(entry.nbytes)
 
         def result() -> torch.Tensor:
             if not out.is_contiguous():
@@ -323,16 +382,28 @@ class PosixNvmeTier(Tier):
             self._bounce.put(bounce)
 
     def _read_chunk(self, fd: int, dst: torch.Tensor, start: int, stop: int) -> None:
+        """Read ``[start, stop)`` of the file into ``dst[start:stop]``; see Note [Direct reads]."""
         piece = dst[start:stop]
         count = stop - start
-        if self._in_place_ok(piece):
-            _pread_into(fd, _host_view(piece), start, count)
+        if piece.device.type == "cpu" and (not self.direct_io or piece.data_ptr() % DIRECT_ALIGN == 0):
+            body = count - count % DIRECT_ALIGN if self.direct_io else count
+            if body == count:
+                _pread_into(fd, [_host_view(piece)], start, count)
+                return
+            bounce = self._bounce.get()
+            try:
+                block = bounce[:DIRECT_ALIGN]  # the key's padded last block
+                views = [_host_view(piece[:body]), _host_view(block)] if body else [_host_view(block)]
+                _pread_into(fd, views, start, count)
+                _copy_bytes(piece[body:], block[: count - body])
+            finally:
+                self._bounce.put(bounce)
             return
         bounce = self._bounce.get()
         try:
             padded = round_up(count, DIRECT_ALIGN) if self.direct_io else count
-            _pread_into(fd, _host_view(bounce[:padded]), start, count)
-            piece.copy_(bounce[:count])
+            _pread_into(fd, [_host_view(bounce[:padded])], start, count)
+            _copy_bytes(piece, bounce[:count])
         finally:
             self._bounce.put(bounce)
 
