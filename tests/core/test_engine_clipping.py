@@ -179,6 +179,10 @@ CASES = {
     "tied-accum2": (True, 2, 2, ()),
     "tied-accum2-resident": (True, 2, 2, ("embed", "layers.0")),
     "accum2-slots1-resident": (False, 2, 1, ("embed", "layers.0")),
+    # one micro-batch: every final norm is on the device (Note [Early clipping decision]); the tied
+    # resident embedding sums its two contributions in its slot (Note [Tied gradient in the slot])
+    "tied-resident": (True, 1, 2, ("embed",)),
+    "resident-head-block": (False, 1, 1, ("head", "layers.1")),
 }
 
 
@@ -415,3 +419,57 @@ def test_bf16_clipping_smoke() -> None:
         assert not result.skipped and math.isfinite(result.loss)
         assert result.grad_norm == pytest.approx(ref_norms[step], rel=0.05)
     assert all(torch.isfinite(t).all() for views in params.values() for t in views.values())
+
+
+class _SlowAdamW(TorchAdamW):
+    """Host updates that take a while, so a step that waited for them is told apart from one that did not."""
+
+    def __init__(self, config: AdamWConfig) -> None:
+        super().__init__(config)
+        self.calls = 0
+
+    def step(self, *args, **kwargs) -> None:
+        time.sleep(0.02)
+        super().step(*args, **kwargs)
+        self.calls += 1
+
+
+@pytest.mark.parametrize(("max_norm", "waits"), [(1e6, False), (0.05, True)])
+def test_clipping_that_does_not_trigger_does_not_wait(max_norm: float, waits: bool) -> None:
+    """Note [Early clipping decision]: a step that does not clip returns before its host updates are done
+    (they overlap the next forward, as with clipping off); a step that clips waits for them, corrects
+    them, and the weights still match clip_grad_norm_ + AdamW."""
+    cfg = ToyConfig(num_layers=3)
+    model = ToyModel(cfg)
+    init = _init(model, seed=5)
+    batches = _batches(cfg, steps=3, accum=1, seed=8)
+    adam = AdamWConfig(weight_decay=0.1)
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=max_norm)
+    applied_after_step: list[int] = []
+    optimizer = _SlowAdamW(adam)
+    with CPUDevice() as device:
+        host = HostParameters(model, device.alloc_pinned)
+        for unit in model.units:
+            for name, view in host.views(unit).items():
+                view.copy_(init[unit.name][name])
+        with Engine(model, device, host, optimizer, config) as engine:
+            results = []
+            for micro in batches:
+                results.append(engine.step(micro, lr=LR))
+                applied_after_step.append(optimizer.calls)  # speculative host updates done so far
+            engine.drain()
+        params = {unit.name: host.views(unit) for unit in model.units}
+        state = {
+            unit.name: {name: unit.layout.views(flat) for name, flat in engine.updates.state_views(unit).items()}
+            for unit in model.units
+        }
+    per_step = optimizer.calls // len(batches)  # every step updates the same ranges
+    if waits:
+        assert applied_after_step == [per_step * (k + 1) for k in range(len(batches))]
+    else:
+        assert applied_after_step[0] < per_step, applied_after_step
+    ref_losses, ref_norms, ref_params, ref_state = _reference_run(model, init, batches, adam, max_norm)
+    for step, result in enumerate(results):
+        assert result.loss == pytest.approx(ref_losses[step], rel=RTOL)
+        assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL)
+    _assert_weights_and_state(params, state, ref_params, ref_state, engine.step_count)

@@ -151,7 +151,10 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     )
     if cfg.resident_gib is not None:
         resident = choose_resident_units(
-            model, int(cfg.resident_gib * 2**30), torch.bfloat16, accumulates=cfg.max_grad_norm > 0
+            model,
+            int(cfg.resident_gib * 2**30),
+            torch.bfloat16,
+            accumulates=False,  # one micro-batch per step
         )
         plan = make_plan(dataclasses.replace(inputs, resident_units=resident))
     else:

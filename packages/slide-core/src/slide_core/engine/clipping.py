@@ -56,6 +56,17 @@ units are updated on the compute stream without a host sync, so their gradient i
 device when its norm is not finite (``masked_fill_``) before the speculative update, which makes that
 update undoable too. Tested by ``test_nan_step_is_skipped_exactly``.
 
+Note [Early clipping decision]: when every unit's final gradient norm is on the device (no host unit
+sums several contributions on the host: one micro-batch, and a tied embedding that is device-resident or
+untied), the main thread reads the per-unit squared norms right after the backward (one sync of the
+compute stream, not of the transfers) and, when the step does not clip, returns at once: the speculative
+updates are final. Each host unit's 'updated' future is then resolved by whoever comes second, the
+optimizer thread at the unit's last chunk (:meth:`ClipStep.finish`) or the main thread's decision
+(:meth:`ClipStep.keep`), under the step's lock. So a step that does not clip keeps the overlap of the
+host updates with the next forward, exactly as with clipping off. A step that clips, or is not finite,
+or has host-summed gradients, takes the path below. Tested by
+``test_clipping_that_does_not_trigger_does_not_wait``.
+
 Note [Clip rollback ordering]: a unit's ``updated`` future of the step (Note [Update futures]) is resolved
 by the main thread's decision or, when the unit needs a correction, by the correction job; never at the
 unit's last chunk. So the next step's load of a unit waits for its correction, and so, transitively, does
@@ -70,7 +81,9 @@ and :class:`ClipStep` is read without locks. Tested by ``test_clipping_matches_c
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Container, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -179,6 +192,11 @@ class ClipStep:
     applied: dict[str, list[AppliedRange]] = field(default_factory=dict)
     nonfinite_unit: str | None = None
     """The first unit found with a non-finite gradient (see Note [Speculative non-finite guard])."""
+    kept: bool = False
+    """Set (under ``lock``) when the main thread decided before the updates ended that they stand."""
+    finished: dict[str, Future[None]] = field(default_factory=dict)
+    """Host units whose last chunk was applied before that decision, with their 'updated' futures."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def mark_nonfinite(self, name: str) -> None:
         if self.nonfinite_unit is None:
@@ -188,6 +206,28 @@ class ClipStep:
     def halted(self) -> bool:
         """True once nothing more of the step may be applied."""
         return self.skip_nonfinite and self.nonfinite_unit is not None
+
+    def finish(self, name: str, updated: Future[None]) -> None:
+        """Optimizer thread, after a host unit's last chunk: release the unit now if the step was already
+        kept, else leave that to the main thread's decision (Note [Early clipping decision])."""
+        with self.lock:
+            if not self.kept:
+                self.finished[name] = updated
+                return
+        updated.set_result(None)
+
+    def keep(self, updated: Mapping[str, Future[None]], residents: Container[str]) -> None:
+        """Main thread: every speculative update of the step stands. Release the resident units (their
+        updates are in the compute stream already) and the host units that are done; the optimizer thread
+        releases the others as their last chunk lands."""
+        with self.lock:
+            self.kept = True
+            done = dict(self.finished)
+        for name, future in updated.items():
+            if name in residents:
+                future.set_result(None)
+        for future in done.values():
+            future.set_result(None)
 
     def add_sq(self, name: str, value: float) -> None:
         self.host_sq[name] = self.host_sq.get(name, 0.0) + value

@@ -69,7 +69,7 @@ class GradientPath:
             # See Note [Resident update ordering] in resident.py.
             start = self._mark()
             if self._clip is not None:
-                self._speculate_resident(unit, mode)
+                self._speculate_resident(unit, mode, in_slot=sums_in_slot)
             else:
                 if self.norms is not None:
                     self.norms.add(unit, slot.grads, first=count == 0 or adding)
@@ -102,7 +102,7 @@ class GradientPath:
 
     def _sums_in_slot(self, unit: Unit) -> bool:
         """See Note [Tied gradient in the slot] in resident.py: later contributions add to the first."""
-        return unit.name in self.residents and self._clip is None and self._micro_batches == 1
+        return unit.name in self.residents and self._micro_batches == 1
 
     def _grads_into_slots(self, head_slot: ParamSlot, borrowed_slot: ParamSlot | None) -> dict[str, torch.Tensor]:
         """The slot gradient views the head's forward may write into (``Unit.grads_in_forward``): a
@@ -122,9 +122,14 @@ class GradientPath:
             into[name] = unit.layout.views(slot.grads)[own_name]
         return into
 
-    def _speculate_resident(self, unit: Unit, mode: str) -> None:
-        """Compute stream: a resident unit's update, speculative with clipping on (see clipping.py)."""
+    def _speculate_resident(self, unit: Unit, mode: str, *, in_slot: bool) -> None:
+        """Compute stream: a resident unit's update, speculative with clipping on (see clipping.py).
+        ``in_slot``: the contributions are summed in the slot (Note [Tied gradient in the slot])."""
         name, lr, step = unit.name, self._lr, self.step_count
+        if in_slot and mode in ("stash", "add"):
+            return  # the slot holds the running sum; the last contribution applies it
+        if in_slot and mode == "add_step":
+            mode = "step"
         if mode in ("stash", "add"):
             self.residents.apply(name, mode, lr, step)
             return
@@ -214,6 +219,13 @@ class GradientPath:
         speculative update. Returns ``(norm, skipped)``. See Note [Clip rollback ordering] in clipping.py."""
         workers, cfg, norms = self.workers, self.config, self.norms
         assert norms is not None
+        early = self._norm_before_updates()
+        if early is not None and math.isfinite(early) and clip_coefficient(early, cfg.max_grad_norm) >= 1.0:
+            # Nothing to correct: the speculative updates stand, and each unit is released as its own
+            # last chunk lands, without waiting for the rest (see Note [Early clipping decision]).
+            self._nonfinite_streak = 0
+            clip.keep(self.updates.updated, self.residents)
+            return early, False
         if self._last_d2h is not None:
             workers.wait(self._last_d2h, "the gradient transfers of the step")
         # After every update job of this step (see Note [Optimizer priority] in workers.py).
@@ -260,6 +272,21 @@ class GradientPath:
                 future.set_result(None)
         return norm, False
 
+    def _norm_before_updates(self) -> float | None:
+        """The step's global gradient norm from the device's per-unit squared norms alone, or None when a
+        host unit's final gradient is only summed on the host (gradient accumulation, a tied embedding
+        updated on the host). Summed as :meth:`_finish_clipped_step` sums them, so both decide alike.
+        note: CPU-GPU sync point (once per step; the compute stream only, not the transfers)."""
+        units = self.model.units
+        if any(self._expected[u.name] > 1 and u.name not in self.residents for u in units):
+            return None
+        assert self.norms is not None
+        self.device.record_event("compute").synchronize()
+        values = dict(zip((u.name for u in units), self.norms.on_device.tolist(), strict=True))
+        squares = [values[u.name] for u in units if u.name in self.residents]
+        squares += [values[u.name] for u in units if u.name not in self.residents]
+        return math.sqrt(math.fsum(squares))
+
     def _correct_all(self, clip: ClipStep, correction: Correction, updated: dict[str, Future[None]], step: int) -> None:
         """Correct every unit's speculative update, in forward order: the next step loads the embedding
         first, so its correction is released first."""
@@ -267,7 +294,8 @@ class GradientPath:
             name = unit.name
             if name in self.residents:
                 resident = self.residents.units[name]
-                grad = resident.accum if self._expected[name] > 1 else resident.slot.grads
+                summed_in_accum = self._expected[name] > 1 and not self._sums_in_slot(unit)
+                grad = resident.accum if summed_in_accum else resident.slot.grads
                 assert grad is not None
                 start = self._mark()
                 assert self.norms is not None

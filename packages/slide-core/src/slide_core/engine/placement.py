@@ -33,7 +33,7 @@ def choose_resident_units(
     chosen: list[str] = []
     left = budget_bytes
     for unit in order:
-        # ``accumulates``: gradient accumulation or clipping; otherwise a tied embedding sums its two
+        # ``accumulates``: gradient accumulation; otherwise a tied embedding sums its two
         # contributions in its slot (Note [Tied gradient in the slot] in resident.py).
         cost = resident_bytes(unit, compute_dtype, accumulates=accumulates)
         cost -= _window_bytes_saved(unit, model, compute_dtype)

@@ -7,7 +7,7 @@ crosses PCIe and is updated on the device in a millisecond, which takes its byte
 bus: the resource that limits speed on fast GPUs. The embedding is the natural first candidate: it is the
 largest unit and the last one updated before the next forward needs it.
 
-Note [Tied gradient in the slot]: with one micro-batch per step and clipping off, the only resident unit
+Note [Tied gradient in the slot]: with one micro-batch per step (clipping on or off), the only resident unit
 that receives two gradient contributions is a tied embedding (the head's share, then its own). Its
 slot's gradient buffer then accumulates both (the second is added in place), instead of an fp32
 accumulator of 4 bytes/param: that is what lets a 128K-vocabulary embedding fit a 12 GiB budget. In bf16

@@ -152,6 +152,8 @@ class UnitUpdates:
                 self.offloaded.prefetch(following)
         if final and clip is None:
             chunk.updated.set_result(None)
+        elif final:
+            clip.finish(unit.name, chunk.updated)  # see Note [Early clipping decision] in clipping.py
 
     def _first_chunk(self, chunk: GradChunk, norm_sq: float) -> None:
         """Check the unit's device-computed squared norm before anything of it is applied (see Note

@@ -182,7 +182,7 @@ def _resident_numel(shape: ModelShape, inputs: PlanInputs) -> int:
 
 def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     """Device-resident units, priced by the engine's own rule (slide_core/engine/resident.py)."""
-    accumulates = inputs.grad_accum > 1 or inputs.clipping
+    accumulates = inputs.grad_accum > 1  # clipping sums a tied embedding in its slot too (resident.py)
     per_param = resident_bytes_per_param(inputs.compute_dtype_bytes, accumulates=accumulates)
     return _resident_numel(shape, inputs) * per_param
 

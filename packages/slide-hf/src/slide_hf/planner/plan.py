@@ -210,6 +210,6 @@ def plan_with_placement(inputs: PlanInputs) -> Plan:
         return base
     spare = max(0, inputs.gpu_memory_bytes - base.gpu_peak_bytes - GPU_MARGIN_BYTES)
     dtype = torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16
-    accumulates = inputs.grad_accum > 1 or inputs.clipping
+    accumulates = inputs.grad_accum > 1  # clipping sums a tied embedding in its slot too (resident.py)
     resident = choose_resident_units(inputs.model, spare, dtype, accumulates=accumulates)
     return make_plan(dataclasses.replace(inputs, resident_units=resident)) if resident else base
