@@ -57,12 +57,15 @@ ENGINE_HOST_BUFFERS = (
 
 
 def _nvme_units(shape: ModelShape, inputs: PlanInputs) -> list[int]:
-    """Numels of the units whose m and v live on NVMe."""
+    """Numels of the units whose m and v live on NVMe: the engine's rule (``slide_hf.offload``), blocks
+    first, and never a device-resident unit (its state is on the GPU)."""
     if inputs.offload_optimizer != "nvme":
         return []
-    ordered = [*shape.block_numels, shape.embedding_numel, shape.head_numel]
+    ordered = [(f"block.{i}", n) for i, n in enumerate(shape.block_numels)]
+    ordered += [("embedding", shape.embedding_numel), ("head", shape.head_numel)]
     count = math.floor(inputs.nvme_fraction * len(ordered) + 0.5)
-    return ordered[:count]
+    resident = set(inputs.resident_units)
+    return [numel for name, numel in ordered[:count] if name not in resident]
 
 
 def _accumulated_numel(shape: ModelShape, grad_accum: int) -> int:
