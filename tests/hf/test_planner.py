@@ -195,11 +195,18 @@ def test_check_fits_messages_name_the_fix():
     best, _ = largest_batch(plan.inputs, gpu_cap=cap, host_cap=None)
     with pytest.raises(UserError, match=rf"GPU memory, .* allowed by --gpu-memory; .*largest that fits: {best}\)"):
         check_fits(plan, host_available=None, gpu_available=cap)
-    # m and v are 2/3 of the model's host bytes: moving them to NVMe is the first thing to try
+    # m and v are 2/3 of the model's host bytes: moving just enough of them to NVMe is the first thing to try
     need = plan.host_peak_bytes - plan.host_breakdown["optimizer_state"] // 2
-    with pytest.raises(UserError, match=r"host RAM, .* available; try --offload-optimizer nvme$") as info:
+    with pytest.raises(
+        UserError, match=r"host RAM, .* available; try --offload-optimizer nvme --nvme-fraction "
+    ) as info:
         check_fits(plan, host_available=need, gpu_available=None)
     assert "\n" not in str(info.value)
+    fraction = float(str(info.value).rsplit(" ", 1)[1])
+    assert 0.4 <= fraction < 1.0
+    for suggested, fits in ((fraction, True), (fraction - 0.05, False)):
+        trial = make_plan(dataclasses.replace(plan.inputs, offload_optimizer="nvme", nvme_fraction=suggested))
+        assert (trial.host_peak_bytes <= need) is fits
     with pytest.raises(UserError, match="use a machine with more RAM"):
         check_fits(plan, host_available=GiB, gpu_available=None)
     with pytest.raises(UserError, match=r"GPU memory.*; also needs .* host RAM"):
@@ -233,7 +240,7 @@ def test_bad_inputs_are_user_errors():
 def test_format_bytes_and_available_host_bytes():
     assert format_bytes(30.1 * GiB) == "30.1 GiB" and format_bytes(512 * MiB) == "512.0 MiB"
     assert format_bytes(100) == "100 B"
-    assert 0 < available_host_bytes() <= psutil.virtual_memory().total
+    assert 0 <= available_host_bytes() < psutil.virtual_memory().available
 
 
 # ---- against the real engine ------------------------------------------------------------------------
