@@ -122,6 +122,29 @@ def test_engine_matches_plain_adamw(block_slots: int, tied: bool) -> None:
     )
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_ring_of_one_chunk_neither_deadlocks_nor_changes_the_math(accum: int) -> None:
+    """Note [Only landed chunks are queued]: the d2h thread hands each ring chunk to the optimizer before
+    it takes the next one, so a unit of many chunks streams through a single ring chunk."""
+    cfg = ToyConfig(tie_embeddings=True, num_layers=3)
+    model = ToyModel(cfg)
+    init = _init(model, seed=7)
+    batches = _batches(cfg, steps=3, accum=accum, seed=2)
+    adam = AdamWConfig(weight_decay=0.1)
+    schedule = LRSchedule(3e-3, "constant")
+    config = EngineConfig(
+        compute_dtype=torch.float32,
+        transfer_chunk_numel=1024,
+        grad_ring_slots=1,
+        grad_ring_fraction=0.0,
+        timeout_s=20.0,
+    )
+    _assert_close(
+        _engine_run(model, init, batches, adam, schedule, config),
+        _reference_run(model, init, batches, adam, schedule),
+    )
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_gradient_accumulation_matches(tied: bool) -> None:
     cfg = ToyConfig(tie_embeddings=tied)

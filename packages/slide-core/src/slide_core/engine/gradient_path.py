@@ -12,6 +12,14 @@ store, the optimizer state, the clipping state).
 - ``_update_job`` (optimizer thread) applies a chunk;
 - ``_finish_clipped_step`` (main thread) forms the step's global norm and keeps, rescales or takes back
   the speculative updates (Note [Clip rollback ordering] in clipping.py).
+
+Note [Only landed chunks are queued]: the d2h thread waits for each chunk's copy to land before it queues
+the chunk for the optimizer. The optimizer thread takes the queued chunk of the lowest next-forward
+position (Note [Optimizer priority]); had it been handed chunks still in flight, it would pick the newest
+one, which the GPU reaches last, and sit in that chunk's event while landed chunks of earlier units
+waited. With the pinned clipping store (no ring to throttle the d2h thread) that left the CPU idle for
+the whole backward on the H200: every host update ran after it. A ring chunk is handed over before the
+next one is taken, so a ring of one chunk cannot deadlock.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import itertools
 import logging
 import math
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -180,12 +189,14 @@ class GradientPath:
                 if previous is not None:
                     workers.wait(previous, f"the optimizer to take the previous gradient of {unit.name}")
             consumed: Future[None] | None = None
+            landing: list[_InFlight] = []
             for number, (lo, hi) in enumerate(chunks):
                 index: int | None = None
                 if store is not None:
                     target = store.flat(unit)[lo:hi]
                 else:
                     assert ring is not None
+                    consumed = self._hand_over_landed(landing) or consumed  # they free ring chunks
                     index = workers.get(ring.free, "a free gradient ring chunk")
                     target = ring.chunks[index][: hi - lo]
                 if start is None:
@@ -195,14 +206,25 @@ class GradientPath:
                 last = number == len(chunks) - 1
                 first_norm = norm_sq if number == 0 else None
                 chunk = GradChunk(unit, lo, hi, mode, last, lr, step, updated, first_norm, clip)
-                consumed = workers["optimizer"].submit(
-                    self._update_job, chunk, target, index, end, priority=(*order, lo)
-                )
+                landing.append(_InFlight(chunk, target, index, end, (*order, lo)))
+            consumed = self._hand_over_landed(landing) or consumed
             if store is not None and consumed is not None:
                 self._consumed[unit.name] = consumed
         if start is not None:
             self.timeline.device_span(unit.name, "d2h", start, end)
         return end
+
+    def _hand_over_landed(self, landing: list[_InFlight]) -> Future[None] | None:
+        """d2h thread: wait for each chunk's copy to land, then queue it for the optimizer; return the last
+        job's future. See Note [Only landed chunks are queued]."""
+        consumed = None
+        for job in landing:
+            job.landed.synchronize()  # note: CPU-GPU sync point (on the d2h thread, by design)
+            consumed = self.workers["optimizer"].submit(
+                self._update_job, job.chunk, job.target, job.index, job.landed, priority=job.priority
+            )
+        landing.clear()
+        return consumed
 
     def _update_job(self, chunk: GradChunk, grad: torch.Tensor, index: int | None, landed: Event) -> None:
         """Optimizer thread: apply one landed chunk, then give its ring slot (if any) back."""
@@ -326,6 +348,17 @@ class GradientPath:
                 "cannot skip a step exactly, so it stops here. Lower --lr, or set max_grad_norm > 0 to skip "
                 "such steps"
             )
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A gradient chunk whose device-to-host copy is issued but not yet known to have landed."""
+
+    chunk: GradChunk
+    target: torch.Tensor
+    index: int | None
+    landed: Event
+    priority: tuple[int, ...]
 
 
 def _contribution_mode(count: int, expected: int) -> str:
