@@ -32,6 +32,7 @@ tier is a memory copy; its row is there to show the ceiling, not to compare with
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -254,7 +255,7 @@ def _kvikio_threads(count: int | None = None) -> int | None:
     kvikio, _ = load_kvikio()
     if kvikio is None:
         return None
-    defaults = kvikio.defaults
+    defaults = importlib.import_module("kvikio.defaults")  # a submodule: `import kvikio` does not load it
     if callable(getattr(defaults, "set", None)) and callable(getattr(defaults, "get", None)):
         if count is not None:
             defaults.set("num_threads", count)
