@@ -29,6 +29,7 @@ from transformers import PreTrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
+from slide_hf.adapters.fused_modules import fuse_modules
 
 __all__ = [
     "IGNORE_INDEX",
@@ -125,6 +126,8 @@ class HFUnit(Unit):
             raise TypeError(f"{name}: the adapter gives no value for HF buffers {missing}")
         self._buffer_factories = factories
         self._buffers: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self.fused_modules: list[str] = []
+        """Submodules whose forward runs slide-kernels' fused ops on CUDA (see fused_modules.py)."""
 
     def buffers_on(self, device: torch.device) -> dict[str, torch.Tensor]:
         found = self._buffers.get(device)
@@ -276,6 +279,8 @@ class HFCausalLM(SlideModel):
             self.embedding = self.make_embedding_unit()
             self.blocks = [self.make_block_unit(i) for i in range(self.config.num_hidden_layers)]
             self.head = self.make_head_unit()
+        for unit in (*self.blocks, self.head):
+            unit.fused_modules = fuse_modules(unit.root, self.config)
         unknown = {b.attention_type for b in self.blocks} - set(_MASK_BUILDERS)
         if unknown:
             raise ValueError(f"{self.config.model_type}: unsupported attention layer types {sorted(unknown)}")

@@ -1,0 +1,91 @@
+"""slide-kernels' fused RMSNorm and gated-MLP activation inside HF's own modules.
+
+The adapters run HF's decoder layers as they are (``functional_call``), so a Llama layer's two RMSNorms
+and its ``act_fn(gate) * up`` are eager PyTorch: several full passes over the activations each way, every
+one of them three times per step in the engine (forward, recompute, backward). :func:`fuse_modules`
+rebinds the ``forward`` of those submodules, per instance, to one Triton kernel each way. The HF math is
+kept: the norm's rounding follows the module's family (``casting_mode``), and the activation is the one
+the config names.
+
+A rebound module runs the kernel only on CUDA tensors with Triton available (``_runs_fused``), and its
+class's own ``forward`` otherwise, so CPU runs, and the exactness tests against HF, are unchanged.
+Rotary embeddings stay HF's: the attention modules call a module-level function that could only be
+swapped globally.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["fuse_modules"]
+
+_GLU_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
+"""HF activation names whose ``act(gate) * up`` slide-kernels fuses (GeGLU is the tanh approximation)."""
+
+
+def _runs_fused(x: torch.Tensor) -> bool:
+    """Whether the fused kernels run for ``x``: CUDA (or ROCm) tensors with Triton usable."""
+    if x.device.type != "cuda":
+        return False
+    from slide_kernels._backend import use_triton
+
+    return use_triton(x)
+
+
+def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    if not _runs_fused(hidden_states):
+        return type(self).forward(self, hidden_states)
+    from slide_kernels import rms_norm
+
+    gemma = type(self).__name__.startswith("Gemma")
+    eps = getattr(self, "variance_epsilon", None)
+    if eps is None:
+        eps = self.eps
+    return rms_norm(hidden_states, self.weight, eps, 1.0 if gemma else 0.0, casting_mode="gemma" if gemma else "llama")
+
+
+def _gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not _runs_fused(x):
+        return type(self).forward(self, x)
+    import slide_kernels
+
+    glu = getattr(slide_kernels, self._slide_glu)
+    return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    has_eps = hasattr(module, "variance_epsilon") or hasattr(module, "eps")
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and isinstance(getattr(module, "weight", None), nn.Parameter)
+        and has_eps
+    )
+
+
+def _is_gated_mlp(module: nn.Module) -> bool:
+    return all(isinstance(getattr(module, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))
+
+
+def fuse_modules(root: nn.Module, config: Any) -> list[str]:
+    """Rebind the RMSNorms and dense gated MLPs under ``root`` to slide-kernels' fused ops (see the module
+    docstring); return the names of the rebound submodules. Nothing is rebound without slide-kernels."""
+    try:
+        import slide_kernels  # noqa: F401
+    except ImportError:
+        return []
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    glu = _GLU_ACTIVATIONS.get(str(activation))
+    rebound = []
+    for name, module in root.named_modules():
+        if _is_rms_norm(module):
+            module.forward = types.MethodType(_rms_norm_forward, module)
+            rebound.append(name)
+        elif glu is not None and _is_gated_mlp(module) and type(module).__name__.endswith("MLP"):
+            module._slide_glu = glu
+            module.forward = types.MethodType(_gated_mlp_forward, module)
+            rebound.append(name)
+    return rebound

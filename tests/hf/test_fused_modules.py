@@ -1,0 +1,63 @@
+"""HF modules rebound to slide-kernels' fused RMSNorm and gated MLP (slide_hf/adapters/fused_modules.py).
+
+On the CPU the fused path is forced (``_runs_fused`` patched) and runs the Triton kernels under the
+interpreter (tests/conftest.py turns it on without a GPU): loss and every gradient still match HF's eager
+modules. Unpatched, a CPU run never takes the fused path, so every other test compares HF to HF.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slide_hf import PRESETS, build_model
+from slide_hf.adapters import fused_modules
+
+pytest.importorskip("slide_kernels")
+
+TOL = 2e-5
+
+
+@pytest.mark.parametrize("preset", ["test-llama", "test-gemma2", "test-qwen3", "test-phi3"])
+def test_fused_modules_match_hf(reference, helpers, monkeypatch, preset: str) -> None:
+    from slide_kernels._backend import interpret_mode
+
+    if not interpret_mode():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py when no GPU is visible)")
+    calls: list[bool] = []
+
+    def forced(x: torch.Tensor) -> bool:
+        calls.append(True)
+        return True
+
+    ref = reference(preset)  # HF's own model: its modules are never rebound
+    ids, labels = helpers.batch(ref.hf.config.vocab_size)
+    ref.hf.zero_grad(set_to_none=True)
+    expected = ref.hf(ids, labels=labels).loss
+    expected.backward()
+    monkeypatch.setattr(fused_modules, "_runs_fused", forced)
+    leaves = helpers.leaves_of(ref.model, ref.host)
+    loss = helpers.run_units(ref.model, leaves, ids, labels, torch.float32)
+    loss.backward()
+    assert calls, "no module took the fused path"
+    assert abs(loss.item() - expected.item()) <= TOL * abs(expected.item())
+    for unit in ref.model.units:
+        for name, leaf in leaves[unit.name].items():
+            err = helpers.rel_err(leaf.grad, helpers.hf_param(ref, unit.name, name).grad)
+            assert err <= TOL, f"{unit.name}/{name}: grad relative error {err:.2e}"
+
+
+def test_which_modules_are_rebound() -> None:
+    llama = build_model(PRESETS["test-llama"]())
+    assert llama.blocks[0].fused_modules == ["mlp", "input_layernorm", "post_attention_layernorm"]
+    assert llama.head.fused_modules == ["norm"]
+    qwen3 = build_model(PRESETS["test-qwen3"]())
+    assert {"self_attn.q_norm", "self_attn.k_norm", "mlp"} <= set(qwen3.blocks[0].fused_modules)
+    phi3 = build_model(PRESETS["test-phi3"]())
+    assert "mlp" not in phi3.blocks[0].fused_modules  # a fused gate_up projection: left to HF
+    gpt2 = build_model(PRESETS["test-gpt2"]())
+    assert gpt2.blocks[0].fused_modules == [] and gpt2.head.fused_modules == []
+
+
+def test_cpu_tensors_take_hf_path() -> None:
+    assert not fused_modules._runs_fused(torch.zeros(2))
