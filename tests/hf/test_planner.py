@@ -101,6 +101,13 @@ def test_nvme_offload_moves_state_and_stash_to_disk():
     assert acts.host_breakdown["nvme_staging"] == 2 * stash // shape.num_blocks
     everything = make_plan(PlanInputs(shape, offload_optimizer="nvme", nvme_fraction=1.0))
     assert everything.host_breakdown["optimizer_state"] == 0 and everything.disk_bytes == 8 * shape.total_numel
+    # device-resident units keep their state on the GPU, never on disk (slide_hf.offload's rule)
+    placed = make_plan(
+        PlanInputs(shape, batch_size=2, seq_len=64, offload_optimizer="nvme", nvme_fraction=0.5,
+                   resident_units=("block.0", "embedding"))
+    )  # fmt: skip
+    assert placed.disk_bytes == 8 * sum(shape.block_numels[1:3])
+    assert placed.host_breakdown["optimizer_state"] >= 0
 
 
 # ---- GPU arithmetic ---------------------------------------------------------------------------------
