@@ -18,7 +18,7 @@ pytest.importorskip("slide_kernels")
 TOL = 2e-5
 
 
-@pytest.mark.parametrize("preset", ["test-llama", "test-gemma2", "test-qwen3", "test-phi3"])
+@pytest.mark.parametrize("preset", ["test-llama", "test-gemma2", "test-qwen3", "test-phi3", "test-mistral"])
 def test_fused_modules_match_hf(reference, helpers, monkeypatch, preset: str) -> None:
     from slide_kernels._backend import interpret_mode
 
@@ -36,10 +36,21 @@ def test_fused_modules_match_hf(reference, helpers, monkeypatch, preset: str) ->
     expected = ref.hf(ids, labels=labels).loss
     expected.backward()
     monkeypatch.setattr(fused_modules, "_runs_fused", forced)
+    import slide_kernels
+
+    rotary_calls: list[bool] = []
+    fused_rotary = slide_kernels.apply_rotary
+
+    def counted_rotary(*args):
+        rotary_calls.append(True)
+        return fused_rotary(*args)
+
+    monkeypatch.setattr(slide_kernels, "apply_rotary", counted_rotary)
     leaves = helpers.leaves_of(ref.model, ref.host)
     loss = helpers.run_units(ref.model, leaves, ids, labels, torch.float32)
     loss.backward()
     assert calls, "no module took the fused path"
+    assert rotary_calls, "the attention did not use the fused rotary"
     assert abs(loss.item() - expected.item()) <= TOL * abs(expected.item())
     for unit in ref.model.units:
         for name, leaf in leaves[unit.name].items():
@@ -49,10 +60,10 @@ def test_fused_modules_match_hf(reference, helpers, monkeypatch, preset: str) ->
 
 def test_which_modules_are_rebound() -> None:
     llama = build_model(PRESETS["test-llama"]())
-    assert llama.blocks[0].fused_modules == ["mlp", "input_layernorm", "post_attention_layernorm"]
+    assert llama.blocks[0].fused_modules == ["self_attn", "mlp", "input_layernorm", "post_attention_layernorm"]
     assert llama.head.fused_modules == ["norm"]
     qwen3 = build_model(PRESETS["test-qwen3"]())
-    assert {"self_attn.q_norm", "self_attn.k_norm", "mlp"} <= set(qwen3.blocks[0].fused_modules)
+    assert {"self_attn", "self_attn.q_norm", "self_attn.k_norm", "mlp"} <= set(qwen3.blocks[0].fused_modules)
     phi3 = build_model(PRESETS["test-phi3"]())
     assert "mlp" not in phi3.blocks[0].fused_modules  # a fused gate_up projection: left to HF
     gpt2 = build_model(PRESETS["test-gpt2"]())
@@ -61,3 +72,15 @@ def test_which_modules_are_rebound() -> None:
 
 def test_cpu_tensors_take_hf_path() -> None:
     assert not fused_modules._runs_fused(torch.zeros(2))
+
+
+def test_rotary_is_swapped_for_one_instance_only() -> None:
+    """The attention's copy of ``forward`` sees the fused rotary; HF's module global is untouched."""
+    from transformers.models.llama import modeling_llama
+
+    hf_rotary = modeling_llama.apply_rotary_pos_emb
+    llama = build_model(PRESETS["test-llama"]())
+    attention = llama.blocks[0].root.self_attn
+    assert modeling_llama.apply_rotary_pos_emb is hf_rotary
+    assert attention.forward.__func__.__globals__["apply_rotary_pos_emb"] is not hf_rotary
+    assert type(attention).forward.__globals__["apply_rotary_pos_emb"] is hf_rotary

@@ -7,15 +7,19 @@ rebinds the ``forward`` of those submodules, per instance, to one Triton kernel 
 kept: the norm's rounding follows the module's family (``casting_mode``), and the activation is the one
 the config names.
 
+Rotary embeddings: HF's attention ``forward`` calls its modeling module's global
+``apply_rotary_pos_emb``. Replacing that global would change every model in the process, so each
+attention module instead gets its own copy of its class's ``forward`` whose globals map that one name to
+slide-kernels' ``apply_rotary`` (partial rotary, as in some Phi-3 configs, keeps HF's function).
+
 A rebound module runs the kernel only on CUDA tensors with Triton available (``_runs_fused``), and its
-class's own ``forward`` otherwise, so CPU runs, and the exactness tests against HF, are unchanged.
-Rotary embeddings stay HF's: the attention modules call a module-level function that could only be
-swapped globally.
+class's own code otherwise, so CPU runs, and the exactness tests against HF, are unchanged.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +61,34 @@ def _gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
 
 
+def _fused_rotary(hf_rotary: Callable[..., Any]) -> Callable[..., Any]:
+    """HF's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``, fused where the kernel applies."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        full = not args and not kwargs and cos.dim() == 3 and cos.shape[-1] == q.shape[-1]
+        if full and _runs_fused(q):
+            from slide_kernels import apply_rotary
+
+            return apply_rotary(q, k, cos, sin)
+        return hf_rotary(q, k, cos, sin, *args, **kwargs)
+
+    return apply_rotary_pos_emb
+
+
+def _rotary_forward(module: nn.Module) -> Callable[..., Any] | None:
+    """A copy of the attention class's ``forward`` that sees the fused rotary, or None when the forward
+    does not call a global ``apply_rotary_pos_emb`` (e.g. it is wrapped by a decorator)."""
+    forward = type(module).forward
+    hf_rotary = getattr(forward, "__globals__", {}).get("apply_rotary_pos_emb")
+    if hf_rotary is None or "apply_rotary_pos_emb" not in forward.__code__.co_names:
+        return None
+    scope = {**forward.__globals__, "apply_rotary_pos_emb": _fused_rotary(hf_rotary)}
+    copy = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
+    copy.__kwdefaults__ = forward.__kwdefaults__
+    copy.__qualname__ = forward.__qualname__
+    return copy
+
+
 def _is_rms_norm(module: nn.Module) -> bool:
     has_eps = hasattr(module, "variance_epsilon") or hasattr(module, "eps")
     return (
@@ -87,5 +119,8 @@ def fuse_modules(root: nn.Module, config: Any) -> list[str]:
         elif glu is not None and _is_gated_mlp(module) and type(module).__name__.endswith("MLP"):
             module._slide_glu = glu
             module.forward = types.MethodType(_gated_mlp_forward, module)
+            rebound.append(name)
+        elif type(module).__name__.endswith("Attention") and (forward := _rotary_forward(module)) is not None:
+            module.forward = types.MethodType(forward, module)
             rebound.append(name)
     return rebound
