@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -74,3 +75,33 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -
     out = {name: torch.empty_like(t) for name, t in _tensors(1).items()}
     load_checkpoint(find_latest(tmp_path), out)
     assert torch.equal(out["master"], _tensors(1)["master"])
+
+
+class _Blocks:
+    """An ArraySource over a host tensor that records the block reads."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.numel, self.dtype = tensor, tensor.numel(), tensor.dtype
+        self.reads: list[tuple[int, int]] = []
+
+    def read_into(self, start: int, out: torch.Tensor) -> None:
+        self.reads.append((start, out.numel()))
+        out.copy_(self.tensor[start : start + out.numel()])
+
+
+def test_array_source_is_written_block_by_block_like_a_tensor(tmp_path: Path, monkeypatch) -> None:
+    from slide_core import checkpoint as module
+
+    monkeypatch.setattr(module, "_BLOCK_BYTES", 4096)  # several blocks at test sizes
+    data = torch.randn(2500)  # 10,000 bytes: blocks of 1024, 1024 and 452 elements
+    source = _Blocks(data)
+    as_source = save_checkpoint(tmp_path / "a", 1, {"exp_avg": source}, {})
+    as_tensor = save_checkpoint(tmp_path / "b", 1, {"exp_avg": data}, {})
+    assert source.reads == [(0, 1024), (1024, 1024), (2048, 452)]
+    assert (as_source / "exp_avg.bin").read_bytes() == (as_tensor / "exp_avg.bin").read_bytes()
+    state_a = json.loads((as_source / "state.json").read_text())["files"]
+    state_b = json.loads((as_tensor / "state.json").read_text())["files"]
+    assert state_a == state_b
+    out = torch.empty(2500)
+    load_checkpoint(as_source, {"exp_avg": out})
+    assert torch.equal(out, data)

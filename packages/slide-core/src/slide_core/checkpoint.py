@@ -22,11 +22,12 @@ import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 __all__ = [
+    "ArraySource",
     "CheckpointCorrupt",
     "CheckpointWriteError",
     "find_latest",
@@ -47,6 +48,40 @@ class CheckpointCorrupt(ValueError):
 
 class CheckpointWriteError(OSError):
     """A save failed (full disk, file too large, no permission); the previous checkpoint is untouched."""
+
+
+@runtime_checkable
+class ArraySource(Protocol):
+    """A flat array that is not one host tensor (e.g. optimizer state partly on the GPU or on NVMe): the
+    save pulls it one block at a time through a single bounded buffer instead of gathering it in RAM."""
+
+    numel: int
+    dtype: torch.dtype
+
+    def read_into(self, start: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (flat, host) with elements ``[start, start + out.numel())``."""
+
+
+def _nbytes(array: torch.Tensor | ArraySource) -> int:
+    return (
+        array.numel * array.dtype.itemsize if isinstance(array, ArraySource) else array.numel() * array.element_size()
+    )
+
+
+def _write_source(path: Path, source: ArraySource, buffer: torch.Tensor) -> list[int]:
+    """Write ``source`` block by block through ``buffer``; return the blocks' CRC32s."""
+    per_block = _BLOCK_BYTES // source.dtype.itemsize
+    crcs = []
+    with path.open("wb") as handle:
+        for start in range(0, source.numel, per_block):
+            block = buffer.view(source.dtype)[: min(per_block, source.numel - start)]
+            source.read_into(start, block)
+            data = _as_bytes(block)
+            handle.write(data)
+            crcs.append(zlib.crc32(data))
+        handle.flush()
+        os.fsync(handle.fileno())
+    return crcs
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -80,10 +115,12 @@ def _fsync_dir(path: Path) -> None:
 def save_checkpoint(
     root: Path,
     step: int,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor | ArraySource],
     extra: Mapping[str, Any],
 ) -> Path:
-    """Write ``tensors`` (name -> flat host tensor) and ``extra`` as ``root/step-NNNNNNNN``, atomically."""
+    """Write ``tensors`` (name -> flat host tensor or :class:`ArraySource`) and ``extra`` as
+    ``root/step-NNNNNNNN``, atomically. A source is read through one 256 MiB buffer, so saving it takes
+    no more host memory than that, whatever its size."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:08d}"
     temp = root / f".tmp-{final.name}-{os.getpid()}"
@@ -92,16 +129,23 @@ def save_checkpoint(
     temp.mkdir()
     files: dict[str, Any] = {}
     try:
+        buffer: torch.Tensor | None = None
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             for name, tensor in tensors.items():
-                data = _as_bytes(tensor)
                 filename = f"{name}.bin"
-                _write(temp / filename, data)
+                if isinstance(tensor, ArraySource):
+                    if buffer is None:
+                        buffer = torch.empty(_BLOCK_BYTES, dtype=torch.uint8)
+                    crcs, numel = _write_source(temp / filename, tensor, buffer), tensor.numel
+                else:
+                    data = _as_bytes(tensor)
+                    _write(temp / filename, data)
+                    crcs, numel = _crcs(data, pool), tensor.numel()
                 files[filename] = {
-                    "bytes": len(data),
+                    "bytes": _nbytes(tensor),
                     "dtype": str(tensor.dtype).removeprefix("torch."),
-                    "numel": tensor.numel(),
-                    "crc32": _crcs(data, pool),
+                    "numel": numel,
+                    "crc32": crcs,
                 }
         state = {"format": FORMAT, "step": step, "files": files, "extra": dict(extra)}
         (temp / "state.json").write_text(json.dumps(state, indent=1))
@@ -114,7 +158,7 @@ def save_checkpoint(
         _fsync_dir(root)
     except OSError as error:
         shutil.rmtree(temp, ignore_errors=True)
-        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        needed = sum(_nbytes(t) for t in tensors.values())
         free = shutil.disk_usage(root).free
         raise CheckpointWriteError(
             error.errno,

@@ -232,11 +232,11 @@ def train(cfg: TrainConfig) -> TrainSummary:
         stop = _StopRequests()
 
         def checkpoint(step: int) -> None:
-            engine.drain(with_state=True)  # note: waits for every pending update (a host sync), only when saving
+            arrays = engine.checkpoint_arrays()  # note: drains every pending update (a host sync), only when saving
             state = {**run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
             state["rng"] = torch.get_rng_state().tolist()
             try:
-                saved = save_checkpoint(checkpoints, step, {"master": host.slab, **engine.updates.state_slabs}, state)
+                saved = save_checkpoint(checkpoints, step, arrays, state)
             except CheckpointWriteError as error:
                 raise UserError(error.strerror) from error
             prune_checkpoints(checkpoints, cfg.keep_checkpoints)

@@ -52,6 +52,7 @@ from .gradient_path import GradientPath
 from .resident import ResidentUnits
 from .slots import ParamSlot, SlotWindow, Visit
 from .state_offload import OffloadedState
+from .state_source import StateSource
 from .timeline import Timeline, UnitTimes
 from .updates import UnitUpdates
 from .workers import EngineError, Workers
@@ -240,6 +241,22 @@ class Engine(GradientPath):
         else:
             self.residents.sync_to_host()
         self.timeline.resolve(block=True)
+
+    def checkpoint_arrays(self) -> dict[str, torch.Tensor | StateSource]:
+        """The arrays of a checkpoint (``save_checkpoint``): the fp32 master slab, and one
+        :class:`StateSource` per optimizer state that reads device-resident and offloaded units where
+        they live, so a save touches no host memory for them (see state_source.py). Drains first."""
+        self.drain()
+        host_views = {name: {} for name in self.optimizer.state_names}
+        for unit in self.model.units:
+            for name, view in self.updates.state_views(unit).items():
+                host_views[name][unit.name] = view
+        arrays: dict[str, torch.Tensor | StateSource] = {"master": self.host_params.slab}
+        for name in self.optimizer.state_names:
+            arrays[name] = StateSource(
+                name, self.model.units, host_views[name], self.residents.units, self.updates.offloaded
+            )
+        return arrays
 
     # -- one optimizer step ----------------------------------------------------------------------------
     def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
