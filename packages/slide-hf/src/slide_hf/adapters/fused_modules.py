@@ -98,8 +98,13 @@ def _is_rms_norm(module: nn.Module) -> bool:
     )
 
 
-def _is_gated_mlp(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))
+def _is_gated_mlp(module: nn.Module, activation: str) -> bool:
+    """HF's dense ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with the config's activation."""
+    from transformers.activations import ACT2FN
+
+    projections = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+    act = getattr(module, "act_fn", None)
+    return projections and type(module).__name__.endswith("MLP") and type(act) is type(ACT2FN[activation])
 
 
 def fuse_modules(root: nn.Module, config: Any) -> list[str]:
@@ -116,7 +121,7 @@ def fuse_modules(root: nn.Module, config: Any) -> list[str]:
         if _is_rms_norm(module):
             module.forward = types.MethodType(_rms_norm_forward, module)
             rebound.append(name)
-        elif glu is not None and _is_gated_mlp(module) and type(module).__name__.endswith("MLP"):
+        elif glu is not None and _is_gated_mlp(module, str(activation)):
             module._slide_glu = glu
             module.forward = types.MethodType(_gated_mlp_forward, module)
             rebound.append(name)
