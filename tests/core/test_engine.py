@@ -296,3 +296,49 @@ def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:
     for name, tensor in gathered.items():
         assert torch.equal(loaded[name], tensor), name
     assert loaded["exp_avg"].abs().sum() > 0  # real moments, not the zeros of never-written host pages
+
+
+def test_resident_host_copies_are_released() -> None:
+    """Note [Resident host copies]: with an unpinned slab, a resident unit's host range is given back
+    after the engine copies it to the device, refreshed by a drain, given back again at the next step;
+    ``close(keep_host_state=False)`` frees the host Adam state and still leaves current masters."""
+    cfg = ToyConfig(vocab_size=4096, hidden_size=64, num_layers=2)  # a 1 MiB embedding: many whole pages
+    model = ToyModel(cfg)
+    init = _init(model, seed=3)
+    batches = _batches(cfg, steps=3, accum=1, seed=5)
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=4096, resident_units=("embed",))
+    with CPUDevice() as device:
+        host = HostParameters(model)  # unpinned: the engine pins what it copies from and releases the rest
+        for unit in model.units:
+            for name, view in host.views(unit).items():
+                view.copy_(init[unit.name][name])
+        inside = slice(4096, -4096)  # whole pages, whatever the slab's alignment
+        with Engine(model, device, host, TorchAdamW(AdamWConfig()), config) as engine:
+            device_master = engine.residents.units["embed"].master
+            expected = torch.cat([init["embed"][spec.name].reshape(-1) for spec in model.embedding.layout])
+            assert torch.equal(device_master[: expected.numel()], expected)  # copied before the release
+            assert not host.flat("embed")[inside].any(), "the resident range was not given back"
+            engine.step(batches[0], lr=1e-3)
+            engine.drain()
+            assert torch.equal(host.flat("embed"), device_master)
+            engine.step(batches[1], lr=1e-3)
+            assert not host.flat("embed")[inside].any()
+            engine.step(batches[2], lr=1e-3)
+            engine.close(keep_host_state=False)
+            assert all(slab.numel() == 0 for slab in engine.updates.state_slabs.values())
+            assert torch.equal(host.flat("embed"), device_master)
+
+
+def test_release_pages_gives_memory_back() -> None:
+    import psutil
+
+    from slide_core.host_memory import release_pages
+
+    process = psutil.Process()
+    tensor = torch.ones(16 << 20)  # 64 MiB, touched
+    before = process.memory_info().rss
+    released = release_pages(tensor)
+    after = process.memory_info().rss
+    assert released >= (64 << 20) - 8192
+    assert before - after >= released // 2  # the kernel dropped them (allow for other allocations)
+    assert not tensor[2048:-2048].any()  # zero-filled when read again

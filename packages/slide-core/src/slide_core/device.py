@@ -107,6 +107,10 @@ class Device(Lifecycle, ABC):
     def alloc_pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """One host tensor the device can copy to and from at full speed (page-locked on GPUs)."""
 
+    def pin_host_range(self, tensor: torch.Tensor) -> None:
+        """Page-lock the memory under an existing host tensor (e.g. part of a larger slab) until ``close``,
+        so copies from it run at full speed. Host devices need nothing. Already-pinned memory is left alone."""
+
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat device tensor, counted against the memory cap."""
         return torch.empty(numel, dtype=dtype, device=self.torch_device)

@@ -50,6 +50,12 @@ class HostParameters:
         start, numel = self._offsets[name]
         return self.slab[start : start + numel]
 
+    def span(self, first: Unit | str, last: Unit | str) -> torch.Tensor:
+        """The slab from ``first``'s range to the end of ``last``'s (units are laid out in model order)."""
+        start = self._offsets[first if isinstance(first, str) else first.name][0]
+        end = sum(self._offsets[last if isinstance(last, str) else last.name])
+        return self.slab[start:end]
+
     def views(self, unit: Unit | str) -> dict[str, torch.Tensor]:
         unit = self._unit(unit)
         return unit.layout.views(self.flat(unit))

@@ -176,7 +176,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     compute_dtype = DTYPES[cfg.dtype]
     resident = _plan_and_place(cfg, model, device, compute_dtype)
     with device:
-        host = HostParameters(model, device.alloc_pinned)
+        host = HostParameters(model)  # the engine pins what it streams and gives back what lives on the GPU
         if model_dir is None:
             init_random(model, host, config, seed=cfg.seed)
         else:
@@ -288,6 +288,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
                         checkpoint(done)
                     if stop.requested:
                         raise UserError(f"stopped by {stop.requested} after step {done}; resume with --resume {output}")
+            # Training is over: free the host Adam state before the GPU-resident masters come back for the
+            # export, so the host never holds both (Note [Resident host copies] in slide_core's engine).
+            engine.close(keep_host_state=False)
         if metrics is not None:
             metrics.close()
         # Export: an HF directory next to the run's other outputs.

@@ -123,6 +123,17 @@ class CUDADevice(Device):
         self._registered.append(tensor)
         return tensor
 
+    def pin_host_range(self, tensor: torch.Tensor) -> None:
+        """``cudaHostRegister`` the bytes under ``tensor`` (as :meth:`alloc_pinned` does for a whole
+        allocation); unregistered by ``close``."""
+        if tensor.numel() == 0 or tensor.is_pinned():
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        if int(status) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed with status {int(status)}")
+        self._registered.append(tensor)
+
     def memory_allocated_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.index))
 

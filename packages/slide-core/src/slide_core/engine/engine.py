@@ -19,10 +19,21 @@ With ``max_grad_norm > 0`` those updates are speculative (each unit clipped by i
 gradients land in a full-model store instead of the ring; at the end of the step the main thread forms the
 global norm and, when it clips or is not finite, has every update corrected or taken back (clipping.py).
 Per-unit squared gradient norms are computed on the device whenever ``skip_nonfinite`` or clipping is on.
+
+Note [Resident host copies]: a device-resident unit's master is updated on the GPU, so its range of the
+host slab is stale between a drain and the next one. When the caller allocated the slab unpinned
+(``HostParameters(model)``), the engine pins only the host-updated units' ranges and gives the resident
+ranges' pages back to the OS (``release_pages``) after copying them to the GPU, and again at the first
+step after every drain (which copies the masters back for the caller to read). Fresh Adam state is zeroed
+after that release, so the load-time master and the training buffers never add up in the host's peak. A
+slab from ``device.alloc_pinned`` is pinned whole and is left as it is. ``close(keep_host_state=False)``
+drops the host optimizer state before the final copy-back, for a run that goes on to export. Tested by
+``test_resident_host_copies_are_released``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -32,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from slide_core.device import Device, Event
+from slide_core.host_memory import release_pages
 from slide_core.host_params import HostParameters
 from slide_core.optim.adamw import TorchAdamW
 from slide_core.optimizer import Optimizer
@@ -141,6 +153,8 @@ class Engine(GradientPath):
             offloaded,
         )
         self._workers: Workers | None = None
+        self._lean_host = False  # see Note [Resident host copies]
+        self._resident_host_current = False
         self._closed = False
         self._nonfinite_streak = 0
 
@@ -166,6 +180,8 @@ class Engine(GradientPath):
             self.dtype,
             cfg.transfer_chunk_numel,
         )
+        self._pin_and_release_host(resident)
+        self.updates.zero_fresh_state()
         edge = [unit for unit in (model.embedding, model.head) if unit.name not in resident]
         sliding = [block for block in model.blocks if block.name not in resident]
         self.window = SlotWindow(self.device, sliding, edge, cfg.block_slots, self.dtype)
@@ -193,15 +209,43 @@ class Engine(GradientPath):
             self.stash = ActivationStash(self.device, len(model.blocks))
         return self
 
+    def _pin_and_release_host(self, resident: set[str]) -> None:
+        """See Note [Resident host copies]: pin the host-updated units' master ranges, and give back the
+        pages of the device-resident ones, when the caller left the slab unpinned."""
+        self._lean_host = not self.host_params.slab.is_pinned()
+        self._resident_host_current = False
+        if not self._lean_host:
+            return  # a pinned slab (``device.alloc_pinned``): its pages cannot be given back
+        host_updated = itertools.groupby(self.model.units, key=lambda unit: unit.name not in resident)
+        for is_host_updated, group in host_updated:
+            run = list(group)
+            if is_host_updated:  # one registration per contiguous run of the slab
+                self.device.pin_host_range(self.host_params.span(run[0], run[-1]))
+        self._release_resident_host()
+
+    def _release_resident_host(self) -> None:
+        if self._lean_host:
+            for name in self.residents.units:
+                release_pages(self.host_params.flat(name))
+        self._resident_host_current = False
+
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.close(drain=exc is None)
 
-    def close(self, *, drain: bool = True) -> None:
-        """Finish (or, with ``drain=False``, abandon) pending work and join every thread. Idempotent."""
+    def close(self, *, drain: bool = True, keep_host_state: bool = True) -> None:
+        """Finish (or, with ``drain=False``, abandon) pending work and join every thread. Idempotent.
+
+        ``keep_host_state=False``: the host optimizer state is dropped once the updates are done, before
+        the device-resident masters are copied back to the host slab, so a run about to export its model
+        does not hold both (see Note [Resident host copies]).
+        """
         if self._closed or self._workers is None:
             self._closed = True
             return
         try:
+            if drain and not keep_host_state:
+                self._wait_for_updates()
+                self.updates.drop_host_state()
             if drain:
                 self.drain()
         finally:
@@ -226,9 +270,7 @@ class Engine(GradientPath):
         ``with_state`` also copies device-resident units' optimizer state to the host slabs (for a
         checkpoint of the full training state).
         """
-        workers = self.workers
-        for name, future in self.updates.updated.items():
-            workers.wait(future, f"the update of {name}")
+        self._wait_for_updates()
         self.device.synchronize()
         offloaded = self.updates.offloaded
         if offloaded is not None:
@@ -240,7 +282,13 @@ class Engine(GradientPath):
             self.updates.mark_host_state_valid()
         else:
             self.residents.sync_to_host()
+        self._resident_host_current = True  # until the next step (Note [Resident host copies])
         self.timeline.resolve(block=True)
+
+    def _wait_for_updates(self) -> None:
+        workers = self.workers
+        for name, future in self.updates.updated.items():
+            workers.wait(future, f"the update of {name}")
 
     def checkpoint_arrays(self) -> dict[str, torch.Tensor | StateSource]:
         """The arrays of a checkpoint (``save_checkpoint``): the fp32 master slab, and one
@@ -269,6 +317,8 @@ class Engine(GradientPath):
         loss_tokens = sum(self.model.loss_token_count(labels) for _, labels in micro_batches)
         if loss_tokens == 0:
             raise ValueError("no label tokens in this step's micro-batches (every label is -100)")
+        if self._resident_host_current:
+            self._release_resident_host()  # the GPU masters move on from here
         self.step_count += 1
         number = self.step_count
         self._micro_batches = len(micro_batches)

@@ -86,16 +86,29 @@ class UnitUpdates:
         # Backward order of the offloaded units: the order their updates come in, for read-ahead.
         order = [u.name for u in reversed(model.units) if offloaded is not None and u.name in offloaded]
         self._next_offloaded = dict(itertools.pairwise(order))
-        for unit in model.units:
-            if unit.name not in elsewhere:
-                for view in self.state_views(unit).values():
-                    view.zero_()
+        # Zeroed by ``zero_fresh_state`` when the engine starts, not here: the engine first gives back
+        # the host pages of device-resident masters, so the two never add up in the peak.
+        self._fresh = [unit for unit in model.units if unit.name not in elsewhere]
         self._accum: dict[str, torch.Tensor] = {}
         self.updated: dict[str, Future[None]] = {unit.name: _done_future() for unit in model.units}
 
     def mark_host_state_valid(self) -> None:
         """Every unit's host state now holds real values (e.g. a checkpoint was loaded into the slabs)."""
         self.host_state_valid = dict.fromkeys(self.host_state_valid, True)
+        self._fresh = []
+
+    def drop_host_state(self) -> None:
+        """Free the host optimizer state (the run is over and will not be checkpointed again)."""
+        self.state_slabs = {name: torch.empty(0, dtype=torch.float32) for name in self.state_slabs}
+        self._accum.clear()
+        self.host_state_valid = dict.fromkeys(self.host_state_valid, False)
+
+    def zero_fresh_state(self) -> None:
+        """Zero the host state of the host-updated units of a fresh run (Adam starts from m = v = 0)."""
+        for unit in self._fresh:
+            for view in self.state_views(unit).values():
+                view.zero_()
+        self._fresh = []
 
     @property
     def host_bytes(self) -> int:

@@ -81,7 +81,8 @@ def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
     on_nvme = _nvme_units(shape, inputs)
     boundary = inputs.batch_size * inputs.seq_len * shape.hidden_size * d  # one block's input
     host = {
-        "master_fp32": 4 * shape.total_numel,
+        # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies])
+        "master_fp32": 4 * (shape.total_numel - _resident_numel(shape, inputs)),
         # device-resident units keep m and v on the GPU; their host ranges are never touched
         "optimizer_state": 8 * (shape.total_numel - sum(on_nvme) - _resident_numel(shape, inputs)),
         "grad_accumulators": 4 * _accumulated_numel(shape, inputs.grad_accum),
@@ -196,4 +197,7 @@ def _gpu_peak(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def _host_peak(shape: ModelShape, inputs: PlanInputs) -> int:
-    return sum(_host_bytes(shape, inputs).values())
+    """The larger of training (the breakdown) and loading, when the whole fp32 master is on the host
+    before the engine hands the resident units' copies to the GPU."""
+    loading = 4 * shape.total_numel + PROCESS_BASELINE_BYTES
+    return max(sum(_host_bytes(shape, inputs).values()), loading)

@@ -30,7 +30,9 @@ let a 14B placement on the whole 140 GiB card overrun it."""
 class Plan:
     """Memory and time for one :class:`PlanInputs`. Byte counts are exact integers; times in seconds.
 
-    ``gpu_breakdown`` / ``host_breakdown`` sum to the peaks. ``max_batch_size`` is the largest batch
+    ``gpu_breakdown`` sums to the GPU peak. ``host_breakdown`` is the host during training; the host
+    peak is the larger of its sum and loading (the whole fp32 master on the host before the engine
+    moves the resident units' copies to the GPU and gives their pages back). ``max_batch_size`` is the largest batch
     that fits every cap set in the inputs (None when none is set; 0 when not even 1 fits) and
     ``max_batch_limit`` says which cap binds. ``eta`` is T_bwd / (T_d2h + T_update) for the whole step
     (>= 1: gradient transfer and update hide behind the backward); ``critical_batch_size`` is the
@@ -149,7 +151,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
         gpu_breakdown=gpu_breakdown,
         gpu_peak_phase=peak_phase,
         gpu_phases=phases,
-        host_peak_bytes=sum(host.values()),
+        host_peak_bytes=_host_peak(shape, inputs),
         host_breakdown=host,
         disk_bytes=_disk_bytes(shape, inputs),
         max_batch_size=max_batch,
