@@ -12,11 +12,16 @@ run e2e_3b_12g python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-le
     --gpu-memory 12 --compare plain --trace "$out" --json "$out/e2e_3b_12g.json"
 run e2e_3b_12g_clip python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 6 \
     --gpu-memory 12 --max-grad-norm 1.0 --json "$out/e2e_3b_12g_clip.json"
+run e2e_3b_12g_clip_never python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 6 \
+    --gpu-memory 12 --max-grad-norm 1000 --json "$out/e2e_3b_12g_clip_never.json"
 run e2e_3b_40g python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 6 \
     --gpu-memory 40 --json "$out/e2e_3b_40g.json"
 run e2e_8b_24g python3 bench/e2e.py --model llama3.1-8b --batch-size 16 --seq-len 1024 --steps 5 \
     --gpu-memory 24 --json "$out/e2e_8b_24g.json"
-run io python3 bench/io.py --dir /tmp/slide-io-bench --size-gb 1 --json "$out/io.json"
+run e2e_14b python3 bench/e2e.py --model qwen2.5-14b --batch-size 16 --seq-len 1024 --steps 5 \
+    --json "$out/e2e_14b.json"
+mkdir -p /tmp/slide-io-bench
+run io python3 bench/io.py --dir /tmp/slide-io-bench --size-gb 1 --repeat 2 --json "$out/io.json"
 python3 - "$out" <<'PY'
 import json, sys, pathlib
 for f in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):
