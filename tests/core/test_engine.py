@@ -11,23 +11,9 @@ from slide_core import AdamWConfig, HostParameters, LRSchedule
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
-from slide_core.testing import ToyConfig, ToyModel, reference_loss
+from slide_core.testing import ToyConfig, ToyModel, load_init, reference_loss, toy_batches, toy_init
 
 RTOL = 1e-5
-
-
-def _batches(cfg: ToyConfig, steps: int, accum: int, batch: int = 2, seq: int = 12, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        micro = []
-        for _ in range(accum):
-            ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator)
-            labels = ids.clone()
-            labels[0, : seq // 3] = -100  # prompt-style masking; token counts differ per micro-batch
-            micro.append((ids, labels))
-        out.append(micro)
-    return out
 
 
 def _reference_lambda(kind: str, warmup: int, total: int):
@@ -78,20 +64,12 @@ def _reference_run(model, init, batches, adam: AdamWConfig, schedule: LRSchedule
 def _engine_run(model, init, batches, adam, schedule, engine_config):
     with CPUDevice() as device:
         host = HostParameters(model, device.alloc_pinned)
-        for unit in model.units:
-            for name, view in host.views(unit).items():
-                view.copy_(init[unit.name][name])
+        load_init(host, init)
         losses = []
         with Engine(model, device, host, TorchAdamW(adam), engine_config) as engine:
             for step, micro in enumerate(batches):
                 losses.append(engine.step(micro, lr=schedule.lr_at(step)).loss)
         return losses, {unit.name: host.views(unit) for unit in model.units}
-
-
-def _init(model: ToyModel, seed: int = 1):
-    init = {unit.name: {s.name: torch.empty(s.shape) for s in unit.layout} for unit in model.units}
-    model.init_(init, seed)
-    return init
 
 
 def _assert_close(engine_result, reference_result):
@@ -111,8 +89,8 @@ def _assert_close(engine_result, reference_result):
 def test_engine_matches_plain_adamw(block_slots: int, tied: bool) -> None:
     cfg = ToyConfig(tie_embeddings=tied, num_layers=4)
     model = ToyModel(cfg)
-    init = _init(model)
-    batches = _batches(cfg, steps=4, accum=1)
+    init = toy_init(model)
+    batches = toy_batches(cfg, steps=4, accum=1)
     adam = AdamWConfig(weight_decay=0.1)
     schedule = LRSchedule(3e-3, "constant")
     config = EngineConfig(block_slots=block_slots, compute_dtype=torch.float32, transfer_chunk_numel=2048)
@@ -128,8 +106,8 @@ def test_a_ring_of_one_chunk_neither_deadlocks_nor_changes_the_math(accum: int) 
     it takes the next one, so a unit of many chunks streams through a single ring chunk."""
     cfg = ToyConfig(tie_embeddings=True, num_layers=3)
     model = ToyModel(cfg)
-    init = _init(model, seed=7)
-    batches = _batches(cfg, steps=3, accum=accum, seed=2)
+    init = toy_init(model, seed=7)
+    batches = toy_batches(cfg, steps=3, accum=accum, seed=2)
     adam = AdamWConfig(weight_decay=0.1)
     schedule = LRSchedule(3e-3, "constant")
     config = EngineConfig(
@@ -149,8 +127,8 @@ def test_a_ring_of_one_chunk_neither_deadlocks_nor_changes_the_math(accum: int) 
 def test_gradient_accumulation_matches(tied: bool) -> None:
     cfg = ToyConfig(tie_embeddings=tied)
     model = ToyModel(cfg)
-    init = _init(model, seed=3)
-    batches = _batches(cfg, steps=3, accum=3, seed=5)
+    init = toy_init(model, seed=3)
+    batches = toy_batches(cfg, steps=3, accum=3, seed=5)
     adam = AdamWConfig(beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.05)
     schedule = LRSchedule(2e-3, "constant")
     config = EngineConfig(block_slots=2, compute_dtype=torch.float32, transfer_chunk_numel=1024, grad_ring_slots=2)
@@ -167,8 +145,8 @@ def test_device_resident_units_match(tied: bool, resident: tuple[str, ...], accu
     """Covers Note [Tied gradient in the slot] (tied, accum 1) and the fp32 accumulator (accum 2)."""
     cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
     model = ToyModel(cfg)
-    init = _init(model, seed=13)
-    batches = _batches(cfg, steps=3, accum=accum, seed=4)
+    init = toy_init(model, seed=13)
+    batches = toy_batches(cfg, steps=3, accum=accum, seed=4)
     adam = AdamWConfig(weight_decay=0.1)
     schedule = LRSchedule(3e-3, "constant")
     config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, resident_units=resident)
@@ -182,8 +160,8 @@ def test_device_resident_units_match(tied: bool, resident: tuple[str, ...], accu
 def test_lr_schedules_match(kind: str) -> None:
     cfg = ToyConfig(num_layers=2)
     model = ToyModel(cfg)
-    init = _init(model, seed=7)
-    batches = _batches(cfg, steps=6, accum=1, seed=9)
+    init = toy_init(model, seed=7)
+    batches = toy_batches(cfg, steps=6, accum=1, seed=9)
     adam = AdamWConfig(weight_decay=0.01)
     schedule = LRSchedule(5e-3, kind, warmup_steps=2, total_steps=6)
     config = EngineConfig(block_slots=2, compute_dtype=torch.float32)
@@ -205,17 +183,15 @@ def test_nvme_state_is_bit_identical_to_ram(accum: int, clip: float) -> None:
 
     cfg = ToyConfig(tie_embeddings=True, num_layers=4)
     model = ToyModel(cfg)
-    init = _init(model, seed=21)
-    batches = _batches(cfg, steps=3, accum=accum, seed=8)
+    init = toy_init(model, seed=21)
+    batches = toy_batches(cfg, steps=3, accum=accum, seed=8)
     adam = AdamWConfig(weight_decay=0.1)
     base = dict(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=clip)
 
     def run(config: EngineConfig, tier=None):
         with CPUDevice() as device:
             host = HostParameters(model, device.alloc_pinned)
-            for unit in model.units:
-                for name, view in host.views(unit).items():
-                    view.copy_(init[unit.name][name])
+            load_init(host, init)
             with Engine(model, device, host, TorchAdamW(adam), config, state_tier=tier) as engine:
                 losses = [engine.step(micro, lr=3e-3).loss for micro in batches]
                 engine.drain(with_state=True)
@@ -240,17 +216,15 @@ def test_activations_on_a_tier_are_bit_identical(accum: int) -> None:
 
     cfg = ToyConfig(num_layers=5)
     model = ToyModel(cfg)
-    init = _init(model, seed=17)
-    batches = _batches(cfg, steps=3, accum=accum, seed=2)
+    init = toy_init(model, seed=17)
+    batches = toy_batches(cfg, steps=3, accum=accum, seed=2)
     adam = AdamWConfig(weight_decay=0.1)
     config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024)
 
     def run(tier=None):
         with CPUDevice() as device:
             host = HostParameters(model, device.alloc_pinned)
-            for unit in model.units:
-                for name, view in host.views(unit).items():
-                    view.copy_(init[unit.name][name])
+            load_init(host, init)
             with Engine(model, device, host, TorchAdamW(adam), config, activation_tier=tier) as engine:
                 losses = [engine.step(micro, lr=3e-3).loss for micro in batches]
             return losses, host.slab.clone()
@@ -270,8 +244,8 @@ def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:
 
     cfg = ToyConfig(tie_embeddings=True, num_layers=4)
     model = ToyModel(cfg)
-    init = _init(model, seed=23)
-    batches = _batches(cfg, steps=2, accum=1, seed=4)
+    init = toy_init(model, seed=23)
+    batches = toy_batches(cfg, steps=2, accum=1, seed=4)
     config = EngineConfig(
         compute_dtype=torch.float32,
         transfer_chunk_numel=1024,
@@ -280,9 +254,7 @@ def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:
     )
     with CPUDevice() as device, HostRamTier() as tier:
         host = HostParameters(model, device.alloc_pinned)
-        for unit in model.units:
-            for name, view in host.views(unit).items():
-                view.copy_(init[unit.name][name])
+        load_init(host, init)
         with Engine(model, device, host, TorchAdamW(AdamWConfig(weight_decay=0.1)), config, state_tier=tier) as engine:
             for micro in batches:
                 engine.step(micro, lr=3e-3)
@@ -304,14 +276,12 @@ def test_resident_host_copies_are_released() -> None:
     ``close(keep_host_state=False)`` frees the host Adam state and still leaves current masters."""
     cfg = ToyConfig(vocab_size=4096, hidden_size=64, num_layers=2)  # a 1 MiB embedding: many whole pages
     model = ToyModel(cfg)
-    init = _init(model, seed=3)
-    batches = _batches(cfg, steps=3, accum=1, seed=5)
+    init = toy_init(model, seed=3)
+    batches = toy_batches(cfg, steps=3, accum=1, seed=5)
     config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=4096, resident_units=("embed",))
     with CPUDevice() as device:
         host = HostParameters(model)  # unpinned: the engine pins what it copies from and releases the rest
-        for unit in model.units:
-            for name, view in host.views(unit).items():
-                view.copy_(init[unit.name][name])
+        load_init(host, init)
         inside = slice(4096, -4096)  # whole pages, whatever the slab's alignment
         with Engine(model, device, host, TorchAdamW(AdamWConfig()), config) as engine:
             device_master = engine.residents.units["embed"].master

@@ -20,7 +20,7 @@ from slide_core import AdamWConfig, HostParameters, Optimizer
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig, EngineError, StepResult
 from slide_core.optim import TorchAdamW
-from slide_core.testing import ToyBlock, ToyConfig, ToyModel, reference_loss
+from slide_core.testing import ToyBlock, ToyConfig, ToyModel, load_init, reference_loss, toy_batches, toy_init
 
 RTOL = 1e-5
 LR = 3e-3
@@ -72,26 +72,6 @@ class _CountingAdamW(TorchAdamW):
         super().step(*args, **kwargs)
 
 
-def _batches(cfg: ToyConfig, steps: int, accum: int, seed: int = 0, batch: int = 2, seq: int = 12):
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        micro = []
-        for _ in range(accum):
-            ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator)
-            labels = ids.clone()
-            labels[0, : seq // 3] = -100
-            micro.append((ids, labels))
-        out.append(micro)
-    return out
-
-
-def _init(model: ToyModel, seed: int = 1):
-    init = {unit.name: {s.name: torch.empty(s.shape) for s in unit.layout} for unit in model.units}
-    model.init_(init, seed)
-    return init
-
-
 def _reference_run(model, init, batches, adam: AdamWConfig, max_norm: float, skip: frozenset[int] = frozenset()):
     """Plain autograd + clip_grad_norm_ + torch.optim.AdamW; steps in ``skip`` are never taken."""
     params = {unit: {name: torch.nn.Parameter(t.clone()) for name, t in views.items()} for unit, views in init.items()}
@@ -139,9 +119,7 @@ def _engine_run(
 ):
     with CPUDevice() as device:
         host = HostParameters(model, device.alloc_pinned)
-        for unit in model.units:
-            for name, view in host.views(unit).items():
-                view.copy_(init[unit.name][name])
+        load_init(host, init)
         results: list[StepResult] = []
         with Engine(model, device, host, optimizer or TorchAdamW(adam), config) as engine:
             for step, micro in enumerate(batches):
@@ -194,8 +172,8 @@ def test_clipping_matches_clip_grad_norm(case: str, regime: str) -> None:
     tied, accum, slots, resident = CASES[case]
     cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
     model = ToyModel(cfg)
-    init = _init(model, seed=11)
-    batches = _batches(cfg, steps=4, accum=accum, seed=3)
+    init = toy_init(model, seed=11)
+    batches = toy_batches(cfg, steps=4, accum=accum, seed=3)
     adam = AdamWConfig(weight_decay=0.1)
     if regime == "clips":
         max_norm = 0.05
@@ -244,8 +222,8 @@ def test_clipping_with_fused_adamw_scales_in_the_optimizer(case: str) -> None:
     tied, accum, slots, resident = CASES[case]
     cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
     model = ToyModel(cfg)
-    init = _init(model, seed=11)
-    batches = _batches(cfg, steps=3, accum=accum, seed=3)
+    init = toy_init(model, seed=11)
+    batches = toy_batches(cfg, steps=3, accum=accum, seed=3)
     adam = AdamWConfig(weight_decay=0.1)
     max_norm = 0.05
     ref_losses, ref_norms, ref_params, ref_state = _reference_run(model, init, batches, adam, max_norm)
@@ -281,8 +259,8 @@ def test_nan_step_is_skipped_exactly(case: str) -> None:
     tied, accum, slots, resident, max_norm = NAN_CASES[case]
     cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
     model = _PoisonableToy(cfg, poison_at=1)
-    init = _init(model, seed=5)
-    batches = _batches(cfg, steps=5, accum=accum, seed=8)
+    init = toy_init(model, seed=5)
+    batches = toy_batches(cfg, steps=5, accum=accum, seed=8)
     adam = AdamWConfig(weight_decay=0.1)
     bad = 2
     ref_losses, ref_norms, ref_params, ref_state = _reference_run(
@@ -331,8 +309,8 @@ def test_consecutive_nan_steps_raise() -> None:
     """Three skipped steps in a row stop training, with the weights of before the first of them."""
     cfg = ToyConfig(num_layers=3)
     model = _PoisonableToy(cfg)
-    init = _init(model, seed=2)
-    batches = _batches(cfg, steps=6, accum=1, seed=1)
+    init = toy_init(model, seed=2)
+    batches = toy_batches(cfg, steps=6, accum=1, seed=1)
     adam = AdamWConfig(weight_decay=0.1)
     _, _, ref_params, _ = _reference_run(model, init, batches[:1], adam, 0.05)
     config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=0.05, timeout_s=10)
@@ -341,9 +319,7 @@ def test_consecutive_nan_steps_raise() -> None:
     results: list[StepResult] = []
     with CPUDevice() as device:
         host = HostParameters(model, device.alloc_pinned)
-        for unit in model.units:
-            for name, view in host.views(unit).items():
-                view.copy_(init[unit.name][name])
+        load_init(host, init)
         with pytest.raises(EngineError) as caught, Engine(model, device, host, TorchAdamW(adam), config) as engine:
             for step, micro in enumerate(batches):
                 model.poison(step >= 1)
@@ -365,8 +341,8 @@ def test_nan_without_clipping_stops_with_a_message() -> None:
     """With clipping off nothing can be taken back: the engine detects the NaN and raises."""
     cfg = ToyConfig(num_layers=3)
     model = _PoisonableToy(cfg)
-    init = _init(model)
-    batches = _batches(cfg, steps=3, accum=1)
+    init = toy_init(model)
+    batches = toy_batches(cfg, steps=3, accum=1)
     config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, timeout_s=10)
     before = _engine_threads()
     with pytest.raises(EngineError) as caught:
@@ -392,8 +368,8 @@ def test_clipping_with_fused_adamw() -> None:
         pytest.skip("numba is not importable")
     cfg = ToyConfig(tie_embeddings=True, num_layers=2)
     model = ToyModel(cfg)
-    init = _init(model, seed=4)
-    batches = _batches(cfg, steps=3, accum=2, seed=6)
+    init = toy_init(model, seed=4)
+    batches = toy_batches(cfg, steps=3, accum=2, seed=6)
     adam = AdamWConfig(weight_decay=0.1)
     ref_losses, ref_norms, ref_params, ref_state = _reference_run(model, init, batches, adam, 0.05)
     config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=0.05)
@@ -410,8 +386,8 @@ def test_bf16_clipping_smoke() -> None:
     """bf16 gradients travel through the grad store and are scaled in fp32; the norm is close to fp32's."""
     cfg = ToyConfig(num_layers=2)
     model = ToyModel(cfg)
-    init = _init(model, seed=9)
-    batches = _batches(cfg, steps=3, accum=2, seed=2)
+    init = toy_init(model, seed=9)
+    batches = toy_batches(cfg, steps=3, accum=2, seed=2)
     _, ref_norms, _, _ = _reference_run(model, init, batches, AdamWConfig(), 0.05)
     config = EngineConfig(compute_dtype=torch.bfloat16, transfer_chunk_numel=1024, max_grad_norm=0.05)
     results, params, _, _ = _engine_run(model, init, batches, AdamWConfig(), config)
@@ -441,17 +417,15 @@ def test_clipping_that_does_not_trigger_does_not_wait(max_norm: float, waits: bo
     them, and the weights still match clip_grad_norm_ + AdamW."""
     cfg = ToyConfig(num_layers=3)
     model = ToyModel(cfg)
-    init = _init(model, seed=5)
-    batches = _batches(cfg, steps=3, accum=1, seed=8)
+    init = toy_init(model, seed=5)
+    batches = toy_batches(cfg, steps=3, accum=1, seed=8)
     adam = AdamWConfig(weight_decay=0.1)
     config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=max_norm)
     applied_after_step: list[int] = []
     optimizer = _SlowAdamW(adam)
     with CPUDevice() as device:
         host = HostParameters(model, device.alloc_pinned)
-        for unit in model.units:
-            for name, view in host.views(unit).items():
-                view.copy_(init[unit.name][name])
+        load_init(host, init)
         with Engine(model, device, host, optimizer, config) as engine:
             results = []
             for micro in batches:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from slide_core.host_params import HostParameters
 from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
 
-__all__ = ["ToyConfig", "ToyModel", "reference_loss"]
+__all__ = ["ToyConfig", "ToyModel", "load_init", "reference_loss", "toy_batches", "toy_init"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +130,35 @@ def reference_loss(
     for mine, theirs in model.head.borrowed.items():
         head_params[mine] = params[model.embedding.name][theirs]
     return model.head.forward(head_params, x, inputs)
+
+
+def toy_init(model: ToyModel, seed: int = 1) -> dict[str, dict[str, torch.Tensor]]:
+    """Fresh random weights for ``model`` (``init[unit_name][param_name]``), as ``ToyModel.init_`` makes them."""
+    init = {unit.name: {spec.name: torch.empty(spec.shape) for spec in unit.layout} for unit in model.units}
+    model.init_(init, seed)
+    return init
+
+
+def load_init(host: HostParameters, init: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    """Copy ``toy_init``'s weights into the host master."""
+    for unit in host.model.units:
+        for name, view in host.views(unit).items():
+            view.copy_(init[unit.name][name])
+
+
+def toy_batches(
+    cfg: ToyConfig, steps: int, accum: int, *, seed: int = 0, batch: int = 2, seq: int = 12
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``steps`` optimizer steps of ``accum`` micro-batches of random ids; each micro-batch masks the first
+    third of its first row (prompt-style), so token counts differ between micro-batches."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        micro = []
+        for _ in range(accum):
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator)
+            labels = ids.clone()
+            labels[0, : seq // 3] = -100
+            micro.append((ids, labels))
+        out.append(micro)
+    return out
