@@ -283,10 +283,6 @@ class UnitNorms:
         host.copy_(self.on_device[index], non_blocking=True)
         return host
 
-    def host_value(self, unit: Unit) -> float:
-        """The landed host copy (valid once the unit's first chunk was synchronized)."""
-        return float(self.on_host[self._index[unit.name]])
-
     def device_values(self, units: Sequence[Unit]) -> list[float]:
         """The device slots of ``units``. note: CPU-GPU sync point (once per step, residents only)."""
         if not units:

@@ -239,31 +239,22 @@ class GradientPath:
     def _finish_clipped_step(self, clip: ClipStep, number: int) -> tuple[float, bool]:
         """Main thread: form the step's global gradient norm, then keep, rescale or take back every
         speculative update. Returns ``(norm, skipped)``. See Note [Clip rollback ordering] in clipping.py."""
-        workers, cfg, norms = self.workers, self.config, self.norms
-        assert norms is not None
-        early = self._norm_before_updates()
-        if early is not None and math.isfinite(early) and clip_coefficient(early, cfg.max_grad_norm) >= 1.0:
-            # Nothing to correct: the speculative updates stand, and each unit is released as its own
-            # last chunk lands, without waiting for the rest (see Note [Early clipping decision]).
-            self._nonfinite_streak = 0
-            clip.keep(self.updates.updated, self.residents)
-            return early, False
+        workers, cfg = self.workers, self.config
+        if not any(self._summed_on_host(unit) for unit in self.model.units):
+            early = math.sqrt(math.fsum(self._final_squares(clip).values()))
+            if math.isfinite(early) and clip_coefficient(early, cfg.max_grad_norm) >= 1.0:
+                # Nothing to correct: the speculative updates stand, and each unit is released as its own
+                # last chunk lands, without waiting for the rest (see Note [Early clipping decision]).
+                self._nonfinite_streak = 0
+                clip.keep(self.updates.updated, self.residents)
+                return early, False
         if self._last_d2h is not None:
             workers.wait(self._last_d2h, "the gradient transfers of the step")
         # After every update job of this step (see Note [Optimizer priority] in workers.py).
         barrier = workers["optimizer"].submit(_barrier, priority=(self.step_count, 1))
         workers.wait(barrier, "the speculative updates of the step")
-        residents = [unit for unit in self.model.units if unit.name in self.residents]
-        resident_squares = norms.device_values(residents)
-        squares = list(resident_squares)
-        for unit in self.model.units:
-            if unit.name in self.residents:
-                continue
-            if self._expected[unit.name] == 1:
-                squares.append(norms.host_value(unit))
-            else:
-                squares.append(clip.host_sq.get(unit.name, math.nan))
-        norm = math.sqrt(math.fsum(squares))
+        squares = self._final_squares(clip)
+        norm = math.sqrt(math.fsum(squares.values()))
         if clip.nonfinite_unit is not None:
             norm = norm if not math.isfinite(norm) else math.nan
         updated = self.updates.updated
@@ -271,9 +262,7 @@ class GradientPath:
             self._correct_all(clip, Correction("undo"), updated, number)
             self.step_count = number - 1
             self._nonfinite_streak += 1
-            bad = [
-                unit.name for unit, value in zip(residents, resident_squares, strict=True) if not math.isfinite(value)
-            ]
+            bad = [name for name in self.residents.units if not math.isfinite(squares[name])]
             where = clip.nonfinite_unit or ", ".join(bad) or "the total (its square overflowed fp32)"
             log.warning("step %d skipped: gradient norm %s (non-finite gradients in %s)", number, norm, where)
             if self._nonfinite_streak >= cfg.max_consecutive_nonfinite:
@@ -294,20 +283,20 @@ class GradientPath:
                 future.set_result(None)
         return norm, False
 
-    def _norm_before_updates(self) -> float | None:
-        """The step's global gradient norm from the device's per-unit squared norms alone, or None when a
-        host unit's final gradient is only summed on the host (gradient accumulation, a tied embedding
-        updated on the host). Summed as :meth:`_finish_clipped_step` sums them, so both decide alike.
-        note: CPU-GPU sync point (once per step; the compute stream only, not the transfers)."""
-        units = self.model.units
-        if any(self._expected[u.name] > 1 and u.name not in self.residents for u in units):
-            return None
+    def _summed_on_host(self, unit: Unit) -> bool:
+        """Whether the unit's final gradient exists only on the host (several contributions summed in its
+        fp32 accumulator): its squared norm is then summed there, not on the device."""
+        return self._expected[unit.name] > 1 and unit.name not in self.residents
+
+    def _final_squares(self, clip: ClipStep) -> dict[str, float]:
+        """Each unit's squared final-gradient norm: its device slot, or ``clip.host_sq`` for a unit summed
+        on the host (complete once the step's updates are). note: CPU-GPU sync point (compute stream)."""
         assert self.norms is not None
-        self.device.record_event("compute").synchronize()
-        values = dict(zip((u.name for u in units), self.norms.on_device.tolist(), strict=True))
-        squares = [values[u.name] for u in units if u.name in self.residents]
-        squares += [values[u.name] for u in units if u.name not in self.residents]
-        return math.sqrt(math.fsum(squares))
+        on_device = self.norms.on_device.tolist()
+        return {
+            unit.name: clip.host_sq.get(unit.name, math.nan) if self._summed_on_host(unit) else value
+            for unit, value in zip(self.model.units, on_device, strict=True)
+        }
 
     def _correct_all(self, clip: ClipStep, correction: Correction, updated: dict[str, Future[None]], step: int) -> None:
         """Correct every unit's speculative update, in forward order: the next step loads the embedding
