@@ -40,25 +40,35 @@ def _runs_fused(x: torch.Tensor) -> bool:
     return use_triton(x)
 
 
-def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    if not _runs_fused(hidden_states):
-        return type(self).forward(self, hidden_states)
-    from slide_kernels import rms_norm
+def _fused_rms_norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The norm's ``forward``, with its family's parametrization read once here, not per call."""
+    hf_forward = type(module).forward
+    gemma = type(module).__name__.startswith("Gemma")  # ``(1 + w) * x``, rounded as HF's Gemma norms
+    offset, casting_mode = (1.0, "gemma") if gemma else (0.0, "llama")
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
 
-    gemma = type(self).__name__.startswith("Gemma")
-    eps = getattr(self, "variance_epsilon", None)
-    if eps is None:
-        eps = self.eps
-    return rms_norm(hidden_states, self.weight, eps, 1.0 if gemma else 0.0, casting_mode="gemma" if gemma else "llama")
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        if not _runs_fused(hidden_states):
+            return hf_forward(module, hidden_states)
+        from slide_kernels import rms_norm
+
+        return rms_norm(hidden_states, module.weight, eps, offset, casting_mode=casting_mode)
+
+    return forward
 
 
-def _gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if not _runs_fused(x):
-        return type(self).forward(self, x)
-    import slide_kernels
+def _fused_gated_mlp(module: nn.Module, glu: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP's ``forward`` with ``act_fn(gate) * up`` as one slide-kernels op (``swiglu``/``geglu``)."""
+    hf_forward = type(module).forward
 
-    glu = getattr(slide_kernels, self._slide_glu)
-    return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _runs_fused(x):
+            return hf_forward(module, x)
+        import slide_kernels
+
+        return module.down_proj(getattr(slide_kernels, glu)(module.gate_proj(x), module.up_proj(x)))
+
+    return forward
 
 
 def _fused_rotary(hf_rotary: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,11 +129,10 @@ def fuse_modules(root: nn.Module, config: Any) -> list[str]:
     rebound = []
     for name, module in root.named_modules():
         if _is_rms_norm(module):
-            module.forward = types.MethodType(_rms_norm_forward, module)
+            module.forward = _fused_rms_norm(module)
             rebound.append(name)
         elif glu is not None and _is_gated_mlp(module, str(activation)):
-            module._slide_glu = glu
-            module.forward = types.MethodType(_gated_mlp_forward, module)
+            module.forward = _fused_gated_mlp(module, glu)
             rebound.append(name)
         elif type(module).__name__.endswith("Attention") and (forward := _rotary_forward(module)) is not None:
             module.forward = types.MethodType(forward, module)
