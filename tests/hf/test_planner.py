@@ -78,7 +78,7 @@ def test_host_breakdown_formulas(tied, accum):
     assert host["optimizer_state"] == 8 * n
     expected_accum = n if accum > 1 else (shape.embedding_numel if tied else 0)
     assert host["grad_accumulators"] == 4 * expected_accum
-    ring_chunks = max(4, math.ceil(0.25 * n / 4096))  # EngineConfig.ring_slots: a quarter of the model
+    ring_chunks = max(4, math.ceil(EngineConfig().grad_ring_fraction * n / 4096))  # EngineConfig.ring_slots
     assert host["grad_ring"] == ring_chunks * 4096 * 2
     assert host["activation_stash"] == 4 * 3 * 100 * 512 * 2
     assert host["optimizer_scratch"] == 4096 * 4

@@ -24,8 +24,11 @@ class EngineConfig:
       (at least this many).
     - ``grad_ring_fraction``: ...or enough chunks for this fraction of the host-updated parameters, if
       more. The ring holds the backlog the optimizer carries from one backward into the next forward
-      (see Note [Optimizer priority] in workers.py): about T_fwd / T_update of the model, 0.2-0.25 on
-      the H200 machine. 0 keeps the ring at ``grad_ring_slots``.
+      (see Note [Optimizer priority] in workers.py). A ring smaller than that backlog stalls the
+      backward on free chunks, and the CPU then idles through the next forward. When the host update
+      is the slower side the backlog is about ``1 - T_backward / T_update`` of the model: half on the
+      H200 machine (3B: 16.5 ms backward, 33 ms update per block). It costs one compute-dtype element
+      per ring parameter (1 byte/param in bf16 at 0.5). 0 keeps the ring at ``grad_ring_slots``.
     - ``timeout_s``: the longest any single wait may block before the engine gives up with an error.
     - ``resident_units``: names of units whose master and optimizer state live on the device (see
       resident.py); they skip PCIe and the host optimizer entirely.
@@ -45,7 +48,7 @@ class EngineConfig:
     compute_dtype: torch.dtype = torch.bfloat16
     transfer_chunk_numel: int = 16 * 1024 * 1024
     grad_ring_slots: int = 4
-    grad_ring_fraction: float = 0.25
+    grad_ring_fraction: float = 0.5
     timeout_s: float = 600.0
     record_timings: bool = True
     resident_units: tuple[str, ...] = ()
