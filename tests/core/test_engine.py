@@ -272,7 +272,8 @@ def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:
 
 def test_resident_host_copies_are_released() -> None:
     """Note [Resident host copies]: with an unpinned slab, a resident unit's host range is given back
-    after the engine copies it to the device, refreshed by a drain, given back again at the next step;
+    after the engine copies it to the device, refreshed by a drain (not by ``wait_idle``), given back
+    again at the next step;
     ``close(keep_host_state=False)`` frees the host Adam state and still leaves current masters."""
     cfg = ToyConfig(vocab_size=4096, hidden_size=64, num_layers=2)  # a 1 MiB embedding: many whole pages
     model = ToyModel(cfg)
@@ -292,6 +293,9 @@ def test_resident_host_copies_are_released() -> None:
             engine.drain()
             assert torch.equal(host.flat("embed"), device_master)
             engine.step(batches[1], lr=1e-3)
+            assert not host.flat("embed")[inside].any()
+            engine.wait_idle()  # the whole step is applied, nothing comes back to the host
+            assert all(future.done() for future in engine.updates.updated.values())
             assert not host.flat("embed")[inside].any()
             engine.step(batches[2], lr=1e-3)
             engine.close(keep_host_state=False)

@@ -190,13 +190,13 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
             for index, micro in enumerate(batches):
                 traced = cfg.trace_dir is not None and index == len(batches) - 1
                 if traced:
-                    engine.drain()
+                    engine.wait_idle()
                     engine.timeline.begin_trace(device.record_event("compute", timing=True))
                 device.synchronize()
                 start = time.perf_counter()
                 result = engine.step(micro, lr=1e-5)
                 if traced:
-                    engine.drain()
+                    engine.wait_idle()
                 times.append(time.perf_counter() - start)
                 losses.append(result.loss)
                 norms.append(result.grad_norm)
@@ -207,6 +207,8 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
                     for name, t in taken.items():
                         per_unit.setdefault(name, []).append(dict(t.ms))
             gpu_peak = device.peak_memory_bytes()
+            # As `slide train` ends: the host optimizer state goes before the resident masters come back.
+            engine.close(keep_host_state=False)
     steady = times[cfg.warmup :] or times
     step_s = statistics.median(steady)
     tokens = cfg.batch_size * cfg.seq_len

@@ -285,6 +285,14 @@ class Engine(GradientPath):
         self._resident_host_current = True  # until the next step (Note [Resident host copies])
         self.timeline.resolve(block=True)
 
+    def wait_idle(self) -> None:
+        """Wait until every pending update is applied and the device is idle, copying nothing back: a
+        step timed after this starts from an empty pipeline, and device-resident masters stay where they
+        train (``drain`` would bring their host pages back, see Note [Resident host copies])."""
+        self._wait_for_updates()
+        self.device.synchronize()
+        self.timeline.resolve(block=True)
+
     def _wait_for_updates(self) -> None:
         workers = self.workers
         for name, future in self.updates.updated.items():
