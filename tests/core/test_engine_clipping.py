@@ -255,7 +255,9 @@ NAN_CASES = {
 @pytest.mark.parametrize("case", list(NAN_CASES))
 def test_nan_step_is_skipped_exactly(case: str) -> None:
     """NaN gradients in layers.1 and everything before it (Note [Speculative non-finite guard]): head and
-    layers.2 were already updated speculatively and are taken back; the step counter does not advance."""
+    layers.2 were already updated speculatively and are taken back, or, in a step deferred after a clipped
+    one, their held gradients are dropped (resident units are still taken back); the step counter does
+    not advance."""
     tied, accum, slots, resident, max_norm = NAN_CASES[case]
     cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
     model = _PoisonableToy(cfg, poison_at=1)
@@ -281,7 +283,12 @@ def test_nan_step_is_skipped_exactly(case: str) -> None:
         model.poison(step == bad)
 
     results, params, state, step_count = _engine_run(model, init, batches, adam, config, before_step, optimizer)
-    assert calls[bad + 1] > calls[bad], "the bad step applied no speculative update: nothing was rolled back"
+    per_step = calls[1]  # host ranges one step applies: the first step speculates, and returns when they are
+    taken = len(batches) - 1
+    if ref_norms[bad - 1] > max_norm:  # the step before clipped: this one deferred (Note [Deferred clipped steps])
+        assert optimizer.calls == per_step * taken, "a deferred step applied host updates before its norm was known"
+    else:
+        assert optimizer.calls > per_step * taken, "the bad step applied no speculative update: nothing was rolled back"
     assert [r.skipped for r in results] == [step == bad for step in range(len(batches))]
     assert results[bad].grad_norm is not None and not math.isfinite(results[bad].grad_norm)
     assert [r.step for r in results] == [1, 2, 3, 3, 4]
@@ -413,7 +420,7 @@ class _SlowAdamW(TorchAdamW):
 @pytest.mark.parametrize(("max_norm", "waits"), [(1e6, False), (0.05, True)])
 def test_clipping_that_does_not_trigger_does_not_wait(max_norm: float, waits: bool) -> None:
     """Note [Early clipping decision]: a step that does not clip returns before its host updates are done
-    (they overlap the next forward, as with clipping off); a step that clips waits for them, corrects
+    (they overlap the next forward, as with clipping off); a first step that clips waits for them, corrects
     them, and the weights still match clip_grad_norm_ + AdamW."""
     cfg = ToyConfig(num_layers=3)
     model = ToyModel(cfg)
@@ -438,11 +445,59 @@ def test_clipping_that_does_not_trigger_does_not_wait(max_norm: float, waits: bo
             for unit in model.units
         }
     per_step = optimizer.calls // len(batches)  # every step updates the same ranges
-    if waits:
-        assert applied_after_step == [per_step * (k + 1) for k in range(len(batches))]
+    if waits:  # the first step speculates and is judged once all of it is applied; later ones defer (below)
+        assert applied_after_step[0] == per_step, applied_after_step
     else:
         assert applied_after_step[0] < per_step, applied_after_step
     ref_losses, ref_norms, ref_params, ref_state = _reference_run(model, init, batches, adam, max_norm)
+    for step, result in enumerate(results):
+        assert result.loss == pytest.approx(ref_losses[step], rel=RTOL)
+        assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL)
+    _assert_weights_and_state(params, state, ref_params, ref_state, engine.step_count)
+
+
+def test_clipped_steps_defer_the_next_steps_updates() -> None:
+    """Note [Deferred clipped steps]: after a step that clipped, host updates wait for the norm instead of
+    speculating. Only the first step is corrected; every later one applies each range once, with the
+    final coefficient, and returns before those updates are done; the run equals clip_grad_norm_ + AdamW."""
+    cfg = ToyConfig(num_layers=3)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=5)
+    batches = toy_batches(cfg, steps=4, accum=1, seed=8)
+    adam = AdamWConfig(weight_decay=0.1)
+    max_norm = 0.05
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=max_norm)
+    optimizer = _SlowAdamW(adam)
+    corrected: list[str] = []
+    applied_after_step: list[int] = []
+    with CPUDevice() as device:
+        host = HostParameters(model, device.alloc_pinned)
+        load_init(host, init)
+        with Engine(model, device, host, optimizer, config) as engine:
+            correct = engine.updates.correct
+
+            def counting_correct(unit, *args):
+                corrected.append(unit.name)
+                return correct(unit, *args)
+
+            engine.updates.correct = counting_correct
+            results = []
+            for micro in batches:
+                results.append(engine.step(micro, lr=LR))
+                applied_after_step.append(optimizer.calls)
+            engine.drain()
+        params = {unit.name: host.views(unit) for unit in model.units}
+        state = {
+            unit.name: {name: unit.layout.views(flat) for name, flat in engine.updates.state_views(unit).items()}
+            for unit in model.units
+        }
+    assert sorted(corrected) == sorted(unit.name for unit in model.units), "only the first step is corrected"
+    per_step = optimizer.calls // len(batches)
+    assert optimizer.calls == per_step * len(batches)  # one optimizer pass per range and step, no redo
+    assert applied_after_step[0] == per_step  # speculated: judged after all of it was applied
+    assert applied_after_step[1] < 2 * per_step, applied_after_step  # deferred: overlaps what follows
+    ref_losses, ref_norms, ref_params, ref_state = _reference_run(model, init, batches, adam, max_norm)
+    assert all(norm > max_norm for norm in ref_norms.values()), "test setup: every step must clip"
     for step, result in enumerate(results):
         assert result.loss == pytest.approx(ref_losses[step], rel=RTOL)
         assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL)

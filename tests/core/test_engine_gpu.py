@@ -34,6 +34,7 @@ def _engine_losses(
     resident: tuple[str, ...] = (),
     *,
     pinned_slab: bool = True,
+    max_grad_norm: float = 0.0,
 ) -> list[float]:
     """``pinned_slab=False``: the slab `slide train` uses, which the engine pins in part and whose resident
     ranges it gives back (Note [Resident host copies])."""
@@ -45,13 +46,22 @@ def _engine_losses(
         for unit in model.units:
             for name, view in host.views(unit).items():
                 view.copy_(init[unit.name][name])
-        config = EngineConfig(block_slots=2, compute_dtype=dtype, transfer_chunk_numel=4096, resident_units=resident)
+        config = EngineConfig(
+            block_slots=2,
+            compute_dtype=dtype,
+            transfer_chunk_numel=4096,
+            resident_units=resident,
+            max_grad_norm=max_grad_norm,
+        )
         with Engine(model, device, host, TorchAdamW(AdamWConfig(weight_decay=0.01)), config) as engine:
             return [engine.step(micro, lr).loss for micro in batches]
 
 
-def _plain_losses(cfg: ToyConfig, init, batches, dtype: torch.dtype, lr: float, device: str) -> list[float]:
-    """Plain PyTorch: fp32 master parameters, compute on bf16 copies, torch AdamW on the masters."""
+def _plain_losses(
+    cfg: ToyConfig, init, batches, dtype: torch.dtype, lr: float, device: str, max_grad_norm: float = 0.0
+) -> list[float]:
+    """Plain PyTorch: fp32 master parameters, compute on bf16 copies, torch AdamW on the masters (after
+    ``clip_grad_norm_`` when ``max_grad_norm`` is set: every step must clip)."""
     model = ToyModel(cfg)
     master = {u: {n: torch.nn.Parameter(t.clone().to(device)) for n, t in v.items()} for u, v in init.items()}
     flat = [p for v in master.values() for p in v.values()]
@@ -70,6 +80,11 @@ def _plain_losses(cfg: ToyConfig, init, batches, dtype: torch.dtype, lr: float, 
         tokens = int((labels[:, 1:] != -100).sum())
         (loss_sum / tokens).backward()
         losses.append(loss_sum.item() / tokens)
+        if max_grad_norm:
+            grads = [p.grad for p in flat]
+            total = torch.nn.utils.get_total_norm(grads)
+            assert total > max_grad_norm, "test setup: every step must clip"
+            torch.nn.utils.clip_grads_with_norm_(flat, max_grad_norm, total)
         optimizer.step()
         optimizer.zero_grad()
     return losses
@@ -105,3 +120,23 @@ def test_bf16_on_gpu_tracks_plain_bf16(resident: tuple[str, ...], pinned_slab: b
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a == pytest.approx(b, rel=3e-2), f"step {step + 1}: engine {a:.4f} vs plain {b:.4f}"
     assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clipping_on_gpu_tracks_plain(dtype: torch.dtype) -> None:
+    """Global clipping that triggers every step: the first step speculates and is corrected, the later
+    ones defer (Note [Deferred clipped steps]); fp32 equals the CPU reference, bf16 tracks plain bf16."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = ToyConfig(vocab_size=512, hidden_size=256, num_heads=8, intermediate_size=688, num_layers=6)
+    init = _init(cfg)
+    batches = _batches(cfg, 8)
+    resident = ("embed", "layers.2")
+    got = _engine_losses(cfg, init, batches, dtype, 1e-3, resident, max_grad_norm=0.05)
+    if dtype == torch.float32:
+        want = _plain_losses(cfg, init, batches, dtype, 1e-3, "cpu", max_grad_norm=0.05)
+        assert got == pytest.approx(want, rel=1e-4)
+    else:
+        want = _plain_losses(cfg, init, batches, dtype, 1e-3, "cuda", max_grad_norm=0.05)
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert a == pytest.approx(b, rel=3e-2), f"step {step + 1}: engine {a:.4f} vs plain {b:.4f}"
+        assert got[-1] < got[0]

@@ -35,9 +35,10 @@ and the kept gradient) per step, partly overlapped with the next step's forward.
 themselves cost what unclipped ones do on the host: the optimizer applies ``c_u * g`` through
 ``Optimizer.step``'s ``grad_scale``, which ``FusedAdamW`` multiplies in registers (26 B/param with bf16
 grads, not the ~42 of scaling into an fp32 scratch first); resident units still scale into a device scratch
-(:class:`ScaledGrads`). Either way ``step`` returns once the step's host updates are done (it must report
-the norm); the next step's first load, the embedding, waited for its update anyway, so only a
-device-resident embedding loses a little overlap. Memory: the store replaces the gradient ring, one
+(:class:`ScaledGrads`). A step that clips returns once its speculative host updates are done (it must
+report the norm); the next step's first load, the embedding, waited for its update anyway, so only a
+device-resident embedding loses a little overlap. The step after it defers instead (Note [Deferred
+clipped steps]). Memory: the store replaces the gradient ring, one
 compute-dtype element per host-updated param.
 
 Undo arithmetic (decoupled AdamW, ``s = lr / (1 - beta1^t)``, ``d = sqrt(v) / sqrt(1 - beta2^t) + eps``,
@@ -66,6 +67,23 @@ optimizer thread at the unit's last chunk (:meth:`ClipStep.finish`) or the main 
 host updates with the next forward, exactly as with clipping off. A step that clips, or is not finite,
 or has host-summed gradients, takes the path below. Tested by
 ``test_clipping_that_does_not_trigger_does_not_wait``.
+
+Note [Deferred clipped steps]: when clipping triggers, the speculation above pays for every host update
+twice (the speculative pass during backward, the correction after it), and on a machine where the host
+update is the slower side that second pass is all exposed: the 3B preset at 12 GiB ran at 53% of its
+unclipped speed on the H200. Clipping tends to persist from one step to the next (early training, loss
+spikes, a max_norm below the typical norm), so after a step that clipped the engine *defers* instead
+of speculating (``ClipStep.deferred``): each host chunk that lands is only held (``ClipStep.held``,
+nothing applied), and once the norm is known the main thread queues one update per host unit with the
+final coefficient as ``grad_scale``, in forward order, so the next forward's loads wait only for the
+units they need and the host update overlaps that forward. One pass per parameter, but none during the
+backward: the better bet when the step is going to clip. Device-resident units still speculate (their
+correction is a device pass). A deferred step that turns out not to clip applies the held gradients
+with coefficient 1, which is exactly the unclipped update; only overlap is lost. Units whose state is
+on NVMe read it ahead in forward order then (state_offload.py). The held
+ranges obey the same ordering as corrections (Note [Clip rollback ordering]): the deferred update job
+resolves the unit's 'updated' future. Tested by ``test_clipped_steps_defer_the_next_steps_updates`` and
+by every ``clips`` and ``mixed`` case of ``test_clipping_matches_clip_grad_norm``.
 
 Note [Clip rollback ordering]: a unit's ``updated`` future of the step (Note [Update futures]) is resolved
 by the main thread's decision or, when the unit needs a correction, by the correction job; never at the
@@ -156,9 +174,10 @@ class ScaledGrads:
 
 @dataclass(frozen=True)
 class Correction:
-    """What to do to the step's speculative updates: take them back, or rescale them to ``coeff``."""
+    """What to do to the step's speculative updates: take them back, rescale them to ``coeff``, or keep
+    them; held (deferred) updates are then dropped, applied with ``coeff``, or applied unscaled."""
 
-    kind: Literal["undo", "rescale"]
+    kind: Literal["undo", "rescale", "keep"]
     coeff: float = 1.0
 
 
@@ -190,6 +209,10 @@ class ClipStep:
     pending: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """Accumulated host units: the summed ranges waiting for the unit's last chunk."""
     applied: dict[str, list[AppliedRange]] = field(default_factory=dict)
+    deferred: bool = False
+    """Host updates wait for the step's norm instead of speculating (Note [Deferred clipped steps])."""
+    held: dict[str, list[AppliedRange]] = field(default_factory=dict)
+    """Deferred steps: each host unit's landed ranges, not applied yet (``coeff`` is unused)."""
     nonfinite_unit: str | None = None
     """The first unit found with a non-finite gradient (see Note [Speculative non-finite guard])."""
     kept: bool = False
@@ -234,6 +257,9 @@ class ClipStep:
 
     def record(self, name: str, applied: AppliedRange) -> None:
         self.applied.setdefault(name, []).append(applied)
+
+    def hold(self, name: str, held: AppliedRange) -> None:
+        self.held.setdefault(name, []).append(held)
 
 
 class UnitNorms:

@@ -34,7 +34,8 @@ class EngineConfig:
       resident.py); they skip PCIe and the host optimizer entirely.
     - ``max_grad_norm``: global gradient-norm clipping, exactly ``torch.nn.utils.clip_grad_norm_`` over
       every parameter's final gradient of the step; 0 turns it off. Updates stay overlapped with
-      backward through speculation and rollback (see clipping.py). With it on, the host gradients of a
+      backward through speculation and rollback; after a step that clipped, host updates wait for the
+      norm and overlap the next forward instead (see clipping.py). With it on, the host gradients of a
       step are kept in a full-model pinned store instead of ``grad_ring_slots`` ring chunks: one
       compute-dtype element per host-updated parameter (2 bytes/param in bf16).
     - ``skip_nonfinite``: with clipping on, a step whose gradient norm is NaN or Inf is skipped exactly

@@ -18,6 +18,7 @@ gradients into the ring), ``optimizer`` (applies chunks). See Note [Worker failu
 With ``max_grad_norm > 0`` those updates are speculative (each unit clipped by its own norm only) and
 gradients land in a full-model store instead of the ring; at the end of the step the main thread forms the
 global norm and, when it clips or is not finite, has every update corrected or taken back (clipping.py).
+After a step that clipped, the host updates wait for the norm instead (Note [Deferred clipped steps]).
 Per-unit squared gradient norms are computed on the device whenever ``skip_nonfinite`` or clipping is on.
 
 Note [Resident host copies]: a device-resident unit's master is updated on the GPU, so its range of the
@@ -157,6 +158,7 @@ class Engine(GradientPath):
         self._resident_host_current = False
         self._closed = False
         self._nonfinite_streak = 0
+        self._defer_next = False  # see Note [Deferred clipped steps] in clipping.py
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def __enter__(self) -> Engine:
@@ -336,7 +338,9 @@ class Engine(GradientPath):
         self._contributions: dict[str, int] = {unit.name: 0 for unit in self.model.units}
         self._expected = self._expected_contributions(len(micro_batches))
         self._lr = lr
-        self._clip = ClipStep(self.config.max_grad_norm, self.config.skip_nonfinite) if self.clipping else None
+        self._clip = None
+        if self.clipping:
+            self._clip = ClipStep(self.config.max_grad_norm, self.config.skip_nonfinite, deferred=self._defer_next)
         self._last_d2h = None
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         position = 0

@@ -240,7 +240,8 @@ class GradientPath:
         """Main thread: form the step's global gradient norm, then keep, rescale or take back every
         speculative update. Returns ``(norm, skipped)``. See Note [Clip rollback ordering] in clipping.py."""
         workers, cfg = self.workers, self.config
-        if not any(self._summed_on_host(unit) for unit in self.model.units):
+        host_summed = any(self._summed_on_host(unit) for unit in self.model.units)
+        if not host_summed and not clip.deferred:
             early = math.sqrt(math.fsum(self._final_squares(clip).values()))
             if math.isfinite(early) and clip_coefficient(early, cfg.max_grad_norm) >= 1.0:
                 # Nothing to correct: the speculative updates stand, and each unit is released as its own
@@ -250,15 +251,17 @@ class GradientPath:
                 return early, False
         if self._last_d2h is not None:
             workers.wait(self._last_d2h, "the gradient transfers of the step")
-        # After every update job of this step (see Note [Optimizer priority] in workers.py).
+        # After every update job of this step (see Note [Optimizer priority] in workers.py): a deferred
+        # step's jobs only hold their chunks, so this waits for little more than the last of them.
         barrier = workers["optimizer"].submit(_barrier, priority=(self.step_count, 1))
-        workers.wait(barrier, "the speculative updates of the step")
+        workers.wait(barrier, "the gradient chunks of the step")
         squares = self._final_squares(clip)
         norm = math.sqrt(math.fsum(squares.values()))
         if clip.nonfinite_unit is not None:
             norm = norm if not math.isfinite(norm) else math.nan
         updated = self.updates.updated
         if not math.isfinite(norm) and cfg.skip_nonfinite:
+            self._defer_next = False
             self._correct_all(clip, Correction("undo"), updated, number)
             self.step_count = number - 1
             self._nonfinite_streak += 1
@@ -276,11 +279,10 @@ class GradientPath:
             return norm, True
         self._nonfinite_streak = 0
         coeff = clip_coefficient(norm, cfg.max_grad_norm)
-        if math.isfinite(norm) and coeff < 1.0:
-            self._correct_all(clip, Correction("rescale", coeff), updated, number)
-        else:
-            for future in updated.values():
-                future.set_result(None)
+        clipped = math.isfinite(norm) and coeff < 1.0
+        # See Note [Deferred clipped steps]: a step that clipped bets that the next one will too.
+        self._defer_next = clipped
+        self._correct_all(clip, Correction("rescale", coeff) if clipped else Correction("keep"), updated, number)
         return norm, False
 
     def _summed_on_host(self, unit: Unit) -> bool:
@@ -299,10 +301,13 @@ class GradientPath:
         }
 
     def _correct_all(self, clip: ClipStep, correction: Correction, updated: dict[str, Future[None]], step: int) -> None:
-        """Correct every unit's speculative update, in forward order: the next step loads the embedding
-        first, so its correction is released first."""
+        """Correct every unit's speculative update, or apply its held one (a deferred step), in forward
+        order: the next step loads the embedding first, so its update is released first."""
         for unit in self.model.units:
             name = unit.name
+            if correction.kind == "keep" and not clip.held.get(name):
+                updated[name].set_result(None)
+                continue
             if name in self.residents:
                 resident = self.residents.units[name]
                 summed_in_accum = self._expected[name] > 1 and not self._sums_in_slot(unit)
@@ -315,8 +320,14 @@ class GradientPath:
                 self._span(unit, "update", start)
                 updated[name].set_result(None)
                 continue
+            held = clip.held.get(name)
             ranges = clip.applied.get(name)
-            if ranges:
+            if held and correction.kind != "undo":
+                coeff = correction.coeff if correction.kind == "rescale" else 1.0
+                self.workers["optimizer"].submit(
+                    self.updates.apply_held, unit, held, coeff, self._lr, step, updated[name], priority=(step, 1)
+                )
+            elif ranges:
                 self.workers["optimizer"].submit(
                     self.updates.correct, unit, ranges, correction, self._lr, step, updated[name], priority=(step, 1)
                 )

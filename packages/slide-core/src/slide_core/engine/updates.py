@@ -83,9 +83,11 @@ class UnitUpdates:
         self.offloaded = offloaded
         elsewhere = set(device_resident) | (set(offloaded.units) if offloaded is not None else set())
         self.host_state_valid = {unit.name: unit.name not in elsewhere for unit in model.units}
-        # Backward order of the offloaded units: the order their updates come in, for read-ahead.
-        order = [u.name for u in reversed(model.units) if offloaded is not None and u.name in offloaded]
-        self._next_offloaded = dict(itertools.pairwise(order))
+        # The order offloaded units' updates come in, for read-ahead: backward order as gradients land,
+        # forward order for a deferred step's updates (Note [Deferred clipped steps] in clipping.py).
+        order = [u.name for u in model.units if offloaded is not None and u.name in offloaded]
+        self._next_offloaded = dict(itertools.pairwise(reversed(order)))
+        self._next_offloaded_forward = dict(itertools.pairwise(order))
         # Zeroed by ``zero_fresh_state`` when the engine starts, not here: the engine first gives back
         # the host pages of device-resident masters, so the two never add up in the peak.
         self._fresh = [unit for unit in model.units if unit.name not in elsewhere]
@@ -142,7 +144,7 @@ class UnitUpdates:
             self._first_chunk(chunk, float(chunk.norm_sq))
         if chunk.mode == "step":
             if clip is None:
-                self._step(unit, start, end, grad, chunk)
+                self._step(unit, start, end, grad, chunk.lr, chunk.step)
             else:
                 self._speculate(chunk, start, end, grad, clip.coeffs.get(unit.name, 1.0))
         else:
@@ -153,19 +155,16 @@ class UnitUpdates:
                 accum.add_(grad)
                 if chunk.mode == "add_step":
                     if clip is None:
-                        self._step(unit, start, end, accum, chunk)
+                        self._step(unit, start, end, accum, chunk.lr, chunk.step)
                     else:
                         self._speculate_accumulated(chunk, accum)
         self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
         final = chunk.last_chunk and chunk.mode in ("step", "add_step")
-        if final and self.offloaded is not None and unit.name in self.offloaded:
-            self.offloaded.release(unit.name)  # see Note [Staging reuse ordering] in state_offload.py
-            following = self._next_offloaded.get(unit.name)
-            if following is not None:
-                self.offloaded.prefetch(following)
+        if final and not (clip is not None and clip.deferred):
+            self._release_offloaded(unit, self._next_offloaded)
         if final and clip is None:
             chunk.updated.set_result(None)
-        elif final:
+        elif final and not clip.deferred:  # a deferred unit is released by its update (apply_held)
             clip.finish(unit.name, chunk.updated)  # see Note [Early clipping decision] in clipping.py
 
     def _first_chunk(self, chunk: GradChunk, norm_sq: float) -> None:
@@ -213,8 +212,33 @@ class UnitUpdates:
         assert clip is not None
         if clip.halted:
             return
-        self._step(unit, start, end, grad, chunk, grad_scale=coeff)
-        clip.record(unit.name, AppliedRange(start, end, grad, end <= unit.layout.decay_numel, coeff))
+        applied = AppliedRange(start, end, grad, end <= unit.layout.decay_numel, coeff)
+        if clip.deferred:  # see Note [Deferred clipped steps] in clipping.py
+            clip.hold(unit.name, applied)
+            return
+        self._step(unit, start, end, grad, chunk.lr, chunk.step, grad_scale=coeff)
+        clip.record(unit.name, applied)
+
+    def apply_held(
+        self, unit: Unit, held: list[AppliedRange], coeff: float, lr: float, step: int, updated: Future[None]
+    ) -> None:
+        """Optimizer thread: a deferred step's update of ``unit``, every held range scaled by the step's
+        final clipping coefficient; then release the unit's next load (Note [Deferred clipped steps])."""
+        began = time.perf_counter()
+        for applied in held:
+            self._step(unit, applied.start, applied.end, applied.grad, lr, step, grad_scale=coeff)
+        self._release_offloaded(unit, self._next_offloaded_forward)
+        self.timeline.host_span(unit.name, "update", (time.perf_counter() - began) * 1e3)
+        updated.set_result(None)
+
+    def _release_offloaded(self, unit: Unit, next_of: dict[str, str]) -> None:
+        """After a unit's update: write its offloaded state back and read ahead the next one's."""
+        if self.offloaded is None or unit.name not in self.offloaded:
+            return
+        self.offloaded.release(unit.name)  # see Note [Staging reuse ordering] in state_offload.py
+        following = next_of.get(unit.name)
+        if following is not None:
+            self.offloaded.prefetch(following)
 
     def correct(
         self,
@@ -242,15 +266,15 @@ class UnitUpdates:
         updated.set_result(None)
 
     def _step(
-        self, unit: Unit, start: int, end: int, grad: torch.Tensor, chunk: GradChunk, *, grad_scale: float = 1.0
+        self, unit: Unit, start: int, end: int, grad: torch.Tensor, lr: float, step: int, *, grad_scale: float = 1.0
     ) -> None:
         master = self.host_params.flat(unit)[start:end]
         state = {name: view[start:end] for name, view in self._unit_state(unit).items()}
         decay = end <= unit.layout.decay_numel
         if grad_scale == 1.0:  # the keyword only where it matters: optimizer plugins written before it still work
-            self.optimizer.step(master, grad, state, lr=chunk.lr, step=chunk.step, decay=decay)
+            self.optimizer.step(master, grad, state, lr=lr, step=step, decay=decay)
         else:
-            self.optimizer.step(master, grad, state, lr=chunk.lr, step=chunk.step, decay=decay, grad_scale=grad_scale)
+            self.optimizer.step(master, grad, state, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
 
     def _accum_for(self, unit: Unit) -> torch.Tensor:
         # Allocated on first use only: with no accumulation and no tied weights, none is ever needed.
