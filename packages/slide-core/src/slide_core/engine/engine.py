@@ -218,17 +218,25 @@ class Engine(GradientPath):
         self._resident_host_current = False
         if not self._lean_host:
             return  # a pinned slab (``device.alloc_pinned``): its pages cannot be given back
+        # Before pinning: a page-locked registration may keep the kernel from dropping pages nearby.
+        self._release_resident_host()
         host_updated = itertools.groupby(self.model.units, key=lambda unit: unit.name not in resident)
         for is_host_updated, group in host_updated:
             run = list(group)
             if is_host_updated:  # one registration per contiguous run of the slab
                 self.device.pin_host_range(self.host_params.span(run[0], run[-1]))
-        self._release_resident_host()
 
     def _release_resident_host(self) -> None:
         if self._lean_host:
             for name in self.residents.units:
-                release_pages(self.host_params.flat(name))
+                master = self.host_params.flat(name)
+                if release_pages(master) == 0 and master.numel() * master.element_size() >= 1 << 22:
+                    log.warning(
+                        "could not give back the host pages of %s (madvise failed): host memory will run "
+                        "%.2f GiB above the plan",
+                        name,
+                        master.numel() * master.element_size() / 2**30,
+                    )
         self._resident_host_current = False
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
