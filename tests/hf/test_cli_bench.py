@@ -67,3 +67,13 @@ def test_bench_bad_input_is_one_line(slide, argv, message) -> None:
     status, _out, err = slide("bench", *TINY, *argv)
     assert status == 2
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_refuses_a_run_the_host_cannot_hold(slide, monkeypatch) -> None:
+    """As `slide train`: the plan is checked against the host's free RAM before anything is allocated."""
+    import slide_hf.planner
+
+    monkeypatch.setattr(slide_hf.planner, "available_host_bytes", lambda: 1 << 20)  # 1 MiB free
+    status, out, err = slide("bench", *TINY)
+    assert status == 2 and out == ""
+    assert "host RAM" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

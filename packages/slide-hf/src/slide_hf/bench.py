@@ -126,7 +126,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from slide_core.engine import Engine, EngineConfig
     from slide_core.engine.placement import choose_resident_units
     from slide_hf import build_model, init_random
-    from slide_hf.planner import PlanInputs, make_plan, plan_with_placement
+    from slide_hf.planner import PlanInputs, available_host_bytes, check_fits, make_plan, plan_with_placement
 
     model = build_model(config)
     params = sum(u.layout.param_numel for u in model.units)
@@ -139,12 +139,14 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         from slide_core.devices.cpu import CPUDevice
 
         device = CPUDevice()
+    # As `slide train` places units: within --gpu-memory, else within the whole card.
+    gpu_budget = limit or (device.facts().total_memory_bytes if device.is_accelerator else None)
     inputs = PlanInputs(
         model,
         batch_size=cfg.batch_size,
         seq_len=cfg.seq_len,
         block_slots=cfg.block_slots,
-        gpu_memory_bytes=limit,
+        gpu_memory_bytes=gpu_budget,
         clipping=cfg.max_grad_norm > 0,
         offload_optimizer=cfg.offload_optimizer,
         nvme_fraction=cfg.nvme_fraction,
@@ -160,6 +162,8 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     else:
         plan = plan_with_placement(inputs)  # the placement `slide train` would pick
         resident = plan.inputs.resident_units
+    # Refuse, in one line with the fix to try, a run the host cannot hold (rather than be OOM-killed).
+    check_fits(plan, host_available=available_host_bytes(), gpu_available=gpu_budget)
     offloaded: tuple[str, ...] = ()
     if cfg.offload_optimizer == "nvme":
         offloaded = offloaded_units(model, cfg.nvme_fraction, resident)
