@@ -7,16 +7,16 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 run() { local name=$1; shift; echo "== $name: $*"; timeout 900 "$@" > "/tmp/$name.log" 2>&1; echo "   rc=$?"; tail -3 "/tmp/$name.log"; }
 
-run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core tests/hf
-run e2e_3b_12g python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 6 \
+run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core tests/hf tests/kernels
+run e2e_3b_12g python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 8 \
     --gpu-memory 12 --compare plain --trace "$out" --json "$out/e2e_3b_12g.json"
-run e2e_3b_12g_clip python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 6 \
+run e2e_3b_12g_clip python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 8 \
     --gpu-memory 12 --max-grad-norm 1.0 --json "$out/e2e_3b_12g_clip.json"
-run e2e_3b_12g_clip_never python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 6 \
+run e2e_3b_12g_clip_never python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 8 \
     --gpu-memory 12 --max-grad-norm 1000 --json "$out/e2e_3b_12g_clip_never.json"
 run e2e_3b_40g python3 bench/e2e.py --model llama3.2-3b --batch-size 16 --seq-len 1024 --steps 6 \
     --gpu-memory 40 --json "$out/e2e_3b_40g.json"
-run e2e_8b_24g python3 bench/e2e.py --model llama3.1-8b --batch-size 16 --seq-len 1024 --steps 5 \
+run e2e_8b_24g python3 bench/e2e.py --model llama3.1-8b --batch-size 16 --seq-len 1024 --steps 11 --warmup 3 \
     --gpu-memory 24 --json "$out/e2e_8b_24g.json"
 run e2e_14b python3 bench/e2e.py --model qwen2.5-14b --batch-size 16 --seq-len 1024 --steps 5 \
     --json "$out/e2e_14b.json"
