@@ -59,13 +59,19 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_resume_after_4_of_8_steps_is_bit_identical(tmp_path: Path) -> None:
-    full = train(_config(tmp_path / "full", save_every=4))
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05])
+def test_resume_after_4_of_8_steps_is_bit_identical(tmp_path: Path, max_grad_norm: float) -> None:
+    """With clipping that triggers, the checkpoint also carries whether the next step defers its host
+    updates (Note [Deferred clipped steps]), which decides their rounding."""
+    full = train(_config(tmp_path / "full", save_every=4, max_grad_norm=max_grad_norm))
+    if max_grad_norm:
+        norms = [json.loads(line)["grad_norm"] for line in (tmp_path / "full/metrics.jsonl").read_text().splitlines()]
+        assert all(norm > max_grad_norm for norm in norms), "test setup: every step must clip"
     # Interrupted run: the same job, resumed from its step-4 checkpoint in a fresh output directory.
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "full/checkpoints/step-00000004", resumed_dir / "checkpoints/step-00000004")
-    resumed = train(_config(resumed_dir, resume=resumed_dir))
+    resumed = train(_config(resumed_dir, resume=resumed_dir, max_grad_norm=max_grad_norm))
     assert resumed.steps == 4
     assert _losses(resumed_dir / "metrics.jsonl") == _losses(tmp_path / "full/metrics.jsonl")[4:]
     want, got = _weights(full.model_dir), _weights(resumed.model_dir)

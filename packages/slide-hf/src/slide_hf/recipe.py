@@ -235,6 +235,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
             arrays = engine.checkpoint_arrays()  # note: drains every pending update (a host sync), only when saving
             state = {**run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
             state["rng"] = torch.get_rng_state().tolist()
+            state["engine"] = engine.schedule_state()
             try:
                 saved = save_checkpoint(checkpoints, step, arrays, state)
             except CheckpointWriteError as error:
@@ -382,7 +383,7 @@ def _resume(path: Path, engine: Engine, host: HostParameters, batches: Batches, 
     extra = state["extra"]
     if extra.get("model") != run_state["model"]:
         raise UserError(f"checkpoint {found} is of model {extra.get('model')!r}, not {run_state['model']!r}")
-    engine.step_count = state["step"]
+    engine.restore_schedule_state({"step": state["step"], **extra.get("engine", {})})
     batches.position = DataPosition(extra["data"]["epoch"], extra["data"]["index"])
     torch.set_rng_state(torch.tensor(extra["rng"], dtype=torch.uint8))
     log.info("resumed from %s at step %d", found, state["step"])

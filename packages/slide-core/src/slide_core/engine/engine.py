@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -323,6 +323,22 @@ class Engine(GradientPath):
                 name, self.model.units, host_views[name], self.residents.units, self.updates.offloaded
             )
         return arrays
+
+    def schedule_state(self) -> dict[str, int | bool]:
+        """What a bit-identical resume needs besides the checkpoint's arrays: the Adam step counter, the
+        run of skipped non-finite steps, and whether the next step defers its host updates (Note
+        [Deferred clipped steps]; speculation and deferral round differently)."""
+        return {
+            "step": self.step_count,
+            "nonfinite_streak": self._nonfinite_streak,
+            "defer_clipped_updates": self._defer_next,
+        }
+
+    def restore_schedule_state(self, state: Mapping[str, int | bool]) -> None:
+        """Continue from :meth:`schedule_state` of a saved run (keys it lacks keep a fresh run's values)."""
+        self.step_count = int(state.get("step", self.step_count))
+        self._nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        self._defer_next = bool(state.get("defer_clipped_updates", False))
 
     # -- one optimizer step ----------------------------------------------------------------------------
     def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
