@@ -57,6 +57,7 @@ from slide_io.tiers.posix_nvme import DEFAULT_CHUNK_BYTES, DEFAULT_IO_THREADS
 
 GB = 10**9
 MiB = 1 << 20
+GDS_TIERS = ("gds", "gds-kvikio")
 UNALIGNED_OFFSET = 64  # bytes past a page boundary: where torch.empty puts large host tensors
 SWEEP_THREADS = (2, 4, 8, 16)
 SWEEP_CHUNK_MB = (4, 8, 16, 32)
@@ -266,15 +267,16 @@ def _kvikio_threads(count: int | None = None) -> int | None:
 
 
 def make_tier(name: str, directory: Path, io_threads: int, chunk_bytes: int) -> PosixNvmeTier:
-    cls = GdsTier if name == "gds" else PosixNvmeTier
-    return cls(directory, io_threads=io_threads, chunk_bytes=chunk_bytes)
+    if name in GDS_TIERS:  # gds-kvikio: kvikio moves the bytes even in compat mode (Note [Compat mode ...])
+        return GdsTier(directory, io_threads=io_threads, chunk_bytes=chunk_bytes, kvikio_in_compat=name != "gds")
+    return PosixNvmeTier(directory, io_threads=io_threads, chunk_bytes=chunk_bytes)
 
 
 def measure_row(
     name: str, directory: Path, work: Workload, io_threads: int, chunk_mb: int, repeat: int, dd: DdResult
 ) -> tuple[SweepRow, TierResult]:
     tier = make_tier(name, directory, io_threads, chunk_mb * MiB)
-    if name == "gds" and getattr(tier, "mode", "") != "posix-fallback":
+    if name in GDS_TIERS and getattr(tier, "mode", "") != "posix-fallback":
         _kvikio_threads(io_threads)
     result = bench_tier(name, tier, work, repeat)
     assert result.put_gbps is not None and result.get_gbps is not None
@@ -333,10 +335,14 @@ def run_sweep(
             print(f"  {name} again, {label}: io-threads {io_threads} chunk {chunk_mb} MiB: {_row_summary(row)}")
     finally:
         gds_logger.setLevel(level)
-    if name != "gds":
+    if name not in GDS_TIERS:
         note = ""
     elif mode == "posix-fallback":
         note = "no kvikio: CUDA tensors go through the POSIX path's host bounce buffers"
+    elif name == "gds" and mode == "compat":
+        note = (
+            "compat mode: CUDA tensors take the POSIX path through pinned bounce buffers (use gds-kvikio for kvikio's)"
+        )
     else:
         note = "io-threads sizes kvikio's thread pool, chunk MiB its task size"
     return Sweep(name, mode, direct_io, list(threads), list(chunk_mbs), rows, best_get, best_put, confirm, note)
@@ -469,7 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dir", type=Path, required=True, help="directory on the device to measure")
     parser.add_argument("--size-gb", type=float, default=1.0, help="bytes moved per test, in GiB")
-    parser.add_argument("--tiers", default="nvme,pinned,gds", help="comma-separated: nvme, pinned, gds")
+    parser.add_argument(
+        "--tiers",
+        default="nvme,pinned,gds",
+        help="comma-separated: nvme, pinned, gds, gds-kvikio (kvikio's own path even in compat mode)",
+    )
     parser.add_argument("--keys", type=int, default=4, help="split the buffer into this many keys in flight")
     parser.add_argument("--io-threads", type=int, default=DEFAULT_IO_THREADS)
     parser.add_argument("--chunk-mb", type=int, default=DEFAULT_CHUNK_BYTES // MiB)
@@ -507,7 +517,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sweep_threads = args.sweep_threads or list(SWEEP_THREADS)
     args.sweep_chunk_mb = args.sweep_chunk_mb or list(SWEEP_CHUNK_MB)
     args.tiers = [part.strip() for part in args.tiers.split(",") if part.strip()]
-    unknown = [name for name in args.tiers if name not in ("nvme", "pinned", "gds")]
+    unknown = [name for name in args.tiers if name not in ("nvme", "pinned", *GDS_TIERS)]
     if unknown:
         parser.error(f"unknown tier {unknown[0]!r}")
     if not args.dir.is_dir():
@@ -542,11 +552,11 @@ def _tier_rows(args: argparse.Namespace, size_bytes: int) -> list[TierResult]:
 def _sweeps(args: argparse.Namespace, size_bytes: int, dd: DdResult) -> list[Sweep]:
     sweeps: list[Sweep] = []
     pairs = len(args.sweep_threads) * len(args.sweep_chunk_mb)
-    for name in [name for name in args.tiers if name in ("nvme", "gds")]:
-        if name == "gds" and not torch.cuda.is_available():
-            print("gds sweep skipped: no CUDA device")
+    for name in [name for name in args.tiers if name in ("nvme", *GDS_TIERS)]:
+        if name in GDS_TIERS and not torch.cuda.is_available():
+            print(f"{name} sweep skipped: no CUDA device")
             continue
-        device = "cuda" if name == "gds" else "cpu"
+        device = "cuda" if name in GDS_TIERS else "cpu"
         work = make_workload(size_bytes, args.keys, args.seed, device=device, unaligned=args.unaligned_get)
         print(f"{name} sweep: {pairs} settings", flush=True)
         sweeps.append(run_sweep(name, args.dir, work, args.sweep_threads, args.sweep_chunk_mb, args.repeat, dd))

@@ -137,13 +137,23 @@ def test_mode_and_status_with_an_importable_kvikio(
 # -- GPU + kvikio ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def gds_tier(tmp_path: Path) -> Iterator[GdsTier]:
+@pytest.fixture(params=[False, True], ids=["own-path-in-compat", "kvikio-in-compat"])
+def gds_tier(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[GdsTier]:
+    """Both data paths for CUDA tensors (Note [Compat mode takes the POSIX path])."""
     pytest.importorskip("kvikio", reason="kvikio (pip install 'slide-io[gds]') is not installed")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    with GdsTier(tmp_path) as tier:
+    with GdsTier(tmp_path, kvikio_in_compat=request.param) as tier:
         yield tier
+
+
+def test_compat_mode_takes_the_posix_path_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Compat mode takes the POSIX path]: kvikio moves CUDA tensors only for real GDS, or on request."""
+    monkeypatch.setitem(sys.modules, "kvikio", _fake_kvikio(is_compat_mode_preferred=lambda: True))
+    assert not GdsTier(tmp_path)._via_kvikio
+    assert GdsTier(tmp_path, kvikio_in_compat=True)._via_kvikio
+    monkeypatch.setitem(sys.modules, "kvikio", _fake_kvikio(is_compat_mode_preferred=lambda: False))
+    assert GdsTier(tmp_path)._via_kvikio
 
 
 @pytest.mark.gds

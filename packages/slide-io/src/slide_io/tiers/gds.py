@@ -13,6 +13,14 @@ For CUDA tensors kvikio's own thread pool moves the bytes in tasks of ``chunk_by
 the size of that pool is kvikio's process-wide setting (``KVIKIO_NTHREADS``, default 1), not
 ``io_threads``, which only drives the POSIX path. ``bench/io.py --sweep`` sets the pool size per row.
 
+Note [Compat mode takes the POSIX path]: in compat mode kvikio itself reads and writes with POSIX calls
+through its own bounce buffers, so nothing is gained over this tier's POSIX path, which stages CUDA
+tensors through page-locked bounce buffers (one per I/O thread, O_DIRECT, chunks in parallel). The two
+differ in speed, though: on the H200 machine (virtio disk, no nvidia-fs) kvikio's compat reads reached
+80% of dd and the POSIX tier's 89% (docs/benchmarks.md). So the tier uses kvikio only for real GDS,
+unless ``kvikio_in_compat=True`` (``bench/io.py --tiers gds-kvikio`` measures both). ``mode`` still
+reports what kvikio would do.
+
 The caller must have finished producing a CUDA tensor (synchronise its stream) before ``put``, and must not
 use ``out`` before ``get``'s future is done: cuFile does not order itself after torch streams.
 """
@@ -57,7 +65,10 @@ class GdsTier(PosixNvmeTier):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         direct: bool | None = None,
         alloc: Allocator | None = None,
+        kvikio_in_compat: bool = False,
     ) -> None:
+        if alloc is None and torch.cuda.is_available():
+            alloc = _pinned  # CUDA tensors on the POSIX path are staged through these buffers
         super().__init__(directory, io_threads=io_threads, chunk_bytes=chunk_bytes, direct=direct, alloc=alloc)
         kvikio, detail = load_kvikio()
         self._kvikio: ModuleType | None = kvikio
@@ -70,10 +81,13 @@ class GdsTier(PosixNvmeTier):
             )
         else:
             self.mode = kvikio_mode(kvikio)
+        # See Note [Compat mode takes the POSIX path].
+        self._via_kvikio = kvikio is not None and (self.mode == "gds" or kvikio_in_compat)
 
     def _write_plan(self, entry: _Entry, src: torch.Tensor) -> _Plan:
-        if self._kvikio is None or src.device.type != "cuda":
+        if not self._via_kvikio or src.device.type != "cuda":
             return super()._write_plan(entry, src)
+        assert self._kvikio is not None
         handle = self._kvikio.CuFile(entry.path, "w")
 
         def write() -> None:
@@ -84,8 +98,9 @@ class GdsTier(PosixNvmeTier):
         return _Plan(tasks=[write] if entry.nbytes else [], release=handle.close)
 
     def _read_plan(self, entry: _Entry, out: torch.Tensor) -> _Plan:
-        if self._kvikio is None or out.device.type != "cuda" or not out.is_contiguous():
+        if not self._via_kvikio or out.device.type != "cuda" or not out.is_contiguous():
             return super()._read_plan(entry, out)
+        assert self._kvikio is not None
         handle = self._kvikio.CuFile(entry.path, "r")
         dst = as_bytes(out)
 
@@ -106,3 +121,8 @@ class GdsTier(PosixNvmeTier):
                     error = translated
                     break
         return super()._io_error(verb, key, entry, error)
+
+
+def _pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory for the bounce buffers (CUDA copies from it run at full PCIe speed)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
