@@ -211,7 +211,8 @@ def test_nvme_state_is_bit_identical_to_ram(accum: int, clip: float) -> None:
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_activations_on_a_tier_are_bit_identical(accum: int) -> None:
-    """Block inputs through a tier (Note [Activation staging ordering]) give the same bits as RAM."""
+    """Block inputs through a tier, staged (Note [Activation staging ordering]) or handed over as they are
+    (Note [Direct activation I/O]), give the same bits as RAM."""
     from slide_core.tiers.host_ram import HostRamTier
 
     cfg = ToyConfig(num_layers=5)
@@ -229,11 +230,29 @@ def test_activations_on_a_tier_are_bit_identical(accum: int) -> None:
                 losses = [engine.step(micro, lr=3e-3).loss for micro in batches]
             return losses, host.slab.clone()
 
+    class DirectTier(HostRamTier):
+        """Takes the block inputs themselves, as GPUDirect Storage would (Note [Direct activation I/O])."""
+
+        moves_device_memory = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.put_sources: list[int] = []
+
+        def put(self, key, tensor):
+            self.put_sources.append(tensor.data_ptr())
+            return super().put(key, tensor)
+
     ram = run()
     with HostRamTier() as tier:
         stashed = run(tier)
     assert stashed[0] == ram[0]
     assert torch.equal(stashed[1], ram[1])
+    with DirectTier() as direct:
+        unstaged = run(direct)
+    assert unstaged[0] == ram[0]
+    assert torch.equal(unstaged[1], ram[1])
+    assert len(direct.put_sources) == 3 * accum * cfg.num_layers  # every block input, every step
 
 
 def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:

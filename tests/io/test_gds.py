@@ -152,8 +152,10 @@ def test_compat_mode_takes_the_posix_path_unless_asked(tmp_path: Path, monkeypat
     monkeypatch.setitem(sys.modules, "kvikio", _fake_kvikio(is_compat_mode_preferred=lambda: True))
     assert not GdsTier(tmp_path)._via_kvikio
     assert GdsTier(tmp_path, kvikio_in_compat=True)._via_kvikio
+    assert not GdsTier(tmp_path).moves_device_memory and not GdsTier.real_gds_available()
     monkeypatch.setitem(sys.modules, "kvikio", _fake_kvikio(is_compat_mode_preferred=lambda: False))
     assert GdsTier(tmp_path)._via_kvikio
+    assert GdsTier(tmp_path).moves_device_memory and GdsTier.real_gds_available()
 
 
 @pytest.mark.gds
@@ -198,3 +200,38 @@ def test_gds_many_requests_overwrite_delete_close(gds_tier: GdsTier, make_tensor
     gds_tier.close()
     gds_tier.close()
     assert root is not None and not root.exists()
+
+
+@pytest.mark.gds
+def test_engine_activations_through_kvikio_match_ram(tmp_path: Path) -> None:
+    """Note [Direct activation I/O] on a GPU: block inputs written from and read into GPU memory by
+    kvikio give the same losses and weights as inputs kept in host RAM."""
+    pytest.importorskip("kvikio", reason="kvikio (pip install 'slide-io[gds]') is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from slide_core import AdamWConfig, HostParameters
+    from slide_core.devices.cuda import CUDADevice
+    from slide_core.engine import Engine, EngineConfig
+    from slide_core.optim import TorchAdamW
+    from slide_core.testing import ToyConfig, ToyModel, load_init, toy_batches, toy_init
+
+    cfg = ToyConfig(vocab_size=512, hidden_size=256, num_heads=8, intermediate_size=688, num_layers=4)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=7)
+    batches = toy_batches(cfg, steps=3, accum=1, seed=1)
+
+    def run(tier=None):
+        with CUDADevice() as device:
+            host = HostParameters(model, device.alloc_pinned)
+            load_init(host, init)
+            config = EngineConfig(compute_dtype=torch.bfloat16, transfer_chunk_numel=1 << 16)
+            with Engine(model, device, host, TorchAdamW(AdamWConfig()), config, activation_tier=tier) as engine:
+                assert tier is None or engine.stash.direct
+                losses = [engine.step(micro, lr=1e-3).loss for micro in batches]
+            return losses, host.slab.clone()
+
+    in_ram = run()
+    with GdsTier(tmp_path, kvikio_in_compat=True) as tier:
+        through_kvikio = run(tier)
+    assert through_kvikio[0] == in_ram[0]
+    assert torch.equal(through_kvikio[1], in_ram[1])

@@ -28,6 +28,10 @@ class Tier(Lifecycle, ABC):
     """
 
     name: str = "abstract"
+    moves_device_memory: bool = False
+    """True when ``put`` and ``get`` take device tensors and move their bytes to and from storage without
+    the caller staging them in host memory (GPUDirect Storage). The caller must still have finished
+    producing a tensor before ``put``, and must not read ``out`` before ``get``'s future is done."""
 
     @abstractmethod
     def put(self, key: str, tensor: torch.Tensor) -> Future[None]:

@@ -37,7 +37,7 @@ from slide_core.engine import Engine, EngineConfig, EngineError
 from slide_core.optim import TorchAdamW
 from slide_hf.data import Batches, DataPosition, load_dataset
 from slide_hf.errors import UserError
-from slide_hf.offload import offloaded_units, open_nvme_tier
+from slide_hf.offload import offloaded_units, open_activation_tier, open_nvme_tier
 from slide_hf.progress import Progress
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
 
@@ -210,7 +210,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
         state_tier = open_nvme_tier(cfg.nvme_dir) if offloaded else None
         if offloaded:
             log.info("Adam state on NVMe (%s) for %d units", cfg.nvme_dir, len(offloaded))
-        activation_tier = open_nvme_tier(cfg.nvme_dir) if cfg.offload_activations == "nvme" else None
+        activation_tier = open_activation_tier(cfg.nvme_dir, device) if cfg.offload_activations == "nvme" else None
+        if activation_tier is not None:
+            log.info("block inputs on the %s tier in %s", activation_tier.name, cfg.nvme_dir)
         engine = Engine(
             model,
             device,

@@ -40,8 +40,10 @@ class _BlockInputBuffers:
         if self._shape == shape and self._dtype == dtype:
             return
         numel = math.prod(shape)
-        slab = self.device.alloc_pinned(numel * self.host_copies, dtype)
-        self._host = [slab[i * numel : (i + 1) * numel].view(shape) for i in range(self.host_copies)]
+        self._host = []
+        if self.host_copies:
+            slab = self.device.alloc_pinned(numel * self.host_copies, dtype)
+            self._host = [slab[i * numel : (i + 1) * numel].view(shape) for i in range(self.host_copies)]
         self._device_buffers = [self.device.empty(numel, dtype).view(shape) for _ in range(2)]
         self._shape, self._dtype = shape, dtype
 
@@ -98,12 +100,18 @@ class TierActivationStash(_BlockInputBuffers):
     Note [Activation staging ordering]: a staging buffer is refilled (by a device-to-host copy in the
     forward, or by a tier read in the backward) only after the tier write or the host-to-device copy that
     last read it has completed. Tested by ``test_activations_on_a_tier_are_bit_identical``.
-    """
 
-    host_copies = 2  # staging only: the tier holds the inputs
+    Note [Direct activation I/O]: a tier that ``moves_device_memory`` (GPUDirect Storage) gets the block
+    input itself, with no host staging: the d2h thread waits for the compute that produced it, then
+    writes it, holding a reference so the allocator cannot hand its memory out before the write is done.
+    In the backward the h2d thread waits for the compute that last read a device buffer, then reads
+    into it. Two writes and two reads are in flight at most, as with staging.
+    """
 
     def __init__(self, device: Device, tier: Any, workers: Any, *, prefix: str = "act") -> None:
         super().__init__(device)
+        self.direct = bool(getattr(tier, "moves_device_memory", False))
+        self.host_copies = 0 if self.direct else 2  # staging only: the tier holds the inputs
         self.tier = tier
         self.workers = workers
         self.prefix = prefix
@@ -121,6 +129,9 @@ class TierActivationStash(_BlockInputBuffers):
     def save(self, index: int, x: torch.Tensor, computed: Event) -> None:
         buffer = index % 2
         self._wait_staging(buffer, f"the disk write of an activation before staging block {index}")
+        if self.direct:  # see Note [Direct activation I/O]
+            self._staging_busy[buffer] = self.workers["d2h"].submit(self._write_direct, index, x, computed)
+            return
         device = self.device
         with device.stream("d2h"):
             device.wait_event("d2h", computed)
@@ -132,6 +143,10 @@ class TierActivationStash(_BlockInputBuffers):
     def _write(self, index: int, buffer: int, copied: Event) -> None:
         copied.synchronize()  # note: CPU-GPU sync point (d2h thread)
         self.workers.wait(self.tier.put(self._key(index), self._host[buffer]), f"writing activation {index}")
+
+    def _write_direct(self, index: int, x: torch.Tensor, computed: Event) -> None:
+        computed.synchronize()  # note: CPU-GPU sync point (d2h thread)
+        self.workers.wait(self.tier.put(self._key(index), x), f"writing activation {index}")
 
     def prefetch(self, index: int) -> None:
         if index in self._loaded or index < 0:
@@ -147,9 +162,15 @@ class TierActivationStash(_BlockInputBuffers):
             result = self.workers.wait(previous, f"the staging buffer before reading activation {index}")
             if isinstance(result, Event):
                 result.synchronize()  # the previous h2d from this staging buffer has finished
+        device = self.device
+        if self.direct:  # see Note [Direct activation I/O]
+            if free is not None:
+                free.synchronize()  # the compute that last read this device buffer has finished
+            target = self._device_buffers[buffer]
+            self.workers.wait(self.tier.get(self._key(index), target), f"reading activation {index}")
+            return device.record_event("h2d")
         staging = self._host[buffer]
         self.workers.wait(self.tier.get(self._key(index), staging), f"reading activation {index}")
-        device = self.device
         with device.stream("h2d"):
             if free is not None:
                 device.wait_event("h2d", free)

@@ -84,6 +84,17 @@ class GdsTier(PosixNvmeTier):
         # See Note [Compat mode takes the POSIX path].
         self._via_kvikio = kvikio is not None and (self.mode == "gds" or kvikio_in_compat)
 
+    @property
+    def moves_device_memory(self) -> bool:  # type: ignore[override]
+        """CUDA tensors go through kvikio, which stages them itself (real GDS: no staging at all)."""
+        return self._via_kvikio
+
+    @staticmethod
+    def real_gds_available() -> bool:
+        """Whether kvikio is importable here and would use cuFile (not its compat mode)."""
+        kvikio, _ = load_kvikio()
+        return kvikio is not None and kvikio_mode(kvikio) == "gds"
+
     def _write_plan(self, entry: _Entry, src: torch.Tensor) -> _Plan:
         if not self._via_kvikio or src.device.type != "cuda":
             return super()._write_plan(entry, src)
