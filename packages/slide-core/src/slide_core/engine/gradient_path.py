@@ -238,7 +238,8 @@ class GradientPath:
     # -- the end of a step: clipping and non-finite gradients -------------------------------------------
     def _finish_clipped_step(self, clip: ClipStep, number: int) -> tuple[float, bool]:
         """Main thread: form the step's global gradient norm, then keep, rescale or take back every
-        speculative update. Returns ``(norm, skipped)``. See Note [Clip rollback ordering] in clipping.py."""
+        speculative update, or queue a deferred step's held ones with the final coefficient. Returns
+        ``(norm, skipped)``. See Notes [Clip rollback ordering] and [Deferred clipped steps] in clipping.py."""
         workers, cfg = self.workers, self.config
         host_summed = any(self._summed_on_host(unit) for unit in self.model.units)
         if not host_summed and not clip.deferred:
