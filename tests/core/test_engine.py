@@ -257,11 +257,12 @@ def test_activations_on_a_tier_are_bit_identical(accum: int) -> None:
 
 def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:
     """A save through ``checkpoint_arrays`` writes the same files as one from gathered host slabs, and
-    leaves the host copies of device-resident and offloaded units' Adam state untouched."""
+    leaves the host copies of device-resident units' masters and of device-resident and offloaded units'
+    Adam state untouched (on an unpinned slab the resident pages stay given back)."""
     from slide_core.checkpoint import load_checkpoint, save_checkpoint
     from slide_core.tiers.host_ram import HostRamTier
 
-    cfg = ToyConfig(tie_embeddings=True, num_layers=4)
+    cfg = ToyConfig(tie_embeddings=True, num_layers=4, vocab_size=4096, hidden_size=64)  # a 1 MiB embedding
     model = ToyModel(cfg)
     init = toy_init(model, seed=23)
     batches = toy_batches(cfg, steps=2, accum=1, seed=4)
@@ -272,7 +273,7 @@ def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:
         offloaded_units=("layers.0", "layers.3"),
     )
     with CPUDevice() as device, HostRamTier() as tier:
-        host = HostParameters(model, device.alloc_pinned)
+        host = HostParameters(model)  # unpinned, as `slide train` allocates it
         load_init(host, init)
         with Engine(model, device, host, TorchAdamW(AdamWConfig(weight_decay=0.1)), config, state_tier=tier) as engine:
             for micro in batches:
@@ -280,7 +281,9 @@ def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:
             streamed = save_checkpoint(tmp_path, 1, engine.checkpoint_arrays(), {})
             elsewhere = ("embed", "layers.1", "layers.0", "layers.3")
             assert not any(engine.updates.host_state_valid[name] for name in elsewhere)
+            assert not host.flat("embed")[4096:-4096].any(), "the resident master came back to the host"
             engine.drain(with_state=True)
+            assert host.flat("embed")[4096:-4096].any()  # a drain does bring it back
             gathered = {"master": host.slab.clone(), **{k: v.clone() for k, v in engine.updates.state_slabs.items()}}
     loaded = {name: torch.empty_like(tensor) for name, tensor in gathered.items()}
     load_checkpoint(streamed, loaded)

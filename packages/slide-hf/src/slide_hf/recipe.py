@@ -234,7 +234,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         stop = _StopRequests()
 
         def checkpoint(step: int) -> None:
-            arrays = engine.checkpoint_arrays()  # note: drains every pending update (a host sync), only when saving
+            arrays = engine.checkpoint_arrays()  # note: waits for every pending update (a host sync), only when saving
             state = {**run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
             state["rng"] = torch.get_rng_state().tolist()
             state["engine"] = engine.schedule_state()

@@ -308,21 +308,27 @@ class Engine(GradientPath):
         for name, future in self.updates.updated.items():
             workers.wait(future, f"the update of {name}")
 
-    def checkpoint_arrays(self) -> dict[str, torch.Tensor | StateSource]:
-        """The arrays of a checkpoint (``save_checkpoint``): the fp32 master slab, and one
-        :class:`StateSource` per optimizer state that reads device-resident and offloaded units where
-        they live, so a save touches no host memory for them (see state_source.py). Drains first."""
-        self.drain()
-        host_views = {name: {} for name in self.optimizer.state_names}
+    def checkpoint_arrays(self) -> dict[str, StateSource]:
+        """The arrays of a checkpoint (``save_checkpoint``): one :class:`StateSource` for the fp32 master
+        and one per optimizer state, each reading device-resident and offloaded units where they live,
+        so a save touches no host memory for them (see state_source.py). Waits for every pending update
+        first, and copies nothing back: resident masters stay off the host."""
+        self.wait_idle()
+        offloaded = self.updates.offloaded
+        if offloaded is not None:
+            offloaded.flush()
+        host_views: dict[str, dict[str, torch.Tensor]] = {
+            "master": {},
+            **{name: {} for name in self.optimizer.state_names},
+        }
         for unit in self.model.units:
+            host_views["master"][unit.name] = self.host_params.flat(unit)
             for name, view in self.updates.state_views(unit).items():
                 host_views[name][unit.name] = view
-        arrays: dict[str, torch.Tensor | StateSource] = {"master": self.host_params.slab}
-        for name in self.optimizer.state_names:
-            arrays[name] = StateSource(
-                name, self.model.units, host_views[name], self.residents.units, self.updates.offloaded
-            )
-        return arrays
+        return {
+            name: StateSource(name, self.model.units, views, self.residents.units, offloaded)
+            for name, views in host_views.items()
+        }
 
     def schedule_state(self) -> dict[str, int | bool]:
         """What a bit-identical resume needs besides the checkpoint's arrays: the Adam step counter, the

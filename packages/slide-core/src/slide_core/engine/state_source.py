@@ -1,9 +1,12 @@
-"""One optimizer-state tensor of the whole model, read for a checkpoint from wherever each unit keeps it.
+"""One fp32 array of the whole model (the master, or an optimizer state), read for a checkpoint from
+wherever each unit keeps it.
 
-A host-updated unit's state is in the host slabs, a device-resident unit's on the GPU, an offloaded
-unit's on a storage tier. Gathering all of it in the host slabs before a save (``drain(with_state=True)``)
-touches 8 bytes of host memory per resident or offloaded parameter, which a run that moved state off
-the host precisely for lack of RAM may not have. :class:`StateSource` instead lets the checkpoint
+A host-updated unit's master and state are in the host slabs, a device-resident unit's on the GPU, an
+offloaded unit's state on a storage tier. Gathering all of it in the host slabs before a save
+(``drain(with_state=True)``) touches 12 bytes of host memory per resident parameter (4 for the master,
+whose pages the engine gave back, see Note [Resident host copies]) and 8 per offloaded one, which a run
+that moved them off the host precisely for lack of RAM may not have: qwen2.5-14b on a whole H200 would
+need 31 GiB more for its resident masters alone. :class:`StateSource` instead lets the checkpoint
 writer pull the file's bytes block by block (:class:`~slide_core.checkpoint.ArraySource`): a block
 copies host ranges, device ranges and one offloaded unit at a time, in the slabs' element order, so the
 file is the same as one written from gathered slabs.
@@ -24,7 +27,8 @@ __all__ = ["StateSource"]
 
 
 class StateSource:
-    """State tensor ``name`` over ``units`` in slab order (an ``ArraySource`` for ``save_checkpoint``)."""
+    """Array ``name`` over ``units`` in slab order (an ``ArraySource`` for ``save_checkpoint``):
+    ``"master"``, or an optimizer state name."""
 
     def __init__(
         self,
@@ -34,6 +38,8 @@ class StateSource:
         residents: Mapping[str, ResidentUnit],
         offloaded: OffloadedState | None,
     ) -> None:
+        if name == "master":
+            offloaded = None  # offloading moves optimizer state only
         self.name = name
         self.dtype = torch.float32
         self._units = list(units)
@@ -52,7 +58,7 @@ class StateSource:
         """The unit's flat state ``name``: a device tensor, a staged copy from the tier, or the host view."""
         resident = self._residents.get(unit.name)
         if resident is not None:
-            return resident.state[self.name]
+            return resident.master if self.name == "master" else resident.state[self.name]
         if self._offloaded is not None and unit.name in self._offloaded.units:
             if self._staged is None or self._staged[0] != unit.name:
                 self._staged = None  # release the previous unit's copy first
