@@ -292,6 +292,47 @@ def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:
     assert loaded["exp_avg"].abs().sum() > 0  # real moments, not the zeros of never-written host pages
 
 
+def test_restore_checkpoint_streams_to_where_units_live(tmp_path) -> None:
+    """``Engine.restore_checkpoint`` writes each unit's master and Adam state where the unit lives (the
+    device, the state tier, the host slabs) without bringing resident masters back to the host, and the
+    resumed run continues bit for bit."""
+    from slide_core.checkpoint import save_checkpoint
+    from slide_core.tiers.host_ram import HostRamTier
+
+    cfg = ToyConfig(tie_embeddings=True, num_layers=4, vocab_size=4096, hidden_size=64)  # a 1 MiB embedding
+    model = ToyModel(cfg)
+    batches = toy_batches(cfg, steps=4, accum=1, seed=6)
+    config = EngineConfig(
+        compute_dtype=torch.float32,
+        transfer_chunk_numel=1024,
+        resident_units=("embed", "layers.1"),
+        offloaded_units=("layers.0", "layers.3"),
+    )
+    elsewhere = ("embed", "layers.1", "layers.0", "layers.3")
+
+    def run(steps, init_seed: int, *, save: bool = False, restore=None):
+        with CPUDevice() as device, HostRamTier() as tier:
+            host = HostParameters(model)  # unpinned, as `slide train` allocates it
+            load_init(host, toy_init(model, seed=init_seed))
+            with Engine(model, device, host, TorchAdamW(AdamWConfig(weight_decay=0.1)), config, state_tier=tier) as e:
+                if restore is not None:
+                    e.restore_schedule_state({"step": e.restore_checkpoint(restore)["step"]})
+                    assert not host.flat("embed")[4096:-4096].any(), "the resident master came to the host"
+                    assert not any(e.updates.host_state_valid[name] for name in elsewhere)
+                losses = [e.step(micro, lr=3e-3).loss for micro in steps]
+                saved = save_checkpoint(tmp_path, e.step_count, e.checkpoint_arrays(), {}) if save else None
+                e.drain(with_state=True)
+                final = {"master": host.slab.clone(), **{k: v.clone() for k, v in e.updates.state_slabs.items()}}
+            return losses, final, saved
+
+    full_losses, full_final, _ = run(batches, init_seed=29)
+    _, _, saved = run(batches[:2], init_seed=29, save=True)
+    resumed_losses, resumed_final, _ = run(batches[2:], init_seed=31, restore=saved)  # other weights, overwritten
+    assert resumed_losses == full_losses[2:]
+    for name, tensor in full_final.items():
+        assert torch.equal(resumed_final[name], tensor), name
+
+
 def test_resident_host_copies_are_released() -> None:
     """Note [Resident host copies]: with an unpinned slab, a resident unit's host range is given back
     after the engine copies it to the device, refreshed by a drain (not by ``wait_idle``), given back

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 __all__ = [
+    "ArraySink",
     "ArraySource",
     "CheckpointCorrupt",
     "CheckpointWriteError",
@@ -198,8 +199,37 @@ def prune_checkpoints(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Verify ``path`` and read it into ``tensors`` (same names, numel and dtype); return its state."""
+@runtime_checkable
+class ArraySink(Protocol):
+    """The mirror of :class:`ArraySource` for loading: each verified block is handed over to be put where
+    its elements live (host, GPU, a storage tier), so a load needs one bounded buffer, not the array."""
+
+    numel: int
+    dtype: torch.dtype
+
+    def write_from(self, start: int, block: torch.Tensor) -> None:
+        """Store ``block`` (flat, host) as elements ``[start, start + block.numel())``."""
+
+
+def _read_sink(file: Path, sink: ArraySink, crcs: list[int], buffer: torch.Tensor) -> None:
+    """Read ``file`` block by block through ``buffer``; each block is checked before the sink sees it."""
+    per_block = _BLOCK_BYTES // sink.dtype.itemsize
+    with file.open("rb") as handle:
+        for index, start in enumerate(range(0, sink.numel, per_block)):
+            block = buffer.view(sink.dtype)[: min(per_block, sink.numel - start)]
+            data = _as_bytes(block)
+            handle.readinto(data)
+            if zlib.crc32(data) != crcs[index]:
+                raise CheckpointCorrupt(
+                    f"{file} fails its checksum in block {index} (bytes {index * _BLOCK_BYTES}+); "
+                    "the checkpoint is corrupt"
+                )
+            sink.write_from(start, block)
+
+
+def load_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor | ArraySink]) -> dict[str, Any]:
+    """Verify ``path`` and read it into ``tensors`` (same names, numel and dtype; host tensors, or
+    :class:`ArraySink` s that receive it block by block, each block verified first); return its state."""
     try:
         state = json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -207,21 +237,29 @@ def load_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str
     if state.get("format") != FORMAT:
         raise CheckpointCorrupt(f"{path} has checkpoint format {state.get('format')!r}, expected {FORMAT}")
     files = state.get("files", {})
+    buffer: torch.Tensor | None = None
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for name, tensor in tensors.items():
             filename = f"{name}.bin"
             meta = files.get(filename)
             if meta is None:
                 raise CheckpointCorrupt(f"{path} has no {filename}")
-            if meta["numel"] != tensor.numel() or meta["dtype"] != str(tensor.dtype).removeprefix("torch."):
+            sink = tensor if isinstance(tensor, ArraySink) else None
+            numel = sink.numel if sink is not None else tensor.numel()
+            if meta["numel"] != numel or meta["dtype"] != str(tensor.dtype).removeprefix("torch."):
                 raise CheckpointCorrupt(
                     f"{path / filename} holds {meta['numel']} x {meta['dtype']}; this run needs "
-                    f"{tensor.numel()} x {tensor.dtype} (a different model?)"
+                    f"{numel} x {tensor.dtype} (a different model?)"
                 )
             file = path / filename
             size = file.stat().st_size if file.exists() else -1
             if size != meta["bytes"]:
                 raise CheckpointCorrupt(f"{file} is {size} bytes, expected {meta['bytes']} (truncated?)")
+            if sink is not None:
+                if buffer is None:
+                    buffer = torch.empty(_BLOCK_BYTES, dtype=torch.uint8)
+                _read_sink(file, sink, meta["crc32"], buffer)
+                continue
             data = _as_bytes(tensor)
             with file.open("rb") as handle:
                 for offset in range(0, len(data), _BLOCK_BYTES):

@@ -28,7 +28,6 @@ from slide_core.checkpoint import (
     CheckpointCorrupt,
     CheckpointWriteError,
     find_latest,
-    load_checkpoint,
     prune_checkpoints,
     save_checkpoint,
 )
@@ -227,7 +226,6 @@ def train(cfg: TrainConfig) -> TrainSummary:
         tokenizer_dir = _save_tokenizer(tokenizer, output)
         config.save_pretrained(str(output / "config"))
         run_state = {"model": cfg.model, "seed": cfg.seed, "total_steps": total_steps, "config": config_dict(cfg)}
-        first_step = _resume(cfg.resume, engine, host, batches, run_state) if cfg.resume is not None else 0
         losses: list[float] = []
         metrics = _open_metrics(cfg.metrics)
         process = psutil.Process()
@@ -249,6 +247,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
             for tier in (state_tier, activation_tier):
                 if tier is not None:
                     tiers.callback(tier.close)
+            # Inside the running engine: each unit's arrays stream to where the unit lives.
+            first_step = _resume(cfg.resume, engine, batches, run_state) if cfg.resume is not None else 0
             device.reset_peak_memory()
             with Progress(total_steps, first_step=first_step) as progress:
                 for step in range(first_step, total_steps):
@@ -374,12 +374,11 @@ class _StopRequests:
         self._previous.clear()
 
 
-def _resume(path: Path, engine: Engine, host: HostParameters, batches: Batches, run_state: dict[str, Any]) -> int:
-    """Load the newest checkpoint at ``path`` into the engine's buffers; return the step to continue from."""
+def _resume(path: Path, engine: Engine, batches: Batches, run_state: dict[str, Any]) -> int:
+    """Load the newest checkpoint at ``path`` into the running engine; return the step to continue from."""
     try:
         found = find_latest(path)
-        state = load_checkpoint(found, {"master": host.slab, **engine.updates.state_slabs})
-        engine.updates.mark_host_state_valid()
+        state = engine.restore_checkpoint(found)
     except CheckpointCorrupt as error:
         raise UserError(str(error)) from None
     extra = state["extra"]

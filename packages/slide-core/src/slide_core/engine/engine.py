@@ -40,9 +40,12 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from slide_core.checkpoint import load_checkpoint
 from slide_core.device import Device, Event
 from slide_core.host_memory import release_pages
 from slide_core.host_params import HostParameters
@@ -65,7 +68,7 @@ from .gradient_path import GradientPath
 from .resident import ResidentUnits
 from .slots import ParamSlot, SlotWindow, Visit
 from .state_offload import OffloadedState
-from .state_source import StateSource
+from .state_source import StateSink, StateSource
 from .timeline import Timeline, UnitTimes
 from .updates import UnitUpdates
 from .workers import EngineError, Workers
@@ -317,18 +320,36 @@ class Engine(GradientPath):
         offloaded = self.updates.offloaded
         if offloaded is not None:
             offloaded.flush()
-        host_views: dict[str, dict[str, torch.Tensor]] = {
-            "master": {},
-            **{name: {} for name in self.optimizer.state_names},
-        }
-        for unit in self.model.units:
-            host_views["master"][unit.name] = self.host_params.flat(unit)
-            for name, view in self.updates.state_views(unit).items():
-                host_views[name][unit.name] = view
         return {
             name: StateSource(name, self.model.units, views, self.residents.units, offloaded)
-            for name, views in host_views.items()
+            for name, views in self._unit_views().items()
         }
+
+    def restore_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Resume from a checkpoint written from :meth:`checkpoint_arrays`: every unit's master and Adam
+        state is streamed to where the unit keeps it (host slabs, the GPU, the state tier), block by
+        verified block, so a resume needs no more host memory than training. Call it once the engine
+        is running and before its first step; returns the checkpoint's state (its ``extra``, ``step``).
+        Raises :class:`~slide_core.checkpoint.CheckpointCorrupt` naming a bad or mismatched file."""
+        if self.step_count or self._workers is None:
+            raise EngineError("restore_checkpoint needs a running engine that has not stepped yet")
+        sinks = {
+            name: StateSink(name, self.model.units, views, self.residents.units, self.updates.offloaded)
+            for name, views in self._unit_views().items()
+        }
+        state = load_checkpoint(path, sinks)
+        self.residents.refresh_params()
+        return state
+
+    def _unit_views(self) -> dict[str, dict[str, torch.Tensor]]:
+        """For each checkpointed array (``master``, then each optimizer state), every unit's host view."""
+        views: dict[str, dict[str, torch.Tensor]] = {"master": {}}
+        views.update({name: {} for name in self.optimizer.state_names})
+        for unit in self.model.units:
+            views["master"][unit.name] = self.host_params.flat(unit)
+            for name, view in self.updates.state_views(unit).items():
+                views[name][unit.name] = view
+        return views
 
     def schedule_state(self) -> dict[str, int | bool]:
         """What a bit-identical resume needs besides the checkpoint's arrays: the Adam step counter, the

@@ -146,6 +146,11 @@ class ResidentUnits:
                 self.optimizer.step(resident.master[start:end], grads[start:end], state, lr=lr, step=step, decay=decay)
         resident.slot.params.copy_(resident.master)
 
+    def refresh_params(self) -> None:
+        """Recompute each unit's compute-dtype copy from its master (after a resume wrote the masters)."""
+        for resident in self.units.values():
+            resident.slot.params.copy_(resident.master)
+
     def sync_to_host(self, host_state: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
         """Copy device masters back to the host slab (drain, export) and, given ``host_state``, the
         optimizer state too (checkpoints only: it touches 8 bytes/param of host pages)."""

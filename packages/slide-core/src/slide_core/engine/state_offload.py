@@ -134,6 +134,16 @@ class OffloadedState:
         _wait(writes, f"writing {unit}'s optimizer state", self.timeout_s)
         self._written.add(unit)
 
+    def load_state(self, unit: str, name: str, values: torch.Tensor) -> None:
+        """Seed one state tensor of ``unit`` (a resume streaming a checkpoint); any staged copy is dropped."""
+        staging = self._find(unit)
+        if staging is not None:
+            _wait(staging.reads, f"a read of {unit}'s optimizer state", self.timeout_s)
+            staging.owner, staging.dirty = None, False
+        _wait(self._pending_writes.get(unit, []), f"the write-back of {unit}'s optimizer state", self.timeout_s)
+        _wait([self.tier.put(self._key(unit, name), values)], f"writing {unit}'s optimizer state", self.timeout_s)
+        self._written.add(unit)
+
     def copy_to(self, unit: str, host_views: dict[str, torch.Tensor]) -> None:
         """Copy ``unit``'s current state into host views (a checkpoint), waiting for pending I/O."""
         staging = self._find(unit)
