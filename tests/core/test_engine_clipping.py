@@ -108,6 +108,16 @@ def _reference_run(model, init, batches, adam: AdamWConfig, max_norm: float, ski
     return losses, norms, params, state
 
 
+def _clip_config(block_slots: int, resident: tuple[str, ...], max_norm: float) -> EngineConfig:
+    return EngineConfig(
+        block_slots=block_slots,
+        compute_dtype=torch.float32,
+        transfer_chunk_numel=1024,
+        resident_units=resident,
+        max_grad_norm=max_norm,
+    )
+
+
 def _engine_run(
     model,
     init,
@@ -116,15 +126,19 @@ def _engine_run(
     config: EngineConfig,
     before_step: Callable[[int], None] = lambda step: None,
     optimizer: Optimizer | None = None,
+    after_step: Callable[[int], None] = lambda step: None,
+    on_start: Callable[[Engine], None] = lambda engine: None,
 ):
     with CPUDevice() as device:
         host = HostParameters(model, device.alloc_pinned)
         load_init(host, init)
         results: list[StepResult] = []
         with Engine(model, device, host, optimizer or TorchAdamW(adam), config) as engine:
+            on_start(engine)
             for step, micro in enumerate(batches):
                 before_step(step)
                 results.append(engine.step(micro, lr=LR))
+                after_step(step)
             engine.drain(with_state=True)  # device-resident units' Adam state, copied to the host
         params = {unit.name: host.views(unit) for unit in model.units}
         state = {
@@ -187,13 +201,7 @@ def test_clipping_matches_clip_grad_norm(case: str, regime: str) -> None:
     expected = {"clips": all(clipped), "never": not any(clipped), "mixed": any(clipped) and not all(clipped)}
     assert expected[regime], f"test setup: clipped steps {clipped} do not fit regime {regime}"
 
-    config = EngineConfig(
-        block_slots=slots,
-        compute_dtype=torch.float32,
-        transfer_chunk_numel=1024,
-        resident_units=resident,
-        max_grad_norm=max_norm,
-    )
+    config = _clip_config(slots, resident, max_norm)
     results, params, state, step_count = _engine_run(model, init, batches, adam, config)
     for step, result in enumerate(results):
         assert not result.skipped
@@ -228,13 +236,7 @@ def test_clipping_with_fused_adamw_scales_in_the_optimizer(case: str) -> None:
     max_norm = 0.05
     ref_losses, ref_norms, ref_params, ref_state = _reference_run(model, init, batches, adam, max_norm)
     assert all(norm > max_norm for norm in ref_norms.values()), "test setup: every step must clip"
-    config = EngineConfig(
-        block_slots=slots,
-        compute_dtype=torch.float32,
-        transfer_chunk_numel=1024,
-        resident_units=resident,
-        max_grad_norm=max_norm,
-    )
+    config = _clip_config(slots, resident, max_norm)
     optimizer = _RecordingFusedAdamW(adam)
     results, params, state, step_count = _engine_run(model, init, batches, adam, config, optimizer=optimizer)
     assert min(optimizer.scales) < 1.0 and all(0.0 < scale <= 1.0 for scale in optimizer.scales)
@@ -268,13 +270,7 @@ def test_nan_step_is_skipped_exactly(case: str) -> None:
     ref_losses, ref_norms, ref_params, ref_state = _reference_run(
         model, init, batches, adam, max_norm, frozenset({bad})
     )
-    config = EngineConfig(
-        block_slots=slots,
-        compute_dtype=torch.float32,
-        transfer_chunk_numel=1024,
-        resident_units=resident,
-        max_grad_norm=max_norm,
-    )
+    config = _clip_config(slots, resident, max_norm)
     optimizer = _CountingAdamW(adam)
     calls: list[int] = []
 
@@ -430,20 +426,15 @@ def test_clipping_that_does_not_trigger_does_not_wait(max_norm: float, waits: bo
     config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=max_norm)
     applied_after_step: list[int] = []
     optimizer = _SlowAdamW(adam)
-    with CPUDevice() as device:
-        host = HostParameters(model, device.alloc_pinned)
-        load_init(host, init)
-        with Engine(model, device, host, optimizer, config) as engine:
-            results = []
-            for micro in batches:
-                results.append(engine.step(micro, lr=LR))
-                applied_after_step.append(optimizer.calls)  # speculative host updates done so far
-            engine.drain()
-        params = {unit.name: host.views(unit) for unit in model.units}
-        state = {
-            unit.name: {name: unit.layout.views(flat) for name, flat in engine.updates.state_views(unit).items()}
-            for unit in model.units
-        }
+    results, params, state, step_count = _engine_run(
+        model,
+        init,
+        batches,
+        adam,
+        config,
+        optimizer=optimizer,
+        after_step=lambda step: applied_after_step.append(optimizer.calls),  # host updates done so far
+    )
     per_step = optimizer.calls // len(batches)  # every step updates the same ranges
     if waits:  # the first step speculates and is judged once all of it is applied; later ones defer (below)
         assert applied_after_step[0] == per_step, applied_after_step
@@ -453,7 +444,7 @@ def test_clipping_that_does_not_trigger_does_not_wait(max_norm: float, waits: bo
     for step, result in enumerate(results):
         assert result.loss == pytest.approx(ref_losses[step], rel=RTOL)
         assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL)
-    _assert_weights_and_state(params, state, ref_params, ref_state, engine.step_count)
+    _assert_weights_and_state(params, state, ref_params, ref_state, step_count)
 
 
 def test_clipped_steps_defer_the_next_steps_updates() -> None:
@@ -470,27 +461,26 @@ def test_clipped_steps_defer_the_next_steps_updates() -> None:
     optimizer = _SlowAdamW(adam)
     corrected: list[str] = []
     applied_after_step: list[int] = []
-    with CPUDevice() as device:
-        host = HostParameters(model, device.alloc_pinned)
-        load_init(host, init)
-        with Engine(model, device, host, optimizer, config) as engine:
-            correct = engine.updates.correct
 
-            def counting_correct(unit, *args):
-                corrected.append(unit.name)
-                return correct(unit, *args)
+    def count_corrections(engine: Engine) -> None:
+        correct = engine.updates.correct
 
-            engine.updates.correct = counting_correct
-            results = []
-            for micro in batches:
-                results.append(engine.step(micro, lr=LR))
-                applied_after_step.append(optimizer.calls)
-            engine.drain()
-        params = {unit.name: host.views(unit) for unit in model.units}
-        state = {
-            unit.name: {name: unit.layout.views(flat) for name, flat in engine.updates.state_views(unit).items()}
-            for unit in model.units
-        }
+        def counting_correct(unit, *args):
+            corrected.append(unit.name)
+            return correct(unit, *args)
+
+        engine.updates.correct = counting_correct
+
+    results, params, state, step_count = _engine_run(
+        model,
+        init,
+        batches,
+        adam,
+        config,
+        optimizer=optimizer,
+        after_step=lambda step: applied_after_step.append(optimizer.calls),
+        on_start=count_corrections,
+    )
     assert sorted(corrected) == sorted(unit.name for unit in model.units), "only the first step is corrected"
     per_step = optimizer.calls // len(batches)
     assert optimizer.calls == per_step * len(batches)  # one optimizer pass per range and step, no redo
@@ -501,4 +491,4 @@ def test_clipped_steps_defer_the_next_steps_updates() -> None:
     for step, result in enumerate(results):
         assert result.loss == pytest.approx(ref_losses[step], rel=RTOL)
         assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL)
-    _assert_weights_and_state(params, state, ref_params, ref_state, engine.step_count)
+    _assert_weights_and_state(params, state, ref_params, ref_state, step_count)

@@ -283,11 +283,8 @@ class Engine(GradientPath):
         ``with_state`` also copies device-resident units' optimizer state to the host slabs (for a
         checkpoint of the full training state).
         """
-        self._wait_for_updates()
-        self.device.synchronize()
+        self.wait_idle()
         offloaded = self.updates.offloaded
-        if offloaded is not None:
-            offloaded.flush()
         if with_state:
             self.residents.sync_to_host({name: self.updates.state_views(name) for name in self.residents.units})
             for name in offloaded.units if offloaded is not None else ():
@@ -296,14 +293,16 @@ class Engine(GradientPath):
         else:
             self.residents.sync_to_host()
         self._resident_host_current = True  # until the next step (Note [Resident host copies])
-        self.timeline.resolve(block=True)
 
     def wait_idle(self) -> None:
-        """Wait until every pending update is applied and the device is idle, copying nothing back: a
-        step timed after this starts from an empty pipeline, and device-resident masters stay where they
-        train (``drain`` would bring their host pages back, see Note [Resident host copies])."""
+        """Wait until every pending update is applied, its offloaded state written back and the device
+        idle, copying nothing back: a step timed after this starts from an empty pipeline, and
+        device-resident masters stay where they train (``drain`` would bring their host pages back, see
+        Note [Resident host copies])."""
         self._wait_for_updates()
         self.device.synchronize()
+        if self.updates.offloaded is not None:
+            self.updates.offloaded.flush()
         self.timeline.resolve(block=True)
 
     def _wait_for_updates(self) -> None:
@@ -317,11 +316,8 @@ class Engine(GradientPath):
         so a save touches no host memory for them (see state_source.py). Waits for every pending update
         first, and copies nothing back: resident masters stay off the host."""
         self.wait_idle()
-        offloaded = self.updates.offloaded
-        if offloaded is not None:
-            offloaded.flush()
         return {
-            name: StateSource(name, self.model.units, views, self.residents.units, offloaded)
+            name: StateSource(name, self.model.units, views, self.residents.units, self.updates.offloaded)
             for name, views in self._unit_views().items()
         }
 

@@ -129,10 +129,9 @@ class OffloadedState:
         self._written.add(unit)
 
     def load_from(self, unit: str, host_views: dict[str, torch.Tensor]) -> None:
-        """Seed ``unit``'s state from host views (a resumed checkpoint)."""
-        writes = [self.tier.put(self._key(unit, name), host_views[name]) for name in self.state_names]
-        _wait(writes, f"writing {unit}'s optimizer state", self.timeout_s)
-        self._written.add(unit)
+        """Seed ``unit``'s state from host views (a checkpoint loaded into the host slabs)."""
+        for name in self.state_names:
+            self.load_state(unit, name, host_views[name])
 
     def load_state(self, unit: str, name: str, values: torch.Tensor) -> None:
         """Seed one state tensor of ``unit`` (a resume streaming a checkpoint); any staged copy is dropped."""
