@@ -126,7 +126,14 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from slide_core.engine import Engine, EngineConfig
     from slide_core.engine.placement import choose_resident_units
     from slide_hf import build_model, init_random
-    from slide_hf.planner import PlanInputs, available_host_bytes, check_fits, make_plan, plan_with_placement
+    from slide_hf.planner import (
+        PlanInputs,
+        available_host_bytes,
+        check_fits,
+        device_gpu_budget,
+        make_plan,
+        plan_with_placement,
+    )
 
     model = build_model(config)
     params = sum(u.layout.param_numel for u in model.units)
@@ -139,8 +146,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         from slide_core.devices.cpu import CPUDevice
 
         device = CPUDevice()
-    # As `slide train` places units: within --gpu-memory, else within the whole card.
-    gpu_budget = limit or (device.facts().total_memory_bytes if device.is_accelerator else None)
+    gpu_budget = device_gpu_budget(device)  # as `slide train` places units
     inputs = PlanInputs(
         model,
         batch_size=cfg.batch_size,

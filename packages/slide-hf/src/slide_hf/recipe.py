@@ -308,11 +308,16 @@ def train(cfg: TrainConfig) -> TrainSummary:
 
 def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype: torch.dtype) -> tuple[str, ...]:
     """Check the run fits (host RAM, GPU budget) and choose the units to keep on the GPU."""
-    from slide_hf.planner import PlanInputs, available_host_bytes, check_fits, make_plan, plan_with_placement
+    from slide_hf.planner import (
+        PlanInputs,
+        available_host_bytes,
+        check_fits,
+        device_gpu_budget,
+        make_plan,
+        plan_with_placement,
+    )
 
-    gpu_budget = None
-    if device.is_accelerator:
-        gpu_budget = device.memory_limit_bytes or device.facts().total_memory_bytes
+    gpu_budget = device_gpu_budget(device)
     inputs = PlanInputs(
         model,
         batch_size=cfg.batch_size,

@@ -233,12 +233,13 @@ class Engine(GradientPath):
         if self._lean_host:
             for name in self.residents.units:
                 master = self.host_params.flat(name)
-                if release_pages(master) == 0 and master.numel() * master.element_size() >= 1 << 22:
+                nbytes = master.numel() * master.element_size()
+                if release_pages(master) == 0 and nbytes >= 1 << 22:
                     log.warning(
                         "could not give back the host pages of %s (madvise failed): host memory will run "
                         "%.2f GiB above the plan",
                         name,
-                        master.numel() * master.element_size() / 2**30,
+                        nbytes / 2**30,
                     )
         self._resident_host_current = False
 

@@ -22,7 +22,7 @@ Import from ``slide_hf.planner``; the submodules are an implementation detail.
 
 from __future__ import annotations
 
-from slide_hf.planner.fit import available_host_bytes, check_fits
+from slide_hf.planner.fit import available_host_bytes, check_fits, device_gpu_budget
 from slide_hf.planner.inputs import Bandwidths, ModelShape, Offload, PlanInputs
 from slide_hf.planner.memory import CUDA_CONTEXT_BYTES, ENGINE_HOST_BUFFERS, PROCESS_BASELINE_BYTES, GiB
 from slide_hf.planner.plan import GPU_MARGIN_BYTES, Plan, largest_batch, make_plan, plan_with_placement
@@ -41,6 +41,7 @@ __all__ = [
     "PlanInputs",
     "available_host_bytes",
     "check_fits",
+    "device_gpu_budget",
     "format_bytes",
     "largest_batch",
     "make_plan",

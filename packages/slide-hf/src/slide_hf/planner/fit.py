@@ -27,6 +27,14 @@ planned at 111.5 GiB of host memory (plans there are within 2% of the measured p
 124.5 GiB available, while runs at 93-94 GiB were not."""
 
 
+def device_gpu_budget(device: Any) -> int | None:
+    """The GPU bytes a run on ``device`` plans within: its ``--gpu-memory`` cap, else the whole card;
+    None on the CPU. `slide train` and `slide bench` place units within the same budget this way."""
+    if not device.is_accelerator:
+        return None
+    return device.memory_limit_bytes or device.facts().total_memory_bytes
+
+
 def available_host_bytes() -> int:
     """Host RAM a new training process can take: the kernel's ``MemAvailable`` less the headroom above.
 
