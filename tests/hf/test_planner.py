@@ -222,13 +222,24 @@ def test_check_fits_messages_name_the_fix():
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("24GiB", 24 * GiB), ("80GB", 80 * 10**9), ("512MiB", 512 * MiB), ("1.5 gib", 3 * GiB // 2), ("4096", 4096)],
+    [
+        ("24GiB", 24 * GiB),
+        ("24G", 24 * GiB),
+        ("24", 24 * GiB),
+        ("80GB", 80 * 10**9),
+        ("512MiB", 512 * MiB),
+        ("512m", 512 * MiB),
+        ("1.5 gib", 3 * GiB // 2),
+        ("4096B", 4096),
+    ],
 )
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "lots", "24XB", "-1GB", "0", "GiB"])
+@pytest.mark.parametrize(
+    "text", ["", "lots", "24XB", "-1GB", "0", "GiB", "nanGiB", "infGiB", "1e400", "99999999999TiB"]
+)
 def test_parse_size_rejects_and_names_the_value(text):
     with pytest.raises(UserError, match=rf"--gpu-memory: .*{text!r}"):
         parse_size(text, what="--gpu-memory")

@@ -15,7 +15,7 @@ import math
 import os
 import signal
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -37,89 +37,16 @@ from slide_core.optim import TorchAdamW
 from slide_hf.data import Batches, DataPosition, load_dataset
 from slide_hf.errors import UserError
 from slide_hf.offload import offloaded_units, open_activation_tier, open_nvme_tier
+from slide_hf.options import TrainConfig, config_dict
+from slide_hf.planner.sizes import parse_size
 from slide_hf.progress import Progress
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
 
-__all__ = ["TrainConfig", "TrainSummary", "train"]
+__all__ = ["TrainConfig", "TrainSummary", "config_dict", "train"]
 
 log = logging.getLogger("slide.train")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Every `slide train` option, with the same names (underscores) as the flags and the TOML file."""
-
-    model: str = "tiny-llama"
-    data: Path | None = None
-    output: Path | None = None
-    device: str = "auto"
-    dtype: str = "bfloat16"
-    seq_len: int = 128
-    batch_size: int = 4
-    grad_accum: int = 1
-    steps: int | None = None
-    epochs: int | None = None
-    lr: float | None = None
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    lr_schedule: str = "linear"
-    warmup_steps: int = 0
-    max_grad_norm: float = 0.0
-    seed: int = 0
-    no_shuffle: bool = False
-    metrics: Path | None = None
-    save_every: int = 0
-    keep_checkpoints: int = 2
-    resume: Path | None = None
-    gpu_memory: str | None = None
-    offload_optimizer: str = "ram"
-    nvme_dir: Path | None = None
-    nvme_fraction: float = 1.0
-    offload_activations: str = "ram"
-    save_dtype: str = "auto"
-    block_slots: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "batch_size", "grad_accum", "block_slots", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("steps", "epochs"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise UserError(f"--{name} must be positive, got {value}")
-        if self.dtype not in DTYPES:
-            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise UserError(f"--device must be auto, cuda or cpu, got {self.device!r}")
-        if self.save_dtype not in ("auto", "float32", "bfloat16"):
-            raise UserError(f"--save-dtype must be auto, float32 or bfloat16, got {self.save_dtype!r}")
-        if self.lr is not None and self.lr < 0:
-            raise UserError(f"--lr must be >= 0, got {self.lr}")
-        if self.max_grad_norm < 0:
-            raise UserError(f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
-        if self.offload_optimizer not in ("ram", "nvme"):
-            raise UserError(f"--offload-optimizer must be ram or nvme, got {self.offload_optimizer!r}")
-        if self.offload_activations not in ("ram", "nvme"):
-            raise UserError(f"--offload-activations must be ram or nvme, got {self.offload_activations!r}")
-        if not 0.0 <= self.nvme_fraction <= 1.0:
-            raise UserError(f"--nvme-fraction must be in [0, 1], got {self.nvme_fraction}")
-        if self.save_every < 0:
-            raise UserError(f"--save-every must be >= 0, got {self.save_every}")
-        if self.lr_schedule not in ("constant", "linear", "cosine"):
-            raise UserError(f"--lr-schedule must be constant, linear or cosine, got {self.lr_schedule!r}")
-        if self.warmup_steps < 0:
-            raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if self.weight_decay < 0:
-            raise UserError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise UserError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
-        if self.adam_eps <= 0:
-            raise UserError(f"--adam-eps must be > 0, got {self.adam_eps}")
 
 
 @dataclass
@@ -406,7 +333,7 @@ def _make_device(cfg: TrainConfig) -> Device:
         return CPUDevice()
     if not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but torch sees no GPU; use --device auto or cpu")
-    limit = _parse_size(cfg.gpu_memory) if cfg.gpu_memory else None
+    limit = parse_size(cfg.gpu_memory, what="--gpu-memory") if cfg.gpu_memory else None
     if torch.version.hip:
         from slide_core import plugins
 
@@ -418,22 +345,6 @@ def _make_device(cfg: TrainConfig) -> Device:
     from slide_core.devices.cuda import CUDADevice
 
     return CUDADevice(memory_limit_bytes=limit)
-
-
-_UNITS = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10, "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3}
-
-
-def _parse_size(text: str) -> int:
-    raw = text.strip().lower().replace(" ", "")
-    suffix = next((s for s in _UNITS if raw.endswith(s)), None)
-    number, scale = (raw[: -len(suffix)], _UNITS[suffix]) if suffix else (raw.rstrip("b"), 1)
-    try:
-        value = float(number) * scale
-    except ValueError:
-        raise UserError(f"cannot read size {text!r}; write e.g. 24GiB or 80GB") from None
-    if value <= 0:
-        raise UserError(f"size {text!r} must be positive")
-    return int(value)
 
 
 def _flops_per_token(config: Any, params: int, seq_len: int) -> float:
@@ -477,8 +388,3 @@ def _save_tokenizer(tokenizer: Any, output: Path) -> Path:
         raise UserError(f"cannot create output directory {output}: {error.strerror}") from None
     tokenizer.save_pretrained(str(target))
     return target
-
-
-def config_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """The run's options as JSON-ready values (kept in every checkpoint, for provenance)."""
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}

@@ -22,24 +22,30 @@ EPILOG = """examples:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from slide_hf.recipe import TrainConfig
+    from slide_hf.options import REPORTERS, TrainConfig
+    from slide_hf.planner.sizes import SIZE_RULE
 
     parser = commands.add_parser(
         "train",
         help="fine-tune a model (default: tiny-llama on bundled text)",
         description=__doc__,
-        epilog=EPILOG,
+        epilog=EPILOG + "\n" + SIZE_RULE + "\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     defaults = TrainConfig()
     add = parser.add_argument
     add("--config", type=Path, help="TOML file with any of these options (underscored names)")
-    add("--model", help=f"HF model directory or preset (default {defaults.model})")
-    add("--data", type=Path, help="JSON Lines file: text, messages or input_ids (default: bundled English text)")
-    add("--output", type=Path, help="output directory (default runs/<timestamp>)")
+    add("--model", help=f"HF model directory, Hub name (org/name) or preset (default {defaults.model})")
+    add("--tokenizer", type=Path, help="tokenizer directory, when the model directory has none")
+    add("--data", help="JSON Lines (.jsonl, .jsonl.gz), .json, .parquet or a Hub dataset (default: bundled text)")
+    add("--output", type=Path, help="output directory (default runs/<timestamp>-<suffix>)")
+    add("--overwrite", action="store_true", default=None, help="reuse a non-empty --output, replacing slide's files")
     add("--device", choices=("auto", "cuda", "cpu"), help="compute device (default auto)")
     add("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bfloat16)")
     add("--seq-len", type=int, help=f"tokens per sequence (default {defaults.seq_len})")
+    add("--no-packing", dest="packing", action="store_false", default=None, help="one example per row (padded)")
+    add("--train-on-inputs", action="store_true", default=None, help="loss on prompts and user turns too")
+    add("--chat-template", help="chat template file (.jinja) or a bundled name, instead of the tokenizer's")
     add("--batch-size", type=int, help=f"sequences per micro-batch (default {defaults.batch_size})")
     add("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
     add("--steps", type=int, help="optimizer steps (default: --epochs over the data)")
@@ -54,11 +60,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--max-grad-norm", type=float, help="global gradient-norm clip, 0 = off (default 0)")
     add("--seed", type=int, help="seed for init and shuffling (default 0)")
     add("--no-shuffle", action="store_true", default=None, help="keep file order")
-    add("--metrics", type=Path, help="JSON Lines file with one record per optimizer step")
-    add("--save-every", type=int, help="checkpoint every N steps (default 0 = none; the model is exported at the end)")
+    add("--eval-data", type=Path, help="held-out data in any --data format, evaluated every --eval-every steps")
+    add("--eval-fraction", type=float, help="hold out this fraction of --data's examples instead")
+    add("--eval-every", type=int, help="evaluate every N steps (default 0: only at the end)")
+    add("--save-best", action="store_true", default=None, help="keep the checkpoint with the lowest eval loss")
+    add("--metrics", type=Path, help="JSON Lines metrics file (default <output>/metrics.jsonl)")
+    add("--report-to", help=f"also log to these trackers, comma-separated: {', '.join(REPORTERS)}")
+    add("--log-every", type=int, help="write a plain progress line every N steps when not on a terminal (default 1)")
+    add("--save-every", type=int, help="checkpoint every N steps (default 0: only at the end)")
     add("--keep-checkpoints", type=int, help="how many checkpoints to keep (default 2)")
-    add("--resume", type=Path, help="an output directory or one of its checkpoints")
-    add("--gpu-memory", help="hard GPU memory cap, e.g. 24GiB")
+    add(
+        "--resume",
+        type=Path,
+        help="continue a run: its output directory or one of its checkpoints; the run's "
+        "options come back with it, and only steps, saving, evaluation, logging and placement may change",
+    )
+    add("--gpu-memory", help="hard GPU memory cap, e.g. 24 (GiB), 24GiB or 80GB")
     add("--offload-optimizer", choices=("ram", "nvme"), help="where Adam state lives (default ram)")
     add("--nvme-dir", type=Path, help="directory on NVMe for offloaded state")
     add("--nvme-fraction", type=float, help="fraction of units whose state goes to NVMe (default 1.0)")
@@ -73,6 +90,12 @@ def _from_toml(path: Path) -> dict[str, Any]:
             data = tomllib.load(handle)
     except FileNotFoundError:
         raise UserError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"config file {path} is a directory, not a TOML file") from None
+    except OSError as error:
+        raise UserError(f"cannot read config file {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as error:
         raise UserError(f"config file {path} is not valid TOML: {error}") from None
     return data
@@ -90,8 +113,9 @@ def _check_toml_value(path: Path, key: str, value: Any, annotation: str) -> None
         raise UserError(f"config file {path}: {key} must be {' or '.join(names)}, got {value!r}")
 
 
-def build_config(args: argparse.Namespace):
-    from slide_hf.recipe import TrainConfig
+def given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options the user gave, from ``--config`` and the flags (flags win), as TrainConfig field values."""
+    from slide_hf.options import TrainConfig
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     values: dict[str, Any] = {}
@@ -99,15 +123,27 @@ def build_config(args: argparse.Namespace):
         for key, value in _from_toml(args.config).items():
             if key not in fields:
                 raise UserError(f"config file {args.config}: unknown option {key!r}")
+            if key == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+                value = ",".join(value)
             _check_toml_value(args.config, key, value, fields[key].type)
             values[key] = value
     for name in fields:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
-    for name in ("data", "output", "metrics", "resume", "nvme_dir"):
-        if isinstance(values.get(name), str):
-            values[name] = Path(values[name])
+    return values
+
+
+def build_config(args: argparse.Namespace):
+    """The run's TrainConfig: the given options, or for ``--resume`` the saved run's options updated by them."""
+    from slide_hf.options import TrainConfig, resume_config
+
+    values = given_options(args)
+    if values.get("resume") is not None:
+        from slide_hf.run_options import saved_options
+
+        saved, source = saved_options(Path(values["resume"]))
+        return resume_config(saved, values, source=source)
     try:
         return TrainConfig(**values)
     except TypeError as error:

@@ -1,0 +1,313 @@
+"""The options of a training run, and the one layer that validates them.
+
+Every way into `slide train` -- flags, a TOML file, the Python API, a resumed run's saved options -- ends in
+:class:`TrainConfig`, and its ``__post_init__`` applies :data:`RULES`. So a value is checked once, in one
+place, with one message per option: ``--lr must be a finite number >= 0, got nan``. NaN and infinities
+are refused for every float (an all-NaN model exported with exit 0 is the worst outcome a user can get), and
+every integer has a range that the code behind it can honour (a seed past 2**63 cannot seed torch).
+
+Resuming (:func:`resume_config`) restores the saved options and lets the command line change only what
+cannot change the math of the run: how long it goes on, how often it saves, evaluates and logs, and where
+it runs. Anything else differing from the saved run is refused in one line naming both values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from slide_hf.errors import UserError
+
+__all__ = [
+    "MACHINE_OPTIONS",
+    "REPORTERS",
+    "RESUME_SAFE_OPTIONS",
+    "RULES",
+    "Rule",
+    "TrainConfig",
+    "check_option",
+    "config_dict",
+    "resume_config",
+]
+
+_INT_MAX = 2**63 - 1
+REPORTERS = ("tensorboard", "wandb", "mlflow")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one option accepts: a finite number in ``[low, high]`` (``low_open``: strictly above ``low``,
+    ``high_open``: strictly below ``high``), or one of ``choices``."""
+
+    kind: str  # "int", "float" or "choice"
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """``in [0, 1)``, ``>= 0``, ``an integer in [1, 64]``: interval notation, as the docs write ranges."""
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        noun = "an integer" if self.kind == "int" else "a finite number"
+        low, high = self.low, self.high
+        if self.kind == "int":
+            low, high = (None if low is None else int(low)), (None if high is None else int(high))
+        shown_high = high is not None and (self.kind == "float" or high < 2**31)
+        if low is not None and shown_high:
+            return f"{noun} in {'(' if self.low_open else '['}{_num(low)}, {_num(high)}{')' if self.high_open else ']'}"
+        if low is not None:
+            return f"{noun} {'>' if self.low_open else '>='} {_num(low)}"
+        return noun
+
+    def accepts(self, value: Any) -> bool:
+        if self.kind == "choice":
+            return isinstance(value, str) and value in self.choices
+        if isinstance(value, bool):
+            return False
+        if self.kind == "int" and not isinstance(value, int):
+            return False
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
+
+    def out_of_range_word(self, value: Any) -> str:
+        """``" (too large)"`` for an integer past a bound the message does not print."""
+        big = self.kind == "int" and isinstance(value, int) and self.high is not None and value > self.high
+        return " (too large)" if big and self.high >= 2**31 else ""
+
+
+def _num(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def _positive_int(high: float = _INT_MAX) -> Rule:
+    return Rule("int", 1, high)
+
+
+RULES: dict[str, Rule] = {
+    "device": Rule("choice", choices=("auto", "cuda", "cpu")),
+    "dtype": Rule("choice", choices=("bfloat16", "float32")),
+    "seq_len": Rule("int", 2, 2**24),
+    "batch_size": _positive_int(),
+    "grad_accum": _positive_int(),
+    "steps": _positive_int(_INT_MAX),
+    "epochs": _positive_int(10**6),
+    "lr": Rule("float", 0),
+    "weight_decay": Rule("float", 0),
+    "adam_beta1": Rule("float", 0, 1, high_open=True),
+    "adam_beta2": Rule("float", 0, 1, high_open=True),
+    "adam_eps": Rule("float", 0, 1, low_open=True),
+    "lr_schedule": Rule("choice", choices=("constant", "linear", "cosine")),
+    "warmup_steps": Rule("int", 0, _INT_MAX),
+    "max_grad_norm": Rule("float", 0),
+    "seed": Rule("int", 0, _INT_MAX),
+    "save_every": Rule("int", 0, _INT_MAX),
+    "keep_checkpoints": _positive_int(10**6),
+    "offload_optimizer": Rule("choice", choices=("ram", "nvme")),
+    "nvme_fraction": Rule("float", 0, 1),
+    "offload_activations": Rule("choice", choices=("ram", "nvme")),
+    "save_dtype": Rule("choice", choices=("auto", "float32", "bfloat16")),
+    "block_slots": Rule("int", 1, 64),
+    "eval_fraction": Rule("float", 0, 1, high_open=True),
+    "eval_every": Rule("int", 0, _INT_MAX),
+    "log_every": _positive_int(_INT_MAX),
+}
+"""Option name (underscored, as in TOML and the Python API) -> what it accepts. ``None`` always passes
+where the field allows it (``steps``, ``epochs``, ``lr``: "choose for me")."""
+
+
+def check_option(name: str, value: Any, *, flag: str | None = None) -> None:
+    """Refuse ``value`` for option ``name`` in one line, unless :data:`RULES` accepts it.
+
+    ``flag`` is how the caller's user wrote the option (``--gpu-memory``); the default is ``--name-with-dashes``.
+    `slide plan` and `slide bench` call this for the options they share with `slide train`."""
+    rule = RULES[name]
+    if value is None or rule.accepts(value):
+        return
+    shown = flag or "--" + name.replace("_", "-")
+    raise UserError(f"{shown} must be {rule.describe()}, got {value!r}{rule.out_of_range_word(value)}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every `slide train` option, with the same names (underscores) as the flags and the TOML file."""
+
+    model: str = "tiny-llama"
+    tokenizer: Path | None = None
+    data: Path | None = None
+    output: Path | None = None
+    overwrite: bool = False
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    seq_len: int = 128
+    packing: bool = True
+    train_on_inputs: bool = False
+    chat_template: str | None = None
+    batch_size: int = 4
+    grad_accum: int = 1
+    steps: int | None = None
+    epochs: int | None = None
+    lr: float | None = None
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    lr_schedule: str = "linear"
+    warmup_steps: int = 0
+    max_grad_norm: float = 0.0
+    seed: int = 0
+    no_shuffle: bool = False
+    eval_data: Path | None = None
+    eval_fraction: float = 0.0
+    eval_every: int = 0
+    save_best: bool = False
+    metrics: Path | None = None
+    report_to: tuple[str, ...] = ()
+    log_every: int = 1
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    resume: Path | None = None
+    gpu_memory: str | None = None
+    offload_optimizer: str = "ram"
+    nvme_dir: Path | None = None
+    nvme_fraction: float = 1.0
+    offload_activations: str = "ram"
+    save_dtype: str = "auto"
+    block_slots: int = 2
+
+    def __post_init__(self) -> None:
+        for name, value in ((f.name, getattr(self, f.name)) for f in fields(self)):
+            if isinstance(value, str) and name in _PATH_FIELDS:
+                object.__setattr__(self, name, Path(value))
+        for name in RULES:
+            check_option(name, getattr(self, name))
+        if isinstance(self.report_to, str):
+            object.__setattr__(self, "report_to", _split_reporters(self.report_to))
+        unknown = [name for name in self.report_to if name not in REPORTERS]
+        if unknown:
+            raise UserError(f"--report-to must name {', '.join(REPORTERS)}; got {', '.join(map(repr, unknown))}")
+        if self.gpu_memory is not None:
+            from slide_hf.planner.sizes import parse_size
+
+            parse_size(str(self.gpu_memory), what="--gpu-memory")
+        if self.eval_data is not None and self.eval_fraction > 0:
+            raise UserError("--eval-data and --eval-fraction both choose the evaluation data; give one")
+        if self.save_best and not self.evaluates:
+            raise UserError("--save-best needs evaluation data: --eval-data FILE or --eval-fraction F")
+        for name in ("output", "metrics", "data", "eval_data", "nvme_dir", "resume", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and str(value).strip() == "":
+                raise UserError(f"--{name.replace('_', '-')} must not be empty")
+
+    @property
+    def evaluates(self) -> bool:
+        return self.eval_data is not None or self.eval_fraction > 0
+
+
+_PATH_FIELDS = frozenset({"tokenizer", "data", "output", "eval_data", "metrics", "resume", "nvme_dir"})
+
+
+def _split_reporters(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def config_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The run's options as JSON-ready values (kept in every checkpoint and in ``options.json``)."""
+    values: dict[str, Any] = {}
+    for key, value in asdict(cfg).items():
+        if isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        values[key] = value
+    return values
+
+
+RESUME_SAFE_OPTIONS = frozenset(
+    {
+        "steps",
+        "epochs",
+        "save_every",
+        "keep_checkpoints",
+        "eval_every",
+        "save_best",
+        "metrics",
+        "report_to",
+        "log_every",
+        "resume",
+        "output",
+        "overwrite",
+        "save_dtype",
+    }
+)
+"""Options a resumed run may change: how long it goes on and how it saves, evaluates and reports."""
+
+MACHINE_OPTIONS = frozenset(
+    {"device", "gpu_memory", "offload_optimizer", "nvme_dir", "nvme_fraction", "offload_activations", "block_slots"}
+)
+"""Options that say where the run executes. A resumed run may change them (it may land on another machine);
+placement moves arrays between host, GPU and disk, never changes what they hold."""
+
+
+def resume_config(saved: Mapping[str, Any], given: Mapping[str, Any], *, source: str) -> TrainConfig:
+    """The options of a resumed run: ``saved`` (a checkpoint's options) updated by ``given`` (what the user
+    passed now), refusing in one line any change to an option outside :data:`RESUME_SAFE_OPTIONS` and
+    :data:`MACHINE_OPTIONS`. ``source`` names the checkpoint in messages.
+
+    Paths compare after resolving (``./tinyqwen`` is ``tinyqwen``); options the saved run did not record
+    (an older checkpoint) take the new value or the default."""
+    known = {f.name for f in fields(TrainConfig)}
+    values = {key: value for key, value in saved.items() if key in known}
+    for key, value in given.items():
+        if key not in known:
+            raise UserError(f"unknown option {key!r}")
+        if key in RESUME_SAFE_OPTIONS or key in MACHINE_OPTIONS or key not in values:
+            values[key] = value
+            continue
+        before, after = _comparable(key, values[key]), _comparable(key, value)
+        if before != after:
+            flag = "--" + key.replace("_", "-")
+            raise UserError(
+                f"{flag} was {_shown(values[key])} in the run at {source} and is {_shown(value)} now; a resumed "
+                f"run keeps it (start a new run with --output to change it)"
+            )
+    try:
+        return TrainConfig(**_typed(values))
+    except TypeError as error:
+        raise UserError(f"{source}: saved options do not fit this version of slide ({error})") from None
+
+
+def _typed(values: dict[str, Any]) -> dict[str, Any]:
+    """Saved JSON values back to the field types (paths as Path, lists as tuples)."""
+    typed = dict(values)
+    for key in _PATH_FIELDS:
+        if isinstance(typed.get(key), str):
+            typed[key] = Path(typed[key])
+    if isinstance(typed.get("report_to"), list):
+        typed["report_to"] = tuple(typed["report_to"])
+    return typed
+
+
+def _comparable(key: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if key in _PATH_FIELDS or key == "model":
+        path = Path(str(value)).expanduser()
+        # A preset name is not a path; compare it as text unless such a directory exists.
+        return str(path.resolve()) if (key != "model" or path.exists()) else str(value)
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _shown(value: Any) -> str:
+    return repr(str(value)) if isinstance(value, Path) else repr(value)
