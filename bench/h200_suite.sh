@@ -29,6 +29,6 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):
     print(f.stem, "tok/s", s["tokens_per_s"], "plain", r.get("plain", {}).get("tokens_per_s"), "ratio", r.get("ratio"),
           "bound", s["physical_bound_tokens_per_s"], s["binding_limit"], "gpu", s["gpu_peak_gib"], "plan", s["planned_gpu_peak_gib"],
           "host", s["host_peak_rss_gib"], "plan", s["planned_host_peak_gib"], "B/param", s["host_bytes_per_param"],
-          "eta", s["median_block_eta"], "crit", s["critical_batch_size"], "resident", len(s["resident_units"]),
+          "overlap", s["median_block_overlap"], "crit", s["critical_batch_size"], "resident", len(s["resident_units"]),
           "steps", s["step_times_s"], "norms", s.get("grad_norms"))
 PY

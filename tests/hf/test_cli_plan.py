@@ -49,10 +49,10 @@ def test_plan_tiny_llama_table(slide):
     assert status == 0, err
     for label in ("GPU peak", "block slots", "host peak", "master fp32", "disk", "params", "max batch"):
         assert label in out
-    for label in ("step time", "eta", "binding limit", "critical batch", "fits"):
+    for label in ("step time", "overlap", "binding limit", "critical batch", "fits"):
         assert label in out
     assert "11,094,272" in out  # tiny-llama's parameter count
-    assert "larger batches raise eta" in out  # a tiny batch cannot hide the optimizer
+    assert "larger batches raise overlap" in out  # a tiny batch cannot hide the optimizer
 
 
 def test_plan_tiny_llama_json(slide):

@@ -181,15 +181,15 @@ def test_update_time_and_pcie_bytes():
     assert plan.pcie_s == pytest.approx((4 * loads + stash) / 1e9)
 
 
-def test_eta_rises_with_batch_and_critical_batch_is_where_it_reaches_one():
+def test_overlap_rises_with_batch_and_critical_batch_is_where_it_reaches_one():
     shape = ModelShape.of(_toy())
     bw = Bandwidths(gpu_tflops=50.0)
-    etas = [make_plan(PlanInputs(shape, batch_size=b, seq_len=256, bandwidths=bw)).eta for b in (1, 2, 4)]
-    assert etas[0] < etas[1] < etas[2]
+    overlaps = [make_plan(PlanInputs(shape, batch_size=b, seq_len=256, bandwidths=bw)).overlap for b in (1, 2, 4)]
+    assert overlaps[0] < overlaps[1] < overlaps[2]
     critical = make_plan(PlanInputs(shape, seq_len=256, bandwidths=bw)).critical_batch_size
     assert critical is not None and critical > 1
-    assert make_plan(PlanInputs(shape, batch_size=critical, seq_len=256, bandwidths=bw)).eta >= 1
-    assert make_plan(PlanInputs(shape, batch_size=critical - 1, seq_len=256, bandwidths=bw)).eta < 1
+    assert make_plan(PlanInputs(shape, batch_size=critical, seq_len=256, bandwidths=bw)).overlap >= 1
+    assert make_plan(PlanInputs(shape, batch_size=critical - 1, seq_len=256, bandwidths=bw)).overlap < 1
 
 
 # ---- fitting and sizes ------------------------------------------------------------------------------

@@ -4,10 +4,10 @@ Used by `slide bench` and `bench/e2e.py`. Inputs are random token ids (never zer
 - tok/s and TFLOPS, with FLOPs per token = 6·N + 12·L·H·S (matmuls fwd+bwd plus attention scores);
   the engine's recompute forward is *not* counted, so both sides are credited the same work;
 - GPU peak (``max_memory_allocated``) and host peak RSS (sampled every 50 ms);
-- per unit, eta = T_bwd / (T_d2h + T_update) and the phase times behind it;
+- per unit, overlap = T_bwd / (T_d2h + T_update) and the phase times behind it;
 - the physical bound of the run: the largest of the summed per-unit compute, the PCIe time (bytes moved
   over the PCIe bandwidth measured in the same run) and the host optimizer time; and which one binds;
-- the critical batch, the batch size at which the median block's eta reaches 1 (eta grows linearly with
+- the critical batch, the batch size at which the median block's overlap reaches 1 (overlap grows linearly with
   tokens per step, since T_bwd does and T_d2h + T_update do not).
 The plain reference is the HF model entirely on the GPU: fp32 weights, bf16 autocast, gradient
 checkpointing, SDPA and fused GPU AdamW, the same batch and sequence length.
@@ -228,7 +228,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         phases = {k: round(statistics.mean(r.get(k, 0.0) for r in records), 2) for k in keys}
         busy = phases.get("backward", 0.0) + phases.get("head", 0.0)
         cost = phases.get("d2h", 0.0) + (0.0 if name in resident else phases.get("update", 0.0))
-        units[name] = {"eta": round(busy / cost, 3) if cost else None, **phases}
+        units[name] = {"overlap": round(busy / cost, 3) if cost else None, **phases}
     compute_ms = sum(u.get(k, 0.0) for u in units.values() for k in ("forward", "backward", "head"))
     host_update_ms = sum(u.get("update", 0.0) for n, u in units.items() if n not in resident)
     sliding_numel = sum(u.layout.numel for u in model.units if u.name not in resident)
@@ -237,8 +237,8 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     pcie_ms = (loads_bytes / h2d_gbps + grads_bytes / d2h_gbps) / 1e6
     bounds = {"gpu compute": compute_ms, "pcie": pcie_ms, "host optimizer": host_update_ms}
     binding = max(bounds, key=bounds.get)
-    block_etas = [u["eta"] for n, u in units.items() if n.startswith("block") and u["eta"]]
-    median_eta = statistics.median(block_etas) if block_etas else None
+    block_overlaps = [u["overlap"] for n, u in units.items() if n.startswith("block") and u["overlap"]]
+    median_overlap = statistics.median(block_overlaps) if block_overlaps else None
     flops = flops_per_token(config, params, cfg.seq_len)
     result = {
         "params": params,
@@ -262,8 +262,8 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "bound_ms": {k: round(v, 1) for k, v in bounds.items()},
         "binding_limit": binding,
         "physical_bound_tokens_per_s": round(tokens / (max(bounds.values()) / 1e3), 1),
-        "median_block_eta": median_eta,
-        "critical_batch_size": round(cfg.batch_size / median_eta, 1) if median_eta else None,
+        "median_block_overlap": median_overlap,
+        "critical_batch_size": round(cfg.batch_size / median_overlap, 1) if median_overlap else None,
         "losses": [round(x, 4) for x in losses],
         "units": units,
     }

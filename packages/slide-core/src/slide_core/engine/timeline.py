@@ -1,7 +1,7 @@
 """Per-unit, per-phase timings, from device events and host clocks.
 
 Device events are resolved only once they have completed (``query``), so recording timings never adds a
-host sync to the hot path. The hiding factor of a unit is eta = T_bwd / (T_d2h + T_update): at eta >= 1
+host sync to the hot path. The overlap of a unit is T_bwd / (T_d2h + T_update): at overlap >= 1
 moving and updating a unit's gradients hides entirely behind the backward of the units before it.
 """
 
@@ -38,7 +38,7 @@ class UnitTimes:
     ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     @property
-    def eta(self) -> float | None:
+    def overlap(self) -> float | None:
         denominator = self.ms["d2h"] + self.ms["update"]
         busy = self.ms["backward"] + self.ms["head"]
         if denominator <= 0.0 or busy <= 0.0:

@@ -181,11 +181,13 @@ def render(plan: Plan, *, model_name: str, dtype: str, gpu_source: str, problem:
             f"update {plan.update_s:.3g} s, nvme {plan.disk_s:.3g} s; {plan.tokens_per_s:,.0f} tokens/s",
         )
     )
-    eta_note = "larger batches raise eta" if plan.eta < 1 else "gradient transfer and update hide behind backward"
-    lines.append(_row("eta", f"{plan.eta:.2f}", eta_note))
+    overlap_note = (
+        "larger batches raise overlap" if plan.overlap < 1 else "gradient transfer and update hide behind backward"
+    )
+    lines.append(_row("overlap", f"{plan.overlap:.2f}", overlap_note))
     lines.append(_row("binding limit", plan.binding))
     critical = "n/a" if plan.critical_batch_size is None else str(plan.critical_batch_size)
-    lines.append(_row("critical batch", critical, "smallest batch with eta >= 1"))
+    lines.append(_row("critical batch", critical, "smallest batch with overlap >= 1"))
     lines.append(_row("fits", "yes" if problem is None else "no", problem or ""))
     return "\n".join(lines)
 

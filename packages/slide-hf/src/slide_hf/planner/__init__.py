@@ -12,7 +12,7 @@ The package, one job per module (each imports only the ones above it):
 - :mod:`~slide_hf.planner.sizes`: ``24GiB`` in, ``30.1 GiB`` out;
 - :mod:`~slide_hf.planner.inputs`: :class:`Bandwidths`, :class:`ModelShape`, :class:`PlanInputs`;
 - :mod:`~slide_hf.planner.memory`: host, GPU and disk bytes;
-- :mod:`~slide_hf.planner.timing`: step time, eta and the critical batch;
+- :mod:`~slide_hf.planner.timing`: step time, overlap and the critical batch;
 - :mod:`~slide_hf.planner.plan`: :class:`Plan`, :func:`make_plan`, :func:`largest_batch`,
   :func:`plan_with_placement`;
 - :mod:`~slide_hf.planner.fit`: :func:`check_fits` against the machine's budgets.

@@ -34,9 +34,9 @@ class Plan:
     peak is the larger of its sum and loading (the whole fp32 master on the host before the engine
     moves the resident units' copies to the GPU and gives their pages back). ``max_batch_size`` is the largest batch
     that fits every cap set in the inputs (None when none is set; 0 when not even 1 fits) and
-    ``max_batch_limit`` says which cap binds. ``eta`` is T_bwd / (T_d2h + T_update) for the whole step
+    ``max_batch_limit`` says which cap binds. ``overlap`` is T_bwd / (T_d2h + T_update) for the whole step
     (>= 1: gradient transfer and update hide behind the backward); ``critical_batch_size`` is the
-    smallest batch with eta >= 1.
+    smallest batch with overlap >= 1.
     """
 
     inputs: PlanInputs = field(repr=False)
@@ -58,7 +58,7 @@ class Plan:
     update_s: float
     disk_s: float
     step_time_s: float
-    eta: float
+    overlap: float
     binding: str
     critical_batch_size: int | None
 
@@ -108,7 +108,7 @@ class Plan:
             "disk_s": self.disk_s,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
-            "eta": self.eta,
+            "overlap": self.overlap,
             "binding": self.binding,
             "critical_batch_size": self.critical_batch_size,
         }
@@ -132,7 +132,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
     - update = max(params / cpu_adam rate, (AdamW + accumulation bytes) / host memory bandwidth).
     - disk = bytes moved to and from NVMe (m and v read and written; stash written and read) / disk_gbps.
 
-    step_time = max(compute, pcie, update, disk). eta = T_bwd / (T_d2h + T_update), with T_bwd the
+    step_time = max(compute, pcie, update, disk). overlap = T_bwd / (T_d2h + T_update), with T_bwd the
     recompute + backward of the blocks plus the head (6 N_b + 6 L S d + 6 V H per token).
     """
     shape = inputs.shape

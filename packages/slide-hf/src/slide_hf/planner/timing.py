@@ -1,4 +1,4 @@
-"""Seconds: the step time of a :class:`PlanInputs`, its binding pipeline, eta and the critical batch.
+"""Seconds: the step time of a :class:`PlanInputs`, its binding pipeline, overlap and the critical batch.
 
 Step time assumes perfect overlap of the pipelines the engine runs concurrently (GPU compute, PCIe in
 each direction, the CPU optimizer, NVMe when used) and takes the slowest; see
@@ -73,7 +73,7 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     limits = {"gpu compute": compute_s, "pcie": pcie_s, "host memory bandwidth": update_s, "nvme": disk_s}
     binding = max(limits, key=limits.__getitem__)
     hide = d2h_s + update_s
-    eta = backward_s / hide if hide > 0 else math.inf
+    overlap = backward_s / hide if hide > 0 else math.inf
     per_sample_bwd = backward_s / inputs.batch_size
     critical = math.ceil(hide / per_sample_bwd - 1e-9) if per_sample_bwd > 0 else None
     return {
@@ -83,7 +83,7 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
         "update_s": update_s,
         "disk_s": disk_s,
         "step_time_s": max(limits.values()),
-        "eta": eta,
+        "overlap": overlap,
         "binding": binding,
         "critical_batch_size": max(1, critical) if critical is not None else None,
     }
