@@ -9,7 +9,6 @@ directory at the end.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -40,6 +39,7 @@ from slide_hf.offload import offloaded_units, open_activation_tier, open_nvme_ti
 from slide_hf.options import TrainConfig, config_dict
 from slide_hf.planner.sizes import parse_size
 from slide_hf.progress import Progress
+from slide_hf.run_log import RunLog
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
 
 __all__ = ["TrainConfig", "TrainSummary", "config_dict", "train"]
@@ -65,20 +65,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
     output = cfg.output or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
     # Model and tokenizer.
-    from slide_hf import build_model, export_hf, init_random, load_weights, resolve_model
+    from slide_hf import export_hf, init_random, load_weights
 
-    preset_overrides = {"vocab_size": BYTE_VOCAB_SIZE} if cfg.model == "tiny-llama" else {}
-    try:
-        config, model_dir = resolve_model(cfg.model, **preset_overrides)
-    except ValueError as error:
-        raise UserError(str(error)) from error
-    tokenizer = load_tokenizer(model_dir)
-    if len(tokenizer) > config.vocab_size:
-        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}")
-    try:
-        model = build_model(config)
-    except ValueError as error:
-        raise UserError(str(error)) from error
+    config, model_dir, tokenizer, model = _setup_model(cfg)
 
     # Data.
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -101,7 +90,14 @@ def train(cfg: TrainConfig) -> TrainSummary:
     device = _make_device(cfg)
     compute_dtype = DTYPES[cfg.dtype]
     resident = _plan_and_place(cfg, model, device, compute_dtype)
-    with device:
+    run_log = RunLog(
+        output,
+        config_dict(cfg),
+        metrics=cfg.metrics,
+        report_to=cfg.report_to,
+        inputs=tuple(p for p in (cfg.data, cfg.eval_data, cfg.resume) if isinstance(p, Path)),
+    )
+    with device, run_log:
         host = HostParameters(model)  # the engine pins what it streams and gives back what lives on the GPU
         if model_dir is None:
             init_random(model, host, config, seed=cfg.seed)
@@ -112,7 +108,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         log.info(
             "model %s: %.1fM params, %d blocks | data: %s, %d sequences of %d tokens | %d steps of %d tokens | "
             "device %s (%s)",
-            cfg.model,
+            _describe_model(cfg, model_dir),
             params / 1e6,
             len(model.blocks),
             dataset.source,
@@ -154,7 +150,6 @@ def train(cfg: TrainConfig) -> TrainSummary:
         config.save_pretrained(str(output / "config"))
         run_state = {"model": cfg.model, "seed": cfg.seed, "total_steps": total_steps, "config": config_dict(cfg)}
         losses: list[float] = []
-        metrics = _open_metrics(cfg.metrics)
         process = psutil.Process()
         stop = _StopRequests()
 
@@ -176,8 +171,11 @@ def train(cfg: TrainConfig) -> TrainSummary:
                     tiers.callback(tier.close)
             # Inside the running engine: each unit's arrays stream to where the unit lives.
             first_step = _resume(cfg.resume, engine, batches, run_state) if cfg.resume is not None else 0
+            run_log.start(first_step)
             device.reset_peak_memory()
-            with Progress(total_steps, first_step=first_step) as progress:
+            has_gpu = device.torch_device.type != "cpu"
+            progress = Progress(total_steps, first_step=first_step, has_gpu=has_gpu, log_every=cfg.log_every)
+            with progress:
                 for step in range(first_step, total_steps):
                     # LR for this step, then forward/backward over its micro-batches and the update.
                     try:
@@ -202,16 +200,14 @@ def train(cfg: TrainConfig) -> TrainSummary:
                         "tokens_per_s": result.tokens / result.wall_s,
                         "step_time_s": result.wall_s,
                         "tflops": flops_per_token * result.tokens / result.wall_s / 1e12,
-                        "eta": _overall_eta(times),
+                        "overlap": _overall_overlap(times),
                         "grad_norm": result.grad_norm,
                         "skipped": result.skipped,
                         "gpu_mem_peak_gb": device.peak_memory_bytes() / 1e9,
                         "host_rss_gb": process.memory_info().rss / 1e9,
                     }
-                    if metrics is not None:
-                        metrics.write(json.dumps(record) + "\n")
-                        metrics.flush()
-                    progress.update(record)
+                    progress.update(record)  # adds the time remaining, eta_s
+                    run_log.record(record)
                     # Checkpoint: every --save-every steps, and when asked to stop (SIGINT/SIGTERM).
                     done = step + 1
                     if (cfg.save_every and done % cfg.save_every == 0) or stop.requested:
@@ -221,8 +217,6 @@ def train(cfg: TrainConfig) -> TrainSummary:
             # Training is over: free the host Adam state before the GPU-resident masters come back for the
             # export, so the host never holds both (Note [Resident host copies] in slide_core's engine).
             engine.close(keep_host_state=False)
-        if metrics is not None:
-            metrics.close()
         # Export: an HF directory next to the run's other outputs.
         model_out = output / "model"
         save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
@@ -231,6 +225,41 @@ def train(cfg: TrainConfig) -> TrainSummary:
         raise UserError(f"no optimizer step was applied; the model was still written to {model_out}")
     log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
     return TrainSummary(len(losses), losses[0], losses[-1], output, model_out, losses)
+
+
+def _setup_model(cfg: TrainConfig) -> tuple[Any, Path | None, Any, Any]:
+    """``(config, model_dir, tokenizer, model)``: a model directory, a Hub id (cached first) or a preset."""
+    from slide_hf import build_model, resolve_model
+    from slide_hf.hub import is_hub_id, resolve_hub_model
+    from slide_hf.presets import PRESETS
+
+    source: str | Path = cfg.model
+    if cfg.model not in PRESETS and is_hub_id(cfg.model):
+        source = resolve_hub_model(cfg.model)
+    preset_overrides = {"vocab_size": BYTE_VOCAB_SIZE} if cfg.model == "tiny-llama" else {}
+    try:
+        config, model_dir = resolve_model(source, **preset_overrides)
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    tokenizer = load_tokenizer(model_dir, cfg.tokenizer)
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}")
+    try:
+        model = build_model(config)
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    return config, model_dir, tokenizer, model
+
+
+def _describe_model(cfg: TrainConfig, model_dir: Path | None) -> str:
+    """How the first log line names the model. A preset says ``random weights`` there: a run on a preset
+    must never pass for a fine-tune of real weights in anyone's log."""
+    if model_dir is None:
+        tokenizer = "bundled byte tokenizer" if cfg.tokenizer is None else f"tokenizer {cfg.tokenizer}"
+        return f"{cfg.model} (preset: random weights, seed {cfg.seed}; {tokenizer})"
+    if str(model_dir) != cfg.model:
+        return f"{cfg.model} ({model_dir})"
+    return cfg.model
 
 
 def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype: torch.dtype) -> tuple[str, ...]:
@@ -355,20 +384,11 @@ def _flops_per_token(config: Any, params: int, seq_len: int) -> float:
     return 6.0 * params + 12.0 * layers * hidden * seq_len
 
 
-def _overall_eta(times: dict[str, Any]) -> float | None:
+def _overall_overlap(times: dict[str, Any]) -> float | None:
+    """T_bwd / (T_d2h + T_update) over the step's units: >= 1 when transfers and updates hide entirely."""
     busy = sum(t.ms["backward"] + t.ms["head"] for t in times.values())
     cost = sum(t.ms["d2h"] + t.ms["update"] for t in times.values())
     return busy / cost if cost > 0 and busy > 0 else None
-
-
-def _open_metrics(path: Path | None):
-    if path is None:
-        return None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("a", encoding="utf-8")
-    except OSError as error:
-        raise UserError(f"cannot write metrics to {path}: {error.strerror}") from None
 
 
 def _make_output_dir(output: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from slide_hf.errors import UserError
 
-__all__ = ["BYTE_VOCAB_SIZE", "byte_tokenizer", "load_tokenizer"]
+__all__ = ["BYTE_VOCAB_SIZE", "byte_tokenizer", "has_tokenizer", "load_tokenizer"]
 
 _SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BYTE_VOCAB_SIZE = 256 + len(_SPECIALS)
@@ -45,13 +45,36 @@ def byte_tokenizer() -> Any:
     return tokenizer
 
 
-def load_tokenizer(model_dir: Path | None) -> Any:
-    """The tokenizer of ``model_dir``, or the bundled byte tokenizer for presets (``None``)."""
-    if model_dir is None:
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+"""Any of these makes a directory a tokenizer directory (fast, sentencepiece or BPE vocab+merges)."""
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in _TOKENIZER_FILES) or any(directory.glob("*.tiktoken"))
+
+
+def load_tokenizer(model_dir: Path | None, tokenizer_dir: Path | None = None) -> Any:
+    """The tokenizer for a run: ``tokenizer_dir`` when given, else ``model_dir``'s own, else (a preset,
+    ``model_dir is None``) the bundled byte tokenizer.
+
+    A model directory without tokenizer files is refused rather than trained with a stand-in: the rows
+    would be all EOS, and the model silently learns nothing useful."""
+    source = tokenizer_dir if tokenizer_dir is not None else model_dir
+    if source is None:
         return byte_tokenizer()
+    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+        raise UserError(f"--tokenizer {tokenizer_dir} is not a directory")
+    if not has_tokenizer(source):
+        if tokenizer_dir is not None:
+            raise UserError(f"--tokenizer {tokenizer_dir} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+        raise UserError(
+            f"model directory {model_dir} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+            "pass --tokenizer DIR with the tokenizer it was trained with"
+        )
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot load a tokenizer from {model_dir}: {str(error).splitlines()[0]}") from error
+        return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"cannot load a tokenizer from {source}: {first}") from None

@@ -1,0 +1,67 @@
+"""``--model org/name``: a Hugging Face Hub model, found in the local cache first.
+
+A name that is neither an existing directory nor a preset, and looks like a Hub repository id, resolves
+through ``huggingface_hub`` (a dependency of transformers): the cached snapshot when there is one (no
+network, so a cluster node without internet works from a pre-filled cache), else a download of the files
+a fine-tune needs (config, safetensors weights, tokenizer and generation config). ``HF_HUB_OFFLINE=1``
+forbids the download. Every failure is one line that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from slide_hf.errors import UserError
+
+__all__ = ["MODEL_FILES", "is_hub_id", "resolve_hub_model"]
+
+MODEL_FILES = (
+    "*.json",
+    "*.safetensors",
+    "*.model",
+    "*.jinja",
+    "*.txt",
+    "*.tiktoken",
+)
+"""What a download fetches: configs, safetensors weights and tokenizer files; never ``.bin`` or ``.pth``
+copies of the same weights, which would double the download."""
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def is_hub_id(name: str) -> bool:
+    """``org/name`` with Hub-legal characters, and not a path that exists here."""
+    return bool(_HUB_ID.match(name)) and not Path(name).expanduser().exists() and ".." not in name
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_hub_model(repo_id: str, *, revision: str | None = None) -> Path:
+    """The local directory of ``repo_id``'s snapshot: cached, or downloaded unless offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass  # not cached: download below, unless offline
+    except (OSError, ValueError) as error:
+        raise UserError(f"--model {repo_id}: the local Hub cache entry is unreadable ({error})") from None
+    if _offline():
+        raise UserError(
+            f"--model {repo_id} is not in the local Hub cache and HF_HUB_OFFLINE is set; download it on a "
+            f"machine with network (huggingface-cli download {repo_id}) or pass a model directory"
+        )
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(MODEL_FILES)))
+    except RepositoryNotFoundError:
+        raise UserError(
+            f"--model {repo_id}: no such model on the Hub, or it is private (log in with hf auth login)"
+        ) from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"--model {repo_id}: cannot download from the Hub ({first})") from None

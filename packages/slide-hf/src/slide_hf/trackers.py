@@ -1,0 +1,136 @@
+"""Experiment trackers behind ``--report-to``: TensorBoard, Weights & Biases and MLflow.
+
+Each tracker is an optional package, imported only when a run asks for it, so a missing one is one line at
+setup (before any weight is loaded), never a traceback after an hour of training. They all take the same
+per-step records as ``metrics.jsonl`` and log the numeric fields against the optimizer step.
+
+A tracker is a side channel: if it fails while training (a full disk under ``tensorboard/``, a tracking
+server that went away), the run warns once and goes on without it. The metrics file and the checkpoints
+are what a run must not lose; a dashboard is not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from slide_hf.errors import UserError
+
+__all__ = ["Tracker", "open_trackers"]
+
+log = logging.getLogger("slide.train")
+
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+class Tracker(Protocol):
+    name: str
+
+    def log(self, record: Mapping[str, Any], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _numeric(record: Mapping[str, Any]) -> dict[str, float]:
+    """The fields a tracker can plot: finite numbers, booleans excluded."""
+    return {
+        key: float(value)
+        for key, value in record.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and key != "step" and math.isfinite(value)
+    }
+
+
+def _require(name: str) -> Any:
+    try:
+        return importlib.import_module(_PACKAGES[name])
+    except ImportError:
+        raise UserError(
+            f"--report-to {name} needs the {_PACKAGES[name]} package: pip install {_PACKAGES[name]} "
+            f"(or pip install 'slide-hf[{name}]')"
+        ) from None
+
+
+class TensorBoardTracker:
+    """Event files under ``<output>/tensorboard``, one scalar series per metric."""
+
+    name = "tensorboard"
+
+    def __init__(self, output: Path, options: Mapping[str, Any]) -> None:
+        _require("tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(output / "tensorboard"))
+        self._writer.add_text("options", "\n".join(f"    {k} = {v!r}" for k, v in options.items()), 0)
+
+    def log(self, record: Mapping[str, Any], step: int) -> None:
+        for key, value in _numeric(record).items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbTracker:
+    """One W&B run per training run, named after the output directory. ``WANDB_MODE=offline`` keeps it local."""
+
+    name = "wandb"
+
+    def __init__(self, output: Path, options: Mapping[str, Any]) -> None:
+        wandb = _require("wandb")
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "slideformer"),
+            name=output.name,
+            dir=str(output),
+            config=dict(options),
+        )
+
+    def log(self, record: Mapping[str, Any], step: int) -> None:
+        self._run.log(_numeric(record), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MLflowTracker:
+    """An MLflow run; without ``MLFLOW_TRACKING_URI`` it writes to ``<output>/mlruns``, a local file store."""
+
+    name = "mlflow"
+
+    def __init__(self, output: Path, options: Mapping[str, Any]) -> None:
+        self._mlflow = _require("mlflow")
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            self._mlflow.set_tracking_uri((output / "mlruns").resolve().as_uri())
+        self._mlflow.start_run(run_name=output.name)
+        self._mlflow.log_params({key: str(value) for key, value in options.items()})
+
+    def log(self, record: Mapping[str, Any], step: int) -> None:
+        self._mlflow.log_metrics(_numeric(record), step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+_TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MLflowTracker}
+
+
+def open_trackers(names: tuple[str, ...], output: Path, options: Mapping[str, Any]) -> list[Tracker]:
+    """Start the trackers ``names`` for a run writing to ``output``; a missing package is one line."""
+    opened: list[Tracker] = []
+    try:
+        for name in names:
+            opened.append(_TRACKERS[name](output, options))
+    except UserError:
+        for tracker in opened:
+            tracker.close()
+        raise
+    except Exception as error:  # a tracker's own setup failure (login, server) is the user's to fix
+        for tracker in opened:
+            tracker.close()
+        raise UserError(f"--report-to {name}: could not start ({str(error).splitlines()[0] or error!r})") from None
+    return opened
