@@ -2,8 +2,9 @@
 
 It lets slide-core's engine be tested, and demonstrated, without transformers: pre-norm causal
 self-attention and an MLP per block, an RMS-normed linear head with cross-entropy, optionally tied to the
-embedding. ``reference_loss`` runs the same units as one ordinary autograd graph, which is what the
-engine's results are compared against.
+embedding. Rows may be packed with several documents (position ids that restart): attention then stays
+within each document. ``reference_loss`` runs the same units as one ordinary autograd graph, which is
+what the engine's results are compared against.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ import torch.nn.functional as F
 from slide_core.host_params import HostParameters
 from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
 
-__all__ = ["ToyConfig", "ToyModel", "load_init", "reference_loss", "toy_batches", "toy_init"]
+__all__ = [
+    "ToyConfig",
+    "ToyModel",
+    "document_mask",
+    "load_init",
+    "packed_row",
+    "reference_loss",
+    "toy_batches",
+    "toy_init",
+]
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,19 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 @dataclass
 class ToyInputs:
     shifted_labels: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    """(B, 1, S, S) bool, True where a query may attend to a key; None: plain causal attention."""
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S) bool: causal attention within each document of a packed row, where a document starts
+    wherever the position ids do not step by +1. Built on the ids' device, with no host read."""
+    restart = torch.ones_like(position_ids, dtype=torch.bool)
+    restart[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    document = restart.cumsum(-1)
+    seq = position_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
 
 
 class ToyEmbedding(Unit):
@@ -72,7 +95,10 @@ class ToyBlock(Unit):
         heads = cfg.num_heads
         q, k, v = F.linear(_rms_norm(x, params["attn_norm"], cfg.eps), params["qkv"]).chunk(3, dim=-1)
         q, k, v = (t.view(batch, seq, heads, hidden // heads).transpose(1, 2) for t in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if inputs.attention_mask is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.attention_mask)
         x = x + F.linear(attn.transpose(1, 2).reshape(batch, seq, hidden), params["proj"])
         up = F.gelu(F.linear(_rms_norm(x, params["mlp_norm"], cfg.eps), params["up"], params["up_bias"]))
         return x + F.linear(up, params["down"])
@@ -102,10 +128,17 @@ class ToyModel(SlideModel):
         self.blocks = [ToyBlock(cfg, i) for i in range(cfg.num_layers)]
         self.head = ToyHead(cfg)
 
-    def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> ToyInputs:
+    def prepare_inputs(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        position_ids: torch.Tensor | None = None,
+    ) -> ToyInputs:
         shifted = torch.full_like(labels, -100)
         shifted[:, :-1] = labels[:, 1:]
-        return ToyInputs(shifted)
+        return ToyInputs(shifted, None if position_ids is None else document_mask(position_ids))
 
     def init_(self, params: Mapping[str, Mapping[str, torch.Tensor]], seed: int) -> None:
         """Random init into host views (``params[unit_name][param_name]``): small normals, unit norms."""
@@ -119,10 +152,14 @@ class ToyModel(SlideModel):
 
 
 def reference_loss(
-    model: ToyModel, params: Mapping[str, Mapping[str, torch.Tensor]], input_ids: torch.Tensor, labels: torch.Tensor
+    model: ToyModel,
+    params: Mapping[str, Mapping[str, torch.Tensor]],
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The summed token loss of one micro-batch as one ordinary autograd graph over ``params``."""
-    inputs = model.prepare_inputs(input_ids, labels, torch.float32)
+    inputs = model.prepare_inputs(input_ids, labels, torch.float32, position_ids=position_ids)
     x = model.embedding.forward(params[model.embedding.name], input_ids, inputs)
     for block in model.blocks:
         x = block.forward(params[block.name], x, inputs)
@@ -162,3 +199,13 @@ def toy_batches(
             micro.append((ids, labels))
         out.append(micro)
     return out
+
+
+def packed_row(documents: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed row ``(input_ids, labels, position_ids)``, each (1, S), from 1-d token documents: labels
+    are the tokens except -100 at every document's first token (so no document's last token learns to
+    predict the next one's first), and position ids restart at 0 for every document."""
+    ids = torch.cat(documents)
+    labels = torch.cat([torch.cat((torch.tensor([-100]), doc[1:])) for doc in documents])
+    positions = torch.cat([torch.arange(doc.numel()) for doc in documents])
+    return ids[None], labels[None], positions[None]

@@ -163,12 +163,27 @@ class SlideModel(ABC):
         return [self.embedding, *self.blocks, self.head]
 
     @abstractmethod
-    def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> Any:
+    def prepare_inputs(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        position_ids: torch.Tensor | None = None,
+    ) -> Any:
         """Side inputs for one micro-batch (positions, rotary cos/sin, masks, labels).
 
         ``input_ids`` and ``labels`` (both (B, S), int64) are already on the compute device; ``dtype`` is
         the compute dtype. Labels are aligned with ``input_ids`` (HF convention: the head shifts them),
         with ``-100`` marking tokens without loss.
+
+        ``position_ids`` ((B, S) int64, on the device) describe packed rows: wherever they do not step by
+        +1 a new document begins, and a token attends only to earlier tokens of its own document. None
+        means ``0 .. S-1`` in every row (one sequence per row). A model must build its masks from them
+        without reading them on the host: the engine passes None for rows that are plain ``arange`` (it
+        checks the host tensor, see Note [Packed micro-batches] in slide_core/engine/micro_batch.py), so
+        a model given position ids may assume they restart, and reading a device tensor here would cost
+        a CPU-GPU sync per micro-batch.
         """
 
     def loss_token_count(self, labels: torch.Tensor) -> int:

@@ -2,6 +2,8 @@
 
 from slide_core.engine.config import EngineConfig
 from slide_core.engine.engine import Engine, StepResult
+from slide_core.engine.evaluation import EvalResult
+from slide_core.engine.micro_batch import MicroBatchLike
 from slide_core.engine.timeline import Timeline, UnitTimes
 from slide_core.engine.workers import EngineError, EngineTimeout, WorkerFailure
 
@@ -10,6 +12,8 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineTimeout",
+    "EvalResult",
+    "MicroBatchLike",
     "StepResult",
     "Timeline",
     "UnitTimes",

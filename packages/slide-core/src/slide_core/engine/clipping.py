@@ -267,8 +267,10 @@ class UnitNorms:
 
     The device slot of a unit sums the squared norms of the unit's gradient contributions of the step (for
     a unit with one contribution, and for a resident unit's final gradient, that is the squared norm of
-    the gradient). The host copy is sent once per step, with the unit's final contribution, on the d2h
-    stream ahead of its chunks. ``coeffs`` holds resident units' device-side ``c_u``.
+    the gradient; a host unit with several holds only a finiteness check, its final gradient's norm is
+    summed on the host). The main thread reads every slot with the step's loss (Note [Gradient norm of
+    every step] in engine.py). The host copy is sent once per step, with the unit's final contribution,
+    on the d2h stream ahead of its chunks. ``coeffs`` holds resident units' device-side ``c_u``.
     """
 
     def __init__(self, device: Device, units: Sequence[Unit]) -> None:
@@ -308,13 +310,6 @@ class UnitNorms:
         host = self.on_host[index]
         host.copy_(self.on_device[index], non_blocking=True)
         return host
-
-    def device_values(self, units: Sequence[Unit]) -> list[float]:
-        """The device slots of ``units``. note: CPU-GPU sync point (once per step, residents only)."""
-        if not units:
-            return []
-        indices = torch.tensor([self._index[unit.name] for unit in units], device=self.on_device.device)
-        return self.on_device.index_select(0, indices).tolist()
 
 
 class AdamWCorrection:

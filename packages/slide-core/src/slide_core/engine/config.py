@@ -43,6 +43,14 @@ class EngineConfig:
       engine cannot take updates back, so it only detects non-finite per-unit gradients and stops with an
       :class:`EngineError`. False turns both off (non-finite gradients are applied as they are).
     - ``max_consecutive_nonfinite``: this many skipped steps in a row raise an :class:`EngineError`.
+    - ``report_grad_norm``: report every step's global gradient norm in ``StepResult.grad_norm`` (with
+      clipping on it is always reported). Units with one gradient contribution per step have their
+      squared norms formed on the device and read with the loss, at no extra sync. A host-updated unit
+      whose gradient is summed on the host (several micro-batches, or a tied embedding's two shares) has
+      its norm formed there as it is summed, so such a step returns only once the host has summed (and
+      updated) those units: with gradient accumulation that is the whole host update, which otherwise
+      overlaps the next step's forward. False keeps steps norm-free (``grad_norm`` None without
+      clipping) and that overlap intact. See Note [Gradient norm of every step] in engine.py.
     """
 
     block_slots: int = 2
@@ -58,6 +66,7 @@ class EngineConfig:
     max_grad_norm: float = 0.0
     skip_nonfinite: bool = True
     max_consecutive_nonfinite: int = 3
+    report_grad_norm: bool = True
 
     def __post_init__(self) -> None:
         if self.block_slots < 1:

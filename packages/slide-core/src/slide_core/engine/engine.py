@@ -1,6 +1,8 @@
 """The sliding-window training engine: one optimizer step, read as one page.
 
-For each micro-batch:
+:meth:`Engine.step` takes a list of micro-batches, each host tensors (B, S) int64: ``(input_ids, labels)``
+or, for rows packed with several documents, ``(input_ids, labels, position_ids)`` (any sequence of those,
+such as a NamedTuple; see Note [Packed micro-batches] in micro_batch.py). For each micro-batch:
 1. Forward. Each unit waits for its slot's h2d, prefetches the units after it, computes without grad,
    and sends its output (the next block's input) to pinned host memory.
 2. Head. Loss and the head's gradients come out of one forward-with-grad; their d2h starts at once.
@@ -19,7 +21,22 @@ With ``max_grad_norm > 0`` those updates are speculative (each unit clipped by i
 gradients land in a full-model store instead of the ring; at the end of the step the main thread forms the
 global norm and, when it clips or is not finite, has every update corrected or taken back (clipping.py).
 After a step that clipped, the host updates wait for the norm instead (Note [Deferred clipped steps]).
-Per-unit squared gradient norms are computed on the device whenever ``skip_nonfinite`` or clipping is on.
+Per-unit squared gradient norms are computed on the device whenever ``skip_nonfinite``, clipping or
+``report_grad_norm`` (the default) is on.
+
+Note [Gradient norm of every step]: ``StepResult.grad_norm`` is the 2-norm over every parameter's final
+gradient of the step, as ``torch.nn.utils.get_total_norm`` over plain PyTorch's ``.grad`` would give.
+A unit whose final gradient exists on the device (one contribution, or a device-resident unit's slot or
+fp32 accumulator) has its squared norm formed there on the compute stream right after the gradient
+(``UnitNorms``); the main thread reads all of them together with the loss sum, in the one transfer it
+makes per step anyway. A host-updated unit with several contributions (gradient accumulation, a tied
+embedding's head share) has its final gradient only in its host fp32 accumulator: the optimizer thread
+sums its squared norm chunk by chunk as it adds the last contribution (``GradChunk.host_squares``), and
+the main thread waits for those units' 'updated' futures before it adds them in; a host-side wait, no
+device sync. With clipping the same sums come from ``ClipStep``. ``report_grad_norm=False`` drops that
+wait (see EngineConfig). Tested by ``test_grad_norm_matches_get_total_norm``.
+
+:meth:`Engine.evaluate` runs a forward-only pass through the same window (evaluation.py).
 
 Note [Resident host copies]: a device-resident unit's master is updated on the GPU, so its range of the
 host slab is stale between a drain and the next one. When the caller allocated the slab unpinned
@@ -63,8 +80,10 @@ from .clipping import (
     UnitNorms,
 )
 from .config import EngineConfig
+from .evaluation import Evaluation
 from .grad_ring import GradRing, GradStore
 from .gradient_path import GradientPath
+from .micro_batch import HostMicroBatch, MicroBatchLike, split_micro_batch
 from .resident import ResidentUnits
 from .slots import ParamSlot, SlotWindow, Visit
 from .state_offload import OffloadedState
@@ -83,7 +102,8 @@ class StepResult:
     """What one optimizer step measured. ``loss`` is the mean over every label token the step consumed,
     computed before the step's update.
 
-    ``grad_norm`` is the global gradient 2-norm before clipping (None when clipping is off). ``skipped``
+    ``grad_norm`` is the global gradient 2-norm before clipping (Note [Gradient norm of every step]; None
+    only with clipping off and ``EngineConfig.report_grad_norm`` False). ``skipped``
     says the step's gradients were not finite and the step was taken back exactly; ``step`` is then the
     number the step would have had, and the next step reuses it (the Adam step counter did not advance).
     """
@@ -98,7 +118,7 @@ class StepResult:
     skipped: bool = False
 
 
-class Engine(GradientPath):
+class Engine(GradientPath, Evaluation):
     """Trains a :class:`SlideModel` whose fp32 master lives in ``host_params`` on ``device``.
 
     A context manager: entering allocates slots, rings and threads; leaving drains pending updates (when
@@ -201,7 +221,8 @@ class Engine(GradientPath):
             host_numel = sum(u.layout.numel for u in model.units if u.name not in resident)
             slots = cfg.ring_slots(host_numel)
             self.ring = GradRing(self.device, slots, cfg.transfer_chunk_numel, self.dtype)
-        self.norms = UnitNorms(self.device, model.units) if self.clipping or cfg.skip_nonfinite else None
+        wants_norms = self.clipping or cfg.skip_nonfinite or cfg.report_grad_norm
+        self.norms = UnitNorms(self.device, model.units) if wants_norms else None
         self._resident_corrector = AdamWCorrection(self.optimizer.config, cfg.transfer_chunk_numel)
         self._resident_scaled = ScaledGrads()
         self._consumed: dict[str, Future[None]] = {}  # d2h thread only, see Note [Grad store reuse]
@@ -365,14 +386,18 @@ class Engine(GradientPath):
         self._defer_next = bool(state.get("defer_clipped_updates", False))
 
     # -- one optimizer step ----------------------------------------------------------------------------
-    def step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
-        """Run forward and backward over ``micro_batches`` (host ``(input_ids, labels)`` pairs, each
-        (B, S) int64) and update every unit once."""
+    def step(self, micro_batches: Sequence[MicroBatchLike], lr: float) -> StepResult:
+        """Run forward and backward over ``micro_batches`` and update every unit once.
+
+        Each micro-batch is host tensors, each (B, S) int64: ``(input_ids, labels)``, or ``(input_ids,
+        labels, position_ids)`` for rows packed with several documents (see Note [Packed micro-batches]
+        in micro_batch.py)."""
         workers = self.workers
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
         began = time.perf_counter()
-        loss_tokens = sum(self.model.loss_token_count(labels) for _, labels in micro_batches)
+        batches = [split_micro_batch(micro_batch, index) for index, micro_batch in enumerate(micro_batches)]
+        loss_tokens = sum(self.model.loss_token_count(batch.labels) for batch in batches)
         if loss_tokens == 0:
             raise ValueError("no label tokens in this step's micro-batches (every label is -100)")
         if self._resident_host_current:
@@ -389,20 +414,23 @@ class Engine(GradientPath):
         self._clip = None
         if self.clipping:
             self._clip = ClipStep(self.config.max_grad_norm, self.config.skip_nonfinite, deferred=self._defer_next)
+        self._host_squares = {} if self._clip is None and self.config.report_grad_norm else None
         self._last_d2h = None
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         position = 0
-        for index, (input_ids, labels) in enumerate(micro_batches):
-            position = self._micro_batch(index, input_ids, labels, loss_tokens, loss_sum, schedule, position)
+        for index, batch in enumerate(batches):
+            position = self._micro_batch(index, batch, loss_tokens, loss_sum, schedule, position)
         workers.check()
-        total = float(loss_sum)  # note: CPU-GPU sync point (once per step, for the reported loss)
+        total, squares = self._read_loss_and_norms(loss_sum)
         grad_norm: float | None = None
         skipped = False
         if self._clip is not None:
-            grad_norm, skipped = self._finish_clipped_step(self._clip, number)
-        elif self.norms is not None:
-            self._check_resident_norms(number)
-        tokens = sum(int(ids.numel()) for ids, _ in micro_batches)
+            grad_norm, skipped = self._finish_clipped_step(self._clip, number, squares)
+        elif squares is not None:
+            self._check_resident_norms(number, squares)
+            if self._host_squares is not None:
+                grad_norm = self._unclipped_norm(squares, self._host_squares)
+        tokens = sum(int(batch.input_ids.numel()) for batch in batches)
         return StepResult(
             step=number,
             loss=total / loss_tokens,
@@ -435,21 +463,26 @@ class Engine(GradientPath):
             expected[self.model.embedding.name] += micro_batches
         return expected
 
+    def _read_loss_and_norms(self, loss_sum: torch.Tensor) -> tuple[float, list[float] | None]:
+        """The step's summed loss and every unit's device-side squared gradient norm (Note [Gradient norm
+        of every step]), in one read. note: CPU-GPU sync point (once per step, for the reported loss)."""
+        if self.norms is None:
+            return float(loss_sum), None
+        values = torch.cat((loss_sum.reshape(1), self.norms.on_device)).tolist()
+        return values[0], values[1:]
+
     def _micro_batch(
         self,
         mb: int,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
+        batch: HostMicroBatch,
         loss_tokens: int,
         loss_sum: torch.Tensor,
         schedule: list[Visit],
         position: int,
     ) -> int:
         model, device = self.model, self.device
-        target = device.torch_device
-        ids = input_ids.to(target, non_blocking=True)
-        lab = labels.to(target, non_blocking=True)
-        inputs = model.prepare_inputs(ids, lab, self.dtype)
+        ids, lab, positions = batch.to_device(device.torch_device)
+        inputs = model.prepare_inputs(ids, lab, self.dtype, position_ids=positions)
         blocks = list(model.blocks)
         scale = 1.0 / loss_tokens
 

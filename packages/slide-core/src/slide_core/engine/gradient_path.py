@@ -80,10 +80,13 @@ class GradientPath:
             if self._clip is not None:
                 self._speculate_resident(unit, mode, in_slot=sums_in_slot)
             else:
-                if self.norms is not None:
-                    self.norms.add(unit, slot.grads, first=count == 0 or adding)
                 self.residents.apply(unit.name, mode, self._lr, self.step_count, in_slot=sums_in_slot)
                 if mode in ("step", "add_step"):
+                    if self.norms is not None:  # the final gradient, which the optimizer step did not write
+                        accum = self.residents.units[unit.name].accum
+                        final = accum if mode == "add_step" and not sums_in_slot else slot.grads
+                        assert final is not None
+                        self.norms.add(unit, final, first=True)
                     self.updates.updated[unit.name].set_result(None)
             self._span(unit, "update", start)
             return
@@ -100,6 +103,7 @@ class GradientPath:
             self.step_count,
             self.updates.updated[unit.name],
             self._clip,
+            self._host_squares,
             (self.step_count, 0, self._forward_position[unit.name], count),
         )
 
@@ -168,6 +172,7 @@ class GradientPath:
         step: int,
         updated: Future[None],
         clip: ClipStep | None,
+        host_squares: dict[str, float] | None,
         order: tuple[int, ...],
     ) -> Event:
         """d2h thread: stream the unit's gradient in chunks; each landed chunk becomes an optimizer job.
@@ -205,7 +210,7 @@ class GradientPath:
                 end = device.record_event("d2h", timing=self.timeline.enabled)
                 last = number == len(chunks) - 1
                 first_norm = norm_sq if number == 0 else None
-                chunk = GradChunk(unit, lo, hi, mode, last, lr, step, updated, first_norm, clip)
+                chunk = GradChunk(unit, lo, hi, mode, last, lr, step, updated, first_norm, clip, host_squares)
                 landing.append(_InFlight(chunk, target, index, end, (*order, lo)))
             consumed = self._hand_over_landed(landing) or consumed
             if store is not None and consumed is not None:
@@ -236,14 +241,15 @@ class GradientPath:
                 self.ring.release(index)
 
     # -- the end of a step: clipping and non-finite gradients -------------------------------------------
-    def _finish_clipped_step(self, clip: ClipStep, number: int) -> tuple[float, bool]:
+    def _finish_clipped_step(self, clip: ClipStep, number: int, on_device: list[float]) -> tuple[float, bool]:
         """Main thread: form the step's global gradient norm, then keep, rescale or take back every
         speculative update, or queue a deferred step's held ones with the final coefficient. Returns
-        ``(norm, skipped)``. See Notes [Clip rollback ordering] and [Deferred clipped steps] in clipping.py."""
+        ``(norm, skipped)``. ``on_device``: every unit's device-side squared norm, read with the loss.
+        See Notes [Clip rollback ordering] and [Deferred clipped steps] in clipping.py."""
         workers, cfg = self.workers, self.config
         host_summed = any(self._summed_on_host(unit) for unit in self.model.units)
         if not host_summed and not clip.deferred:
-            early = math.sqrt(math.fsum(self._final_squares(clip).values()))
+            early = math.sqrt(math.fsum(self._final_squares(clip, on_device).values()))
             if math.isfinite(early) and clip_coefficient(early, cfg.max_grad_norm) >= 1.0:
                 # Nothing to correct: the speculative updates stand, and each unit is released as its own
                 # last chunk lands, without waiting for the rest (see Note [Early clipping decision]).
@@ -256,7 +262,7 @@ class GradientPath:
         # step's jobs only hold their chunks, so this waits for little more than the last of them.
         barrier = workers["optimizer"].submit(_barrier, priority=(self.step_count, 1))
         workers.wait(barrier, "the gradient chunks of the step")
-        squares = self._final_squares(clip)
+        squares = self._final_squares(clip, on_device)
         norm = math.sqrt(math.fsum(squares.values()))
         if clip.nonfinite_unit is not None:
             norm = norm if not math.isfinite(norm) else math.nan
@@ -291,11 +297,9 @@ class GradientPath:
         fp32 accumulator): its squared norm is then summed there, not on the device."""
         return self._expected[unit.name] > 1 and unit.name not in self.residents
 
-    def _final_squares(self, clip: ClipStep) -> dict[str, float]:
-        """Each unit's squared final-gradient norm: its device slot, or ``clip.host_sq`` for a unit summed
-        on the host (complete once the step's updates are). note: CPU-GPU sync point (compute stream)."""
-        assert self.norms is not None
-        on_device = self.norms.on_device.tolist()
+    def _final_squares(self, clip: ClipStep, on_device: list[float]) -> dict[str, float]:
+        """Each unit's squared final-gradient norm: its device slot (``on_device``, read with the step's
+        loss), or ``clip.host_sq`` for a unit summed on the host (complete once the step's updates are)."""
         return {
             unit.name: clip.host_sq.get(unit.name, math.nan) if self._summed_on_host(unit) else value
             for unit, value in zip(self.model.units, on_device, strict=True)
@@ -335,20 +339,32 @@ class GradientPath:
             else:
                 updated[name].set_result(None)
 
-    def _check_resident_norms(self, number: int) -> None:
-        """Clipping off: resident units were updated on the device unchecked; stop if they saw NaN/Inf."""
-        assert self.norms is not None
-        residents = [unit for unit in self.model.units if unit.name in self.residents]
-        if not residents:
-            return
-        values = self.norms.device_values(residents)
-        bad = [unit.name for unit, value in zip(residents, values, strict=True) if not math.isfinite(value)]
+    def _check_resident_norms(self, number: int, on_device: list[float]) -> None:
+        """Clipping off: resident units were updated on the device unchecked; stop if they saw NaN/Inf.
+        ``on_device``: every unit's device-side squared norm, read with the step's loss."""
+        units = self.model.units
+        bad = [
+            u.name
+            for u, value in zip(units, on_device, strict=True)
+            if u.name in self.residents and not math.isfinite(value)
+        ]
         if bad:
             raise EngineError(
                 f"non-finite gradients in {', '.join(bad)} at step {number}; with max_grad_norm = 0 the engine "
                 "cannot skip a step exactly, so it stops here. Lower --lr, or set max_grad_norm > 0 to skip "
                 "such steps"
             )
+
+    def _unclipped_norm(self, on_device: list[float], host_squares: dict[str, float]) -> float:
+        """Clipping off: the step's global gradient norm (Note [Gradient norm of every step]). A unit whose
+        final gradient is summed on the host has its squared norm summed by the optimizer thread, which
+        this waits for: those units' last updates of the step (a host-side wait, no device sync)."""
+        squares = {unit.name: value for unit, value in zip(self.model.units, on_device, strict=True)}
+        for unit in self.model.units:
+            if self._summed_on_host(unit):
+                self.workers.wait(self.updates.updated[unit.name], f"the summed gradient of {unit.name}")
+                squares[unit.name] = host_squares[unit.name]
+        return math.sqrt(math.fsum(squares.values()))
 
 
 @dataclass(frozen=True)

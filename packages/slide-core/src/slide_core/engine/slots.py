@@ -47,7 +47,7 @@ class Visit:
     """One use of a unit's parameters by compute, in schedule order."""
 
     unit: Unit
-    phase: str  # "forward", "head" or "backward"
+    phase: str  # "forward", "head" or "backward"; "eval" in an evaluation's schedule
     micro_batch: int
 
 

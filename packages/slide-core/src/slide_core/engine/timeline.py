@@ -16,10 +16,17 @@ from slide_core.device import Event
 
 __all__ = ["PHASES", "TRACKS", "Timeline", "TraceSpan", "UnitTimes"]
 
-PHASES = ("forward", "backward", "head", "h2d", "d2h", "update", "wait")
+PHASES = ("forward", "backward", "head", "eval", "h2d", "d2h", "update", "wait")
+"""``eval``: the compute of :meth:`Engine.evaluate` (forward and loss), kept apart from training's."""
 
-
-TRACKS = {"forward": "GPU compute", "backward": "GPU compute", "head": "GPU compute", "h2d": "h2d", "d2h": "d2h"}
+TRACKS = {
+    "forward": "GPU compute",
+    "backward": "GPU compute",
+    "head": "GPU compute",
+    "eval": "GPU compute",
+    "h2d": "h2d",
+    "d2h": "d2h",
+}
 """Which timeline track a phase is drawn on; ``update`` goes to 'CPU update' (or 'GPU compute' when a
 device-resident unit is updated on the compute stream)."""
 

@@ -50,6 +50,10 @@ class GradChunk:
     squared norm of the unit's gradient, landed before this chunk; checked before anything is applied."""
     clip: ClipStep | None = None
     """Set when clipping is on: the update is speculative (see clipping.py)."""
+    host_squares: dict[str, float] | None = None
+    """Clipping off, gradient norm reported: where a unit summed on the host adds its final gradient's
+    squared norm, chunk by chunk, before its 'updated' future is resolved (Note [Gradient norm of every
+    step] in engine.py). Clipping keeps its own (``ClipStep.host_sq``)."""
 
 
 def _done_future() -> Future[None]:
@@ -155,6 +159,9 @@ class UnitUpdates:
                 accum.add_(grad)
                 if chunk.mode == "add_step":
                     if clip is None:
+                        if chunk.host_squares is not None:
+                            squared = float(torch.linalg.vector_norm(accum, dtype=torch.float32)) ** 2
+                            chunk.host_squares[unit.name] = chunk.host_squares.get(unit.name, 0.0) + squared
                         self._step(unit, start, end, accum, chunk.lr, chunk.step)
                     else:
                         self._speculate_accumulated(chunk, accum)

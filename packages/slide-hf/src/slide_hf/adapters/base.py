@@ -26,9 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from transformers import PreTrainedConfig
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    packed_sequence_mask_function,
+)
 
 from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
+from slide_hf.adapters.attention import AttentionSupport, choose_attention, layer_attention, requested_attention
 from slide_hf.adapters.fused_modules import fuse_modules
 
 __all__ = [
@@ -256,7 +261,9 @@ class HFCausalLM(SlideModel):
 
     A family sets the class attributes below (HF classes and state-dict names) and overrides a ``make_*``
     hook only where it differs from Llama. The config is copied: the HF modules read
-    ``config._attn_implementation`` at call time, and resolving its default must not touch the caller's.
+    ``config._attn_implementation`` at call time, and choosing it must not touch the caller's. Each layer
+    type gets a copy of its own, which its blocks' HF modules and its mask builder read, so each type
+    runs the attention chosen for it (:meth:`attention_for`).
     """
 
     decoder_layer: ClassVar[type[nn.Module]]
@@ -285,6 +292,7 @@ class HFCausalLM(SlideModel):
         if unknown:
             raise ValueError(f"{self.config.model_type}: unsupported attention layer types {sorted(unknown)}")
         self._rotary: dict[torch.device, nn.Module] = {}
+        self._init_attention()
 
     # ---- family hooks -------------------------------------------------------------------------------
     def make_embedding(self) -> nn.Module:
@@ -356,21 +364,84 @@ class HFCausalLM(SlideModel):
             return "constant", 0.0
         return "constant", self.norm_init
 
+    # ---- attention ----------------------------------------------------------------------------------
+    def _init_attention(self) -> None:
+        """One config copy per layer type, read by that type's blocks (their HF modules were built on
+        ``self.config``), and the user's explicit choice, checked once (a refusal is one line)."""
+        layer_types = list(dict.fromkeys(b.attention_type for b in self.blocks))
+        self._requested_attention = requested_attention(self.config, layer_types)
+        self._layer_configs = {t: copy.deepcopy(self.config) for t in layer_types}
+        for block in self.blocks:
+            _repoint_config(block.root, self.config, self._layer_configs[block.attention_type])
+        self._attention: dict[tuple[str, torch.dtype], dict[str, str]] = {}
+
+    def attention_for(self, device_type: str, dtype: torch.dtype) -> dict[str, str]:
+        """``{layer type: HF attention implementation}`` on ``device_type`` at compute ``dtype``.
+
+        Decided on first use for each (device type, dtype) by the rule in
+        :mod:`slide_hf.adapters.attention` (or the user's explicit ``config._attn_implementation``) and
+        cached on this instance, not per process: one model object may run on the CPU in a test and on a
+        GPU in the same process. Layer types come in model order.
+        """
+        key = (device_type, dtype)
+        found = self._attention.get(key)
+        if found is None:
+            support = AttentionSupport.detect(device_type, dtype)
+            found = {
+                t: self._requested_attention or choose_attention(layer_attention(self.config, t), support)
+                for t in self._layer_configs
+            }
+            self._attention[key] = found
+        return found
+
+    def attention_config(self, layer_type: str, device_type: str, dtype: torch.dtype) -> PreTrainedConfig:
+        """The config that ``layer_type``'s HF modules and mask builder read, set to the attention chosen
+        for this device and dtype. :meth:`prepare_inputs` calls it for every micro-batch, before any block
+        runs on that micro-batch, so a model moved between devices follows (one attribute store)."""
+        config = self._layer_configs[layer_type]
+        config._attn_implementation = self.attention_for(device_type, dtype)[layer_type]
+        return config
+
     # ---- side inputs --------------------------------------------------------------------------------
-    def prepare_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> HFInputs:
+    def prepare_inputs(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        position_ids: torch.Tensor | None = None,
+    ) -> HFInputs:
+        """Positions, rotary tables, one mask per attention layer type, and shifted labels.
+
+        Packed rows (``position_ids`` given, restarting at each document) get HF's packed-sequence masks:
+        causal, and sliding-window where the layer slides, within each document only. HF's builders
+        would find the documents themselves from ``position_ids``, but ``find_packed_sequence_indices``
+        then tests a device tensor with ``.all()`` in Python: a CPU-GPU sync per builder call, so per
+        micro-batch. Instead the engine decides on the host whether rows are packed at all (Note
+        [Packed micro-batches] in slide_core/engine/micro_batch.py) and passes None for plain ones, and
+        here the builders get the document ids as ``and_mask_function``, with the same per-document
+        predicate (``packed_sequence_mask_function``); like HF's packed path that turns off SDPA's
+        ``is_causal`` shortcut for sdpa and eager alike. Tested against HF's own detection by
+        ``test_packed_masks_equal_hf_detection``.
+        """
         batch, seq = input_ids.shape
         device = input_ids.device
-        position_ids = torch.arange(seq, device=device).unsqueeze(0)
+        same_document = None
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=device).unsqueeze(0)
+        else:
+            same_document = packed_sequence_mask_function(_document_ids(position_ids))
         # HF's mask builders and rotary read only (batch, seq, dtype, device) of the hidden states.
         probe = torch.empty((batch, seq, 0), dtype=dtype, device=device)
         masks = {}
         for kind in {b.attention_type for b in self.blocks}:
             masks[kind] = _MASK_BUILDERS[kind](
-                config=self.config,
+                config=self.attention_config(kind, device.type, dtype),
                 inputs_embeds=probe,
                 attention_mask=None,
                 past_key_values=None,
-                position_ids=position_ids,
+                position_ids=None,  # no detection on the device (see above)
+                and_mask_function=same_document,
             )
         rotary = None
         if self.rotary_embedding is not None:
@@ -395,14 +466,37 @@ class HFCausalLM(SlideModel):
         return 2 * (head_dim // 2) * 4
 
 
+def _document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S): each token's document number within its row, counting from 0; a document starts wherever
+    the position ids do not step by +1. Computed on the ids' device without reading them on the host."""
+    restart = torch.zeros_like(position_ids, dtype=torch.bool)
+    restart[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    return restart.cumsum(-1)
+
+
 def _runtime_config(config: PreTrainedConfig) -> PreTrainedConfig:
-    """A private copy with HF's defaults resolved the way ``from_config``/``from_pretrained`` would."""
+    """A private copy with HF's defaults resolved the way ``from_config``/``from_pretrained`` would.
+
+    ``_attn_implementation`` stays as the caller left it: unset, the attention is chosen per layer type
+    and device (:meth:`HFCausalLM.attention_for`); a fixed default (HF's is sdpa) would drop Gemma 2's
+    attention logit cap.
+    """
     config = copy.deepcopy(config)
-    if config._attn_implementation is None:
-        config._attn_implementation = "sdpa"
     if getattr(config, "_experts_implementation", None) is None and hasattr(config, "num_experts"):
         config._experts_implementation = "grouped_mm"
     return config
+
+
+def _repoint_config(root: nn.Module, old: PreTrainedConfig, new: PreTrainedConfig) -> None:
+    """Make every module under ``root`` that holds ``old`` as its ``config`` hold ``new`` instead.
+
+    Why after building: families build layers from ``self.config`` in their own ``make_layer`` hooks, and
+    HF's attention modules look ``config._attn_implementation`` up at call time, so this is what gives a
+    layer type its own implementation without every family passing a per-type config.
+    """
+    for module in root.modules():
+        if getattr(module, "config", None) is old:
+            module.config = new
 
 
 def _named_parameters_of(fn: Callable[..., Any]) -> frozenset[str]:
