@@ -28,6 +28,7 @@ __all__ = [
     "load_weights",
     "resolve_model",
     "supported_model_types",
+    "train",
 ]
 
 _LAZY = {
@@ -43,10 +44,12 @@ _LAZY = {
     "load_weights": "slide_hf.load",
     "resolve_model": "slide_hf.presets",
     "supported_model_types": "slide_hf.adapters",
+    "train": "slide_hf.api",
 }
 
 if TYPE_CHECKING:
     from slide_hf.adapters import UnsupportedModelError, build_model, supported_model_types
+    from slide_hf.api import train
     from slide_hf.export import export_hf
     from slide_hf.load import CheckpointError, ModelFilesError, load_config, load_weights
     from slide_hf.presets import PRESETS, ModelNotFoundError, init_random, resolve_model

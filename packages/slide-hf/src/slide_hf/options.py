@@ -183,8 +183,11 @@ class TrainConfig:
     block_slots: int = 2
 
     def __post_init__(self) -> None:
-        for name, value in ((f.name, getattr(self, f.name)) for f in fields(self)):
-            if isinstance(value, str) and name in _PATH_FIELDS:
+        for name in sorted(_PATH_FIELDS):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if not value.strip():
+                    raise UserError(f"--{name.replace('_', '-')} must not be empty")
                 object.__setattr__(self, name, Path(value))
         for name in RULES:
             check_option(name, getattr(self, name))
@@ -201,10 +204,6 @@ class TrainConfig:
             raise UserError("--eval-data and --eval-fraction both choose the evaluation data; give one")
         if self.save_best and not self.evaluates:
             raise UserError("--save-best needs evaluation data: --eval-data FILE or --eval-fraction F")
-        for name in ("output", "metrics", "data", "eval_data", "nvme_dir", "resume", "tokenizer"):
-            value = getattr(self, name)
-            if value is not None and str(value).strip() == "":
-                raise UserError(f"--{name.replace('_', '-')} must not be empty")
 
     @property
     def evaluates(self) -> bool:

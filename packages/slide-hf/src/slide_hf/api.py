@@ -1,0 +1,69 @@
+"""The Python entry point for notebooks and scripts: ``slide_hf.train(...)``, the same run as `slide train`.
+
+    import slide_hf
+    summary = slide_hf.train("Qwen/Qwen2.5-0.5B", data="chat.jsonl", steps=200, output="runs/qwen",
+                             on_step=lambda record: print(record["loss"]))
+
+Options are the keyword names of `slide train`'s flags (underscores), validated by the same layer
+(:mod:`slide_hf.options`); paths may be ``str`` or ``Path``. ``resume="runs/qwen"`` restores the saved
+run's options as ``--resume`` does. Bad input raises :class:`~slide_hf.errors.UserError` with the same one
+line the CLI prints. Log lines go to the notebook's output (stderr) unless the caller configured logging.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from slide_hf.options import TrainConfig, resume_config
+from slide_hf.recipe import TrainSummary
+from slide_hf.recipe import train as run_training
+
+__all__ = ["train"]
+
+Record = dict[str, Any]
+
+
+def _visible_logging() -> None:
+    """Make the run's progress lines appear where a notebook shows them, once, if nobody set up logging."""
+    root, slide = logging.getLogger(), logging.getLogger("slide")
+    if root.handlers or slide.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    slide.addHandler(handler)
+    slide.setLevel(logging.INFO)
+
+
+def train(
+    model: str | Path = "tiny-llama",
+    data: str | Path | None = None,
+    *,
+    on_step: Callable[[Record], None] | None = None,
+    on_eval: Callable[[Record], None] | None = None,
+    **options: Any,
+) -> TrainSummary:
+    """Train ``model`` on ``data`` with `slide train`'s options; return the run's summary.
+
+    ``on_step`` receives each step's metrics record (the same dict as a ``metrics.jsonl`` line) and
+    ``on_eval`` each evaluation's; both run on the training thread between steps, so keep them quick."""
+    _visible_logging()
+    given: dict[str, Any] = {"model": str(model), **options}
+    if data is not None:
+        given["data"] = data
+    if given.get("resume") is not None:
+        from slide_hf.run_options import saved_options
+
+        if model == "tiny-llama":
+            given.pop("model")  # the default: take the saved run's model
+        saved, source = saved_options(Path(given["resume"]))
+        cfg = resume_config(saved, given, source=source)
+    else:
+        try:
+            cfg = TrainConfig(**given)
+        except TypeError as error:
+            raise TypeError(f"slide_hf.train: {error}") from None
+    return run_training(cfg, on_step=on_step, on_eval=on_eval)
