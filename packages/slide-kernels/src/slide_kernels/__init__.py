@@ -4,7 +4,6 @@ Public API (see ``docs/kernels.md``):
 
 * :func:`linear_cross_entropy` -- LM head + cross-entropy without materializing the logits;
 * :func:`rms_norm`, :func:`apply_rotary`, :func:`swiglu`, :func:`geglu` -- fused elementwise/row ops;
-* :func:`attention` / :func:`attention_backend` -- flash-attn / SDPA dispatch;
 * :func:`kernels_available` -- whether Triton kernels can run on a device type (``slide doctor``);
 * :func:`use_backend` -- force the torch fallback (tests, debugging).
 
@@ -21,8 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "apply_rotary",
-    "attention",
-    "attention_backend",
     "geglu",
     "kernels_available",
     "linear_cross_entropy",
@@ -33,8 +30,6 @@ __all__ = [
 
 _LAZY = {
     "apply_rotary": "slide_kernels.ops.rope",
-    "attention": "slide_kernels.attention",
-    "attention_backend": "slide_kernels.attention",
     "geglu": "slide_kernels.ops.swiglu",
     "kernels_available": "slide_kernels._backend",
     "linear_cross_entropy": "slide_kernels.ops.linear_cross_entropy",
@@ -45,7 +40,6 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from slide_kernels._backend import kernels_available, use_backend
-    from slide_kernels.attention import attention, attention_backend
     from slide_kernels.ops.linear_cross_entropy import linear_cross_entropy
     from slide_kernels.ops.rms_norm import rms_norm
     from slide_kernels.ops.rope import apply_rotary
