@@ -106,7 +106,7 @@ def test_refuses_existing_dir_unless_overwrite(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    with pytest.raises(FileExistsError, match="already exists"):
         export_hf(model, host, config, out)
     assert (out / "old.txt").exists()
     export_hf(model, host, config, out, overwrite=True)

@@ -2,8 +2,9 @@
 
 Layout of one checkpoint directory (``<output>/checkpoints/step-00000042``)::
 
-    state.json        format version, step, element count, per-file sizes and per-block CRC32s,
-                      plus the caller's ``extra`` (schedule, data position, RNG, run config)
+    state.json        format (schema) version, step, element count, per-file sizes and per-block CRC32s,
+                      the caller's ``extra`` (schedule, data position, RNG, run config), and a SHA-256
+                      checksum of all of that
     master.bin        fp32 master weights: HostParameters.slab, raw little-endian
     exp_avg.bin ...   one raw fp32 file per optimizer state tensor, same element order
 
@@ -11,11 +12,21 @@ Writes go to a hidden temporary directory beside the final one; every file and t
 then one ``rename`` publishes it. A save killed at any point leaves either the new checkpoint complete or
 only a temporary directory that loading ignores, so the previous checkpoint stays usable. Loading checks
 every file's size and the CRC32 of every 256 MiB block and names the first bad one.
+
+``state.json`` is small and easy to edit by hand, and an edit that keeps it valid JSON (a step, a data
+index) would otherwise resume silently into a run that never happened. So it carries a checksum over its
+canonical JSON (sorted keys, no spaces, the checksum field left out) and :func:`read_state` refuses any
+mismatch, any missing or mistyped field, and bytes that are not UTF-8, naming the field. Format 1
+checkpoints predate the checksum; they still load, and a debug log says they were not verified.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
+import logging
 import os
 import shutil
 import zlib
@@ -34,17 +45,31 @@ __all__ = [
     "find_latest",
     "list_checkpoints",
     "load_checkpoint",
+    "newest_intact",
     "prune_checkpoints",
+    "read_state",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
-FORMAT = 1
+log = logging.getLogger("slide.checkpoint")
+
+FORMAT = 2
+"""Version of the ``state.json`` schema: 2 added the checksum. Loading accepts :data:`_READABLE_FORMATS`."""
+_READABLE_FORMATS = (1, 2)
 _BLOCK_BYTES = 256 * 2**20
 _PREFIX = "step-"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class CheckpointCorrupt(ValueError):
-    """A checkpoint is incomplete, truncated or fails its checksums; the message names the file."""
+    """A checkpoint is incomplete, truncated or fails its checksums; the message names the file.
+
+    ``checkpoint`` is the checkpoint directory at fault (``None`` when none was found at all)."""
+
+    def __init__(self, message: str, checkpoint: Path | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 class CheckpointWriteError(OSError):
@@ -122,14 +147,17 @@ def save_checkpoint(
     """Write ``tensors`` (name -> flat host tensor or :class:`ArraySource`) and ``extra`` as
     ``root/step-NNNNNNNN``, atomically. A source is read through one 256 MiB buffer, so saving it takes
     no more host memory than that, whatever its size."""
-    root.mkdir(parents=True, exist_ok=True)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"a checkpoint step must be an integer >= 0, got {step!r}")
     final = root / f"{_PREFIX}{step:08d}"
     temp = root / f".tmp-{final.name}-{os.getpid()}"
-    if temp.exists():
-        shutil.rmtree(temp)
-    temp.mkdir()
+    previous = [p for p in list_checkpoints(root) if p != final]
     files: dict[str, Any] = {}
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        if temp.exists():
+            shutil.rmtree(temp)
+        temp.mkdir()
         buffer: torch.Tensor | None = None
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             for name, tensor in tensors.items():
@@ -148,8 +176,10 @@ def save_checkpoint(
                     "numel": numel,
                     "crc32": crcs,
                 }
-        state = {"format": FORMAT, "step": step, "files": files, "extra": dict(extra)}
-        (temp / "state.json").write_text(json.dumps(state, indent=1))
+        state: dict[str, Any] = {"format": FORMAT, "step": step, "files": files, "extra": dict(extra)}
+        state = json.loads(json.dumps(state))  # what a reader will see (tuples as lists, keys as text)
+        state["checksum"] = _checksum(state)
+        (temp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
         with (temp / "state.json").open("rb") as handle:
             os.fsync(handle.fileno())
         _fsync_dir(temp)
@@ -159,12 +189,14 @@ def save_checkpoint(
         _fsync_dir(root)
     except OSError as error:
         shutil.rmtree(temp, ignore_errors=True)
-        needed = sum(_nbytes(t) for t in tensors.values())
-        free = shutil.disk_usage(root).free
+        space = ""
+        if error.errno in _NO_SPACE:
+            needed = sum(_nbytes(t) for t in tensors.values())
+            with contextlib.suppress(OSError):
+                space = f" (needs {needed / 2**30:.2f} GiB, {shutil.disk_usage(root).free / 2**30:.2f} GiB free)"
+        kept = f"the previous checkpoint {previous[-1]} is kept" if previous else "no earlier checkpoint exists"
         raise CheckpointWriteError(
-            error.errno,
-            f"cannot write checkpoint {final}: {error.strerror or error} "
-            f"(needs {needed / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free); the previous checkpoint is kept",
+            error.errno, f"cannot write checkpoint {final}: {error.strerror or error}{space}; {kept}"
         ) from error
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
@@ -173,7 +205,8 @@ def save_checkpoint(
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Published checkpoints under ``root``, oldest first (temporary directories are ignored)."""
+    """Published checkpoints directly under ``root``, oldest first. Temporary directories and folders of
+    any other name (such as the ``abandoned-*`` lines a rollback sets aside) are ignored."""
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / "state.json").exists()]
@@ -189,6 +222,20 @@ def find_latest(path: Path) -> Path:
         if found:
             return found[-1]
     raise CheckpointCorrupt(f"no checkpoint found in {path} (looked for {path}/checkpoints/step-*/state.json)")
+
+
+def newest_intact(corrupt: Path) -> Path | None:
+    """The newest checkpoint older than ``corrupt`` in the same folder that passes
+    :func:`verify_checkpoint` (every file read and checked), or ``None``. Meant for the message that
+    follows a corrupt checkpoint, so it is as slow as reading those checkpoints once."""
+    older = [p for p in list_checkpoints(corrupt.parent) if p.name < corrupt.name]
+    for candidate in reversed(older):
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointCorrupt:
+            continue
+        return candidate
+    return None
 
 
 def prune_checkpoints(root: Path, keep: int) -> None:
@@ -211,7 +258,7 @@ class ArraySink(Protocol):
         """Store ``block`` (flat, host) as elements ``[start, start + block.numel())``."""
 
 
-def _read_sink(file: Path, sink: ArraySink, crcs: list[int], buffer: torch.Tensor) -> None:
+def _read_sink(path: Path, file: Path, sink: ArraySink, crcs: list[int], buffer: torch.Tensor) -> None:
     """Read ``file`` block by block through ``buffer``; each block is checked before the sink sees it."""
     per_block = _BLOCK_BYTES // sink.dtype.itemsize
     with file.open("rb") as handle:
@@ -220,30 +267,135 @@ def _read_sink(file: Path, sink: ArraySink, crcs: list[int], buffer: torch.Tenso
             data = _as_bytes(block)
             handle.readinto(data)
             if zlib.crc32(data) != crcs[index]:
-                raise CheckpointCorrupt(
-                    f"{file} fails its checksum in block {index} (bytes {index * _BLOCK_BYTES}+); "
-                    "the checkpoint is corrupt"
-                )
+                raise _bad_block(path, file, index)
             sink.write_from(start, block)
+
+
+def _checksum(state: Mapping[str, Any]) -> str:
+    """SHA-256 of ``state``'s canonical JSON, without its own ``checksum`` field."""
+    body = {key: value for key, value in state.items() if key != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The verified ``state.json`` of checkpoint ``path``.
+
+    Raises :class:`CheckpointCorrupt` naming the problem: unreadable or non-UTF-8 bytes, invalid JSON, an
+    unknown format, a checksum mismatch (an edit), or a missing or mistyped field (``step``, ``files``
+    and each file's ``bytes``, ``dtype``, ``numel``, ``crc32``, ``extra``). The caller's ``extra`` is
+    checked only for being an object: its fields are the caller's to validate."""
+    file = path / "state.json"
+
+    def corrupt(detail: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(f"checkpoint {path} is corrupt ({detail})", path)
+
+    try:
+        raw = file.read_bytes()
+    except FileNotFoundError:
+        raise corrupt("state.json is missing") from None
+    except OSError as error:
+        raise corrupt(f"cannot read state.json: {error.strerror or error}") from None
+    try:
+        state = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise corrupt(f"state.json is not UTF-8 text: byte {error.start} is 0x{raw[error.start]:02x}") from None
+    except json.JSONDecodeError as error:
+        raise corrupt(f"state.json is not valid JSON: {error.msg} at line {error.lineno}") from None
+    if not isinstance(state, dict):
+        raise corrupt("state.json holds no JSON object")
+    version = state.get("format")
+    if version not in _READABLE_FORMATS or isinstance(version, bool):
+        raise corrupt(f"state.json field format is {version!r}; this version reads {_READABLE_FORMATS}")
+    if version >= 2:
+        if not isinstance(state.get("checksum"), str):
+            raise corrupt("state.json field checksum is missing")
+        if state["checksum"] != _checksum(state):
+            raise corrupt("state.json fails its checksum: it was edited or damaged after the save")
+    else:
+        log.debug("%s predates state.json checksums (format %d); its fields are checked but not verified", path, 1)
+    if not _is_int(state.get("step")):
+        raise corrupt(f"state.json field step must be an integer >= 0, got {state.get('step')!r}")
+    files = state.get("files")
+    if not isinstance(files, dict):
+        raise corrupt("state.json field files must be an object")
+    for name, meta in files.items():
+        _check_file_meta(name, meta, corrupt)
+    if not isinstance(state.get("extra"), dict):
+        raise corrupt("state.json field extra must be an object")
+    return state
+
+
+def _check_file_meta(name: str, meta: Any, corrupt: Any) -> None:
+    where = f"state.json field files.{name}"
+    if not isinstance(meta, dict):
+        raise corrupt(f"{where} must be an object")
+    for key in ("bytes", "numel"):
+        if not _is_int(meta.get(key)):
+            raise corrupt(f"{where}.{key} must be an integer >= 0, got {meta.get(key)!r}")
+    dtype = getattr(torch, str(meta.get("dtype")), None)
+    if not isinstance(meta.get("dtype"), str) or not isinstance(dtype, torch.dtype):
+        raise corrupt(f"{where}.dtype must name a torch dtype, got {meta.get('dtype')!r}")
+    if meta["bytes"] != meta["numel"] * dtype.itemsize:
+        raise corrupt(f"{where}.bytes is {meta['bytes']}, but {meta['numel']} x {meta['dtype']} is not that")
+    crcs = meta.get("crc32")
+    blocks = -(-meta["bytes"] // _BLOCK_BYTES)
+    if not isinstance(crcs, list) or len(crcs) != blocks or not all(_is_int(c) for c in crcs):
+        raise corrupt(f"{where}.crc32 must list {blocks} block checksum(s)")
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Check all of checkpoint ``path`` without loading it anywhere: its state, every file's size and
+    every block's CRC32, read through one bounded buffer. Raises :class:`CheckpointCorrupt`."""
+    state = read_state(path)
+    files = state["files"]
+    buffer = memoryview(bytearray(min(_BLOCK_BYTES, max((m["bytes"] for m in files.values()), default=0))))
+    for filename, meta in files.items():
+        file = _sized_file(path, filename, meta)
+        with file.open("rb") as handle:
+            for index, want in enumerate(meta["crc32"]):
+                got = handle.readinto(buffer)
+                if zlib.crc32(buffer[:got]) != want:
+                    raise _bad_block(path, file, index)
+
+
+def _sized_file(path: Path, filename: str, meta: Mapping[str, Any]) -> Path:
+    file = path / filename
+    try:
+        size = file.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"checkpoint {path} is corrupt ({filename} is missing)", path) from None
+    if size != meta["bytes"]:
+        raise CheckpointCorrupt(
+            f"checkpoint {path} is corrupt ({filename} is {size} bytes, expected {meta['bytes']}: truncated?)", path
+        )
+    return file
+
+
+def _bad_block(path: Path, file: Path, index: int) -> CheckpointCorrupt:
+    return CheckpointCorrupt(
+        f"checkpoint {path} is corrupt ({file.name} fails its checksum in block {index}, bytes "
+        f"{index * _BLOCK_BYTES}+)",
+        path,
+    )
 
 
 def load_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor | ArraySink]) -> dict[str, Any]:
     """Verify ``path`` and read it into ``tensors`` (same names, numel and dtype; host tensors, or
     :class:`ArraySink` s that receive it block by block, each block verified first); return its state."""
-    try:
-        state = json.loads((path / "state.json").read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointCorrupt(f"{path / 'state.json'} is unreadable: {error}") from None
-    if state.get("format") != FORMAT:
-        raise CheckpointCorrupt(f"{path} has checkpoint format {state.get('format')!r}, expected {FORMAT}")
-    files = state.get("files", {})
+    state = read_state(path)
+    files = state["files"]
     buffer: torch.Tensor | None = None
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for name, tensor in tensors.items():
             filename = f"{name}.bin"
             meta = files.get(filename)
             if meta is None:
-                raise CheckpointCorrupt(f"{path} has no {filename}")
+                raise CheckpointCorrupt(f"checkpoint {path} is corrupt (state.json lists no {filename})", path)
             sink = tensor if isinstance(tensor, ArraySink) else None
             numel = sink.numel if sink is not None else tensor.numel()
             if meta["numel"] != numel or meta["dtype"] != str(tensor.dtype).removeprefix("torch."):
@@ -251,14 +403,11 @@ def load_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor | ArraySink])
                     f"{path / filename} holds {meta['numel']} x {meta['dtype']}; this run needs "
                     f"{numel} x {tensor.dtype} (a different model?)"
                 )
-            file = path / filename
-            size = file.stat().st_size if file.exists() else -1
-            if size != meta["bytes"]:
-                raise CheckpointCorrupt(f"{file} is {size} bytes, expected {meta['bytes']} (truncated?)")
+            file = _sized_file(path, filename, meta)
             if sink is not None:
                 if buffer is None:
                     buffer = torch.empty(_BLOCK_BYTES, dtype=torch.uint8)
-                _read_sink(file, sink, meta["crc32"], buffer)
+                _read_sink(path, file, sink, meta["crc32"], buffer)
                 continue
             data = _as_bytes(tensor)
             with file.open("rb") as handle:
@@ -267,8 +416,5 @@ def load_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor | ArraySink])
             crcs = _crcs(data, pool)
             for block, (got, want) in enumerate(zip(crcs, meta["crc32"], strict=True)):
                 if got != want:
-                    raise CheckpointCorrupt(
-                        f"{file} fails its checksum in block {block} (bytes {block * _BLOCK_BYTES}+); "
-                        "the checkpoint is corrupt"
-                    )
+                    raise _bad_block(path, file, block)
     return state

@@ -5,10 +5,14 @@ names (a tied matrix once, as the embedding), ``model.safetensors.index.json`` w
 the tokenizer files -- so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it with no missing or
 unexpected keys.
 
-A training run exports at the end (or on a signal); a crash half-way must not leave a directory that
-looks like a model. So everything is written into a hidden temp directory beside ``out_dir``, fsynced,
-then renamed into place: the directory appears complete or not at all. Replacing an existing export
-swaps the two directories with one ``renameat2(RENAME_EXCHANGE)`` where the kernel has it.
+A training run exports at the end, after its final checkpoint; a crash half-way must not leave a
+directory that looks like a model. So everything is written into a hidden temp directory beside
+``out_dir``, fsynced, then renamed into place: the directory appears complete or not at all. Replacing
+an existing export swaps the two directories with one ``renameat2(RENAME_EXCHANGE)`` where the kernel
+has it. Every failure (a full disk, ``cancel``, an interrupt) removes the temp directory and raises.
+
+Weights that hold NaN or Inf are refused before anything is written (:class:`NonFiniteWeights`, naming
+the first such tensor): such a model loads without complaint and generates garbage.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -34,7 +40,16 @@ from slide_hf.model import CheckpointEntry, checkpoint_entries, unit_views
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "TOKENIZER_FILES", "export_hf", "resolve_dtype"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "TOKENIZER_FILES",
+    "ExportCancelled",
+    "NonFiniteWeights",
+    "export_hf",
+    "first_nonfinite",
+    "resolve_dtype",
+    "use_tokenizer_special_tokens",
+]
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -67,6 +82,14 @@ _DTYPES = {
 }
 
 
+class ExportCancelled(Exception):
+    """``cancel`` asked the export to stop; nothing was published and the temp directory is gone."""
+
+
+class NonFiniteWeights(ValueError):
+    """A weight holds NaN or Inf; the message names the first such tensor by its checkpoint key."""
+
+
 def resolve_dtype(dtype: torch.dtype | str | None, config: PreTrainedConfig | None = None) -> torch.dtype:
     """``dtype`` as a torch dtype; ``None`` means the config's ``dtype`` (``torch_dtype``), else fp32."""
     if dtype is None and config is not None:
@@ -89,20 +112,28 @@ def export_hf(
     tokenizer_dir: str | os.PathLike[str] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    cancel: Callable[[], bool] | None = None,
 ) -> Path:
     """Write ``host_params`` as an HF model directory at ``out_dir`` and return its path.
 
     ``dtype`` defaults to the config's (what the model was published in), else float32. Refuses an
-    existing ``out_dir`` unless ``overwrite``; then the old directory is replaced only once the new one is
-    complete. Memory: one shard (at most ``max_shard_bytes``) is materialised at a time.
+    existing ``out_dir`` (``FileExistsError``) unless ``overwrite``; then the old directory is replaced
+    only once the new one is complete. ``cancel`` is polled between shards and before publishing: when it
+    returns True the export stops with :class:`ExportCancelled` (a run that got SIGTERM). Write errors,
+    including the safetensors writer's, are ``OSError`` s with the system's errno. Memory: one shard (at
+    most ``max_shard_bytes``) is materialised at a time.
     """
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
+        raise FileExistsError(f"{out} already exists")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     target_dtype = resolve_dtype(dtype, config)
     tokenizer_files = _tokenizer_files(Path(tokenizer_dir).expanduser()) if tokenizer_dir is not None else []
+    bad = first_nonfinite(model, host_params)
+    if bad is not None:
+        raise NonFiniteWeights(f"{bad} holds NaN or Inf values; a model with them is not exported")
+    stop = cancel or (lambda: False)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
@@ -111,12 +142,14 @@ def export_hf(
         saved = copy.deepcopy(config)
         saved.dtype = target_dtype
         saved.save_pretrained(tmp)
-        _write_weights(model, host_params, tmp, target_dtype, max_shard_bytes)
+        _write_weights(model, host_params, tmp, target_dtype, max_shard_bytes, stop)
         for file in tokenizer_files:
             shutil.copyfile(file, tmp / file.name)
         for file in tmp.iterdir():
             _fsync(file)
         _fsync(tmp)
+        if stop():
+            raise ExportCancelled(f"the export to {out} was cancelled")
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -124,8 +157,41 @@ def export_hf(
     return out
 
 
+def first_nonfinite(model: SlideModel, host_params: HostParameters) -> str | None:
+    """The checkpoint key of the first weight holding NaN or Inf, or ``None`` when all are finite.
+    One pass over the masters: the export refuses such a model before writing anything."""
+    views = unit_views(host_params)
+    for entry in checkpoint_entries(model):
+        if not bool(torch.isfinite(entry.target(views[entry.unit.name])).all()):
+            return entry.key
+    return None
+
+
+def use_tokenizer_special_tokens(config: PreTrainedConfig, tokenizer: Any) -> Any:
+    """Make ``config`` carry ``tokenizer``'s bos/eos/pad ids and return a ``GenerationConfig`` with them.
+
+    A preset's config keeps the ids of the model it copies the shape of (Llama's 128000/128001), but a
+    preset run trains with the bundled byte tokenizer (256/257/258); exported with the preset's ids,
+    ``generate()`` would stop on whatever byte those ids alias. Ids the tokenizer lacks become ``None``."""
+    from transformers import GenerationConfig
+
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    for key, value in ids.items():
+        setattr(config, key, value)
+    return GenerationConfig(**ids)
+
+
 def _write_weights(
-    model: SlideModel, host_params: HostParameters, directory: Path, dtype: torch.dtype, max_shard_bytes: int
+    model: SlideModel,
+    host_params: HostParameters,
+    directory: Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    stop: Callable[[], bool],
 ) -> None:
     entries = checkpoint_entries(model)
     views = unit_views(host_params)
@@ -149,14 +215,31 @@ def _write_weights(
     )
     weight_map = {}
     for name, shard in zip(names, shards, strict=True):
+        if stop():
+            raise ExportCancelled(f"the export to {directory} was cancelled")
         # copy=True: safetensors refuses tensors that share storage, and views of one slab all do.
         tensors = {e.key: e.target(views[e.unit.name]).to(dtype=dtype, copy=True).contiguous() for e in shard}
-        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        _save_shard(tensors, directory / name)
         del tensors
         weight_map.update(dict.fromkeys((e.key for e in shard), name))
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """``save_file``, with the writer's I/O failures (a Rust ``SafetensorError`` that wraps the OS error,
+    "I/O error: No space left on device (os error 28)") raised as the ``OSError`` they are."""
+    from safetensors import SafetensorError
+
+    try:
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    except SafetensorError as error:
+        code = re.search(r"(?:code: |os error )(\d+)", str(error))
+        if code is None:
+            raise OSError(errno.EIO, f"cannot write {file.name}: {error}") from error
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(file)) from error
 
 
 def _tokenizer_files(directory: Path) -> list[Path]:

@@ -5,13 +5,20 @@ The model is never built in RAM. Each tensor goes from the file straight into it
 through ``mmap``; pages a mapping has touched count in the process's resident set until it is unmapped,
 so the reader re-opens the file whenever it has copied ``budget`` bytes: peak memory stays the fp32 slab
 plus a few budgets (0.5% of the slab each, 1 to 64 MiB), however large the shards.
+
+Every way a weights directory can be wrong -- a truncated or garbled shard, an index naming absent
+files, PyTorch ``.bin`` files only, a tensor of the wrong shape or an integer dtype, NaN or Inf values --
+raises :class:`CheckpointError` or :class:`ModelFilesError` (both ``ValueError`` s) with one line naming
+the file and the tensor; the safetensors reader's own ``SafetensorError`` never escapes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +71,7 @@ def load_config(model_dir: str | os.PathLike[str]) -> PreTrainedConfig:
 
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, OSError, KeyError) as exc:
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:  # a garbled file, a wrong type
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"cannot read {path / 'config.json'}: {first}") from exc
 
@@ -100,9 +107,24 @@ def load_weights(model: SlideModel, host_params: HostParameters, model_dir: str 
     with torch.no_grad():
         for file, items in by_file.items():
             reader = _ShardReader(file, budget)
-            for entry, stored in items:
-                reader.copy_into(stored, targets[id(entry)])
+            with _readable(file):
+                for entry, stored in items:
+                    reader.copy_into(stored, targets[id(entry)])
             reader.close()
+
+
+@contextlib.contextmanager
+def _readable(file: Path) -> Iterator[None]:
+    """Turn the safetensors reader's errors (a truncated or garbled file) into one-line CheckpointErrors."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{file}: not a readable safetensors file ({detail})") from None
+    except OSError as error:
+        raise CheckpointError(f"cannot read {file}: {error.strerror or error}") from None
 
 
 def _weight_map(path: Path) -> dict[str, str]:
@@ -112,9 +134,11 @@ def _weight_map(path: Path) -> dict[str, str]:
     index = path / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if absent:
             raise CheckpointError(f"{index} lists shard(s) that are missing: {', '.join(absent[:3])}")
@@ -129,7 +153,7 @@ def _weight_map(path: Path) -> dict[str, str]:
 
     weight_map = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with _readable(file), safe_open(file, framework="pt") as f:
             weight_map.update(dict.fromkeys(f.keys(), file.name))
     return weight_map
 
@@ -165,7 +189,7 @@ def _find_key(key: str, weight_map: dict[str, str], prefix: str) -> str | None:
 def _check_headers(file: Path, wanted: list[tuple[str, tuple[int, ...]]]) -> None:
     from safetensors import safe_open
 
-    with safe_open(file, framework="pt") as f:
+    with _readable(file), safe_open(file, framework="pt") as f:
         present = set(f.keys())
         for key, shape in wanted:
             if key not in present:
@@ -209,6 +233,7 @@ class _ShardReader:
         if not shape:
             dst.copy_(self._open().get_tensor(key))
             self._read += itemsize
+            self._check_finite(key, dst)
             return
         row_bytes = max(1, itemsize * dst[0].numel())
         step = max(1, self.budget // row_bytes)
@@ -216,3 +241,9 @@ class _ShardReader:
             stop = min(start + step, shape[0])
             dst[start:stop].copy_(self._open().get_slice(key)[start:stop])
             self._read += (stop - start) * row_bytes
+            self._check_finite(key, dst[start:stop])
+
+    def _check_finite(self, key: str, values: torch.Tensor) -> None:
+        """NaN or Inf in a checkpoint would otherwise surface steps later as a NaN loss blamed on --lr."""
+        if not bool(torch.isfinite(values).all()):
+            raise CheckpointError(f"{self.file.name}: {key} holds NaN or Inf values; the checkpoint is damaged")

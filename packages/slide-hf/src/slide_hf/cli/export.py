@@ -1,13 +1,19 @@
 """`slide export`: turn a training checkpoint into a Hugging Face model directory.
 
 Takes a run's output directory (its newest checkpoint) or one checkpoint directory, and writes
-config.json, sharded safetensors with an index and the tokenizer files, atomically.
+config.json, sharded safetensors with an index and the tokenizer files, atomically. This is also how a
+run whose final export failed (a full disk, a signal) gets its model: ``slide export RUN RUN/model``.
+Weights holding NaN or Inf are refused, naming the first such tensor.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 from pathlib import Path
+
+log = logging.getLogger("slide.export")
 
 EPILOG = """examples:
   slide export runs/llama8b out/llama8b-step-2000          # newest checkpoint of the run
@@ -33,29 +39,44 @@ def run(args: argparse.Namespace) -> int:
 
     from slide_core import HostParameters
     from slide_core.checkpoint import CheckpointCorrupt, find_latest, load_checkpoint
-    from slide_hf import build_model, export_hf, load_config
+    from slide_hf import build_model, load_config
     from slide_hf.errors import UserError
+    from slide_hf.resume import corrupt_message
+    from slide_hf.run_dir import clean_if_idle, locked, run_of
+    from slide_hf.run_export import export_model
+
+    out = args.output.expanduser()
+
+    def use(intact: Path) -> str:
+        return f"export it with `slide export {intact} {out}`"
 
     try:
         checkpoint = find_latest(args.checkpoint)
     except CheckpointCorrupt as error:
         raise UserError(str(error)) from None
-    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    run_dir = run_of(checkpoint)
+    clean_if_idle(run_dir)  # temp dirs of a killed run or export, unless a live run holds the directory
+    if out.exists():
+        raise UserError(f"{out} already exists; choose an output directory that does not exist yet")
     config_dir, tokenizer_dir = run_dir / "config", run_dir / "tokenizer"
     if not (config_dir / "config.json").is_file():
         raise UserError(f"{run_dir} has no config/config.json next to its checkpoints (not a slide train run?)")
-    config = load_config(config_dir)
-    model = build_model(config)
+    try:
+        config = load_config(config_dir)
+        model = build_model(config)
+    except ValueError as error:  # a damaged config.json, a model type this version cannot build
+        raise UserError(f"{run_dir}: {str(error).strip().splitlines()[0]}") from None
     host = HostParameters(model)
     try:
         state = load_checkpoint(checkpoint, {"master": host.slab})
     except CheckpointCorrupt as error:
-        raise UserError(str(error)) from None
+        raise UserError(corrupt_message(error, use)) from None
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.save_dtype]
     tokenizer = tokenizer_dir if tokenizer_dir.is_dir() else None
-    try:
-        export_hf(model, host, config, args.output, dtype=dtype, tokenizer_dir=tokenizer)
-    except (FileExistsError, ValueError) as error:
-        raise UserError(str(error)) from None
-    print(f"exported step {state['step']} of {checkpoint} to {args.output}")
+    if tokenizer is None:
+        log.warning("%s has no tokenizer/: the export carries no tokenizer files", run_dir)
+    inside_run = out.resolve().is_relative_to(run_dir.resolve())
+    with locked(run_dir) if inside_run else contextlib.nullcontext():  # writing into a run: not while it runs
+        export_model(model, host, config, out, dtype=dtype, tokenizer_dir=tokenizer)
+    print(f"exported step {state['step']} of {checkpoint} to {out}")
     return 0

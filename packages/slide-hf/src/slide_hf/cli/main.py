@@ -1,7 +1,14 @@
 """`slide`: the top-level parser. Each command lives in its own module with ``add_parser`` and ``run``.
 
-User errors (a bad path, an unknown preset, a malformed data line) are :class:`UserError`s: they print one
-line naming the bad thing and exit with status 2, without a traceback.
+Exit status and what is printed on stderr, one line each, never a traceback unless ``-v``:
+
+- 0: success.
+- 2: bad input -- a :class:`UserError` (a bad path, an unknown preset, a malformed data line, a full
+  disk) or an unreadable command line -- printed as ``slide CMD: error: ...``.
+- 130 / 143: a run stopped by SIGINT / SIGTERM after saving a checkpoint (:class:`RunStopped`); the line
+  gives the command that continues it and is not an error. A bare Ctrl-C elsewhere is 130 too.
+- 1: anything else is a bug in slide: one line with the exception and where to report it; ``-v``
+  prints the traceback.
 
 The commands run with PyTorch's expandable-segments CUDA allocator unless ``PYTORCH_CUDA_ALLOC_CONF`` is
 already set: under a ``--gpu-memory`` cap the default allocator's cached, partly used blocks can refuse a
@@ -16,15 +23,25 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
-from slide_hf.errors import UserError
+from slide_hf.errors import RunStopped, UserError
 
-COMMANDS = ("train", "plan", "bench", "doctor", "export")
+COMMANDS = ("train", "data", "plan", "bench", "doctor", "export")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints the whole usage block before a bad option's message; one line names the problem and
+    where the usage is. Subcommand parsers are built from the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="slide",
         description="Full-parameter fine-tuning of LLMs larger than the GPU, one sliding window of layers at a time.",
     )
@@ -38,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read at the first CUDA allocation
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, or a command line argparse refused (one line, above)
+        return exit_.code if isinstance(exit_.code, int) else 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.command is None:
         parser.print_help()
@@ -47,11 +67,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except UserError as error:
-        print(f"slide {args.command}: error: {error}", file=sys.stderr)
+        print(f"slide {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
+    except RunStopped as stop:
+        print(f"slide {args.command}: {_one_line(stop)}", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print(f"slide {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        if args.verbose:
+            traceback.print_exc()
+        print(
+            f"slide {args.command}: internal error: {type(error).__name__}: {_one_line(error)} -- this is a bug in "
+            f"slide; please report it with the output of `slide -v {args.command} ...`",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    """The message on one line: the first non-empty line, or the exception's type when it has none."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 if __name__ == "__main__":
