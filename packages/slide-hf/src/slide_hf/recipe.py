@@ -33,7 +33,7 @@ from slide_core.checkpoint import (
 from slide_core.device import Device
 from slide_core.engine import Engine, EngineConfig, EngineError
 from slide_core.optim import TorchAdamW
-from slide_hf.data import Batches, DataPosition, load_dataset
+from slide_hf.data import Batches, DataOptions, DataPosition, load_dataset
 from slide_hf.errors import UserError
 from slide_hf.offload import offloaded_units, open_activation_tier, open_nvme_tier
 from slide_hf.options import TrainConfig, config_dict
@@ -71,7 +71,15 @@ def train(cfg: TrainConfig) -> TrainSummary:
 
     # Data.
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, max_positions, vocab_size=config.vocab_size)
+    data_options = DataOptions(
+        seq_len=cfg.seq_len,
+        packing=cfg.packing,
+        train_on_inputs=cfg.train_on_inputs,
+        chat_template=cfg.chat_template,
+        max_positions=max_positions,
+        vocab_size=config.vocab_size,
+    )
+    dataset = load_dataset(cfg.data, tokenizer, data_options)
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed)
     epochs = cfg.epochs or (10 if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch

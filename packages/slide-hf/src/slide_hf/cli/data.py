@@ -1,0 +1,176 @@
+"""`slide data`: show exactly which tokens of a data file carry loss, and what the packed rows hold.
+
+The data goes through the same pipeline as `slide train` (same tokenizer resolution, chat template, masks,
+packing), so what it shows is what training sees. The first ``--show`` examples are printed before packing
+with the text that carries loss marked: in colour on a terminal, between ``[[`` and ``]]`` otherwise. A
+summary follows: examples, rows, tokens, loss tokens, padding, truncated and skipped examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+EPILOG = """examples:
+  slide data --model ./Qwen3-8B --data chats.jsonl --show 2     # trained text in colour (or [[...]] when piped)
+  slide data --model ./Qwen3-8B --data chats.jsonl --json | jq .trained_text
+  slide data --model tiny-llama --data corpus.jsonl --seq-len 512 --show 0   # summary only
+
+formats: .jsonl, .jsonl.gz, .json, .parquet, a datasets directory or a Hub dataset org/name; records of
+text, messages, conversations (ShareGPT), input_ids (+labels), prompt/completion or Alpaca
+instruction/input/output. See docs/data.md.
+"""
+
+_ON, _OFF = "\x1b[1;32m", "\x1b[0m"
+_OPEN, _CLOSE = "[[", "]]"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    from slide_hf.data import BUNDLED_TEMPLATES
+    from slide_hf.options import TrainConfig
+
+    defaults = TrainConfig()
+    parser = commands.add_parser(
+        "data",
+        help="show which tokens of a data file carry loss, and the packed rows' statistics",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--model", default=defaults.model, help=f"HF model directory, Hub id or preset (default {defaults.model})")
+    add("--data", help="data file, datasets directory or Hub dataset (default: the bundled English text)")
+    add("--tokenizer", type=Path, help="tokenizer directory (default: the model's; the byte tokenizer for presets)")
+    add("--seq-len", type=int, default=defaults.seq_len, help=f"tokens per row (default {defaults.seq_len})")
+    add("--show", type=int, default=3, metavar="K", help="examples to show before the summary (default 3)")
+    add("--json", action="store_true", help='one JSON object per shown example, then {"summary": {...}}')
+    add("--no-packing", action="store_true", help="one example per row, as slide train --no-packing")
+    add("--train-on-inputs", action="store_true", help="loss on every token, not only replies and completions")
+    add(
+        "--chat-template",
+        metavar="FILE|NAME",
+        help=f"chat template file, or a bundled one ({', '.join(BUNDLED_TEMPLATES)})",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from slide_hf.data import DataOptions, load_dataset, preview
+    from slide_hf.errors import UserError
+
+    if args.show < 0:
+        raise UserError(f"--show must be >= 0, got {args.show}")
+    tokenizer, config = _tokenizer_and_config(args)
+    options = DataOptions(
+        seq_len=args.seq_len,
+        packing=not args.no_packing,
+        train_on_inputs=args.train_on_inputs,
+        chat_template=args.chat_template,
+        max_positions=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None),
+        vocab_size=config.vocab_size,
+    )
+    shown = preview(args.data, tokenizer, options, args.show) if args.show else []
+    dataset = load_dataset(args.data, tokenizer, options)
+    summary = {"source": dataset.source, "seq_len": options.seq_len, "packing": options.packing}
+    summary |= dataclasses.asdict(dataset.stats)
+    if args.json:
+        for record in shown:
+            print(json.dumps(_example_json(record, tokenizer), ensure_ascii=False))
+        print(json.dumps({"summary": summary}))
+        return 0
+    colour = sys.stdout.isatty()
+    for record in shown:
+        print(_example_text(record, tokenizer, colour=colour))
+    print(_summary_text(summary, colour=colour))
+    return 0
+
+
+def _tokenizer_and_config(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The tokenizer and model config exactly as `slide train` resolves them for ``--model``/``--tokenizer``."""
+    from slide_hf import resolve_model
+    from slide_hf.errors import UserError
+    from slide_hf.hub import is_hub_id, resolve_hub_model
+    from slide_hf.presets import PRESETS
+    from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
+
+    source: str | Path = args.model
+    if args.model not in PRESETS and is_hub_id(args.model):
+        source = resolve_hub_model(args.model)
+    overrides = {"vocab_size": BYTE_VOCAB_SIZE} if args.model == "tiny-llama" else {}
+    try:
+        config, model_dir = resolve_model(source, **overrides)
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    tokenizer = load_tokenizer(model_dir, args.tokenizer)
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}")
+    return tokenizer, config
+
+
+def _runs(record: Any) -> list[tuple[list[int], bool]]:
+    """The record's tokens as runs of (token ids, carries loss), documents one after another."""
+    runs: list[tuple[list[int], bool]] = []
+    for document in record.documents:
+        for token, label in zip(document.input_ids.tolist(), document.labels.tolist(), strict=True):
+            trained = label != -100
+            if runs and runs[-1][1] == trained:
+                runs[-1][0].append(token)
+            else:
+                runs.append(([token], trained))
+    return runs
+
+
+def _example_json(record: Any, tokenizer: Any) -> dict[str, Any]:
+    ids = [token for document in record.documents for token in document.input_ids.tolist()]
+    trained = [
+        token
+        for document in record.documents
+        for token, label in zip(document.input_ids.tolist(), document.labels.tolist(), strict=True)
+        if label != -100
+    ]
+    return {
+        "where": record.where,
+        "text": tokenizer.decode(ids),
+        "trained_text": tokenizer.decode(trained),
+        "tokens": len(ids),
+        "loss_tokens": len(trained),
+        "cut": record.cut,
+        "skipped": record.skipped,
+    }
+
+
+def _example_text(record: Any, tokenizer: Any, *, colour: bool) -> str:
+    tokens = sum(len(document.input_ids) for document in record.documents)
+    loss = sum(int((document.labels != -100).sum()) for document in record.documents)
+    notes = [f"{tokens} tokens", f"{loss} trained"]
+    if record.cut:
+        notes.append(record.cut)
+    if record.skipped:
+        notes.append("skipped: no token to train")
+    parts = []
+    for ids, trained in _runs(record):
+        text = tokenizer.decode(ids)
+        parts.append((f"{_ON}{text}{_OFF}" if colour else f"{_OPEN}{text}{_CLOSE}") if trained else text)
+    return f"--- {record.where} ({', '.join(notes)})\n{''.join(parts)}\n"
+
+
+def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
+    marked = "in colour" if colour else f"between {_OPEN} and {_CLOSE}"
+    return "\n".join(
+        [
+            f"summary of {summary['source']} (seq-len {summary['seq_len']}, packing {'on' if summary['packing'] else 'off'}; "
+            f"trained text above is {marked})",
+            f"  examples            {summary['examples']}",
+            f"  rows                {summary['rows']}",
+            f"  tokens              {summary['tokens']}",
+            f"  loss tokens         {summary['loss_tokens']}",
+            f"  padding             {summary['padding_fraction']:.1%}",
+            f"  truncated examples  {summary['truncated_examples']}",
+            f"  skipped examples    {summary['skipped_examples']}",
+        ]
+    )

@@ -1,0 +1,36 @@
+"""Training data a user can trust: any common format in, packed rows with exact loss masks out.
+
+``load_dataset(source, tokenizer, DataOptions(seq_len=...))`` reads JSON Lines (plain or ``.gz``), a JSON
+array, Parquet, a ``datasets`` directory or a Hub name; detects each record's kind (text, chat messages,
+ShareGPT, prompt/completion, Alpaca, token ids); masks chat turns exactly (the template's generation
+markers, or prefix renders verified token by token, or a refusal naming the record); packs whole documents
+into rows whose position ids restart per document; and keeps the rows as int32 files, cached by content.
+:class:`Batches` hands out seeded :class:`MicroBatch` es for training and :func:`eval_batches` the rows in
+order. docs/data.md describes the formats and rules for users.
+"""
+
+from slide_hf.data.batches import Batches, DataPosition, MicroBatch, eval_batches
+from slide_hf.data.dataset import Dataset, DataStats, load_dataset, load_split, open_source, preview
+from slide_hf.data.encode import Document, EncodedRecord
+from slide_hf.data.options import IGNORE, DataOptions
+from slide_hf.data.readers import bundled_text_path
+from slide_hf.data.templates import BUNDLED_TEMPLATES
+
+__all__ = [
+    "BUNDLED_TEMPLATES",
+    "IGNORE",
+    "Batches",
+    "DataOptions",
+    "DataPosition",
+    "DataStats",
+    "Dataset",
+    "Document",
+    "EncodedRecord",
+    "MicroBatch",
+    "bundled_text_path",
+    "eval_batches",
+    "load_dataset",
+    "load_split",
+    "open_source",
+    "preview",
+]

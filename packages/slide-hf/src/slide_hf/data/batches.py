@@ -1,0 +1,89 @@
+"""Micro-batches in a seeded order: ``grad_accum`` micro-batches of ``batch_size`` rows per optimizer step.
+
+The order of rows is a permutation drawn from ``seed + epoch``, so a run resumed at (epoch, index) sees
+exactly the batches the uninterrupted run would have. Rows are stored as int32 and leave here as int64
+:class:`MicroBatch` es, the dtype embeddings and the loss take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from slide_hf.data.dataset import Dataset
+from slide_hf.errors import UserError
+
+__all__ = ["Batches", "DataPosition", "MicroBatch", "eval_batches"]
+
+
+class MicroBatch(NamedTuple):
+    """Host tensors, each (batch, seq_len) int64. Labels are HF-aligned (the head shifts them); position ids
+    restart at every packed document, which the model turns into block-diagonal attention."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+
+
+def _micro_batch(dataset: Dataset, rows: torch.Tensor | slice) -> MicroBatch:
+    return MicroBatch(
+        dataset.input_ids[rows].to(torch.int64),
+        dataset.labels[rows].to(torch.int64),
+        dataset.position_ids[rows].to(torch.int64),
+    )
+
+
+@dataclass
+class DataPosition:
+    """Where the next step's rows start: the epoch and the index into that epoch's order."""
+
+    epoch: int = 0
+    index: int = 0
+
+
+class Batches:
+    """Micro-batches for each optimizer step: ``grad_accum`` micro-batches of ``batch_size`` rows."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, grad_accum: int, *, shuffle: bool, seed: int) -> None:
+        if batch_size < 1:
+            raise UserError(f"--batch-size must be positive, got {batch_size}")
+        if grad_accum < 1:
+            raise UserError(f"--grad-accum must be positive, got {grad_accum}")
+        per_step = batch_size * grad_accum
+        if len(dataset) < per_step:
+            raise UserError(
+                f"{dataset.source} yields {len(dataset)} rows; one step needs {per_step} "
+                f"(--batch-size {batch_size} x --grad-accum {grad_accum})"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.grad_accum = grad_accum
+        self.shuffle = shuffle
+        self.seed = seed
+        self.position = DataPosition()
+        self.steps_per_epoch = len(dataset) // per_step
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(len(self.dataset))
+        return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def next_step(self) -> list[MicroBatch]:
+        """The next step's micro-batches; a partial tail of an epoch is skipped."""
+        per_step = self.batch_size * self.grad_accum
+        if self.position.index + per_step > len(self.dataset):
+            self.position = DataPosition(self.position.epoch + 1, 0)
+        order = self._order(self.position.epoch)[self.position.index : self.position.index + per_step]
+        self.position = DataPosition(self.position.epoch, self.position.index + per_step)
+        return [_micro_batch(self.dataset, chunk) for chunk in order.split(self.batch_size)]
+
+
+def eval_batches(dataset: Dataset, batch_size: int) -> Iterator[MicroBatch]:
+    """Every row once, in order, ``batch_size`` rows at a time (the last batch may be smaller)."""
+    if batch_size < 1:
+        raise UserError(f"the evaluation batch size must be positive, got {batch_size}")
+    for start in range(0, len(dataset), batch_size):
+        yield _micro_batch(dataset, slice(start, start + batch_size))

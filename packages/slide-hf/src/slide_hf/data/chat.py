@@ -1,0 +1,204 @@
+"""Conversations to token ids with loss exactly on the assistant's turns, or refused in one line.
+
+Two ways to find the assistant's tokens, tried in this order:
+
+1. **Generation markers.** A template with ``{% generation %}`` blocks says itself which text the assistant
+   wrote; ``apply_chat_template(..., return_assistant_tokens_mask=True)`` maps that text to tokens.
+2. **Verified prefix renders.** The tokens of assistant turn ``i`` are what rendering ``messages[: i + 1]``
+   adds to rendering ``messages[:i]`` with the generation prompt. That holds only if each prefix render is a
+   true prefix of the full render, as text *and* as tokens, so both are checked for every turn of every
+   conversation. Qwen3's template breaks it: an earlier reply loses its reasoning once a later user turn
+   exists, and the last reply alone gains an empty think block, so a naive prefix mask trains on the
+   wrong tokens (the user's included). When a check fails, a known template switches to its bundled
+   marked twin (:mod:`slide_hf.data.templates`); an unknown one is refused with the record, the turn and
+   the way out (``--chat-template FILE`` with markers).
+
+With ``train_on_inputs`` every rendered token carries loss and no mask is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from slide_hf.data.options import IGNORE
+from slide_hf.data.readers import first_line
+from slide_hf.data.schemas import ChatExample
+from slide_hf.data.templates import ChatTemplate
+from slide_hf.errors import UserError
+
+__all__ = ["ChatEncoder"]
+
+log = logging.getLogger("slide.data")
+
+Encoded = tuple[list[int], list[int]]
+
+
+class _PrefixBroken(Exception):
+    """A prefix render that is not a prefix of the full render (``reason`` says how)."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(reason)
+        self.where = where
+        self.reason = reason
+
+
+class ChatEncoder:
+    """Token ids and labels for batches of conversations under one chat template.
+
+    The encoder may switch, once, from the template to its marked twin when a conversation defeats the
+    prefix method; conversations encoded before the switch were verified, and the twin marks the same
+    text for them (the tests hold the two methods equal wherever both apply).
+    """
+
+    def __init__(self, tokenizer: Any, template: ChatTemplate, *, train_on_inputs: bool) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.train_on_inputs = train_on_inputs
+
+    def encode(self, batch: Sequence[ChatExample]) -> list[Encoded]:
+        if not batch:
+            return []
+        if self.train_on_inputs:
+            texts = self._render(batch, [example.messages for example in batch], generation_prompt=False)
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            return [(list(row), list(row)) for row in ids]
+        if self.template.marked:
+            return self._marked(batch)
+        try:
+            return self._prefix(batch)
+        except _PrefixBroken as broken:
+            twin = self.template.twin
+            if twin is None:
+                raise UserError(
+                    f"{broken.where}: {self.template.name} {broken.reason}; "
+                    "pass --chat-template FILE with {% generation %} markers"
+                ) from None
+            log.info(
+                "%s %s (%s); using %s, which renders the same text and marks the assistant's turns",
+                self.template.name,
+                broken.reason,
+                broken.where,
+                twin.name,
+            )
+            self.template = twin
+            return self._marked(batch)
+
+    # ---- generation markers -------------------------------------------------------------------------------
+
+    def _marked(self, batch: Sequence[ChatExample]) -> list[Encoded]:
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise UserError(f"{self.template.name} marks turns with {{% generation %}}, which needs a fast tokenizer")
+        conversations = [example.messages for example in batch]
+        try:
+            out = self.tokenizer.apply_chat_template(
+                conversations,
+                chat_template=self.template.text,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+            )
+        except Exception:
+            self._name_failure(batch, generation_prompt=False)
+            raise
+        encoded = []
+        for ids, mask in zip(out["input_ids"], out["assistant_masks"], strict=True):
+            labels = [token if marked else IGNORE for token, marked in zip(ids, mask, strict=True)]
+            encoded.append((list(ids), labels))
+        return encoded
+
+    # ---- verified prefix renders ----------------------------------------------------------------------------
+
+    def _prefix(self, batch: Sequence[ChatExample]) -> list[Encoded]:
+        fulls = self._render(batch, [example.messages for example in batch], generation_prompt=False)
+        # Per conversation and assistant turn i: the render of messages[:i] with the generation prompt (where
+        # the turn starts) and of messages[: i + 1] (where it ends).
+        turns: list[list[int]] = [
+            [index for index, message in enumerate(example.messages) if message["role"] == "assistant"]
+            for example in batch
+        ]
+        starts = self._render_parts(batch, turns, lambda messages, index: messages[:index], generation_prompt=True)
+        ends = self._render_parts(batch, turns, lambda messages, index: messages[: index + 1], generation_prompt=False)
+        texts: list[str] = list(fulls)
+        for example, full, indices, start_texts, end_texts in zip(batch, fulls, turns, starts, ends, strict=True):
+            for index, start, end in zip(indices, start_texts, end_texts, strict=True):
+                if start is None or end is None:
+                    raise _PrefixBroken(example.where, f"cannot render turn {index + 1} without the turns after it")
+                if not (full.startswith(end) and end.startswith(start)):
+                    raise _PrefixBroken(
+                        example.where,
+                        f"re-renders earlier turns (turn {index + 1} differs between the prefix and the full "
+                        "conversation)",
+                    )
+                texts.extend((start, end))
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        encoded = []
+        cursor = len(batch)
+        for row, (example, indices) in enumerate(zip(batch, turns, strict=True)):
+            full_ids = list(ids[row])
+            labels = [IGNORE] * len(full_ids)
+            for index in indices:
+                start_ids, end_ids = ids[cursor], ids[cursor + 1]
+                cursor += 2
+                if full_ids[: len(end_ids)] != list(end_ids) or list(end_ids[: len(start_ids)]) != list(start_ids):
+                    raise _PrefixBroken(
+                        example.where,
+                        f"renders turn {index + 1} to text whose tokens differ from the same text inside the full "
+                        "conversation (the tokenizer merges across the turn boundary)",
+                    )
+                labels[len(start_ids) : len(end_ids)] = full_ids[len(start_ids) : len(end_ids)]
+            encoded.append((full_ids, labels))
+        return encoded
+
+    def _render_parts(
+        self, batch: Sequence[ChatExample], turns: list[list[int]], cut: Any, *, generation_prompt: bool
+    ) -> list[list[str | None]]:
+        """Renders of ``cut(messages, i)`` for every assistant turn; None where the template refuses a part."""
+        jobs = [(row, cut(example.messages, index)) for row, example in enumerate(batch) for index in turns[row]]
+        rendered: list[str | None]
+        nonempty = [messages for _, messages in jobs if messages]
+        try:
+            texts = iter(self._apply(nonempty, generation_prompt) if nonempty else [])
+            rendered = [next(texts) if messages else self._render_empty(generation_prompt) for _, messages in jobs]
+        except Exception:
+            rendered = [self._try_one(messages, generation_prompt) for _, messages in jobs]
+        out: list[list[str | None]] = [[] for _ in batch]
+        for (row, _), text in zip(jobs, rendered, strict=True):
+            out[row].append(text)
+        return out
+
+    def _render_empty(self, generation_prompt: bool) -> str | None:
+        return self._try_one([], generation_prompt)
+
+    def _try_one(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str | None:
+        try:
+            return self._apply([messages], generation_prompt)[0]
+        except Exception:  # any failure of a part render makes that turn unverifiable, named by the caller
+            return None
+
+    # ---- rendering -----------------------------------------------------------------------------------------
+
+    def _apply(self, conversations: list[list[dict[str, Any]]], generation_prompt: bool) -> list[str]:
+        return self.tokenizer.apply_chat_template(
+            conversations, chat_template=self.template.text, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def _render(
+        self, batch: Sequence[ChatExample], conversations: list[list[dict[str, Any]]], *, generation_prompt: bool
+    ) -> list[str]:
+        try:
+            return self._apply(conversations, generation_prompt)
+        except Exception:
+            self._name_failure(batch, generation_prompt=generation_prompt)
+            raise
+
+    def _name_failure(self, batch: Sequence[ChatExample], *, generation_prompt: bool) -> None:
+        """Render one by one to name the conversation a batch failed on, as a one-line UserError."""
+        for example in batch:
+            try:
+                self._apply([example.messages], generation_prompt)
+            except Exception as error:  # raise_exception, undefined fields, type errors in the template
+                raise UserError(
+                    f"{example.where}: {self.template.name} refused this conversation: {first_line(error)}"
+                ) from None

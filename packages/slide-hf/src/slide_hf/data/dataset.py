@@ -1,0 +1,318 @@
+"""From a data source to packed rows on disk: the one pipeline behind `slide train` and `slide data`.
+
+records (:mod:`~slide_hf.data.readers`) -> examples (:mod:`~slide_hf.data.schemas`) -> documents with labels,
+tokenized in batches (:mod:`~slide_hf.data.encode`, :mod:`~slide_hf.data.chat`) -> rows
+(:mod:`~slide_hf.data.packing`) -> int32 files (:mod:`~slide_hf.data.storage`), streamed end to end so host
+memory stays bounded. An evaluation split is drawn per *record*, before packing, so no document is in
+both sets; membership hashes the record's index with the seed, which is deterministic and needs no second
+pass over the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slide_hf.data.encode import EncodedRecord, Encoder
+from slide_hf.data.hf_datasets import HubDataset, SavedDataset, is_hub_name, is_saved_dataset
+from slide_hf.data.options import DataOptions
+from slide_hf.data.packing import Packer
+from slide_hf.data.readers import BundledText, Source, open_file_source
+from slide_hf.data.schemas import parse_record
+from slide_hf.data.storage import (
+    PreparedStore,
+    RowFiles,
+    RowWriter,
+    cache_key,
+    read_meta,
+    tokenizer_fingerprint,
+    write_meta,
+)
+from slide_hf.data.templates import resolve_template
+from slide_hf.errors import UserError
+
+__all__ = ["DataStats", "Dataset", "load_dataset", "load_split", "open_source", "preview"]
+
+log = logging.getLogger("slide.data")
+
+_NAMED = 5  # records named in a warning before "..."
+
+
+@dataclass(frozen=True)
+class DataStats:
+    """What a prepared split holds. ``examples`` counts records kept; ``truncated_examples`` those cut to
+    ``seq_len`` (text: split into pieces); ``skipped_examples`` those left with no token to train."""
+
+    examples: int
+    rows: int
+    tokens: int
+    loss_tokens: int
+    padding_fraction: float
+    truncated_examples: int
+    skipped_examples: int
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Prepared rows: ``input_ids``, ``labels`` and ``position_ids`` are (N, seq_len) int32 tensors mapped
+    from disk (batches convert the rows they take to int64)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    source: str
+    stats: DataStats
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def open_source(source: str | Path | None) -> Source:
+    """The reader for ``source``: None (the bundled text), a file, a datasets directory, or ``org/name``."""
+    if source is None:
+        return BundledText()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if is_saved_dataset(path):
+            return SavedDataset(path)
+        raise UserError(
+            f"data directory {path} was not written by datasets' save_to_disk (no dataset_info.json or "
+            "dataset_dict.json); pass a file"
+        )
+    if path.is_file():
+        return open_file_source(path)
+    text = str(source)
+    if is_hub_name(text) and not text.startswith((".", "/", "~")):
+        return HubDataset(text)
+    raise UserError(f"data file {path} does not exist")
+
+
+def load_dataset(
+    source: str | Path | None, tokenizer: Any, options: DataOptions, *, cache_dir: Path | None = None
+) -> Dataset:
+    """Every record of ``source`` as training rows (None: the bundled English text)."""
+    train, _ = _prepare(source, tokenizer, options, cache_dir=cache_dir, eval_fraction=0.0, seed=0)
+    return train
+
+
+def load_split(
+    source: str | Path | None,
+    tokenizer: Any,
+    options: DataOptions,
+    *,
+    eval_fraction: float,
+    seed: int = 0,
+    cache_dir: Path | None = None,
+) -> tuple[Dataset, Dataset]:
+    """``(train, eval)``: about ``eval_fraction`` of the records, chosen by ``seed``, go to ``eval``."""
+    if not 0.0 < eval_fraction < 1.0:
+        raise UserError(f"--eval-fraction must be between 0 and 1 (exclusive), got {eval_fraction}")
+    train, held_out = _prepare(source, tokenizer, options, cache_dir=cache_dir, eval_fraction=eval_fraction, seed=seed)
+    assert held_out is not None
+    return train, held_out
+
+
+def preview(source: str | Path | None, tokenizer: Any, options: DataOptions, count: int) -> list[EncodedRecord]:
+    """The first ``count`` records as documents (before packing), for showing which tokens carry loss."""
+    reader = open_source(source)
+    encoder = Encoder(tokenizer, options, resolve_template(tokenizer, options.chat_template), batch_size=max(count, 1))
+    examples = (parse_record(record, vocab_size=options.vocab_size) for record in reader.records())
+    return list(encoder.encode(itertools.islice(examples, count)))
+
+
+# ---- building -------------------------------------------------------------------------------------------------
+
+
+def _prepare(
+    source: str | Path | None,
+    tokenizer: Any,
+    options: DataOptions,
+    *,
+    cache_dir: Path | None,
+    eval_fraction: float,
+    seed: int,
+) -> tuple[Dataset, Dataset | None]:
+    reader = open_source(source)
+    template = resolve_template(tokenizer, options.chat_template)
+    key = cache_key(
+        {
+            "source": reader.fingerprint(),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "template": template.text if template else None,
+            "options": asdict(options) | {"max_positions": None, "chat_template": None},
+            "split": [eval_fraction, seed] if eval_fraction > 0 else None,
+        }
+    )
+    store = PreparedStore(cache_dir, key)
+    replace = False
+    directory = store.existing()
+    if directory is not None:
+        meta = read_meta(directory)
+        try:
+            if meta is None:
+                raise FileNotFoundError(f"{directory}/meta.json is unreadable")
+            result = _open(directory, meta, reader.name)
+        except (FileNotFoundError, KeyError, TypeError, ValueError) as error:
+            log.warning("rebuilding the prepared data in %s: %s", directory, error)
+            replace = True
+        else:
+            log.info("data: %s prepared in %s (cache)", reader.name, directory)
+            for note in meta.get("notes", []):
+                log.warning("%s", note)
+            return result
+    with store.build(replace=replace) as work:
+        meta = _build(reader, tokenizer, options, template, work, eval_fraction=eval_fraction, seed=seed)
+        if store.final is None:
+            return _open(work, meta, reader.name)
+    assert store.final is not None
+    return _open(store.final, meta, reader.name)
+
+
+def _open(directory: Path, meta: dict[str, Any], name: str) -> tuple[Dataset, Dataset | None]:
+    seq_len = int(meta["seq_len"])
+    splits = {}
+    for split, stats in meta["splits"].items():
+        files = RowFiles(directory / split, int(stats["rows"]), seq_len)
+        source = name if split == "train" else f"{name} (eval split)"
+        splits[split] = Dataset(
+            files.tensors["input_ids"],
+            files.tensors["labels"],
+            files.tensors["position_ids"],
+            source,
+            DataStats(**stats),
+        )
+    return splits["train"], splits.get("eval")
+
+
+class _Split:
+    """One split under construction: a packer feeding a row writer, and the counts for its stats."""
+
+    def __init__(self, directory: Path, tokenizer: Any, options: DataOptions) -> None:
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        self.packer = Packer(options.seq_len, pad, packing=options.packing)
+        self.writer = RowWriter(directory, options.seq_len)
+        self.seq_len = options.seq_len
+        self.examples = 0
+        self.cut: dict[str, list[str]] = {"split": [], "truncated": []}  # the first few records of each
+        self.cut_count = {"split": 0, "truncated": 0}
+        self.skipped: list[str] = []
+        self.skipped_count = 0
+
+    def add(self, record: EncodedRecord) -> None:
+        if record.skipped:
+            self.skipped_count += 1
+            if len(self.skipped) < _NAMED:
+                self.skipped.append(record.where)
+            return
+        self.examples += 1
+        if record.cut is not None:
+            self.cut_count[record.cut] += 1
+            if len(self.cut[record.cut]) < _NAMED:
+                self.cut[record.cut].append(record.where)
+        for document in record.documents:
+            block = self.packer.add(document)
+            if block is not None:
+                self.writer.write(block)
+
+    def finish(self) -> DataStats:
+        block = self.packer.finish()
+        if block is not None:
+            self.writer.write(block)
+        self.writer.close()
+        cells = self.writer.rows * self.seq_len
+        return DataStats(
+            examples=self.examples,
+            rows=self.writer.rows,
+            tokens=self.writer.tokens,
+            loss_tokens=self.writer.loss_tokens,
+            padding_fraction=(cells - self.writer.tokens) / cells if cells else 0.0,
+            truncated_examples=sum(self.cut_count.values()),
+            skipped_examples=self.skipped_count,
+        )
+
+    def notes(self, name: str) -> tuple[list[str], list[str]]:
+        """``(warnings, infos)``: truncations and skips warn; a long text split into pieces is only news."""
+        warnings, infos = [], []
+        if self.cut_count["truncated"]:
+            count = self.cut_count["truncated"]
+            warnings.append(
+                f"{name}: truncated {count} example(s) longer than --seq-len {self.seq_len}: "
+                f"{_named(self.cut['truncated'], count)}"
+            )
+        if self.skipped_count:
+            warnings.append(
+                f"{name}: skipped {self.skipped_count} example(s) with no token to train within --seq-len "
+                f"{self.seq_len}: {_named(self.skipped, self.skipped_count)}"
+            )
+        if self.cut_count["split"]:
+            count = self.cut_count["split"]
+            infos.append(f"{name}: split {count} text(s) longer than --seq-len {self.seq_len} into row-sized pieces")
+        return warnings, infos
+
+
+def _build(
+    reader: Source,
+    tokenizer: Any,
+    options: DataOptions,
+    template: Any,
+    directory: Path,
+    *,
+    eval_fraction: float,
+    seed: int,
+) -> dict[str, Any]:
+    log.info("data: tokenizing %s", reader.name)
+    splits = {"train": _Split(directory / "train", tokenizer, options)}
+    if eval_fraction > 0:
+        splits["eval"] = _Split(directory / "eval", tokenizer, options)
+    encoder = Encoder(tokenizer, options, template)
+    examples = (parse_record(record, vocab_size=options.vocab_size) for record in reader.records())
+    records = 0
+    try:
+        for record in encoder.encode(examples):
+            records += 1
+            held_out = eval_fraction > 0 and _held_out(seed, record.index, eval_fraction)
+            splits["eval" if held_out else "train"].add(record)
+    except BaseException:
+        for split in splits.values():
+            split.writer.close()
+        raise
+    stats = {name: split.finish() for name, split in splits.items()}
+    if stats["train"].rows == 0:
+        raise UserError(f"{reader.name} holds no example with a token to train ({records} record(s) read)")
+    if "eval" in stats and stats["eval"].rows == 0:
+        raise UserError(
+            f"--eval-fraction {eval_fraction} holds out none of the {records} record(s) of {reader.name}; raise it"
+        )
+    notes: list[str] = []
+    for name, split in splits.items():
+        warnings, infos = split.notes(reader.name if name == "train" else f"{reader.name} (eval)")
+        notes += warnings
+        for info in infos:
+            log.info("%s", info)
+    for note in notes:
+        log.warning("%s", note)
+    meta = {
+        "seq_len": options.seq_len,
+        "source": reader.name,
+        "splits": {name: asdict(value) for name, value in stats.items()},
+        "notes": notes,
+    }
+    write_meta(directory, meta)
+    return meta
+
+
+def _held_out(seed: int, index: int, fraction: float) -> bool:
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+def _named(wheres: list[str], count: int) -> str:
+    return ", ".join(wheres) + (", ..." if count > len(wheres) else "")

@@ -1,0 +1,151 @@
+"""Examples to (input_ids, labels) documents of at most ``seq_len`` tokens, tokenized in batches.
+
+Per kind:
+- text: ``tokenizer(texts)`` with the tokenizer's special tokens, EOS appended, loss on every token. A text
+  longer than ``seq_len`` is *split* into ``seq_len`` pieces (it is a stream; each piece still teaches);
+- chat: :class:`~slide_hf.data.chat.ChatEncoder` (exact masks or a one-line refusal);
+- prompt/completion and Alpaca: through the chat template as one user and one assistant turn when there
+  is a template, else plain text: the prompt tokenized alone (with the tokenizer's special tokens) then the
+  completion alone plus EOS, so the boundary is exact and the prompt's tokens are those a user's prompt
+  gets at inference time; loss on the completion;
+- input_ids: as given, with ``labels`` when given (else loss on every token).
+Everything but text is *truncated* to ``seq_len`` (the end of a conversation is meaningless without its
+start). Each document's first label is ``IGNORE``: labels are HF-aligned (the head predicts ``labels[t]``
+from position ``t - 1``), so this keeps the previous document in a packed row from predicting it. A document
+left with no label to train is skipped; truncated and skipped records are counted, never silent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from slide_hf.data.chat import ChatEncoder
+from slide_hf.data.options import IGNORE, DataOptions
+from slide_hf.data.schemas import ChatExample, Example, PromptExample, TextExample, TokenExample
+from slide_hf.data.templates import ChatTemplate
+from slide_hf.errors import UserError
+
+__all__ = ["Document", "EncodedRecord", "Encoder"]
+
+
+@dataclass(frozen=True)
+class Document:
+    """One row-sized piece: int32 token ids and labels of the same length (<= seq_len)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    """What one record became: its documents (none when skipped), and whether it was cut."""
+
+    index: int  # the record's position in the source, for a split that keeps records whole
+    where: str
+    documents: list[Document] = field(default_factory=list)
+    cut: str | None = None  # "split" (a text longer than a row, in pieces) or "truncated" (its end dropped)
+
+    @property
+    def skipped(self) -> bool:
+        return not self.documents
+
+
+class Encoder:
+    """Turns a stream of examples into :class:`EncodedRecord` s, ``batch_size`` examples per tokenizer call."""
+
+    def __init__(
+        self, tokenizer: Any, options: DataOptions, template: ChatTemplate | None, *, batch_size: int = 256
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.options = options
+        self.template = template
+        self.batch_size = batch_size
+        self.chat = ChatEncoder(tokenizer, template, train_on_inputs=options.train_on_inputs) if template else None
+        self.eos = tokenizer.eos_token_id
+
+    def encode(self, examples: Iterable[Example]) -> Iterator[EncodedRecord]:
+        batch: list[Example] = []
+        index = 0
+        for example in examples:
+            batch.append(example)
+            if len(batch) == self.batch_size:
+                yield from self._batch(batch, index)
+                index += len(batch)
+                batch = []
+        if batch:
+            yield from self._batch(batch, index)
+
+    def _batch(self, batch: list[Example], first_index: int) -> Iterator[EncodedRecord]:
+        pairs: list[tuple[list[int], list[int]] | None] = [None] * len(batch)
+        texts = [(i, ex) for i, ex in enumerate(batch) if isinstance(ex, TextExample)]
+        chats = [(i, self._as_chat(ex)) for i, ex in enumerate(batch) if isinstance(ex, ChatExample)]
+        prompts = [(i, ex) for i, ex in enumerate(batch) if isinstance(ex, PromptExample)]
+        if self.chat is not None:
+            chats += [(i, self._as_chat(ex)) for i, ex in prompts]
+            prompts = []
+        if texts:
+            encoded = self.tokenizer([ex.text for _, ex in texts], add_special_tokens=True)["input_ids"]
+            for (i, _), ids in zip(texts, encoded, strict=True):
+                ids = [*ids, self.eos] if self.eos is not None else list(ids)
+                pairs[i] = (ids, list(ids))
+        if chats:
+            assert self.chat is not None
+            for (i, _), pair in zip(chats, self.chat.encode([ex for _, ex in chats]), strict=True):
+                pairs[i] = pair
+        if prompts:
+            for (i, _), pair in zip(prompts, self._plain_prompts([ex for _, ex in prompts]), strict=True):
+                pairs[i] = pair
+        for i, example in enumerate(batch):
+            if isinstance(example, TokenExample):
+                labels = example.labels if example.labels is not None else example.input_ids
+                pairs[i] = (example.input_ids, labels)
+            ids, labels = pairs[i]  # type: ignore[misc]
+            yield self._documents(first_index + i, example, ids, labels)
+
+    def _as_chat(self, example: Example) -> ChatExample:
+        if isinstance(example, ChatExample):
+            if self.chat is None:
+                raise UserError(
+                    f"{example.where}: the tokenizer has no chat template for conversations; pass --chat-template "
+                    "(a file, or chatml)"
+                )
+            return example
+        assert isinstance(example, PromptExample)
+        messages = [{"role": "user", "content": example.prompt}, {"role": "assistant", "content": example.completion}]
+        return ChatExample(example.where, messages)
+
+    def _plain_prompts(self, prompts: list[PromptExample]) -> list[tuple[list[int], list[int]]]:
+        heads = self.tokenizer([ex.prompt for ex in prompts], add_special_tokens=True)["input_ids"]
+        tails = self.tokenizer([ex.completion for ex in prompts], add_special_tokens=False)["input_ids"]
+        pairs = []
+        for head, tail in zip(heads, tails, strict=True):
+            tail = [*tail, self.eos] if self.eos is not None else list(tail)
+            ids = [*head, *tail]
+            labels = ids if self.options.train_on_inputs else [IGNORE] * len(head) + tail
+            pairs.append((ids, list(labels)))
+        return pairs
+
+    def _documents(self, index: int, example: Example, ids: list[int], labels: list[int]) -> EncodedRecord:
+        seq_len = self.options.seq_len
+        ids_array = np.asarray(ids, dtype=np.int32)
+        labels_array = np.asarray(labels, dtype=np.int32)
+        cut = None
+        if isinstance(example, TextExample):
+            starts = range(0, len(ids_array), seq_len)
+            cut = "split" if len(ids_array) > seq_len else None
+        else:
+            starts = range(0, min(len(ids_array), 1))
+            cut = "truncated" if len(ids_array) > seq_len else None
+        documents = []
+        for start in starts:
+            piece_ids = ids_array[start : start + seq_len]
+            piece_labels = labels_array[start : start + seq_len].copy()
+            if len(piece_labels):
+                piece_labels[0] = IGNORE  # see the module docstring: no document predicts another's start
+            if (piece_labels != IGNORE).any():
+                documents.append(Document(piece_ids, piece_labels))
+        return EncodedRecord(index, example.where, documents, cut)

@@ -1,0 +1,41 @@
+"""How a data source becomes training rows: one frozen, validated options object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slide_hf.errors import UserError
+
+__all__ = ["IGNORE", "DataOptions"]
+
+IGNORE = -100
+"""The label of a token that carries no loss (HF convention; the head shifts labels by one)."""
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """Everything that changes the prepared rows, and therefore the cache key.
+
+    ``seq_len``: tokens per row. ``packing``: place several examples in one row (position ids restart at
+    each document). ``train_on_inputs``: loss on every token, not only on replies and completions.
+    ``chat_template``: a template file or a bundled name (``chatml``, ``qwen2.5``, ``qwen3``) used instead
+    of the tokenizer's own. ``max_positions`` and ``vocab_size`` are the model's limits, checked here so a
+    bad token id is named by its line instead of failing inside an embedding lookup.
+    """
+
+    seq_len: int
+    packing: bool = True
+    train_on_inputs: bool = False
+    chat_template: str | None = None
+    max_positions: int | None = None
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
+            raise UserError(f"--seq-len must be an integer of at least 2, got {self.seq_len!r}")
+        if self.max_positions is not None and self.seq_len > self.max_positions:
+            raise UserError(f"--seq-len {self.seq_len} exceeds the model's {self.max_positions} positions")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise UserError(f"the model's vocabulary size must be positive, got {self.vocab_size}")
+        if self.chat_template is not None and not str(self.chat_template).strip():
+            raise UserError("--chat-template must not be empty")
