@@ -49,6 +49,7 @@ class RunLog:
         self._check_not_an_input(inputs)
         self._metrics: Any = None
         self._handler: logging.Handler | None = None
+        self._previous_level = logging.NOTSET
         self._trackers: list[Tracker] = []
         self._warned: set[str] = set()
 
@@ -67,7 +68,11 @@ class RunLog:
         except OSError as error:
             raise UserError(f"cannot write {self.output / 'train.log'}: {error.strerror}") from None
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        logging.getLogger("slide").addHandler(self._handler)
+        slide = logging.getLogger("slide")
+        slide.addHandler(self._handler)
+        self._previous_level = slide.level
+        if slide.getEffectiveLevel() > logging.INFO:  # train.log has the progress lines whatever the console shows
+            slide.setLevel(logging.INFO)
         self._trackers = open_trackers(self.report_to, self.output, self.options)
         return self
 
@@ -79,7 +84,9 @@ class RunLog:
             self._guard("metrics", self._metrics.close)
             self._metrics = None
         if self._handler is not None:
-            logging.getLogger("slide").removeHandler(self._handler)
+            slide = logging.getLogger("slide")
+            slide.removeHandler(self._handler)
+            slide.setLevel(self._previous_level)
             self._handler.close()
             self._handler = None
 

@@ -1,0 +1,59 @@
+"""slide_hf.progress: a labeled time remaining, the overlap ratio, GPU fields only with a GPU."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from slide_hf.progress import Progress, format_duration
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0, "0:00"), (75, "1:15"), (6130, "1:42:10"), (-3, "0:00")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def _record(step: int) -> dict:
+    return {
+        "step": step,
+        "loss": 1.25,
+        "lr": 1e-3,
+        "tokens_per_s": 1000.0,
+        "tflops": 0.5,
+        "overlap": 1.4,
+        "grad_norm": 0.75,
+        "gpu_mem_peak_gb": 0.0,
+        "host_rss_gb": 2.0,
+    }
+
+
+def test_time_remaining_is_the_mean_step_time_times_the_steps_left(monkeypatch):
+    clock = iter([0.0, 10.0, 11.0, 12.0])  # enter, then steps of 10 s (warm-up), 1 s, 1 s
+    monkeypatch.setattr("slide_hf.progress.time.perf_counter", lambda: next(clock))
+    with Progress(10, live=False) as progress:
+        progress.update(_record(1))
+        assert progress.seconds_remaining(1) == pytest.approx(90.0)  # only the first step is known
+        progress.update(_record(2))
+        assert progress.seconds_remaining(2) == pytest.approx(8.0)  # the warm-up step is left out
+        record = _record(3)
+        progress.update(record)
+    assert record["eta_s"] == pytest.approx(7.0)
+
+
+def test_plain_lines_are_labeled_and_cpu_runs_show_no_gpu_fields(caplog):
+    with caplog.at_level(logging.INFO, logger="slide.train"), Progress(4, live=False, has_gpu=False) as progress:
+        progress.update(_record(1))
+        progress.update(_record(2))
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("step 2/4")
+    assert "ETA " in line and "overlap 1.40" in line and "grad norm 0.75" in line
+    assert "GPU" not in line and "TFLOPS" not in line and " eta " not in line
+
+
+def test_log_every_thins_plain_lines_but_keeps_the_last(caplog):
+    with caplog.at_level(logging.INFO, logger="slide.train"), Progress(5, live=False, log_every=2) as progress:
+        for step in range(1, 6):
+            progress.update(_record(step))
+    steps = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("step ")]
+    assert steps == ["2/5", "4/5", "5/5"]
