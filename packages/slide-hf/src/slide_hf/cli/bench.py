@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
+
+from slide_hf.errors import UserError
+from slide_hf.options import Rule, check_option
 
 EPILOG = """examples:
   slide bench --model llama3.2-3b --batch-size 16 --seq-len 1024 --compare plain
@@ -46,16 +50,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slide_hf.bench import BenchConfig, run_bench
-    from slide_hf.errors import UserError
 
+    _check_options(args)
     if args.steps <= args.warmup:
         raise UserError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    if args.batch_size < 1 or args.seq_len < 2:
-        raise UserError("--batch-size must be >= 1 and --seq-len >= 2")
     if args.offload_optimizer == "nvme" and args.nvme_dir is None:
         raise UserError("--offload-optimizer nvme needs --nvme-dir PATH (a directory on a fast local disk)")
-    if not 0.0 <= args.nvme_fraction <= 1.0:
-        raise UserError(f"--nvme-fraction must be in [0, 1], got {args.nvme_fraction}")
+    # The outputs are checked before the benchmark, which takes minutes, rather than failing after it.
+    if args.json is not None:
+        _check_writable_file(args.json, "--json")
+    if args.trace is not None:
+        _check_writable_dir(args.trace, "--trace")
     cfg = BenchConfig(
         model=args.model,
         batch_size=args.batch_size,
@@ -80,5 +85,49 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(result, indent=1)
     print(text)
     if args.json is not None:
-        args.json.write_text(text)
+        try:
+            args.json.write_text(text)
+        except OSError as error:
+            raise UserError(f"cannot write --json {args.json}: {error.strerror or error}") from None
     return 0
+
+
+_BENCH_RULES = {
+    "steps": ("--steps", Rule("int", 1, 10**6)),
+    "warmup": ("--warmup", Rule("int", 0, 10**6)),
+    "gpu_memory": ("--gpu-memory", Rule("float", 0, 2**20, low_open=True)),
+    "resident_gib": ("--resident-gib", Rule("float", 0, 2**20)),
+}
+"""Bench-only numbers (GiB as floats, step counts); the options shared with `slide train` use its rules."""
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    for name in ("batch_size", "seq_len", "block_slots", "max_grad_norm", "nvme_fraction"):
+        check_option(name, getattr(args, name))
+    for name, (flag, rule) in _BENCH_RULES.items():
+        value = getattr(args, name)
+        if value is not None and not rule.accepts(value):
+            raise UserError(f"{flag} must be {rule.describe()}, got {value!r}")
+
+
+def _check_writable_file(path: Path, flag: str) -> None:
+    """Open ``path`` for appending (creating it only for the test): what the final write will need."""
+    existed = path.exists()
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file name")
+    try:
+        with path.open("a"):
+            pass
+    except OSError as error:
+        raise UserError(f"cannot write {flag} {path}: {error.strerror or error}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def _check_writable_dir(path: Path, flag: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise UserError(f"cannot write {flag} {path}: {error.strerror or error}") from None

@@ -85,7 +85,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    gpu_cap, gpu_source = _gpu_budget(args.gpu_memory)  # option errors first: building takes seconds
+    _check_options(args)  # option errors first: building takes seconds
+    gpu_cap, gpu_source = _gpu_budget(args.gpu_memory)
     if args.host_memory is not None:
         host_cap, host_source = parse_size(args.host_memory, what="--host-memory"), "allowed by --host-memory"
     else:
@@ -108,11 +109,11 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(inputs)
     if gpu_cap is not None and plan.gpu_peak_bytes <= gpu_cap:
         plan = plan_with_placement(inputs)  # spare GPU memory holds whole units (master + Adam state)
-    problem = None
+    problem = _positions_problem(model, args.seq_len)
     try:
         check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source)
     except UserError as error:
-        problem = str(error)
+        problem = problem or str(error)
     if args.json:
         payload = {"model": args.model, "dtype": args.dtype, **plan.to_dict(), "fits": problem is None}
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
@@ -122,6 +123,23 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None and args.check:
         raise UserError(problem)
     return 0
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """The numbers `slide plan` shares with `slide train`, refused by the same rules (finite, in range)."""
+    from slide_hf.options import check_option
+
+    for name in ("batch_size", "seq_len", "grad_accum", "nvme_fraction", "block_slots"):
+        check_option(name, getattr(args, name))
+
+
+def _positions_problem(model: Any, seq_len: int) -> str | None:
+    """`slide train` refuses a --seq-len past the model's positions, so the plan must not say it fits."""
+    config = model.config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions is not None and seq_len > positions:
+        return f"--seq-len {seq_len} exceeds the model's {positions} positions"
+    return None
 
 
 def _build(name: str) -> Any:
