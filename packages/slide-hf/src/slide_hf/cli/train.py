@@ -154,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
     from slide_hf.recipe import train
 
     summary = train(build_config(args))
-    print(f"trained {summary.steps} steps: loss {summary.first_loss:.4f} -> {summary.last_loss:.4f}")
+    if summary.steps == 0:  # a finished run, resumed: only its model was written again
+        print(f"nothing left to train in {summary.output}")
+    else:
+        print(f"trained {summary.steps} steps: loss {summary.first_loss:.4f} -> {summary.last_loss:.4f}")
     print(f"model written to {summary.model_dir}")
     return 0
