@@ -150,7 +150,7 @@ def test_checkpoint_names_are_hf_state_dict(preset):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config)
+        hf = AutoModelForCausalLM.from_config(PRESETS[preset]())  # from_config sets its config's attention
     model = build_model(config)
     ours = {}
     for unit in model.units:
@@ -182,8 +182,9 @@ def test_adapter_does_not_mutate_callers_config():
     config = PRESETS["test-llama"]()
     assert config._attn_implementation is None
     model = build_model(config)
+    model.prepare_inputs(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), torch.float32)
     assert config._attn_implementation is None
-    assert model.config._attn_implementation == "sdpa"
+    assert model.attention_for("cpu", torch.float32) == {"full_attention": "sdpa"}
 
 
 def test_prepare_inputs_shifts_labels_hf_style():

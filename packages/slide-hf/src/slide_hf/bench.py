@@ -10,7 +10,9 @@ Used by `slide bench` and `bench/e2e.py`. Inputs are random token ids (never zer
 - the critical batch, the batch size at which the median block's overlap reaches 1 (overlap grows linearly with
   tokens per step, since T_bwd does and T_d2h + T_update do not).
 The plain reference is the HF model entirely on the GPU: fp32 weights, bf16 autocast, gradient
-checkpointing, SDPA and fused GPU AdamW, the same batch and sequence length.
+checkpointing, fused GPU AdamW, the same batch and sequence length, and the attention the engine runs
+(chosen per layer type and device, slide_hf/adapters/attention.py: SDPA, or flex for Gemma 2's capped
+logits).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from slide_core.engine import Engine, EngineConfig
     from slide_core.engine.placement import choose_resident_units
     from slide_hf import build_model, init_random
+    from slide_hf.adapters import attention_summary
     from slide_hf.planner import (
         PlanInputs,
         available_host_bytes,
@@ -265,6 +268,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "median_block_overlap": median_overlap,
         "critical_batch_size": round(cfg.batch_size / median_overlap, 1) if median_overlap else None,
         "losses": [round(x, 4) for x in losses],
+        "attention": attention_summary(model, device.torch_device.type, torch.bfloat16),
         "units": units,
     }
     if cfg.trace_dir is not None:
@@ -277,7 +281,9 @@ def run_plain(cfg: BenchConfig, config: Any) -> dict[str, Any]:
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=_plain_attention(config), dtype=torch.float32
+        )
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     model.train()
@@ -311,6 +317,17 @@ def run_plain(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def _plain_attention(config: Any) -> str:
+    """The attention the engine runs on this GPU in bf16, for HF's reference model, which takes one
+    implementation for every layer (the rule gives every layer type the same one today)."""
+    from slide_hf import build_model
+
+    chosen = set(build_model(config).attention_for("cuda", torch.bfloat16).values())
+    if len(chosen) != 1:
+        raise ValueError(f"layer types run different attention ({sorted(chosen)}); HF's model takes one")
+    return chosen.pop()
 
 
 def write_trace(spans: list[Any], directory: Path) -> dict[str, str]:
@@ -364,7 +381,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     from slide_hf import resolve_model
 
     config, _ = resolve_model(cfg.model)
-    config._attn_implementation = "sdpa"
     result: dict[str, Any] = {
         "model": cfg.model,
         "batch_size": cfg.batch_size,

@@ -1,8 +1,9 @@
 """Named model shapes, model resolution and fast HF-style random initialisation.
 
 Presets let a run start without a checkpoint: the published architectures (so memory planning and
-benchmarks can use real shapes offline), a ``tiny-llama`` for the CPU demo, and one small config per
-supported family for tests. Shapes are copied from each model's public ``config.json``.
+benchmarks can use real shapes offline), a ``tiny-llama`` and a ``tiny-gemma2`` (Gemma 2 with its logit
+caps) for the CPU demo, and one small config per supported family for tests. Shapes are copied from each
+model's public ``config.json``.
 
 ``init_random`` writes straight into the host slab, in parallel: ``normal_`` on CPU runs on one core
 (~2 s per GB), so an 8B model (32 GB of fp32) would take a minute serially. Each fixed-size chunk gets
@@ -61,6 +62,28 @@ def _llama3_rope(factor: float) -> dict[str, Any]:
 
 def _default_rope(theta: float) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": theta}
+
+
+def _gemma2_released(num_hidden_layers: int) -> dict[str, Any]:
+    """What every released Gemma-2 ``config.json`` (google/gemma-2-2b, -9b, -27b) carries besides its
+    shape: both logit caps, the 4096-token window on every other layer starting with layer 0, tied
+    embeddings, the tanh-GELU MLP, the token ids."""
+    return {
+        "num_hidden_layers": num_hidden_layers,
+        "layer_types": ["sliding_attention", "full_attention"] * (num_hidden_layers // 2),
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": 4096,
+        "vocab_size": 256000,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": _default_rope(10000.0),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    }
 
 
 _TEST = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -190,6 +213,53 @@ PRESETS: dict[str, PresetFactory] = {
         bos_token_id=1,
         eos_token_id=2,
         dtype="bfloat16",
+    ),
+    "gemma2-2b": _preset(  # google/gemma-2-2b
+        "gemma2",
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        **_gemma2_released(26),
+    ),
+    "gemma2-9b": _preset(  # google/gemma-2-9b
+        "gemma2",
+        hidden_size=3584,
+        intermediate_size=14336,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        **_gemma2_released(42),
+    ),
+    "gemma2-27b": _preset(  # google/gemma-2-27b: queries scaled by hidden / heads = 144, not head_dim
+        "gemma2",
+        hidden_size=4608,
+        intermediate_size=36864,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=128,
+        query_pre_attn_scalar=144,
+        **_gemma2_released(46),
+    ),
+    # ---- Gemma 2 as released at demo size: both caps, a window shorter than the default --seq-len 128,
+    # a byte-sized vocabulary (259 tokens) so `slide train --model tiny-gemma2` runs without a tokenizer.
+    "tiny-gemma2": _preset(
+        "gemma2",
+        **{
+            **_gemma2_released(4),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "vocab_size": 320,
+            "max_position_embeddings": 2048,
+        },
     ),
     # ---- one tiny config per family, for tests (seq 12 > sliding windows of 4) -----------------------
     "test-llama": _preset("llama", **_TEST, intermediate_size=96, vocab_size=_TEST_VOCAB, tie_word_embeddings=True),

@@ -66,6 +66,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
 
     # Model and tokenizer.
     from slide_hf import export_hf, init_random, load_weights
+    from slide_hf.adapters import attention_summary
 
     config, model_dir, tokenizer, model = _setup_model(cfg)
 
@@ -127,6 +128,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
             device.facts().name,
             cfg.dtype,
         )
+        log.info("attention: %s", attention_summary(model, device.torch_device.type, compute_dtype))
         offloaded = offloaded_units(model, cfg.nvme_fraction, resident) if cfg.offload_optimizer == "nvme" else ()
         engine_config = EngineConfig(
             block_slots=cfg.block_slots,

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 from slide_core import plugins
 from slide_core.unit import SlideModel
+from slide_hf.adapters.attention import attention_summary
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["GROUP", "UnsupportedModelError", "build_model", "supported_model_types"]
+__all__ = ["GROUP", "UnsupportedModelError", "attention_summary", "build_model", "supported_model_types"]
 
 GROUP = "slide.adapters"
 

@@ -373,34 +373,37 @@ class HFCausalLM(SlideModel):
         self._layer_configs = {t: copy.deepcopy(self.config) for t in layer_types}
         for block in self.blocks:
             _repoint_config(block.root, self.config, self._layer_configs[block.attention_type])
-        self._attention: dict[tuple[str, torch.dtype], dict[str, str]] = {}
+        self._attention: dict[tuple[str, torch.dtype, str], str] = {}
 
     def attention_for(self, device_type: str, dtype: torch.dtype) -> dict[str, str]:
         """``{layer type: HF attention implementation}`` on ``device_type`` at compute ``dtype``.
 
-        Decided on first use for each (device type, dtype) by the rule in
+        Decided on first use for each (device type, dtype, layer type) by the rule in
         :mod:`slide_hf.adapters.attention` (or the user's explicit ``config._attn_implementation``) and
         cached on this instance, not per process: one model object may run on the CPU in a test and on a
         GPU in the same process. Layer types come in model order.
         """
-        key = (device_type, dtype)
-        found = self._attention.get(key)
-        if found is None:
-            support = AttentionSupport.detect(device_type, dtype)
-            found = {
-                t: self._requested_attention or choose_attention(layer_attention(self.config, t), support)
-                for t in self._layer_configs
-            }
-            self._attention[key] = found
-        return found
+        return {t: self._attention_of(t, device_type, dtype) for t in self._layer_configs}
 
     def attention_config(self, layer_type: str, device_type: str, dtype: torch.dtype) -> PreTrainedConfig:
         """The config that ``layer_type``'s HF modules and mask builder read, set to the attention chosen
         for this device and dtype. :meth:`prepare_inputs` calls it for every micro-batch, before any block
         runs on that micro-batch, so a model moved between devices follows (one attribute store)."""
-        config = self._layer_configs[layer_type]
-        config._attn_implementation = self.attention_for(device_type, dtype)[layer_type]
+        config = self._layer_configs.get(layer_type)
+        if config is None:  # a block's type changed after building (a test comparing masks does this)
+            config = self._layer_configs[layer_type] = copy.deepcopy(self.config)
+        config._attn_implementation = self._attention_of(layer_type, device_type, dtype)
         return config
+
+    def _attention_of(self, layer_type: str, device_type: str, dtype: torch.dtype) -> str:
+        key = (device_type, dtype, layer_type)
+        found = self._attention.get(key)
+        if found is None:
+            found = self._requested_attention or choose_attention(
+                layer_attention(self.config, layer_type), AttentionSupport.detect(device_type, dtype)
+            )
+            self._attention[key] = found
+        return found
 
     # ---- side inputs --------------------------------------------------------------------------------
     def prepare_inputs(

@@ -7,6 +7,10 @@
 * Blocks: HF's layer carries the pre/post attention and feed-forward norms and the attention-logit
   softcap; ``config.layer_types`` says which layers are sliding (even) and full (odd), and the base class
   hands each its own mask.
+* Attention: the logit cap (``attn_logit_softcapping``, 50 in every released checkpoint) is applied by
+  HF's eager, flex and flash-attn paths, never by sdpa, which drops it without a word. The base class
+  therefore chooses per layer type and device (slide_hf/adapters/attention.py): flash-attn when
+  installed on CUDA, else flex_attention on CUDA and eager on the CPU; an explicit sdpa is refused.
 * Head: ``final_logit_softcapping`` is read from the config by the base head and passed to the loss.
 """
 

@@ -3,6 +3,10 @@
 Every probe is independent and guarded: an optional package that is missing, or installed but broken
 (a kvikio wheel for another CUDA, a flash-attn built for another torch), becomes a line saying so, never
 a traceback. That is the point of the command: it is what people run when something does not work.
+
+``kernels.attention`` says which of HF's attention implementations training runs on each device type
+here (slide_hf/adapters/attention.py): for plain and for logit-capped (Gemma 2) layers, or, with
+``--model``, for each layer type of that model.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ EPILOG = textwrap.dedent(
     """\
     examples:
       slide doctor
+      slide doctor --model gemma2-9b      # which attention each of its layer types runs
       slide doctor --json > doctor.json   # attach to a bug report
     """
 )
@@ -52,22 +57,42 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument(
+        "--model",
+        metavar="NAME_OR_DIR",
+        help="a preset or HF model directory: also say which attention each of its layer types runs",
+    )
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    report = collect()
+    model = _model(args.model) if args.model else None
+    report = collect(model)
     print(json.dumps(report) if args.json else render(report))
     return 0
 
 
-def collect() -> dict[str, Any]:
-    """The whole report as plain data (strings, numbers, lists, dicts)."""
+def _model(name: str) -> Any:
+    """The adapter's model for ``name`` (on the meta device: nothing allocated); a bad name is a one-line
+    user error, not a line in the report."""
+    from slide_hf import build_model, resolve_model
+    from slide_hf.errors import UserError
+
+    try:
+        config, _ = resolve_model(name)
+        return build_model(config)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+
+
+def collect(model: Any = None) -> dict[str, Any]:
+    """The whole report as plain data (strings, numbers, lists, dicts); ``model`` (an adapter's model)
+    adds its per-layer-type attention."""
     return {
         "versions": _guard(_versions),
         "device": _guard(_device),
         "host": _guard(_host),
-        "kernels": _guard(_kernels),
+        "kernels": _guard(lambda: _kernels(model)),
         "storage": _guard(_storage),
         "plugins": _guard(_plugins),
     }
@@ -140,7 +165,7 @@ def _host() -> dict[str, Any]:
     }
 
 
-def _kernels() -> dict[str, Any]:
+def _kernels(model: Any = None) -> dict[str, Any]:
     info: dict[str, Any] = {}
     try:
         import slide_kernels
@@ -151,6 +176,26 @@ def _kernels() -> dict[str, Any]:
     except Exception as error:
         info["triton"] = f"slide-kernels unusable: {_one_line(error)}"
     info["flash_attn"] = _importable("flash_attn")
+    info["attention"] = _guard(lambda: _attention(model))
+    return info
+
+
+def _attention(model: Any) -> dict[str, Any]:
+    """Per device type this machine has, the attention training runs there (bf16, the default compute
+    dtype): for ``model``'s layer types, or without one for the two cases the rule tells apart."""
+    import torch
+
+    from slide_hf.adapters.attention import AttentionSupport, LayerAttention, attention_summary, choose_attention
+
+    info: dict[str, Any] = {}
+    for device_type in ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",):
+        if model is not None:
+            info[device_type] = attention_summary(model, device_type, torch.bfloat16)
+            continue
+        support = AttentionSupport.detect(device_type, torch.bfloat16)
+        plain = choose_attention(LayerAttention(), support)
+        capped = choose_attention(LayerAttention(softcap=50.0), support)
+        info[device_type] = f"{plain}; layers with a logit softcap (Gemma 2): {capped}"
     return info
 
 
