@@ -49,8 +49,8 @@ def _rows(dataset: Any, name: str) -> Iterator[Record]:
         yield Record(f"{name} row {index}", dict(fields))
 
 
-def _one_split(loaded: Any, name: str, split: str) -> Any:
-    if hasattr(loaded, "keys") and not hasattr(loaded, "column_names"):  # a DatasetDict
+def _one_split(datasets: Any, loaded: Any, name: str, split: str) -> Any:
+    if isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         splits = list(loaded.keys())
         if split in splits:
             return loaded[split]
@@ -81,7 +81,7 @@ class SavedDataset:
             loaded = datasets.load_from_disk(str(self.path))
         except Exception as error:  # FileNotFoundError, ArrowInvalid, ... from a damaged directory
             raise UserError(f"{self.path}: not a readable datasets directory ({first_line(error)})") from None
-        yield from _rows(_one_split(loaded, self.name, "train"), self.name)
+        yield from _rows(_one_split(datasets, loaded, self.name, "train"), self.name)
 
 
 class HubDataset:
@@ -107,7 +107,7 @@ class HubDataset:
                     f"{self.repo} is not a local file, and loading it as a Hub dataset failed{hint}: "
                     f"{first_line(error)}"
                 ) from None
-            self._dataset = _one_split(loaded, self.repo, self.split)
+            self._dataset = _one_split(datasets, loaded, self.repo, self.split)
         return self._dataset
 
     def fingerprint(self) -> str:

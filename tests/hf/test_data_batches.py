@@ -1,0 +1,95 @@
+"""`slide_hf.data.batches`: seeded micro-batches of (input_ids, labels, position_ids) as int64, resumable at
+any step, and every row once for evaluation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slide_hf.data import Batches, DataPosition, Dataset, DataStats, MicroBatch, eval_batches
+from slide_hf.errors import UserError
+
+
+def _numbered(n: int, seq_len: int = 4) -> Dataset:
+    """``n`` int32 rows whose every token is the row's index (labels and positions derived from it)."""
+    ids = torch.arange(n, dtype=torch.int32).unsqueeze(1).repeat(1, seq_len)
+    positions = torch.arange(seq_len, dtype=torch.int32).repeat(n, 1)
+    stats = DataStats(n, n, n * seq_len, n * seq_len, 0.0, 0, 0)
+    return Dataset(ids, ids + 1000, positions, "numbered", stats)
+
+
+def _rows(micro: list[MicroBatch]) -> list[int]:
+    return [int(row) for batch in micro for row in batch.input_ids[:, 0]]
+
+
+def test_micro_batches_are_int64_triples_that_keep_rows_together():
+    batches = Batches(_numbered(10), batch_size=2, grad_accum=3, shuffle=True, seed=4)
+    step = batches.next_step()
+    assert len(step) == 3
+    for micro in step:
+        assert isinstance(micro, MicroBatch)
+        input_ids, labels, position_ids = micro  # unpacks as the engine takes it
+        assert input_ids.dtype == labels.dtype == position_ids.dtype == torch.int64
+        assert input_ids.shape == labels.shape == position_ids.shape == (2, 4)
+        assert torch.equal(labels, input_ids + 1000)
+        assert position_ids.tolist() == [[0, 1, 2, 3]] * 2
+
+
+def test_too_few_rows_for_one_step():
+    data = _numbered(5)
+    with pytest.raises(UserError) as info:
+        Batches(data, batch_size=3, grad_accum=2, shuffle=True, seed=0)
+    assert str(info.value) == "numbered yields 5 rows; one step needs 6 (--batch-size 3 x --grad-accum 2)"
+    assert Batches(data, batch_size=5, grad_accum=1, shuffle=True, seed=0).steps_per_epoch == 1
+    with pytest.raises(UserError, match="--batch-size must be positive"):
+        Batches(data, batch_size=0, grad_accum=1, shuffle=True, seed=0)
+    with pytest.raises(UserError, match="--grad-accum must be positive"):
+        Batches(data, batch_size=1, grad_accum=0, shuffle=True, seed=0)
+
+
+def _epoch_order(seed: int, *, shuffle: bool = True, n: int = 32) -> list[int]:
+    batches = Batches(_numbered(n), batch_size=2, grad_accum=2, shuffle=shuffle, seed=seed)
+    return [row for _ in range(batches.steps_per_epoch) for row in _rows(batches.next_step())]
+
+
+def test_shuffle_is_seeded():
+    first = _epoch_order(seed=7)
+    assert first == _epoch_order(seed=7)
+    assert first != _epoch_order(seed=8)
+    assert sorted(first) == list(range(32)) and first != list(range(32))
+
+
+def test_no_shuffle_keeps_row_order():
+    assert _epoch_order(seed=1, shuffle=False) == _epoch_order(seed=2, shuffle=False) == list(range(32))
+
+
+def test_epoch_rollover_skips_the_partial_tail():
+    batches = Batches(_numbered(10), batch_size=2, grad_accum=2, shuffle=False, seed=0)
+    assert batches.steps_per_epoch == 2
+    assert _rows(batches.next_step()) == [0, 1, 2, 3]
+    assert _rows(batches.next_step()) == [4, 5, 6, 7]
+    assert batches.position == DataPosition(0, 8)
+    assert _rows(batches.next_step()) == [0, 1, 2, 3]  # rows 8 and 9 cannot fill a step
+    assert batches.position == DataPosition(1, 4)
+
+
+def test_each_epoch_reshuffles_and_a_saved_position_replays():
+    batches = Batches(_numbered(8), batch_size=2, grad_accum=2, shuffle=True, seed=5)
+    steps = [_rows(batches.next_step()) for _ in range(6)]
+    epochs = [steps[0] + steps[1], steps[2] + steps[3], steps[4] + steps[5]]
+    assert all(sorted(epoch) == list(range(8)) for epoch in epochs)
+    assert len({tuple(epoch) for epoch in epochs}) > 1
+    again = Batches(_numbered(8), batch_size=2, grad_accum=2, shuffle=True, seed=5)
+    again.position = DataPosition(1, 4)
+    assert _rows(again.next_step()) == steps[3]
+    assert _rows(again.next_step()) == steps[4]
+
+
+def test_eval_batches_cover_every_row_once_in_order():
+    data = _numbered(7)
+    batches = list(eval_batches(data, 3))
+    assert [b.input_ids.shape[0] for b in batches] == [3, 3, 1]
+    assert _rows(batches) == list(range(7))
+    assert all(b.labels.dtype == torch.int64 for b in batches)
+    with pytest.raises(UserError, match="must be positive"):
+        list(eval_batches(data, 0))

@@ -1,0 +1,176 @@
+"""`slide_hf.data.chat`: loss exactly on the assistant's turns as the full conversation renders them.
+
+The expected trained text is parsed from transformers' own render of the whole conversation with the
+real template (``assistant_turns``), independently of the masking code. Qwen3's template defeats the
+prefix method on every multi-turn conversation; the bundled twin must take over and be exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+from test_data_templates import CONVERSATIONS
+from test_data_tokenizer import QWEN3, QWEN25, assistant_turns, chat_tokenizer
+
+from slide_hf.data import IGNORE, DataOptions, preview
+from slide_hf.data.chat import ChatEncoder
+from slide_hf.data.schemas import ChatExample
+from slide_hf.data.templates import resolve_template
+from slide_hf.errors import UserError
+
+OPTIONS = DataOptions(seq_len=4096)
+
+
+def _write(path, *records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    return path
+
+
+def _trained(document) -> list[int]:
+    return [int(t) for t, label in zip(document.input_ids, document.labels, strict=True) if label != IGNORE]
+
+
+def _check_exact(tok, template_text, messages, document):
+    """Decoded trained tokens == the assistant turns of the full render, at their positions, and labels
+    equal the tokens they sit on."""
+    rendered = tok.apply_chat_template(copy.deepcopy(messages), chat_template=template_text, tokenize=False)
+    ids = tok(rendered, add_special_tokens=False)["input_ids"]
+    assert document.input_ids.tolist() == ids
+    assert tok.decode(_trained(document)) == assistant_turns(rendered)
+    for position, (token, label) in enumerate(zip(document.input_ids.tolist(), document.labels.tolist(), strict=True)):
+        assert label in (IGNORE, token), position
+    # Everything trained lies inside an assistant block: the token before each trained run is not a user's.
+    labels = document.labels.tolist()
+    for position in range(1, len(labels)):
+        if labels[position] != IGNORE and labels[position - 1] == IGNORE:
+            head = tok.decode(ids[:position])
+            assert head.endswith("<|im_start|>assistant\n"), head[-40:]
+
+
+CHAT_NAMES = [name for name in sorted(CONVERSATIONS) if name != "ends with a user turn"]
+
+
+@pytest.mark.parametrize("name", CHAT_NAMES)
+def test_qwen3_masks_are_exact(tmp_path, name, caplog):
+    tok = chat_tokenizer(QWEN3)
+    messages = CONVERSATIONS[name]
+    with caplog.at_level(logging.INFO, logger="slide.data"):
+        (record,) = preview(_write(tmp_path / "c.jsonl", {"messages": messages}), tok, OPTIONS, 1)
+    _check_exact(tok, QWEN3, messages, record.documents[0])
+    multi_turn = sum(m["role"] == "assistant" for m in messages) > 1
+    # Multi-turn conversations defeat the prefix method: the twin takes over, and says so once.
+    assert ("re-renders earlier turns" in caplog.text) == multi_turn
+    if multi_turn:
+        assert "the bundled chat template 'qwen3'" in caplog.text
+
+
+def test_qwen3_reasoning_of_earlier_turns_is_dropped_and_the_user_is_never_trained(tmp_path):
+    tok = chat_tokenizer(QWEN3)
+    messages = CONVERSATIONS["reasoning on every turn"]
+    (record,) = preview(_write(tmp_path / "c.jsonl", {"messages": messages}), tok, OPTIONS, 1)
+    trained = tok.decode(_trained(record.documents[0]))
+    assert trained == "4<|im_end|>\n<think>\nThree and three.\n</think>\n\n6<|im_end|>\n"
+    assert "3+3?" not in trained and "Two and two" not in trained
+
+
+@pytest.mark.parametrize("name", CHAT_NAMES)
+def test_chatml_qwen25_masks_are_exact_by_verified_prefixes(tmp_path, name, caplog):
+    tok = chat_tokenizer(QWEN25)
+    messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in CONVERSATIONS[name]]
+    with caplog.at_level(logging.INFO, logger="slide.data"):
+        (record,) = preview(_write(tmp_path / "c.jsonl", {"messages": messages}), tok, OPTIONS, 1)
+    _check_exact(tok, QWEN25, messages, record.documents[0])
+    assert "re-renders" not in caplog.text  # Qwen2.5's ChatML keeps the prefix property: no twin needed
+
+
+@pytest.mark.parametrize(("original", "twin"), [(QWEN25, "qwen2.5"), (QWEN3, "qwen3")])
+def test_prefix_method_and_twin_agree_wherever_both_apply(original, twin):
+    """Conversations encoded before a switch to the twin keep their masks: both methods must agree."""
+    tok = chat_tokenizer(original)
+    batch = [ChatExample(f"c:{i}", CONVERSATIONS[name]) for i, name in enumerate(CHAT_NAMES)]
+    if twin == "qwen3":
+        batch = [ex for ex in batch if sum(m["role"] == "assistant" for m in ex.messages) == 1]
+    else:
+        batch = [
+            ChatExample(ex.where, [{k: v for k, v in m.items() if k != "reasoning_content"} for m in ex.messages])
+            for ex in batch
+        ]
+    assert batch
+    by_prefix = ChatEncoder(tok, resolve_template(tok, None), train_on_inputs=False)
+    by_twin = ChatEncoder(tok, resolve_template(tok, twin), train_on_inputs=False)
+    assert not by_prefix.template.marked and by_twin.template.marked
+    assert by_prefix.encode(batch) == by_twin.encode(batch)
+    assert not by_prefix.template.marked  # the prefix method held for all of them
+
+
+def test_unknown_template_that_re_renders_is_refused_in_one_line(tmp_path):
+    edited = "{#- a fine-tuner's copy #}" + QWEN3  # same behaviour, unknown text: no twin
+    tok = chat_tokenizer(edited, name="my-org/qwen3-edit")
+    path = _write(
+        tmp_path / "c.jsonl",
+        {"messages": CONVERSATIONS["one turn"]},
+        {"messages": CONVERSATIONS["system and two turns"]},
+    )
+    with pytest.raises(UserError) as info:
+        preview(path, tok, OPTIONS, 2)
+    message = str(info.value)
+    assert message == (
+        f"{path}:2: the chat template of my-org/qwen3-edit re-renders earlier turns (turn 3 differs between the "
+        "prefix and the full conversation); pass --chat-template FILE with {% generation %} markers"
+    )
+    # The way out works: the same data with a marked template file.
+    marked = tmp_path / "marked.jinja"
+    from slide_hf.data.templates import bundled_template_text
+
+    marked.write_text(bundled_template_text("qwen3"), encoding="utf-8")
+    records = preview(path, tok, DataOptions(seq_len=4096, chat_template=str(marked)), 2)
+    _check_exact(tok, QWEN3, CONVERSATIONS["system and two turns"], records[1].documents[0])
+
+
+def test_template_exception_is_one_line_naming_the_record(tmp_path):
+    strict = (
+        "{%- for m in messages %}{%- if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{%- endif %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    tok = chat_tokenizer(strict)
+    path = _write(
+        tmp_path / "c.jsonl",
+        {"messages": CONVERSATIONS["one turn"]},
+        {"messages": CONVERSATIONS["system and two turns"]},
+    )
+    with pytest.raises(UserError) as info:
+        preview(path, tok, OPTIONS, 2)
+    assert str(info.value) == (
+        f"{path}:2: the chat template of tiny-chatml refused this conversation: System role not supported"
+    )
+
+
+def test_train_on_inputs_trains_every_token_but_the_first(tmp_path):
+    tok = chat_tokenizer(QWEN3)
+    messages = CONVERSATIONS["system and two turns"]
+    options = DataOptions(seq_len=4096, train_on_inputs=True)
+    (record,) = preview(_write(tmp_path / "c.jsonl", {"messages": messages}), tok, options, 1)
+    document = record.documents[0]
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    assert tok.decode(document.input_ids.tolist()) == rendered
+    assert document.labels[0] == IGNORE and (document.labels[1:] == document.input_ids[1:]).all()
+
+
+def test_conversation_without_template_is_refused_and_chatml_option_works(tmp_path):
+    tok = chat_tokenizer(None)
+    path = _write(tmp_path / "c.jsonl", {"messages": CONVERSATIONS["one turn"]})
+    with pytest.raises(UserError, match=rf"{path}:1: the tokenizer has no chat template for conversations"):
+        preview(path, tok, OPTIONS, 1)
+    (record,) = preview(path, tok, DataOptions(seq_len=64, chat_template="chatml"), 1)
+    assert tok.decode(_trained(record.documents[0])) == "Hello!<|im_end|>\n"
+
+
+def test_conversation_without_reply_is_skipped(tmp_path):
+    tok = chat_tokenizer(QWEN3)
+    path = _write(tmp_path / "c.jsonl", {"messages": [{"role": "user", "content": "only a question"}]})
+    (record,) = preview(path, tok, OPTIONS, 1)
+    assert record.skipped and record.documents == []
