@@ -1,8 +1,11 @@
-"""slide_core.checkpoint: atomic saves, verified loads, and a full disk that loses nothing."""
+"""slide_core.checkpoint: atomic saves, verified loads (state.json checksummed, every field checked), and a
+full disk that loses nothing."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,11 +16,15 @@ import torch
 
 from slide_core.checkpoint import (
     CheckpointCorrupt,
+    CheckpointWriteError,
     find_latest,
     list_checkpoints,
     load_checkpoint,
+    newest_intact,
     prune_checkpoints,
+    read_state,
     save_checkpoint,
+    verify_checkpoint,
 )
 
 
@@ -105,3 +112,134 @@ def test_array_source_is_written_block_by_block_like_a_tensor(tmp_path: Path, mo
     out = torch.empty(2500)
     load_checkpoint(as_source, {"exp_avg": out})
     assert torch.equal(out, data)
+
+
+def _state(path: Path) -> dict:
+    return json.loads((path / "state.json").read_text())
+
+
+def _write_state(path: Path, state: dict) -> None:
+    (path / "state.json").write_text(json.dumps(state))
+
+
+def test_a_valid_json_edit_of_state_json_fails_its_checksum(tmp_path: Path) -> None:
+    saved = save_checkpoint(tmp_path, 4, _tensors(4), {"data": {"index": 8}})
+    state = _state(saved)
+    assert state["format"] == 2 and state["checksum"].startswith("sha256:")
+    for edit in ({"step": 40}, {"step": -1}, {"extra": {"data": {"index": 9}}}):
+        _write_state(saved, {**state, **edit})
+        with pytest.raises(CheckpointCorrupt, match=r"state\.json fails its checksum"):
+            read_state(saved)
+    _write_state(saved, state)  # the untouched state still verifies, whitespace aside
+    assert read_state(saved)["extra"] == {"data": {"index": 8}}
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda s: s.update(step=-3), "field step must be an integer >= 0, got -3"),
+        (lambda s: s.update(step="4"), "field step must be an integer >= 0"),
+        (lambda s: s.update(step=True), "field step must be an integer >= 0"),
+        (lambda s: s.pop("step"), "field step must be an integer >= 0, got None"),
+        (lambda s: s.update(files=[]), "field files must be an object"),
+        (lambda s: s["files"]["master.bin"].update(numel=-1), "files.master.bin.numel must be an integer >= 0"),
+        (lambda s: s["files"]["master.bin"].update(dtype="float99"), "files.master.bin.dtype must name a torch dtype"),
+        (lambda s: s["files"]["master.bin"].update(bytes=7), "files.master.bin.bytes is 7"),
+        (lambda s: s["files"]["master.bin"].update(crc32=[]), "files.master.bin.crc32 must list 1 block"),
+        (lambda s: s["files"]["master.bin"].update(crc32=["x"]), "files.master.bin.crc32 must list 1 block"),
+        (lambda s: s.update(extra=[1]), "field extra must be an object"),
+        (lambda s: s.update(format=7), "field format is 7"),
+    ],
+)
+def test_malformed_fields_of_an_unchecksummed_state_are_named(tmp_path: Path, edit, named: str) -> None:
+    """A format-1 state (no checksum) still gets every field checked, each named in the message."""
+    saved = save_checkpoint(tmp_path, 1, _tensors(1), {})
+    state = _state(saved)
+    state.pop("checksum")
+    state["format"] = 1
+    edit(state)
+    _write_state(saved, state)
+    with pytest.raises(CheckpointCorrupt, match=re.escape(named)) as raised:
+        load_checkpoint(saved, {name: torch.empty_like(t) for name, t in _tensors(1).items()})
+    assert raised.value.checkpoint == saved and "\n" not in str(raised.value)
+
+
+def test_undecodable_or_invalid_state_json_is_one_line(tmp_path: Path) -> None:
+    saved = save_checkpoint(tmp_path, 1, _tensors(1), {})
+    raw = bytearray((saved / "state.json").read_bytes())
+    raw[5] = 0xFF  # a flipped byte that is not UTF-8
+    (saved / "state.json").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorrupt, match=r"state\.json is not UTF-8 text: byte 5 is 0xff"):
+        read_state(saved)
+    (saved / "state.json").write_text('{"format": 2, "step": ')
+    with pytest.raises(CheckpointCorrupt, match=r"state\.json is not valid JSON"):
+        read_state(saved)
+    (saved / "state.json").write_text("[]")
+    with pytest.raises(CheckpointCorrupt, match="holds no JSON object"):
+        read_state(saved)
+    (saved / "state.json").unlink()
+    with pytest.raises(CheckpointCorrupt, match=r"state\.json is missing"):
+        read_state(saved)
+
+
+def test_format_1_checkpoints_still_load_and_say_so(tmp_path: Path, caplog) -> None:
+    saved = save_checkpoint(tmp_path, 2, _tensors(2), {"step": 2})
+    state = _state(saved)
+    state.pop("checksum")
+    state["format"] = 1
+    _write_state(saved, state)
+    out = {name: torch.empty_like(t) for name, t in _tensors(2).items()}
+    with caplog.at_level(logging.DEBUG, logger="slide.checkpoint"):
+        assert load_checkpoint(saved, out)["step"] == 2
+    assert torch.equal(out["master"], _tensors(2)["master"])
+    assert "predates state.json checksums" in caplog.text
+
+
+def test_a_missing_file_is_named_missing(tmp_path: Path) -> None:
+    saved = save_checkpoint(tmp_path, 1, _tensors(1), {})
+    (saved / "exp_avg.bin").unlink()
+    with pytest.raises(CheckpointCorrupt, match=r"exp_avg\.bin is missing") as raised:
+        load_checkpoint(saved, {name: torch.empty_like(t) for name, t in _tensors(1).items()})
+    assert "-1 bytes" not in str(raised.value)
+
+
+def test_write_error_without_an_earlier_checkpoint_says_none_is_kept(tmp_path: Path) -> None:
+    root = tmp_path / "ro"
+    root.mkdir()
+    (root / "step-00000001").write_text("a file where the save needs a directory")  # rename fails: ENOTDIR
+    with pytest.raises(CheckpointWriteError) as raised:
+        save_checkpoint(root, 1, _tensors(1), {})
+    message = str(raised.value.strerror)
+    assert "no earlier checkpoint exists" in message and "previous checkpoint" not in message
+    assert "GiB free" not in message  # the disk is not full; free space would only mislead
+    assert not list(root.glob(".tmp-*"))
+
+
+def test_newest_intact_skips_every_corrupt_checkpoint(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, _tensors(step), {})
+    first, second, third = list_checkpoints(tmp_path)
+    verify_checkpoint(third)
+    data = bytearray((third / "master.bin").read_bytes())
+    data[100] ^= 0x01
+    (third / "master.bin").write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=r"master\.bin fails its checksum in block 0"):
+        verify_checkpoint(third)
+    assert newest_intact(third) == second
+    (second / "exp_avg.bin").write_bytes(b"short")
+    assert newest_intact(third) == first
+    (first / "state.json").write_text("{}")
+    assert newest_intact(third) is None
+
+
+def test_abandoned_lines_are_not_checkpoints_of_the_run(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        save_checkpoint(root, step, _tensors(step), {})
+    aside = root / "abandoned-20260101-000000-abcdef"
+    aside.mkdir()
+    save_checkpoint(aside, 3, _tensors(3), {})
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000001", "step-00000002"]
+    assert find_latest(tmp_path).name == "step-00000002"
+    prune_checkpoints(root, keep=1)
+    assert (aside / "step-00000003" / "state.json").is_file()  # pruning never reaches into an abandoned line

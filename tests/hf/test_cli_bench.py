@@ -59,7 +59,7 @@ def test_bench_offloads_adam_state_to_nvme_with_identical_losses(slide, tmp_path
     ("argv", "message"),
     [
         (("--offload-optimizer", "nvme"), "--offload-optimizer nvme needs --nvme-dir"),
-        (("--nvme-fraction", "1.5"), "--nvme-fraction must be in [0, 1], got 1.5"),
+        (("--nvme-fraction", "1.5"), "--nvme-fraction must be a finite number in [0, 1], got 1.5"),
         (("--steps", "1"), "--steps (1) must exceed --warmup (1)"),
     ],
 )

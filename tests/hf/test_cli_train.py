@@ -146,7 +146,8 @@ def test_newcomer_default_run_learns_the_bundled_text(slide, tmp_path, monkeypat
     assert last < 0.75 * first, summary
     assert (output / "model/config.json").is_file() and (output / "model/model.safetensors").is_file()
     assert (output / "model/tokenizer.json").is_file() and (output / "tokenizer/tokenizer.json").is_file()
-    assert not (output / "checkpoints").exists()  # --save-every 0: no checkpoint, only the export
+    # --save-every 0: one checkpoint, of the final state, written before the export
+    assert [p.name for p in (output / "checkpoints").iterdir()] == [f"step-{int(steps):08d}"]
 
 
 def test_default_output_is_a_timestamped_run_directory(slide, tmp_path, monkeypatch):
@@ -154,7 +155,7 @@ def test_default_output_is_a_timestamped_run_directory(slide, tmp_path, monkeypa
     status, out, err = slide("train", *TINY)
     assert status == 0, err
     (run,) = (tmp_path / "runs").iterdir()
-    assert len(run.name) == len("20250101-120000")
+    assert len(run.name) == len("20250101-120000-a1b2c3")  # a unique suffix: runs started together differ
     assert f"model written to {Path('runs') / run.name / 'model'}" in out
     assert (run / "model/config.json").is_file()
 
@@ -176,7 +177,9 @@ def test_config_toml_values_are_used_and_flags_win(slide, tmp_path):
     assert all(r["lr"] == 0.002 and r["tokens"] == 64 for r in records)
     assert f"model written to {output / 'model'}" in out
     # Flags given on the command line beat the file.
-    status, _, err = slide("train", "--config", config, "--steps", "2", "--lr", "0.001", "--batch-size", "1")
+    status, _, err = slide(
+        "train", "--config", config, "--steps", "2", "--lr", "0.001", "--batch-size", "1", "--overwrite"
+    )
     assert status == 0, err
     again = _records(metrics)[3:]  # the metrics file is appended to
     assert [(r["step"], r["lr"], r["tokens"]) for r in again] == [(1, 0.001, 32), (2, 0.001, 32)]

@@ -50,3 +50,147 @@ def test_oom_names_the_allocation_and_the_plan_command(tmp_path: Path, monkeypat
     time.sleep(0.5)
     left = {t for t in threading.enumerate() if t.name.startswith("slide-") and t.is_alive()} - before
     assert not left, f"threads left behind: {left}"
+
+
+# ---- the end of a run: checkpoint first, then an export that fails cleanly -----------------------------
+
+RUN = ("--device", "cpu", "--dtype", "float32", "--steps", "4", "--seq-len", "16", "--batch-size", "2", "--seed", "5")
+"""tiny-llama on the bundled text, 4 steps in fp32: a resumed or re-exported run equals an uninterrupted one
+bit for bit."""
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _same_model(a: Path, b: Path) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The model of the uninterrupted run."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+        assert main(["train", "--output", str(run), *RUN]) == 0
+    return run / "model"
+
+
+@pytest.mark.timeout(180)
+def test_full_disk_during_the_final_export_keeps_a_checkpoint_to_export_from(
+    tmp_path: Path, monkeypatch, capsys, reference: Path
+) -> None:
+    """The default --save-every 0 used to leave only config/ and tokenizer/ after a SafetensorError."""
+    from safetensors import SafetensorError
+
+    import slide_hf.export as export_module
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(export_module, "save_file", full_disk)
+        assert main(["train", "--output", str(run), *RUN]) == 2
+    line = _one_line(capsys)
+    assert f"cannot write the model to {run / 'model'}: No space left on device" in line
+    assert f"the checkpoint of step 4 is kept: write the model with `slide export {run} {run / 'model'}`" in line
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000004"]
+    assert not (run / "model").exists() and not list(run.glob(".model.tmp-*"))
+    # The command the line gives finishes the job, with the model of the uninterrupted run.
+    assert main(["export", str(run), str(run / "model")]) == 0
+    assert _same_model(run / "model", reference)
+    assert (run / "model" / "tokenizer.json").is_file()
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_during_the_final_export_stops_cleanly_and_resume_finishes(
+    tmp_path: Path, monkeypatch, capsys, reference: Path
+) -> None:
+    import os
+    import signal
+
+    import slide_hf.export as export_module
+
+    real = export_module.save_file
+
+    def terminated_while_writing(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's SIGTERM arrives mid-export
+        return real(*args, **kwargs)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(export_module, "save_file", terminated_while_writing)
+        assert main(["train", "--output", str(run), *RUN]) == 143
+    line = _one_line(capsys)
+    assert "error" not in line
+    assert line.startswith("slide train: stopped by SIGTERM during the export; the checkpoint of step 4 is kept")
+    assert not (run / "model").exists() and not list(run.glob(".model.tmp-*"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run's handlers are gone again
+    # Resuming the finished run writes its model and succeeds.
+    assert main(["train", "--resume", str(run)]) == 0
+    assert f"nothing left to train in {run}" in capsys.readouterr().out
+    assert _same_model(run / "model", reference)
+
+
+@pytest.mark.timeout(180)
+def test_sigint_mid_run_exits_130_with_the_resume_command(tmp_path: Path, monkeypatch, capsys, reference) -> None:
+    import os
+    import signal
+
+    from slide_core.engine import Engine
+
+    real_step = Engine.step
+
+    def step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        if result.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during step 2
+        return result
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(Engine, "step", step)
+        assert main(["train", "--output", str(run), *RUN]) == 130
+    line = _one_line(capsys)
+    assert line == (
+        f"slide train: stopped by SIGINT after step 2; its checkpoint is saved; continue with "
+        f"`slide train --resume {run}`"
+    )
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000002"]
+    assert main(["train", "--resume", str(run)]) == 0
+    assert _same_model(run / "model", reference)
+
+
+@pytest.mark.timeout(180)
+def test_nan_weights_are_never_exported(tmp_path: Path, capsys) -> None:
+    """A checkpoint whose master holds NaN (checksums valid): neither `slide export` nor the end of a resumed
+    run writes a model, and the line names the tensor."""
+    from slide_core.checkpoint import load_checkpoint, read_state, save_checkpoint
+
+    run = tmp_path / "run"
+    assert main(["train", "--output", str(run), *RUN, "--steps", "2"]) == 0
+    capsys.readouterr()
+    checkpoint = find_latest(run)
+    state = read_state(checkpoint)
+    arrays = {name.removesuffix(".bin"): torch.empty(meta["numel"]) for name, meta in state["files"].items()}
+    load_checkpoint(checkpoint, arrays)
+    arrays["master"][5] = float("nan")  # inside the embedding, the first tensor of the model
+    save_checkpoint(checkpoint.parent, state["step"], arrays, state["extra"])
+    assert main(["export", str(run), str(tmp_path / "out")]) == 2
+    line = _one_line(capsys)
+    assert "model.embed_tokens.weight holds NaN or Inf values" in line and "Lower --lr" not in line
+    assert not (tmp_path / "out").exists()
+    assert main(["train", "--resume", str(run)]) == 2  # finished: straight to the export, which refuses
+    line = _one_line(capsys)
+    assert "model.embed_tokens.weight holds NaN or Inf values" in line and "the checkpoint of step 2 is kept" in line

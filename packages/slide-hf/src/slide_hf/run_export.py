@@ -88,7 +88,7 @@ def export_run_model(
     target = run / "model"
     finish = f"write the model with `slide export {run} {target}`"
     try:
-        return export_model(
+        export_model(
             model,
             host,
             config,
@@ -98,6 +98,7 @@ def export_run_model(
             overwrite=True,
             cancel=lambda: stop.requested is not None,
         )
+        return target  # as the user named it (relative stays relative in the messages)
     except (ExportCancelled, KeyboardInterrupt):
         signal_name = stop.requested or "SIGINT"
         code = stop.exit_code if stop.requested else 130
