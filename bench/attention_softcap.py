@@ -10,7 +10,7 @@ apart); memory is the peak allocated during one pass minus what was allocated be
 upstream gradient). The error column compares each output with eager attention in fp32. ``sdpa`` can be
 added to ``--impls`` as a speed yardstick: it drops the cap, and its error column shows by how much.
 
-    python bench/attention_softcap.py                       # ~30 s on an H200, most of it compiling flex
+    python bench/attention_softcap.py       # meant to finish within a minute on an H200, mostly compiling flex
     python bench/attention_softcap.py --layer-types full_attention,sliding_attention --window 1024
 """
 

@@ -374,3 +374,16 @@ def test_slide_train_tiny_gemma2_on_cpu(slide, tmp_path, caplog):
     assert status == 0, text
     assert "attention: sliding_attention=eager, full_attention=eager" in caplog.messages
     assert (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+def test_slide_doctor_says_which_attention_runs(slide):
+    status, text = slide("doctor", "--model", PRESET)
+    assert status == 0, text
+    assert "cpu: sliding_attention=eager, full_attention=eager" in text
+    status, text = slide("doctor")
+    assert status == 0, text
+    assert "cpu: sdpa; layers with a logit softcap (Gemma 2): eager" in text
+    status, text = slide("doctor", "--model", "no-such-model")
+    lines = text.strip().splitlines()
+    assert status == 2 and len(lines) == 1, text
+    assert lines[0].startswith("slide doctor: error: unknown model 'no-such-model'")
