@@ -255,6 +255,9 @@ MACHINE_OPTIONS = frozenset(
 placement moves arrays between host, GPU and disk, never changes what they hold."""
 
 
+_NOT_RESTORED = frozenset({"output", "overwrite", "resume"})
+
+
 def resume_config(saved: Mapping[str, Any], given: Mapping[str, Any], *, source: str) -> TrainConfig:
     """The options of a resumed run: ``saved`` (a checkpoint's options) updated by ``given`` (what the user
     passed now), refusing in one line any change to an option outside :data:`RESUME_SAFE_OPTIONS` and
@@ -263,7 +266,10 @@ def resume_config(saved: Mapping[str, Any], given: Mapping[str, Any], *, source:
     Paths compare after resolving (``./tinyqwen`` is ``tinyqwen``); options the saved run did not record
     (an older checkpoint) take the new value or the default."""
     known = {f.name for f in fields(TrainConfig)}
-    values = {key: value for key, value in saved.items() if key in known}
+    # Where the run was, and whether it was allowed to replace a directory, belong to that invocation: a
+    # resumed run writes into the directory it resumes from (a moved or copied run stays where it is now),
+    # and a saved --overwrite must never delete the checkpoints it resumes from.
+    values = {key: value for key, value in saved.items() if key in known and key not in _NOT_RESTORED}
     for key, value in given.items():
         if key not in known:
             raise UserError(f"unknown option {key!r}")
