@@ -1,4 +1,5 @@
-"""Every family trained through the engine on the CPU device (fp32) against HF's own model + AdamW."""
+"""Every family trained through the engine on the CPU device (fp32) against HF's own model + AdamW, and
+evaluated against HF's loss."""
 
 from __future__ import annotations
 
@@ -109,3 +110,29 @@ def test_engine_trains_like_hf(preset: str, tmp_path, monkeypatch) -> None:
                 continue
             err = (have - want).norm() / want.norm().clamp_min(1e-12)
             assert err <= RTOL, f"{entry.key}: final weights differ ({err:.2e})"
+
+
+# Gemma 2 with its attention-logit softcap runs eager only (the adapters refuse sdpa for it).
+@pytest.mark.parametrize(
+    ("preset", "attn"), [("test-llama", "eager"), ("test-llama", "sdpa"), ("test-gemma2", "eager")]
+)
+def test_engine_evaluate_equals_hf_loss(preset: str, attn: str, reference, helpers) -> None:
+    """``Engine.evaluate`` on a loaded checkpoint gives transformers' loss on the same batch (the head's
+    default loss path: slide-kernels' fused loss where it is installed, in no-grad mode)."""
+    ref = reference(preset, attn=attn)
+    ids, labels = helpers.batch(ref.hf.config.vocab_size)
+    other = helpers.batch(ref.hf.config.vocab_size, seed=2)
+    with torch.no_grad():
+        expected = [
+            ref.hf(i, labels=lab).loss.item() * int((lab[:, 1:] != -100).sum()) for i, lab in ((ids, labels), other)
+        ]
+    with CPUDevice() as device:
+        host = HostParameters(ref.model, device.alloc_pinned)
+        host.slab.copy_(ref.host.slab)
+        config = EngineConfig(block_slots=1, compute_dtype=torch.float32, transfer_chunk_numel=4096)
+        with Engine(ref.model, device, host, TorchAdamW(AdamWConfig()), config) as engine:
+            result = engine.evaluate([(ids, labels), other])
+    assert result.loss_tokens == int((labels[:, 1:] != -100).sum() + (other[1][:, 1:] != -100).sum())
+    assert result.tokens == ids.numel() + other[0].numel()
+    assert result.loss_sum == pytest.approx(sum(expected), rel=1e-6)
+    assert result.loss == pytest.approx(sum(expected) / result.loss_tokens, rel=1e-6)
