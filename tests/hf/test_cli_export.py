@@ -43,3 +43,86 @@ def test_export_errors_are_one_line(tmp_path: Path, capsys) -> None:
     assert main(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no checkpoint found" in err[0]
+
+
+TINY = ("--device", "cpu", "--dtype", "float32", "--steps", "2", "--seq-len", "16", "--batch-size", "2")
+
+
+def test_a_preset_export_carries_the_byte_tokenizer_special_tokens(tmp_path: Path) -> None:
+    """tiny-llama copies Llama's shape, not its tokenizer: the export must name the byte tokenizer's ids, or
+    generate() stops on whichever byte the preset's ids alias."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    run = tmp_path / "run"
+    assert main(["train", "--output", str(run), *TINY]) == 0
+    for model_dir in (run / "model", tmp_path / "exported"):
+        if model_dir.name == "exported":
+            assert main(["export", str(run), str(model_dir)]) == 0
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        generation = GenerationConfig.from_pretrained(model_dir)
+        ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        assert ids == (256, 257, 258)
+        assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == ids
+        assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == ids
+        assert tokenizer.decode([config.eos_token_id]) == "<|eos|>"
+
+
+def test_the_input_models_generation_config_survives_train_and_export(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from slide_hf import PRESETS
+    from slide_hf.tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer
+
+    source = tmp_path / "source"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(PRESETS["test-llama"](vocab_size=BYTE_VOCAB_SIZE)).save_pretrained(source)
+    byte_tokenizer().save_pretrained(str(source))
+    GenerationConfig(eos_token_id=[257, 10], temperature=0.6, top_p=0.9, do_sample=True).save_pretrained(source)
+    wanted = GenerationConfig.from_pretrained(source).to_dict()
+    run = tmp_path / "run"
+    assert main(["train", "--output", str(run), "--model", str(source), *TINY]) == 0
+    assert main(["export", str(run), str(tmp_path / "exported")]) == 0
+    for model_dir in (run / "model", tmp_path / "exported"):
+        got = GenerationConfig.from_pretrained(model_dir).to_dict()
+        assert {k: got[k] for k in ("eos_token_id", "temperature", "top_p", "do_sample")} == {
+            k: wanted[k] for k in ("eos_token_id", "temperature", "top_p", "do_sample")
+        }
+
+
+def test_export_of_a_run_without_tokenizer_says_so(tmp_path: Path, caplog) -> None:
+    import shutil
+
+    run = tmp_path / "run"
+    assert main(["train", "--output", str(run), *TINY]) == 0
+    shutil.rmtree(run / "tokenizer")
+    with caplog.at_level("WARNING", logger="slide.export"):
+        assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    assert f"{run} has no tokenizer/: the export carries no tokenizer files" in caplog.text
+    assert (tmp_path / "out" / "model.safetensors").is_file() and not (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_a_corrupt_newest_checkpoint_names_the_newest_intact_one(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    assert (
+        main(["train", "--output", str(run), *TINY, "--steps", "3", "--save-every", "1", "--keep-checkpoints", "3"])
+        == 0
+    )
+    capsys.readouterr()
+    newest = run / "checkpoints" / "step-00000003"
+    data = bytearray((newest / "exp_avg.bin").read_bytes())
+    data[-1] ^= 0x10
+    (newest / "exp_avg.bin").write_bytes(bytes(data))
+    intact = run / "checkpoints" / "step-00000002"
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"checkpoint {newest} is corrupt (exp_avg.bin fails its checksum in block 0" in err[0]
+    assert f"the newest intact one is {intact}: resume from it with --resume {intact}" in err[0]
+    (newest / "master.bin").write_bytes(b"")  # `slide export` reads the master only: make that bad too
+    out = tmp_path / "out"
+    assert main(["export", str(run), str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "master.bin is 0 bytes, expected" in err[0], err
+    assert f"the newest intact one is {intact}: export it with `slide export {intact} {out}`" in err[0]
+    assert main(["export", str(intact), str(out)]) == 0
