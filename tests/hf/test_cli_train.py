@@ -522,7 +522,7 @@ def test_step_without_labels_cannot_happen(slide, tmp_path):
     data = _jsonl(tmp_path / "chat.jsonl", [cut, cut, fine, fine])
     assert len(_run(slide, tmp_path / "run", "--data", data)) == 2
     _fails(slide, *TINY, "--output", tmp_path / "x", "--data", _jsonl(tmp_path / "cut.jsonl", [cut] * 4),
-           match="holds no complete sequence")  # fmt: skip
+           match="holds no example with a token to train")  # fmt: skip
 
 
 # ---- exactness ------------------------------------------------------------------------------------------

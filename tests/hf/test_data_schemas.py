@@ -83,7 +83,7 @@ BAD = [
     ({"input_ids": [1, 2.0]}, "input_ids[1] must be an integer, got a number 2.0"),
     ({"input_ids": [1, -2]}, "input_ids[1] is -2; it must be an id >= 0"),
     ({"input_ids": "1 2"}, "'input_ids' must be a list of integers, got a string"),
-    ({"input_ids": [1, 259]}, "input_ids[1] is token id 259, outside the model's vocabulary of 259"),
+    ({"input_ids": [1, 259]}, "token id 259 is outside the model's vocabulary of 259 (input_ids[1])"),
     ({"input_ids": [1, 2], "labels": [1]}, "'labels' has 1 entries but 'input_ids' has 2"),
     ({"input_ids": [1, 2], "labels": [-5, 2]}, "labels[0] is -5; it must be an id >= 0 or -100"),
     ({"input_ids": [1, 2], "labels": [False, 2]}, "labels[0] must be an integer, got a boolean False"),

@@ -4,7 +4,8 @@ Placement is best-fit decreasing over a window of documents (about ``window_toke
 memory stays bounded on any dataset): longest first, each into the open row with the least room that still
 holds it, a new row when none does. It is deterministic (ties keep the source order), never splits a
 document (:mod:`slide_hf.data.encode` already cut those longer than a row), and leaves little padding: only
-the last few rows of each window are partly empty.
+the last few rows of each window are partly empty. Rows then follow the source order of their first
+document, so ``--no-shuffle`` reads a file in (nearly) its own order.
 
 Row layout, as HF's packed-sequence masking reads it: ``position_ids`` count 0, 1, ... within each document
 and restart at the next, which is how attention becomes block-diagonal (``find_packed_sequence_indices``
@@ -99,7 +100,7 @@ class Packer:
         return Rows(input_ids, labels, position_ids, len(window), tokens)
 
     def _place(self, window: list[Document]) -> list[list[int]]:
-        """Best-fit decreasing: returns the document indices of each row, rows in the order they opened."""
+        """Best-fit decreasing: the document indices of each row."""
         order = sorted(range(len(window)), key=lambda index: (-len(window[index].input_ids), index))
         bins: list[list[int]] = []
         room: list[tuple[int, int]] = []  # (free tokens, bin) of rows that are not full, sorted
@@ -114,4 +115,6 @@ class Packer:
             bins[target].append(index)
             if free - length > 0:
                 bisect.insort(room, (free - length, target))
-        return bins
+        # Rows in source order of their first document, documents in source order within a row: a run
+        # with --no-shuffle then reads the data in (nearly) the order of the file.
+        return sorted((sorted(members) for members in bins), key=lambda members: members[0])

@@ -197,7 +197,7 @@ def _id_list(value: Any, key: str, where: str, vocab_size: int | None, *, allow_
             raise UserError(f"{where}: {key}[{index}] is {token}; it must be {allowed}")
         if vocab_size is not None and token >= vocab_size:
             raise UserError(
-                f"{where}: {key}[{index}] is token id {token}, outside the model's vocabulary of {vocab_size}"
+                f"{where}: token id {token} is outside the model's vocabulary of {vocab_size} ({key}[{index}])"
             )
     return list(value)
 
