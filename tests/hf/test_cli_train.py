@@ -355,7 +355,8 @@ def test_metrics_records(slide, tmp_path):
     for record in records:
         assert record.keys() >= RECORD_KEYS
         assert all(isinstance(record[k], int | float) and math.isfinite(record[k]) for k in RECORD_KEYS)
-        assert record["loss"] > 0 and record["tokens"] == 64
+        assert record["loss"] > 0 and record["padded_tokens"] == 64  # 2 rows of 32
+        assert 0 < record["loss_tokens"] <= record["tokens"] <= 64  # tokens: without row padding
         assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0
         assert record["tokens_per_s"] == pytest.approx(record["tokens"] / record["step_time_s"])
         assert record["gpu_mem_peak_gb"] == 0.0  # the CPU device

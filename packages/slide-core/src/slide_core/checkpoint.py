@@ -30,7 +30,7 @@ import logging
 import os
 import shutil
 import zlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -238,11 +238,14 @@ def newest_intact(corrupt: Path) -> Path | None:
     return None
 
 
-def prune_checkpoints(root: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and leftovers of interrupted saves."""
+def prune_checkpoints(root: Path, keep: int, *, protect: Collection[Path] = ()) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and leftovers of interrupted saves. Checkpoints in
+    ``protect`` (the best one by evaluation loss) stay and do not count against ``keep``."""
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+    kept = {Path(p).resolve() for p in protect}
+    candidates = [p for p in list_checkpoints(root) if p.resolve() not in kept]
+    for old in candidates[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -9,13 +9,16 @@ directory at the end.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
+import shutil
 import signal
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +29,22 @@ from slide_core import AdamWConfig, HostParameters, LRSchedule
 from slide_core.checkpoint import (
     CheckpointCorrupt,
     CheckpointWriteError,
-    find_latest,
     prune_checkpoints,
     save_checkpoint,
 )
 from slide_core.device import Device
 from slide_core.engine import Engine, EngineConfig, EngineError
 from slide_core.optim import TorchAdamW
-from slide_hf.data import Batches, DataOptions, DataPosition, load_dataset
-from slide_hf.errors import UserError
+from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
+from slide_hf.errors import RunStopped, UserError
+from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.offload import offloaded_units, open_activation_tier, open_nvme_tier
 from slide_hf.options import TrainConfig, config_dict
 from slide_hf.planner.sizes import parse_size
 from slide_hf.progress import Progress
+from slide_hf.resume import checkpoint_to_resume, corrupt_message, resume_point
+from slide_hf.run_dir import RunDir, default_output, run_of
+from slide_hf.run_export import export_run_model
 from slide_hf.run_log import RunLog
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
 
@@ -59,16 +65,39 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)
 
 
-def train(cfg: TrainConfig) -> TrainSummary:
-    """Run a whole training job; see the module docstring for the order of things."""
+def train(
+    cfg: TrainConfig,
+    *,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainSummary:
+    """Run a whole training job; see the module docstring for the order of things. ``on_step`` and
+    ``on_eval`` receive each metrics record as it is written (the Python API's callbacks).
+
+    The output directory is this run's alone while it runs (slide_hf/run_dir.py): locked, refused when it
+    holds another run unless resuming or ``overwrite``, and a resumed run defaults to its own directory."""
+    output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
+    with RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite) as run_dir:
+        return _train(cfg, run_dir, on_step=on_step, on_eval=on_eval)
+
+
+def _train(
+    cfg: TrainConfig,
+    run_dir: RunDir,
+    *,
+    on_step: Callable[[dict[str, Any]], None] | None,
+    on_eval: Callable[[dict[str, Any]], None] | None,
+) -> TrainSummary:
     torch.manual_seed(cfg.seed)
-    output = cfg.output or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    output = run_dir.path
 
     # Model and tokenizer.
-    from slide_hf import export_hf, init_random, load_weights
+    from slide_hf import init_random, load_weights
     from slide_hf.adapters import attention_summary
 
     config, model_dir, tokenizer, model = _setup_model(cfg)
+    if model_dir is None:  # a preset trains with the bundled tokenizer: its exports carry that tokenizer's ids
+        use_tokenizer_special_tokens(config, tokenizer)
 
     # Data.
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -80,7 +109,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         max_positions=max_positions,
         vocab_size=config.vocab_size,
     )
-    dataset = load_dataset(cfg.data, tokenizer, data_options)
+    dataset, eval_set = _load_data(cfg, tokenizer, data_options, output / DATA_CACHE)
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed)
     epochs = cfg.epochs or (10 if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
@@ -95,7 +124,6 @@ def train(cfg: TrainConfig) -> TrainSummary:
     ):
         if value == "nvme" and cfg.nvme_dir is None:
             raise UserError(f"{flag} nvme needs --nvme-dir PATH (a directory on a fast local disk)")
-    _make_output_dir(output)  # an unwritable --output fails now, not after training
     device = _make_device(cfg)
     compute_dtype = DTYPES[cfg.dtype]
     resident = _plan_and_place(cfg, model, device, compute_dtype)
@@ -111,7 +139,10 @@ def train(cfg: TrainConfig) -> TrainSummary:
         if model_dir is None:
             init_random(model, host, config, seed=cfg.seed)
         else:
-            load_weights(model, host, model_dir)
+            try:
+                load_weights(model, host, model_dir)
+            except ValueError as error:  # CheckpointError, ModelFilesError: one line naming file and tensor
+                raise UserError(str(error)) from None
         params = sum(unit.layout.param_numel for unit in model.units)
         flops_per_token = _flops_per_token(config, params, cfg.seq_len)
         log.info(
@@ -139,10 +170,12 @@ def train(cfg: TrainConfig) -> TrainSummary:
         )
         if resident:
             log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(resident))
-        state_tier = open_nvme_tier(cfg.nvme_dir) if offloaded else None
+        state_tier = open_nvme_tier(run_dir.scratch(cfg.nvme_dir)) if offloaded else None
         if offloaded:
             log.info("Adam state on NVMe (%s) for %d units", cfg.nvme_dir, len(offloaded))
-        activation_tier = open_activation_tier(cfg.nvme_dir, device) if cfg.offload_activations == "nvme" else None
+        activation_tier = (
+            open_activation_tier(run_dir.scratch(cfg.nvme_dir), device) if cfg.offload_activations == "nvme" else None
+        )
         if activation_tier is not None:
             log.info("block inputs on the %s tier in %s", activation_tier.name, cfg.nvme_dir)
         engine = Engine(
@@ -156,14 +189,32 @@ def train(cfg: TrainConfig) -> TrainSummary:
         )
         checkpoints = output / "checkpoints"
         # What `slide export` needs to turn any checkpoint of this run into an HF directory.
-        tokenizer_dir = _save_tokenizer(tokenizer, output)
-        config.save_pretrained(str(output / "config"))
+        tokenizer_dir = _save_tokenizer(tokenizer, config, output, model_dir)
         run_state = {"model": cfg.model, "seed": cfg.seed, "total_steps": total_steps, "config": config_dict(cfg)}
         losses: list[float] = []
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         process = psutil.Process()
         stop = _StopRequests()
 
-        def checkpoint(step: int) -> None:
+        evaluator = _Evaluator(engine, eval_set, cfg.batch_size) if eval_set is not None else None
+        best: dict[str, Any] = {}
+
+        def evaluate(step: int) -> None:
+            """Eval loss at ``step``; with --save-best, a new best is checkpointed and kept from pruning."""
+            nonlocal last_saved
+            record = evaluator.run(step)
+            progress.evaluation(record)
+            run_log.record(record)
+            if on_eval is not None:
+                on_eval(dict(record))
+            if cfg.save_best and record["eval_loss"] < best.get("eval_loss", math.inf):
+                if last_saved != step:
+                    last_saved = checkpoint(step, protect_step=step)
+                best.update(step=step, eval_loss=record["eval_loss"], path=str(_checkpoint_path(checkpoints, step)))
+                _write_best(checkpoints, best)
+                log.info("best eval loss so far: %.4f at step %d (%s)", record["eval_loss"], step, best["path"])
+
+        def checkpoint(step: int, protect_step: int | None = None) -> int:
             arrays = engine.checkpoint_arrays()  # note: waits for every pending update (a host sync), only when saving
             state = {**run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
             state["rng"] = torch.get_rng_state().tolist()
@@ -172,15 +223,21 @@ def train(cfg: TrainConfig) -> TrainSummary:
                 saved = save_checkpoint(checkpoints, step, arrays, state)
             except CheckpointWriteError as error:
                 raise UserError(error.strerror) from error
-            prune_checkpoints(checkpoints, cfg.keep_checkpoints)
+            keep_best = [Path(best["path"])] if best else []
+            if protect_step is not None:
+                keep_best.append(saved)
+            prune_checkpoints(checkpoints, cfg.keep_checkpoints, protect=keep_best)
             log.info("checkpoint written to %s", saved)
+            return step
 
         with stop, contextlib.ExitStack() as tiers, engine:
             for tier in (state_tier, activation_tier):
                 if tier is not None:
                     tiers.callback(tier.close)
             # Inside the running engine: each unit's arrays stream to where the unit lives.
-            first_step = _resume(cfg.resume, engine, batches, run_state) if cfg.resume is not None else 0
+            first_step = _resume(cfg.resume, engine, batches, run_state, run_dir) if cfg.resume is not None else 0
+            last_saved = first_step if cfg.resume is not None else None
+            best.update(_read_best(checkpoints) if cfg.resume is not None and cfg.save_best else {})
             run_log.start(first_step)
             device.reset_peak_memory()
             has_gpu = device.torch_device.type != "cpu"
@@ -189,7 +246,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
                 for step in range(first_step, total_steps):
                     # LR for this step, then forward/backward over its micro-batches and the update.
                     try:
-                        result = engine.step(batches.next_step(), lr=schedule.lr_at(step))
+                        micro_batches = batches.next_step()
+                        result = engine.step(micro_batches, lr=schedule.lr_at(step))
                     except torch.OutOfMemoryError as error:
                         raise UserError(_oom_message(error, cfg, step + 1)) from error
                     except EngineError as error:
@@ -202,14 +260,17 @@ def train(cfg: TrainConfig) -> TrainSummary:
                         losses.append(result.loss)
                     # Logging.
                     times = engine.unit_times()
+                    real_tokens = _real_tokens(micro_batches, pad_id)
                     record = {
                         "step": result.step,
                         "loss": result.loss,
                         "lr": result.lr,
-                        "tokens": result.tokens,
-                        "tokens_per_s": result.tokens / result.wall_s,
+                        "tokens": real_tokens,
+                        "loss_tokens": result.loss_tokens,
+                        "padded_tokens": result.tokens,
+                        "tokens_per_s": real_tokens / result.wall_s,
                         "step_time_s": result.wall_s,
-                        "tflops": flops_per_token * result.tokens / result.wall_s / 1e12,
+                        "tflops": flops_per_token * result.tokens / result.wall_s / 1e12,  # padding is computed too
                         "overlap": _overall_overlap(times),
                         "grad_norm": result.grad_norm,
                         "skipped": result.skipped,
@@ -218,23 +279,139 @@ def train(cfg: TrainConfig) -> TrainSummary:
                     }
                     progress.update(record)  # adds the time remaining, eta_s
                     run_log.record(record)
-                    # Checkpoint: every --save-every steps, and when asked to stop (SIGINT/SIGTERM).
+                    if on_step is not None:
+                        on_step(dict(record))
+                    # Evaluation: every --eval-every steps, and after the last step.
                     done = step + 1
+                    if evaluator is not None and (
+                        done == total_steps or (cfg.eval_every and done % cfg.eval_every == 0)
+                    ):
+                        evaluate(done)
+                    # Checkpoint: every --save-every steps, and when asked to stop (SIGINT/SIGTERM).
                     if (cfg.save_every and done % cfg.save_every == 0) or stop.requested:
-                        checkpoint(done)
+                        last_saved = checkpoint(done)
                     if stop.requested:
-                        raise UserError(f"stopped by {stop.requested} after step {done}; resume with --resume {output}")
-            # Training is over: free the host Adam state before the GPU-resident masters come back for the
-            # export, so the host never holds both (Note [Resident host copies] in slide_core's engine).
+                        raise stop.stopped(f"after step {done}; its checkpoint is saved", output)
+            # Training is over. The final state is checkpointed first, whatever --save-every says, so the
+            # export below can fail (full disk, a signal) without losing the run.
+            final_step = max(first_step, total_steps)
+            if last_saved != final_step:
+                checkpoint(final_step)
+            if stop.requested:
+                raise stop.stopped(f"after step {final_step}; its checkpoint is saved", output)
+            # Free the host Adam state before the GPU-resident masters come back for the export, so the
+            # host never holds both (Note [Resident host copies] in slide_core's engine).
             engine.close(keep_host_state=False)
-        # Export: an HF directory next to the run's other outputs.
-        model_out = output / "model"
-        save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
-        export_hf(model, host, config, model_out, dtype=save_dtype, tokenizer_dir=tokenizer_dir, overwrite=True)
-    if not losses:  # every step was skipped (non-finite gradients) or resumed past the end
+            # Export: an HF directory next to the run's other outputs, still under the signal handlers.
+            save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
+            model_out = export_run_model(
+                model, host, config, output, final_step, dtype=save_dtype, tokenizer_dir=tokenizer_dir, stop=stop
+            )
+    if first_step >= total_steps:  # a finished run, resumed: its model is written again, nothing to train
+        log.info(
+            "the run in %s had reached step %d: nothing left to train; model written to %s",
+            output,
+            first_step,
+            model_out,
+        )
+        return TrainSummary(0, math.nan, math.nan, output, model_out, [])
+    if not losses:  # every step was skipped (non-finite gradients)
         raise UserError(f"no optimizer step was applied; the model was still written to {model_out}")
     log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
     return TrainSummary(len(losses), losses[0], losses[-1], output, model_out, losses)
+
+
+DATA_CACHE = ".data-cache"
+"""Prepared rows, cached inside the run directory: a restart or resume reads them instead of re-tokenizing."""
+
+
+def _load_data(cfg: TrainConfig, tokenizer: Any, options: DataOptions, cache_dir: Path) -> tuple[Any, Any]:
+    """``(train rows, eval rows or None)``: --eval-fraction holds out whole examples of --data before
+    packing, so no document is in both; --eval-data is prepared with the same options."""
+    if cfg.eval_fraction > 0:
+        return load_split(
+            cfg.data, tokenizer, options, eval_fraction=cfg.eval_fraction, seed=cfg.seed, cache_dir=cache_dir
+        )
+    dataset = load_dataset(cfg.data, tokenizer, options, cache_dir=cache_dir)
+    eval_set = load_dataset(cfg.eval_data, tokenizer, options, cache_dir=cache_dir) if cfg.eval_data else None
+    return dataset, eval_set
+
+
+def _real_tokens(micro_batches: list[Any], pad_id: int | None) -> int:
+    """Tokens that are not row padding: the trailing run of pad ids without labels in each row is padding
+    (an EOS inside or at the end of a document carries a label, so it counts)."""
+    total = 0
+    for micro_batch in micro_batches:
+        input_ids, labels = micro_batch[0], micro_batch[1]
+        if pad_id is None:
+            total += int(input_ids.numel())
+            continue
+        padding = (input_ids == pad_id) & (labels == -100)
+        trailing = padding.flip(-1).to(torch.int32).cumprod(-1).sum()
+        total += int(input_ids.numel()) - int(trailing)
+    return total
+
+
+class _Evaluator:
+    """Evaluation through the running engine: the held-out rows in order, a bounded group of micro-batches
+    per engine call so host memory stays small on a large eval set; nothing of the optimizer is touched."""
+
+    GROUP = 64
+
+    def __init__(self, engine: Engine, rows: Any, batch_size: int) -> None:
+        self.engine, self.rows, self.batch_size = engine, rows, batch_size
+
+    def run(self, step: int) -> dict[str, Any]:
+        began = time.perf_counter()
+        loss_sum, loss_tokens = 0.0, 0
+        group: list[Any] = []
+        for micro_batch in eval_batches(self.rows, self.batch_size):
+            group.append(micro_batch)
+            if len(group) == self.GROUP:
+                loss_sum, loss_tokens = self._add(group, loss_sum, loss_tokens)
+                group = []
+        if group:
+            loss_sum, loss_tokens = self._add(group, loss_sum, loss_tokens)
+        loss = loss_sum / loss_tokens if loss_tokens else math.nan
+        return {
+            "step": step,
+            "eval_loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)),
+            "eval_loss_tokens": loss_tokens,
+            "eval_time_s": time.perf_counter() - began,
+        }
+
+    def _add(self, group: list[Any], loss_sum: float, loss_tokens: int) -> tuple[float, int]:
+        try:
+            result = self.engine.evaluate(group)
+        except EngineError as error:
+            raise UserError(str(error)) from error
+        return loss_sum + result.loss_sum, loss_tokens + result.loss_tokens
+
+
+def _checkpoint_path(checkpoints: Path, step: int) -> Path:
+    return checkpoints / f"step-{step:08d}"
+
+
+def _write_best(checkpoints: Path, best: dict[str, Any]) -> None:
+    """``checkpoints/best.json`` names the checkpoint with the lowest eval loss (what --save-best keeps)."""
+    target = checkpoints / "best.json"
+    temp = checkpoints / f".best.json.tmp-{os.getpid()}"
+    try:
+        temp.write_text(json.dumps(best, indent=1) + "\n", encoding="utf-8")
+        os.replace(temp, target)
+    except OSError as error:
+        temp.unlink(missing_ok=True)
+        log.warning("cannot write %s (%s); the best checkpoint is %s", target, error.strerror, best.get("path"))
+
+
+def _read_best(checkpoints: Path) -> dict[str, Any]:
+    try:
+        best = json.loads((checkpoints / "best.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    fields_ok = isinstance(best, dict) and isinstance(best.get("eval_loss"), int | float) and "path" in best
+    return best if fields_ok and Path(best["path"]).is_dir() else {}
 
 
 def _setup_model(cfg: TrainConfig) -> tuple[Any, Path | None, Any, Any]:
@@ -322,11 +499,25 @@ def _host_optimizer(adam: AdamWConfig) -> Any:
 
 
 class _StopRequests:
-    """Turns SIGINT/SIGTERM into a request to checkpoint and stop at the end of the current step."""
+    """Turns SIGINT/SIGTERM into a request to checkpoint and stop at the end of the current step.
+
+    The handlers stay installed through the final checkpoint and the export, which polls ``requested``
+    between shards; a second signal raises ``KeyboardInterrupt`` at once. Either way the run ends with
+    :class:`RunStopped` (exit status 128 + the signal number) after what it needs to continue is saved."""
 
     def __init__(self) -> None:
         self.requested: str | None = None
         self._previous: dict[int, Any] = {}
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + signal.Signals[self.requested or "SIGINT"].value
+
+    def stopped(self, when: str, output: Path) -> RunStopped:
+        """The stop to raise: what happened and the command that continues the run."""
+        return RunStopped(
+            f"stopped by {self.requested} {when}; continue with `slide train --resume {output}`", self.exit_code
+        )
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested is not None:  # a second signal: stop now
@@ -345,21 +536,23 @@ class _StopRequests:
         self._previous.clear()
 
 
-def _resume(path: Path, engine: Engine, batches: Batches, run_state: dict[str, Any]) -> int:
-    """Load the newest checkpoint at ``path`` into the running engine; return the step to continue from."""
+def _resume(path: Path, engine: Engine, batches: Batches, run_state: dict[str, Any], run_dir: RunDir) -> int:
+    """Load the newest checkpoint at ``path`` into the running engine; return the step to continue from.
+
+    Its run state is validated before any array moves (slide_hf/resume.py); a checkpoint older than the
+    run's newest sets the later ones aside, so the next ``--resume`` continues this line."""
+    found, state = checkpoint_to_resume(path)
+    point = resume_point(found, state, model=run_state["model"], data_size=len(batches.dataset))
     try:
-        found = find_latest(path)
-        state = engine.restore_checkpoint(found)
+        engine.restore_checkpoint(found)
     except CheckpointCorrupt as error:
-        raise UserError(str(error)) from None
-    extra = state["extra"]
-    if extra.get("model") != run_state["model"]:
-        raise UserError(f"checkpoint {found} is of model {extra.get('model')!r}, not {run_state['model']!r}")
-    engine.restore_schedule_state({"step": state["step"], **extra.get("engine", {})})
-    batches.position = DataPosition(extra["data"]["epoch"], extra["data"]["index"])
-    torch.set_rng_state(torch.tensor(extra["rng"], dtype=torch.uint8))
-    log.info("resumed from %s at step %d", found, state["step"])
-    return state["step"]
+        raise UserError(corrupt_message(error)) from None
+    engine.restore_schedule_state(point.engine)
+    batches.position = DataPosition(point.epoch, point.index)
+    torch.set_rng_state(point.rng)
+    run_dir.roll_back(found)
+    log.info("resumed from %s at step %d", found, point.step)
+    return point.step
 
 
 def _make_device(cfg: TrainConfig) -> Device:
@@ -401,20 +594,23 @@ def _overall_overlap(times: dict[str, Any]) -> float | None:
     return busy / cost if cost > 0 and busy > 0 else None
 
 
-def _make_output_dir(output: Path) -> None:
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"cannot create output directory {output}: {error.strerror}") from None
-    if not os.access(output, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write to output directory {output}: permission denied")
+def _save_tokenizer(tokenizer: Any, config: Any, output: Path, model_dir: Path | None) -> Path:
+    """Write what `slide export` needs beside the checkpoints: ``config/`` and ``tokenizer/``, the latter
+    with the model's ``generation_config.json`` (a preset's is made from the tokenizer's special tokens),
+    which the export copies along. A full disk is one line."""
+    from transformers import GenerationConfig
 
-
-def _save_tokenizer(tokenizer: Any, output: Path) -> Path:
     target = output / "tokenizer"
+    source = None if model_dir is None else Path(model_dir) / "generation_config.json"
     try:
         target.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(str(target))
+        if source is not None and source.is_file():
+            shutil.copyfile(source, target / source.name)
+        elif model_dir is None:
+            ids = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+            GenerationConfig(**ids).save_pretrained(str(target))
+        config.save_pretrained(str(output / "config"))
     except OSError as error:
-        raise UserError(f"cannot create output directory {output}: {error.strerror}") from None
-    tokenizer.save_pretrained(str(target))
+        raise UserError(f"cannot write the tokenizer and config to {output}: {error.strerror or error}") from None
     return target
