@@ -4,6 +4,8 @@ gradients, on the CPU device in fp32. See Note [Gradient norm of every step] in 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from slide_core import AdamWConfig, HostParameters
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
-from slide_core.testing import ToyConfig, ToyModel, load_init, reference_loss, toy_batches, toy_init
+from slide_core.testing import ToyBlock, ToyConfig, ToyModel, load_init, reference_loss, toy_batches, toy_init
 from slide_core.tiers.host_ram import HostRamTier
 
 RTOL = 1e-5
@@ -100,3 +102,36 @@ def test_grad_norm_can_be_turned_off() -> None:
     _, norms = _reference_norms(model, init, batches[:1])
     clipped = _engine_results(model, init, batches[:1], EngineConfig(**base, max_grad_norm=1e6))
     assert clipped[0].grad_norm == pytest.approx(norms[0], rel=RTOL)
+
+
+class _NaNGrad(torch.autograd.Function):
+    """Identity forward; NaN backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, float("nan"))
+
+
+class _NaNBlock(ToyBlock):
+    def forward(self, params, x, inputs):
+        y = super().forward(params, x, inputs)
+        return _NaNGrad.apply(y) if torch.is_grad_enabled() else y
+
+
+@pytest.mark.parametrize("resident", [(), ("embed", "layers.0")])
+def test_reported_norm_never_stops_the_engine(resident: tuple[str, ...]) -> None:
+    """With ``skip_nonfinite=False`` non-finite gradients are applied as they are: the reported norm
+    shows them (NaN) and does not turn on the engine's non-finite checks."""
+    cfg = ToyConfig(tie_embeddings=True, num_layers=2)
+    model = ToyModel(cfg)
+    model.blocks[1] = _NaNBlock(cfg, 1)
+    batches = toy_batches(cfg, steps=1, accum=2, seed=3)
+    config = EngineConfig(
+        compute_dtype=torch.float32, transfer_chunk_numel=1024, skip_nonfinite=False, resident_units=resident
+    )
+    (result,) = _engine_results(model, toy_init(model), batches, config)
+    assert math.isnan(result.grad_norm)

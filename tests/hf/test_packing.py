@@ -173,3 +173,21 @@ def test_packed_rows_train_like_separate_documents(preset: str, attn: str, tmp_p
             have = entry.target(views[entry.unit.name])
             err = (have - want).norm() / want.norm().clamp_min(1e-12)
             assert err <= 1e-5, f"{entry.key}: weights after the step differ ({err:.2e})"
+
+
+def test_flash_attention_refuses_several_packed_rows() -> None:
+    """HF's flash path finds documents from position ids in a one-row batch only; several packed rows
+    would attend across documents, so prepare_inputs refuses them (one row, or unpacked rows, pass)."""
+    from slide_hf.errors import UserError
+
+    config = PRESETS["test-llama"]()
+    config._attn_implementation = "flash_attention_2"  # an explicit choice is kept on any device
+    model = build_model(config)
+    batch = _pack(_documents(config.vocab_size))
+    with pytest.raises(UserError, match="flash_attention_2 cannot keep the documents of packed rows apart"):
+        model.prepare_inputs(batch.input_ids, batch.labels, torch.float32, position_ids=batch.position_ids)
+    one_row = model.prepare_inputs(
+        batch.input_ids[:1], batch.labels[:1], torch.float32, position_ids=batch.position_ids[:1]
+    )
+    assert torch.equal(one_row.position_ids, batch.position_ids[:1])  # HF's flash path reads them
+    model.prepare_inputs(batch.input_ids, batch.labels, torch.float32)

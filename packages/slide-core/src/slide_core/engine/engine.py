@@ -221,7 +221,10 @@ class Engine(GradientPath, Evaluation):
             host_numel = sum(u.layout.numel for u in model.units if u.name not in resident)
             slots = cfg.ring_slots(host_numel)
             self.ring = GradRing(self.device, slots, cfg.transfer_chunk_numel, self.dtype)
-        wants_norms = self.clipping or cfg.skip_nonfinite or cfg.report_grad_norm
+        # Norms that decide something (clipping, the non-finite checks), or only reported (Note [Gradient
+        # norm of every step]): with skip_nonfinite off, a reported norm never stops the engine.
+        self._checks_norms = self.clipping or cfg.skip_nonfinite
+        wants_norms = self._checks_norms or cfg.report_grad_norm
         self.norms = UnitNorms(self.device, model.units) if wants_norms else None
         self._resident_corrector = AdamWCorrection(self.optimizer.config, cfg.transfer_chunk_numel)
         self._resident_scaled = ScaledGrads()
@@ -427,7 +430,8 @@ class Engine(GradientPath, Evaluation):
         if self._clip is not None:
             grad_norm, skipped = self._finish_clipped_step(self._clip, number, squares)
         elif squares is not None:
-            self._check_resident_norms(number, squares)
+            if self._checks_norms:
+                self._check_resident_norms(number, squares)
             if self._host_squares is not None:
                 grad_norm = self._unclipped_norm(squares, self._host_squares)
         tokens = sum(int(batch.input_ids.numel()) for batch in batches)

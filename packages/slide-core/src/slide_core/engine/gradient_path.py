@@ -187,7 +187,8 @@ class GradientPath:
         norm_sq: torch.Tensor | None = None
         with device.stream("d2h"):
             device.wait_event("d2h", computed)
-            if self.norms is not None and mode in ("step", "add_step"):
+            if self._checks_norms and mode in ("step", "add_step"):
+                assert self.norms is not None
                 norm_sq = self.norms.send(unit)
             if store is not None:
                 previous = self._consumed.get(unit.name)  # see Note [Grad store reuse] in grad_ring.py

@@ -35,6 +35,7 @@ from transformers.masking_utils import (
 from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
 from slide_hf.adapters.attention import AttentionSupport, choose_attention, layer_attention, requested_attention
 from slide_hf.adapters.fused_modules import fuse_modules
+from slide_hf.errors import UserError
 
 __all__ = [
     "IGNORE_INDEX",
@@ -424,8 +425,12 @@ class HFCausalLM(SlideModel):
         [Packed micro-batches] in slide_core/engine/micro_batch.py) and passes None for plain ones, and
         here the builders get the document ids as ``and_mask_function``, with the same per-document
         predicate (``packed_sequence_mask_function``); like HF's packed path that turns off SDPA's
-        ``is_causal`` shortcut for sdpa and eager alike. Tested against HF's own detection by
-        ``test_packed_masks_equal_hf_detection``.
+        ``is_causal`` shortcut for sdpa and eager alike (flex turns the predicate into its block mask).
+        Tested against HF's own detection by ``test_packed_masks_equal_hf_detection``.
+
+        HF's flash-attention path builds no mask: it finds documents from the position ids itself, and
+        only in a batch of one row (``_is_packed_sequence``); in a batch of several packed rows it would
+        let documents attend to each other, so that combination is refused in one line.
         """
         batch, seq = input_ids.shape
         device = input_ids.device
@@ -438,8 +443,15 @@ class HFCausalLM(SlideModel):
         probe = torch.empty((batch, seq, 0), dtype=dtype, device=device)
         masks = {}
         for kind in {b.attention_type for b in self.blocks}:
+            config = self.attention_config(kind, device.type, dtype)
+            if same_document is not None and batch > 1 and config._attn_implementation.startswith("flash_"):
+                raise UserError(
+                    f"{config._attn_implementation} cannot keep the documents of packed rows apart in a "
+                    f"micro-batch of {batch} rows (transformers finds them in a single row only); use a batch "
+                    "size of 1 or another attention implementation"
+                )
             masks[kind] = _MASK_BUILDERS[kind](
-                config=self.attention_config(kind, device.type, dtype),
+                config=config,
                 inputs_embeds=probe,
                 attention_mask=None,
                 past_key_values=None,
