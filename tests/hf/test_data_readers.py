@@ -80,6 +80,17 @@ def test_bad_json_array(tmp_path, body, message):
     _one_line_error(path, message)
 
 
+def test_json_array_bad_text_is_named_by_line(tmp_path, monkeypatch):
+    import slide_hf.data.readers as readers
+
+    monkeypatch.setattr(readers, "_CHUNK_BYTES", 5)
+    path = tmp_path / "bad.json"
+    path.write_bytes(b'[\n{"text": "ok"},\n{"text": "caf\xe9"}\n]')
+    _one_line_error(path, f"{path}:3: not UTF-8 text (byte 0xe9)")
+    path.write_bytes(b'[\n{"text": "ok"},\n\n{"text": "\\udc80"}\n]')
+    _one_line_error(path, f"{path}:4: text holds a lone surrogate escape")
+
+
 def test_parquet_rows(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

@@ -31,6 +31,8 @@ from slide_hf.errors import UserError
 
 __all__ = ["Document", "EncodedRecord", "Encoder"]
 
+Pair = tuple[list[int], list[int]]  # token ids and their labels, before cutting into documents
+
 
 @dataclass(frozen=True)
 class Document:
@@ -80,45 +82,51 @@ class Encoder:
             yield from self._batch(batch, index)
 
     def _batch(self, batch: list[Example], first_index: int) -> Iterator[EncodedRecord]:
-        pairs: list[tuple[list[int], list[int]] | None] = [None] * len(batch)
-        texts = [(i, ex) for i, ex in enumerate(batch) if isinstance(ex, TextExample)]
-        chats = [(i, self._as_chat(ex)) for i, ex in enumerate(batch) if isinstance(ex, ChatExample)]
-        prompts = [(i, ex) for i, ex in enumerate(batch) if isinstance(ex, PromptExample)]
-        if self.chat is not None:
-            chats += [(i, self._as_chat(ex)) for i, ex in prompts]
-            prompts = []
+        """One tokenizer call per kind for the whole batch; records come back in their order."""
+        # With a chat template, prompt/completion records are conversations too.
+        chat_kinds = (ChatExample, PromptExample) if self.chat is not None else (ChatExample,)
+        texts = [i for i, ex in enumerate(batch) if isinstance(ex, TextExample)]
+        chats = [i for i, ex in enumerate(batch) if isinstance(ex, chat_kinds)]
+        prompts = [i for i, ex in enumerate(batch) if isinstance(ex, PromptExample) and self.chat is None]
+        pairs: dict[int, Pair] = {}
         if texts:
-            encoded = self.tokenizer([ex.text for _, ex in texts], add_special_tokens=True)["input_ids"]
-            for (i, _), ids in zip(texts, encoded, strict=True):
-                ids = [*ids, self.eos] if self.eos is not None else list(ids)
-                pairs[i] = (ids, list(ids))
+            pairs.update(zip(texts, self._texts([batch[i] for i in texts]), strict=True))
         if chats:
-            assert self.chat is not None
-            for (i, _), pair in zip(chats, self.chat.encode([ex for _, ex in chats]), strict=True):
-                pairs[i] = pair
+            pairs.update(zip(chats, self._chats([batch[i] for i in chats]), strict=True))
         if prompts:
-            for (i, _), pair in zip(prompts, self._plain_prompts([ex for _, ex in prompts]), strict=True):
-                pairs[i] = pair
+            pairs.update(zip(prompts, self._plain_prompts([batch[i] for i in prompts]), strict=True))
         for i, example in enumerate(batch):
             if isinstance(example, TokenExample):
                 labels = example.labels if example.labels is not None else example.input_ids
                 pairs[i] = (example.input_ids, labels)
-            ids, labels = pairs[i]  # type: ignore[misc]
-            yield self._documents(first_index + i, example, ids, labels)
+            yield self._documents(first_index + i, example, *pairs[i])
 
-    def _as_chat(self, example: Example) -> ChatExample:
-        if isinstance(example, ChatExample):
-            if self.chat is None:
-                raise UserError(
-                    f"{example.where}: the tokenizer has no chat template for conversations; pass --chat-template "
-                    "(a file, or chatml)"
-                )
-            return example
-        assert isinstance(example, PromptExample)
-        messages = [{"role": "user", "content": example.prompt}, {"role": "assistant", "content": example.completion}]
-        return ChatExample(example.where, messages)
+    def _texts(self, texts: list[TextExample]) -> list[Pair]:
+        encoded = self.tokenizer([ex.text for ex in texts], add_special_tokens=True)["input_ids"]
+        pairs = []
+        for ids in encoded:
+            ids = [*ids, self.eos] if self.eos is not None else list(ids)
+            pairs.append((ids, list(ids)))
+        return pairs
 
-    def _plain_prompts(self, prompts: list[PromptExample]) -> list[tuple[list[int], list[int]]]:
+    def _chats(self, examples: list[ChatExample | PromptExample]) -> list[Pair]:
+        if self.chat is None:
+            raise UserError(
+                f"{examples[0].where}: the tokenizer has no chat template for conversations; pass --chat-template "
+                "(a file, or chatml)"
+            )
+        conversations = []
+        for example in examples:
+            if isinstance(example, PromptExample):
+                turns = [
+                    {"role": "user", "content": example.prompt},
+                    {"role": "assistant", "content": example.completion},
+                ]
+                example = ChatExample(example.where, turns)
+            conversations.append(example)
+        return self.chat.encode(conversations)
+
+    def _plain_prompts(self, prompts: list[PromptExample]) -> list[Pair]:
         heads = self.tokenizer([ex.prompt for ex in prompts], add_special_tokens=True)["input_ids"]
         tails = self.tokenizer([ex.completion for ex in prompts], add_special_tokens=False)["input_ids"]
         pairs = []

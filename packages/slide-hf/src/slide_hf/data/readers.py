@@ -159,7 +159,6 @@ class _ArrayScanner:
         self.text = ""
         self.pos = 0
         self.line = 1  # the line of self.pos
-        self.bytes_read = 0
         self.lines_read = 1  # lines in the bytes decoded so far, for locating bad bytes
         self.eof = False
 
@@ -243,7 +242,6 @@ class _ArrayScanner:
             line = self.lines_read + chunk[: max(error.start, 0)].count(b"\n")
             raise UserError(f"{self.path}:{line}: {_not_utf8(chunk, error)}") from None
         self.lines_read += chunk.count(b"\n")
-        self.bytes_read += len(chunk)
         self.text += decoded
 
 
