@@ -70,3 +70,71 @@ def test_slide_train_uses_the_cached_snapshot(hub_cache, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1
     assert f"model directory {snapshot} has no tokenizer files" in err[0]
+
+
+class _FakeApi:
+    """Records what `slide export --push-to-hub` asks of the Hub; no network."""
+
+    calls: list[tuple] = []
+
+    def create_repo(self, repo_id, private, exist_ok, repo_type):
+        self.calls.append(("create", repo_id, private, exist_ok, repo_type))
+        return f"https://hub.example/{repo_id}"
+
+    def upload_folder(self, folder_path, repo_id, repo_type, commit_message):
+        files = sorted(p.name for p in Path(folder_path).iterdir())
+        self.calls.append(("upload", repo_id, files, commit_message))
+
+
+@pytest.fixture
+def trained_run(tmp_path, monkeypatch):
+    from slide_hf.cli.main import main
+
+    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+    run = tmp_path / "run"
+    argv = ["train", "--device", "cpu", "--dtype", "float32", "--steps", "1", "--seq-len", "32", "--output", str(run)]
+    assert main(argv) == 0
+    return run
+
+
+def test_export_pushes_the_exported_folder(trained_run, tmp_path, monkeypatch, capsys):
+    from slide_hf.cli.main import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    _FakeApi.calls = []
+    monkeypatch.setattr("huggingface_hub.HfApi", _FakeApi)
+    out = tmp_path / "export"
+    assert main(["export", str(trained_run), str(out), "--push-to-hub", "me/tiny", "--private"]) == 0
+    create, upload = _FakeApi.calls
+    assert create == ("create", "me/tiny", True, True, "model")
+    assert upload[1] == "me/tiny" and "config.json" in upload[2] and "model.safetensors" in upload[2]
+    assert upload[3] == "slide export of step 1"
+    assert "pushed" in capsys.readouterr().out
+
+
+def test_push_offline_is_one_line_and_keeps_the_export(trained_run, tmp_path, monkeypatch, capsys):
+    from slide_hf.cli.main import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "export"
+    assert main(["export", str(trained_run), str(out), "--push-to-hub", "me/tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "HF_HUB_OFFLINE is set; the model stays in" in err[0]
+    assert (out / "config.json").is_file()
+
+
+def test_export_overwrite_replaces_only_a_model_directory(trained_run, tmp_path, capsys):
+    from slide_hf.cli.main import main
+
+    out = tmp_path / "export"
+    assert main(["export", str(trained_run), str(out)]) == 0
+    assert main(["export", str(trained_run), str(out)]) == 2  # exists
+    assert main(["export", str(trained_run), str(out), "--overwrite"]) == 0
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "mine.txt").write_text("keep")
+    capsys.readouterr()
+    assert main(["export", str(trained_run), str(notes), "--overwrite"]) == 2
+    assert "replaces only a model directory" in capsys.readouterr().err
+    assert (notes / "mine.txt").read_text() == "keep"

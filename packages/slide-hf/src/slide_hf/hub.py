@@ -15,7 +15,7 @@ from pathlib import Path
 
 from slide_hf.errors import UserError
 
-__all__ = ["MODEL_FILES", "is_hub_id", "resolve_hub_model"]
+__all__ = ["MODEL_FILES", "is_hub_id", "push_to_hub", "resolve_hub_model"]
 
 MODEL_FILES = (
     "*.json",
@@ -65,3 +65,24 @@ def resolve_hub_model(repo_id: str, *, revision: str | None = None) -> Path:
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"--model {repo_id}: cannot download from the Hub ({first})") from None
+
+
+def push_to_hub(folder: Path, repo_id: str, *, private: bool = False, message: str) -> str:
+    """Upload an exported model directory to the Hub repository ``repo_id`` (created if needed); returns
+    the repository's URL. The export stays on disk whatever happens: a failed push is one line and can be
+    retried with the same command."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if not _HUB_ID.match(repo_id):
+        raise UserError(f"--push-to-hub {repo_id!r} is not a Hub repository id (org/name)")
+    if _offline():
+        raise UserError(f"cannot push to {repo_id}: HF_HUB_OFFLINE is set; the model stays in {folder}")
+    api = HfApi()
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message)
+    except (HfHubHTTPError, OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"cannot push to {repo_id} ({first}); the model stays in {folder}") from None
+    return str(url)
