@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -75,7 +76,7 @@ def test_slide_train_uses_the_cached_snapshot(hub_cache, tmp_path, capsys):
 class _FakeApi:
     """Records what `slide export --push-to-hub` asks of the Hub; no network."""
 
-    calls: list[tuple] = []
+    calls: ClassVar[list[tuple]] = []
 
     def create_repo(self, repo_id, private, exist_ok, repo_type):
         self.calls.append(("create", repo_id, private, exist_ok, repo_type))
