@@ -46,7 +46,16 @@ __all__ = [
 log = logging.getLogger("slide.train")
 
 LOCK_FILE = ".slide.lock"
-OWNED_ENTRIES = ("model", "checkpoints", "config", "tokenizer", "metrics.jsonl", "train.log", "options.json")
+OWNED_ENTRIES = (
+    "model",
+    "checkpoints",
+    "config",
+    "tokenizer",
+    "metrics.jsonl",
+    "train.log",
+    "options.json",
+    ".data-cache",
+)
 """What ``slide train`` writes into its output directory, and all that ``--overwrite`` may remove."""
 
 _STALE_PATTERNS = (".model.tmp-*", ".model.old-*", "checkpoints/.tmp-*")
@@ -274,6 +283,8 @@ class RunDir:
         """A private folder under ``nvme_dir`` for this run's NVMe tiers, locked like the output directory
         and removed when the run ends. Folders that killed runs left there are removed first (their locks
         are free); those of live runs are locked and left alone."""
+        if nvme_dir.exists() and not nvme_dir.is_dir():
+            raise UserError(f"--nvme-dir {nvme_dir} is a file, not a directory")
         try:
             nvme_dir.mkdir(parents=True, exist_ok=True)
             for old in nvme_dir.glob(f"{_SCRATCH_PREFIX}*"):
