@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slide_core.checkpoint import find_latest, list_checkpoints
+from slide_core.checkpoint import CheckpointCorrupt, find_latest, list_checkpoints
 from slide_hf.cli.main import main
 
 
@@ -194,3 +194,75 @@ def test_nan_weights_are_never_exported(tmp_path: Path, capsys) -> None:
     assert main(["train", "--resume", str(run)]) == 2  # finished: straight to the export, which refuses
     line = _one_line(capsys)
     assert "model.embed_tokens.weight holds NaN or Inf values" in line and "the checkpoint of step 2 is kept" in line
+
+
+def _recover(run: Path, capsys) -> None:
+    """What the messages tell a user to do after a kill: export a finished run's newest checkpoint, resume an
+    unfinished one, or start over when nothing was saved yet."""
+    try:
+        latest = find_latest(run)
+    except CheckpointCorrupt:  # nothing saved yet
+        latest = None
+    if latest is None:
+        assert main(["train", "--output", str(run), *RUN, "--save-every", "1", "--overwrite"]) == 0
+    elif latest.name == "step-00000004" and not (run / "model").exists():
+        assert main(["export", str(run), str(run / "model")]) == 0
+    else:
+        assert main(["train", "--resume", str(run)]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kill_9_at_random_times_then_recovery_gives_the_uninterrupted_model(tmp_path, capsys, reference) -> None:
+    """Three runs killed with SIGKILL: one inside the final export, two at random times. After each, the
+    recovery the messages name ends with exactly the model of the run that was never interrupted, and no
+    temporary directory is left."""
+    import contextlib
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    env = {**os.environ, "SLIDE_KERNELS_BACKEND": "torch"}
+    for attempt in range(3):
+        run = tmp_path / f"run{attempt}"
+        marker = tmp_path / f"exporting{attempt}"
+        argv = ["train", "--output", str(run), *RUN, "--save-every", "1"]
+        if attempt == 0:  # inside the final export, after its first shard began
+            script = textwrap.dedent(
+                f"""
+                import sys, time
+                from pathlib import Path
+                import slide_hf.export as export
+                real = export.save_file
+                def slow(*args, **kwargs):
+                    real(*args, **kwargs)
+                    Path({str(marker)!r}).touch()
+                    time.sleep(120)
+                export.save_file = slow
+                from slide_hf.cli.main import main
+                sys.exit(main({argv!r}))
+                """
+            )
+            process = subprocess.Popen([sys.executable, "-c", script], env=env)
+            deadline = time.monotonic() + 240
+            while not marker.exists():
+                assert process.poll() is None and time.monotonic() < deadline, "the export under test never began"
+                time.sleep(0.1)
+        else:
+            process = subprocess.Popen([sys.executable, "-m", "slide_hf.cli.main", *argv], env=env)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=rng.uniform(2.0, 25.0))
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        if attempt == 0:
+            assert list(run.glob(".model.tmp-*")), "the kill did not land inside the export"
+        _recover(run, capsys)
+        assert _same_model(run / "model", reference), f"attempt {attempt} (random seed {seed})"
+        assert not list(run.glob(".model.tmp-*")) and not list((run / "checkpoints").glob(".tmp-*"))
