@@ -169,6 +169,21 @@ def test_unwritable_cache_is_one_line(tmp_path, tok):
         load_dataset(None, tok, DataOptions(seq_len=32), cache_dir=blocker / "cache")
 
 
+def test_full_disk_while_writing_rows_is_one_line(tmp_path, tok, monkeypatch):
+    import errno
+
+    from slide_hf.data import storage
+
+    def full(self, block):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.directory / "input_ids.int32"))
+
+    monkeypatch.setattr(storage.RowWriter, "write", full)
+    with pytest.raises(UserError, match=r"input_ids\.int32: No space left on device") as info:
+        load_dataset(None, tok, DataOptions(seq_len=32), cache_dir=tmp_path / "cache")
+    assert "\n" not in str(info.value)
+    assert [p for p in (tmp_path / "cache").iterdir()] == []  # the half-built entry is gone
+
+
 def test_eval_split_is_per_record_seeded_and_disjoint(tmp_path, tok):
     rows = [{"text": f"record {i:03d} " + "z" * (i % 7)} for i in range(200)]
     path = _write(tmp_path / "c.jsonl", *rows)

@@ -184,6 +184,24 @@ def test_sources_that_do_not_exist_or_are_unknown(tmp_path):
     _one_line_error("./relative/missing.jsonl", "does not exist")
 
 
+def test_unreadable_file_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    from slide_hf.data import DataOptions, preview
+    from slide_hf.data.readers import JsonLinesFile
+    from slide_hf.tokenizer import byte_tokenizer
+
+    path = tmp_path / "locked.jsonl"
+    path.write_text('{"text": "a"}\n', encoding="utf-8")
+
+    def denied(self):  # what open() raises on a file this user may not read (root may read anything)
+        raise PermissionError(errno.EACCES, "Permission denied", str(self.path))
+
+    monkeypatch.setattr(JsonLinesFile, "_open", denied)
+    with pytest.raises(UserError, match=rf"^{path}: Permission denied$"):
+        preview(path, byte_tokenizer(), DataOptions(seq_len=8), 1)
+
+
 def test_bundled_text_is_the_default():
     source = open_source(None)
     records = list(source.records())

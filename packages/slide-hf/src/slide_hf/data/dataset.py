@@ -10,9 +10,11 @@ pass over the data.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -123,7 +125,8 @@ def preview(source: str | Path | None, tokenizer: Any, options: DataOptions, cou
     reader = open_source(source)
     encoder = Encoder(tokenizer, options, resolve_template(tokenizer, options.chat_template), batch_size=max(count, 1))
     examples = (parse_record(record, vocab_size=options.vocab_size) for record in reader.records())
-    return list(encoder.encode(itertools.islice(examples, count)))
+    with _os_errors_named(reader.name):
+        return list(encoder.encode(itertools.islice(examples, count)))
 
 
 # ---- building -------------------------------------------------------------------------------------------------
@@ -166,12 +169,21 @@ def _prepare(
             for note in meta.get("notes", []):
                 log.warning("%s", note)
             return result
-    with store.build(replace=replace) as work:
+    with _os_errors_named(reader.name), store.build(replace=replace) as work:
         meta = _build(reader, tokenizer, options, template, work, eval_fraction=eval_fraction, seed=seed)
         if store.final is None:
             return _open(work, meta, reader.name)
     assert store.final is not None
     return _open(store.final, meta, reader.name)
+
+
+@contextlib.contextmanager
+def _os_errors_named(fallback: str) -> Iterator[None]:
+    """A full disk or an unreadable file becomes one line naming the file, not a traceback."""
+    try:
+        yield
+    except OSError as error:
+        raise UserError(f"{error.filename or fallback}: {error.strerror or error}") from None
 
 
 def _open(directory: Path, meta: dict[str, Any], name: str) -> tuple[Dataset, Dataset | None]:
