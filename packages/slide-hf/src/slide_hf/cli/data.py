@@ -1,8 +1,8 @@
 """`slide data`: show exactly which tokens of a data file carry loss, and what the packed rows hold.
 
 The data goes through the same pipeline as `slide train` (same tokenizer resolution, chat template, masks,
-packing), so what it shows is what training sees. The first ``--show`` examples are printed before packing
-with the text that carries loss marked: in colour on a terminal, between ``[[`` and ``]]`` otherwise. A
+packing), so what it shows is what training sees. The first --show examples are printed before packing
+with the text that carries loss marked: in colour on a terminal, between [[ and ]] otherwise. A
 summary follows: examples, rows, tokens, loss tokens, padding, truncated and skipped examples.
 """
 
