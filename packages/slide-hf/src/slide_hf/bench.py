@@ -53,6 +53,7 @@ class BenchConfig:
     offload_optimizer: str = "ram"  # "nvme": Adam m and v of nvme_fraction of the units on nvme_dir
     nvme_dir: Path | None = None
     nvme_fraction: float = 1.0
+    report_grad_norm: bool = True
 
 
 class PeakRss:
@@ -197,6 +198,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
             resident_units=resident,
             offloaded_units=offloaded,
             max_grad_norm=cfg.max_grad_norm,
+            report_grad_norm=cfg.report_grad_norm,
         )
         with Engine(model, device, host, optimizer, engine_config, state_tier=state_tier) as engine:
             device.reset_peak_memory()

@@ -167,6 +167,10 @@ def _train(
             resident_units=resident,
             offloaded_units=offloaded,
             max_grad_norm=cfg.max_grad_norm,
+            # With several micro-batches the final gradient exists only on the host, and its norm would make
+            # every step wait for the whole host update (see EngineConfig.report_grad_norm); clipping needs
+            # the norm anyway.
+            report_grad_norm=cfg.grad_accum == 1 or cfg.max_grad_norm > 0,
         )
         if resident:
             log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(resident))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from slide_hf.errors import UserError
 from slide_hf.options import Rule, check_option
+from slide_hf.planner.sizes import SIZE_RULE, parse_size
 
 EPILOG = """examples:
   slide bench --model llama3.2-3b --batch-size 16 --seq-len 1024 --compare plain
@@ -26,7 +27,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "bench",
         help="timed training steps, optionally against plain PyTorch",
         description=__doc__,
-        epilog=EPILOG,
+        epilog=EPILOG + "\n" + SIZE_RULE + "\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
@@ -35,8 +36,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--seq-len", type=int, default=1024)
     add("--steps", type=int, default=6, help="timed steps including warmup (default 6)")
     add("--warmup", type=int, default=2, help="steps excluded from the median (default 2)")
-    add("--gpu-memory", type=float, help="GPU cap in GiB for the engine (default: the whole card)")
+    add("--gpu-memory", help="GPU cap for the engine, e.g. 24 (GiB), 24GiB or 80GB (default: the whole card)")
     add("--resident-gib", type=float, help="GPU GiB for device-resident units (default: what the cap leaves)")
+    add(
+        "--no-grad-norm",
+        action="store_true",
+        help="do not report each step's gradient norm (as slide train with --grad-accum > 1 and no clipping)",
+    )
     add("--block-slots", type=int, default=2)
     add("--optimizer", choices=("auto", "torch", "fused"), default="auto", help="host AdamW implementation")
     add("--max-grad-norm", type=float, default=0.0, help="exact global clipping (default 0 = off)")
@@ -67,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         steps=args.steps,
         warmup=args.warmup,
-        gpu_memory_gib=args.gpu_memory,
+        gpu_memory_gib=None if args.gpu_memory is None else parse_size(args.gpu_memory, what="--gpu-memory") / 2**30,
+        report_grad_norm=not args.no_grad_norm,
         resident_gib=args.resident_gib,
         block_slots=args.block_slots,
         compare_plain=args.compare == "plain",
@@ -95,15 +102,17 @@ def run(args: argparse.Namespace) -> int:
 _BENCH_RULES = {
     "steps": ("--steps", Rule("int", 1, 10**6)),
     "warmup": ("--warmup", Rule("int", 0, 10**6)),
-    "gpu_memory": ("--gpu-memory", Rule("float", 0, 2**20, low_open=True)),
     "resident_gib": ("--resident-gib", Rule("float", 0, 2**20)),
 }
-"""Bench-only numbers (GiB as floats, step counts); the options shared with `slide train` use its rules."""
+"""Bench-only numbers (GiB as floats, step counts); the options shared with `slide train` use its rules, and
+--gpu-memory the one size grammar (slide_hf.planner.sizes)."""
 
 
 def _check_options(args: argparse.Namespace) -> None:
     for name in ("batch_size", "seq_len", "block_slots", "max_grad_norm", "nvme_fraction"):
         check_option(name, getattr(args, name))
+    if args.gpu_memory is not None:
+        parse_size(args.gpu_memory, what="--gpu-memory")
     for name, (flag, rule) in _BENCH_RULES.items():
         value = getattr(args, name)
         if value is not None and not rule.accepts(value):

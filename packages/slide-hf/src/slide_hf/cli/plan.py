@@ -24,6 +24,7 @@ from slide_hf.planner import (
     parse_size,
     plan_with_placement,
 )
+from slide_hf.planner.sizes import SIZE_RULE
 
 __all__ = ["add_parser", "run"]
 
@@ -47,7 +48,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "plan",
         help="memory and step-time plan for a model (no weights loaded)",
         description="Estimate GPU, host and disk memory, the largest batch that fits and the step time.",
-        epilog=EPILOG,
+        epilog=EPILOG + "\n" + SIZE_RULE + "\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, metavar="DIR|PRESET", help="HF model directory or preset name")
