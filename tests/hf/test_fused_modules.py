@@ -84,3 +84,41 @@ def test_rotary_is_swapped_for_one_instance_only() -> None:
     assert modeling_llama.apply_rotary_pos_emb is hf_rotary
     assert attention.forward.__func__.__globals__["apply_rotary_pos_emb"] is not hf_rotary
     assert type(attention).forward.__globals__["apply_rotary_pos_emb"] is hf_rotary
+
+
+_NORM_FORMS = {  # HF module -> (offset, casting mode) its code computes; None: neither, left to HF
+    "llama.LlamaRMSNorm": (0.0, "llama"),
+    "gemma2.Gemma2RMSNorm": (1.0, "gemma"),
+    "olmo2.Olmo2RMSNorm": (0.0, "gemma"),  # w * x in fp32, then rounded
+    "olmo3.Olmo3RMSNorm": (0.0, "gemma"),
+    "smollm3.SmolLM3RMSNorm": (0.0, "llama"),
+    "glm4.Glm4RMSNorm": (0.0, "llama"),
+    "granite.GraniteRMSNorm": (0.0, "llama"),
+    "gemma3.Gemma3RMSNorm": (1.0, "gemma"),
+    "gemma4.Gemma4RMSNorm": (0.0, "gemma"),  # a Gemma name, Llama's w * x
+    "qwen3_next.Qwen3NextRMSNorm": (1.0, "gemma"),  # a Qwen name, Gemma's (1 + w) * x
+    "qwen3_5.Qwen3_5RMSNorm": (1.0, "gemma"),
+    "llama4.Llama4TextRMSNorm": (0.0, "llama"),
+    "deepseek_v3.DeepseekV3RMSNorm": (0.0, "llama"),
+}
+
+
+@pytest.mark.parametrize(("path", "form"), list(_NORM_FORMS.items()))
+def test_norm_forms_are_read_from_the_code(path: str, form) -> None:
+    """Note [Fused modules are checked, not named]: the parametrization comes from running the module."""
+    import importlib
+
+    family, name = path.split(".")
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    with torch.device("meta"):
+        norm = getattr(module, name)(24)
+    assert fused_modules.norm_form(norm) == form
+
+
+def test_only_rotate_half_rotary_is_fused() -> None:
+    """GLM-4 rotates interleaved pairs: its attention keeps HF's rotary; Llama's is rebound."""
+    from transformers.models.glm4 import modeling_glm4
+    from transformers.models.llama import modeling_llama
+
+    assert fused_modules.rotates_halves(modeling_llama.apply_rotary_pos_emb)
+    assert not fused_modules.rotates_halves(modeling_glm4.apply_rotary_pos_emb)

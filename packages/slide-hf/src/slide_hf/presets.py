@@ -89,6 +89,31 @@ def _gemma2_released(num_hidden_layers: int) -> dict[str, Any]:
 _TEST = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 _TEST_VOCAB = 160
 
+_FAMILY_TEST: dict[str, Any] = {
+    **_TEST,
+    "vocab_size": 300,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+"""The tiny shape of the test presets of the families added with layer types, per-type rotary tables,
+multipliers, linear attention and MLA (2-4 layers, hidden 64, a 300-token vocabulary with its special
+ids inside it); each preset switches its family's features on."""
+
+
+def _yarn_rope(theta: float, *, factor: float, original: int, attention_factor: float) -> dict[str, Any]:
+    return {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": factor,
+        "original_max_position_embeddings": original,
+        "attention_factor": attention_factor,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    }
+
+
 PRESETS: dict[str, PresetFactory] = {
     # ---- demo ----------------------------------------------------------------------------------------
     "tiny-llama": _preset(
@@ -318,6 +343,56 @@ PRESETS: dict[str, PresetFactory] = {
         norm_topk_prob=True,
         mlp_only_layers=[1],  # layer 0 routed experts, layer 1 dense MLP
         vocab_size=_TEST_VOCAB,
+    ),
+    # ---- OLMo 2 / OLMo 3 ------------------------------------------------------------------------------
+    "olmo2-7b": _preset(  # allenai/OLMo-2-1124-7B
+        "olmo2",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=100352,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters=_default_rope(500000.0),
+        tie_word_embeddings=False,
+        pad_token_id=100277,
+        eos_token_id=100257,
+        dtype="bfloat16",
+    ),
+    "olmo3-7b": _preset(  # allenai/Olmo-3-1025-7B: YaRN on the full-attention layers only
+        "olmo3",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=100278,
+        max_position_embeddings=65536,
+        rms_norm_eps=1e-6,
+        sliding_window=4096,
+        rope_parameters={
+            "sliding_attention": _default_rope(500000.0),
+            "full_attention": _yarn_rope(500000.0, factor=8.0, original=8192, attention_factor=1.2079441541679836),
+        },
+        tie_word_embeddings=False,
+        pad_token_id=100277,
+        eos_token_id=100257,
+        dtype="bfloat16",
+    ),
+    "test-olmo2": _preset("olmo2", **_FAMILY_TEST, intermediate_size=96),
+    "test-olmo3": _preset(  # one sliding and one full layer, rotated differently (YaRN acts past 8 tokens)
+        "olmo3",
+        **_FAMILY_TEST,
+        intermediate_size=96,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=64,
+        rope_parameters={
+            "sliding_attention": _default_rope(10000.0),
+            "full_attention": _yarn_rope(500000.0, factor=8.0, original=8, attention_factor=1.2),
+        },
     ),
 }
 

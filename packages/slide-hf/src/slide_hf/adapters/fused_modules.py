@@ -14,6 +14,15 @@ slide-kernels' ``apply_rotary`` (partial rotary, as in some Phi-3 configs, keeps
 
 A rebound module runs the kernel only on CUDA tensors with Triton available (``_runs_fused``), and its
 class's own code otherwise, so CPU runs, and the exactness tests against HF, are unchanged.
+
+Note [Fused modules are checked, not named]: families spell the same class names for different math.
+``Qwen3NextRMSNorm`` scales by ``1 + w`` (zero-centred weights) while ``Gemma4RMSNorm`` scales by ``w``;
+OLMo-2 multiplies the weight before rounding to the input dtype, Llama after; GLM-4's
+``apply_rotary_pos_emb`` rotates interleaved pairs, not halves. So nothing is rebound by its name alone:
+before rebinding, the module's own code is run once on small CPU tensors (fp32 for the ``1 + w`` offset,
+bf16 for the rounding order, full-width cos/sin for the rotary layout) and compared with what the kernel
+computes; a module that matches neither form keeps HF's code. ``test_norm_forms_are_read_from_the_code``
+checks the answers for every family.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["fuse_modules"]
+__all__ = ["NormForm", "fuse_modules", "norm_form", "rotates_halves"]
 
 _GLU_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
 """HF activation names whose ``act(gate) * up`` slide-kernels fuses (GeGLU is the tanh approximation)."""
@@ -40,12 +49,61 @@ def _runs_fused(x: torch.Tensor) -> bool:
     return use_triton(x)
 
 
-def _fused_rms_norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The norm's ``forward``, with its family's parametrization read once here, not per call."""
+NormForm = tuple[float, str]
+"""``(offset, casting_mode)`` of an RMSNorm, as slide-kernels' ``rms_norm`` takes them."""
+
+
+def _norm_eps(module: nn.Module) -> float:
+    return float(module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps)
+
+
+def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) -> torch.Tensor:
+    """What the kernel computes for ``form``, in plain torch (see slide_kernels/ops/rms_norm.py)."""
+    offset, casting_mode = form
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if casting_mode == "gemma":
+        return (normed * (offset + weight.float())).to(x.dtype)
+    return (offset + weight) * normed.to(x.dtype)
+
+
+def norm_form(module: nn.Module) -> NormForm | None:
+    """The ``(offset, casting_mode)`` that ``module``'s own forward computes, or None for neither form.
+
+    Runs the module's code on the CPU (its meta weight replaced) -- see Note [Fused modules are checked,
+    not named]. fp32 decides the offset (``w`` or ``1 + w``); bf16 decides the rounding order, which only
+    shows there (Llama rounds the normalised input before the weight multiply, Gemma after).
+    """
+    from torch.func import functional_call
+
+    width = module.weight.shape[-1]
+    eps = _norm_eps(module)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(64, width, generator=g, device="cpu") * 3
+    weight = torch.randn(width, generator=g, device="cpu") * 0.7
+
+    def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return functional_call(module, {"weight": w}, (x,))
+
+    try:
+        fp32 = run(x, weight)
+        offsets = [o for o in (0.0, 1.0) if torch.allclose(fp32, _norm_reference(x, weight, eps, (o, "llama")))]
+        if len(offsets) != 1:
+            return None
+        xb, wb = x.bfloat16(), weight.bfloat16()
+        bf16 = run(xb, wb)
+    except (RuntimeError, TypeError, ValueError):  # a norm with another signature or extra state
+        return None
+    modes = [m for m in ("llama", "gemma") if torch.equal(bf16, _norm_reference(xb, wb, eps, (offsets[0], m)))]
+    return (offsets[0], modes[0]) if len(modes) == 1 else None
+
+
+def _fused_rms_norm(module: nn.Module, form: NormForm) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The norm's ``forward``, with its parametrization (read from its code once) fixed here."""
     hf_forward = type(module).forward
-    gemma = type(module).__name__.startswith("Gemma")  # ``(1 + w) * x``, rounded as HF's Gemma norms
-    offset, casting_mode = (1.0, "gemma") if gemma else (0.0, "llama")
-    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    offset, casting_mode = form
+    eps = _norm_eps(module)
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         if not _runs_fused(hidden_states):
@@ -85,12 +143,34 @@ def _fused_rotary(hf_rotary: Callable[..., Any]) -> Callable[..., Any]:
     return apply_rotary_pos_emb
 
 
+def rotates_halves(hf_rotary: Callable[..., Any]) -> bool:
+    """Whether ``hf_rotary(q, k, cos, sin)`` is Llama's ``rotate_half`` RoPE, the layout the kernel computes,
+    for full-width cos/sin (see Note [Fused modules are checked, not named]; GLM-4 pairs neighbours)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k = (torch.randn(1, 2, 3, 8, generator=g, device="cpu") for _ in range(2))
+    cos, sin = (torch.randn(1, 3, 8, generator=g, device="cpu") for _ in range(2))
+
+    def expected(x: torch.Tensor) -> torch.Tensor:
+        half = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+        return x * cos.unsqueeze(1) + half * sin.unsqueeze(1)
+
+    try:
+        with torch.no_grad():
+            got_q, got_k = hf_rotary(q, k, cos, sin)[:2]
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return False
+    return torch.allclose(got_q, expected(q)) and torch.allclose(got_k, expected(k))
+
+
 def _rotary_forward(module: nn.Module) -> Callable[..., Any] | None:
     """A copy of the attention class's ``forward`` that sees the fused rotary, or None when the forward
-    does not call a global ``apply_rotary_pos_emb`` (e.g. it is wrapped by a decorator)."""
+    does not call a global ``apply_rotary_pos_emb`` (e.g. it is wrapped by a decorator) or that function
+    is not the ``rotate_half`` layout."""
     forward = type(module).forward
     hf_rotary = getattr(forward, "__globals__", {}).get("apply_rotary_pos_emb")
     if hf_rotary is None or "apply_rotary_pos_emb" not in forward.__code__.co_names:
+        return None
+    if not rotates_halves(hf_rotary):
         return None
     scope = {**forward.__globals__, "apply_rotary_pos_emb": _fused_rotary(hf_rotary)}
     copy = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
@@ -127,10 +207,15 @@ def fuse_modules(root: nn.Module, config: Any) -> list[str]:
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     glu = _GLU_ACTIVATIONS.get(str(activation))
     rebound = []
+    forms: dict[type, NormForm | None] = {}  # one check per norm class within this call
     for name, module in root.named_modules():
         if _is_rms_norm(module):
-            module.forward = _fused_rms_norm(module)
-            rebound.append(name)
+            if type(module) not in forms:
+                forms[type(module)] = norm_form(module)
+            form = forms[type(module)]
+            if form is not None:
+                module.forward = _fused_rms_norm(module, form)
+                rebound.append(name)
         elif glu is not None and _is_gated_mlp(module, str(activation)):
             module.forward = _fused_gated_mlp(module, glu)
             rebound.append(name)
