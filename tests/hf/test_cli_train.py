@@ -228,7 +228,8 @@ def test_data_formats(slide, tmp_path):
     for name, path in (("text", text), ("messages", messages), ("ids", ids)):
         records = _run(slide, tmp_path / name, "--data", path)
         assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records), name
-        assert records[0]["tokens"] == 64
+        assert records[0]["padded_tokens"] == 64  # 2 rows of 32
+        assert 0 < records[0]["loss_tokens"] <= records[0]["tokens"] <= 64  # tokens: without row padding
 
 
 def test_dtype_bfloat16_and_float32(slide, tmp_path):
@@ -257,8 +258,8 @@ def test_steps_and_epochs(slide, tmp_path, ids_data):
     assert len(_run(slide, tmp_path / "one", *base, tiny=False)) == 4  # --epochs defaults to 1 for a file
     assert len(_run(slide, tmp_path / "two", *base, "--epochs", "2", tiny=False)) == 8
     assert len(_run(slide, tmp_path / "steps", *base, "--epochs", "2", "--steps", "3", tiny=False)) == 3
-    _fails(slide, *base, "--epochs", "0", match="--epochs must be positive, got 0")
-    _fails(slide, *base, "--steps", "-1", match="--steps must be positive, got -1")
+    _fails(slide, *base, "--epochs", "0", match="--epochs must be an integer in [1, 1000000], got 0")
+    _fails(slide, *base, "--steps", "-1", match="--steps must be an integer >= 1, got -1")
 
 
 @pytest.mark.parametrize(
@@ -485,7 +486,7 @@ def test_unsupported_architecture(slide, tmp_path):
 
 
 def test_negative_batch_size(slide, tmp_path):
-    _fails(slide, *TINY, "--output", tmp_path / "run", "--batch-size", "-2", match="--batch-size must be positive")
+    _fails(slide, *TINY, "--output", tmp_path / "run", "--batch-size", "-2", match="--batch-size must be an integer >= 1, got -2")
 
 
 def test_seq_len_beyond_the_model_positions(slide, tmp_path):
