@@ -104,9 +104,17 @@ def test_resume_compares_model_paths_resolved(tmp_path, monkeypatch):
     (tmp_path / "tinyqwen").mkdir()
     monkeypatch.chdir(tmp_path)
     saved = config_dict(TrainConfig(model="tinyqwen"))
-    assert resume_config(saved, {"model": "./tinyqwen"}, source="ck").model == "tinyqwen"  # no refusal
-    with pytest.raises(UserError, match="--model was 'tinyqwen'"):
+    assert saved["model"] == str(tmp_path / "tinyqwen")  # saved resolved: a resume finds it from anywhere
+    assert resume_config(saved, {"model": "./tinyqwen"}, source="ck").model == saved["model"]  # no refusal
+    with pytest.raises(UserError, match="--model was '/.*/tinyqwen'"):
         resume_config(saved, {"model": "tiny-llama"}, source="ck")
+
+
+def test_the_runs_own_metrics_file_follows_the_run_directory(tmp_path):
+    saved = config_dict(TrainConfig(output=tmp_path / "run", metrics=tmp_path / "run" / "m.jsonl"))
+    assert resume_config(saved, {}, source="ck").metrics is None  # the resumed run's own default
+    elsewhere = config_dict(TrainConfig(output=tmp_path / "run", metrics=tmp_path / "logs" / "m.jsonl"))
+    assert resume_config(elsewhere, {}, source="ck").metrics == tmp_path / "logs" / "m.jsonl"
 
 
 def test_resume_equal_values_of_other_types_pass():

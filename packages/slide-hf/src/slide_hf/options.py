@@ -197,7 +197,7 @@ class TrainConfig:
         if unknown:
             raise UserError(f"--report-to must name {', '.join(REPORTERS)}; got {', '.join(map(repr, unknown))}")
         if self.gpu_memory is not None:
-            from slide_hf.planner.sizes import parse_size
+            from slide_hf.sizes import parse_size
 
             parse_size(str(self.gpu_memory), what="--gpu-memory")
         if self.eval_data is not None and self.eval_fraction > 0:
@@ -218,15 +218,23 @@ def _split_reporters(text: str) -> tuple[str, ...]:
 
 
 def config_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """The run's options as JSON-ready values (kept in every checkpoint and in ``options.json``)."""
+    """The run's options as JSON-ready values (kept in every checkpoint and in ``options.json``).
+
+    Inputs that exist here (data files, model and tokenizer directories, a chat template file) are saved as
+    absolute paths, so ``--resume`` finds them from any working directory."""
     values: dict[str, Any] = {}
     for key, value in asdict(cfg).items():
-        if isinstance(value, Path):
+        if key in _INPUTS and value is not None and Path(str(value)).expanduser().exists():
+            value = str(Path(str(value)).expanduser().resolve())
+        elif isinstance(value, Path):
             value = str(value)
         elif isinstance(value, tuple):
             value = list(value)
         values[key] = value
     return values
+
+
+_INPUTS = frozenset({"model", "tokenizer", "data", "eval_data", "chat_template", "nvme_dir"})
 
 
 RESUME_SAFE_OPTIONS = frozenset(
@@ -270,6 +278,8 @@ def resume_config(saved: Mapping[str, Any], given: Mapping[str, Any], *, source:
     # resumed run writes into the directory it resumes from (a moved or copied run stays where it is now),
     # and a saved --overwrite must never delete the checkpoints it resumes from.
     values = {key: value for key, value in saved.items() if key in known and key not in _NOT_RESTORED}
+    if _inside(saved.get("metrics"), saved.get("output")):
+        values.pop("metrics")  # the run's own file: it follows the run directory (the default path)
     for key, value in given.items():
         if key not in known:
             raise UserError(f"unknown option {key!r}")
@@ -287,6 +297,12 @@ def resume_config(saved: Mapping[str, Any], given: Mapping[str, Any], *, source:
         return TrainConfig(**_typed(values))
     except TypeError as error:
         raise UserError(f"{source}: saved options do not fit this version of slide ({error})") from None
+
+
+def _inside(path: Any, directory: Any) -> bool:
+    if path is None or directory is None:
+        return False
+    return Path(str(path)).expanduser().resolve().is_relative_to(Path(str(directory)).expanduser().resolve())
 
 
 def _typed(values: dict[str, Any]) -> dict[str, Any]:

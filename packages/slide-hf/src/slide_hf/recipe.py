@@ -40,12 +40,12 @@ from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.offload import offloaded_units, open_activation_tier, open_nvme_tier
 from slide_hf.options import TrainConfig, config_dict
-from slide_hf.planner.sizes import parse_size
 from slide_hf.progress import Progress
 from slide_hf.resume import checkpoint_to_resume, corrupt_message, resume_point
 from slide_hf.run_dir import RunDir, default_output, run_of
 from slide_hf.run_export import export_run_model
 from slide_hf.run_log import RunLog
+from slide_hf.sizes import parse_size
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
 
 __all__ = ["TrainConfig", "TrainSummary", "config_dict", "train"]

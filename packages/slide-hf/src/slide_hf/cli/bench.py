@@ -13,7 +13,7 @@ from pathlib import Path
 
 from slide_hf.errors import UserError
 from slide_hf.options import Rule, check_option
-from slide_hf.planner.sizes import SIZE_RULE, parse_size
+from slide_hf.sizes import SIZE_RULE, parse_size
 
 EPILOG = """examples:
   slide bench --model llama3.2-3b --batch-size 16 --seq-len 1024 --compare plain
@@ -105,7 +105,7 @@ _BENCH_RULES = {
     "resident_gib": ("--resident-gib", Rule("float", 0, 2**20)),
 }
 """Bench-only numbers (GiB as floats, step counts); the options shared with `slide train` use its rules, and
---gpu-memory the one size grammar (slide_hf.planner.sizes)."""
+--gpu-memory the one size grammar (slide_hf.sizes)."""
 
 
 def _check_options(args: argparse.Namespace) -> None:

@@ -24,7 +24,7 @@ from slide_hf.planner import (
     parse_size,
     plan_with_placement,
 )
-from slide_hf.planner.sizes import SIZE_RULE
+from slide_hf.sizes import SIZE_RULE
 
 __all__ = ["add_parser", "run"]
 

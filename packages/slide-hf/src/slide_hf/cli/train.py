@@ -23,7 +23,7 @@ EPILOG = """examples:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     from slide_hf.options import REPORTERS, TrainConfig
-    from slide_hf.planner.sizes import SIZE_RULE
+    from slide_hf.sizes import SIZE_RULE
 
     parser = commands.add_parser(
         "train",

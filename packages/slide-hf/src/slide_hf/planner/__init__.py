@@ -9,7 +9,7 @@ formula. It is a planning number (within tens of percent), not a benchmark.
 
 The package, one job per module (each imports only the ones above it):
 
-- :mod:`~slide_hf.planner.sizes`: ``24GiB`` in, ``30.1 GiB`` out;
+- :mod:`~slide_hf.sizes`: ``24GiB`` in, ``30.1 GiB`` out;
 - :mod:`~slide_hf.planner.inputs`: :class:`Bandwidths`, :class:`ModelShape`, :class:`PlanInputs`;
 - :mod:`~slide_hf.planner.memory`: host, GPU and disk bytes;
 - :mod:`~slide_hf.planner.timing`: step time, overlap and the critical batch;
@@ -26,7 +26,7 @@ from slide_hf.planner.fit import available_host_bytes, check_fits, device_gpu_bu
 from slide_hf.planner.inputs import Bandwidths, ModelShape, Offload, PlanInputs
 from slide_hf.planner.memory import CUDA_CONTEXT_BYTES, ENGINE_HOST_BUFFERS, PROCESS_BASELINE_BYTES, GiB
 from slide_hf.planner.plan import GPU_MARGIN_BYTES, Plan, largest_batch, make_plan, plan_with_placement
-from slide_hf.planner.sizes import format_bytes, parse_size
+from slide_hf.sizes import format_bytes, parse_size
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",

@@ -15,7 +15,7 @@ from slide_hf.errors import UserError
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import _host_peak
 from slide_hf.planner.plan import Plan, largest_batch
-from slide_hf.planner.sizes import format_bytes
+from slide_hf.sizes import format_bytes
 
 __all__ = ["available_host_bytes", "check_fits"]
 

@@ -1,6 +1,6 @@
 """Byte sizes as people write them (``24GiB``, ``80GB``) and as the planner prints them (``30.1 GiB``).
 
-Kept apart from the byte and time models so the CLI can read a ``--gpu-memory`` flag, and every report
+Kept apart from the planner so the options layer and the CLI can read a ``--gpu-memory`` flag, and every report
 can format a number, without knowing anything about models or engines.
 """
 
