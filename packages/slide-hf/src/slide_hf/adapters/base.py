@@ -28,6 +28,8 @@ from torch.func import functional_call
 from transformers import PreTrainedConfig
 from transformers.masking_utils import (
     create_causal_mask,
+    create_chunked_causal_mask,
+    create_recurrent_attention_mask,
     create_sliding_window_causal_mask,
     packed_sequence_mask_function,
 )
@@ -39,6 +41,7 @@ from slide_hf.errors import UserError
 
 __all__ = [
     "IGNORE_INDEX",
+    "RECURRENT_LAYER_TYPES",
     "BlockUnit",
     "BufferFactory",
     "CheckpointSlice",
@@ -57,8 +60,15 @@ BufferFactory = Callable[[], torch.Tensor]
 _MASK_BUILDERS: dict[str, Callable[..., Any]] = {
     "full_attention": create_causal_mask,
     "sliding_attention": create_sliding_window_causal_mask,
+    "chunked_attention": create_chunked_causal_mask,
+    "linear_attention": create_recurrent_attention_mask,
 }
 """HF layer type -> the ``masking_utils`` builder HF itself uses for it (sdpa/eager/flex/flash aware)."""
+
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})
+"""Layer types without attention (Qwen3-Next's gated delta nets): HF's recurrent mask (None without
+padding), no attention implementation to choose, and no way to keep packed documents apart -- HF's
+torch path carries the recurrent state and the causal convolution across the whole row."""
 
 
 @dataclass(frozen=True)
@@ -384,7 +394,9 @@ class HFCausalLM(SlideModel):
         cached on this instance, not per process: one model object may run on the CPU in a test and on a
         GPU in the same process. Layer types come in model order.
         """
-        return {t: self._attention_of(t, device_type, dtype) for t in self._layer_configs}
+        return {
+            t: self._attention_of(t, device_type, dtype) for t in self._layer_configs if t not in RECURRENT_LAYER_TYPES
+        }
 
     def attention_config(self, layer_type: str, device_type: str, dtype: torch.dtype) -> PreTrainedConfig:
         """The config that ``layer_type``'s HF modules and mask builder read, set to the attention chosen
@@ -438,6 +450,12 @@ class HFCausalLM(SlideModel):
         if position_ids is None:
             position_ids = torch.arange(seq, device=device).unsqueeze(0)
         else:
+            recurrent = sorted({b.attention_type for b in self.blocks} & RECURRENT_LAYER_TYPES)
+            if recurrent:
+                raise UserError(
+                    f"{self.config.model_type} has {', '.join(recurrent)} layers, whose recurrent state would "
+                    "flow from one packed document into the next; train with --no-packing (one example per row)"
+                )
             same_document = packed_sequence_mask_function(_document_ids(position_ids))
         # HF's mask builders and rotary read only (batch, seq, dtype, device) of the hidden states.
         probe = torch.empty((batch, seq, 0), dtype=dtype, device=device)
