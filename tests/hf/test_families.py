@@ -33,6 +33,7 @@ FAMILIES = [
     "test-granite",
     "test-ministral3",
     "test-gemma3",
+    "test-qwen3-next",
 ]
 STEPS = 3
 RTOL = 1e-5
@@ -284,3 +285,47 @@ def test_ministral3_query_scale_acts(reference, helpers) -> None:
     ref = reference("test-ministral3")
     rope = dict(ref.model.config.rope_parameters, llama_4_scaling_beta=0.0)
     assert abs(_loss_with(ref, helpers, rope_parameters=rope) - _loss(ref.model, ref.host, helpers)) > 1e-4
+
+
+@pytest.mark.parametrize("preset", ["test-qwen3-next"])
+def test_linear_attention_layers(preset: str) -> None:
+    """Delta-net layers choose no attention implementation, take HF's recurrent mask (None without
+    padding), and refuse packed rows, whose documents their recurrent state would join."""
+    from slide_hf.errors import UserError
+
+    model = build_model(PRESETS[preset]())
+    kinds = [b.attention_type for b in model.blocks]
+    assert "linear_attention" in kinds and "full_attention" in kinds
+    assert model.attention_for("cpu", torch.float32) == {"full_attention": "sdpa"}
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    assert model.prepare_inputs(ids, ids, torch.float32).masks["linear_attention"] is None
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    with pytest.raises(UserError, match="--no-packing") as info:
+        model.prepare_inputs(ids, ids, torch.float32, position_ids=packed)
+    assert "\n" not in str(info.value)
+
+
+RELEASED = [
+    "olmo2-7b",
+    "olmo3-7b",
+    "smollm3-3b",
+    "glm4-9b",
+    "granite-3.3-8b",
+    "ministral3-8b",
+    "gemma3-12b",
+    "qwen3-next-80b-a3b",
+]
+
+
+@pytest.mark.parametrize("preset", RELEASED)
+def test_planner_prices_released_shapes(preset: str) -> None:
+    """``slide plan``'s model works from the unit layouts: every parameter priced, per-block sizes from
+    the blocks themselves (delta-net and attention layers differ)."""
+    from slide_hf.model import param_count
+    from slide_hf.planner import PlanInputs, make_plan
+
+    model = build_model(PRESETS[preset]())  # meta device: nothing allocated
+    plan = make_plan(PlanInputs(model, batch_size=1, seq_len=4096))
+    assert plan.params == param_count(model)
+    assert plan.shape.block_numels == tuple(b.layout.numel for b in model.blocks)
+    assert plan.step_time_s > 0 and plan.host_peak_bytes > 12 * plan.params
