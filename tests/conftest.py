@@ -1,14 +1,74 @@
-"""Suite-wide setup that must happen before any test module imports triton.
+"""Suite-wide setup: Triton's interpreter on machines without a GPU, numba's compile before the first
+test, and throwaway plugin distributions.
 
-Triton reads TRITON_INTERPRET when a kernel is first defined, so it has to be set before the first
-import of slide_kernels anywhere in the session: without a GPU, kernels run in the interpreter (fp32).
+Triton reads TRITON_INTERPRET when a kernel is first defined, so it has to be set before the first import
+of slide_kernels anywhere in the session, which is why it happens here, at import. Without a GPU the
+kernels run in the interpreter (fp32); with one nothing is set, so `python -m pytest -m gpu` compiles the
+kernels for the GPU. Setting TRITON_INTERPRET yourself still wins.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _numba_compiled() -> None:
+    """Compile FusedAdamW's kernels (or load them from numba's on-disk cache) once, before any test, so no
+    test's duration includes a compile that only the first user of the optimizer in a session would pay."""
+    try:
+        from slide_core.optim.fused_adamw import FusedAdamW
+        from slide_core.optimizer import AdamWConfig
+    except ImportError:  # a kernels-only checkout
+        return
+    if FusedAdamW.available():
+        FusedAdamW(AdamWConfig()).warmup()
+
+
+InstallDistribution = Callable[[str, Mapping[str, str], Mapping[str, Mapping[str, str]]], Path]
+
+
+@pytest.fixture
+def install_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[InstallDistribution]:
+    """``install_distribution(name, modules, entry_points) -> site directory``: a distribution installed
+    the way pip leaves one, for this test only.
+
+    ``modules`` maps module names to source; ``entry_points`` maps groups to ``{name: "module:attr"}``. The
+    modules and a ``<name>-0.1.dist-info`` with ``METADATA`` and ``entry_points.txt`` are written to a
+    fresh directory put first on ``sys.path``, and slide's plugin cache is cleared so the entry points are
+    seen; both are undone afterwards."""
+    from slide_core import plugins
+
+    imported: list[str] = []
+
+    def install(name: str, modules: Mapping[str, str], entry_points: Mapping[str, Mapping[str, str]]) -> Path:
+        site = tmp_path / f"site-{name}"
+        site.mkdir()
+        for module, source in modules.items():
+            (site / f"{module}.py").write_text(source, encoding="utf-8")
+            imported.append(module)
+        dist_info = site / f"{name.replace('-', '_')}-0.1.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n", encoding="utf-8")
+        sections = [
+            f"[{group}]\n" + "".join(f"{key} = {value}\n" for key, value in names.items())
+            for group, names in entry_points.items()
+        ]
+        (dist_info / "entry_points.txt").write_text("\n".join(sections), encoding="utf-8")
+        monkeypatch.syspath_prepend(str(site))
+        plugins.clear_cache()
+        return site
+
+    yield install
+    plugins.clear_cache()
+    for module in imported:
+        sys.modules.pop(module, None)

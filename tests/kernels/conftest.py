@@ -1,14 +1,10 @@
 """Shared setup for the slide-kernels tests.
 
-Triton's interpreter must be switched on before triton (or any slide_kernels op module) is imported,
-because ``triton.jit`` reads ``TRITON_INTERPRET`` when the kernels are decorated. ``setdefault`` lets a
-GPU run override it: ``TRITON_INTERPRET=0 python -m pytest tests/kernels -m gpu`` compiles the
-kernels for the GPU instead (the interpreter cannot run bf16).
+Triton's interpreter is switched on by tests/conftest.py, before anything imports triton, and only on a
+machine without a CUDA device: there the kernels run interpreted in fp32 (the ``backend`` fixture). On a GPU
+machine nothing is set, so ``python -m pytest -m gpu`` compiles the kernels for the GPU (the
+``cuda_compiled`` fixture) with no environment variable to remember.
 """
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib.util
 import sys
@@ -20,7 +16,7 @@ if importlib.util.find_spec("slide_kernels") is None:  # not pip-installed: use 
 import pytest
 import torch
 
-from slide_kernels._backend import kernels_available, use_backend
+from slide_kernels._backend import interpret_mode, kernels_available, use_backend
 
 
 @pytest.fixture(params=["triton", "torch"])
@@ -37,8 +33,8 @@ def cuda_compiled():
     """Gate for ``@pytest.mark.gpu`` tests: a CUDA device and compiled (not interpreted) kernels."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        pytest.skip("TRITON_INTERPRET=1: run GPU tests with TRITON_INTERPRET=0")
+    if interpret_mode():
+        pytest.skip("TRITON_INTERPRET is set: the kernels were defined for the interpreter; unset it")
     with use_backend("auto"):
         yield torch.device("cuda")
 

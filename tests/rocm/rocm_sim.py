@@ -29,6 +29,20 @@ MI300X = SimpleNamespace(
 H200 = SimpleNamespace(name="NVIDIA H200", total_memory=141 * 2**30, multi_processor_count=132, warp_size=32)
 
 
+class FakeStream:
+    """torch.cuda.Stream stand-in: work is synchronous, so waiting on an event is a no-op."""
+
+    def __init__(self, name: str = "side") -> None:
+        self.name = name
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.name})"
+
+
 class FakeEvent:
     """torch.cuda.Event stand-in: work is synchronous, so it is done when recorded."""
 
@@ -60,6 +74,8 @@ class FakeGPU:
     pin_memory_calls: list[int] = field(default_factory=list)
     streams_entered: list[object] = field(default_factory=list)
     register_honoured: bool = True
+    memory_fraction: float = 1.0
+    """The caching allocator's per-process cap, as ``set_per_process_memory_fraction`` left it."""
 
     def mark_pinned(self, tensor: torch.Tensor) -> torch.Tensor:
         # Keep the tensor alive so its address cannot be reused by a pageable allocation.
@@ -106,16 +122,29 @@ def install(monkeypatch: pytest.MonkeyPatch, props: SimpleNamespace, hip: str | 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: "compute-stream")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda index=None: object())
+    compute = FakeStream("compute")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: compute)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda index=None: FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: None)
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, index=None: None)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, index=None: _set_fraction(gpu, f))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index=None: gpu.memory_fraction)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index=None: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda index=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda index=None: None)
+    # "Device" tensors are host tensors here, so there is no allocator to tell which stream uses them.
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: gpu.is_pinned(self))
     return gpu
+
+
+def _set_fraction(gpu: FakeGPU, fraction: float) -> None:
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"invalid fraction {fraction}")
+    gpu.memory_fraction = fraction
 
 
 # -- hipFile bindings -------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from rocm_sim import FakeGPU
+from rocm_sim import H200, FakeGPU
 
 from slide_core import plugins
 from slide_core.devices.cuda import CUDADevice
@@ -117,6 +117,20 @@ def test_launch_params_for_short_and_medium_rows(fake_hip: FakeGPU) -> None:
     assert device.launch_params(4096) == LaunchParams(num_warps=8, block_size=4096)
     assert device.launch_params(8192) == LaunchParams(num_warps=16, block_size=8192)
     assert device.launch_params(10**7).block_size == MAX_BLOCK_SIZE  # capped; the kernel loops
+
+
+@pytest.mark.parametrize("block", [1, 16, 64, 100, 1024, 2048, 8192, 32768, 65536])
+def test_kernels_launch_with_the_devices_warp_rule(
+    fake_hip: FakeGPU, monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    """One warp-count rule: slide-kernels' launchers pick, for this build's GPUs, what the device's facts
+    say (slide_core.device.num_warps_for), on ROCm and on CUDA."""
+    from slide_kernels._backend import num_warps_for
+
+    assert num_warps_for(block) == ROCmDevice().facts().num_warps(block)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: H200)
+    assert num_warps_for(block) == CUDADevice().facts().num_warps(block)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
@@ -274,3 +288,24 @@ def test_real_h2d_copy_from_pinned_slab() -> None:
         assert torch.equal(dst.cpu(), slab)
         with pytest.raises(PageableSourceError):
             device.copy_to_device(dst, torch.ones(numel))
+
+
+# -- memory cap ------------------------------------------------------------------------------------------
+def test_a_capped_device_restores_the_cap_it_found(fake_cuda: FakeGPU) -> None:
+    """Two capped devices in one process: closing the inner one leaves the outer one's cap in force, and
+    closing the outer one restores what the process had before either."""
+    total = 141 * 2**30
+    fake_cuda.memory_fraction = 0.9  # set by someone else before either device
+    with CUDADevice(memory_limit_bytes=total // 2):
+        assert fake_cuda.memory_fraction == pytest.approx(0.5)
+        with CUDADevice(memory_limit_bytes=total // 4):
+            assert fake_cuda.memory_fraction == pytest.approx(0.25)
+        assert fake_cuda.memory_fraction == pytest.approx(0.5)
+    assert fake_cuda.memory_fraction == pytest.approx(0.9)
+
+
+def test_an_uncapped_device_leaves_the_cap_alone(fake_cuda: FakeGPU) -> None:
+    fake_cuda.memory_fraction = 0.3
+    with CUDADevice():
+        assert fake_cuda.memory_fraction == 0.3
+    assert fake_cuda.memory_fraction == 0.3

@@ -20,12 +20,33 @@ import torch
 
 from slide_core._lifecycle import Lifecycle
 
-__all__ = ["Device", "DeviceFacts", "Event", "StreamRole"]
+__all__ = ["Device", "DeviceFacts", "Event", "StreamRole", "num_warps_for"]
 
 StreamRole = str
 """One of ``"compute"``, ``"h2d"`` or ``"d2h"``."""
 
 STREAM_ROLES: tuple[StreamRole, ...] = ("compute", "h2d", "d2h")
+
+_WARP_STEPS: tuple[tuple[int, int], ...] = ((32768, 32), (8192, 16), (2048, 8))
+"""(smallest block size, warps) for row-wise kernels; smaller blocks get 4 warps. The steps are the usual
+Triton recipe for rows (one program per row, vectorised 16-byte loads); :func:`num_warps_for` caps them."""
+
+
+def num_warps_for(block_size: int, *, warp_size: int = 32, max_num_warps: int = 32) -> int:
+    """Warps per program for a row-wise Triton kernel whose widest block holds ``block_size`` elements.
+
+    The one warp-count rule: slide-kernels' launchers and slide-rocm's ``launch_params`` both call it.
+    More warps for longer rows, but never past ``max_num_warps`` (a workgroup holds 1024 lanes: 32 warps
+    of 32 on NVIDIA, only 16 wavefronts of 64 on AMD, where more fails to compile or spills), and never
+    past the warps the block can keep busy (``block_size // warp_size``); a power of two, as Triton needs.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if warp_size < 1 or max_num_warps < 1:
+        raise ValueError(f"warp_size and max_num_warps must be >= 1, got {warp_size} and {max_num_warps}")
+    steps = next((warps for size, warps in _WARP_STEPS if block_size >= size), 4)
+    warps = min(steps, max_num_warps, block_size // warp_size)
+    return 1 << (warps.bit_length() - 1) if warps >= 1 else 1  # Triton takes powers of two only
 
 
 @dataclass(frozen=True)
@@ -38,6 +59,10 @@ class DeviceFacts:
     multiprocessor_count: int
     warp_size: int
     max_num_warps: int
+
+    def num_warps(self, block_size: int) -> int:
+        """:func:`num_warps_for` on this hardware."""
+        return num_warps_for(block_size, warp_size=self.warp_size, max_num_warps=self.max_num_warps)
 
 
 class Event(ABC):
@@ -101,6 +126,20 @@ class Device(Lifecycle, ABC):
     @abstractmethod
     def synchronize(self) -> None:
         """Wait for all streams. note: CPU-GPU sync point."""
+
+    # -- transfers -------------------------------------------------------------------------------------
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, role: StreamRole = "h2d") -> Event | None:
+        """Copy host ``src`` into the device tensor ``dst`` (same numel and dtype) on the ``role`` stream.
+
+        The engine's parameter uploads go through here, so a device's transfer policy is the one that
+        runs in training: the ROCm device refuses pageable sources or stages them (slide_rocm.transfer).
+        The default is a plain asynchronous copy. Either way the caller keeps ``src`` alive and unmodified
+        until the copy is done, and orders readers of ``dst`` with an event recorded on ``role``. Returns
+        the copy's end event when the device records one, else None.
+        """
+        with self.stream(role):
+            dst.copy_(src, non_blocking=True)
+        return None
 
     # -- memory ----------------------------------------------------------------------------------------
     @abstractmethod

@@ -8,16 +8,36 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from slide_core._lifecycle import Lifecycle
 
-__all__ = ["Tier", "TierError"]
+if TYPE_CHECKING:
+    from slide_core.device import Device
+
+__all__ = ["Tier", "TierError", "TierRequest"]
 
 
 class TierError(RuntimeError):
     """An I/O failure that names the tier, the path or key, and the bytes involved."""
+
+
+@dataclass(frozen=True)
+class TierRequest:
+    """What a run offers a tier it builds by name (``--offload-optimizer NAME``): see :meth:`Tier.for_run`.
+
+    ``directory`` is the run's scratch directory on fast storage (``--nvme-dir``), or None when the user
+    gave none; ``device`` is the run's open device (for page-locked slabs); ``capacity_bytes`` is an upper
+    bound on the bytes the run will store at once.
+    """
+
+    directory: Path | None = None
+    device: Device | None = None
+    capacity_bytes: int | None = None
 
 
 class Tier(Lifecycle, ABC):
@@ -32,6 +52,19 @@ class Tier(Lifecycle, ABC):
     """True when ``put`` and ``get`` take device tensors and move their bytes to and from storage without
     the caller staging them in host memory (GPUDirect Storage). The caller must still have finished
     producing a tensor before ``put``, and must not read ``out`` before ``get``'s future is done."""
+
+    on_disk: bool = False
+    """True when the tier keeps its bytes in files under :attr:`TierRequest.directory`: a run then needs
+    ``--nvme-dir``, and plans the bytes as disk, not host RAM."""
+
+    @classmethod
+    def for_run(cls, request: TierRequest) -> Tier:
+        """A closed instance built from what a run offers; how a tier chosen by name gets its arguments.
+
+        Each tier says which parts of ``request`` it uses and raises ``ValueError`` (one line) when one it
+        needs is missing. A tier without this method can be used from Python, not selected by name.
+        """
+        raise TypeError(f"{cls.__name__} cannot be built by name: it has no for_run(TierRequest) classmethod")
 
     @abstractmethod
     def put(self, key: str, tensor: torch.Tensor) -> Future[None]:

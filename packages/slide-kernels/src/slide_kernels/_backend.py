@@ -28,6 +28,8 @@ from typing import Literal
 
 import torch
 
+from slide_core.device import num_warps_for as _core_num_warps_for
+
 __all__ = [
     "HAS_TRITON",
     "Backend",
@@ -145,13 +147,10 @@ def use_backend(backend: Backend) -> Iterator[None]:
 def num_warps_for(block_size: int) -> int:
     """Warps per program for a row-wise kernel whose widest block has ``block_size`` elements.
 
-    Enough threads that each holds a handful of elements (vectorized 16-byte loads), without
-    starving occupancy on small rows (same steps as Liger-Kernel's ``calculate_settings``).
+    slide-core's one rule (:func:`slide_core.device.num_warps_for`, which slide-rocm's launch parameters
+    use too) for this torch build's GPUs: wavefronts of 64 and at most 16 per workgroup on ROCm, warps of
+    32 and at most 32 on CUDA.
     """
-    if block_size >= 32768:
-        return 16 if torch.version.hip else 32  # AMD wavefronts are 64 wide: 16 warps is the maximum
-    if block_size >= 8192:
-        return 16
-    if block_size >= 2048:
-        return 8
-    return 4
+    if torch.version.hip:
+        return _core_num_warps_for(block_size, warp_size=64, max_num_warps=16)
+    return _core_num_warps_for(block_size, warp_size=32, max_num_warps=32)

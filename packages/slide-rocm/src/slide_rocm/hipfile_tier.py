@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 import torch
 
-from slide_core.tier import Tier, TierError
+from slide_core.tier import Tier, TierError, TierRequest
 from slide_rocm.hip import HIPFILE_MODULES, probe_module
 from slide_rocm.transfer import format_bytes
 
@@ -64,6 +64,14 @@ class HipFileTier(Tier):
 
     name = "hipfile"
     experimental = True
+    on_disk = True
+
+    @classmethod
+    def for_run(cls, request: TierRequest) -> HipFileTier:
+        """Its files go under ``request.directory`` (the run's folder in ``--nvme-dir``)."""
+        if request.directory is None:
+            raise ValueError("the hipfile tier needs a directory on a fast local disk (--nvme-dir)")
+        return cls(request.directory)
 
     def __init__(self, root: str | os.PathLike[str], *, direct: bool = True) -> None:
         super().__init__()

@@ -3,23 +3,21 @@
 The usual recipe (one program per row, ``BLOCK_SIZE`` the row rounded up to a power of two, more warps for
 longer rows) hard-codes 32 warps for the longest rows. That is a CUDA number: a workgroup holds at most
 1024 lanes, which is 32 warps of 32 on NVIDIA but only 16 wavefronts of 64 on AMD, and Triton's AMD backend
-fails to compile, or spills, above that. Deriving the cap from :class:`~slide_core.DeviceFacts` keeps one
-recipe correct on both.
+fails to compile, or spills, above that. The warp count is slide-core's one rule
+(:func:`slide_core.device.num_warps_for`, the one slide-kernels launches with), capped by
+:class:`~slide_core.DeviceFacts`, so one recipe is correct on both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slide_core.device import DeviceFacts
+from slide_core.device import DeviceFacts, num_warps_for
 
 __all__ = ["MAX_BLOCK_SIZE", "LaunchParams", "launch_params_for", "next_power_of_two"]
 
 MAX_BLOCK_SIZE = 65536
 """Largest ``BLOCK_SIZE`` in elements; longer rows are walked in blocks by the kernel."""
-
-_WARP_STEPS: tuple[tuple[int, int], ...] = ((32768, 32), (8192, 16), (2048, 8))
-"""(smallest block size, warps) for long rows; shorter rows get 4 warps. Capped by the device below."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,5 @@ def launch_params_for(facts: DeviceFacts, row_numel: int, *, max_block_size: int
     if max_block_size < 1 or max_block_size & (max_block_size - 1):
         raise ValueError(f"max_block_size must be a power of two, got {max_block_size}")
     block_size = min(next_power_of_two(row_numel), max_block_size)
-    num_warps = next((warps for size, warps in _WARP_STEPS if block_size >= size), 4)
-    busy = max(1, block_size // max(1, facts.warp_size))
-    num_warps = max(1, min(num_warps, facts.max_num_warps, busy))
+    num_warps = num_warps_for(block_size, warp_size=facts.warp_size, max_num_warps=facts.max_num_warps)
     return LaunchParams(num_warps=num_warps, block_size=block_size)

@@ -14,6 +14,13 @@ import torch
 from slide_core.device import STREAM_ROLES, Device, DeviceFacts, Event, StreamRole
 
 
+def _memory_fraction(index: int) -> float:
+    """The caching allocator's per-process memory fraction on GPU ``index`` now (1.0 when this torch
+    cannot say: it predates ``get_per_process_memory_fraction``)."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return 1.0 if getter is None else float(getter(index))
+
+
 class _CudaEvent(Event):
     def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
@@ -43,6 +50,7 @@ class CUDADevice(Device):
         self.index = index
         self._streams: dict[StreamRole, torch.cuda.Stream] = {}
         self._registered: list[torch.Tensor] = []
+        self._fraction_found: float | None = None
 
     @property
     def torch_device(self) -> torch.device:
@@ -59,6 +67,7 @@ class CUDADevice(Device):
         }
         if self.memory_limit_bytes is not None:
             total = torch.cuda.get_device_properties(self.index).total_memory
+            self._fraction_found = _memory_fraction(self.index)
             torch.cuda.set_per_process_memory_fraction(min(1.0, self.memory_limit_bytes / total), self.index)
 
     def _close_resources(self) -> None:
@@ -67,8 +76,11 @@ class CUDADevice(Device):
         for tensor in self._registered:
             torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
         self._registered = []
-        if self.memory_limit_bytes is not None:
-            torch.cuda.set_per_process_memory_fraction(1.0, self.index)
+        if self._fraction_found is not None:
+            # The cap this device found, not 1.0: closing a capped device inside another one's lifetime
+            # must leave the outer cap in force.
+            torch.cuda.set_per_process_memory_fraction(self._fraction_found, self.index)
+            self._fraction_found = None
 
     def facts(self) -> DeviceFacts:
         props = torch.cuda.get_device_properties(self.index)

@@ -1,5 +1,41 @@
-"""Optimizers that ship with slide-core."""
+"""Optimizers that ship with slide-core, and how a run picks one by name.
 
+Both are registered in the ``slide.optimizers`` entry-point group (``torch-adamw``: torch's kernels;
+``fused-adamw``: one numba pass that reads bf16 gradients directly), so a third-party optimizer is chosen
+the same way. ``auto`` is not a plugin: it is :func:`~slide_core.optim.fused_adamw.best_adamw`'s rule.
+"""
+
+from __future__ import annotations
+
+from slide_core import plugins
 from slide_core.optim.adamw import TorchAdamW
+from slide_core.optimizer import AdamWConfig, Optimizer
 
-__all__ = ["TorchAdamW"]
+__all__ = ["AUTO", "GROUP", "TorchAdamW", "build_optimizer"]
+
+GROUP = "slide.optimizers"
+AUTO = "auto"
+"""The fused one-pass AdamW when numba imports and compiles here, else ``TorchAdamW``."""
+
+
+def build_optimizer(name: str, config: AdamWConfig) -> Optimizer:
+    """The optimizer called ``name`` (``auto`` or a ``slide.optimizers`` plugin), built with ``config``.
+
+    A plugin is a :class:`~slide_core.optimizer.Optimizer` subclass constructed as ``cls(config)``. When it
+    has a ``warmup()`` (compiling its kernels), that runs here, before training, so an optimizer that
+    cannot run on this machine fails now, in one line, instead of in the first step. Raises
+    :class:`~slide_core.plugins.PluginError`.
+    """
+    if name == AUTO:
+        from slide_core.optim.fused_adamw import best_adamw  # numpy; numba only if it is installed
+
+        return best_adamw(config)
+    optimizer_class = plugins.load(GROUP, name, expected=Optimizer)
+    optimizer = optimizer_class(config)
+    warmup = getattr(optimizer, "warmup", None)
+    if callable(warmup):
+        try:
+            warmup()
+        except Exception as error:  # a missing compiler (numba), or a compile that fails on this machine
+            raise plugins.PluginError(f"optimizer {name!r} cannot run here: {error}") from error
+    return optimizer

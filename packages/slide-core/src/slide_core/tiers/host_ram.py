@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import torch
 
-from slide_core.tier import Tier, TierError
+from slide_core.tier import Tier, TierError, TierRequest
 
 
 def _done(value: object) -> Future:
@@ -26,6 +26,11 @@ class HostRamTier(Tier):
     def __init__(self) -> None:
         super().__init__()
         self._store: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def for_run(cls, request: TierRequest) -> HostRamTier:
+        """Needs nothing from the run: it allocates each key as it arrives."""
+        return cls()
 
     def put(self, key: str, tensor: torch.Tensor) -> Future[None]:
         held = self._store.get(key)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slide_core.tier import Tier, TierError
+from slide_core.tier import Tier, TierError, TierRequest
 from slide_io._bytes import tensor_nbytes
 from slide_io._futures import done
 from slide_io._ranges import RangeAllocator
@@ -66,6 +66,16 @@ class PinnedRamTier(Tier):
         self._slab: torch.Tensor | None = None
         self._ranges = RangeAllocator(0, SLAB_ALIGN)
         self._slots: dict[str, _Slot] = {}
+
+    @classmethod
+    def for_run(cls, request: TierRequest) -> PinnedRamTier:
+        """A slab of ``request.capacity_bytes`` (plus alignment for a few hundred keys), page-locked by the
+        run's device when it is an accelerator."""
+        if request.capacity_bytes is None:
+            raise ValueError("the pinned tier needs to know how many bytes it will hold (capacity_bytes)")
+        device = request.device
+        alloc = device.alloc_pinned if device is not None and device.is_accelerator else None
+        return cls(request.capacity_bytes + 512 * SLAB_ALIGN, alloc)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def _open_resources(self) -> None:

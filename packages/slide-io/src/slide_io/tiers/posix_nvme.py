@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from slide_core.tier import Tier, TierError
+from slide_core.tier import Tier, TierError, TierRequest
 from slide_io._bytes import DIRECT_ALIGN, aligned_empty, as_bytes, round_up
 from slide_io._futures import failed, gather
 
@@ -176,6 +176,14 @@ class PosixNvmeTier(Tier):
     """
 
     name = "nvme"
+    on_disk = True
+
+    @classmethod
+    def for_run(cls, request: TierRequest) -> PosixNvmeTier:
+        """Its files go under ``request.directory`` (the run's folder in ``--nvme-dir``)."""
+        if request.directory is None:
+            raise ValueError(f"the {cls.name} tier needs a directory on a fast local disk (--nvme-dir)")
+        return cls(request.directory)
 
     def __init__(
         self,
