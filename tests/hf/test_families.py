@@ -34,6 +34,8 @@ FAMILIES = [
     "test-ministral3",
     "test-gemma3",
     "test-qwen3-next",
+    "test-qwen3.5",
+    "test-qwen3.5-moe",
 ]
 STEPS = 3
 RTOL = 1e-5
@@ -287,7 +289,7 @@ def test_ministral3_query_scale_acts(reference, helpers) -> None:
     assert abs(_loss_with(ref, helpers, rope_parameters=rope) - _loss(ref.model, ref.host, helpers)) > 1e-4
 
 
-@pytest.mark.parametrize("preset", ["test-qwen3-next"])
+@pytest.mark.parametrize("preset", ["test-qwen3-next", "test-qwen3.5", "test-qwen3.5-moe"])
 def test_linear_attention_layers(preset: str) -> None:
     """Delta-net layers choose no attention implementation, take HF's recurrent mask (None without
     padding), and refuse packed rows, whose documents their recurrent state would join."""
@@ -314,6 +316,8 @@ RELEASED = [
     "ministral3-8b",
     "gemma3-12b",
     "qwen3-next-80b-a3b",
+    "qwen3.5-9b",
+    "qwen3.5-35b-a3b",
 ]
 
 

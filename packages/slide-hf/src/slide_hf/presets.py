@@ -102,6 +102,17 @@ multipliers, linear attention and MLA (2-4 layers, hidden 64, a 300-token vocabu
 ids inside it); each preset switches its family's features on."""
 
 
+def _qwen3_5_rope() -> dict[str, Any]:
+    """Qwen3.5's rotary as released: a quarter of each head, three position axes interleaved."""
+    return {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    }
+
+
 def _yarn_rope(theta: float, *, factor: float, original: int, attention_factor: float) -> dict[str, Any]:
     return {
         "rope_type": "yarn",
@@ -603,6 +614,78 @@ PRESETS: dict[str, PresetFactory] = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
         norm_topk_prob=True,
+    ),
+    "qwen3.5-9b": _preset(  # Qwen/Qwen3.5-9B, its text_config (the class defaults are this model's)
+        "qwen3_5_text",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        rope_parameters=_qwen3_5_rope(),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    ),
+    "qwen3.5-35b-a3b": _preset(  # Qwen/Qwen3.5-35B-A3B, its text_config (the class defaults are this model's)
+        "qwen3_5_moe_text",
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        rope_parameters=_qwen3_5_rope(),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    ),
+    "test-qwen3.5": _preset(  # a delta-net layer and a full layer; text positions on the three rotary axes
+        "qwen3_5_text",
+        **{**_FAMILY_TEST, "tie_word_embeddings": True},
+        head_dim=16,
+        intermediate_size=96,
+        layer_types=["linear_attention", "full_attention"],
+        rope_parameters={**_qwen3_5_rope(), "rope_theta": 10000.0, "mrope_section": [1, 1, 0]},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+    "test-qwen3.5-moe": _preset(  # as test-qwen3.5, with 4 experts and a shared one in each layer
+        "qwen3_5_moe_text",
+        **_FAMILY_TEST,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        rope_parameters={**_qwen3_5_rope(), "rope_theta": 10000.0, "mrope_section": [1, 1, 0]},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
     ),
 }
 
