@@ -3,6 +3,11 @@
 The engine hands the optimizer *ranges* of a unit's flat buffer as gradient chunks land on the host, so
 the update can start before the whole unit's gradients have arrived. Every range lies entirely inside the
 unit's decay prefix or entirely after it, so an optimizer never splits a call by parameter.
+
+Gradient clipping (``EngineConfig.max_grad_norm``) asks one more thing of an optimizer: to take back, or
+redo with another coefficient, an update it applied earlier in the same step (:meth:`Optimizer.correct`).
+The engine applies each unit's update before the step's global norm is known and corrects it once it is
+(docs/design/engine.md, "Clipping"); an optimizer that cannot correct runs only with clipping off.
 """
 
 from __future__ import annotations
@@ -10,10 +15,31 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-__all__ = ["AdamWConfig", "Optimizer"]
+__all__ = ["AdamWConfig", "Coefficient", "Correction", "Optimizer", "scale_into"]
+
+Coefficient = float | torch.Tensor
+"""A gradient scale: a host float, or a 0-dim fp32 tensor on the device (no host sync to read it)."""
+
+
+def scale_into(out: torch.Tensor, grad: torch.Tensor, coeff: Coefficient) -> torch.Tensor:
+    """``out = coeff * grad`` in fp32, one rounding: the product ``Optimizer.step``'s ``grad_scale`` stands
+    for. A correction forms it again, bit for bit, to know exactly which gradient an update applied."""
+    out.copy_(grad)
+    out.mul_(coeff)
+    return out
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What becomes of an update applied earlier in the step once the step's gradient norm is known: taken
+    back (``undo``), redone with ``coeff * grad`` instead (``rescale``), or left as it is (``keep``)."""
+
+    kind: Literal["undo", "rescale", "keep"]
+    coeff: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +74,17 @@ class Optimizer(ABC):
     def reserve(self, max_range_numel: int) -> None:  # noqa: B027 - optional hook
         """Preallocate scratch for ranges up to ``max_range_numel`` so ``step`` never allocates."""
 
+    @property
+    def corrects(self) -> bool:
+        """Whether this optimizer implements :meth:`correct`, which gradient clipping needs."""
+        return type(self).correct is not Optimizer.correct
+
+    def device_replica(self) -> Optimizer:
+        """An instance with these hyperparameters for device-resident units: the engine's main thread
+        updates them on the compute stream while this instance serves the optimizer thread, and an
+        optimizer is used from one thread. The default builds ``type(self)(self.config)``."""
+        return type(self)(self.config)
+
     @abstractmethod
     def step(
         self,
@@ -67,7 +104,33 @@ class Optimizer(ABC):
         correction; ``decay`` says whether weight decay applies to this range.
 
         The update applies ``grad_scale * grad``, the product formed in fp32 exactly as ``grad.float() *
-        float32(grad_scale)`` (one rounding), i.e. bit for bit what ``slide_core.engine.clipping.scale_into``
-        produces: clipping's correction recomputes that product and relies on the match. It exists so that a
-        fused optimizer can scale in registers instead of in an extra pass over memory.
+        float32(grad_scale)`` (one rounding), i.e. bit for bit what :func:`scale_into` produces: clipping's
+        correction recomputes that product and relies on the match. It exists so that a fused optimizer can
+        scale in registers instead of in an extra pass over memory.
         """
+
+    def correct(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        applied: Coefficient,
+        correction: Correction,
+        lr: float,
+        step: int,
+        decay: bool,
+    ) -> None:
+        """Correct an update :meth:`step` applied to these ranges in this step: it applied ``applied *
+        grad`` (formed as :func:`scale_into` forms it) with the same ``lr``, ``step`` and ``decay``, and
+        ``master`` and ``state`` are as it left them. ``undo`` restores both to what they were before it
+        (for ``step == 1``, this optimizer's fresh state), ``rescale`` leaves them as if the update had
+        applied ``correction.coeff * grad`` instead, ``keep`` changes nothing.
+
+        What gradient clipping needs from an optimizer, and all it needs: the step's final coefficient
+        reaches every update through here (or through ``grad_scale`` when the update waited for it). The
+        result may differ from the uncorrected arithmetic by rounding (an AdamW update is taken back
+        arithmetically, not restored from a copy). ``applied`` is a 0-dim device tensor for
+        device-resident units. An optimizer without it runs only with ``max_grad_norm = 0``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot correct an applied update")

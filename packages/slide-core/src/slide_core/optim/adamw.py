@@ -4,7 +4,8 @@ It uses ``torch._fused_adamw_`` (one pass, all cores) when this torch build has 
 device, and otherwise the same single-tensor arithmetic as ``torch.optim.AdamW(foreach=False)``.
 Low-precision gradients are cast into a preallocated fp32 scratch first, so nothing is allocated per step;
 a ``grad_scale`` other than 1 is applied in that same scratch (an fp32 gradient is copied there first, since
-the caller's gradient is never written).
+the caller's gradient is never written). It can correct an update it applied (``Optimizer.correct``, what
+gradient clipping needs) through :class:`~slide_core.optim.adamw_correction.AdamWCorrection`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Mapping
 
 import torch
 
-from slide_core.optimizer import AdamWConfig, Optimizer
+from slide_core.optim.adamw_correction import AdamWCorrection
+from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer
 
 __all__ = ["TorchAdamW"]
 
@@ -34,6 +36,10 @@ class TorchAdamW(Optimizer):
         # Per device: the same instance may update host ranges and device-resident units.
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
+        self._correction = AdamWCorrection(config)
+
+    def device_replica(self) -> TorchAdamW:
+        return TorchAdamW(self.config)
 
     def reserve(self, max_range_numel: int, device: torch.device | str = "cpu") -> None:
         device = torch.device(device)
@@ -51,7 +57,7 @@ class TorchAdamW(Optimizer):
         scratch = self._scratch[grad.device][: grad.numel()]
         scratch.copy_(grad)
         if grad_scale != 1.0:
-            scratch.mul_(grad_scale)  # as clipping.scale_into: fp32 * float32(grad_scale), one rounding
+            scratch.mul_(grad_scale)  # as optimizer.scale_into: fp32 * float32(grad_scale), one rounding
         return scratch
 
     def step(
@@ -98,3 +104,17 @@ class TorchAdamW(Optimizer):
         bias_correction2_sqrt = math.sqrt(1.0 - cfg.beta2**step)
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
         master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+    def correct(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        applied: Coefficient,
+        correction: Correction,
+        lr: float,
+        step: int,
+        decay: bool,
+    ) -> None:
+        self._correction.apply(correction, master, grad, applied, state, lr=lr, step=step, decay=decay)

@@ -6,14 +6,14 @@ write-allocate) and then runs ``torch._fused_adamw_`` (read the fp32 gradient 4,
 exp_avg 8, exp_avg_sq 8): ~38-40 bytes per parameter through DRAM. This kernel reads the bf16 gradient
 directly and widens it in registers (zero-extend, shift, bitcast), so a step moves 26 bytes per parameter (grad 2 + master 8 + exp_avg 8
 + exp_avg_sq 8): at the same bandwidth that is ~1.5x the parameters per second. Clipping's speculative
-updates pass ``grad_scale`` (slide_core/engine/clipping.py), and the kernel multiplies there too, so a
+updates pass ``grad_scale`` (docs/design/engine.md, "Clipping"), and the kernel multiplies there too, so a
 clipped step still moves 26 bytes per parameter instead of first writing ``c * g`` to an fp32 scratch
 (~42 B/param).
 
 The arithmetic is ``torch.optim.AdamW(foreach=False)``'s, op for op, in fp32, with the scalars computed
 in Python float64 and rounded to fp32 exactly where torch rounds them:
 
-    g  = f32(grad) * f32(grad_scale)                     # clipping.scale_into's copy_ + mul_ (exact at 1)
+    g  = f32(grad) * f32(grad_scale)                     # scale_into's copy_ + mul_ (exact at 1)
     p  = p * f32(1 - lr*wd)                              # mul_ (only when decaying)
     m  = fma(c, g - m, m if w < .5 else g)               # lerp_(g, w), w = 1 - beta1; c = w or w - 1
     v  = fma(f32(1 - beta2) * g, g, v * f32(beta2))      # mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from slide_core.optim.adamw import TorchAdamW
-from slide_core.optimizer import AdamWConfig, Optimizer
+from slide_core.optim.adamw_correction import AdamWCorrection
+from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer
 
 __all__ = ["FusedAdamW", "best_adamw"]
 
@@ -151,7 +152,7 @@ def _correct_block_py(
     neg_step,
 ):
     """Take back one AdamW update that applied ``applied * g`` and, with ``redo``, apply it again with
-    ``new_coeff * g``: clipping's correction (slide_core/engine/clipping.py) in one pass, fp32 math
+    ``new_coeff * g``: clipping's correction (slide_core/optim/adamw_correction.py) in one pass, fp32 math
     mirroring ``AdamWCorrection``'s torch ops (the moments' reversal is exact up to rounding)."""
     for j in range(p.shape[0]):
         gi = _as_fp32(g[j])
@@ -297,6 +298,11 @@ class FusedAdamW(Optimizer):
         self._scratch = torch.empty(0, dtype=torch.float32)
         self._reserved = 0
         self._off_host: TorchAdamW | None = None
+        self._correction = AdamWCorrection(config)
+
+    def device_replica(self) -> TorchAdamW:
+        """Device ranges go through torch's kernels (numba runs on the host only)."""
+        return TorchAdamW(self.config)
 
     def _device_fallback(self) -> TorchAdamW:
         """Ranges that live on an accelerator go through torch's kernels (numba only runs on the host)."""
@@ -400,6 +406,21 @@ class FusedAdamW(Optimizer):
         # One kernel for every scale: multiplying by 1.0f is exact, and the scale is always an fp32 scalar,
         # so the compiled (and cached) signatures are the same two as without clipping (bf16, fp32 grads).
         kernels.adamw(p, g, m, v, f32(grad_scale), *args)
+
+    def correct(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        applied: Coefficient,
+        correction: Correction,
+        lr: float,
+        step: int,
+        decay: bool,
+    ) -> None:
+        """One pass over a host range (``fused_correct``), the torch ops elsewhere (AdamWCorrection)."""
+        self._correction.apply(correction, master, grad, applied, state, lr=lr, step=step, decay=decay)
 
 
 def best_adamw(config: AdamWConfig, *, threads: int | None = None, warmup: bool = True) -> Optimizer:
