@@ -36,6 +36,7 @@ FAMILIES = [
     "test-qwen3-next",
     "test-qwen3.5",
     "test-qwen3.5-moe",
+    "test-llama4",
 ]
 STEPS = 3
 RTOL = 1e-5
@@ -318,6 +319,7 @@ RELEASED = [
     "qwen3-next-80b-a3b",
     "qwen3.5-9b",
     "qwen3.5-35b-a3b",
+    "llama4-scout-text",
 ]
 
 
@@ -333,3 +335,38 @@ def test_planner_prices_released_shapes(preset: str) -> None:
     assert plan.params == param_count(model)
     assert plan.shape.block_numels == tuple(b.layout.numel for b in model.blocks)
     assert plan.step_time_s > 0 and plan.host_peak_bytes > 12 * plan.params
+
+
+def test_llama4_chunks_and_temperature_act(reference, helpers) -> None:
+    """Layer 0 attends within 4-token chunks, layer 1 (NoPE) scales its queries past 4 tokens: turning
+    either off changes the loss beyond the parity tolerance."""
+    ref = reference("test-llama4")
+    assert [b.attention_type for b in ref.model.blocks] == ["chunked_attention", "full_attention"]
+    assert [b.root.self_attn.use_rope for b in ref.model.blocks] == [True, False]
+    baseline = _loss(ref.model, ref.host, helpers)
+    assert abs(_loss_with(ref, helpers, attn_temperature_tuning=False) - baseline) > 1e-4
+    for block in ref.model.blocks:
+        block.attention_type = "full_attention"
+    assert abs(_loss(ref.model, ref.host, helpers) - baseline) > 1e-4
+
+
+def test_llama4_never_runs_flash_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers has no flash-attention path for Llama 4: not chosen where flash-attn is installed,
+    refused in one line when asked for."""
+    from slide_hf.adapters.attention import AttentionSupport
+    from slide_hf.errors import UserError
+
+    def with_flash(device_type: str, dtype: torch.dtype) -> AttentionSupport:
+        return AttentionSupport(device_type, dtype, flash_attn=True, flash_attn_softcap=True)
+
+    monkeypatch.setattr(AttentionSupport, "detect", staticmethod(with_flash))
+    assert build_model(PRESETS["test-llama"]()).attention_for("cuda", torch.bfloat16) == {
+        "full_attention": "flash_attention_2"
+    }
+    model = build_model(PRESETS["test-llama4"]())
+    assert set(model.attention_for("cuda", torch.bfloat16).values()) == {"sdpa"}
+    config = PRESETS["test-llama4"]()
+    config._attn_implementation = "flash_attention_2"
+    with pytest.raises(UserError, match="not available for Llama 4") as info:
+        build_model(config)
+    assert "\n" not in str(info.value)

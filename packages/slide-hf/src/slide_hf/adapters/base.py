@@ -408,12 +408,17 @@ class HFCausalLM(SlideModel):
         config._attn_implementation = self._attention_of(layer_type, device_type, dtype)
         return config
 
+    def attention_support(self, device_type: str, dtype: torch.dtype) -> AttentionSupport:
+        """What ``device_type`` offers this family at ``dtype``: what is installed, less what the family's HF
+        code cannot use (Llama 4 has no flash-attention path)."""
+        return AttentionSupport.detect(device_type, dtype)
+
     def _attention_of(self, layer_type: str, device_type: str, dtype: torch.dtype) -> str:
         key = (device_type, dtype, layer_type)
         found = self._attention.get(key)
         if found is None:
             found = self._requested_attention or choose_attention(
-                layer_attention(self.config, layer_type), AttentionSupport.detect(device_type, dtype)
+                layer_attention(self.config, layer_type), self.attention_support(device_type, dtype)
             )
             self._attention[key] = found
         return found
