@@ -195,7 +195,7 @@ def test_nvme_state_is_bit_identical_to_ram(accum: int, clip: float) -> None:
             with Engine(model, device, host, TorchAdamW(adam), config, state_tier=tier) as engine:
                 losses = [engine.step(micro, lr=3e-3).loss for micro in batches]
                 engine.drain(with_state=True)
-                state = {u.name: {k: v.clone() for k, v in engine.updates.state_views(u).items()} for u in model.units}
+                state = {u.name: {k: v.clone() for k, v in engine.host_state.views(u).items()} for u in model.units}
             return losses, host.slab.clone(), state
 
     ram = run(EngineConfig(**base))
@@ -280,11 +280,11 @@ def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:
                 engine.step(micro, lr=3e-3)
             streamed = save_checkpoint(tmp_path, 1, engine.checkpoint_arrays(), {})
             elsewhere = ("embed", "layers.1", "layers.0", "layers.3")
-            assert not any(engine.updates.host_state_valid[name] for name in elsewhere)
+            assert not any(engine.host_state.valid[name] for name in elsewhere)
             assert not host.flat("embed")[4096:-4096].any(), "the resident master came back to the host"
             engine.drain(with_state=True)
             assert host.flat("embed")[4096:-4096].any()  # a drain does bring it back
-            gathered = {"master": host.slab.clone(), **{k: v.clone() for k, v in engine.updates.state_slabs.items()}}
+            gathered = {"master": host.slab.clone(), **{k: v.clone() for k, v in engine.host_state.state_slabs.items()}}
     loaded = {name: torch.empty_like(tensor) for name, tensor in gathered.items()}
     load_checkpoint(streamed, loaded)
     for name, tensor in gathered.items():
@@ -318,11 +318,11 @@ def test_restore_checkpoint_streams_to_where_units_live(tmp_path) -> None:
                 if restore is not None:
                     e.restore_schedule_state({"step": e.restore_checkpoint(restore)["step"]})
                     assert not host.flat("embed")[4096:-4096].any(), "the resident master came to the host"
-                    assert not any(e.updates.host_state_valid[name] for name in elsewhere)
+                    assert not any(e.host_state.valid[name] for name in elsewhere)
                 losses = [e.step(micro, lr=3e-3).loss for micro in steps]
                 saved = save_checkpoint(tmp_path, e.step_count, e.checkpoint_arrays(), {}) if save else None
                 e.drain(with_state=True)
-                final = {"master": host.slab.clone(), **{k: v.clone() for k, v in e.updates.state_slabs.items()}}
+                final = {"master": host.slab.clone(), **{k: v.clone() for k, v in e.host_state.state_slabs.items()}}
             return losses, final, saved
 
     full_losses, full_final, _ = run(batches, init_seed=29)
@@ -358,11 +358,11 @@ def test_resident_host_copies_are_released() -> None:
             engine.step(batches[1], lr=1e-3)
             assert not host.flat("embed")[inside].any()
             engine.wait_idle()  # the whole step is applied, nothing comes back to the host
-            assert all(future.done() for future in engine.updates.updated.values())
+            assert all(future.done() for future in engine.updated.values())
             assert not host.flat("embed")[inside].any()
             engine.step(batches[2], lr=1e-3)
             engine.close(keep_host_state=False)
-            assert all(slab.numel() == 0 for slab in engine.updates.state_slabs.values())
+            assert all(slab.numel() == 0 for slab in engine.host_state.state_slabs.values())
             assert torch.equal(host.flat("embed"), device_master)
 
 

@@ -2,7 +2,7 @@
 
 The reference is ``torch.nn.utils.clip_grad_norm_`` followed by ``torch.optim.AdamW.step()``; a skipped
 step's reference simply never sees that step's batch. See Note [Clip rollback ordering] and Note
-[Speculative non-finite guard] in slide_core/engine/clipping.py, and Note [Grad store reuse] in
+[Speculative non-finite guard] in docs/design/engine.md, and Note [Grad store reuse] in
 slide_core/engine/grad_ring.py (exercised by the accumulated and tied cases).
 """
 
@@ -142,7 +142,7 @@ def _engine_run(
             engine.drain(with_state=True)  # device-resident units' Adam state, copied to the host
         params = {unit.name: host.views(unit) for unit in model.units}
         state = {
-            unit.name: {name: unit.layout.views(flat) for name, flat in engine.updates.state_views(unit).items()}
+            unit.name: {name: unit.layout.views(flat) for name, flat in engine.host_state.views(unit).items()}
             for unit in model.units
         }
         return results, params, state, engine.step_count
@@ -155,7 +155,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _assert_weights_and_state(params, state, ref_params, ref_state, step_count: int) -> None:
     """Weights and both Adam moments within RTOL: the speculative coefficient c_u keeps the rounding of a
-    correction small (see 'Why c_u rather than 1' in clipping.py)."""
+    correction small (see 'Why c_u rather than 1' in docs/design/engine.md)."""
     for unit, views in ref_params.items():
         for name, want in views.items():
             assert _rel(params[unit][name], want) <= RTOL, f"{unit}.{name} differs"
@@ -463,13 +463,13 @@ def test_clipped_steps_defer_the_next_steps_updates() -> None:
     applied_after_step: list[int] = []
 
     def count_corrections(engine: Engine) -> None:
-        correct = engine.updates.correct
+        correct = engine.host_pipeline.correct
 
         def counting_correct(unit, *args):
             corrected.append(unit.name)
             return correct(unit, *args)
 
-        engine.updates.correct = counting_correct
+        engine.host_pipeline.correct = counting_correct
 
     results, params, state, step_count = _engine_run(
         model,

@@ -123,7 +123,7 @@ def _train(case: str, evaluate_between: bool, **more):
                 evals.append(run.engine.evaluate(eval_batches))
         schedule = run.engine.schedule_state()
         run.engine.drain(with_state=True)
-        state = {name: slab.clone() for name, slab in run.engine.updates.state_slabs.items()}
+        state = {name: slab.clone() for name, slab in run.engine.host_state.state_slabs.items()}
         return results, run.host.slab.clone(), state, schedule, evals
     finally:
         run.close()

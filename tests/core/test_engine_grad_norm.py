@@ -1,5 +1,5 @@
 """``StepResult.grad_norm`` on every step, against ``torch.nn.utils.get_total_norm`` over plain PyTorch's
-gradients, on the CPU device in fp32. See Note [Gradient norm of every step] in slide_core/engine/engine.py
+gradients, on the CPU device in fp32. See Note [Gradient norm of every step] in docs/design/engine.md
 (clipping's norms are checked in test_engine_clipping.py)."""
 
 from __future__ import annotations

@@ -288,8 +288,8 @@ def _engine_measure(model: ToyModel, inputs: PlanInputs, config: EngineConfig) -
             grown = process.memory_info().rss - before
             actual = {
                 "master_fp32": host.nbytes,
-                "updates": engine.updates.host_bytes,  # optimizer state + gradient accumulators
-                "grad_ring": engine.ring.nbytes,
+                "updates": engine.host_state.host_bytes,  # optimizer state + gradient accumulators
+                "grad_ring": engine.transfer.ring.nbytes,
                 "activation_stash": engine.stash.host_bytes,
             }
     return actual, grown

@@ -26,16 +26,16 @@ class EngineConfig:
       more. The ring holds the backlog the optimizer carries from one backward into the next forward
       (see Note [Optimizer priority] in workers.py). A ring smaller than that backlog stalls the
       backward on free chunks, and the CPU then idles through the next forward. When the host update
-      is the slower side the backlog is about ``1 - T_backward / T_update`` of the model: half on the
-      H200 machine (3B: 16.5 ms backward, 33 ms update per block). It costs one compute-dtype element
-      per ring parameter (1 byte/param in bf16 at 0.5). 0 keeps the ring at ``grad_ring_slots``.
+      is the slower side the backlog is about ``1 - T_backward / T_update`` of the model (about half
+      for the 3B preset on the H200, see docs/benchmarks.md). It costs one compute-dtype element per
+      ring parameter (1 byte/param in bf16 at 0.5). 0 keeps the ring at ``grad_ring_slots``.
     - ``timeout_s``: the longest any single wait may block before the engine gives up with an error.
     - ``resident_units``: names of units whose master and optimizer state live on the device (see
-      resident.py); they skip PCIe and the host optimizer entirely.
+      resident_pipeline.py); they skip PCIe and the host optimizer entirely.
     - ``max_grad_norm``: global gradient-norm clipping, exactly ``torch.nn.utils.clip_grad_norm_`` over
       every parameter's final gradient of the step; 0 turns it off. Updates stay overlapped with
       backward through speculation and rollback; after a step that clipped, host updates wait for the
-      norm and overlap the next forward instead (see clipping.py). With it on, the host gradients of a
+      norm and overlap the next forward instead (docs/design/engine.md, "Clipping"). With it on, the host gradients of a
       step are kept in a full-model pinned store instead of ``grad_ring_slots`` ring chunks: one
       compute-dtype element per host-updated parameter (2 bytes/param in bf16).
     - ``skip_nonfinite``: with clipping on, a step whose gradient norm is NaN or Inf is skipped exactly
@@ -50,7 +50,7 @@ class EngineConfig:
       its norm formed there as it is summed, so such a step returns only once the host has summed (and
       updated) those units: with gradient accumulation that is the whole host update, which otherwise
       overlaps the next step's forward. False keeps steps norm-free (``grad_norm`` None without
-      clipping) and that overlap intact. See Note [Gradient norm of every step] in engine.py.
+      clipping) and that overlap intact. See Note [Gradient norm of every step] in docs/design/engine.md.
     """
 
     block_slots: int = 2

@@ -8,9 +8,9 @@ which the next step forgets anyway (``SlotWindow.start_step``). So a run with an
 steps is bit for bit the run without it.
 
 It evaluates the current weights without a global flush: each unit's load waits, on the h2d thread as
-in a step, for that unit's latest 'updated' future (Note [Update futures] in updates.py). That future is
-resolved by the last step's update of the unit, or by its correction or deferred update when clipping
-decided after the step (Notes [Clip rollback ordering] and [Deferred clipped steps] in clipping.py), so
+in a step, for that unit's latest 'updated' future (Note [Update futures] in docs/design/engine.md). That
+future is resolved by the last step's update of the unit, or by its correction or deferred update when
+clipping decided after the step (Notes [Clip rollback ordering] and [Deferred clipped steps]), so
 pending updates overlap the evaluation's first units. Device-resident units are updated on the compute
 stream, which orders their updates before the evaluation's compute. Sync points: those host-side waits
 for updates (h2d thread), and one read of the loss sum at the end (a CPU-GPU sync, main thread).
@@ -58,7 +58,7 @@ class Evaluation:
         batches = [split_micro_batch(micro_batch, index) for index, micro_batch in enumerate(micro_batches)]
         schedule = self._evaluation_schedule(len(batches))
         self.window.start_step(schedule)
-        self._ready_after = dict(self.updates.updated)  # the latest update of every unit, not a new step's
+        self._ready_after = dict(self.updated)  # the latest update of every unit, not a new step's
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         position = 0
         for batch in batches:
@@ -106,10 +106,10 @@ class Evaluation:
             lender_slot = self._acquire(position, schedule, embedding, pinned={slot.index})
             lender = embedding.layout.views(lender_slot.params)
             params.update({mine: lender[theirs] for mine, theirs in head.borrowed.items()})
-        start = self._mark()
+        start = self.timer.start()
         with torch.no_grad():
             loss_sum.add_(head.forward(params, x, inputs).float())
-        self._span(head, "eval", start)
+        self.timer.stop(head.name, "eval", start)
         slot.compute_done = self.device.record_event("compute")
         if lender_slot is not None:
             lender_slot.compute_done = slot.compute_done

@@ -7,7 +7,7 @@ Two layouts, chosen by ``EngineConfig.max_grad_norm``:
   for a free chunk, never allocates one. A chunk is reused as soon as the optimizer has applied it.
 - :class:`GradStore` (clipping on): every host-updated unit's gradient of the step, each at its own offset.
   Clipping is decided only once the whole step's gradient norm is known, after the speculative updates
-  (see clipping.py); correcting them needs the very gradient each one applied, so the bytes must outlive
+  (docs/design/engine.md, "Clipping"); correcting them needs the very gradient each one applied, so the bytes must outlive
   the update. The device-to-host copy lands straight in the unit's range, so keeping the gradient costs
   no extra host copy, only memory: one compute-dtype element per host-updated parameter (2 bytes/param in
   bf16; 16 GB for an 8B model), instead of the ring's ``slots x chunk``.
@@ -17,7 +17,7 @@ Note [Grad store reuse]: a unit's store range is written once per gradient contr
 waits until the optimizer thread has consumed contribution k (folded it into the fp32 accumulator).
 Across steps no wait is needed: a unit's first transfer of step n+1 follows its backward, which follows
 its load, which waits for its step-n ``updated`` future, resolved only after the step-n correction that
-reads the range (Note [Clip rollback ordering] in clipping.py). Tested by the accumulated and tied cases of
+reads the range (Note [Clip rollback ordering] in docs/design/engine.md). Tested by the accumulated and tied cases of
 ``test_clipping_matches_clip_grad_norm``.
 """
 

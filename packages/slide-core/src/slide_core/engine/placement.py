@@ -34,7 +34,7 @@ def choose_resident_units(
     left = budget_bytes
     for unit in order:
         # ``accumulates``: gradient accumulation; otherwise a tied embedding sums its two
-        # contributions in its slot (Note [Tied gradient in the slot] in resident.py).
+        # contributions in its slot (Note [Tied gradient in the slot] in docs/design/engine.md).
         cost = resident_bytes(unit, compute_dtype, accumulates=accumulates)
         cost -= _window_bytes_saved(unit, model, compute_dtype)
         if cost > left:

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from slide_core.tier import Tier, TierError
-from slide_core.unit import Unit
+from slide_core.unit import SlideModel, Unit
+
+from .config import EngineConfig
 
 __all__ = ["OffloadedState"]
 
@@ -47,7 +49,8 @@ def _wait(futures: list[Future], what: str, timeout_s: float) -> None:
 
 
 class OffloadedState:
-    """The optimizer state of ``units`` on ``tier``; every method runs on the optimizer thread."""
+    """The optimizer state of ``units`` on ``tier``. Every method runs on the optimizer thread, or on the
+    main thread while the optimizer thread is idle (a drain, a checkpoint, a resume)."""
 
     def __init__(
         self, tier: Tier, units: Sequence[Unit], state_names: Sequence[str], timeout_s: float, sets: int = 2
@@ -63,6 +66,22 @@ class OffloadedState:
         ]
         self._written: set[str] = set()
         self._pending_writes: dict[str, list[Future]] = {}
+
+    @staticmethod
+    def of_config(
+        model: SlideModel, config: EngineConfig, tier: Tier | None, state_names: Sequence[str]
+    ) -> OffloadedState | None:
+        """The state of ``config.offloaded_units`` on ``tier`` (None when there are none), checked."""
+        if not config.offloaded_units:
+            return None
+        if tier is None:
+            raise ValueError("offloaded_units needs a state_tier (e.g. slide_io's nvme tier)")
+        unknown = set(config.offloaded_units) - {unit.name for unit in model.units}
+        both = set(config.offloaded_units) & set(config.resident_units)
+        if unknown or both:
+            raise ValueError(f"offloaded_units: unknown {sorted(unknown)} or also resident {sorted(both)}")
+        chosen = [unit for unit in model.units if unit.name in config.offloaded_units]
+        return OffloadedState(tier, chosen, state_names, config.timeout_s)
 
     def __contains__(self, name: object) -> bool:
         return name in self.units
@@ -142,6 +161,19 @@ class OffloadedState:
         _wait(self._pending_writes.get(unit, []), f"the write-back of {unit}'s optimizer state", self.timeout_s)
         _wait([self.tier.put(self._key(unit, name), values)], f"writing {unit}'s optimizer state", self.timeout_s)
         self._written.add(unit)
+
+    def read(self, unit: str, name: str, out: torch.Tensor) -> None:
+        """Copy one state tensor of ``unit`` into ``out`` (a checkpoint), waiting for pending I/O."""
+        staging = self._find(unit)
+        if staging is not None:
+            _wait(staging.reads, f"the read of {unit}'s optimizer state", self.timeout_s)
+            out.copy_(self._views(staging, unit)[name])
+            return
+        if unit not in self._written:
+            out.zero_()
+            return
+        _wait(self._pending_writes.get(unit, []), f"the write-back of {unit}'s optimizer state", self.timeout_s)
+        _wait([self.tier.get(self._key(unit, name), out)], f"reading {unit}'s optimizer state", self.timeout_s)
 
     def copy_to(self, unit: str, host_views: dict[str, torch.Tensor]) -> None:
         """Copy ``unit``'s current state into host views (a checkpoint), waiting for pending I/O."""

@@ -12,9 +12,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from slide_core.device import Event
+from slide_core.device import Device, Event
 
-__all__ = ["PHASES", "TRACKS", "Timeline", "TraceSpan", "UnitTimes"]
+__all__ = ["PHASES", "TRACKS", "ComputeTimer", "Timeline", "TraceSpan", "UnitTimes"]
 
 PHASES = ("forward", "backward", "head", "eval", "h2d", "d2h", "update", "wait")
 """``eval``: the compute of :meth:`Engine.evaluate` (forward and loss), kept apart from training's."""
@@ -119,3 +119,19 @@ class Timeline:
         with self._lock:
             units, self.units = self.units, defaultdict(UnitTimes)
         return dict(units)
+
+
+class ComputeTimer:
+    """Times work issued on the device's compute stream (a unit's forward, backward or device-side update)
+    into a :class:`Timeline`, recording timing events only while timings are on."""
+
+    def __init__(self, device: Device, timeline: Timeline) -> None:
+        self.device = device
+        self.timeline = timeline
+
+    def start(self) -> Event | None:
+        return self.device.record_event("compute", timing=True) if self.timeline.enabled else None
+
+    def stop(self, unit: str, phase: str, start: Event | None) -> None:
+        if start is not None:
+            self.timeline.device_span(unit, phase, start, self.device.record_event("compute", timing=True))

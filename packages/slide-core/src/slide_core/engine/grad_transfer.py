@@ -1,0 +1,201 @@
+"""The device-to-host stage of host-updated units: a unit's gradient buffer streamed in chunks into pinned
+host memory (the ring, or with clipping the grad store: grad_ring.py), each landed chunk queued for the
+optimizer thread. Shared by every host-side pipeline; runs on the ``d2h`` thread.
+
+Note [Only landed chunks are queued]: the d2h thread waits for each chunk's copy to land before it queues
+the chunk for the optimizer. The optimizer thread takes the queued chunk of the lowest next-forward
+position (Note [Optimizer priority] in workers.py); had it been handed chunks still in flight, it would
+pick the newest one, which the GPU reaches last, and sit in that chunk's event while landed chunks of
+earlier units waited. With the pinned clipping store (no ring to throttle the d2h thread) that left the CPU
+idle for the whole backward: every host update ran after it. A ring chunk is handed over before the next
+one is taken, so a ring of one chunk cannot deadlock. Tested by
+``test_a_ring_of_one_chunk_neither_deadlocks_nor_changes_the_math``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from slide_core.device import Device, Event
+from slide_core.unit import Unit
+
+from .config import EngineConfig
+from .context import Contribution, StepContext
+from .grad_ring import GradRing, GradStore
+from .norms import UnitNorms
+from .timeline import Timeline
+from .workers import Workers
+
+__all__ = ["ChunkSink", "GradChunk", "GradTransfer"]
+
+
+@dataclass(frozen=True)
+class GradChunk:
+    """One landed range ``[start, end)`` of one gradient contribution of a unit."""
+
+    unit: Unit
+    start: int
+    end: int
+    contribution: Contribution
+    last_chunk: bool
+    ctx: StepContext
+    norm_sq: torch.Tensor | None = None
+    """On the first chunk of a unit's final contribution (when the step checks norms): the pinned squared
+    norm of the unit's gradient, landed before this chunk; checked before anything is applied."""
+
+
+class ChunkSink(Protocol):
+    def apply(self, chunk: GradChunk, grad: torch.Tensor) -> None:
+        """Optimizer thread: take one landed chunk (``grad`` is valid until this returns)."""
+
+
+class GradTransfer:
+    """Streams host-updated units' gradients to the optimizer thread through pinned host memory."""
+
+    def __init__(
+        self,
+        device: Device,
+        workers: Workers,
+        host_units: Sequence[Unit],
+        config: EngineConfig,
+        timeline: Timeline,
+        norms: UnitNorms | None,
+    ) -> None:
+        self.device = device
+        self.workers = workers
+        self.timeline = timeline
+        self.norms = norms
+        self.chunk_numel = config.transfer_chunk_numel
+        self.ring: GradRing | None = None
+        self.store: GradStore | None = None
+        if config.clipping:  # see grad_ring.py: the store replaces the ring
+            self.store = GradStore(device, host_units, config.compute_dtype)
+        else:
+            host_numel = sum(unit.layout.numel for unit in host_units)
+            slots = config.ring_slots(host_numel)
+            self.ring = GradRing(device, slots, config.transfer_chunk_numel, config.compute_dtype)
+        self._consumed: dict[str, Future[None]] = {}  # d2h thread only, see Note [Grad store reuse]
+        self.last: Future[Event] | None = None
+        """The step's last d2h job (what the end of a clipped step waits for)."""
+
+    def begin_step(self) -> None:
+        self.last = None
+
+    def send(
+        self,
+        sink: ChunkSink,
+        unit: Unit,
+        grads: torch.Tensor,
+        computed: Event,
+        contribution: Contribution,
+        ctx: StepContext,
+        order: tuple[int, ...],
+    ) -> Future[Event]:
+        """Main thread: stream ``grads`` once ``computed`` has happened; each landed chunk goes to
+        ``sink.apply`` on the optimizer thread, by ``order`` (Note [Optimizer priority]). Returns the
+        job, whose event says when the buffer may be written again."""
+        self.last = self.workers["d2h"].submit(self._d2h_job, sink, unit, grads, computed, contribution, ctx, order)
+        return self.last
+
+    def _d2h_job(
+        self,
+        sink: ChunkSink,
+        unit: Unit,
+        grads: torch.Tensor,
+        computed: Event,
+        contribution: Contribution,
+        ctx: StepContext,
+        order: tuple[int, ...],
+    ) -> Event:
+        """d2h thread: stream the unit's gradient in chunks; each landed chunk becomes an optimizer job.
+
+        Chunks go to ring slots, or with clipping on straight to the unit's range of the grad store. On a
+        unit's final contribution its squared norm goes first, so it has landed when the first chunk has.
+        """
+        device, workers, ring, store = self.device, self.workers, self.ring, self.store
+        chunks = list(_chunks(unit.layout.numel, self.chunk_numel, unit.layout.decay_numel))
+        start = None
+        end = computed
+        norm_sq: torch.Tensor | None = None
+        with device.stream("d2h"):
+            device.wait_event("d2h", computed)
+            if ctx.clip.checks_norms and contribution.final:
+                assert self.norms is not None
+                norm_sq = self.norms.send(unit)
+            if store is not None:
+                previous = self._consumed.get(unit.name)  # see Note [Grad store reuse] in grad_ring.py
+                if previous is not None:
+                    workers.wait(previous, f"the optimizer to take the previous gradient of {unit.name}")
+            consumed: Future[None] | None = None
+            landing: list[_InFlight] = []
+            for number, (lo, hi) in enumerate(chunks):
+                index: int | None = None
+                if store is not None:
+                    target = store.flat(unit)[lo:hi]
+                else:
+                    assert ring is not None
+                    consumed = self._hand_over_landed(sink, landing) or consumed  # they free ring chunks
+                    index = workers.get(ring.free, "a free gradient ring chunk")
+                    target = ring.chunks[index][: hi - lo]
+                if start is None:
+                    start = device.record_event("d2h", timing=self.timeline.enabled)
+                target.copy_(grads[lo:hi], non_blocking=True)
+                end = device.record_event("d2h", timing=self.timeline.enabled)
+                last = number == len(chunks) - 1
+                first_norm = norm_sq if number == 0 else None
+                chunk = GradChunk(unit, lo, hi, contribution, last, ctx, first_norm)
+                landing.append(_InFlight(chunk, target, index, end, (*order, lo)))
+            consumed = self._hand_over_landed(sink, landing) or consumed
+            if store is not None and consumed is not None:
+                self._consumed[unit.name] = consumed
+        if start is not None:
+            self.timeline.device_span(unit.name, "d2h", start, end)
+        return end
+
+    def _hand_over_landed(self, sink: ChunkSink, landing: list[_InFlight]) -> Future[None] | None:
+        """d2h thread: wait for each chunk's copy to land, then queue it for the optimizer; return the last
+        job's future. See Note [Only landed chunks are queued]."""
+        consumed = None
+        for job in landing:
+            job.landed.synchronize()  # note: CPU-GPU sync point (on the d2h thread, by design)
+            consumed = self.workers["optimizer"].submit(
+                self._update_job, sink, job.chunk, job.target, job.index, job.landed, priority=job.priority
+            )
+        landing.clear()
+        return consumed
+
+    def _update_job(
+        self, sink: ChunkSink, chunk: GradChunk, grad: torch.Tensor, index: int | None, landed: Event
+    ) -> None:
+        """Optimizer thread: apply one landed chunk, then give its ring slot (if any) back."""
+        landed.synchronize()  # note: CPU-GPU sync point (on the optimizer thread, by design)
+        try:
+            sink.apply(chunk, grad)
+        finally:
+            if index is not None and self.ring is not None:
+                self.ring.release(index)
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A gradient chunk whose device-to-host copy is issued but not yet known to have landed."""
+
+    chunk: GradChunk
+    target: torch.Tensor
+    index: int | None
+    landed: Event
+    priority: tuple[int, ...]
+
+
+def _chunks(numel: int, chunk: int, decay_numel: int) -> Iterator[tuple[int, int]]:
+    """Split ``[0, numel)`` into ring-sized chunks that never straddle the decay boundary."""
+    cuts = sorted({0, numel, *((decay_numel,) if 0 < decay_numel < numel else ())})
+    for lo, hi in itertools.pairwise(cuts):
+        for offset in range(lo, hi, chunk):
+            yield offset, min(hi, offset + chunk)

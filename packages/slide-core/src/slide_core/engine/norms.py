@@ -1,0 +1,68 @@
+"""Per-unit squared gradient norms, formed on the device where each unit's gradient is.
+
+See Note [Gradient norm of every step] in docs/design/engine.md: what is summed where, and when the main
+thread reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from slide_core.device import Device
+from slide_core.unit import Unit
+
+from .clipping import CLIP_EPS
+
+__all__ = ["UnitNorms"]
+
+
+class UnitNorms:
+    """Per-unit squared gradient norms: fp32 on the device, and a pinned host copy of each.
+
+    The device slot of a unit sums the squared norms of the unit's gradient contributions of the step (for
+    a unit with one contribution, and for a resident unit's final gradient, that is the squared norm of
+    the gradient; a host unit with several holds only a finiteness check, its final gradient's norm is
+    summed on the host). The main thread reads every slot with the step's loss. The host copy is sent
+    once per step, with the unit's final contribution, on the d2h stream ahead of its chunks. ``coeffs``
+    holds resident units' device-side ``c_u``.
+    """
+
+    def __init__(self, device: Device, units: Sequence[Unit]) -> None:
+        self._index = {unit.name: index for index, unit in enumerate(units)}
+        self.on_device = device.empty(len(units), torch.float32)
+        self.on_device.zero_()
+        self.on_host = device.alloc_pinned(len(units), torch.float32)
+        self.on_host.zero_()
+        self.coeffs = device.empty(len(units), torch.float32)
+        self.coeffs.fill_(1.0)
+
+    def add(self, unit: Unit, grad: torch.Tensor, *, first: bool) -> torch.Tensor:
+        """Compute stream: fold ``|grad|^2`` into the unit's device slot; return that 0-dim slot."""
+        squared = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        slot = self.on_device[self._index[unit.name]]
+        if first:
+            slot.copy_(squared)
+        else:
+            slot.add_(squared)
+        return slot
+
+    def device_coefficient(self, unit: Unit, squared: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """Compute stream: ``c_u`` as a 0-dim device tensor (1 where the norm is not finite: the
+        gradient was zeroed, see Note [Speculative non-finite guard])."""
+        coeff = (max_norm / (squared.sqrt() + CLIP_EPS)).clamp_(max=1.0)
+        slot = self.coeffs[self._index[unit.name]]
+        slot.copy_(torch.where(torch.isfinite(squared), coeff, torch.ones_like(coeff)))
+        return slot
+
+    def coefficient(self, unit: Unit) -> torch.Tensor:
+        """The resident unit's device-side ``c_u`` of this step (as its speculative update applied it)."""
+        return self.coeffs[self._index[unit.name]]
+
+    def send(self, unit: Unit) -> torch.Tensor:
+        """d2h stream: start copying the unit's squared norm to the host; return the pinned 0-dim view."""
+        index = self._index[unit.name]
+        host = self.on_host[index]
+        host.copy_(self.on_device[index], non_blocking=True)
+        return host

@@ -1,0 +1,214 @@
+"""Device-resident units: master, optimizer state and gradient stay on the device (resident.py), and each
+unit is updated on the compute stream right after its backward.
+
+Stream order alone makes every later read of the unit's parameters see the new values (Note [Resident
+update ordering] in docs/design/engine.md); nothing crosses PCIe and no thread is involved. With one
+micro-batch per step a tied embedding's two contributions are summed in its slot instead of an fp32
+accumulator (Note [Tied gradient in the slot]). The host copy of a master is current only after a drain,
+and its pages are given back to the OS in between when the slab is not pinned (Note [Resident host
+copies]).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Future
+
+import torch
+
+from slide_core.device import Event
+from slide_core.host_memory import release_pages
+from slide_core.host_params import HostParameters
+from slide_core.optimizer import Correction, Optimizer
+from slide_core.unit import Unit
+
+from .clipping import ScaledGrads
+from .context import Contribution, ContributionKind, StepContext
+from .host_state import HostState
+from .norms import UnitNorms
+from .pipeline import write_gradients
+from .resident import ResidentUnit, ResidentUnits
+from .slots import ParamSlot
+from .timeline import ComputeTimer
+
+__all__ = ["ResidentPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class ResidentPipeline:
+    """Updates the device-resident units on the compute stream (main thread).
+
+    ``optimizer`` is used from the main thread only (``Optimizer.device_replica`` of the host one);
+    ``lean_host``: the host slab is not pinned, so the pages of resident masters can be given back.
+    """
+
+    def __init__(
+        self,
+        units: ResidentUnits,
+        optimizer: Optimizer,
+        host_params: HostParameters,
+        norms: UnitNorms | None,
+        timer: ComputeTimer,
+        chunk_numel: int,
+        *,
+        lean_host: bool,
+    ) -> None:
+        self.units = units
+        self.optimizer = optimizer
+        self.host_params = host_params
+        self.norms = norms
+        self.timer = timer
+        self.chunk_numel = chunk_numel  # bounds the fp32 scratch of scaled gradients and of corrections
+        self.lean_host = lean_host
+        self._host_current = False
+        self._scaled = ScaledGrads()
+
+    # -- compute needs the unit --------------------------------------------------------------------------
+    def slot(self, unit: Unit) -> ParamSlot | None:
+        return self.units.slot(unit.name)
+
+    def load(self, unit: Unit, slot: ParamSlot, ready: Future[None], reuse_after: Event | None) -> Event:
+        raise AssertionError(f"{unit.name} lives on the device and is never loaded")
+
+    def begin_step(self, ctx: StepContext) -> None:
+        if self._host_current:
+            self.release_host_masters()  # the device masters move on from here
+
+    # -- gradients, main thread (compute stream) -------------------------------------------------------
+    @staticmethod
+    def _sums_in_slot(ctx: StepContext) -> bool:
+        """Note [Tied gradient in the slot]: with one micro-batch, later contributions add to the first."""
+        return ctx.micro_batches == 1
+
+    def writable_grads(
+        self, unit: Unit, slot: ParamSlot, contribution: Contribution, ctx: StepContext
+    ) -> torch.Tensor | None:
+        return None if self._sums_in_slot(ctx) and not contribution.starts else slot.grads
+
+    def contribute(
+        self,
+        unit: Unit,
+        slot: ParamSlot,
+        grads: Mapping[str, torch.Tensor | None],
+        contribution: Contribution,
+        ctx: StepContext,
+    ) -> None:
+        in_slot = self._sums_in_slot(ctx)
+        write_gradients(unit, slot.grads, grads, add=in_slot and not contribution.starts)
+        start = self.timer.start()
+        final = self._final_gradient(self.units.units[unit.name], contribution, in_slot)
+        if final is not None:
+            coeff = ctx.clip.device_coefficient(self.norms, unit, final)
+            if coeff is None:  # final as applied
+                self._step(self.units.units[unit.name], final, ctx)
+                if self.norms is not None:  # the final gradient, which the optimizer step did not write
+                    self.norms.add(unit, final, first=True)
+                ctx.updated[unit.name].set_result(None)
+            else:
+                self._step_scaled(self.units.units[unit.name], final, coeff, ctx)
+        self.timer.stop(unit.name, "update", start)
+
+    def _final_gradient(self, resident: ResidentUnit, contribution: Contribution, in_slot: bool) -> torch.Tensor | None:
+        """Fold the contribution in the slot into the unit's sum; the final gradient once it is complete."""
+        grads = resident.slot.grads
+        if in_slot or contribution.kind is ContributionKind.ONLY:
+            return grads if contribution.final else None
+        accum = self.units.accumulator(resident.unit.name)
+        if contribution.starts:
+            accum.copy_(grads)
+            return None
+        accum.add_(grads)
+        return accum if contribution.final else None
+
+    def _step(self, resident: ResidentUnit, grad: torch.Tensor, ctx: StepContext) -> None:
+        """The unit's update, as it is: one optimizer call per decay range."""
+        decay_numel, numel = resident.unit.layout.decay_numel, resident.unit.layout.numel
+        for start, end, decay in ((0, decay_numel, True), (decay_numel, numel, False)):
+            if end > start:
+                state = {key: view[start:end] for key, view in resident.state.items()}
+                self.optimizer.step(
+                    resident.master[start:end], grad[start:end], state, lr=ctx.lr, step=ctx.step, decay=decay
+                )
+        resident.slot.params.copy_(resident.master)
+
+    def _step_scaled(self, resident: ResidentUnit, grad: torch.Tensor, coeff: torch.Tensor, ctx: StepContext) -> None:
+        """The unit's update with ``coeff * grad`` (``coeff`` on the device), in pieces so the fp32 scratch
+        stays small."""
+        for lo, hi, decay in self._pieces(resident.unit):
+            state = {key: view[lo:hi] for key, view in resident.state.items()}
+            scaled = self._scaled(grad[lo:hi], coeff)
+            self.optimizer.step(resident.master[lo:hi], scaled, state, lr=ctx.lr, step=ctx.step, decay=decay)
+        resident.slot.params.copy_(resident.master)
+
+    def _pieces(self, unit: Unit) -> list[tuple[int, int, bool]]:
+        """``[lo, hi)`` pieces of at most ``chunk_numel`` that never straddle the unit's decay boundary."""
+        decay_numel, numel = unit.layout.decay_numel, unit.layout.numel
+        out = []
+        for start, end, decay in ((0, decay_numel, True), (decay_numel, numel, False)):
+            out.extend((lo, min(end, lo + self.chunk_numel), decay) for lo in range(start, end, self.chunk_numel))
+        return out
+
+    # -- the end of a clipped step ---------------------------------------------------------------------
+    def finish(self, unit: Unit, ctx: StepContext, correction: Correction) -> None:
+        """Correct the unit's speculative update on the compute stream, before any of the next step's
+        compute is issued (Note [Clip rollback ordering]); release it."""
+        if correction.kind != "keep":
+            resident = self.units.units[unit.name]
+            summed_in_accum = ctx.expected[unit.name] > 1 and not self._sums_in_slot(ctx)
+            grad = resident.accum if summed_in_accum else resident.slot.grads
+            assert grad is not None and self.norms is not None
+            start = self.timer.start()
+            applied = self.norms.coefficient(unit)
+            for lo, hi, decay in self._pieces(unit):
+                state = {key: view[lo:hi] for key, view in resident.state.items()}
+                self.optimizer.correct(
+                    resident.master[lo:hi],
+                    grad[lo:hi],
+                    state,
+                    applied=applied,
+                    correction=correction,
+                    lr=ctx.lr,
+                    step=ctx.step,
+                    decay=decay,
+                )
+            resident.slot.params.copy_(resident.master)
+            self.timer.stop(unit.name, "update", start)
+        ctx.updated[unit.name].set_result(None)
+
+    # -- checkpoints, drains and the host copies -------------------------------------------------------
+    def state_array(self, unit: Unit, name: str) -> torch.Tensor:
+        resident = self.units.units[unit.name]
+        return resident.master if name == "master" else resident.state[name]
+
+    def restore_target(self, unit: Unit, name: str) -> torch.Tensor:
+        return self.state_array(unit, name)
+
+    def restored(self, unit: Unit, name: str, values: torch.Tensor) -> None:
+        if name == "master":
+            self.units.slot(unit.name).params.copy_(values)  # the compute copy of the new master
+
+    def sync_to_host(self, host_state: HostState | None) -> None:
+        views = None if host_state is None else {name: host_state.views(name) for name in self.units.units}
+        self.units.sync_to_host(views)
+        self._host_current = True  # until the next step (Note [Resident host copies])
+
+    def flush(self) -> None:
+        pass  # stream order: the device is synchronized by the engine's wait_idle
+
+    def release_host_masters(self) -> None:
+        """Note [Resident host copies]: give the pages of the resident units' host masters back to the OS
+        when the slab is not pinned (their values live on the device)."""
+        if self.lean_host:
+            for name in self.units.units:
+                master = self.host_params.flat(name)
+                nbytes = master.numel() * master.element_size()
+                if release_pages(master) == 0 and nbytes >= 1 << 22:
+                    log.warning(
+                        "could not give back the host pages of %s (madvise failed): host memory will run "
+                        "%.2f GiB above the plan",
+                        name,
+                        nbytes / 2**30,
+                    )
+        self._host_current = False

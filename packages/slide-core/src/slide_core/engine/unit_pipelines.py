@@ -1,0 +1,119 @@
+"""Every unit's pipeline, chosen by where the engine's config places the unit.
+
+A unit in ``resident_units`` gets the :class:`ResidentPipeline`, one in ``offloaded_units`` the
+:class:`OffloadedPipeline`, any other the :class:`HostPipeline`; the two host-side ones share the
+:class:`GradTransfer` (the d2h stage and its pinned ring or store). :class:`UnitPipelines` is built once per
+engine run and is the one place a new placement, or a wrapper around a pipeline (a sharded one for data
+parallel), is plugged in: see "Where things plug in" in docs/design/engine.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from slide_core.device import Device
+from slide_core.host_params import HostParameters
+from slide_core.optimizer import Optimizer
+from slide_core.unit import SlideModel, Unit
+
+from .config import EngineConfig
+from .context import StepContext
+from .grad_transfer import GradTransfer
+from .host_pipeline import HostPipeline
+from .host_state import HostState
+from .norms import UnitNorms
+from .offloaded_pipeline import OffloadedPipeline
+from .pipeline import UnitPipeline
+from .resident import ResidentUnits
+from .resident_pipeline import ResidentPipeline
+from .slots import ParamSlot
+from .state_offload import OffloadedState
+from .timeline import ComputeTimer
+from .workers import Workers
+
+__all__ = ["UnitPipelines"]
+
+
+class UnitPipelines:
+    """The pipelines of one engine run, and which one owns each unit.
+
+    Building it copies device-resident units to the device, gives back their host pages and pins the
+    host-updated units' master ranges when the slab is not pinned (Note [Resident host copies]), and zeroes
+    a fresh run's host optimizer state after that, so the two never add up in the host's peak.
+    """
+
+    def __init__(
+        self,
+        model: SlideModel,
+        device: Device,
+        host_params: HostParameters,
+        host_state: HostState,
+        optimizer: Optimizer,
+        config: EngineConfig,
+        workers: Workers,
+        timer: ComputeTimer,
+        offloaded: OffloadedState | None,
+    ) -> None:
+        resident = set(config.resident_units)
+        lean_host = not host_params.slab.is_pinned()
+        views = {name: host_state.views(name) if host_state.valid[name] else None for name in resident}
+        self.residents = ResidentUnits(
+            model, config.resident_units, device, host_params, views, optimizer.state_names, config.compute_dtype
+        )
+        wants_norms = config.clipping or config.skip_nonfinite or config.report_grad_norm
+        self.norms = UnitNorms(device, model.units) if wants_norms else None
+        """Every unit's squared gradient norm of the step (Note [Gradient norm of every step])."""
+        timeline = timer.timeline
+        chunk_numel = config.transfer_chunk_numel
+        self.resident = ResidentPipeline(
+            self.residents, optimizer.device_replica(), host_params, self.norms, timer, chunk_numel, lean_host=lean_host
+        )
+        if lean_host:  # give pages back before pinning: a page-locked registration may keep nearby pages
+            self.resident.release_host_masters()
+            for is_host_updated, run in itertools.groupby(model.units, key=lambda unit: unit.name not in resident):
+                if is_host_updated:  # one registration per contiguous run of the slab
+                    units = list(run)
+                    device.pin_host_range(host_params.span(units[0], units[-1]))
+        host_state.zero_fresh()
+        host_units = [unit for unit in model.units if unit.name not in resident]
+        self.transfer = GradTransfer(device, workers, host_units, config, timeline, self.norms)
+        host: dict[str, Any] = dict(
+            device=device, host_params=host_params, host_state=host_state, optimizer=optimizer,
+            transfer=self.transfer, workers=workers, norms=self.norms, timeline=timeline,
+            forward_position={unit.name: index for index, unit in enumerate(model.units)}, chunk_numel=chunk_numel,
+        )  # fmt: skip
+        self.host = HostPipeline(**host)
+        self._of: dict[str, UnitPipeline] = dict.fromkeys(resident, self.resident)
+        self.distinct: list[UnitPipeline] = [self.resident, self.host]
+        if offloaded is not None:
+            chosen = [unit for unit in model.units if unit.name in offloaded]
+            self.distinct.append(OffloadedPipeline(chosen, offloaded, **host))
+            self._of.update(dict.fromkeys((unit.name for unit in chosen), self.distinct[-1]))
+        self.routes: list[tuple[Unit, UnitPipeline]] = [
+            (unit, self._of.setdefault(unit.name, self.host)) for unit in model.units
+        ]
+        """Every unit with its pipeline, in forward order."""
+        self.fixed: dict[str, ParamSlot] = {name: self.residents.slot(name) for name in self.residents.units}
+        """The units that always live in one device slot, never loaded by the window."""
+        self.device_updated = frozenset(resident)
+
+    def __getitem__(self, name: str) -> UnitPipeline:
+        return self._of[name]
+
+    @property
+    def by_name(self) -> dict[str, UnitPipeline]:
+        return self._of
+
+    def begin_step(self, ctx: StepContext) -> None:
+        for pipeline in self.distinct:
+            pipeline.begin_step(ctx)
+        self.transfer.begin_step()
+
+    def sync_to_host(self, host_state: HostState | None) -> None:
+        for pipeline in self.distinct:
+            pipeline.sync_to_host(host_state)
+
+    def flush(self) -> None:
+        for pipeline in self.distinct:
+            pipeline.flush()
