@@ -56,6 +56,7 @@ def test_missing_checkpoint_is_named(tmp_path: Path) -> None:
         find_latest(tmp_path)
 
 
+@pytest.mark.slow  # a fresh Python process: seconds of imports
 @pytest.mark.timeout(60)
 def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     """The file-size limit stands in for a full disk: the write fails with EFBIG part-way through."""

@@ -191,6 +191,7 @@ def test_best_adamw_picks_by_numba(monkeypatch):
     assert isinstance(best_adamw(AdamWConfig()), TorchAdamW)
 
 
+@pytest.mark.slow  # a fresh Python process: seconds of imports
 def test_importing_slide_core_does_not_import_numba():
     code = (
         "import sys, slide_core, slide_core.optim, slide_core.optim.fused_adamw; "

@@ -77,3 +77,32 @@ def test_bench_refuses_a_run_the_host_cannot_hold(slide, monkeypatch) -> None:
     status, out, err = slide("bench", *TINY)
     assert status == 2 and out == ""
     assert "host RAM" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_takes_plugins_by_name_with_identical_losses(slide, tmp_path) -> None:
+    """The same setup as `slide train`: --device, --optimizer (and its old short names) and any tier."""
+    _, out, _ = slide("bench", *TINY, "--device", "cpu", "--optimizer", "torch-adamw")
+    base = json.loads(out)["slide"]
+    assert base["optimizer"] == "TorchAdamW"
+    status, out, err = slide("bench", *TINY, "--optimizer", "torch", "--offload-optimizer", "pinned")
+    assert status == 0, err
+    pinned = json.loads(out)["slide"]
+    assert pinned["optimizer"] == "TorchAdamW" and pinned["nvme_state_units"] == [
+        "block.0",
+        "block.1",
+        "embedding",
+        "head",
+    ]
+    assert pinned["planned_disk_bytes"] == 0  # a tier in memory is planned as host RAM
+    assert pinned["losses"] == base["losses"]
+    status, out, _ = slide("bench", *TINY, "--optimizer", "fused")
+    assert status == 0 and json.loads(out)["slide"]["optimizer"] in ("FusedAdamW", "TorchAdamW")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--device", "tpu"), ("--optimizer", "sgd"), ("--offload-optimizer", "tape")]
+)
+def test_bench_unknown_plugin_name_is_one_line(slide, flag, value) -> None:
+    status, _out, err = slide("bench", *TINY, flag, value)
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert f"{flag} must be one of" in err and f"got {value!r}" in err

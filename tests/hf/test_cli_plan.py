@@ -130,4 +130,30 @@ def test_without_slide_kernels_the_logits_count_in_full(slide, monkeypatch):
 def test_help_has_examples(slide, capsys):
     status, out, _ = slide("plan", "--help")
     assert status == 0
-    assert "examples:\n  slide plan --model llama3.1-8b" in out and "--offload-optimizer {ram,nvme}" in out
+    assert "examples:\n  slide plan --model llama3.1-8b" in out
+    text = " ".join(out.split())
+    assert "--offload-optimizer NAME" in text and "one of ram, gds, hipfile, nvme, pinned (default ram)" in text
+    assert "--device NAME" in text and "one of auto, cpu, cuda, rocm" in text
+    assert "--optimizer NAME" in text and "one of auto, fused-adamw, torch-adamw" in text
+
+
+def test_plugin_names_choose_the_budget_the_tier_and_the_optimizer(slide):
+    argv = ("plan", "--model", "tiny-llama", "--seq-len", "128", "--json")
+    on_cpu = json.loads(slide(*argv, "--device", "cpu")[1])
+    assert on_cpu["gpu_memory_source"] == "no GPU visible; pass --gpu-memory"
+    on_disk = json.loads(slide(*argv, "--offload-optimizer", "nvme")[1])
+    in_memory = json.loads(slide(*argv, "--offload-optimizer", "pinned")[1])
+    assert on_disk["disk_bytes"] > 0 and on_disk["state_tier"] == "nvme"
+    assert in_memory["disk_bytes"] == 0 and in_memory["state_tier"] == "pinned"  # a tier in memory is host RAM
+    assert json.loads(slide(*argv, "--optimizer", "torch-adamw")[1])["optimizer"] == "TorchAdamW"
+    status, out, _ = slide("plan", "--model", "tiny-llama", "--optimizer", "fused-adamw")
+    assert status == 0 and "FusedAdamW, Adam state on ram" in out
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--device", "tpu"), ("--optimizer", "sgd"), ("--offload-optimizer", "tape")]
+)
+def test_an_unknown_plugin_name_is_one_line(slide, flag, value):
+    status, out, err = slide("plan", "--model", "tiny-llama", flag, value)
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert f"{flag} must be one of" in err and f"got {value!r}" in err

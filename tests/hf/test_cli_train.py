@@ -419,6 +419,148 @@ def test_nvme_offload_matches_ram(slide, tmp_path):
     assert [r["loss"] for r in offloaded] == [r["loss"] for r in ram]
 
 
+# ---- plugins: devices, tiers and optimizers chosen by name ----------------------------------------------
+
+THIRD_PARTY = '''
+from typing import ClassVar
+
+from slide_core.devices.cpu import CPUDevice
+from slide_core.optim.adamw import TorchAdamW
+from slide_core.tiers.host_ram import HostRamTier
+
+
+def _count(calls, name):
+    calls[name] = calls.get(name, 0) + 1
+
+
+class RecordingCPU(CPUDevice):
+    """The CPU device, wrapped: it counts the uploads and events the engine asks of it."""
+
+    calls: ClassVar[dict] = {}
+
+    def copy_to_device(self, dst, src, role="h2d"):
+        _count(RecordingCPU.calls, "copy_to_device")
+        return super().copy_to_device(dst, src, role)
+
+    def record_event(self, role, *, timing=False):
+        _count(RecordingCPU.calls, "record_event")
+        return super().record_event(role, timing=timing)
+
+
+class CountingTier(HostRamTier):
+    """Host RAM, counting what the engine stores and reads back."""
+
+    name = "counting"
+    calls: ClassVar[dict] = {}
+
+    @classmethod
+    def for_run(cls, request):
+        _count(cls.calls, "for_run")
+        return cls()
+
+    def put(self, key, tensor):
+        _count(CountingTier.calls, "put")
+        return super().put(key, tensor)
+
+    def get(self, key, out):
+        _count(CountingTier.calls, "get")
+        return super().get(key, out)
+
+
+class CountingAdamW(TorchAdamW):
+    """torch's AdamW, counting its steps."""
+
+    calls: ClassVar[dict] = {}
+
+    def step(self, *args, **kwargs):
+        _count(CountingAdamW.calls, "step")
+        return super().step(*args, **kwargs)
+
+
+class NotAnOptimizer:
+    pass
+'''
+
+ENTRY_POINTS = {
+    "slide.devices": {"recording-cpu": "slide_third_party:RecordingCPU"},
+    "slide.tiers": {"counting": "slide_third_party:CountingTier"},
+    "slide.optimizers": {
+        "counting-adamw": "slide_third_party:CountingAdamW",
+        "bogus": "slide_third_party:NotAnOptimizer",
+    },
+}
+
+
+@pytest.fixture
+def third_party(install_distribution):
+    """A throwaway distribution, installed for this test, with one plugin of each kind."""
+    install_distribution("slide-third-party", {"slide_third_party": THIRD_PARTY}, ENTRY_POINTS)
+    return importlib.import_module("slide_third_party")
+
+
+def test_plugins_of_every_kind_are_used_by_slide_train(slide, tmp_path, third_party):
+    built_in = _run(slide, tmp_path / "built-in", "--optimizer", "torch-adamw", "--offload-optimizer", "ram")
+    plugged = _run(
+        slide, tmp_path / "plugged", "--device", "recording-cpu", "--offload-optimizer", "counting",
+        "--optimizer", "counting-adamw", "--nvme-fraction", "0.5",
+    )  # fmt: skip
+    assert _losses(plugged) == _losses(built_in)
+    device, tier, optimizer = third_party.RecordingCPU, third_party.CountingTier, third_party.CountingAdamW
+    assert device.calls["copy_to_device"] >= 2 * 6 and device.calls["record_event"] > 0  # 6 units, 2 steps
+    assert tier.calls["for_run"] == 1 and tier.calls["put"] > 0 and tier.calls["get"] > 0
+    assert optimizer.calls["step"] > 0
+    options = json.loads((tmp_path / "plugged/options.json").read_text())
+    assert (options["device"], options["offload_optimizer"], options["optimizer"]) == (
+        "recording-cpu", "counting", "counting-adamw"
+    )  # fmt: skip
+
+
+def test_help_lists_the_installed_plugins(slide, third_party):
+    status, out, _ = slide("train", "--help")
+    assert status == 0
+    text = " ".join(out.split())
+    assert "one of auto, cpu, cuda, recording-cpu" in text
+    assert "counting-adamw" in text and "fused-adamw" in text and "torch-adamw" in text
+    assert "counting" in text and "nvme" in text and "ram" in text
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "listed"),
+    [
+        ("--device", "tpu", "auto, cpu, cuda"),
+        ("--optimizer", "sgd", "auto, fused-adamw, torch-adamw"),
+        ("--offload-optimizer", "tape", "ram, gds, hipfile, nvme, pinned"),
+    ],
+)
+def test_an_unknown_plugin_name_is_one_line_listing_the_installed(slide, tmp_path, flag, value, listed):
+    line = _fails(slide, *TINY, "--output", tmp_path / "run", flag, value, match=f"{flag} must be one of")
+    assert listed in line and line.endswith(f"got {value!r}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_plugin_package_says_what_to_install(slide, tmp_path, monkeypatch):
+    from slide_core import plugins
+
+    listing = plugins._entry_points
+
+    def without_slide_io(group):  # slide-io uninstalled, as far as entry points can tell
+        return {name: ep for name, ep in listing(group).items() if ep.dist is None or ep.dist.name != "slide-io"}
+
+    monkeypatch.setattr(plugins, "_entry_points", without_slide_io)
+    _fails(
+        slide, *TINY, "--output", tmp_path / "run", "--offload-optimizer", "nvme", "--nvme-dir", tmp_path,
+        match="got 'nvme'; `nvme` needs slide-io: pip install slide-io",
+    )  # fmt: skip
+
+
+def test_a_plugin_of_the_wrong_kind_is_one_line(slide, tmp_path, third_party):
+    _fails(
+        slide, *TINY, "--output", tmp_path / "run", "--optimizer", "bogus",
+        match="--optimizer bogus: slide.optimizers plugin 'bogus' is <class 'slide_third_party.NotAnOptimizer'>, "
+        "not a subclass of Optimizer",
+    )  # fmt: skip
+
+
 def test_unwritable_nvme_dir(slide, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -486,7 +628,15 @@ def test_unsupported_architecture(slide, tmp_path):
 
 
 def test_negative_batch_size(slide, tmp_path):
-    _fails(slide, *TINY, "--output", tmp_path / "run", "--batch-size", "-2", match="--batch-size must be an integer >= 1, got -2")
+    _fails(
+        slide,
+        *TINY,
+        "--output",
+        tmp_path / "run",
+        "--batch-size",
+        "-2",
+        match="--batch-size must be an integer >= 1, got -2",
+    )
 
 
 def test_seq_len_beyond_the_model_positions(slide, tmp_path):

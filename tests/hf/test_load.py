@@ -197,6 +197,7 @@ _RSS_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh Python process: seconds of imports
 def test_peak_rss_while_loading_stays_near_final(tmp_path):
     """A >= 200 MB checkpoint in 24 MB shards: loading adds at most 5% on top of what the weights take."""
     config = PRESETS["test-llama-untied"](

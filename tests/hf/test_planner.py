@@ -346,6 +346,7 @@ print(json.dumps({{"grown": grown}}))
 """
 
 
+@pytest.mark.slow  # a fresh Python process: seconds of imports
 def test_rss_growth_stays_within_the_plan():
     """In a fresh process (freed memory of earlier tests would hide growth): the RSS a real engine adds
     over 2 steps is at least the big slabs and at most the plan plus allocator slack."""
@@ -365,6 +366,7 @@ def test_rss_growth_stays_within_the_plan():
     assert grown >= 0.8 * (host["master_fp32"] + host["optimizer_state"]), format_bytes(grown)
 
 
+@pytest.mark.slow  # a fresh Python process: seconds of imports
 def test_process_baseline_covers_a_fresh_training_process():
     """PROCESS_BASELINE_BYTES is measured here: a new interpreter with torch, transformers, the engine and
     a built (meta-device) model, before any engine buffer."""

@@ -93,6 +93,7 @@ def test_corrupt_checkpoint_is_named(tmp_path: Path) -> None:
         train(_config(tmp_path / "again2", steps=4, resume=tmp_path / "run"))
 
 
+@pytest.mark.slow  # a fresh Python process: seconds of imports
 @pytest.mark.timeout(120)
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     output = tmp_path / "run"

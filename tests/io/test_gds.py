@@ -35,6 +35,7 @@ def test_registered_as_gds_plugin() -> None:
     assert plugins.load("slide.tiers", "gds") is GdsTier
 
 
+@pytest.mark.slow  # a fresh Python process: seconds of imports
 def test_importing_slide_io_does_not_import_kvikio(tmp_path: Path) -> None:
     trap = tmp_path / "kvikio"
     trap.mkdir()

@@ -456,6 +456,7 @@ _FSIZE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh Python process: seconds of imports
 @pytest.mark.timeout(60)
 def test_file_size_limit_is_reported_like_a_full_disk(tmp_path: Path) -> None:
     done = subprocess.run(

@@ -1,6 +1,8 @@
 """Timed training steps on a preset or model directory, and the plain-PyTorch reference beside them.
 
-Used by `slide bench` and `bench/e2e.py`. Inputs are random token ids (never zeros). Reported numbers:
+Used by `slide bench` and `bench/e2e.py`. The engine is set up exactly as `slide train` sets up its own
+(slide_hf/setup.py: the same device, optimizer and tier plugins, plan check and placement). Inputs are random
+token ids (never zeros). Reported numbers:
 - tok/s and TFLOPS, with FLOPs per token = 6·N + 12·L·H·S (matmuls fwd+bwd plus attention scores);
   the engine's recompute forward is *not* counted, so both sides are credited the same work;
 - GPU peak (``max_memory_allocated``) and host peak RSS (sampled every 50 ms);
@@ -17,8 +19,6 @@ logits).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import gc
 import json
 import statistics
@@ -31,7 +31,8 @@ from typing import Any
 import psutil
 import torch
 
-from slide_hf.offload import offloaded_units, open_nvme_tier
+from slide_hf.errors import UserError
+from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimizer, open_engine, place_units
 
 __all__ = ["BenchConfig", "run_bench", "write_trace"]
 
@@ -48,12 +49,30 @@ class BenchConfig:
     block_slots: int = 2
     compare_plain: bool = False
     trace_dir: Path | None = None
-    optimizer: str = "auto"
+    device: str = "auto"  # a slide.devices plugin, as `slide train --device`
+    optimizer: str = "auto"  # a slide.optimizers plugin, as `slide train --optimizer`
     max_grad_norm: float = 0.0
-    offload_optimizer: str = "ram"  # "nvme": Adam m and v of nvme_fraction of the units on nvme_dir
+    offload_optimizer: str = "ram"  # a slide.tiers plugin for the Adam state of nvme_fraction of the units
     nvme_dir: Path | None = None
     nvme_fraction: float = 1.0
     report_grad_norm: bool = True
+
+    def run_options(self) -> RunOptions:
+        """The engine options a `slide train` run with the same flags would use (one micro-batch, bf16)."""
+        return RunOptions(
+            device=self.device,
+            gpu_memory_bytes=int(self.gpu_memory_gib * 2**30) if self.gpu_memory_gib else None,
+            optimizer=self.optimizer,
+            offload_optimizer=self.offload_optimizer,
+            nvme_dir=self.nvme_dir,
+            nvme_fraction=self.nvme_fraction,
+            block_slots=self.block_slots,
+            compute_dtype=torch.bfloat16,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            max_grad_norm=self.max_grad_norm,
+            report_grad_norm=self.report_grad_norm,
+        )
 
 
 class PeakRss:
@@ -88,10 +107,6 @@ def _batches(vocab: int, batch: int, seq: int, count: int) -> list[list[tuple[to
     return out
 
 
-def flops_per_token(config: Any, params: int, seq_len: int) -> float:
-    return 6.0 * params + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
-
-
 def _pcie_gbps(device: Any) -> tuple[float, float]:
     """Pinned h2d and d2h bandwidth measured now, on 1 GiB of random bytes."""
     if not device.is_accelerator:
@@ -102,105 +117,42 @@ def _pcie_gbps(device: Any) -> tuple[float, float]:
     rates = []
     for src, dst in ((host, target), (target, host)):
         dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        device.synchronize()
         start = time.perf_counter()
         for _ in range(3):
             dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        device.synchronize()
         rates.append(3 * src.numel() * 4 / (time.perf_counter() - start) / 1e9)
     del target
     return rates[0], rates[1]
 
 
-def _make_optimizer(name: str, config: Any) -> Any:
-    from slide_core.optim import TorchAdamW
-
-    if name == "torch":
-        return TorchAdamW(config)
-    try:
-        from slide_core.optim.fused_adamw import FusedAdamW, best_adamw
-    except ImportError:
-        return TorchAdamW(config)
-    return FusedAdamW(config) if name == "fused" else best_adamw(config)
-
-
 def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from slide_core import AdamWConfig, HostParameters
-    from slide_core.engine import Engine, EngineConfig
-    from slide_core.engine.placement import choose_resident_units
     from slide_hf import build_model, init_random
     from slide_hf.adapters import attention_summary
-    from slide_hf.planner import (
-        PlanInputs,
-        available_host_bytes,
-        check_fits,
-        device_gpu_budget,
-        make_plan,
-        plan_with_placement,
-    )
 
     model = build_model(config)
     params = sum(u.layout.param_numel for u in model.units)
-    limit = int(cfg.gpu_memory_gib * 2**30) if cfg.gpu_memory_gib else None
-    if torch.cuda.is_available():
-        from slide_core.devices.cuda import CUDADevice
-
-        device = CUDADevice(memory_limit_bytes=limit)
-    else:  # a smoke test on a machine without a GPU
-        from slide_core.devices.cpu import CPUDevice
-
-        device = CPUDevice()
-    gpu_budget = device_gpu_budget(device)  # as `slide train` places units
-    inputs = PlanInputs(
-        model,
-        batch_size=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        block_slots=cfg.block_slots,
-        gpu_memory_bytes=gpu_budget,
-        clipping=cfg.max_grad_norm > 0,
-        offload_optimizer=cfg.offload_optimizer,
-        nvme_fraction=cfg.nvme_fraction,
-    )
-    if cfg.resident_gib is not None:
-        resident = choose_resident_units(
-            model,
-            int(cfg.resident_gib * 2**30),
-            torch.bfloat16,
-            accumulates=False,  # one micro-batch per step
-        )
-        plan = make_plan(dataclasses.replace(inputs, resident_units=resident))
-    else:
-        plan = plan_with_placement(inputs)  # the placement `slide train` would pick
-        resident = plan.inputs.resident_units
-    # Refuse, in one line with the fix to try, a run the host cannot hold (rather than be OOM-killed).
-    check_fits(plan, host_available=available_host_bytes(), gpu_available=gpu_budget)
-    offloaded: tuple[str, ...] = ()
-    if cfg.offload_optimizer == "nvme":
-        offloaded = offloaded_units(model, cfg.nvme_fraction, resident)
+    options = cfg.run_options()
+    device = make_device(options.device, options.gpu_memory_bytes)
+    # Refuse, in one line with the fix to try, a run the host cannot hold (rather than be OOM-killed); place
+    # units as `slide train` would, or within --resident-gib.
+    resident_bytes = None if cfg.resident_gib is None else int(cfg.resident_gib * 2**30)
+    placement = place_units(model, device, options, resident_bytes=resident_bytes)
+    plan, resident, offloaded = placement.plan, placement.resident, placement.offloaded
     batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.steps)
     times, losses, spans, norms = [], [], [], []
     per_unit: dict[str, list[dict[str, float]]] = {}
-    with PeakRss() as rss, device, contextlib.ExitStack() as tiers:
-        state_tier = None
-        if offloaded:
-            assert cfg.nvme_dir is not None
-            state_tier = open_nvme_tier(cfg.nvme_dir)
-            tiers.callback(state_tier.close)
+    with PeakRss() as rss, device:
         h2d_gbps, d2h_gbps = _pcie_gbps(device)
         began = time.perf_counter()
         host = HostParameters(model)  # as `slide train`: the engine pins only what it streams
         init_random(model, host, config, seed=0)
         setup_s = time.perf_counter() - began
-        optimizer = _make_optimizer(cfg.optimizer, AdamWConfig())
-        engine_config = EngineConfig(
-            block_slots=cfg.block_slots,
-            compute_dtype=torch.bfloat16,
-            resident_units=resident,
-            offloaded_units=offloaded,
-            max_grad_norm=cfg.max_grad_norm,
-            report_grad_norm=cfg.report_grad_norm,
-        )
-        with Engine(model, device, host, optimizer, engine_config, state_tier=state_tier) as engine:
+        optimizer = make_optimizer(options.optimizer, AdamWConfig())
+        parts = open_engine(model, device, host, optimizer, options, placement, scratch=_scratch(cfg))
+        with parts as engine:
             device.reset_peak_memory()
             for index, micro in enumerate(batches):
                 traced = cfg.trace_dir is not None and index == len(batches) - 1
@@ -276,6 +228,17 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     if cfg.trace_dir is not None:
         result["trace"] = write_trace(spans, cfg.trace_dir)
     return result
+
+
+def _scratch(cfg: BenchConfig) -> Any:
+    """Tiers that keep files put them in --nvme-dir itself (each in its own folder, removed at close)."""
+
+    def directory() -> Path:
+        if cfg.nvme_dir is None:
+            raise UserError(f"--offload-optimizer {cfg.offload_optimizer} needs --nvme-dir PATH")
+        return cfg.nvme_dir
+
+    return directory
 
 
 def run_plain(cfg: BenchConfig, config: Any) -> dict[str, Any]:

@@ -30,6 +30,7 @@ __all__ = [
     "TrainConfig",
     "check_option",
     "config_dict",
+    "installed_names",
     "resume_config",
 ]
 
@@ -40,19 +41,29 @@ REPORTERS = ("tensorboard", "wandb", "mlflow")
 @dataclass(frozen=True)
 class Rule:
     """What one option accepts: a finite number in ``[low, high]`` (``low_open``: strictly above ``low``,
-    ``high_open``: strictly below ``high``), or one of ``choices``."""
+    ``high_open``: strictly below ``high``), one of ``choices``, or (kind ``"plugin"``) one of ``choices``
+    or a name installed in the entry-point ``group``, read when the value is checked, never hard-coded."""
 
-    kind: str  # "int", "float" or "choice"
+    kind: str  # "int", "float", "choice" or "plugin"
     low: float | None = None
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
     choices: tuple[str, ...] = ()
+    group: str | None = None
+
+    def names(self) -> tuple[str, ...]:
+        """What a choice or plugin option accepts now: ``choices`` first, then the installed plugins."""
+        if self.kind != "plugin" or self.group is None:
+            return self.choices
+        from slide_core import plugins
+
+        return self.choices + tuple(name for name in plugins.available(self.group) if name not in self.choices)
 
     def describe(self) -> str:
         """``in [0, 1)``, ``>= 0``, ``an integer in [1, 64]``: interval notation, as the docs write ranges."""
-        if self.kind == "choice":
-            return "one of " + ", ".join(self.choices)
+        if self.kind in ("choice", "plugin"):
+            return "one of " + ", ".join(self.names())
         noun = "an integer" if self.kind == "int" else "a finite number"
         low, high = self.low, self.high
         if self.kind == "int":
@@ -65,8 +76,8 @@ class Rule:
         return noun
 
     def accepts(self, value: Any) -> bool:
-        if self.kind == "choice":
-            return isinstance(value, str) and value in self.choices
+        if self.kind in ("choice", "plugin"):  # a listed choice needs no look at the installed plugins
+            return isinstance(value, str) and (value in self.choices or value in self.names())
         if isinstance(value, bool):
             return False
         if self.kind == "int" and not isinstance(value, int):
@@ -78,7 +89,13 @@ class Rule:
         return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
 
     def out_of_range_word(self, value: Any) -> str:
-        """``" (too large)"`` for an integer past a bound the message does not print."""
+        """``" (too large)"`` for an integer past a bound the message does not print; for a plugin that is
+        not installed but well known, ``"; `nvme` needs slide-io: pip install slide-io"``."""
+        if self.kind == "plugin" and self.group is not None and isinstance(value, str):
+            from slide_core import plugins
+
+            hint = plugins.install_hint(self.group, value)
+            return f"; {hint}" if hint else ""
         big = self.kind == "int" and isinstance(value, int) and self.high is not None and value > self.high
         return " (too large)" if big and self.high >= 2**31 else ""
 
@@ -92,7 +109,8 @@ def _positive_int(high: float = _INT_MAX) -> Rule:
 
 
 RULES: dict[str, Rule] = {
-    "device": Rule("choice", choices=("auto", "cuda", "cpu")),
+    "device": Rule("plugin", choices=("auto",), group="slide.devices"),
+    "optimizer": Rule("plugin", choices=("auto",), group="slide.optimizers"),
     "dtype": Rule("choice", choices=("bfloat16", "float32")),
     "seq_len": Rule("int", 2, 2**24),
     "batch_size": _positive_int(),
@@ -110,7 +128,7 @@ RULES: dict[str, Rule] = {
     "seed": Rule("int", 0, _INT_MAX),
     "save_every": Rule("int", 0, _INT_MAX),
     "keep_checkpoints": _positive_int(10**6),
-    "offload_optimizer": Rule("choice", choices=("ram", "nvme")),
+    "offload_optimizer": Rule("plugin", choices=("ram",), group="slide.tiers"),
     "nvme_fraction": Rule("float", 0, 1),
     "offload_activations": Rule("choice", choices=("ram", "nvme")),
     "save_dtype": Rule("choice", choices=("auto", "float32", "bfloat16")),
@@ -121,6 +139,15 @@ RULES: dict[str, Rule] = {
 }
 """Option name (underscored, as in TOML and the Python API) -> what it accepts. ``None`` always passes
 where the field allows it (``steps``, ``epochs``, ``lr``: "choose for me")."""
+
+
+def installed_names(name: str) -> str:
+    """``"auto, cpu, cuda, rocm"``: what the plugin-backed option ``name`` accepts here, for --help texts
+    (which must render even when package metadata cannot be read: then it says where to look)."""
+    try:
+        return ", ".join(RULES[name].names())
+    except Exception:  # unreadable metadata must not break every command's parser
+        return "see `slide doctor`"
 
 
 def check_option(name: str, value: Any, *, flag: str | None = None) -> None:
@@ -156,6 +183,7 @@ class TrainConfig:
     epochs: int | None = None
     lr: float | None = None
     weight_decay: float = 0.0
+    optimizer: str = "auto"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

@@ -1,14 +1,24 @@
 """The training recipe behind `slide train`: setup in dependency order, then one loop.
 
-Read top to bottom: resolve the model and tokenizer, load the data, build units, pick the device, check
-the plan fits, fill the fp32 master (checkpoint, HF weights or random init), then loop over optimizer
-steps (LR, forward/backward with accumulation, step, logging, checkpoint, termination) and export an HF
-directory at the end.
+Read :func:`_train` top to bottom. Each ``_setup_*`` step takes what the steps before it made:
+
+1. ``_setup_model``: the config, the tokenizer and the units (a model directory, a Hub name or a preset);
+2. ``_setup_data``: the rows (cached in the run directory), the batches, the step count and the LR schedule;
+3. ``_setup_device``: the ``--device`` plugin, capped at ``--gpu-memory``;
+4. ``_setup_optimizer``: the ``--optimizer`` plugin, its kernels compiled before anything is allocated;
+5. ``_setup_placement``: refuse what cannot fit, then choose what lives on the GPU and on the
+   ``--offload-optimizer`` tier (slide_hf/setup.py, shared with `slide bench`);
+6. ``_setup_run_log``: metrics and trackers;
+7. ``_setup_weights``: the fp32 master, from HF weights or a random init;
+8. ``_setup_engine``: the tiers and the engine (slide_hf/setup.py).
+
+Then :class:`_Trainer` runs the loop over optimizer steps -- LR, forward/backward with accumulation, clip
+and step (one engine call), logging, evaluation, checkpoint, termination -- and the final checkpoint and
+the HF export.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -25,7 +35,7 @@ from typing import Any
 import psutil
 import torch
 
-from slide_core import AdamWConfig, HostParameters, LRSchedule
+from slide_core import AdamWConfig, HostParameters, LRSchedule, Optimizer
 from slide_core.checkpoint import (
     CheckpointCorrupt,
     CheckpointWriteError,
@@ -33,18 +43,27 @@ from slide_core.checkpoint import (
     save_checkpoint,
 )
 from slide_core.device import Device
-from slide_core.engine import Engine, EngineConfig, EngineError
-from slide_core.optim import TorchAdamW
+from slide_core.engine import Engine, EngineError
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
-from slide_hf.offload import offloaded_units, open_activation_tier, open_nvme_tier
 from slide_hf.options import TrainConfig, config_dict
 from slide_hf.progress import Progress
 from slide_hf.resume import checkpoint_to_resume, corrupt_message, resume_point
 from slide_hf.run_dir import RunDir, default_output, run_of
 from slide_hf.run_export import export_run_model
 from slide_hf.run_log import RunLog
+from slide_hf.setup import (
+    EngineParts,
+    Placement,
+    RunOptions,
+    check_nvme_dir,
+    flops_per_token,
+    make_device,
+    make_optimizer,
+    open_engine,
+    place_units,
+)
 from slide_hf.sizes import parse_size
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
 
@@ -63,6 +82,28 @@ class TrainSummary:
     output: Path
     model_dir: Path
     losses: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Model:
+    """What ``_setup_model`` resolves: the HF config, the weights' directory (None for a preset), the
+    tokenizer and the units."""
+
+    config: Any
+    model_dir: Path | None
+    tokenizer: Any
+    slide_model: Any  # the adapter's SlideModel: the units the engine slides
+
+
+@dataclass(frozen=True)
+class _Data:
+    """What ``_setup_data`` prepares: training rows and batches, held-out rows, how long and how fast."""
+
+    dataset: Any
+    eval_set: Any
+    batches: Batches
+    total_steps: int
+    schedule: LRSchedule
 
 
 def train(
@@ -89,17 +130,106 @@ def _train(
     on_eval: Callable[[dict[str, Any]], None] | None,
 ) -> TrainSummary:
     torch.manual_seed(cfg.seed)
-    output = run_dir.path
+    options = _run_options(cfg)
+    model = _setup_model(cfg)
+    data = _setup_data(cfg, model, run_dir.path)
+    check_nvme_dir(options)  # before the device: a missing --nvme-dir is the user's to fix, not the machine's
+    device = _setup_device(options)
+    optimizer = _setup_optimizer(cfg, options)
+    placement = _setup_placement(model, device, options)
+    run_log = _setup_run_log(cfg, run_dir.path)
+    with device, run_log:
+        host = _setup_weights(cfg, model)
+        flops = _log_run(cfg, model, data, device, optimizer)
+        tokenizer_dir = _save_tokenizer(model.tokenizer, model.config, run_dir.path, model.model_dir)
+        parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir)
+        trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval)
+        with trainer.stop, parts as engine:
+            first_step = trainer.run()
+            # Free the host Adam state before the GPU-resident masters come back for the export, so the
+            # host never holds both (Note [Resident host copies] in slide_core's engine).
+            engine.close(keep_host_state=False)
+            # Export: an HF directory next to the run's other outputs, still under the signal handlers.
+            save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
+            final_step = max(first_step, data.total_steps)
+            model_out = export_run_model(
+                model.slide_model,
+                host,
+                model.config,
+                run_dir.path,
+                final_step,
+                dtype=save_dtype,
+                tokenizer_dir=tokenizer_dir,
+                stop=trainer.stop,
+            )
+    losses = trainer.losses
+    if first_step >= data.total_steps:  # a finished run, resumed: its model is written again, nothing to train
+        log.info(
+            "the run in %s had reached step %d: nothing left to train; model written to %s",
+            run_dir.path,
+            first_step,
+            model_out,
+        )
+        return TrainSummary(0, math.nan, math.nan, run_dir.path, model_out, [])
+    if not losses:  # every step was skipped (non-finite gradients)
+        raise UserError(f"no optimizer step was applied; the model was still written to {model_out}")
+    log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
+    return TrainSummary(len(losses), losses[0], losses[-1], run_dir.path, model_out, losses)
 
-    # Model and tokenizer.
-    from slide_hf import init_random, load_weights
-    from slide_hf.adapters import attention_summary
 
-    config, model_dir, tokenizer, model = _setup_model(cfg)
+# -- setup, in the order _train runs it ----------------------------------------------------------------------
+def _run_options(cfg: TrainConfig) -> RunOptions:
+    """The options `slide train` shares with `slide bench`, as slide_hf/setup.py takes them."""
+    return RunOptions(
+        device=cfg.device,
+        gpu_memory_bytes=parse_size(cfg.gpu_memory, what="--gpu-memory") if cfg.gpu_memory else None,
+        optimizer=cfg.optimizer,
+        offload_optimizer=cfg.offload_optimizer,
+        nvme_dir=cfg.nvme_dir,
+        nvme_fraction=cfg.nvme_fraction,
+        offload_activations=cfg.offload_activations,
+        block_slots=cfg.block_slots,
+        compute_dtype=DTYPES[cfg.dtype],
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        grad_accum=cfg.grad_accum,
+        max_grad_norm=cfg.max_grad_norm,
+        # With several micro-batches the final gradient exists only on the host, and its norm would make
+        # every step wait for the whole host update (see EngineConfig.report_grad_norm); clipping needs
+        # the norm anyway.
+        report_grad_norm=cfg.grad_accum == 1 or cfg.max_grad_norm > 0,
+    )
+
+
+def _setup_model(cfg: TrainConfig) -> _Model:
+    """A model directory, a Hub id (cached first) or a preset: its config, tokenizer and units."""
+    from slide_hf import build_model, resolve_model
+    from slide_hf.hub import is_hub_id, resolve_hub_model
+    from slide_hf.presets import PRESETS
+
+    source: str | Path = cfg.model
+    if cfg.model not in PRESETS and is_hub_id(cfg.model):
+        source = resolve_hub_model(cfg.model)
+    preset_overrides = {"vocab_size": BYTE_VOCAB_SIZE} if cfg.model == "tiny-llama" else {}
+    try:
+        config, model_dir = resolve_model(source, **preset_overrides)
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    tokenizer = load_tokenizer(model_dir, cfg.tokenizer)
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}")
+    try:
+        slide_model = build_model(config)
+    except ValueError as error:
+        raise UserError(str(error)) from error
     if model_dir is None:  # a preset trains with the bundled tokenizer: its exports carry that tokenizer's ids
         use_tokenizer_special_tokens(config, tokenizer)
+    return _Model(config, model_dir, tokenizer, slide_model)
 
-    # Data.
+
+def _setup_data(cfg: TrainConfig, model: _Model, output: Path) -> _Data:
+    """Rows (prepared once, cached in the run directory), batches, the number of steps and the LR schedule."""
+    config = model.config
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     data_options = DataOptions(
         seq_len=cfg.seq_len,
@@ -109,220 +239,250 @@ def _train(
         max_positions=max_positions,
         vocab_size=config.vocab_size,
     )
-    dataset, eval_set = _load_data(cfg, tokenizer, data_options, output / DATA_CACHE)
+    dataset, eval_set = _load_data(cfg, model.tokenizer, data_options, output / DATA_CACHE)
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed)
     epochs = cfg.epochs or (10 if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
-    lr = cfg.lr if cfg.lr is not None else (1e-3 if model_dir is None else 2e-5)
+    lr = cfg.lr if cfg.lr is not None else (1e-3 if model.model_dir is None else 2e-5)
     schedule = LRSchedule(lr, cfg.lr_schedule, cfg.warmup_steps, total_steps)
-    adam = AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay)
+    return _Data(dataset, eval_set, batches, total_steps, schedule)
 
-    # Plan: refuse what cannot fit before allocating anything; spend spare GPU memory on resident units.
-    for flag, value in (
-        ("--offload-optimizer", cfg.offload_optimizer),
-        ("--offload-activations", cfg.offload_activations),
-    ):
-        if value == "nvme" and cfg.nvme_dir is None:
-            raise UserError(f"{flag} nvme needs --nvme-dir PATH (a directory on a fast local disk)")
-    device = _make_device(cfg)
-    compute_dtype = DTYPES[cfg.dtype]
-    resident = _plan_and_place(cfg, model, device, compute_dtype)
-    run_log = RunLog(
+
+def _setup_device(options: RunOptions) -> Device:
+    """The ``--device`` plugin (``auto``: cuda, rocm on a HIP build, else cpu), closed until the run starts."""
+    return make_device(options.device, options.gpu_memory_bytes)
+
+
+def _setup_optimizer(cfg: TrainConfig, options: RunOptions) -> Optimizer:
+    """The ``--optimizer`` plugin with the run's AdamW hyperparameters, compiled off the critical path."""
+    adam = AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay)
+    return make_optimizer(options.optimizer, adam)
+
+
+def _setup_placement(model: _Model, device: Device, options: RunOptions) -> Placement:
+    """Refuse what cannot fit before allocating anything; spend spare GPU memory on resident units."""
+    return place_units(model.slide_model, device, options)
+
+
+def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
+    return RunLog(
         output,
         config_dict(cfg),
         metrics=cfg.metrics,
         report_to=cfg.report_to,
         inputs=tuple(p for p in (cfg.data, cfg.eval_data, cfg.resume) if isinstance(p, Path)),
     )
-    with device, run_log:
-        host = HostParameters(model)  # the engine pins what it streams and gives back what lives on the GPU
-        if model_dir is None:
-            init_random(model, host, config, seed=cfg.seed)
-        else:
-            try:
-                load_weights(model, host, model_dir)
-            except ValueError as error:  # CheckpointError, ModelFilesError: one line naming file and tensor
-                raise UserError(str(error)) from None
-        params = sum(unit.layout.param_numel for unit in model.units)
-        flops_per_token = _flops_per_token(config, params, cfg.seq_len)
-        log.info(
-            "model %s: %.1fM params, %d blocks | data: %s, %d sequences of %d tokens | %d steps of %d tokens | "
-            "device %s (%s)",
-            _describe_model(cfg, model_dir),
-            params / 1e6,
-            len(model.blocks),
-            dataset.source,
-            len(dataset),
-            cfg.seq_len,
-            total_steps,
-            cfg.batch_size * cfg.grad_accum * cfg.seq_len,
-            device.facts().name,
-            cfg.dtype,
-        )
-        log.info("attention: %s", attention_summary(model, device.torch_device.type, compute_dtype))
-        offloaded = offloaded_units(model, cfg.nvme_fraction, resident) if cfg.offload_optimizer == "nvme" else ()
-        engine_config = EngineConfig(
-            block_slots=cfg.block_slots,
-            compute_dtype=compute_dtype,
-            resident_units=resident,
-            offloaded_units=offloaded,
-            max_grad_norm=cfg.max_grad_norm,
-            # With several micro-batches the final gradient exists only on the host, and its norm would make
-            # every step wait for the whole host update (see EngineConfig.report_grad_norm); clipping needs
-            # the norm anyway.
-            report_grad_norm=cfg.grad_accum == 1 or cfg.max_grad_norm > 0,
-        )
-        if resident:
-            log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(resident))
-        state_tier = open_nvme_tier(run_dir.scratch(cfg.nvme_dir)) if offloaded else None
-        if offloaded:
-            log.info("Adam state on NVMe (%s) for %d units", cfg.nvme_dir, len(offloaded))
-        activation_tier = (
-            open_activation_tier(run_dir.scratch(cfg.nvme_dir), device) if cfg.offload_activations == "nvme" else None
-        )
-        if activation_tier is not None:
-            log.info("block inputs on the %s tier in %s", activation_tier.name, cfg.nvme_dir)
-        engine = Engine(
-            model,
-            device,
-            host,
-            _host_optimizer(adam),
-            engine_config,
-            state_tier=state_tier,
-            activation_tier=activation_tier,
-        )
-        checkpoints = output / "checkpoints"
+
+
+def _setup_weights(cfg: TrainConfig, model: _Model) -> HostParameters:
+    """The fp32 master: HF weights, or a preset's seeded random init. The engine pins what it streams and
+    gives back what lives on the GPU."""
+    from slide_hf import init_random, load_weights
+
+    host = HostParameters(model.slide_model)
+    if model.model_dir is None:
+        init_random(model.slide_model, host, model.config, seed=cfg.seed)
+    else:
+        try:
+            load_weights(model.slide_model, host, model.model_dir)
+        except ValueError as error:  # CheckpointError, ModelFilesError: one line naming file and tensor
+            raise UserError(str(error)) from None
+    return host
+
+
+def _log_run(cfg: TrainConfig, model: _Model, data: _Data, device: Device, optimizer: Optimizer) -> float:
+    """Derived quantities, printed once; returns the model FLOPs per token."""
+    from slide_hf.adapters import attention_summary
+
+    params = sum(unit.layout.param_numel for unit in model.slide_model.units)
+    log.info(
+        "model %s: %.1fM params, %d blocks | data: %s, %d sequences of %d tokens | %d steps of %d tokens | "
+        "device %s (%s) | optimizer %s",
+        _describe_model(cfg, model.model_dir),
+        params / 1e6,
+        len(model.slide_model.blocks),
+        data.dataset.source,
+        len(data.dataset),
+        cfg.seq_len,
+        data.total_steps,
+        cfg.batch_size * cfg.grad_accum * cfg.seq_len,
+        device.facts().name,
+        cfg.dtype,
+        type(optimizer).__name__,
+    )
+    log.info("attention: %s", attention_summary(model.slide_model, device.torch_device.type, DTYPES[cfg.dtype]))
+    return flops_per_token(model.config, params, cfg.seq_len)
+
+
+def _setup_engine(
+    model: _Model,
+    device: Device,
+    host: HostParameters,
+    optimizer: Optimizer,
+    options: RunOptions,
+    placement: Placement,
+    run_dir: RunDir,
+) -> EngineParts:
+    """The tiers (each tier that keeps files gets its own locked folder in --nvme-dir) and the engine."""
+
+    def scratch() -> Path:
+        assert options.nvme_dir is not None  # check_nvme_dir refused a tier on disk without it
+        return run_dir.scratch(options.nvme_dir)
+
+    return open_engine(model.slide_model, device, host, optimizer, options, placement, scratch=scratch)
+
+
+# -- the loop -----------------------------------------------------------------------------------------------
+class _Trainer:
+    """The loop over optimizer steps and what it does between them (evaluate, checkpoint), as methods over
+    one run's state. ``stop`` turns SIGINT/SIGTERM into a checkpoint at the end of the current step."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        run_dir: RunDir,
+        model: _Model,
+        data: _Data,
+        engine: Engine,
+        device: Device,
+        run_log: RunLog,
+        flops_per_token: float,
+        on_step: Callable[[dict[str, Any]], None] | None,
+        on_eval: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.cfg, self.run_dir, self.output, self.data = cfg, run_dir, run_dir.path, data
+        self.engine, self.device, self.run_log = engine, device, run_log
+        self.flops_per_token = flops_per_token
+        self.on_step, self.on_eval = on_step, on_eval
+        self.stop = _StopRequests()
+        self.checkpoints = self.output / "checkpoints"
         # What `slide export` needs to turn any checkpoint of this run into an HF directory.
-        tokenizer_dir = _save_tokenizer(tokenizer, config, output, model_dir)
-        run_state = {"model": cfg.model, "seed": cfg.seed, "total_steps": total_steps, "config": config_dict(cfg)}
-        losses: list[float] = []
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        process = psutil.Process()
-        stop = _StopRequests()
+        self.run_state = {
+            "model": cfg.model,
+            "seed": cfg.seed,
+            "total_steps": data.total_steps,
+            "config": config_dict(cfg),
+        }
+        tokenizer = model.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.evaluator = _Evaluator(engine, data.eval_set, cfg.batch_size) if data.eval_set is not None else None
+        self.losses: list[float] = []
+        self.best: dict[str, Any] = {}
+        self.last_saved: int | None = None
+        self.progress: Progress | None = None
+        self._process = psutil.Process()
 
-        evaluator = _Evaluator(engine, eval_set, cfg.batch_size) if eval_set is not None else None
-        best: dict[str, Any] = {}
+    def run(self) -> int:
+        """Train inside the running engine from the resumed step (or 0) to the last; the final state is
+        checkpointed whatever --save-every says. Returns the first step."""
+        cfg, data, engine, stop = self.cfg, self.data, self.engine, self.stop
+        # Resume: each unit's arrays stream to where the unit lives.
+        first_step = 0
+        if cfg.resume is not None:
+            first_step = _resume(cfg.resume, engine, data.batches, self.run_state, self.run_dir)
+        self.last_saved = first_step if cfg.resume is not None else None
+        self.best.update(_read_best(self.checkpoints) if cfg.resume is not None and cfg.save_best else {})
+        self.run_log.start(first_step)
+        self.device.reset_peak_memory()
+        has_gpu = self.device.torch_device.type != "cpu"
+        self.progress = Progress(data.total_steps, first_step=first_step, has_gpu=has_gpu, log_every=cfg.log_every)
+        with self.progress:
+            for step in range(first_step, data.total_steps):
+                # LR for this step, then forward/backward over its micro-batches, clip and step (one engine call).
+                try:
+                    micro_batches = data.batches.next_step()
+                    result = engine.step(micro_batches, lr=data.schedule.lr_at(step))
+                except torch.OutOfMemoryError as error:
+                    raise UserError(_oom_message(error, cfg, step + 1)) from error
+                except EngineError as error:
+                    raise UserError(str(error)) from error
+                if result.skipped:
+                    log.warning("step %d skipped exactly: non-finite gradients (nothing applied)", step + 1)
+                elif not math.isfinite(result.loss):
+                    raise UserError(f"the loss became {result.loss} at step {result.step}; try a lower --lr")
+                else:
+                    self.losses.append(result.loss)
+                # Logging.
+                self._log_step(result, micro_batches)
+                # Evaluation: every --eval-every steps, and after the last step.
+                done = step + 1
+                if self.evaluator is not None and (
+                    done == data.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)
+                ):
+                    self.evaluate(done)
+                # Checkpoint: every --save-every steps, and when asked to stop (SIGINT/SIGTERM).
+                if (cfg.save_every and done % cfg.save_every == 0) or stop.requested:
+                    self.last_saved = self.checkpoint(done)
+                # Termination: a stop request ends the run here, its checkpoint saved.
+                if stop.requested:
+                    raise stop.stopped(f"after step {done}; its checkpoint is saved", self.output)
+        # Training is over. The final state is checkpointed first, whatever --save-every says, so the
+        # export can fail (full disk, a signal) without losing the run.
+        final_step = max(first_step, data.total_steps)
+        if self.last_saved != final_step:
+            self.checkpoint(final_step)
+        if stop.requested:
+            raise stop.stopped(f"after step {final_step}; its checkpoint is saved", self.output)
+        return first_step
 
-        def evaluate(step: int) -> None:
-            """Eval loss at ``step``; with --save-best, a new best is checkpointed and kept from pruning."""
-            nonlocal last_saved
-            record = evaluator.run(step)
-            progress.evaluation(record)
-            run_log.record(record)
-            if on_eval is not None:
-                on_eval(dict(record))
-            if cfg.save_best and record["eval_loss"] < best.get("eval_loss", math.inf):
-                if last_saved != step:
-                    last_saved = checkpoint(step, protect_step=step)
-                best.update(step=step, eval_loss=record["eval_loss"], path=str(_checkpoint_path(checkpoints, step)))
-                _write_best(checkpoints, best)
-                log.info("best eval loss so far: %.4f at step %d (%s)", record["eval_loss"], step, best["path"])
+    def _log_step(self, result: Any, micro_batches: list[Any]) -> None:
+        times = self.engine.unit_times()
+        real_tokens = _real_tokens(micro_batches, self.pad_id)
+        record = {
+            "step": result.step,
+            "loss": result.loss,
+            "lr": result.lr,
+            "tokens": real_tokens,
+            "loss_tokens": result.loss_tokens,
+            "padded_tokens": result.tokens,
+            "tokens_per_s": real_tokens / result.wall_s,
+            "step_time_s": result.wall_s,
+            "tflops": self.flops_per_token * result.tokens / result.wall_s / 1e12,  # padding is computed too
+            "overlap": _overall_overlap(times),
+            "grad_norm": result.grad_norm,
+            "skipped": result.skipped,
+            "gpu_mem_peak_gb": self.device.peak_memory_bytes() / 1e9,
+            "host_rss_gb": self._process.memory_info().rss / 1e9,
+        }
+        assert self.progress is not None
+        self.progress.update(record)  # adds the time remaining, eta_s
+        self.run_log.record(record)
+        if self.on_step is not None:
+            self.on_step(dict(record))
 
-        def checkpoint(step: int, protect_step: int | None = None) -> int:
-            arrays = engine.checkpoint_arrays()  # note: waits for every pending update (a host sync), only when saving
-            state = {**run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
-            state["rng"] = torch.get_rng_state().tolist()
-            state["engine"] = engine.schedule_state()
-            try:
-                saved = save_checkpoint(checkpoints, step, arrays, state)
-            except CheckpointWriteError as error:
-                raise UserError(error.strerror) from error
-            keep_best = [Path(best["path"])] if best else []
-            if protect_step is not None:
-                keep_best.append(saved)
-            prune_checkpoints(checkpoints, cfg.keep_checkpoints, protect=keep_best)
-            log.info("checkpoint written to %s", saved)
-            return step
+    def evaluate(self, step: int) -> None:
+        """Eval loss at ``step``; with --save-best, a new best is checkpointed and kept from pruning."""
+        assert self.evaluator is not None and self.progress is not None
+        record = self.evaluator.run(step)
+        self.progress.evaluation(record)
+        self.run_log.record(record)
+        if self.on_eval is not None:
+            self.on_eval(dict(record))
+        if self.cfg.save_best and record["eval_loss"] < self.best.get("eval_loss", math.inf):
+            if self.last_saved != step:
+                self.last_saved = self.checkpoint(step, protect_step=step)
+            path = str(_checkpoint_path(self.checkpoints, step))
+            self.best.update(step=step, eval_loss=record["eval_loss"], path=path)
+            _write_best(self.checkpoints, self.best)
+            log.info("best eval loss so far: %.4f at step %d (%s)", record["eval_loss"], step, path)
 
-        with stop, contextlib.ExitStack() as tiers, engine:
-            for tier in (state_tier, activation_tier):
-                if tier is not None:
-                    tiers.callback(tier.close)
-            # Inside the running engine: each unit's arrays stream to where the unit lives.
-            first_step = _resume(cfg.resume, engine, batches, run_state, run_dir) if cfg.resume is not None else 0
-            last_saved = first_step if cfg.resume is not None else None
-            best.update(_read_best(checkpoints) if cfg.resume is not None and cfg.save_best else {})
-            run_log.start(first_step)
-            device.reset_peak_memory()
-            has_gpu = device.torch_device.type != "cpu"
-            progress = Progress(total_steps, first_step=first_step, has_gpu=has_gpu, log_every=cfg.log_every)
-            with progress:
-                for step in range(first_step, total_steps):
-                    # LR for this step, then forward/backward over its micro-batches and the update.
-                    try:
-                        micro_batches = batches.next_step()
-                        result = engine.step(micro_batches, lr=schedule.lr_at(step))
-                    except torch.OutOfMemoryError as error:
-                        raise UserError(_oom_message(error, cfg, step + 1)) from error
-                    except EngineError as error:
-                        raise UserError(str(error)) from error
-                    if result.skipped:
-                        log.warning("step %d skipped exactly: non-finite gradients (nothing applied)", step + 1)
-                    elif not math.isfinite(result.loss):
-                        raise UserError(f"the loss became {result.loss} at step {result.step}; try a lower --lr")
-                    else:
-                        losses.append(result.loss)
-                    # Logging.
-                    times = engine.unit_times()
-                    real_tokens = _real_tokens(micro_batches, pad_id)
-                    record = {
-                        "step": result.step,
-                        "loss": result.loss,
-                        "lr": result.lr,
-                        "tokens": real_tokens,
-                        "loss_tokens": result.loss_tokens,
-                        "padded_tokens": result.tokens,
-                        "tokens_per_s": real_tokens / result.wall_s,
-                        "step_time_s": result.wall_s,
-                        "tflops": flops_per_token * result.tokens / result.wall_s / 1e12,  # padding is computed too
-                        "overlap": _overall_overlap(times),
-                        "grad_norm": result.grad_norm,
-                        "skipped": result.skipped,
-                        "gpu_mem_peak_gb": device.peak_memory_bytes() / 1e9,
-                        "host_rss_gb": process.memory_info().rss / 1e9,
-                    }
-                    progress.update(record)  # adds the time remaining, eta_s
-                    run_log.record(record)
-                    if on_step is not None:
-                        on_step(dict(record))
-                    # Evaluation: every --eval-every steps, and after the last step.
-                    done = step + 1
-                    if evaluator is not None and (
-                        done == total_steps or (cfg.eval_every and done % cfg.eval_every == 0)
-                    ):
-                        evaluate(done)
-                    # Checkpoint: every --save-every steps, and when asked to stop (SIGINT/SIGTERM).
-                    if (cfg.save_every and done % cfg.save_every == 0) or stop.requested:
-                        last_saved = checkpoint(done)
-                    if stop.requested:
-                        raise stop.stopped(f"after step {done}; its checkpoint is saved", output)
-            # Training is over. The final state is checkpointed first, whatever --save-every says, so the
-            # export below can fail (full disk, a signal) without losing the run.
-            final_step = max(first_step, total_steps)
-            if last_saved != final_step:
-                checkpoint(final_step)
-            if stop.requested:
-                raise stop.stopped(f"after step {final_step}; its checkpoint is saved", output)
-            # Free the host Adam state before the GPU-resident masters come back for the export, so the
-            # host never holds both (Note [Resident host copies] in slide_core's engine).
-            engine.close(keep_host_state=False)
-            # Export: an HF directory next to the run's other outputs, still under the signal handlers.
-            save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
-            model_out = export_run_model(
-                model, host, config, output, final_step, dtype=save_dtype, tokenizer_dir=tokenizer_dir, stop=stop
-            )
-    if first_step >= total_steps:  # a finished run, resumed: its model is written again, nothing to train
-        log.info(
-            "the run in %s had reached step %d: nothing left to train; model written to %s",
-            output,
-            first_step,
-            model_out,
-        )
-        return TrainSummary(0, math.nan, math.nan, output, model_out, [])
-    if not losses:  # every step was skipped (non-finite gradients)
-        raise UserError(f"no optimizer step was applied; the model was still written to {model_out}")
-    log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
-    return TrainSummary(len(losses), losses[0], losses[-1], output, model_out, losses)
+    def checkpoint(self, step: int, protect_step: int | None = None) -> int:
+        """Save the whole run state at ``step``, then prune all but --keep-checkpoints (and the best)."""
+        arrays = self.engine.checkpoint_arrays()  # note: waits for every pending update (a host sync), only when saving
+        batches = self.data.batches
+        state = {**self.run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
+        state["rng"] = torch.get_rng_state().tolist()
+        state["engine"] = self.engine.schedule_state()
+        try:
+            saved = save_checkpoint(self.checkpoints, step, arrays, state)
+        except CheckpointWriteError as error:
+            raise UserError(error.strerror) from error
+        keep = [Path(self.best["path"])] if self.best else []
+        if protect_step is not None:
+            keep.append(saved)
+        prune_checkpoints(self.checkpoints, self.cfg.keep_checkpoints, protect=keep)
+        log.info("checkpoint written to %s", saved)
+        return step
 
 
 DATA_CACHE = ".data-cache"
@@ -418,30 +578,6 @@ def _read_best(checkpoints: Path) -> dict[str, Any]:
     return best if fields_ok and Path(best["path"]).is_dir() else {}
 
 
-def _setup_model(cfg: TrainConfig) -> tuple[Any, Path | None, Any, Any]:
-    """``(config, model_dir, tokenizer, model)``: a model directory, a Hub id (cached first) or a preset."""
-    from slide_hf import build_model, resolve_model
-    from slide_hf.hub import is_hub_id, resolve_hub_model
-    from slide_hf.presets import PRESETS
-
-    source: str | Path = cfg.model
-    if cfg.model not in PRESETS and is_hub_id(cfg.model):
-        source = resolve_hub_model(cfg.model)
-    preset_overrides = {"vocab_size": BYTE_VOCAB_SIZE} if cfg.model == "tiny-llama" else {}
-    try:
-        config, model_dir = resolve_model(source, **preset_overrides)
-    except ValueError as error:
-        raise UserError(str(error)) from error
-    tokenizer = load_tokenizer(model_dir, cfg.tokenizer)
-    if len(tokenizer) > config.vocab_size:
-        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}")
-    try:
-        model = build_model(config)
-    except ValueError as error:
-        raise UserError(str(error)) from error
-    return config, model_dir, tokenizer, model
-
-
 def _describe_model(cfg: TrainConfig, model_dir: Path | None) -> str:
     """How the first log line names the model. A preset says ``random weights`` there: a run on a preset
     must never pass for a fine-tune of real weights in anyone's log."""
@@ -453,35 +589,6 @@ def _describe_model(cfg: TrainConfig, model_dir: Path | None) -> str:
     return cfg.model
 
 
-def _plan_and_place(cfg: TrainConfig, model: Any, device: Device, compute_dtype: torch.dtype) -> tuple[str, ...]:
-    """Check the run fits (host RAM, GPU budget) and choose the units to keep on the GPU."""
-    from slide_hf.planner import (
-        PlanInputs,
-        available_host_bytes,
-        check_fits,
-        device_gpu_budget,
-        make_plan,
-        plan_with_placement,
-    )
-
-    gpu_budget = device_gpu_budget(device)
-    inputs = PlanInputs(
-        model,
-        batch_size=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        grad_accum=cfg.grad_accum,
-        compute_dtype_bytes=torch.empty((), dtype=compute_dtype).element_size(),
-        block_slots=cfg.block_slots,
-        gpu_memory_bytes=gpu_budget,
-        clipping=cfg.max_grad_norm > 0,
-        offload_optimizer=cfg.offload_optimizer,
-        nvme_fraction=cfg.nvme_fraction,
-        offload_activations=cfg.offload_activations,
-    )
-    check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
-    return plan_with_placement(inputs).inputs.resident_units
-
-
 def _oom_message(error: BaseException, cfg: TrainConfig, step: int) -> str:
     """One line: what the device could not allocate, and how to see and fix what fits."""
     detail = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
@@ -491,15 +598,6 @@ def _oom_message(error: BaseException, cfg: TrainConfig, step: int) -> str:
         f"--batch-size {cfg.batch_size} --seq-len {cfg.seq_len}{cap}`, then lower --batch-size or --seq-len, "
         "or use --block-slots 1"
     )
-
-
-def _host_optimizer(adam: AdamWConfig) -> Any:
-    """The fused one-pass CPU AdamW when numba is installed; torch's fused AdamW + casts otherwise."""
-    try:
-        from slide_core.optim.fused_adamw import best_adamw
-    except ImportError:
-        return TorchAdamW(adam)
-    return best_adamw(adam)
 
 
 class _StopRequests:
@@ -557,38 +655,6 @@ def _resume(path: Path, engine: Engine, batches: Batches, run_state: dict[str, A
     run_dir.roll_back(found)
     log.info("resumed from %s at step %d", found, point.step)
     return point.step
-
-
-def _make_device(cfg: TrainConfig) -> Device:
-    from slide_core.devices.cpu import CPUDevice
-
-    wants_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if not wants_gpu:
-        if cfg.gpu_memory is not None:
-            log.warning("--gpu-memory is ignored on the CPU device")
-        return CPUDevice()
-    if not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but torch sees no GPU; use --device auto or cpu")
-    limit = parse_size(cfg.gpu_memory, what="--gpu-memory") if cfg.gpu_memory else None
-    if torch.version.hip:
-        from slide_core import plugins
-
-        try:
-            rocm = plugins.load("slide.devices", "rocm")
-        except plugins.PluginError as error:
-            raise UserError(str(error)) from error
-        return rocm(memory_limit_bytes=limit)
-    from slide_core.devices.cuda import CUDADevice
-
-    return CUDADevice(memory_limit_bytes=limit)
-
-
-def _flops_per_token(config: Any, params: int, seq_len: int) -> float:
-    """Model FLOPs per token: 6N for the matmuls plus 12·L·H·S for attention scores (fwd+bwd);
-    the recompute forward is not counted, so TFLOPS compares fairly with a run that keeps activations."""
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
-    return 6.0 * params + 12.0 * layers * hidden * seq_len
 
 
 def _overall_overlap(times: dict[str, Any]) -> float | None:

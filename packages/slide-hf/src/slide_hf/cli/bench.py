@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from slide_hf.errors import UserError
-from slide_hf.options import Rule, check_option
+from slide_hf.options import Rule, check_option, installed_names
 from slide_hf.sizes import SIZE_RULE, parse_size
 
 EPILOG = """examples:
@@ -44,9 +44,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="do not report each step's gradient norm (as slide train with --grad-accum > 1 and no clipping)",
     )
     add("--block-slots", type=int, default=2)
-    add("--optimizer", choices=("auto", "torch", "fused"), default="auto", help="host AdamW implementation")
+    add(
+        "--device",
+        metavar="NAME",
+        default="auto",
+        help=f"compute device, one of {installed_names('device')} (default auto, as slide train)",
+    )
+    add(
+        "--optimizer",
+        metavar="NAME",
+        default="auto",
+        help=f"host AdamW, one of {installed_names('optimizer')} (default auto, as slide train; "
+        "torch and fused are short for torch-adamw and fused-adamw)",
+    )
     add("--max-grad-norm", type=float, default=0.0, help="exact global clipping (default 0 = off)")
-    add("--offload-optimizer", choices=("ram", "nvme"), default="ram", help="where Adam m and v live (default ram)")
+    add(
+        "--offload-optimizer",
+        metavar="NAME",
+        default="ram",
+        help=f"the tier for the Adam m and v of --nvme-fraction of the units, one of "
+        f"{installed_names('offload_optimizer')} (default ram)",
+    )
     add("--nvme-dir", type=Path, help="directory on NVMe for offloaded state")
     add("--nvme-fraction", type=float, default=1.0, help="fraction of units whose state goes to NVMe (default 1.0)")
     add("--compare", choices=("plain",), help="also run plain PyTorch in the same invocation")
@@ -56,17 +74,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slide_hf.bench import BenchConfig, run_bench
+    from slide_hf.setup import check_nvme_dir
 
+    args.optimizer = OPTIMIZER_ALIASES.get(args.optimizer, args.optimizer)
     _check_options(args)
     if args.steps <= args.warmup:
         raise UserError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    if args.offload_optimizer == "nvme" and args.nvme_dir is None:
-        raise UserError("--offload-optimizer nvme needs --nvme-dir PATH (a directory on a fast local disk)")
-    # The outputs are checked before the benchmark, which takes minutes, rather than failing after it.
-    if args.json is not None:
-        _check_writable_file(args.json, "--json")
-    if args.trace is not None:
-        _check_writable_dir(args.trace, "--trace")
     cfg = BenchConfig(
         model=args.model,
         batch_size=args.batch_size,
@@ -79,12 +92,19 @@ def run(args: argparse.Namespace) -> int:
         block_slots=args.block_slots,
         compare_plain=args.compare == "plain",
         trace_dir=args.trace,
+        device=args.device,
         optimizer=args.optimizer,
         max_grad_norm=args.max_grad_norm,
         offload_optimizer=args.offload_optimizer,
         nvme_dir=args.nvme_dir,
         nvme_fraction=args.nvme_fraction,
     )
+    check_nvme_dir(cfg.run_options())
+    # The outputs are checked before the benchmark, which takes minutes, rather than failing after it.
+    if args.json is not None:
+        _check_writable_file(args.json, "--json")
+    if args.trace is not None:
+        _check_writable_dir(args.trace, "--trace")
     try:
         result = run_bench(cfg)
     except ValueError as error:
@@ -99,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+OPTIMIZER_ALIASES = {"torch": "torch-adamw", "fused": "fused-adamw"}
+"""The names `slide bench --optimizer` took before optimizers were plugins."""
+
 _BENCH_RULES = {
     "steps": ("--steps", Rule("int", 1, 10**6)),
     "warmup": ("--warmup", Rule("int", 0, 10**6)),
@@ -109,7 +132,16 @@ _BENCH_RULES = {
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    for name in ("batch_size", "seq_len", "block_slots", "max_grad_norm", "nvme_fraction"):
+    for name in (
+        "batch_size",
+        "seq_len",
+        "block_slots",
+        "max_grad_norm",
+        "nvme_fraction",
+        "device",
+        "optimizer",
+        "offload_optimizer",
+    ):
         check_option(name, getattr(args, name))
     if args.gpu_memory is not None:
         parse_size(args.gpu_memory, what="--gpu-memory")

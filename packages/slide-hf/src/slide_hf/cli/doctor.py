@@ -121,7 +121,10 @@ def _versions() -> dict[str, Any]:
 
 
 def _device() -> dict[str, Any]:
+    """The accelerator here, and the ``slide.devices`` plugin ``--device auto`` picks for it."""
     import torch
+
+    from slide_core.devices import auto_device_name
 
     if not torch.cuda.is_available():
         reason = (
@@ -130,7 +133,7 @@ def _device() -> dict[str, Any]:
         return {"backend": "cpu", "detail": f"no accelerator ({reason}); training runs on the CPU device"}
     props = torch.cuda.get_device_properties(0)
     info: dict[str, Any] = {
-        "backend": "rocm" if torch.version.hip else "cuda",
+        "backend": auto_device_name(),
         "name": props.name,
         "memory_bytes": int(props.total_memory),
         "count": torch.cuda.device_count(),

@@ -1,8 +1,10 @@
 """`slide plan`: GPU, host and disk memory, max batch and step time for a model, before any allocation.
 
 Planning builds the model on the meta device (no weights), so it runs in seconds for any size, on any
-machine. Without ``--gpu-memory`` the GPU budget is the visible CUDA device's memory (none on a CPU-only
-machine); without ``--host-memory`` the host budget is this machine's available RAM. A configuration that
+machine. Without ``--gpu-memory`` the GPU budget is the memory of the ``--device`` this machine would train
+on (none for the CPU device); without ``--host-memory`` the host budget is this machine's available RAM.
+``--device``, ``--offload-optimizer`` and ``--optimizer`` take the names `slide train` takes (the installed
+entry points); a tier that keeps files is planned as disk, any other as host RAM. A configuration that
 does not fit is still reported (exit 0), with the fix to try; ``--check`` turns that into exit status 2.
 """
 
@@ -44,6 +46,8 @@ EPILOG = textwrap.dedent(
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from slide_hf.options import installed_names
+
     parser = subparsers.add_parser(
         "plan",
         help="memory and step-time plan for a model (no weights loaded)",
@@ -58,13 +62,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory budget (default: the visible GPU's)")
     parser.add_argument("--host-memory", metavar="SIZE", help="host RAM budget (default: available RAM here)")
     parser.add_argument(
-        "--offload-optimizer", choices=("ram", "nvme"), default="ram", help="where Adam m and v live (default ram)"
+        "--device",
+        metavar="NAME",
+        default="auto",
+        help=f"the device whose memory is the GPU budget without --gpu-memory, one of {installed_names('device')} "
+        "(default auto, as slide train)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        metavar="NAME",
+        default="auto",
+        help=f"host AdamW, one of {installed_names('optimizer')} (default auto, as slide train)",
+    )
+    parser.add_argument(
+        "--offload-optimizer",
+        metavar="NAME",
+        default="ram",
+        help=f"the tier for Adam m and v, one of {installed_names('offload_optimizer')} (default ram)",
     )
     parser.add_argument(
         "--nvme-fraction",
         type=float,
         default=1.0,
-        help="with --offload-optimizer nvme: fraction of units whose m, v go to NVMe (default 1)",
+        help="with --offload-optimizer on a tier: fraction of units whose m, v go there (default 1)",
     )
     parser.add_argument(
         "--offload-activations",
@@ -86,8 +106,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from slide_hf.offload import planning_kind, state_tier_class
+
     _check_options(args)  # option errors first: building takes seconds
-    gpu_cap, gpu_source = _gpu_budget(args.gpu_memory)
+    offload_kind = planning_kind(state_tier_class(args.offload_optimizer))
+    optimizer = _optimizer_class(args.optimizer)
+    gpu_cap, gpu_source = _gpu_budget(args.gpu_memory, args.device)
     if args.host_memory is not None:
         host_cap, host_source = parse_size(args.host_memory, what="--host-memory"), "allowed by --host-memory"
     else:
@@ -102,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         block_slots=args.block_slots,
         gpu_memory_bytes=gpu_cap,
         host_memory_bytes=host_cap,
-        offload_optimizer=args.offload_optimizer,
+        offload_optimizer=offload_kind,
         nvme_fraction=args.nvme_fraction,
         offload_activations=args.offload_activations,
         fused_loss=_fused_loss_available(),
@@ -117,10 +141,19 @@ def run(args: argparse.Namespace) -> int:
         problem = problem or str(error)
     if args.json:
         payload = {"model": args.model, "dtype": args.dtype, **plan.to_dict(), "fits": problem is None}
+        payload.update({"optimizer": optimizer, "state_tier": args.offload_optimizer})
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
         print(json.dumps(payload, sort_keys=False))
     else:
-        print(render(plan, model_name=args.model, dtype=args.dtype, gpu_source=gpu_source, problem=problem))
+        text = render(
+            plan,
+            model_name=args.model,
+            dtype=args.dtype,
+            gpu_source=gpu_source,
+            problem=problem,
+            optimizer=f"{optimizer}, Adam state on {args.offload_optimizer}",
+        )
+        print(text)
     if problem is not None and args.check:
         raise UserError(problem)
     return 0
@@ -132,6 +165,23 @@ def _check_options(args: argparse.Namespace) -> None:
 
     for name in ("batch_size", "seq_len", "grad_accum", "nvme_fraction", "block_slots"):
         check_option(name, getattr(args, name))
+    for name in ("device", "optimizer", "offload_optimizer"):
+        check_option(name, getattr(args, name))
+
+
+def _optimizer_class(name: str) -> str:
+    """The class ``--optimizer name`` trains with here (``auto``: as `slide train` decides, without compiling
+    anything); a plugin that is not an optimizer is one line."""
+    from slide_core import Optimizer, plugins
+
+    if name == "auto":
+        from slide_core.optim.fused_adamw import FusedAdamW
+
+        return "FusedAdamW" if FusedAdamW.available() else "TorchAdamW"
+    try:
+        return plugins.load("slide.optimizers", name, expected=Optimizer).__name__
+    except plugins.PluginError as error:
+        raise UserError(f"--optimizer {name}: {error}") from None
 
 
 def _positions_problem(model: Any, seq_len: int) -> str | None:
@@ -163,19 +213,23 @@ def _fused_loss_available() -> bool:
     return importlib.util.find_spec("slide_kernels") is not None
 
 
-def _gpu_budget(text: str | None) -> tuple[int | None, str]:
+def _gpu_budget(text: str | None, device_name: str) -> tuple[int | None, str]:
+    """``--gpu-memory``, else the whole memory of the ``--device`` plugin here (built, never opened)."""
     if text is not None:
         return parse_size(text, what="--gpu-memory"), "allowed by --gpu-memory"
-    import torch
+    from slide_hf.setup import make_device
 
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return int(props.total_memory), f"on {props.name}"
+    device = make_device(device_name)
+    if device.is_accelerator:
+        facts = device.facts()
+        return facts.total_memory_bytes, f"on {facts.name}"
     return None, "no GPU visible; pass --gpu-memory"
 
 
-def render(plan: Plan, *, model_name: str, dtype: str, gpu_source: str, problem: str | None) -> str:
-    """The human-readable table."""
+def render(
+    plan: Plan, *, model_name: str, dtype: str, gpu_source: str, problem: str | None, optimizer: str | None = None
+) -> str:
+    """The human-readable table; ``optimizer`` says which host optimizer and state tier were planned."""
     i = plan.inputs
     lines = [
         f"{model_name}: {plan.params / 1e9:.2f} B params, batch {i.batch_size} x seq {i.seq_len} x accum "
@@ -207,6 +261,8 @@ def render(plan: Plan, *, model_name: str, dtype: str, gpu_source: str, problem:
     lines.append(_row("binding limit", plan.binding))
     critical = "n/a" if plan.critical_batch_size is None else str(plan.critical_batch_size)
     lines.append(_row("critical batch", critical, "smallest batch with overlap >= 1"))
+    if optimizer is not None:
+        lines.append(_row("optimizer", "", optimizer))
     lines.append(_row("fits", "yes" if problem is None else "no", problem or ""))
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ EPILOG = """examples:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from slide_hf.options import REPORTERS, TrainConfig
+    from slide_hf.options import REPORTERS, TrainConfig, installed_names
     from slide_hf.sizes import SIZE_RULE
 
     parser = commands.add_parser(
@@ -40,7 +40,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--data", help="JSON Lines (.jsonl, .jsonl.gz), .json, .parquet or a Hub dataset (default: bundled text)")
     add("--output", type=Path, help="output directory (default runs/<timestamp>-<suffix>)")
     add("--overwrite", action="store_true", default=None, help="reuse a non-empty --output, replacing slide's files")
-    add("--device", choices=("auto", "cuda", "cpu"), help="compute device (default auto)")
+    add(
+        "--device",
+        metavar="NAME",
+        help=f"compute device, one of {installed_names('device')} (default auto: cuda, rocm on a HIP build "
+        "of torch, else cpu)",
+    )
     add("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bfloat16)")
     add("--seq-len", type=int, help=f"tokens per sequence (default {defaults.seq_len})")
     add("--no-packing", dest="packing", action="store_false", default=None, help="one example per row (padded)")
@@ -52,6 +57,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--epochs", type=int, help="passes over the data (default 1; 10 for the bundled demo text)")
     add("--lr", type=float, help="peak learning rate (default 1e-3 for presets, 2e-5 for checkpoints)")
     add("--weight-decay", type=float, help="AdamW weight decay on >= 2-dim params (default 0)")
+    add(
+        "--optimizer",
+        metavar="NAME",
+        help=f"host AdamW, one of {installed_names('optimizer')} (default auto: fused-adamw when numba "
+        "runs here, else torch-adamw)",
+    )
     add("--adam-beta1", type=float, help="default 0.9")
     add("--adam-beta2", type=float, help="default 0.999")
     add("--adam-eps", type=float, help="default 1e-8")
@@ -76,7 +87,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "options come back with it, and only steps, saving, evaluation, logging and placement may change",
     )
     add("--gpu-memory", help="hard GPU memory cap, e.g. 24 (GiB), 24GiB or 80GB")
-    add("--offload-optimizer", choices=("ram", "nvme"), help="where Adam state lives (default ram)")
+    add(
+        "--offload-optimizer",
+        metavar="NAME",
+        help=f"the tier for the Adam state of --nvme-fraction of the units, one of "
+        f"{installed_names('offload_optimizer')} (default ram: host RAM, nothing offloaded)",
+    )
     add("--nvme-dir", type=Path, help="directory on NVMe for offloaded state")
     add("--nvme-fraction", type=float, help="fraction of units whose state goes to NVMe (default 1.0)")
     add("--offload-activations", choices=("ram", "nvme"), help="where boundary activations go (default ram)")

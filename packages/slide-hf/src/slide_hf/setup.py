@@ -1,0 +1,254 @@
+"""One way to set up a run: device, plan and placement, optimizer, tiers and engine.
+
+`slide train` (recipe.py) and `slide bench` (bench.py) build their engines here, in this order, so a
+benchmark measures exactly the run a user would get; `slide plan` resolves its device and tier names here
+too. Each choice a user names is an entry point, loaded through :mod:`slide_core.plugins`:
+
+- ``--device NAME`` (``slide.devices``): ``auto`` is ``rocm`` on a HIP build of torch with a GPU, ``cuda``
+  with a CUDA GPU, else ``cpu`` (:func:`slide_core.devices.auto_device_name`). Every device is built as
+  ``cls(memory_limit_bytes=...)``.
+- ``--offload-optimizer NAME`` (``slide.tiers``): where the Adam state of ``--nvme-fraction`` of the units
+  goes; ``ram`` keeps it in host RAM (slide_hf/offload.py).
+- ``--optimizer NAME`` (``slide.optimizers``): ``auto`` is the fused one-pass AdamW when numba runs here,
+  else torch's (:func:`slide_core.optim.build_optimizer`).
+
+Nothing here parses flags or prints; an error the user can fix is a one-line ``UserError`` naming the flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slide_core import AdamWConfig, HostParameters, Optimizer, plugins
+from slide_core.device import Device
+from slide_core.devices import auto_device_name
+from slide_core.engine import Engine, EngineConfig
+from slide_core.optim import build_optimizer
+from slide_core.tier import Tier, TierRequest
+from slide_hf.errors import UserError
+from slide_hf.offload import offloaded_units, open_activation_tier, open_tier, planning_kind, state_tier_class
+
+__all__ = [
+    "EngineParts",
+    "Placement",
+    "RunOptions",
+    "check_nvme_dir",
+    "flops_per_token",
+    "make_device",
+    "make_optimizer",
+    "open_engine",
+    "place_units",
+]
+
+log = logging.getLogger("slide.setup")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What `slide train` and `slide bench` decide the same way, with their flag names."""
+
+    device: str = "auto"
+    gpu_memory_bytes: int | None = None
+    optimizer: str = "auto"
+    offload_optimizer: str = "ram"
+    nvme_dir: Path | None = None
+    nvme_fraction: float = 1.0
+    offload_activations: str = "ram"
+    block_slots: int = 2
+    compute_dtype: torch.dtype = torch.bfloat16
+    batch_size: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    max_grad_norm: float = 0.0
+    report_grad_norm: bool = True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which units live where, and the plan that was checked against the machine's budgets."""
+
+    plan: Any  # slide_hf.planner.Plan of the placed run
+    resident: tuple[str, ...]
+    """Units whose master and Adam state live on the GPU."""
+    state_tier: type[Tier] | None
+    """The tier class for the Adam state of ``offloaded``; None: host RAM."""
+    offloaded: tuple[str, ...] = ()
+    """Units whose Adam state is on ``state_tier`` (chosen once the model's units are known)."""
+
+
+# -- device ------------------------------------------------------------------------------------------------
+def make_device(name: str, memory_limit_bytes: int | None = None) -> Device:
+    """The ``slide.devices`` plugin ``name`` (or ``auto``), closed, capped at ``memory_limit_bytes``.
+
+    ``cuda`` on a HIP build of torch is the ``rocm`` device, as torch itself calls AMD GPUs ``cuda``."""
+    resolved = auto_device_name() if name == "auto" else name
+    if resolved == "cuda" and torch.version.hip:
+        resolved = "rocm"
+    if resolved in ("cuda", "rocm") and not torch.cuda.is_available():
+        raise UserError(f"--device {name} was asked for, but torch sees no GPU; use --device auto or cpu")
+    try:
+        device_class = plugins.load("slide.devices", resolved, expected=Device)
+    except plugins.PluginError as error:
+        raise UserError(f"--device {name}: {error}") from None
+    try:
+        device = device_class(memory_limit_bytes=memory_limit_bytes)
+    except (RuntimeError, ValueError) as error:  # no such GPU, no HIP build, a bad cap
+        raise UserError(f"--device {name}: {str(error).splitlines()[0]}") from None
+    if memory_limit_bytes is not None and not device.is_accelerator:
+        log.warning("--gpu-memory is ignored on the CPU device")
+    return device
+
+
+# -- optimizer ---------------------------------------------------------------------------------------------
+def make_optimizer(name: str, adam: AdamWConfig) -> Optimizer:
+    """The ``slide.optimizers`` plugin ``name`` (or ``auto``) built with ``adam``, kernels compiled."""
+    try:
+        return build_optimizer(name, adam)
+    except plugins.PluginError as error:
+        raise UserError(f"--optimizer {name}: {error}") from None
+
+
+# -- plan and placement ------------------------------------------------------------------------------------
+def check_nvme_dir(options: RunOptions) -> None:
+    """Refuse, before anything is built, a tier on disk without ``--nvme-dir`` (one line naming the flag)."""
+    kinds = (
+        ("--offload-optimizer", options.offload_optimizer, planning_kind(state_tier_class(options.offload_optimizer))),
+        ("--offload-activations", options.offload_activations, options.offload_activations),
+    )
+    for flag, name, kind in kinds:
+        if kind == "nvme" and options.nvme_dir is None:
+            raise UserError(f"{flag} {name} needs --nvme-dir PATH (a directory on a fast local disk)")
+
+
+def place_units(model: Any, device: Device, options: RunOptions, *, resident_bytes: int | None = None) -> Placement:
+    """Check the run fits (host RAM, GPU budget) before anything is allocated, then choose the units that
+    live on the GPU (``resident_bytes`` of them, else whatever the GPU budget leaves spare) and those whose
+    Adam state goes to the ``--offload-optimizer`` tier."""
+    from slide_core.engine.placement import choose_resident_units
+    from slide_hf.planner import (
+        PlanInputs,
+        available_host_bytes,
+        check_fits,
+        device_gpu_budget,
+        make_plan,
+        plan_with_placement,
+    )
+
+    tier_class = state_tier_class(options.offload_optimizer)
+    gpu_budget = device_gpu_budget(device)
+    inputs = PlanInputs(
+        model,
+        batch_size=options.batch_size,
+        seq_len=options.seq_len,
+        grad_accum=options.grad_accum,
+        compute_dtype_bytes=torch.empty((), dtype=options.compute_dtype).element_size(),
+        block_slots=options.block_slots,
+        gpu_memory_bytes=gpu_budget,
+        clipping=options.max_grad_norm > 0,
+        offload_optimizer=planning_kind(tier_class),
+        nvme_fraction=options.nvme_fraction,
+        offload_activations=options.offload_activations,
+    )
+    check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
+    if resident_bytes is None:
+        plan = plan_with_placement(inputs)
+    else:
+        chosen = choose_resident_units(model, resident_bytes, options.compute_dtype, accumulates=options.grad_accum > 1)
+        plan = make_plan(dataclasses.replace(inputs, resident_units=chosen))
+    resident = plan.inputs.resident_units
+    offloaded = offloaded_units(model, options.nvme_fraction, resident) if tier_class is not None else ()
+    return Placement(plan, resident, tier_class, offloaded)
+
+
+# -- engine ------------------------------------------------------------------------------------------------
+@dataclass
+class EngineParts:
+    """The engine and the tiers it borrows. A context manager: entering runs the engine; leaving closes the
+    engine, then the tiers (an engine must stop using a tier before the tier goes)."""
+
+    engine: Engine
+    optimizer: Optimizer
+    tiers: tuple[Tier, ...] = ()
+
+    def __enter__(self) -> Engine:
+        try:
+            return self.engine.__enter__()
+        except BaseException:  # the engine could not start (out of memory, a bad tier): nothing will exit it
+            self._close_tiers()
+            raise
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            self.engine.__exit__(*exc_info)
+        finally:
+            self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+
+def open_engine(
+    model: Any,
+    device: Device,
+    host: HostParameters,
+    optimizer: Optimizer,
+    options: RunOptions,
+    placement: Placement,
+    *,
+    scratch: Callable[[], Path],
+) -> EngineParts:
+    """Open the tiers the placement needs (each in its own ``scratch()`` directory when it keeps files) and
+    build the engine over them; the engine runs once the result is entered."""
+    config = EngineConfig(
+        block_slots=options.block_slots,
+        compute_dtype=options.compute_dtype,
+        resident_units=placement.resident,
+        offloaded_units=placement.offloaded,
+        max_grad_norm=options.max_grad_norm,
+        report_grad_norm=options.report_grad_norm,
+    )
+    if placement.resident:
+        log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(placement.resident))
+    with contextlib.ExitStack() as opened:
+        state_tier = None
+        if placement.offloaded and placement.state_tier is not None:
+            tier_class = placement.state_tier
+            numel = sum(unit.layout.numel for unit in model.units if unit.name in placement.offloaded)
+            request = TierRequest(
+                directory=scratch() if tier_class.on_disk else None,
+                device=device,
+                capacity_bytes=numel * 4 * len(optimizer.state_names),
+            )
+            state_tier = open_tier(tier_class, request, flag="--offload-optimizer")
+            opened.callback(state_tier.close)
+            where = f" ({options.nvme_dir})" if tier_class.on_disk else ""
+            log.info("Adam state on the %s tier%s for %d units", state_tier.name, where, len(placement.offloaded))
+        activation_tier = None
+        if options.offload_activations == "nvme":
+            activation_tier = open_activation_tier(scratch(), device)
+            opened.callback(activation_tier.close)
+            log.info("block inputs on the %s tier in %s", activation_tier.name, options.nvme_dir)
+        engine = Engine(model, device, host, optimizer, config, state_tier=state_tier, activation_tier=activation_tier)
+        opened.pop_all()  # from here the tiers are the parts' to close
+    tiers = tuple(tier for tier in (state_tier, activation_tier) if tier is not None)
+    return EngineParts(engine, optimizer, tiers)
+
+
+# -- reporting ---------------------------------------------------------------------------------------------
+def flops_per_token(config: Any, params: int, seq_len: int) -> float:
+    """Model FLOPs per token: 6N for the matmuls plus 12·L·H·S for attention scores (fwd+bwd).
+
+    The engine's recompute forward is not counted, so TFLOPS compares fairly with a run that keeps its
+    activations (`slide bench`'s plain PyTorch reference is credited the same work)."""
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    return 6.0 * params + 12.0 * layers * hidden * seq_len
