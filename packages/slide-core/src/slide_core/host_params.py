@@ -25,9 +25,10 @@ def _plain_alloc(numel: int, dtype: torch.dtype) -> torch.Tensor:
 class HostParameters:
     """fp32 master copy of a :class:`SlideModel`'s parameters.
 
-    ``alloc`` decides where the slab lives; pass ``device.alloc_pinned`` so host-to-device copies run at
-    full PCIe speed. Units whose name is in ``skip`` get no host copy (their master lives elsewhere, e.g.
-    on the GPU).
+    ``alloc`` decides where the slab lives. The default, pageable memory, is what training uses: the engine
+    pins the ranges it streams and gives back the pages of device-resident units (Note [Resident host
+    copies]); ``device.alloc_pinned`` pins the whole slab up front instead. Every unit has its range,
+    device-resident ones included: loaders fill it and exporters read it.
     """
 
     def __init__(self, model: SlideModel, alloc: Allocator = _plain_alloc) -> None:
