@@ -37,6 +37,7 @@ FAMILIES = [
     "test-qwen3.5",
     "test-qwen3.5-moe",
     "test-llama4",
+    "test-deepseek-v3",
 ]
 STEPS = 3
 RTOL = 1e-5
@@ -173,7 +174,10 @@ def test_units_are_hf_parameters(preset: str) -> None:
             ours[unit.checkpoint_names[spec.name]] = spec.shape
         decays = [spec.decay for spec in unit.layout]
         assert decays == sorted(decays, reverse=True)
-    assert ours == {n: tuple(p.shape) for n, p in hf.named_parameters()}
+    theirs = {n: tuple(p.shape) for n, p in hf.named_parameters()}
+    carried = {u.checkpoint_names[n] for u in model.units for n in u.buffer_params}
+    theirs |= {n: tuple(b.shape) for n, b in hf.named_buffers() if n in carried}  # Note [Buffers carried as parameters]
+    assert ours == theirs
     assert [b.role for b in model.blocks] == [UnitRole.BLOCK] * config.num_hidden_layers
     assert ("lm_head.weight" in model.head.layout) is not config.tie_word_embeddings
 
@@ -203,6 +207,9 @@ def test_fused_kernels_match_hf(reference, helpers, monkeypatch: pytest.MonkeyPa
     assert abs(loss.item() - expected.item()) <= 2e-5 * abs(expected.item())
     for unit in ref.model.units:
         for name, leaf in leaves[unit.name].items():
+            if name in unit.buffer_params:  # HF buffers: no gradient on either side
+                assert leaf.grad is None
+                continue
             err = helpers.rel_err(leaf.grad, helpers.hf_param(ref, unit.name, name).grad)
             assert err <= 2e-5, f"{unit.name}/{name}: grad relative error {err:.2e}"
 
@@ -320,6 +327,7 @@ RELEASED = [
     "qwen3.5-9b",
     "qwen3.5-35b-a3b",
     "llama4-scout-text",
+    "moonlight-16b-a3b",
 ]
 
 
@@ -332,7 +340,8 @@ def test_planner_prices_released_shapes(preset: str) -> None:
 
     model = build_model(PRESETS[preset]())  # meta device: nothing allocated
     plan = make_plan(PlanInputs(model, batch_size=1, seq_len=4096))
-    assert plan.params == param_count(model)
+    assert plan.params == sum(unit.layout.param_numel for unit in model.units)
+    assert plan.params - param_count(model) == sum(u.layout[n].numel for u in model.units for n in u.buffer_params)
     assert plan.shape.block_numels == tuple(b.layout.numel for b in model.blocks)
     assert plan.step_time_s > 0 and plan.host_peak_bytes > 12 * plan.params
 
@@ -370,3 +379,42 @@ def test_llama4_never_runs_flash_attention(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(UserError, match="not available for Llama 4") as info:
         build_model(config)
     assert "\n" not in str(info.value)
+
+
+def test_deepseek_correction_bias_steers_routing_and_never_trains(tmp_path: Path, helpers) -> None:
+    """A checkpoint's ``e_score_correction_bias`` (an HF buffer) is loaded, changes which experts run --
+    our loss equals transformers' with it and differs from the loss without it -- survives training
+    unchanged, and is exported."""
+    hf = _hf_model("test-deepseek-v3")
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    with torch.no_grad():
+        hf.get_buffer(key).copy_(torch.tensor([0.8, 0.0, -0.4, 0.0]))  # favours group 0 (experts 0, 1)
+    hf.save_pretrained(tmp_path / "in")
+    ids, labels = helpers.batch(hf.config.vocab_size)
+    with torch.no_grad():
+        expected = hf(ids, labels=labels).loss.item()
+    config = load_config(tmp_path / "in")
+    config._attn_implementation = "eager"
+    model = build_model(config)
+    host = HostParameters(model)
+    load_weights(model, host, tmp_path / "in")
+    block = model.blocks[1]
+    assert block.buffer_params == {"mlp.gate.e_score_correction_bias"}
+    assert _loss(model, host, helpers) == pytest.approx(expected, rel=1e-6)
+    loaded = host.views(block)["mlp.gate.e_score_correction_bias"].clone()
+    host.views(block)["mlp.gate.e_score_correction_bias"].zero_()
+    assert abs(_loss(model, host, helpers) - expected) > 1e-4
+    host.views(block)["mlp.gate.e_score_correction_bias"].copy_(loaded)
+
+    with CPUDevice() as device:
+        pinned = HostParameters(model, device.alloc_pinned)
+        pinned.slab.copy_(host.slab)
+        engine_config = EngineConfig(block_slots=2, compute_dtype=torch.float32, transfer_chunk_numel=4096)
+        with Engine(model, device, pinned, TorchAdamW(AdamWConfig(weight_decay=0.1)), engine_config) as engine:
+            for micro in _batches(hf.config.vocab_size, 2):
+                engine.step(micro, LR)
+        assert torch.equal(pinned.views(block)["mlp.gate.e_score_correction_bias"], loaded)
+        out = export_hf(model, pinned, config, tmp_path / "out")
+    again, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert torch.equal(again.get_buffer(key), loaded)

@@ -58,8 +58,11 @@ def _iter_entries(model: SlideModel) -> Iterator[CheckpointEntry]:
 
 
 def param_count(model: SlideModel) -> int:
-    """Parameters of ``model`` without alignment padding; a tied matrix counts once (as HF counts)."""
-    return sum(unit.layout.param_numel for unit in model.units)
+    """Parameters of ``model`` without alignment padding; a tied matrix counts once and checkpoint buffers
+    carried in the layout not at all (as HF counts; Note [Buffers carried as parameters] in
+    slide_hf/adapters/base.py)."""
+    carried = sum(unit.layout[name].numel for unit in model.units for name in getattr(unit, "buffer_params", ()))
+    return sum(unit.layout.param_numel for unit in model.units) - carried
 
 
 def unit_views(host_params: HostParameters) -> dict[str, dict[str, torch.Tensor]]:

@@ -111,6 +111,14 @@ class HFInputs:
 class HFUnit(Unit):
     """A unit whose parameters are those of ``root``, a meta-device module tree of HF submodules.
 
+    Note [Buffers carried as parameters]: a few HF modules keep checkpoint state that is not trained in a
+    persistent buffer (DeepSeek-V3's ``e_score_correction_bias``). Such a value must travel wherever the
+    weights travel -- loading, run checkpoints, ``slide export`` of a run, HF export -- and all of those
+    move the unit's layout (the fp32 slab), so the adapter turns the buffer into a layout entry and names
+    it in ``buffer_params``. It gets no gradient (it only selects, never weighs), and AdamW leaves a 1-d
+    entry with no gradient exactly as it was; :func:`~slide_hf.model.param_count` does not count it, as
+    HF does not.
+
     Parameter names are the submodules' own names (``self_attn.q_proj.weight``). ``checkpoint_names``
     maps each to its key in the HF model's state dict; ``checkpoint_slices`` overrides that for parameters
     split across several keys on disk. ``buffers`` supplies real values for the few buffers HF modules keep
@@ -144,6 +152,8 @@ class HFUnit(Unit):
         self._buffers: dict[torch.device, dict[str, torch.Tensor]] = {}
         self.fused_modules: list[str] = []
         """Submodules whose forward runs slide-kernels' fused ops on CUDA (see fused_modules.py)."""
+        self.buffer_params: frozenset[str] = frozenset()
+        """Layout entries that HF keeps as persistent buffers (Note [Buffers carried as parameters])."""
 
     def buffers_on(self, device: torch.device) -> dict[str, torch.Tensor]:
         found = self._buffers.get(device)
