@@ -13,7 +13,7 @@ import pytest
 
 from slide_core import Device, Optimizer, Tier, plugins
 from slide_core.devices.cpu import CPUDevice
-from slide_core.optim import TorchAdamW, build_optimizer
+from slide_core.optim import TorchAdamW, auto_optimizer_name, build_optimizer
 from slide_core.optim.fused_adamw import FusedAdamW
 from slide_core.optimizer import AdamWConfig
 from slide_core.tiers.host_ram import HostRamTier
@@ -111,6 +111,7 @@ def test_build_optimizer_by_name() -> None:
     assert type(torch_adamw) is TorchAdamW and torch_adamw.config is config
     auto = build_optimizer("auto", config)
     assert type(auto) is (FusedAdamW if FusedAdamW.available() else TorchAdamW)
+    assert plugins.load("slide.optimizers", auto_optimizer_name()) is type(auto)
     with pytest.raises(plugins.PluginError, match=r"no slide\.optimizers plugin named 'sgd'"):
         build_optimizer("sgd", config)
 

@@ -11,11 +11,19 @@ from slide_core import plugins
 from slide_core.optim.adamw import TorchAdamW
 from slide_core.optimizer import AdamWConfig, Optimizer
 
-__all__ = ["AUTO", "GROUP", "TorchAdamW", "build_optimizer"]
+__all__ = ["AUTO", "GROUP", "TorchAdamW", "auto_optimizer_name", "build_optimizer"]
 
 GROUP = "slide.optimizers"
 AUTO = "auto"
 """The fused one-pass AdamW when numba imports and compiles here, else ``TorchAdamW``."""
+
+
+def auto_optimizer_name() -> str:
+    """The plugin ``auto`` stands for here, without compiling anything (``slide plan`` reports it): what
+    ``best_adamw`` picks unless the compile then fails."""
+    from slide_core.optim.fused_adamw import FusedAdamW
+
+    return "fused-adamw" if FusedAdamW.available() else "torch-adamw"
 
 
 def build_optimizer(name: str, config: AdamWConfig) -> Optimizer:

@@ -173,11 +173,10 @@ def _optimizer_class(name: str) -> str:
     """The class ``--optimizer name`` trains with here (``auto``: as `slide train` decides, without compiling
     anything); a plugin that is not an optimizer is one line."""
     from slide_core import Optimizer, plugins
+    from slide_core.optim import AUTO, auto_optimizer_name
 
-    if name == "auto":
-        from slide_core.optim.fused_adamw import FusedAdamW
-
-        return "FusedAdamW" if FusedAdamW.available() else "TorchAdamW"
+    if name == AUTO:
+        name = auto_optimizer_name()
     try:
         return plugins.load("slide.optimizers", name, expected=Optimizer).__name__
     except plugins.PluginError as error:
