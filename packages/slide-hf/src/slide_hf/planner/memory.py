@@ -1,7 +1,7 @@
 """Bytes: what a run holds in host RAM, on the GPU and on NVMe, as a function of its :class:`PlanInputs`.
 
 The host side mirrors, buffer by buffer, what the engine allocates (``slide_core.engine``): the fp32
-master slab (``HostParameters``), AdamW's m and v (``UnitUpdates.state_slabs``), fp32 gradient
+master slab (``HostParameters``), AdamW's m and v (``HostState.state_slabs``), fp32 gradient
 accumulators for units with more than one gradient contribution per step, the pinned gradient ring
 (``GradRing``), the pinned activation stash (``ActivationStash``) and the optimizer's fp32 cast scratch
 (``TorchAdamW.reserve``). Those are exact (tests compare them with a real engine); the process baseline,
