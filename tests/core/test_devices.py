@@ -1,5 +1,6 @@
 """slide_core/device.py and slide_core/devices: the default upload, the one warp-count rule and the
-``--device auto`` rule. (The CUDA device's cap and streams are tested on a simulated build in tests/rocm.)"""
+``--device auto`` rule. (The CUDA device's cap and streams are tested on a simulated build in tests/rocm; this
+file is not test_device.py because that basename is tests/rocm's, and pytest needs them unique.)"""
 
 from __future__ import annotations
 
