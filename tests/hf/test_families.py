@@ -418,3 +418,18 @@ def test_deepseek_correction_bias_steers_routing_and_never_trains(tmp_path: Path
     again, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert torch.equal(again.get_buffer(key), loaded)
+
+
+def test_unsupported_model_type_lists_every_family_in_one_line() -> None:
+    """A config no adapter takes (here Gemma 4, whose layers share K/V across units) is refused in one
+    line that names every supported model type, these families included."""
+    from transformers import AutoConfig
+
+    from slide_hf import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError) as info:
+        build_model(AutoConfig.for_model("gemma4_text"))
+    message = str(info.value)
+    assert "'gemma4_text'" in message and "\n" not in message
+    for preset in FAMILIES:
+        assert PRESETS[preset]().model_type in message.split("supported model types: ")[1].split(", ")
