@@ -106,7 +106,7 @@ def test_resume_compares_model_paths_resolved(tmp_path, monkeypatch):
     saved = config_dict(TrainConfig(model="tinyqwen"))
     assert saved["model"] == str(tmp_path / "tinyqwen")  # saved resolved: a resume finds it from anywhere
     assert resume_config(saved, {"model": "./tinyqwen"}, source="ck").model == saved["model"]  # no refusal
-    with pytest.raises(UserError, match="--model was '/.*/tinyqwen'"):
+    with pytest.raises(UserError, match=r"--model was '/.*/tinyqwen'"):
         resume_config(saved, {"model": "tiny-llama"}, source="ck")
 
 
