@@ -15,7 +15,7 @@ one is taken, so a ring of one chunk cannot deadlock. Tested by
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -66,7 +66,10 @@ class GradTransfer:
         config: EngineConfig,
         timeline: Timeline,
         norms: UnitNorms | None,
+        spans: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
+        """``spans``: the range ``[lo, hi)`` of each unit's gradient to stream (a data-parallel rank's
+        shard, see sharded_pipeline.py); the whole unit where absent."""
         self.device = device
         self.workers = workers
         self.timeline = timeline
@@ -81,6 +84,7 @@ class GradTransfer:
             slots = config.ring_slots(host_numel)
             self.ring = GradRing(device, slots, config.transfer_chunk_numel, config.compute_dtype)
         self._consumed: dict[str, Future[None]] = {}  # d2h thread only, see Note [Grad store reuse]
+        self.spans: Mapping[str, tuple[int, int]] = spans or {}
         self.last: Future[Event] | None = None
         """The step's last d2h job (what the end of a clipped step waits for)."""
 
@@ -119,7 +123,8 @@ class GradTransfer:
         unit's final contribution its squared norm goes first, so it has landed when the first chunk has.
         """
         device, workers, ring, store = self.device, self.workers, self.ring, self.store
-        chunks = list(_chunks(unit.layout.numel, self.chunk_numel, unit.layout.decay_numel))
+        span_start, span_end = self.spans.get(unit.name, (0, unit.layout.numel))
+        chunks = list(_chunks(span_end, self.chunk_numel, unit.layout.decay_numel, start=span_start))
         start = None
         end = computed
         norm_sq: torch.Tensor | None = None
@@ -193,9 +198,9 @@ class _InFlight:
     priority: tuple[int, ...]
 
 
-def _chunks(numel: int, chunk: int, decay_numel: int) -> Iterator[tuple[int, int]]:
-    """Split ``[0, numel)`` into ring-sized chunks that never straddle the decay boundary."""
-    cuts = sorted({0, numel, *((decay_numel,) if 0 < decay_numel < numel else ())})
+def _chunks(numel: int, chunk: int, decay_numel: int, *, start: int = 0) -> Iterator[tuple[int, int]]:
+    """Split ``[start, numel)`` into ring-sized chunks that never straddle the decay boundary."""
+    cuts = sorted({start, numel, *((decay_numel,) if start < decay_numel < numel else ())})
     for lo, hi in itertools.pairwise(cuts):
         for offset in range(lo, hi, chunk):
             yield offset, min(hi, offset + chunk)

@@ -9,7 +9,7 @@ values.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -54,11 +54,15 @@ class HostState:
             self._accum[unit.name] = accum
         return accum
 
-    def zero_fresh(self) -> None:
-        """Zero the state of a fresh run's host-updated units (Adam starts from m = v = 0)."""
+    def zero_fresh(self, spans: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """Zero the state of a fresh run's host-updated units (Adam starts from m = v = 0).
+
+        ``spans``: only the range ``[lo, hi)`` of each unit (a data-parallel rank's shards, the only state
+        it ever updates), so the pages of the rest are never touched and cost the rank no memory."""
         for unit in self._fresh:
+            lo, hi = spans[unit.name] if spans is not None else (0, unit.layout.numel)
             for view in self.views(unit).values():
-                view.zero_()
+                view[lo:hi].zero_()
         self._fresh = []
 
     def mark_valid(self) -> None:
