@@ -13,6 +13,8 @@ import torch
 from slide_core import AdamWConfig, HostParameters
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
+from slide_core.engine.host_pipeline import HostPipeline
+from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.optim import TorchAdamW
 from slide_core.unit import UnitRole
 from slide_hf import PRESETS, build_model
@@ -69,18 +71,21 @@ def test_gradient_written_in_place_matches_copy(preset: str, options: dict, monk
         seen.append(bool(grad_into))
         return forward_into(self, params, x, inputs, grad_into)
 
-    offload = Engine._offload
     in_place_grads: list[bool] = []
 
-    def spy_offload(self, unit, slot, grads):
-        for name, view in unit.layout.views(slot.grads).items():
-            grad = grads.get(name)
-            if grad is not None and unit.role is not UnitRole.BLOCK and view.numel() > 1000:
-                in_place_grads.append(grad.data_ptr() == view.data_ptr())
-        return offload(self, unit, slot, grads)
+    def spying(contribute):
+        def spy_contribute(self, unit, slot, grads, contribution, ctx):
+            for name, view in unit.layout.views(slot.grads).items():
+                grad = grads.get(name)
+                if grad is not None and unit.role is not UnitRole.BLOCK and view.numel() > 1000:
+                    in_place_grads.append(grad.data_ptr() == view.data_ptr())
+            return contribute(self, unit, slot, grads, contribution, ctx)
+
+        return spy_contribute
 
     monkeypatch.setattr(HeadUnit, "forward_into", spy)
-    monkeypatch.setattr(Engine, "_offload", spy_offload)
+    for pipeline in (HostPipeline, ResidentPipeline):  # where a unit's gradients enter its pipeline
+        monkeypatch.setattr(pipeline, "contribute", spying(pipeline.contribute))
     in_place = _train(preset, engine_config)
     assert seen and all(seen), "the head was never given the slot's gradient buffer"
     assert True in in_place_grads, "autograd did not hand back the slot's buffer as the head's gradient"
