@@ -12,7 +12,7 @@ import pytest
 
 from slide_hf.errors import UserError
 from slide_hf.run_log import RunLog
-from slide_hf.trackers import open_trackers
+from slide_hf.trackers import MLflowTracker, open_trackers
 
 OPTIONS = {"model": "tiny-llama", "lr": 0.001, "report_to": []}
 
@@ -130,6 +130,7 @@ def fake_mlflow(monkeypatch):
     recorder = _Recorder()
     module = types.SimpleNamespace(
         set_tracking_uri=lambda uri: recorder.calls.append(("uri", uri)),
+        get_tracking_uri=lambda: next(c[1] for c in reversed(recorder.calls) if c[0] == "uri"),
         start_run=lambda run_name: recorder.calls.append(("start", run_name)),
         log_params=lambda params: recorder.calls.append(("params", params)),
         log_metrics=lambda values, step: recorder.calls.append(("log", step, dict(values))),
@@ -155,7 +156,8 @@ def test_mlflow_adapter_uses_a_local_store_by_default(tmp_path, fake_mlflow):
         run_log.start(0)
         run_log.record(_record(2))
     calls = dict((c[0], c[1:]) for c in fake_mlflow.calls)
-    assert calls["uri"][0] == (tmp_path / "mlruns").resolve().as_uri()
+    assert calls["uri"][0] == MLflowTracker.local_uri(tmp_path)
+    assert str(tmp_path.resolve()) in calls["uri"][0]  # the store stays in the run directory
     assert calls["params"][0]["lr"] == "0.001"
     assert calls["log"] == (2, {"loss": 1.0, "lr": 1e-3})
     assert "end" in calls
@@ -191,3 +193,30 @@ def test_metrics_path_elsewhere(tmp_path):
         run_log.record(_record(1))
     assert target.is_file() and not (tmp_path / "metrics.jsonl").exists()
     assert isinstance(Path(target), Path)
+
+
+def test_wandb_offline_run_for_real(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with RunLog(tmp_path, OPTIONS, report_to=("wandb",)) as run_log:
+        run_log.start(0)
+        for step in (1, 2):
+            run_log.record(_record(step))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_mlflow_local_run_for_real(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with RunLog(tmp_path, OPTIONS, report_to=("mlflow",)) as run_log:
+        run_log.start(0)
+        for step in (1, 2, 3):
+            run_log.record(_record(step))
+    client = mlflow.tracking.MlflowClient(tracking_uri=MLflowTracker.local_uri(tmp_path))
+    (run,) = client.search_runs(experiment_ids=["0"])
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in history] == [1, 2, 3]
+    assert run.data.params["lr"] == "0.001"

@@ -12,6 +12,7 @@ are what a run must not lose; a dashboard is not.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -98,16 +99,27 @@ class WandbTracker:
 
 
 class MLflowTracker:
-    """An MLflow run; without ``MLFLOW_TRACKING_URI`` it writes to ``<output>/mlruns``, a local file store."""
+    """An MLflow run. Without ``MLFLOW_TRACKING_URI`` it stays in the run directory: an SQLite store
+    (``<output>/mlflow.db``, MLflow's recommended local backend) when SQLAlchemy is installed (full
+    ``mlflow``), else the file store ``<output>/mlruns`` that ``mlflow-skinny`` can write, which MLflow 3
+    accepts only with ``MLFLOW_ALLOW_FILE_STORE`` (set here unless the user set it)."""
 
     name = "mlflow"
 
     def __init__(self, output: Path, options: Mapping[str, Any]) -> None:
         self._mlflow = _require("mlflow")
         if not os.environ.get("MLFLOW_TRACKING_URI"):
-            self._mlflow.set_tracking_uri((output / "mlruns").resolve().as_uri())
+            self._mlflow.set_tracking_uri(self.local_uri(output))
+        if self._mlflow.get_tracking_uri().startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self._mlflow.start_run(run_name=output.name)
         self._mlflow.log_params({key: str(value) for key, value in options.items()})
+
+    @staticmethod
+    def local_uri(output: Path) -> str:
+        if importlib.util.find_spec("sqlalchemy") is not None:
+            return f"sqlite:///{(output / 'mlflow.db').resolve()}"
+        return (output / "mlruns").resolve().as_uri()
 
     def log(self, record: Mapping[str, Any], step: int) -> None:
         self._mlflow.log_metrics(_numeric(record), step=step)
