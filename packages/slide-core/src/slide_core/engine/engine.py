@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +53,9 @@ from .state_source import StateSink, StateSource
 from .timeline import ComputeTimer, Timeline, UnitTimes
 from .unit_pipelines import UnitPipelines
 from .workers import EngineError, Workers
+
+if TYPE_CHECKING:
+    from slide_core.distributed import ProcessGroupContext
 
 __all__ = ["Engine", "StepResult"]
 
@@ -107,9 +110,15 @@ class Engine(Evaluation):
         config: EngineConfig | None = None,
         state_tier: Tier | None = None,
         activation_tier: Tier | None = None,
+        process_group: ProcessGroupContext | None = None,
     ) -> None:
         """``state_tier`` (an open :class:`Tier`) holds the Adam state of ``config.offloaded_units``;
-        ``activation_tier`` (open), when given, holds the blocks' boundary activations instead of RAM."""
+        ``activation_tier`` (open), when given, holds the blocks' boundary activations instead of RAM.
+
+        ``process_group`` (open, world size > 1) makes this engine one rank of a data-parallel run: each
+        rank steps on its own part of every step's batch, and every unit's master and optimizer state is
+        sharded across the ranks (sharded_pipeline.py, docs/distributed.md). World size 1 is a
+        single-process run."""
         if host_params.model is not model:
             raise ValueError("host_params was built for a different model")
         if not device.is_open:
@@ -121,6 +130,9 @@ class Engine(Evaluation):
                 f"{type(optimizer).__name__} cannot"
             )
         self.model, self.device, self.host_params, self.optimizer = model, device, host_params, optimizer
+        self._group = process_group if process_group is not None and process_group.is_distributed else None
+        if self._group is not None:
+            _check_data_parallel(self._group, device, cfg)
         self.dtype = cfg.compute_dtype
         self.step_count = 0
         self.timeline = Timeline(cfg.record_timings)
@@ -143,7 +155,7 @@ class Engine(Evaluation):
         try:
             self.pipelines = UnitPipelines(
                 model, device, self.host_params, self.host_state, self.optimizer, cfg, workers, self.timer,
-                self._offloaded,
+                self._offloaded, self._group,
             )  # fmt: skip
             resident = self.pipelines.device_updated
             edge = [unit for unit in (model.embedding, model.head) if unit.name not in resident]
@@ -275,6 +287,10 @@ class Engine(Evaluation):
         began = time.perf_counter()
         batches = [split_micro_batch(micro_batch, index) for index, micro_batch in enumerate(micro_batches)]
         loss_tokens = sum(self.model.loss_token_count(batch.labels) for batch in batches)
+        tokens = sum(int(batch.input_ids.numel()) for batch in batches)
+        sharded = self.pipelines.sharded
+        if sharded is not None:  # every rank's gradients are divided by every rank's label tokens
+            loss_tokens, tokens = sharded.sum_counts(loss_tokens, tokens)
         if loss_tokens == 0:
             raise ValueError("no label tokens in this step's micro-batches (every label is -100)")
         self.step_count += 1
@@ -287,6 +303,8 @@ class Engine(Evaluation):
             position = self._micro_batch(batch, loss_tokens, loss_sum, schedule, position, ctx)
         workers.check()
         total, squares = self._read_loss_and_norms(loss_sum)
+        if sharded is not None:
+            sharded.sum_host_squares(ctx, workers, self.transfer.last)
         try:
             grad_norm = ctx.clip.finish(ctx, squares, workers, self.pipelines.routes, self.transfer.last)
         finally:
@@ -295,7 +313,7 @@ class Engine(Evaluation):
         return StepResult(
             step=ctx.step,
             loss=total / loss_tokens,
-            tokens=sum(int(batch.input_ids.numel()) for batch in batches),
+            tokens=tokens,
             loss_tokens=loss_tokens,
             lr=lr,
             wall_s=time.perf_counter() - began,
@@ -340,8 +358,11 @@ class Engine(Evaluation):
 
     def _read_loss_and_norms(self, loss_sum: torch.Tensor) -> tuple[float, list[float] | None]:
         """The step's summed loss and every unit's device-side squared gradient norm (Note [Gradient norm
-        of every step]), in one read. note: CPU-GPU sync point (once per step, for the reported loss)."""
+        of every step]), in one read. note: CPU-GPU sync point (once per step, for the reported loss).
+        With data parallel both are summed over the ranks first (sharded_pipeline.py)."""
         norms = self.pipelines.norms
+        if self.pipelines.sharded is not None:
+            return self.pipelines.sharded.sum_loss_and_norms(loss_sum, norms)
         if norms is None:
             return float(loss_sum), None
         values = torch.cat((loss_sum.reshape(1), norms.on_device)).tolist()
@@ -529,6 +550,21 @@ class Engine(Evaluation):
         slot.unit = unit
         load = self.pipelines[unit.name].load
         slot.loaded = self.workers["h2d"].submit(load, unit, slot, self._ready_after[unit.name], slot.compute_done)
+
+
+def _check_data_parallel(group: ProcessGroupContext, device: Device, config: EngineConfig) -> None:
+    """Refuse what a data-parallel engine cannot run (yet), in one line each."""
+    if config.resident_units or config.offloaded_units:
+        raise ValueError(
+            f"data parallel (world size {group.world_size}) supports host-updated units only for now; "
+            "device-resident and NVMe-offloaded units (resident_units, offloaded_units) are not supported yet"
+        )
+    if group.backend == "nccl" and device.torch_device.type != "cuda":
+        raise ValueError(f"the nccl process group needs a cuda device, got {device.torch_device.type}")
+    if group.backend == "gloo" and device.is_accelerator:
+        raise ValueError(f"a {device.torch_device.type} device needs the nccl process group, got gloo")
+    if not group.is_open:
+        raise ValueError("open the process group first: `with ProcessGroupContext(...) as group:`")
 
 
 def _leaves(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ parallel), is plugged in: see "Where things plug in" in docs/design/engine.md.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slide_core.device import Device
 from slide_core.host_params import HostParameters
@@ -27,10 +27,14 @@ from .offloaded_pipeline import OffloadedPipeline
 from .pipeline import UnitPipeline
 from .resident import ResidentUnits
 from .resident_pipeline import ResidentPipeline
+from .sharded_pipeline import ShardedPipeline
 from .slots import ParamSlot
 from .state_offload import OffloadedState
 from .timeline import ComputeTimer
 from .workers import Workers
+
+if TYPE_CHECKING:
+    from slide_core.distributed import ProcessGroupContext
 
 __all__ = ["UnitPipelines"]
 
@@ -54,7 +58,10 @@ class UnitPipelines:
         workers: Workers,
         timer: ComputeTimer,
         offloaded: OffloadedState | None,
+        group: ProcessGroupContext | None = None,
     ) -> None:
+        """``group``: the ranks of a data-parallel run (world size > 1); the host-updated units are then
+        sharded across them (sharded_pipeline.py), which is the only placement it supports yet."""
         resident = set(config.resident_units)
         lean_host = not host_params.slab.is_pinned()
         views = {name: host_state.views(name) if host_state.valid[name] else None for name in resident}
@@ -75,23 +82,31 @@ class UnitPipelines:
                 if is_host_updated:  # one registration per contiguous run of the slab
                     units = list(run)
                     device.pin_host_range(host_params.span(units[0], units[-1]))
-        host_state.zero_fresh()
         host_units = [unit for unit in model.units if unit.name not in resident]
-        self.transfer = GradTransfer(device, workers, host_units, config, timeline, self.norms)
+        spans = {unit.name: group.span(unit.layout.numel) for unit in host_units} if group is not None else None
+        host_state.zero_fresh(spans)
+        self.transfer = GradTransfer(device, workers, host_units, config, timeline, self.norms, spans)
         host: dict[str, Any] = dict(
             device=device, host_params=host_params, host_state=host_state, optimizer=optimizer,
             transfer=self.transfer, workers=workers, norms=self.norms, timeline=timeline,
             forward_position={unit.name: index for index, unit in enumerate(model.units)}, chunk_numel=chunk_numel,
         )  # fmt: skip
         self.host = HostPipeline(**host)
+        self.sharded: ShardedPipeline | None = None
+        """The data-parallel wrapper of the host pipeline, which then owns the host units (None in a
+        single-process run)."""
+        host_route: UnitPipeline = self.host
+        if group is not None:
+            assert spans is not None
+            host_route = self.sharded = ShardedPipeline(self.host, group, host_units, spans)
         self._of: dict[str, UnitPipeline] = dict.fromkeys(resident, self.resident)
-        self.distinct: list[UnitPipeline] = [self.resident, self.host]
+        self.distinct: list[UnitPipeline] = [self.resident, host_route]
         if offloaded is not None:
             chosen = [unit for unit in model.units if unit.name in offloaded]
             self.distinct.append(OffloadedPipeline(chosen, offloaded, **host))
             self._of.update(dict.fromkeys((unit.name for unit in chosen), self.distinct[-1]))
         self.routes: list[tuple[Unit, UnitPipeline]] = [
-            (unit, self._of.setdefault(unit.name, self.host)) for unit in model.units
+            (unit, self._of.setdefault(unit.name, host_route)) for unit in model.units
         ]
         """Every unit with its pipeline, in forward order."""
         self.fixed: dict[str, ParamSlot] = {name: self.residents.slot(name) for name in self.residents.units}

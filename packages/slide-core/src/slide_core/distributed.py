@@ -1,0 +1,259 @@
+"""Data parallel across processes: the process groups of one rank, made from torchrun's environment.
+
+One process per GPU (``torchrun --nproc-per-node N ...``). Every rank slides the whole model through its
+own device; the engine shards each unit's flat parameter range across the ranks
+(:func:`shard_span`), and the sharded pipeline (engine/sharded_pipeline.py) moves gradients and
+parameters between the ranks through the collectives here. docs/distributed.md says what each rank holds.
+
+:class:`ProcessGroupContext` owns the process groups of one run: it creates them in ``__enter__`` and
+destroys them in ``__exit__``. torch.distributed keeps one default group per process, so one context can
+be open per process at a time. Made with world size 1 (no ``WORLD_SIZE`` in the environment, or 1), it
+opens nothing and the engine takes its single-process path, so callers need no branch.
+
+Note [One group per issuing thread]: every rank must issue the collectives of one group in the same
+order. The engine issues them from two threads: the main thread (the gradients' reduce-scatter after each
+backward, the step's sums of loss, token counts and norms, the masters' gather at a drain) and the h2d
+thread (each load's all-gather). Each thread's order is the schedule's, the same on every rank, but the
+interleaving of the two is not, so each thread has its own group: ``main`` (device tensors) and ``host``
+(host tensors, gloo) for the main thread, ``loads`` for the h2d thread. Tested by every case of
+tests/core/test_distributed.py (prefetching loads overlap the backward's reduce-scatters there).
+
+Note [Collective failures]: a collective that fails (a peer closed its connections because it died, or
+nothing came within ``timeout_s``) raises :class:`CollectiveError` naming this rank and the collective,
+so no rank waits forever for one that is gone; the engine's worker threads carry it to the main thread
+(Note [Worker failures] in engine/workers.py). Tested by ``test_a_killed_rank_stops_the_others``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slide_core.engine.workers import EngineError
+
+__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveError", "ProcessGroupContext", "shard_span"]
+
+DEFAULT_TIMEOUT_S = 60.0
+"""How long one collective may wait for the other ranks before it fails (Note [Collective failures])."""
+
+_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class CollectiveError(EngineError):
+    """A collective failed on this rank: another rank stopped, or did not answer in time."""
+
+
+def shard_span(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous shard ``[lo, hi)`` of a flat range of ``numel`` elements: shards of
+    ``ceil(numel / world_size)`` elements, the last ones shorter (empty when ``numel < world_size``)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    per_rank = -(-numel // world_size)
+    lo = min(numel, rank * per_rank)
+    return lo, min(numel, lo + per_rank)
+
+
+class ProcessGroupContext:
+    """The process groups of one data-parallel rank (see the module notes).
+
+    ``backend`` is ``"nccl"`` for CUDA devices and ``"gloo"`` for the CPU device; host-side sums always
+    go through a gloo group. The rendezvous reads ``MASTER_ADDR`` and ``MASTER_PORT`` from the
+    environment (``env://``), which is what torchrun provides (its agent then already hosts the store).
+    """
+
+    def __init__(
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        local_rank: int = 0,
+        *,
+        backend: str = "gloo",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        if local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0, got {local_rank}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._groups: dict[str, Any] = {}
+        self._open = False
+
+    @classmethod
+    def from_env(
+        cls, device_type: str = "cpu", *, timeout_s: float = DEFAULT_TIMEOUT_S, environ: Mapping[str, str] | None = None
+    ) -> ProcessGroupContext:
+        """This process's place in the run, as torchrun describes it (``RANK``, ``WORLD_SIZE``,
+        ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): world size 1 when ``WORLD_SIZE`` is unset.
+        ``device_type`` (``"cpu"`` or ``"cuda"``) picks the backend. Raises ValueError naming a missing
+        or malformed variable."""
+        env = os.environ if environ is None else environ
+        world_size = _env_int(env, "WORLD_SIZE", default=1)
+        if world_size == 1:
+            return cls(timeout_s=timeout_s)
+        for name in _ENV_VARS:
+            if not env.get(name):
+                raise ValueError(f"WORLD_SIZE is {world_size} but {name} is not set; launch with torchrun")
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        return cls(_env_int(env, "RANK"), world_size, _env_int(env, "LOCAL_RANK"), backend=backend, timeout_s=timeout_s)
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        """Whether there is more than one rank (else nothing is opened and nothing is sharded)."""
+        return self.world_size > 1
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def __enter__(self) -> ProcessGroupContext:
+        self.open()
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Join the other ranks and create the groups (Note [One group per issuing thread])."""
+        if self._open:
+            return
+        if not self.is_distributed:
+            self._open = True
+            return
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed already has a process group in this process; open one context")
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        options: dict[str, Any] = {}
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.local_rank)
+            options["device_id"] = torch.device("cuda", self.local_rank)
+        dist.init_process_group(
+            self.backend, init_method="env://", rank=self.rank, world_size=self.world_size, timeout=timeout, **options
+        )
+        try:
+            self._groups = {
+                "main": dist.group.WORLD,
+                "loads": dist.new_group(backend=self.backend, timeout=timeout),
+                "host": dist.new_group(backend="gloo", timeout=timeout),
+            }
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        self._open = True
+
+    def close(self) -> None:
+        """Destroy every group. Idempotent."""
+        if not self._open:
+            return
+        self._open = False
+        self._groups = {}
+        if self.is_distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- shards ----------------------------------------------------------------------------------------
+    def span(self, numel: int) -> tuple[int, int]:
+        """This rank's shard of a flat range of ``numel`` elements (:func:`shard_span`)."""
+        return shard_span(numel, self.rank, self.world_size)
+
+    def spans(self, numel: int) -> list[tuple[int, int]]:
+        """Every rank's shard, in rank order."""
+        return [shard_span(numel, rank, self.world_size) for rank in range(self.world_size)]
+
+    # -- collectives (each in place; ``what`` names it in errors) ---------------------------------------
+    def reduce_scatter_(self, flat: torch.Tensor, what: str) -> None:
+        """Main thread, device tensor: sum ``flat`` over the ranks into this rank's shard of it (the rest
+        of ``flat`` is left undefined). On a GPU the sum is ordered after, and before, the current stream's
+        work without blocking the host."""
+        group = self._group("main")
+        spans = self.spans(flat.numel())
+        lo, hi = spans[self.rank]
+        if all(b - a == hi - lo for a, b in spans):  # one flat call, in place (ranks' shards tile ``flat``)
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            self._run(what, lambda: reduce_scatter(flat[lo:hi], flat, group=group, async_op=True))
+            return
+        # Uneven shards: one reduce per rank onto its shard (what a list reduce-scatter of uneven pieces
+        # would do underneath, spelled out so that it does not depend on the backend's support for it).
+        for owner, (a, b) in enumerate(spans):
+            if b > a:
+                self._run(what, lambda a=a, b=b, dst=owner: dist.reduce(flat[a:b], dst, group=group, async_op=True))
+
+    def all_gather_(self, flat: torch.Tensor, what: str) -> None:
+        """h2d thread, device tensor: every rank's shard of ``flat`` into every rank's ``flat``, ordered
+        on the current stream as :meth:`reduce_scatter_` is."""
+        self._gather(self._group("loads"), flat, what)
+
+    def all_gather_host_(self, flat: torch.Tensor, what: str) -> None:
+        """Main thread, host tensor: as :meth:`all_gather_`, through the gloo group."""
+        self._gather(self._group("host"), flat, what)
+
+    def all_reduce_(self, tensor: torch.Tensor, what: str) -> None:
+        """Main thread, device tensor: the sum over the ranks, in place."""
+        group = self._group("main")
+        self._run(what, lambda: dist.all_reduce(tensor, group=group, async_op=True))
+
+    def all_reduce_host_(self, tensor: torch.Tensor, what: str) -> None:
+        """Main thread, host tensor: the sum over the ranks, in place, through the gloo group."""
+        group = self._group("host")
+        self._run(what, lambda: dist.all_reduce(tensor, group=group, async_op=True))
+
+    def _gather(self, group: Any, flat: torch.Tensor, what: str) -> None:
+        spans = self.spans(flat.numel())
+        lo, hi = spans[self.rank]
+        if all(b - a == hi - lo for a, b in spans):
+            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            self._run(what, lambda: all_gather(flat, flat[lo:hi], group=group, async_op=True))
+            return
+        # Uneven shards: gloo's all_gather takes equal sizes only, so each rank broadcasts its own shard
+        # (every group spans all ranks, so a group rank is the global rank).
+        for source, (a, b) in enumerate(spans):
+            if b > a:
+                self._run(what, lambda a=a, b=b, src=source: dist.broadcast(flat[a:b], src, group=group, async_op=True))
+
+    def _group(self, role: str) -> Any:
+        if not self._open or not self.is_distributed:
+            raise RuntimeError(
+                "the process groups are not open (use `with ProcessGroupContext(...)`) or world size is 1"
+            )
+        return self._groups[role]
+
+    def _run(self, what: str, issue: Callable[[], Any]) -> None:
+        """Issue one collective and wait for it: the host blocks on gloo; on NCCL the current stream waits
+        (no host block). A failure becomes a :class:`CollectiveError` (Note [Collective failures])."""
+        try:
+            work = issue()
+            if work is not None:
+                work.wait()
+        except RuntimeError as exc:
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world_size}: {what} failed ({cause}); another rank has probably "
+                f"stopped (its own output says why) or did not answer within {self.timeout_s:.0f} s"
+            ) from exc
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupContext(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
+
+
+def _env_int(env: Mapping[str, str], name: str, *, default: int | None = None) -> int:
+    value = env.get(name)
+    if not value:
+        if default is None:
+            raise ValueError(f"{name} is not set; launch with torchrun")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None

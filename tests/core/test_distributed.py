@@ -1,0 +1,314 @@
+"""Data parallel (slide_core/distributed.py, slide_core/engine/sharded_pipeline.py) on the CPU device with
+gloo, in real processes: N ranks, each stepping on its rows of every step's global batch, against one
+process stepping on the whole batch, in fp32: per-step losses and gradient norms, skipped steps and the
+final weights, with and without clipping, with gradient accumulation and with a tied embedding, for 2
+ranks (even shards) and 3 (odd shards). And a rank killed mid-run stops the others, each with a line
+naming it (Note [Collective failures]).
+
+This file is also the rank's program: ``python test_distributed.py SPEC.json`` with torchrun's variables in
+the environment (``_launch`` sets them) runs the cases of SPEC and saves each rank's results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from slide_core import AdamWConfig, HostParameters
+from slide_core.devices.cpu import CPUDevice
+from slide_core.distributed import ProcessGroupContext, shard_span
+from slide_core.engine import Engine, EngineConfig
+from slide_core.optim import TorchAdamW
+from slide_core.testing import ToyBlock, ToyConfig, ToyModel, load_init, toy_batches, toy_init
+
+RTOL = 1e-5
+LR = 3e-3
+ROWS_PER_RANK = 2
+LAUNCH_TIMEOUT_S = 150.0
+
+
+@dataclass(frozen=True)
+class Case:
+    tied: bool = False
+    accum: int = 1
+    max_grad_norm: float = 0.0
+    poison_step: int = 0
+    """The step whose gradients turn NaN on the last rank only (0: none)."""
+    steps: int = 3
+
+
+CASES = {
+    "plain": Case(),
+    "clips": Case(max_grad_norm=0.05),  # clips every step: speculative, then deferred steps
+    "accum": Case(accum=2),  # host-summed norms, reported
+    "tied": Case(tied=True),  # the embedding sums the head's share on the host
+    "tied-accum-clips": Case(tied=True, accum=2, max_grad_norm=0.05),
+    "nan-on-one-rank": Case(max_grad_norm=1e6, poison_step=2, steps=4),
+}
+
+
+# ---- the model, the batches and one run, shared by the ranks and the one-process reference ---------------
+class _PoisonGrad(torch.autograd.Function):
+    """Identity forward; NaN backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, math.nan)
+
+
+class _PoisonableBlock(ToyBlock):
+    poisoned = False
+
+    def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs) -> torch.Tensor:
+        y = super().forward(params, x, inputs)
+        return _PoisonGrad.apply(y) if self.poisoned and torch.is_grad_enabled() else y
+
+
+def _model(case: Case) -> ToyModel:
+    model = ToyModel(ToyConfig(tie_embeddings=case.tied, num_layers=3))
+    model.blocks[1] = _PoisonableBlock(model.cfg, 1)
+    return model
+
+
+def _global_batches(case: Case, world_size: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every step's global batch: ``world_size * ROWS_PER_RANK`` rows per micro-batch (the first row has a
+    masked prompt, so the ranks' label-token counts differ)."""
+    cfg = ToyConfig(tie_embeddings=case.tied, num_layers=3)
+    return toy_batches(cfg, case.steps, case.accum, seed=5, batch=world_size * ROWS_PER_RANK)
+
+
+def _run(case: Case, batches, group: ProcessGroupContext | None, poisons: bool, die_after: int = 0) -> dict:
+    """Train on ``batches`` (this process's rows); return the step results, the final master and the
+    optimizer state slabs (NaN wherever they were never written). ``die_after``: the step after which
+    this process kills itself."""
+    model = _model(case)
+    config = EngineConfig(
+        compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=case.max_grad_norm, timeout_s=60.0
+    )
+    optimizer = TorchAdamW(AdamWConfig(weight_decay=0.1))
+    results = []
+    with CPUDevice() as device:
+        host = HostParameters(model)
+        load_init(host, toy_init(model, seed=4))
+        engine = Engine(model, device, host, optimizer, config, process_group=group)
+        for slab in engine.host_state.state_slabs.values():
+            slab.fill_(math.nan)  # a fresh run zeroes the state it will update; the rest stays NaN
+        with engine:
+            for step, micro in enumerate(batches, start=1):
+                model.blocks[1].poisoned = poisons and step == case.poison_step
+                result = engine.step(micro, lr=LR)
+                results.append((result.step, result.loss, result.grad_norm, result.skipped, result.loss_tokens))
+                if step == die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            state = {
+                unit.name: {k: v.clone() for k, v in engine.host_state.views(unit).items()} for unit in model.units
+            }
+        master = {unit.name: host.flat(unit).clone() for unit in model.units}
+    return {"results": results, "master": master, "state": state}
+
+
+def _rank_rows(batches, rank: int):
+    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    return [[(ids[rows], labels[rows]) for ids, labels in micro] for micro in batches]
+
+
+def _rank_main(spec: dict) -> None:
+    """One rank: run every case of ``spec`` and save this rank's results (or die where told to)."""
+    group = ProcessGroupContext.from_env("cpu", timeout_s=spec["timeout_s"])
+    out = Path(spec["out"])
+    with group:
+        for name in spec["cases"]:
+            case = CASES[name]
+            batches = _rank_rows(_global_batches(case, group.world_size), group.rank)
+            poisons = group.rank == group.world_size - 1
+            die_after = 1 if spec.get("kill_rank") == group.rank else 0  # then dies without a word
+            run = _run(case, batches, group, poisons, die_after)
+            torch.save(run, out / f"{name}-rank{group.rank}.pt")
+
+
+# ---- launching ranks --------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(world_size: int, spec: dict, out: Path) -> list[subprocess.Popen]:
+    """Start ``world_size`` ranks of this file as torchrun would (its environment variables)."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "out": str(out)}))
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, str(spec_path)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
+    """Each rank's (exit code, stderr); kills every rank still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    finished = []
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            finished.append((proc.returncode, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return finished
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def ranks(request, tmp_path_factory) -> tuple[int, Path]:
+    """Every case, run once by ``request.param`` ranks."""
+    world_size = request.param
+    out = tmp_path_factory.mktemp(f"dp{world_size}")
+    spec = {"cases": list(CASES), "timeout_s": 30.0}
+    for rank, (code, err) in enumerate(_wait_all(_launch(world_size, spec, out), LAUNCH_TIMEOUT_S)):
+        assert code == 0, f"rank {rank} of {world_size} failed:\n{err[-3000:]}"
+    return world_size, out
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+# ---- the tests --------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_ranks_match_one_process_at_the_global_batch(ranks: tuple[int, Path], name: str) -> None:
+    world_size, out = ranks
+    case = CASES[name]
+    batches = _global_batches(case, world_size)
+    want = _run(case, batches, None, poisons=True)
+    for rank in range(world_size):
+        got = torch.load(out / f"{name}-rank{rank}.pt")
+        for (step, loss, norm, skipped, tokens), ref in zip(got["results"], want["results"], strict=True):
+            ref_step, ref_loss, ref_norm, ref_skipped, ref_tokens = ref
+            where = f"rank {rank}, step {ref_step}"
+            assert (step, skipped, tokens) == (ref_step, ref_skipped, ref_tokens), where
+            assert loss == pytest.approx(ref_loss, rel=RTOL), f"loss differs at {where}"
+            if math.isfinite(ref_norm):
+                assert norm == pytest.approx(ref_norm, rel=RTOL), f"grad norm differs at {where}"
+            else:
+                assert not math.isfinite(norm), where
+        for unit, master in want["master"].items():
+            assert _rel(got["master"][unit], master) <= RTOL, f"rank {rank}: {unit} differs"
+    if case.poison_step:
+        assert [skipped for _, _, _, skipped, _ in want["results"]] == [False, True, False, False]
+
+
+@pytest.mark.slow
+def test_each_rank_writes_only_its_shards_optimizer_state(ranks: tuple[int, Path]) -> None:
+    """Every rank zeroes and updates the Adam state of its own shard of each unit and never touches the
+    rest (whose pages then cost it no memory)."""
+    world_size, out = ranks
+    model = _model(CASES["plain"])
+    for rank in range(world_size):
+        state = torch.load(out / f"plain-rank{rank}.pt")["state"]
+        for unit in model.units:
+            lo, hi = shard_span(unit.layout.numel, rank, world_size)
+            assert 0 < hi - lo < unit.layout.numel
+            for name, flat in state[unit.name].items():
+                assert flat[lo:hi].isfinite().all(), f"rank {rank}: {unit.name} {name} not written"
+                outside = torch.cat((flat[:lo], flat[hi:]))
+                assert outside.isnan().all(), f"rank {rank}: {unit.name} {name} written outside its shard"
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_others(tmp_path: Path) -> None:
+    """Note [Collective failures]: rank 1 dies after its first step; ranks 0 and 2 stop within the
+    collective timeout, each with a line that names it."""
+    spec = {"cases": ["plain"], "timeout_s": 30.0, "kill_rank": 1}
+    began = time.monotonic()
+    finished = _wait_all(_launch(3, spec, tmp_path), 90.0)
+    assert time.monotonic() - began < 60.0
+    assert finished[1][0] == -signal.SIGKILL
+    for rank in (0, 2):
+        code, err = finished[rank]
+        assert code != 0, f"rank {rank} went on without rank 1"
+        assert f"rank {rank} of 3: " in err, err[-2000:]
+
+
+def test_shards_tile_every_unit() -> None:
+    for numel in (1, 7, 64, 3136, 7360):
+        for world_size in (1, 2, 3, 5, 8):
+            spans = [shard_span(numel, rank, world_size) for rank in range(world_size)]
+            assert spans[0][0] == 0 and spans[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+            sizes = [hi - lo for lo, hi in spans]
+            assert max(sizes) == -(-numel // world_size)
+
+
+def test_one_process_opens_nothing() -> None:
+    group = ProcessGroupContext.from_env("cpu", environ={})
+    assert not group.is_distributed
+    with group:
+        assert group.is_open and not torch.distributed.is_initialized()
+    assert not group.is_open
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "h"}, "MASTER_PORT is not set"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE must be an integer"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "rank 2"),
+    ],
+)
+def test_a_bad_environment_is_named(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ProcessGroupContext.from_env("cpu", environ=environ)
+
+
+def test_placements_not_sharded_yet_are_refused() -> None:
+    model = ToyModel(ToyConfig())
+    group = ProcessGroupContext(0, 2)
+    with CPUDevice() as device:
+        host = HostParameters(model)
+        config = EngineConfig(resident_units=("embed",))
+        with pytest.raises(ValueError, match="host-updated units only"):
+            Engine(model, device, host, TorchAdamW(AdamWConfig()), config, process_group=group)
+        with pytest.raises(ValueError, match="open the process group first"):
+            Engine(model, device, host, TorchAdamW(AdamWConfig()), EngineConfig(), process_group=group)
+
+
+if __name__ == "__main__":
+    _rank_main(json.loads(Path(sys.argv[1]).read_text()))
