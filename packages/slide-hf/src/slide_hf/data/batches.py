@@ -3,6 +3,12 @@
 The order of rows is a permutation drawn from ``seed + epoch``, so a run resumed at (epoch, index) sees
 exactly the batches the uninterrupted run would have. Rows are stored as int32 and leave here as int64
 :class:`MicroBatch` es, the dtype embeddings and the loss take.
+
+Data parallel (``world_size`` ranks, docs/distributed.md): a step's global batch is ``grad_accum``
+micro-batches of ``batch_size x world_size`` rows, taken from the same seeded order on every rank, and
+rank ``r`` keeps rows ``[r * batch_size, (r + 1) * batch_size)`` of each. The position counts global rows,
+so it is the same on every rank, and N ranks see together exactly the rows one process with
+``batch_size x N`` would.
 """
 
 from __future__ import annotations
@@ -45,24 +51,40 @@ class DataPosition:
 
 
 class Batches:
-    """Micro-batches for each optimizer step: ``grad_accum`` micro-batches of ``batch_size`` rows."""
+    """Micro-batches for each optimizer step: ``grad_accum`` micro-batches of ``batch_size`` rows (this
+    rank's rows of the step's global batch when ``world_size > 1``, see the module notes)."""
 
-    def __init__(self, dataset: Dataset, batch_size: int, grad_accum: int, *, shuffle: bool, seed: int) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        grad_accum: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         if batch_size < 1:
             raise UserError(f"--batch-size must be positive, got {batch_size}")
         if grad_accum < 1:
             raise UserError(f"--grad-accum must be positive, got {grad_accum}")
-        per_step = batch_size * grad_accum
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        per_step = batch_size * grad_accum * world_size
         if len(dataset) < per_step:
+            ranks = f" x {world_size} ranks" if world_size > 1 else ""
             raise UserError(
                 f"{dataset.source} yields {len(dataset)} rows; one step needs {per_step} "
-                f"(--batch-size {batch_size} x --grad-accum {grad_accum})"
+                f"(--batch-size {batch_size} x --grad-accum {grad_accum}{ranks})"
             )
         self.dataset = dataset
         self.batch_size = batch_size
         self.grad_accum = grad_accum
         self.shuffle = shuffle
         self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
         self.position = DataPosition()
         self.steps_per_epoch = len(dataset) // per_step
 
@@ -72,13 +94,14 @@ class Batches:
         return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
 
     def next_step(self) -> list[MicroBatch]:
-        """The next step's micro-batches; a partial tail of an epoch is skipped."""
-        per_step = self.batch_size * self.grad_accum
+        """The next step's micro-batches (this rank's rows of them); a partial tail of an epoch is skipped."""
+        per_step = self.batch_size * self.grad_accum * self.world_size
         if self.position.index + per_step > len(self.dataset):
             self.position = DataPosition(self.position.epoch + 1, 0)
         order = self._order(self.position.epoch)[self.position.index : self.position.index + per_step]
         self.position = DataPosition(self.position.epoch, self.position.index + per_step)
-        return [_micro_batch(self.dataset, chunk) for chunk in order.split(self.batch_size)]
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        return [_micro_batch(self.dataset, chunk[mine]) for chunk in order.split(self.batch_size * self.world_size)]
 
 
 def eval_batches(dataset: Dataset, batch_size: int) -> Iterator[MicroBatch]:
