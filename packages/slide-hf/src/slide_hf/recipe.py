@@ -117,6 +117,7 @@ def train(
 
     The output directory is this run's alone while it runs (slide_hf/run_dir.py): locked, refused when it
     holds another run unless resuming or ``overwrite``, and a resumed run defaults to its own directory."""
+    _refuse_data_parallel()
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
     with RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite) as run_dir:
         return _train(cfg, run_dir, on_step=on_step, on_eval=on_eval)
@@ -175,6 +176,17 @@ def _train(
         raise UserError(f"no optimizer step was applied; the model was still written to {model_out}")
     log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
     return TrainSummary(len(losses), losses[0], losses[-1], run_dir.path, model_out, losses)
+
+
+def _refuse_data_parallel() -> None:
+    """Launched by torchrun with several processes, each would train the whole run alone into the same
+    directory: refused until the recipe runs data parallel (the engine does, docs/distributed.md)."""
+    world_size = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if world_size != "1":
+        raise UserError(
+            f"slide train does not run data parallel yet (WORLD_SIZE={world_size}); launch one process "
+            "(see docs/distributed.md)"
+        )
 
 
 # -- setup, in the order _train runs it ----------------------------------------------------------------------

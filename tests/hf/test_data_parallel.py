@@ -1,6 +1,7 @@
-"""`slide_hf.data.batches` under data parallel: each rank's rows of every step's global batch, which
-together are exactly one process's batch at ``batch_size x world_size`` (docs/distributed.md); and
-``python -m slide_hf``, the entry a launcher such as torchrun starts."""
+"""slide-hf's side of data parallel (docs/distributed.md): `slide_hf.data.batches` gives each rank its rows
+of every step's global batch, which together are exactly one process's batch at ``batch_size x
+world_size``; ``python -m slide_hf`` is the entry a launcher such as torchrun starts; and `slide train`,
+which does not run data parallel yet, refuses several processes in one line."""
 
 from __future__ import annotations
 
@@ -57,3 +58,15 @@ def test_python_dash_m_slide_hf_is_the_cli() -> None:
     )
     assert done.returncode == 2
     assert done.stderr.startswith("slide: error: unrecognized arguments: --no-such-flag")
+
+
+def test_slide_train_refuses_several_processes(tmp_path, monkeypatch, capsys) -> None:
+    from slide_hf.cli.main import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--model", "tiny-llama", "--steps", "1", "--output", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (
+        "slide train: error: slide train does not run data parallel yet (WORLD_SIZE=2); launch one process "
+        "(see docs/distributed.md)\n"
+    )
+    assert not (tmp_path / "run").exists()
