@@ -102,6 +102,30 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+def hf_adamw_losses(hf: Any, batches: list, *, lr: float, weight_decay: float) -> list[float]:
+    """Train ``hf`` (transformers' model and loss) with ``torch.optim.AdamW`` under HF's weight-decay
+    convention (decay on >= 2-dim params), the loss of each step normalised over all its micro-batches'
+    label tokens as the engine does; return the per-step losses. The reference of the engine tests."""
+    decay = [p for p in hf.parameters() if p.dim() >= 2]
+    no_decay = [p for p in hf.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+    )
+    losses = []
+    for micro in batches:
+        tokens = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
+        total = 0.0
+        for ids, labels in micro:
+            per_batch = int((labels[:, 1:] != -100).sum())
+            loss = hf(ids, labels=labels).loss * per_batch  # HF returns the mean over this micro-batch
+            (loss / tokens).backward()
+            total += loss.item()
+        losses.append(total / tokens)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
 @pytest.fixture
 def reference(tmp_path: Path) -> Callable[..., Reference]:
     return lambda preset, **kw: make_reference(preset, tmp_path / preset, **kw)
@@ -115,6 +139,6 @@ def helpers() -> Any:
         BATCH = BATCH
         SEQ = SEQ
 
-    for fn in (batch, leaves_of, head_params, hidden_through_blocks, run_units, hf_param, rel_err):
+    for fn in (batch, leaves_of, head_params, hidden_through_blocks, run_units, hf_param, rel_err, hf_adamw_losses):
         setattr(_Helpers, fn.__name__, staticmethod(fn))
     return _Helpers

@@ -53,7 +53,7 @@ def _batches(vocab: int, steps: int):
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
-def test_engine_trains_like_hf(preset: str, tmp_path, monkeypatch) -> None:
+def test_engine_trains_like_hf(preset: str, tmp_path, monkeypatch, helpers) -> None:
     # The head uses HF's own loss math here, so the comparison isolates the engine: slide-kernels' fused
     # loss agrees to rounding (tests/kernels), but Adam amplifies last-bit gradient differences on
     # near-zero gradients past 1e-5 within three steps.
@@ -66,23 +66,7 @@ def test_engine_trains_like_hf(preset: str, tmp_path, monkeypatch) -> None:
     lr, adam = 3e-3, AdamWConfig(weight_decay=0.1)
 
     # Reference: HF's model, HF's loss, torch AdamW with the HF weight-decay convention (>= 2 dims).
-    decay = [p for p in hf.parameters() if p.dim() >= 2]
-    no_decay = [p for p in hf.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": adam.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
-    )
-    expected = []
-    for micro in batches:
-        tokens = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
-        total = 0.0
-        for ids, labels in micro:
-            per_batch = int((labels[:, 1:] != -100).sum())
-            loss = hf(ids, labels=labels).loss * per_batch  # HF returns the mean over this micro-batch
-            (loss / tokens).backward()
-            total += loss.item()
-        expected.append(total / tokens)
-        optimizer.step()
-        optimizer.zero_grad()
+    expected = helpers.hf_adamw_losses(hf, batches, lr=lr, weight_decay=adam.weight_decay)
 
     # The engine: same checkpoint, streamed into the fp32 host master.
     config = PRESETS[preset]()

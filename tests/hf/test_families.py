@@ -65,30 +65,8 @@ def _batches(vocab: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tens
     return out
 
 
-def _hf_losses(hf, batches, adam: AdamWConfig) -> list[float]:
-    """HF's model and loss, torch AdamW with the HF weight-decay convention (decay on >= 2 dims)."""
-    decay = [p for p in hf.parameters() if p.dim() >= 2]
-    no_decay = [p for p in hf.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": adam.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=LR
-    )
-    losses = []
-    for micro in batches:
-        tokens = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
-        total = 0.0
-        for ids, labels in micro:
-            per_batch = int((labels[:, 1:] != -100).sum())
-            loss = hf(ids, labels=labels).loss * per_batch  # HF returns the mean over this micro-batch
-            (loss / tokens).backward()
-            total += loss.item()
-        losses.append(total / tokens)
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses
-
-
 @pytest.mark.parametrize("preset", FAMILIES)
-def test_engine_trains_like_hf(preset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_trains_like_hf(preset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helpers) -> None:
     """Three AdamW steps of two accumulated micro-batches: every loss within 1e-5 of transformers, and
     every final weight (the engine recomputes each block in backward, so this covers recompute)."""
     # HF's own loss math in the head, as in test_engine_families: the comparison isolates the engine.
@@ -99,7 +77,7 @@ def test_engine_trains_like_hf(preset: str, tmp_path: Path, monkeypatch: pytest.
     hf.save_pretrained(tmp_path)
     batches = _batches(hf.config.vocab_size, STEPS)
     adam = AdamWConfig(weight_decay=0.1)
-    expected = _hf_losses(hf, batches, adam)
+    expected = helpers.hf_adamw_losses(hf, batches, lr=LR, weight_decay=adam.weight_decay)
 
     config = load_config(tmp_path)
     config._attn_implementation = "eager"
