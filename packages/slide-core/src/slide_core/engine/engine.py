@@ -215,6 +215,9 @@ class Engine(Evaluation):
 
         ``with_state`` also copies device-resident and offloaded units' optimizer state to the host slabs
         (for a checkpoint of the full training state).
+
+        With data parallel every rank's master is gathered whole (a host all-gather, so every rank must
+        call it), while the optimizer state stays sharded: each rank's slabs hold its own shards.
         """
         self.wait_idle()
         self.pipelines.sync_to_host(self.host_state if with_state else None)
@@ -240,23 +243,38 @@ class Engine(Evaluation):
         """The arrays of a checkpoint (``save_checkpoint``): one :class:`StateSource` for the fp32 master
         and one per optimizer state, each reading every unit where its pipeline keeps it, so a save
         touches no host memory for device-resident and offloaded units (see state_source.py). Waits for
-        every pending update first, and copies nothing back: resident masters stay off the host."""
+        every pending update first, and copies nothing back: resident masters stay off the host.
+
+        With data parallel each array is this rank's shard of every unit, in slab order (each rank
+        writes its own checkpoint; a resume takes it back at the same world size)."""
         self.wait_idle()
-        return {name: StateSource(name, self.model.units, self.pipelines.by_name) for name in self._array_names()}
+        spans = self._shard_spans()
+        return {
+            name: StateSource(name, self.model.units, self.pipelines.by_name, spans) for name in self._array_names()
+        }
 
     def restore_checkpoint(self, path: Path) -> dict[str, Any]:
         """Resume from a checkpoint written from :meth:`checkpoint_arrays`: every unit's master and Adam
         state is streamed to where the unit keeps it (host slabs, the GPU, the state tier), block by
         verified block, so a resume needs no more host memory than training. Call it once the engine
         is running and before its first step; returns the checkpoint's state (its ``extra``, ``step``).
-        Raises :class:`~slide_core.checkpoint.CheckpointCorrupt` naming a bad or mismatched file."""
+        Raises :class:`~slide_core.checkpoint.CheckpointCorrupt` naming a bad or mismatched file.
+
+        With data parallel ``path`` is this rank's checkpoint (its shards, :meth:`checkpoint_arrays`) from a
+        run of the same world size; one of another size holds a different element count and is refused."""
         if self.step_count or self._workers is None:
             raise EngineError("restore_checkpoint needs a running engine that has not stepped yet")
-        sinks = {name: StateSink(name, self.model.units, self.pipelines.by_name) for name in self._array_names()}
+        spans = self._shard_spans()
+        sinks = {name: StateSink(name, self.model.units, self.pipelines.by_name, spans) for name in self._array_names()}
         return load_checkpoint(path, sinks)
 
     def _array_names(self) -> tuple[str, ...]:
         return ("master", *self.optimizer.state_names)
+
+    def _shard_spans(self) -> dict[str, tuple[int, int]] | None:
+        """This rank's shard of every unit under data parallel (None in a single-process run)."""
+        sharded = self.pipelines.sharded
+        return None if sharded is None else sharded.spans
 
     def schedule_state(self) -> dict[str, int | bool]:
         """What a bit-identical resume needs besides the checkpoint's arrays: the Adam step counter, the

@@ -8,6 +8,8 @@ updated on this rank's host, and only that shard's optimizer state is ever writt
   the ranks into this rank's shard (a reduce-scatter, in place in the slot), fold the shard's squared norm
   and hand the shard to the d2h stage (``GradTransfer`` streams ``[lo, hi)`` only); the inner pipeline's
   ``apply`` then updates that range on the optimizer thread, unchanged.
+- ``state_array`` / ``restore_target``: this rank's shard of each unit, so a rank's checkpoint is its
+  shards (Engine.checkpoint_arrays) and a resume at the same world size takes them back.
 - ``load`` (h2d thread): once the unit's last update is done, copy this rank's shard of the master into
   the slot and all-gather the slot, so every rank computes with the whole, updated unit.
 
@@ -47,7 +49,7 @@ from .host_state import HostState
 from .norms import UnitNorms
 from .pipeline import write_gradients
 from .slots import ParamSlot
-from .workers import EngineError, Workers
+from .workers import Workers
 
 if TYPE_CHECKING:
     from slide_core.distributed import ProcessGroupContext
@@ -183,32 +185,27 @@ class ShardedPipeline:
 
     # -- checkpoints and drains --------------------------------------------------------------------------
     def state_array(self, unit: Unit, name: str) -> torch.Tensor:
-        raise EngineError(_NO_CHECKPOINTS)
+        """This rank's shard of the unit's master or optimizer state: all a rank's checkpoint holds (the
+        rest of its state slabs is never written, and the rest of its master is another rank's to update)."""
+        lo, hi = self.spans[unit.name]
+        return self.inner.state_array(unit, name)[lo:hi]
 
     def restore_target(self, unit: Unit, name: str) -> torch.Tensor:
-        raise EngineError(_NO_CHECKPOINTS)
+        return self.state_array(unit, name)
 
     def restored(self, unit: Unit, name: str, values: torch.Tensor) -> None:
-        raise EngineError(_NO_CHECKPOINTS)
+        pass  # written in place; the next load all-gathers the restored shards
 
     def sync_to_host(self, host_state: HostState | None) -> None:
         """Make every rank's host master whole again: each rank updated only its shards, so the rest of
-        its slab is as old as the last gather (a host all-gather per unit, through the gloo group)."""
-        if host_state is not None:
-            raise EngineError(
-                "a drain with optimizer state is not supported with data parallel yet: each rank holds the state "
-                "of its own shards only"
-            )
+        its slab is as old as the last gather (a host all-gather per unit, through the gloo group). The
+        optimizer state stays sharded (``host_state`` is accepted: a host-updated unit's state is already
+        where a checkpoint reads it, this rank's shards of the host slabs)."""
         for unit in self.units:
             self.group.all_gather_host_(self.inner.host_params.flat(unit), f"the gather of {unit.name}'s master")
 
     def flush(self) -> None:
         self.inner.flush()
-
-
-_NO_CHECKPOINTS = (
-    "checkpoints are not supported with data parallel yet: each rank holds the optimizer state of its own shards only"
-)
 
 
 def _nothing() -> None:

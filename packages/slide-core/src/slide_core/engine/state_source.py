@@ -11,6 +11,9 @@ writer pull the file's bytes block by block (:class:`~slide_core.checkpoint.Arra
 copies each unit's range from where the unit's pipeline keeps it (``UnitPipeline.state_array``: host
 ranges, device ranges, one offloaded unit at a time), in the slabs' element order, so the file is the
 same as one written from gathered slabs. :class:`StateSink` is the mirror for a resume.
+
+With data parallel each rank's array covers only its shard ``[lo, hi)`` of every unit (``spans``): the
+sharded pipeline's ``state_array`` is that range alone, so a rank's file is its shards in slab order.
 """
 
 from __future__ import annotations
@@ -28,25 +31,36 @@ __all__ = ["StateSink", "StateSource"]
 
 class _PlacedArray:
     """Array ``name`` (``"master"`` or an optimizer state) over ``units`` in slab order, each unit's range
-    kept where the unit's pipeline keeps it."""
+    kept where the unit's pipeline keeps it. ``spans``: the part ``[lo, hi)`` of each unit the array holds
+    (a data-parallel rank's shards); every unit whole when None."""
 
-    def __init__(self, name: str, units: Sequence[Unit], pipelines: Mapping[str, UnitPipeline]) -> None:
+    def __init__(
+        self,
+        name: str,
+        units: Sequence[Unit],
+        pipelines: Mapping[str, UnitPipeline],
+        spans: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
         self.name = name
         self.dtype = torch.float32
         self._units = list(units)
         self._pipelines = pipelines
+        self._lengths = [
+            unit.layout.numel if spans is None else spans[unit.name][1] - spans[unit.name][0] for unit in self._units
+        ]
+        self._numel_of = {unit.name: length for unit, length in zip(self._units, self._lengths, strict=True)}
         self._starts = []
         total = 0
-        for unit in self._units:
+        for length in self._lengths:
             self._starts.append(total)
-            total += unit.layout.numel
+            total += length
         self.numel = total
 
     def _pieces(self, start: int, count: int) -> Iterator[tuple[Unit, slice, slice]]:
         """The units overlapping ``[start, start + count)``: (unit, range in the unit, range in the block)."""
         end = start + count
-        for unit, unit_start in zip(self._units, self._starts, strict=True):
-            lo, hi = max(start, unit_start), min(end, unit_start + unit.layout.numel)
+        for unit, unit_start, length in zip(self._units, self._starts, self._lengths, strict=True):
+            lo, hi = max(start, unit_start), min(end, unit_start + length)
             if lo < hi:
                 yield unit, slice(lo - unit_start, hi - unit_start), slice(lo - start, hi - start)
 
@@ -81,6 +95,6 @@ class StateSink(_PlacedArray):
             target[in_unit].copy_(block[in_block])
             filled += in_unit.stop - in_unit.start
             self._filling = (unit, target, filled)
-            if filled == unit.layout.numel:
+            if filled == self._numel_of[unit.name]:
                 self._filling = None
                 pipeline.restored(unit, self.name, target)
