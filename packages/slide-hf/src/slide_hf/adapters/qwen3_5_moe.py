@@ -15,10 +15,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeTextRotaryEmbedding,
 )
 
-from slide_core.unit import Unit
-from slide_hf.adapters.base import BlockUnit, HFCausalLM
-from slide_hf.adapters.moe_experts import split_experts
-from slide_hf.adapters.qwen3_next import delta_net_init_rule
+from slide_hf.adapters.qwen3_next import Qwen3NextAdapter
 
 __all__ = ["Qwen3_5MoeAdapter"]
 
@@ -32,21 +29,12 @@ class _TextRotary(Qwen3_5MoeTextRotaryEmbedding):
         return super().forward(x, position_ids)
 
 
-class Qwen3_5MoeAdapter(HFCausalLM):
-    """``model_type == "qwen3_5_moe_text"``."""
+class Qwen3_5MoeAdapter(Qwen3NextAdapter):
+    """``model_type == "qwen3_5_moe_text"``: Qwen3-Next's units (experts split one by one, delta-net init)
+    with Qwen3.5's layers, norms and three-axis text rotary."""
 
     decoder_layer = Qwen3_5MoeDecoderLayer
     rotary_embedding = _TextRotary
-    norm_init = 0.0
 
     def make_norm(self) -> nn.Module:
         return Qwen3_5MoeRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
-
-    def make_block_unit(self, index: int) -> BlockUnit:
-        unit = super().make_block_unit(index)
-        c = self.config
-        split_experts(unit, f"{self.base_prefix}{self.layers_name}.{index}.", c.num_experts, c.moe_intermediate_size)
-        return unit
-
-    def init_rule(self, unit: Unit, name: str, shape: tuple[int, ...]) -> tuple[str, float]:
-        return delta_net_init_rule(name) or super().init_rule(unit, name, shape)
