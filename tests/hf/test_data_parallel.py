@@ -1,16 +1,23 @@
 """slide-hf's side of data parallel (docs/distributed.md): `slide_hf.data.batches` gives each rank its rows
 of every step's global batch, which together are exactly one process's batch at ``batch_size x
-world_size``; ``python -m slide_hf`` is the entry a launcher such as torchrun starts; and `slide train`,
-which does not run data parallel yet, refuses several processes in one line."""
+world_size``; ``python -m slide_hf`` is the entry a launcher such as torchrun starts; and `slide train`
+in 2 real gloo processes trains what one process does at the same global batch."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from slide_core.checkpoint import read_state
 from slide_hf.data import Batches, Dataset, DataStats
 from slide_hf.errors import UserError
 
@@ -60,13 +67,115 @@ def test_python_dash_m_slide_hf_is_the_cli() -> None:
     assert done.stderr.startswith("slide: error: unrecognized arguments: --no-such-flag")
 
 
-def test_slide_train_refuses_several_processes(tmp_path, monkeypatch, capsys) -> None:
+# ---- `slide train` in real gloo processes ------------------------------------------------------------------
+RUN = ("train", "--model", "tiny-llama", "--device", "cpu", "--dtype", "float32", "--seq-len", "32", "--lr", "1e-3")
+STEPS = 3
+LAUNCH_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _slide_train(output: Path, batch_size: int, world_size: int) -> list[tuple[int, str]]:
+    """``python -m slide_hf train ...`` in ``world_size`` processes with torchrun's environment variables
+    (none for one process); each process's (exit code, stderr), every process killed after the timeout."""
+    args = [*RUN, "--steps", str(STEPS), "--save-every", "2", "--batch-size", str(batch_size), "--output", str(output)]
+    base = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    base["OMP_NUM_THREADS"] = "1"
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(base)
+        if world_size > 1:
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "slide_hf", *args],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    finished = []
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            finished.append((proc.returncode, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return finished
+
+
+def _losses(run: Path) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [record["loss"] for record in records if "loss" in record]
+
+
+@pytest.mark.slow
+def test_slide_train_in_two_processes_matches_one_process(tmp_path: Path) -> None:
+    """Two ranks with 1 row each train exactly what one process does with 2 rows: the same per-step
+    losses and the same exported weights; rank 0 alone writes the run's files, and every rank its shards
+    into each checkpoint's step directory, beside the manifest."""
+    for rank, (code, err) in enumerate(_slide_train(tmp_path / "dp", batch_size=1, world_size=2)):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    ((code, err),) = _slide_train(tmp_path / "one", batch_size=2, world_size=1)
+    assert code == 0, err[-3000:]
+    dp, one = tmp_path / "dp", tmp_path / "one"
+    want = _losses(one)
+    assert len(want) == STEPS
+    assert _losses(dp) == pytest.approx(want, rel=1e-5)
+    weights = load_file(str(one / "model" / "model.safetensors"))
+    got = load_file(str(dp / "model" / "model.safetensors"))
+    assert got.keys() == weights.keys()
+    for name, tensor in weights.items():
+        relative = float((got[name] - tensor).norm() / tensor.norm())  # Adam amplifies tiny gradients' rounding
+        assert relative <= 1e-5, f"{name} differs by {relative:.2e} relative"
+    assert not torch.equal(weights["model.norm.weight"], torch.ones_like(weights["model.norm.weight"]))
+    for step in (2, STEPS):
+        checkpoint = dp / "checkpoints" / f"step-{step:08d}"
+        manifest = read_state(checkpoint)
+        assert (manifest["step"], manifest["extra"]["world_size"]) == (step, 2)
+        shards = [read_state(checkpoint / f"rank-{rank}")["files"]["master.bin"]["numel"] for rank in range(2)]
+        whole = read_state(one / "checkpoints" / f"step-{step:08d}")["files"]["master.bin"]["numel"]
+        assert sum(shards) == whole and 0 < shards[1] <= shards[0]
+    assert (dp / "options.json").is_file() and (dp / "train.log").is_file()
+    assert not list((dp / "checkpoints").glob(".tmp-*"))
+
+
+def test_slide_train_refuses_what_data_parallel_does_not_run_yet(tmp_path, monkeypatch, capsys) -> None:
     from slide_hf.cli.main import main
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["train", "--model", "tiny-llama", "--steps", "1", "--output", str(tmp_path / "run")]) == 2
+    environ = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    args = [
+        "train",
+        "--model",
+        "tiny-llama",
+        "--steps",
+        "1",
+        "--output",
+        str(tmp_path / "run"),
+        "--eval-fraction",
+        "0.1",
+    ]
+    assert main(args) == 2
     assert capsys.readouterr().err == (
-        "slide train: error: slide train does not run data parallel yet (WORLD_SIZE=2); launch one process "
-        "(see docs/distributed.md)\n"
+        "slide train: error: evaluation (--eval-data, --eval-fraction) is not supported with data parallel yet "
+        "(WORLD_SIZE=2); see docs/distributed.md\n"
     )
     assert not (tmp_path / "run").exists()

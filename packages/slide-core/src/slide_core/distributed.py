@@ -209,6 +209,13 @@ class ProcessGroupContext:
         group = self._group("host")
         self._run(what, lambda: dist.all_reduce(tensor, group=group, async_op=True))
 
+    def barrier(self, what: str) -> None:
+        """Main thread: wait until every rank has come here (a sum of nothing through the gloo group, so it
+        fails like any collective, Note [Collective failures]). Nothing to wait for with world size 1."""
+        if not self.is_distributed:
+            return
+        self.all_reduce_host_(torch.zeros(1), what)
+
     def _gather(self, group: Any, flat: torch.Tensor, what: str) -> None:
         spans = self.spans(flat.numel())
         lo, hi = spans[self.rank]

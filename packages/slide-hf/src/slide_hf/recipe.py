@@ -15,10 +15,17 @@ Read :func:`_train` top to bottom. Each ``_setup_*`` step takes what the steps b
 Then :class:`_Trainer` runs the loop over optimizer steps -- LR, forward/backward with accumulation, clip
 and step (one engine call), logging, evaluation, checkpoint, termination -- and the final checkpoint and
 the HF export.
+
+Launched by torchrun with several processes (``WORLD_SIZE`` > 1) the same recipe runs data parallel
+(docs/distributed.md): every rank trains on its rows of each step's global batch, rank 0 alone owns the
+run directory (the lock, options.json, train.log, metrics, trackers, progress and the export), and each
+rank writes its shards into the step's checkpoint (:func:`_save_rank_shards`). With one process the
+recipe takes exactly the single-process path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -43,6 +50,7 @@ from slide_core.checkpoint import (
     save_checkpoint,
 )
 from slide_core.device import Device
+from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineError
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
 from slide_hf.errors import RunStopped, UserError
@@ -117,10 +125,17 @@ def train(
 
     The output directory is this run's alone while it runs (slide_hf/run_dir.py): locked, refused when it
     holds another run unless resuming or ``overwrite``, and a resumed run defaults to its own directory."""
-    _refuse_data_parallel()
+    group = _process_group(cfg)
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
-    with RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite) as run_dir:
-        return _train(cfg, run_dir, on_step=on_step, on_eval=on_eval)
+    if not group.is_distributed:
+        with RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite) as run_dir:
+            return _train(cfg, run_dir, on_step=on_step, on_eval=on_eval)
+    # Data parallel: rank 0 holds the directory; the others write only their checkpoint shards in it.
+    with group:
+        run_dir = RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite)
+        with run_dir if group.rank == 0 else contextlib.nullcontext(run_dir):
+            group.barrier("the wait for rank 0 to claim the output directory")
+            return _train(cfg, run_dir, on_step=on_step, on_eval=on_eval, group=group)
 
 
 def _train(
@@ -129,40 +144,48 @@ def _train(
     *,
     on_step: Callable[[dict[str, Any]], None] | None,
     on_eval: Callable[[dict[str, Any]], None] | None,
+    group: ProcessGroupContext | None = None,
 ) -> TrainSummary:
+    """``group``: this rank of a data-parallel run (open); None for one process."""
+    main = group is None or group.rank == 0  # the rank that owns the run directory
     torch.manual_seed(cfg.seed)
     options = _run_options(cfg)
     model = _setup_model(cfg)
-    data = _setup_data(cfg, model, run_dir.path)
+    data = _setup_data_once(cfg, model, run_dir.path, group)
     check_nvme_dir(options)  # before the device: a missing --nvme-dir is the user's to fix, not the machine's
     device = _setup_device(options)
     optimizer = _setup_optimizer(cfg, options)
-    placement = _setup_placement(model, device, options)
-    run_log = _setup_run_log(cfg, run_dir.path)
-    with device, run_log:
+    placement = _setup_placement(model, device, options, group)
+    run_log = _setup_run_log(cfg, run_dir.path) if main else None
+    with device, run_log or contextlib.nullcontext():
         host = _setup_weights(cfg, model)
-        flops = _log_run(cfg, model, data, device, optimizer)
-        tokenizer_dir = _save_tokenizer(model.tokenizer, model.config, run_dir.path, model.model_dir)
-        parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir)
-        trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval)
+        flops = _log_run(cfg, model, data, device, optimizer, group)
+        tokenizer_dir = run_dir.path / "tokenizer"
+        if main:
+            tokenizer_dir = _save_tokenizer(model.tokenizer, model.config, run_dir.path, model.model_dir)
+        parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
+        trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group)
         with trainer.stop, parts as engine:
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
-            # host never holds both (Note [Resident host copies] in slide_core's engine).
+            # host never holds both (Note [Resident host copies] in slide_core's engine). With data
+            # parallel this gathers the whole master on every rank.
             engine.close(keep_host_state=False)
             # Export: an HF directory next to the run's other outputs, still under the signal handlers.
             save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
             final_step = max(first_step, data.total_steps)
-            model_out = export_run_model(
-                model.slide_model,
-                host,
-                model.config,
-                run_dir.path,
-                final_step,
-                dtype=save_dtype,
-                tokenizer_dir=tokenizer_dir,
-                stop=trainer.stop,
-            )
+            model_out = run_dir.path / "model"
+            if main:
+                model_out = export_run_model(
+                    model.slide_model,
+                    host,
+                    model.config,
+                    run_dir.path,
+                    final_step,
+                    dtype=save_dtype,
+                    tokenizer_dir=tokenizer_dir,
+                    stop=trainer.stop,
+                )
     losses = trainer.losses
     if first_step >= data.total_steps:  # a finished run, resumed: its model is written again, nothing to train
         log.info(
@@ -178,15 +201,29 @@ def _train(
     return TrainSummary(len(losses), losses[0], losses[-1], run_dir.path, model_out, losses)
 
 
-def _refuse_data_parallel() -> None:
-    """Launched by torchrun with several processes, each would train the whole run alone into the same
-    directory: refused until the recipe runs data parallel (the engine does, docs/distributed.md)."""
-    world_size = os.environ.get("WORLD_SIZE", "1").strip() or "1"
-    if world_size != "1":
-        raise UserError(
-            f"slide train does not run data parallel yet (WORLD_SIZE={world_size}); launch one process "
-            "(see docs/distributed.md)"
-        )
+def _process_group(cfg: TrainConfig) -> ProcessGroupContext:
+    """This process's place in the run, from torchrun's environment (world size 1 without it), with what
+    data parallel does not support yet refused in one line (docs/distributed.md)."""
+    device_type = "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda"
+    try:
+        group = ProcessGroupContext.from_env(device_type)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    if not group.is_distributed:
+        return group
+    unsupported = [
+        (cfg.resume is not None, "--resume"),
+        (cfg.eval_data is not None or cfg.eval_fraction > 0, "evaluation (--eval-data, --eval-fraction)"),
+        (cfg.offload_optimizer != "ram", f"--offload-optimizer {cfg.offload_optimizer}"),
+        (cfg.offload_activations != "ram", f"--offload-activations {cfg.offload_activations}"),
+    ]
+    for refused, what in unsupported:
+        if refused:
+            raise UserError(
+                f"{what} is not supported with data parallel yet (WORLD_SIZE={group.world_size}); "
+                "see docs/distributed.md"
+            )
+    return group
 
 
 # -- setup, in the order _train runs it ----------------------------------------------------------------------
@@ -239,8 +276,22 @@ def _setup_model(cfg: TrainConfig) -> _Model:
     return _Model(config, model_dir, tokenizer, slide_model)
 
 
-def _setup_data(cfg: TrainConfig, model: _Model, output: Path) -> _Data:
-    """Rows (prepared once, cached in the run directory), batches, the number of steps and the LR schedule."""
+def _setup_data_once(cfg: TrainConfig, model: _Model, output: Path, group: ProcessGroupContext | None) -> _Data:
+    """:func:`_setup_data`; with data parallel rank 0 prepares and caches the rows first and the other
+    ranks then read its cache, so no two processes write it."""
+    if group is None:
+        return _setup_data(cfg, model, output)
+    if group.rank == 0:
+        data = _setup_data(cfg, model, output, group)
+    group.barrier("the wait for rank 0 to prepare the data")
+    if group.rank != 0:
+        data = _setup_data(cfg, model, output, group)
+    return data
+
+
+def _setup_data(cfg: TrainConfig, model: _Model, output: Path, group: ProcessGroupContext | None = None) -> _Data:
+    """Rows (prepared once, cached in the run directory), batches, the number of steps and the LR schedule.
+    With data parallel each rank's batches are its rows of every step's global batch."""
     config = model.config
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     data_options = DataOptions(
@@ -252,7 +303,8 @@ def _setup_data(cfg: TrainConfig, model: _Model, output: Path) -> _Data:
         vocab_size=config.vocab_size,
     )
     dataset, eval_set = _load_data(cfg, model.tokenizer, data_options, output / DATA_CACHE)
-    batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed)
+    ranks = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
+    batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed, **ranks)
     epochs = cfg.epochs or (10 if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
     lr = cfg.lr if cfg.lr is not None else (1e-3 if model.model_dir is None else 2e-5)
@@ -271,9 +323,12 @@ def _setup_optimizer(cfg: TrainConfig, options: RunOptions) -> Optimizer:
     return make_optimizer(options.optimizer, adam)
 
 
-def _setup_placement(model: _Model, device: Device, options: RunOptions) -> Placement:
-    """Refuse what cannot fit before allocating anything; spend spare GPU memory on resident units."""
-    return place_units(model.slide_model, device, options)
+def _setup_placement(
+    model: _Model, device: Device, options: RunOptions, group: ProcessGroupContext | None
+) -> Placement:
+    """Refuse what cannot fit before allocating anything; spend spare GPU memory on resident units (none
+    with data parallel, whose engine shards host-updated units only)."""
+    return place_units(model.slide_model, device, options, resident_bytes=0 if group is not None else None)
 
 
 def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
@@ -302,8 +357,16 @@ def _setup_weights(cfg: TrainConfig, model: _Model) -> HostParameters:
     return host
 
 
-def _log_run(cfg: TrainConfig, model: _Model, data: _Data, device: Device, optimizer: Optimizer) -> float:
+def _log_run(
+    cfg: TrainConfig,
+    model: _Model,
+    data: _Data,
+    device: Device,
+    optimizer: Optimizer,
+    group: ProcessGroupContext | None = None,
+) -> float:
     """Derived quantities, printed once; returns the model FLOPs per token."""
+    world_size = 1 if group is None else group.world_size
     from slide_hf.adapters import attention_summary
 
     params = sum(unit.layout.param_numel for unit in model.slide_model.units)
@@ -317,7 +380,7 @@ def _log_run(cfg: TrainConfig, model: _Model, data: _Data, device: Device, optim
         len(data.dataset),
         cfg.seq_len,
         data.total_steps,
-        cfg.batch_size * cfg.grad_accum * cfg.seq_len,
+        cfg.batch_size * cfg.grad_accum * cfg.seq_len * world_size,
         device.facts().name,
         cfg.dtype,
         type(optimizer).__name__,
@@ -334,6 +397,7 @@ def _setup_engine(
     options: RunOptions,
     placement: Placement,
     run_dir: RunDir,
+    group: ProcessGroupContext | None = None,
 ) -> EngineParts:
     """The tiers (each tier that keeps files gets its own locked folder in --nvme-dir) and the engine."""
 
@@ -341,13 +405,18 @@ def _setup_engine(
         assert options.nvme_dir is not None  # check_nvme_dir refused a tier on disk without it
         return run_dir.scratch(options.nvme_dir)
 
-    return open_engine(model.slide_model, device, host, optimizer, options, placement, scratch=scratch)
+    return open_engine(
+        model.slide_model, device, host, optimizer, options, placement, scratch=scratch, process_group=group
+    )
 
 
 # -- the loop -----------------------------------------------------------------------------------------------
 class _Trainer:
     """The loop over optimizer steps and what it does between them (evaluate, checkpoint), as methods over
-    one run's state. ``stop`` turns SIGINT/SIGTERM into a checkpoint at the end of the current step."""
+    one run's state. ``stop`` turns SIGINT/SIGTERM into a checkpoint at the end of the current step.
+
+    ``group``: with data parallel, every rank runs the same loop (the engine's collectives need it), but
+    only rank 0 (``main``, which has the ``run_log``) logs, reports progress and calls the callbacks."""
 
     def __init__(
         self,
@@ -357,13 +426,16 @@ class _Trainer:
         data: _Data,
         engine: Engine,
         device: Device,
-        run_log: RunLog,
+        run_log: RunLog | None,
         flops_per_token: float,
         on_step: Callable[[dict[str, Any]], None] | None,
         on_eval: Callable[[dict[str, Any]], None] | None,
+        group: ProcessGroupContext | None = None,
     ) -> None:
         self.cfg, self.run_dir, self.output, self.data = cfg, run_dir, run_dir.path, data
         self.engine, self.device, self.run_log = engine, device, run_log
+        self.group = group
+        self.main = group is None or group.rank == 0
         self.flops_per_token = flops_per_token
         self.on_step, self.on_eval = on_step, on_eval
         self.stop = _StopRequests()
@@ -394,11 +466,13 @@ class _Trainer:
             first_step = _resume(cfg.resume, engine, data.batches, self.run_state, self.run_dir)
         self.last_saved = first_step if cfg.resume is not None else None
         self.best.update(_read_best(self.checkpoints) if cfg.resume is not None and cfg.save_best else {})
-        self.run_log.start(first_step)
+        if self.run_log is not None:
+            self.run_log.start(first_step)
         self.device.reset_peak_memory()
         has_gpu = self.device.torch_device.type != "cpu"
-        self.progress = Progress(data.total_steps, first_step=first_step, has_gpu=has_gpu, log_every=cfg.log_every)
-        with self.progress:
+        if self.main:
+            self.progress = Progress(data.total_steps, first_step=first_step, has_gpu=has_gpu, log_every=cfg.log_every)
+        with self.progress or contextlib.nullcontext():
             for step in range(first_step, data.total_steps):
                 # LR for this step, then forward/backward over its micro-batches, clip and step (one engine call).
                 try:
@@ -440,6 +514,12 @@ class _Trainer:
     def _log_step(self, result: Any, micro_batches: list[Any]) -> None:
         times = self.engine.unit_times()
         real_tokens = _real_tokens(micro_batches, self.pad_id)
+        if self.group is not None:  # every rank's rows (the engine's counts already are)
+            counted = torch.tensor([real_tokens], dtype=torch.int64)
+            self.group.all_reduce_host_(counted, "the sum of the step's real tokens")
+            real_tokens = int(counted)
+        if self.run_log is None:
+            return
         record = {
             "step": result.step,
             "loss": result.loss,
@@ -486,15 +566,48 @@ class _Trainer:
         state["rng"] = torch.get_rng_state().tolist()
         state["engine"] = self.engine.schedule_state()
         try:
-            saved = save_checkpoint(self.checkpoints, step, arrays, state)
+            if self.group is None:
+                saved = save_checkpoint(self.checkpoints, step, arrays, state)
+            else:
+                saved = _save_rank_shards(self.checkpoints, step, arrays, state, self.group)
         except CheckpointWriteError as error:
             raise UserError(error.strerror) from error
+        if not self.main:
+            return step
         keep = [Path(self.best["path"])] if self.best else []
         if protect_step is not None:
             keep.append(saved)
         prune_checkpoints(self.checkpoints, self.cfg.keep_checkpoints, protect=keep)
         log.info("checkpoint written to %s", saved)
         return step
+
+
+def _save_rank_shards(
+    checkpoints: Path, step: int, arrays: Any, state: dict[str, Any], group: ProcessGroupContext
+) -> Path:
+    """Data parallel: every rank's checkpoint of its shards in one step directory, published at once.
+
+    Each rank saves its arrays (slide_core's checkpoint format, each rank's own state.json) under a hidden
+    staging folder; after a barrier rank 0 writes the step's manifest (``state.json``: the run state, the
+    world size, the rank folders), moves every ``rank-R`` under it and publishes the whole step
+    directory with one rename, so a step directory either holds every rank's shards or does not exist
+    (an interrupted save leaves only the ``.tmp-`` staging folder, which pruning removes). Every rank
+    waits for the publication, so a rank-0 failure stops the others at once."""
+    staging = checkpoints / f".tmp-dp-step-{step:08d}"
+    save_checkpoint(staging / f"rank-{group.rank}", step, arrays, state)
+    group.barrier(f"the wait for every rank's checkpoint shards of step {step}")
+    final = _checkpoint_path(checkpoints, step)
+    if group.rank == 0:
+        manifest = {**state, "world_size": group.world_size, "ranks": [f"rank-{r}" for r in range(group.world_size)]}
+        manifest_dir = save_checkpoint(staging / "manifest", step, {}, manifest)
+        for rank in range(group.world_size):
+            os.rename(staging / f"rank-{rank}" / final.name, manifest_dir / f"rank-{rank}")
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(manifest_dir, final)
+        shutil.rmtree(staging, ignore_errors=True)
+    group.barrier(f"the publication of the checkpoint of step {step}")
+    return final
 
 
 DATA_CACHE = ".data-cache"

@@ -30,6 +30,7 @@ import torch
 from slide_core import AdamWConfig, HostParameters, Optimizer, plugins
 from slide_core.device import Device
 from slide_core.devices import auto_device_name
+from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import build_optimizer
 from slide_core.tier import Tier, TierRequest
@@ -205,9 +206,11 @@ def open_engine(
     placement: Placement,
     *,
     scratch: Callable[[], Path],
+    process_group: ProcessGroupContext | None = None,
 ) -> EngineParts:
     """Open the tiers the placement needs (each in its own ``scratch()`` directory when it keeps files) and
-    build the engine over them; the engine runs once the result is entered."""
+    build the engine over them; the engine runs once the result is entered. ``process_group``: this
+    process's place in a data-parallel run (docs/distributed.md)."""
     config = EngineConfig(
         block_slots=options.block_slots,
         compute_dtype=options.compute_dtype,
@@ -237,7 +240,16 @@ def open_engine(
             activation_tier = open_activation_tier(scratch(), device)
             opened.callback(activation_tier.close)
             log.info("block inputs on the %s tier in %s", activation_tier.name, options.nvme_dir)
-        engine = Engine(model, device, host, optimizer, config, state_tier=state_tier, activation_tier=activation_tier)
+        engine = Engine(
+            model,
+            device,
+            host,
+            optimizer,
+            config,
+            state_tier=state_tier,
+            activation_tier=activation_tier,
+            process_group=process_group,
+        )
         opened.pop_all()  # from here the tiers are the parts' to close
     tiers = tuple(tier for tier in (state_tier, activation_tier) if tier is not None)
     return EngineParts(engine, optimizer, tiers)
