@@ -79,10 +79,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _slide_train(output: Path, batch_size: int, world_size: int) -> list[tuple[int, str]]:
+def _slide_train(output: Path, batch_size: int, world_size: int, *extra: str) -> list[tuple[int, str]]:
     """``python -m slide_hf train ...`` in ``world_size`` processes with torchrun's environment variables
     (none for one process); each process's (exit code, stderr), every process killed after the timeout."""
     args = [*RUN, "--steps", str(STEPS), "--save-every", "2", "--batch-size", str(batch_size), "--output", str(output)]
+    args += extra
     base = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base["OMP_NUM_THREADS"] = "1"
     port = _free_port()
@@ -125,21 +126,31 @@ def _losses(run: Path) -> list[float]:
     return [record["loss"] for record in records if "loss" in record]
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """One `slide train` run in 2 gloo processes, 1 row per rank and step, checkpoints at steps 2 and 3."""
+    dp = tmp_path_factory.mktemp("dp") / "run"
+    for rank, (code, err) in enumerate(_slide_train(dp, batch_size=1, world_size=2)):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return dp
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "model" / "model.safetensors"))
+
+
 @pytest.mark.slow
-def test_slide_train_in_two_processes_matches_one_process(tmp_path: Path) -> None:
+def test_slide_train_in_two_processes_matches_one_process(two_ranks: Path, tmp_path: Path) -> None:
     """Two ranks with 1 row each train exactly what one process does with 2 rows: the same per-step
     losses and the same exported weights; rank 0 alone writes the run's files, and every rank its shards
     into each checkpoint's step directory, beside the manifest."""
-    for rank, (code, err) in enumerate(_slide_train(tmp_path / "dp", batch_size=1, world_size=2)):
-        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
     ((code, err),) = _slide_train(tmp_path / "one", batch_size=2, world_size=1)
     assert code == 0, err[-3000:]
-    dp, one = tmp_path / "dp", tmp_path / "one"
+    dp, one = two_ranks, tmp_path / "one"
     want = _losses(one)
     assert len(want) == STEPS
     assert _losses(dp) == pytest.approx(want, rel=1e-5)
-    weights = load_file(str(one / "model" / "model.safetensors"))
-    got = load_file(str(dp / "model" / "model.safetensors"))
+    weights, got = _weights(one), _weights(dp)
     assert got.keys() == weights.keys()
     for name, tensor in weights.items():
         relative = float((got[name] - tensor).norm() / tensor.norm())  # Adam amplifies tiny gradients' rounding
@@ -154,6 +165,27 @@ def test_slide_train_in_two_processes_matches_one_process(tmp_path: Path) -> Non
         assert sum(shards) == whole and 0 < shards[1] <= shards[0]
     assert (dp / "options.json").is_file() and (dp / "train.log").is_file()
     assert not list((dp / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_two_processes_resume_their_checkpoint_bit_identically(two_ranks: Path, tmp_path: Path) -> None:
+    """Resumed in 2 processes from the step-2 checkpoint (each rank its shards), the last step's loss and
+    the exported weights equal the uninterrupted run's bit for bit."""
+    step2 = two_ranks / "checkpoints" / "step-00000002"
+    resumed = tmp_path / "resumed"
+    for rank, (code, err) in enumerate(_slide_train(resumed, 1, 2, "--resume", str(step2))):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    assert _losses(resumed) == _losses(two_ranks)[2:]
+    want, got = _weights(two_ranks), _weights(resumed)
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
+
+
+@pytest.mark.slow
+def test_one_process_cannot_resume_a_checkpoint_of_two(two_ranks: Path, tmp_path: Path) -> None:
+    step2 = two_ranks / "checkpoints" / "step-00000002"
+    ((code, err),) = _slide_train(tmp_path / "alone", 1, 1, "--resume", str(step2))
+    assert code == 2
+    assert f"checkpoint {step2} was written by 2 process(es); resume it with 2 (this run has 1)" in err
 
 
 def test_slide_train_refuses_what_data_parallel_does_not_run_yet(tmp_path, monkeypatch, capsys) -> None:

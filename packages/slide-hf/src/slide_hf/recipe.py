@@ -212,7 +212,6 @@ def _process_group(cfg: TrainConfig) -> ProcessGroupContext:
     if not group.is_distributed:
         return group
     unsupported = [
-        (cfg.resume is not None, "--resume"),
         (cfg.eval_data is not None or cfg.eval_fraction > 0, "evaluation (--eval-data, --eval-fraction)"),
         (cfg.offload_optimizer != "ram", f"--offload-optimizer {cfg.offload_optimizer}"),
         (cfg.offload_activations != "ram", f"--offload-activations {cfg.offload_activations}"),
@@ -463,7 +462,7 @@ class _Trainer:
         # Resume: each unit's arrays stream to where the unit lives.
         first_step = 0
         if cfg.resume is not None:
-            first_step = _resume(cfg.resume, engine, data.batches, self.run_state, self.run_dir)
+            first_step = _resume(cfg.resume, engine, data.batches, self.run_state, self.run_dir, self.group)
         self.last_saved = first_step if cfg.resume is not None else None
         self.best.update(_read_best(self.checkpoints) if cfg.resume is not None and cfg.save_best else {})
         if self.run_log is not None:
@@ -763,21 +762,40 @@ class _StopRequests:
         self._previous.clear()
 
 
-def _resume(path: Path, engine: Engine, batches: Batches, run_state: dict[str, Any], run_dir: RunDir) -> int:
+def _resume(
+    path: Path,
+    engine: Engine,
+    batches: Batches,
+    run_state: dict[str, Any],
+    run_dir: RunDir,
+    group: ProcessGroupContext | None = None,
+) -> int:
     """Load the newest checkpoint at ``path`` into the running engine; return the step to continue from.
 
     Its run state is validated before any array moves (slide_hf/resume.py); a checkpoint older than the
-    run's newest sets the later ones aside, so the next ``--resume`` continues this line."""
+    run's newest sets the later ones aside, so the next ``--resume`` continues this line. With data
+    parallel each rank loads its own shards (``rank-R`` of the step directory, :func:`_save_rank_shards`),
+    which needs the world size the checkpoint was written with."""
     found, state = checkpoint_to_resume(path)
     point = resume_point(found, state, model=run_state["model"], data_size=len(batches.dataset))
+    saved_ranks = state["extra"].get("world_size", 1)
+    world_size = 1 if group is None else group.world_size
+    if saved_ranks != world_size:
+        raise UserError(
+            f"checkpoint {found} was written by {saved_ranks} process(es); resume it with {saved_ranks} "
+            f"(this run has {world_size})"
+        )
     try:
-        engine.restore_checkpoint(found)
+        engine.restore_checkpoint(found if group is None else found / f"rank-{group.rank}")
     except CheckpointCorrupt as error:
         raise UserError(corrupt_message(error)) from None
     engine.restore_schedule_state(point.engine)
     batches.position = DataPosition(point.epoch, point.index)
     torch.set_rng_state(point.rng)
-    run_dir.roll_back(found)
+    if group is not None:  # every rank has read the checkpoint before rank 0 moves later ones aside
+        group.barrier(f"the wait for every rank to load {found.name}")
+    if group is None or group.rank == 0:
+        run_dir.roll_back(found)
     log.info("resumed from %s at step %d", found, point.step)
     return point.step
 
