@@ -69,6 +69,7 @@ def test_python_dash_m_slide_hf_is_the_cli() -> None:
 
 # ---- `slide train` in real gloo processes ------------------------------------------------------------------
 RUN = ("train", "--model", "tiny-llama", "--device", "cpu", "--dtype", "float32", "--seq-len", "32", "--lr", "1e-3")
+EVAL = ("--eval-fraction", "0.25")  # evaluated after the last step
 STEPS = 3
 LAUNCH_TIMEOUT_S = 120.0
 
@@ -83,7 +84,7 @@ def _slide_train(output: Path, batch_size: int, world_size: int, *extra: str) ->
     """``python -m slide_hf train ...`` in ``world_size`` processes with torchrun's environment variables
     (none for one process); each process's (exit code, stderr), every process killed after the timeout."""
     args = [*RUN, "--steps", str(STEPS), "--save-every", "2", "--batch-size", str(batch_size), "--output", str(output)]
-    args += extra
+    args += [*EVAL, *extra]
     base = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base["OMP_NUM_THREADS"] = "1"
     port = _free_port()
@@ -121,9 +122,9 @@ def _slide_train(output: Path, batch_size: int, world_size: int, *extra: str) ->
     return finished
 
 
-def _losses(run: Path) -> list[float]:
+def _losses(run: Path, key: str = "loss") -> list[float]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [record["loss"] for record in records if "loss" in record]
+    return [record[key] for record in records if key in record]
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +151,9 @@ def test_slide_train_in_two_processes_matches_one_process(two_ranks: Path, tmp_p
     want = _losses(one)
     assert len(want) == STEPS
     assert _losses(dp) == pytest.approx(want, rel=1e-5)
+    want_eval = _losses(one, "eval_loss")  # each rank evaluates its share of the rows; the sums are summed
+    assert len(want_eval) == 1 and _losses(dp, "eval_loss") == pytest.approx(want_eval, rel=1e-5)
+    assert _losses(dp, "eval_loss_tokens") == _losses(one, "eval_loss_tokens")
     weights, got = _weights(one), _weights(dp)
     assert got.keys() == weights.keys()
     for name, tensor in weights.items():
@@ -202,12 +206,14 @@ def test_slide_train_refuses_what_data_parallel_does_not_run_yet(tmp_path, monke
         "1",
         "--output",
         str(tmp_path / "run"),
-        "--eval-fraction",
-        "0.1",
+        "--offload-activations",
+        "nvme",
+        "--nvme-dir",
+        str(tmp_path),
     ]
     assert main(args) == 2
     assert capsys.readouterr().err == (
-        "slide train: error: evaluation (--eval-data, --eval-fraction) is not supported with data parallel yet "
+        "slide train: error: --offload-activations nvme is not supported with data parallel yet "
         "(WORLD_SIZE=2); see docs/distributed.md\n"
     )
     assert not (tmp_path / "run").exists()

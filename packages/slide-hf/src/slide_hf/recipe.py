@@ -34,7 +34,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,7 +212,6 @@ def _process_group(cfg: TrainConfig) -> ProcessGroupContext:
     if not group.is_distributed:
         return group
     unsupported = [
-        (cfg.eval_data is not None or cfg.eval_fraction > 0, "evaluation (--eval-data, --eval-fraction)"),
         (cfg.offload_optimizer != "ram", f"--offload-optimizer {cfg.offload_optimizer}"),
         (cfg.offload_activations != "ram", f"--offload-activations {cfg.offload_activations}"),
     ]
@@ -448,7 +447,7 @@ class _Trainer:
         }
         tokenizer = model.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.evaluator = _Evaluator(engine, data.eval_set, cfg.batch_size) if data.eval_set is not None else None
+        self.evaluator = _Evaluator(engine, data.eval_set, cfg.batch_size, group) if data.eval_set is not None else None
         self.losses: list[float] = []
         self.best: dict[str, Any] = {}
         self.last_saved: int | None = None
@@ -543,8 +542,15 @@ class _Trainer:
 
     def evaluate(self, step: int) -> None:
         """Eval loss at ``step``; with --save-best, a new best is checkpointed and kept from pruning."""
-        assert self.evaluator is not None and self.progress is not None
+        assert self.evaluator is not None
         record = self.evaluator.run(step)
+        if self.run_log is None:  # not rank 0: only the checkpoint below is every rank's
+            if self.cfg.save_best and record["eval_loss"] < self.best.get("eval_loss", math.inf):
+                if self.last_saved != step:
+                    self.last_saved = self.checkpoint(step, protect_step=step)
+                self.best.update(step=step, eval_loss=record["eval_loss"])
+            return
+        assert self.progress is not None
         self.progress.evaluation(record)
         self.run_log.record(record)
         if self.on_eval is not None:
@@ -642,24 +648,47 @@ def _real_tokens(micro_batches: list[Any], pad_id: int | None) -> int:
 
 class _Evaluator:
     """Evaluation through the running engine: the held-out rows in order, a bounded group of micro-batches
-    per engine call so host memory stays small on a large eval set; nothing of the optimizer is touched."""
+    per engine call so host memory stays small on a large eval set; nothing of the optimizer is touched.
+
+    With data parallel rank ``r`` evaluates micro-batches ``r, r + N, ...`` and the loss sums and token
+    counts are summed over the ranks. Every evaluation load is an all-gather, so every rank must evaluate
+    as many micro-batches in the same groups: a rank one short adds a filler micro-batch whose labels are
+    all -100, which adds no loss and no token."""
 
     GROUP = 64
 
-    def __init__(self, engine: Engine, rows: Any, batch_size: int) -> None:
-        self.engine, self.rows, self.batch_size = engine, rows, batch_size
+    def __init__(self, engine: Engine, rows: Any, batch_size: int, group: ProcessGroupContext | None = None) -> None:
+        self.engine, self.rows, self.batch_size, self.group = engine, rows, batch_size, group
+
+    def _own_micro_batches(self) -> Iterator[Any]:
+        if self.group is None:
+            yield from eval_batches(self.rows, self.batch_size)
+            return
+        rank, world_size = self.group.rank, self.group.world_size
+        total = -(-len(self.rows) // self.batch_size)
+        filler = None
+        for index, micro_batch in enumerate(eval_batches(self.rows, self.batch_size)):
+            filler = filler or micro_batch._replace(labels=torch.full_like(micro_batch.labels, -100))
+            if index % world_size == rank:
+                yield micro_batch
+        if rank >= total % world_size and total % world_size and filler is not None:
+            yield filler  # this rank has one micro-batch fewer than rank 0
 
     def run(self, step: int) -> dict[str, Any]:
         began = time.perf_counter()
         loss_sum, loss_tokens = 0.0, 0
         group: list[Any] = []
-        for micro_batch in eval_batches(self.rows, self.batch_size):
+        for micro_batch in self._own_micro_batches():
             group.append(micro_batch)
             if len(group) == self.GROUP:
                 loss_sum, loss_tokens = self._add(group, loss_sum, loss_tokens)
                 group = []
         if group:
             loss_sum, loss_tokens = self._add(group, loss_sum, loss_tokens)
+        if self.group is not None:
+            sums = torch.tensor([loss_sum, loss_tokens], dtype=torch.float64)
+            self.group.all_reduce_host_(sums, "the sum of the evaluation's losses")
+            loss_sum, loss_tokens = float(sums[0]), int(sums[1])
         loss = loss_sum / loss_tokens if loss_tokens else math.nan
         return {
             "step": step,
