@@ -102,6 +102,30 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+def eager_hf_model(preset: str, seed: int = 0) -> Any:
+    """transformers' model of ``preset`` (eager attention, fp32, eval: units run without dropout so a
+    recomputed block reproduces its forward, and so does the reference)."""
+    config = PRESETS[preset]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+
+
+def accumulation_batches(vocab: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``steps`` steps of two accumulated micro-batches (2 x 12 tokens, a masked prompt), seeded."""
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        micro = []
+        for _ in range(2):
+            ids = torch.randint(0, vocab, (2, 12), generator=generator)
+            labels = ids.clone()
+            labels[1, :4] = -100
+            micro.append((ids, labels))
+        out.append(micro)
+    return out
+
+
 def hf_adamw_losses(hf: Any, batches: list, *, lr: float, weight_decay: float) -> list[float]:
     """Train ``hf`` (transformers' model and loss) with ``torch.optim.AdamW`` under HF's weight-decay
     convention (decay on >= 2-dim params), the loss of each step normalised over all its micro-batches'
@@ -139,6 +163,17 @@ def helpers() -> Any:
         BATCH = BATCH
         SEQ = SEQ
 
-    for fn in (batch, leaves_of, head_params, hidden_through_blocks, run_units, hf_param, rel_err, hf_adamw_losses):
+    for fn in (
+        batch,
+        leaves_of,
+        head_params,
+        hidden_through_blocks,
+        run_units,
+        hf_param,
+        rel_err,
+        hf_adamw_losses,
+        eager_hf_model,
+        accumulation_batches,
+    ):
         setattr(_Helpers, fn.__name__, staticmethod(fn))
     return _Helpers

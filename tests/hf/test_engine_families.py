@@ -28,30 +28,6 @@ STEPS = 3
 RTOL = 1e-5
 
 
-def _hf_model(preset: str, seed: int):
-    from transformers import AutoModelForCausalLM
-
-    config = PRESETS[preset]()
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    # eval(): units run without dropout (recompute must reproduce the forward exactly), so does the reference.
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-
-
-def _batches(vocab: int, steps: int):
-    generator = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(steps):
-        micro = []
-        for _ in range(2):  # gradient accumulation over two micro-batches
-            ids = torch.randint(0, vocab, (2, 12), generator=generator)
-            labels = ids.clone()
-            labels[1, :4] = -100
-            micro.append((ids, labels))
-        out.append(micro)
-    return out
-
-
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_engine_trains_like_hf(preset: str, tmp_path, monkeypatch, helpers) -> None:
     # The head uses HF's own loss math here, so the comparison isolates the engine: slide-kernels' fused
@@ -60,9 +36,9 @@ def test_engine_trains_like_hf(preset: str, tmp_path, monkeypatch, helpers) -> N
     from slide_hf.adapters import base
 
     monkeypatch.setattr(base, "_fused_linear_cross_entropy", lambda: None)
-    hf = _hf_model(preset, seed=0)
+    hf = helpers.eager_hf_model(preset, seed=0)
     hf.save_pretrained(tmp_path)
-    batches = _batches(hf.config.vocab_size, STEPS)
+    batches = helpers.accumulation_batches(hf.config.vocab_size, STEPS)
     lr, adam = 3e-3, AdamWConfig(weight_decay=0.1)
 
     # Reference: HF's model, HF's loss, torch AdamW with the HF weight-decay convention (>= 2 dims).

@@ -44,27 +44,6 @@ RTOL = 1e-5
 LR = 3e-3
 
 
-def _hf_model(preset: str, seed: int = 0):
-    config = PRESETS[preset]()
-    torch.manual_seed(seed)
-    # eval(): units run without dropout (recompute must reproduce the forward exactly), so does the reference.
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-
-
-def _batches(vocab: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    generator = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(steps):
-        micro = []
-        for _ in range(2):  # gradient accumulation over two micro-batches
-            ids = torch.randint(0, vocab, (2, 12), generator=generator)
-            labels = ids.clone()
-            labels[1, :4] = -100
-            micro.append((ids, labels))
-        out.append(micro)
-    return out
-
-
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_engine_trains_like_hf(preset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helpers) -> None:
     """Three AdamW steps of two accumulated micro-batches: every loss within 1e-5 of transformers, and
@@ -73,9 +52,9 @@ def test_engine_trains_like_hf(preset: str, tmp_path: Path, monkeypatch: pytest.
     from slide_hf.adapters import base
 
     monkeypatch.setattr(base, "_fused_linear_cross_entropy", lambda: None)
-    hf = _hf_model(preset)
+    hf = helpers.eager_hf_model(preset)
     hf.save_pretrained(tmp_path)
-    batches = _batches(hf.config.vocab_size, STEPS)
+    batches = helpers.accumulation_batches(hf.config.vocab_size, STEPS)
     adam = AdamWConfig(weight_decay=0.1)
     expected = helpers.hf_adamw_losses(hf, batches, lr=LR, weight_decay=adam.weight_decay)
 
@@ -363,7 +342,7 @@ def test_deepseek_correction_bias_steers_routing_and_never_trains(tmp_path: Path
     """A checkpoint's ``e_score_correction_bias`` (an HF buffer) is loaded, changes which experts run --
     our loss equals transformers' with it and differs from the loss without it -- survives training
     unchanged, and is exported."""
-    hf = _hf_model("test-deepseek-v3")
+    hf = helpers.eager_hf_model("test-deepseek-v3")
     key = "model.layers.1.mlp.gate.e_score_correction_bias"
     with torch.no_grad():
         hf.get_buffer(key).copy_(torch.tensor([0.8, 0.0, -0.4, 0.0]))  # favours group 0 (experts 0, 1)
@@ -389,7 +368,7 @@ def test_deepseek_correction_bias_steers_routing_and_never_trains(tmp_path: Path
         pinned.slab.copy_(host.slab)
         engine_config = EngineConfig(block_slots=2, compute_dtype=torch.float32, transfer_chunk_numel=4096)
         with Engine(model, device, pinned, TorchAdamW(AdamWConfig(weight_decay=0.1)), engine_config) as engine:
-            for micro in _batches(hf.config.vocab_size, 2):
+            for micro in helpers.accumulation_batches(hf.config.vocab_size, 2):
                 engine.step(micro, LR)
         assert torch.equal(pinned.views(block)["mlp.gate.e_score_correction_bias"], loaded)
         out = export_hf(model, pinned, config, tmp_path / "out")
