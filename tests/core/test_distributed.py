@@ -33,7 +33,7 @@ from slide_core.devices.cpu import CPUDevice
 from slide_core.distributed import ProcessGroupContext, shard_span
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
-from slide_core.testing import ToyBlock, ToyConfig, ToyModel, load_init, toy_batches, toy_init
+from slide_core.testing import ToyBlock, ToyConfig, ToyModel, load_init, toy_batches, toy_init, wait_ranks
 
 RTOL = 1e-5
 LR = 3e-3
@@ -243,29 +243,13 @@ def _launch(world_size: int, spec: dict, out: Path) -> list[subprocess.Popen]:
     return procs
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
-    """Each rank's (exit code, stderr); kills every rank still running after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    finished = []
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            finished.append((proc.returncode, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return finished
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
 def ranks(request, tmp_path_factory) -> tuple[int, Path]:
     """Every case, run once by ``request.param`` ranks."""
     world_size = request.param
     out = tmp_path_factory.mktemp(f"dp{world_size}")
     spec = {"cases": list(CASES), "timeout_s": 30.0}
-    for rank, (code, err) in enumerate(_wait_all(_launch(world_size, spec, out), LAUNCH_TIMEOUT_S)):
+    for rank, (code, err) in enumerate(wait_ranks(_launch(world_size, spec, out), LAUNCH_TIMEOUT_S)):
         assert code == 0, f"rank {rank} of {world_size} failed:\n{err[-3000:]}"
     return world_size, out
 
@@ -323,7 +307,7 @@ def test_a_checkpoint_of_each_ranks_shards_resumes_bit_identically(tmp_path: Pat
     steps and the final weights equal an uninterrupted run's bit for bit. The drain before leaving gathers
     the whole master on every rank."""
     spec = {"cases": [], "checkpoint": "clips-4", "timeout_s": 30.0}
-    for rank, (code, err) in enumerate(_wait_all(_launch(2, spec, tmp_path), LAUNCH_TIMEOUT_S)):
+    for rank, (code, err) in enumerate(wait_ranks(_launch(2, spec, tmp_path), LAUNCH_TIMEOUT_S)):
         assert code == 0, f"rank {rank} of 2 failed:\n{err[-3000:]}"
     model = _model(CHECKPOINT_CASES["clips-4"])
     runs = [torch.load(tmp_path / f"checkpoint-rank{rank}.pt") for rank in range(2)]
@@ -343,7 +327,7 @@ def test_a_killed_rank_stops_the_others(tmp_path: Path) -> None:
     """Note [Collective failures]: rank 1 dies after its first step; ranks 0 and 2 stop within the
     collective timeout, each with a line that names it."""
     spec = {"cases": ["plain"], "timeout_s": 30.0, "kill_rank": 1}
-    finished = _wait_all(_launch(3, spec, tmp_path), LAUNCH_TIMEOUT_S)
+    finished = wait_ranks(_launch(3, spec, tmp_path), LAUNCH_TIMEOUT_S)
     assert time.time() - float((tmp_path / "died-at").read_text()) < 60.0
     assert finished[1][0] == -signal.SIGKILL
     for rank in (0, 2):

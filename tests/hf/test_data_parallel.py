@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from slide_core.checkpoint import read_state
+from slide_core.testing import wait_ranks
 from slide_hf.data import Batches, Dataset, DataStats
 from slide_hf.errors import UserError
 
@@ -108,18 +108,7 @@ def _slide_train(output: Path, batch_size: int, world_size: int, *extra: str) ->
                 text=True,
             )
         )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    finished = []
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            finished.append((proc.returncode, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return finished
+    return wait_ranks(procs, LAUNCH_TIMEOUT_S)
 
 
 def _losses(run: Path, key: str = "loss") -> list[float]:

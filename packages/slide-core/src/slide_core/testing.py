@@ -9,6 +9,7 @@ what the engine's results are compared against.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -209,3 +210,22 @@ def packed_row(documents: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     labels = torch.cat([torch.cat((torch.tensor([-100]), doc[1:])) for doc in documents])
     positions = torch.cat([torch.arange(doc.numel()) for doc in documents])
     return ids[None], labels[None], positions[None]
+
+
+def wait_ranks(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
+    """Each launched rank's ``(exit code, stderr)``; every rank still running after ``timeout_s`` is
+    killed, so a test of several processes can fail but never hang or leave an orphan."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    finished = []
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            finished.append((proc.returncode, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return finished
