@@ -102,6 +102,61 @@ multipliers, linear attention and MLA (2-4 layers, hidden 64, a 300-token vocabu
 ids inside it); each preset switches its family's features on."""
 
 
+def _gemma4_rope(theta_full: float = 1000000.0) -> dict[str, Any]:
+    """Gemma 4's rotary as released: full rotation on sliding layers, a quarter of each (wider) head with
+    "proportional" frequencies on full layers."""
+    return {
+        "sliding_attention": _default_rope(10000.0),
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": theta_full},
+    }
+
+
+def _gemma4_released(num_hidden_layers: int) -> dict[str, Any]:
+    """What the released Gemma-4 31B and 26B-A4B text configs share besides their widths: five sliding
+    layers (window 1024, heads of 256) per full one (heads of 512, keys as values), the capped tied head,
+    no per-layer input embeddings and no key/value sharing (hidden_size_per_layer_input=0,
+    num_kv_shared_layers=0: the class defaults are the small E2B/E4B models' settings)."""
+    return {
+        "num_hidden_layers": num_hidden_layers,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * (num_hidden_layers // 6),
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "attention_k_eq_v": True,
+        "sliding_window": 1024,
+        "rope_parameters": _gemma4_rope(),
+        "final_logit_softcapping": 30.0,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "vocab_size": 262144,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "dtype": "bfloat16",
+    }
+
+
+def _gemma4_test() -> dict[str, Any]:
+    """The Gemma-4 test shape: a sliding layer (heads of 16, window 4) then a full one (heads of 32, one
+    kv head with ``attention_k_eq_v``), both rotary kinds, and a small final cap that acts at test scale."""
+    return {
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "intermediate_size": 96,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": _gemma4_rope(),
+        "final_logit_softcapping": 2.0,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+    }
+
+
 def _qwen3_5_rope() -> dict[str, Any]:
     """Qwen3.5's rotary as released: a quarter of each head, three position axes interleaved."""
     return {
@@ -785,6 +840,43 @@ PRESETS: dict[str, PresetFactory] = {
         topk_group=1,
         first_k_dense_replace=1,
         routed_scaling_factor=2.5,
+    ),
+    # ---- Gemma 4 (text) ----------------------------------------------------------------------------------
+    "gemma4-31b": _preset(  # google/gemma-4-31B, its text_config (the language model of Gemma4ForConditionalGeneration)
+        "gemma4_text",
+        **_gemma4_released(60),
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        num_global_key_value_heads=4,
+    ),
+    "gemma4-26b-a4b": _preset(  # google/gemma-4-26B-A4B, its text_config: 128 experts beside a dense MLP per layer
+        "gemma4_text",
+        **_gemma4_released(30),
+        hidden_size=2816,
+        intermediate_size=2112,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_global_key_value_heads=2,
+        enable_moe_block=True,
+        num_experts=128,
+        top_k_experts=8,
+        moe_intermediate_size=704,
+    ),
+    "test-gemma4": _preset(  # released features at test size: k = v full layers with wider heads, a capped head
+        "gemma4_text",
+        **{**_FAMILY_TEST, "tie_word_embeddings": True},
+        **_gemma4_test(),
+    ),
+    "test-gemma4-moe": _preset(  # 4 experts (top 2) beside the dense MLP; separate v_proj on full layers; untied
+        "gemma4_text",
+        **_FAMILY_TEST,
+        **{**_gemma4_test(), "attention_k_eq_v": False},
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
     ),
 }
 
