@@ -15,9 +15,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from slide_core.optim.state_formats import StateArray
 
 __all__ = ["AdamWConfig", "Coefficient", "Correction", "Optimizer", "scale_into"]
 
@@ -44,12 +47,17 @@ class Correction:
 
 @dataclass(frozen=True)
 class AdamWConfig:
-    """AdamW hyperparameters, with torch.optim.AdamW's defaults except weight decay (HF's 0.0)."""
+    """AdamW hyperparameters, with torch.optim.AdamW's defaults except weight decay (HF's 0.0).
+
+    ``state_format``: how exp_avg and exp_avg_sq are stored between steps, ``fp32`` (exact), ``bf16`` or
+    ``int8`` (stochastically rounded with seed ``state_seed``; slide_core/optim/state_formats.py)."""
 
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    state_format: str = "fp32"
+    state_seed: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta1 < 1.0:
@@ -60,6 +68,8 @@ class AdamWConfig:
             raise ValueError(f"adam eps must be > 0, got {self.eps}")
         if self.weight_decay < 0.0:
             raise ValueError(f"weight decay must be >= 0, got {self.weight_decay}")
+        if self.state_format not in ("fp32", "bf16", "int8"):
+            raise ValueError(f"optimizer state format must be fp32, bf16 or int8, got {self.state_format!r}")
 
 
 class Optimizer(ABC):
@@ -68,8 +78,21 @@ class Optimizer(ABC):
     state_names: tuple[str, ...] = ()
     """Names of the per-element fp32 state tensors (e.g. ``exp_avg``, ``exp_avg_sq``)."""
 
+    split_master: bool = False
+    """Whether :meth:`step` and :meth:`correct` also take a :class:`~slide_core.split_master.SplitMaster`
+    where an fp32 master range would be, leaving its decoded values exactly as the fp32 range's. The
+    engine stores the master split only for an optimizer that says so."""
+
     def __init__(self, config: AdamWConfig) -> None:
         self.config = config
+
+    @property
+    def state_arrays(self) -> tuple[StateArray, ...]:
+        """How each state tensor is stored: by default one fp32 element per parameter for each of
+        ``state_names``; an optimizer with compact state (``CompactAdamW``) says its dtypes and block scales."""
+        from slide_core.optim.state_formats import StateArray
+
+        return tuple(StateArray(name) for name in self.state_names)
 
     def reserve(self, max_range_numel: int) -> None:  # noqa: B027 - optional hook
         """Preallocate scratch for ranges up to ``max_range_numel`` so ``step`` never allocates."""

@@ -1,0 +1,397 @@
+"""AdamW whose moments are stored compactly (bf16 or int8, slide_core/optim/state_formats.py).
+
+Two paths give the same codes from the same fp32 moments:
+
+- **fused** (host ranges, numba): one multi-threaded pass like ``FusedAdamW``'s. Each element's moments
+  are widened in registers, updated by the fused kernel's own element function (``_adam`` of
+  fused_adamw.py, so the fp32 arithmetic is the same op for op), the master stepped with the fp32 moments,
+  and the moments written back with stochastic rounding. int8 works per 4096-element item in two passes
+  over each 64-element block, both in cache: update (the fp32 moments go to a small scratch, the block
+  maxima are formed), then encode against the new maxima. Bytes per parameter and step: bf16 grad 2 +
+  master 8 + moments 2 x 4 (bf16) = 18, or 2 x 2 + 2 x 8/64 (int8) = ~14.25.
+- **torch** (any device, and the host without numba): decode the range into an fp32 scratch, run
+  ``TorchAdamW``'s single-tensor ops on it, encode with the torch twins of the same hash and rounding. It
+  is what device-resident units use (``device_replica``) and the reference the kernels are tested against.
+
+The hash's element index is the master range's offset in its storage (``master.storage_offset()``): for the
+engine's host units that is the element's position in the master slab, the same for a unit whose state is
+staged from NVMe and across a resume. Device-resident units have one master tensor each, so their indices
+restart at 0 per unit (their streams are still distinct per step).
+
+Clipping's correction (``correct``) decodes, corrects in fp32 (``AdamWCorrection``) and encodes again with
+its own hash stream. Because the stored moments are rounded, taking an update back is exact only to the
+format's rounding (bf16: ~2^-9 of the moments, int8: a step of its code), not to fp32's few ulp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from slide_core.optim import fused_adamw, state_formats
+from slide_core.optim.adamw import TorchAdamW
+from slide_core.optim.adamw_correction import AdamWCorrection
+from slide_core.optim.state_formats import (
+    CORRECTION_SALT,
+    QUANT_BLOCK,
+    STEP_SALT,
+    StateArray,
+    decode_moments,
+    encode_moments,
+    state_arrays,
+    stream_key,
+)
+from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer
+
+__all__ = ["CompactAdamW", "compact_bytes_per_param"]
+
+BLOCK = fused_adamw.BLOCK
+"""Elements per parallel work item (64 int8 blocks), as in the fp32 kernel."""
+
+_compile_lock = threading.Lock()
+
+
+def compact_bytes_per_param(state_format: str) -> float:
+    """What the fused host step moves per parameter (bf16 gradient, fp32 master, the format's moments)."""
+    return 2 + 8 + 2 * state_formats.state_bytes_per_param(state_format)
+
+
+# Kernels as plain Python until ``_kernels`` compiles them (module level for numba's disk cache, as in
+# fused_adamw.py). Globals rebound there: ``_adam``, ``_as_fp32`` (fused_adamw's jitted helpers),
+# ``_f32_bits``/``_bits_f32`` (bitcasts), the state_formats scalar twins, ``_prange``.
+_adam = fused_adamw._adam_py
+_as_fp32 = fused_adamw._as_fp32
+_prange = range
+_element_bits = state_formats._element_bits_nb
+_sr_bf16 = state_formats._sr_bf16_nb
+_encode_int8 = state_formats._encode_int8_nb
+
+
+def _f32_bits(x):  # pragma: no cover - replaced by an intrinsic
+    """An fp32's bit pattern as uint64."""
+    return np.uint64(np.array(np.float32(x)).view(np.uint32)[()])
+
+
+def _bits_f32(u):  # pragma: no cover - replaced by an intrinsic
+    """The low 32 bits of a uint64 as fp32."""
+    return np.array(np.uint32(u)).view(np.float32)[()]
+
+
+def _adamw_bf16_py(
+    p, g, m, v, index0, k0, k1, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+):
+    """bf16 moments (``m``, ``v``: uint16 bits): widen, update in fp32, round back stochastically."""
+    n = p.shape[0]
+    low16 = np.uint64(0xFFFF)
+    for b in _prange((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        e = min(s + BLOCK, n)
+        for j in range(s, e):
+            gi = _as_fp32(g[j]) * scale
+            mi, vi, step = _adam(
+                gi, _as_fp32(m[j]), _as_fp32(v[j]), coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+            )
+            p[j] = p[j] * decay + step
+            bits = _element_bits(np.uint64(index0 + j), k0, k1)
+            m[j] = np.uint16(_sr_bf16(_f32_bits(mi), bits & low16))
+            v[j] = np.uint16(_sr_bf16(_f32_bits(vi), bits >> np.uint64(16)))
+
+
+def _decode_int8(code, scale, mantissa_bits):
+    """One int8 magnitude code (non-negative int64) times its block's scale (``_decode_int8_t``)."""
+    if code >= (1 << mantissa_bits):
+        r = _bits_f32(np.uint64(code + (112 << mantissa_bits)) << np.uint64(23 - mantissa_bits))
+    else:
+        r = np.float32(code) * np.float32(2.0 ** -(14 + mantissa_bits))
+    return r * scale
+
+
+def _adamw_int8_py(
+    p,
+    g,
+    m,
+    v,
+    m_scale,
+    v_scale,
+    index0,
+    k0,
+    k1,
+    scale,
+    decay,
+    coeff,
+    large,
+    beta2,
+    one_minus_beta2,
+    bc2_sqrt,
+    eps,
+    neg_step,
+):
+    """int8 moments with one fp32 scale per 64-element block (``m`` int8, ``v`` uint8)."""
+    n = p.shape[0]
+    low16 = np.uint64(0xFFFF)
+    one = np.float32(1.0)
+    for b in _prange((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        e = min(s + BLOCK, n)
+        mt = np.empty(BLOCK, dtype=np.float32)
+        vt = np.empty(BLOCK, dtype=np.float32)
+        for q in range(s // QUANT_BLOCK, (e + QUANT_BLOCK - 1) // QUANT_BLOCK):
+            qs = q * QUANT_BLOCK
+            qe = min(qs + QUANT_BLOCK, e)
+            ms, vs = m_scale[q], v_scale[q]
+            m_max = np.float32(0.0)
+            v_max = np.float32(0.0)
+            # 1. update: decode, fp32 AdamW, master step; the new moments wait in the scratch.
+            for j in range(qs, qe):
+                code = np.int64(m[j])
+                mi = _decode_int8(abs(code), ms, 3)
+                if code < 0:
+                    mi = -mi
+                vi = _decode_int8(np.int64(v[j]), vs, 4)
+                gi = _as_fp32(g[j]) * scale
+                mi, vi, step = _adam(gi, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+                p[j] = p[j] * decay + step
+                mt[j - s] = mi
+                vt[j - s] = vi
+                m_max = max(m_max, abs(mi))
+                v_max = max(v_max, abs(vi))
+            # 2. encode against the block's new maxima.
+            m_inv = one / m_max if m_max > 0 else np.float32(0.0)
+            v_inv = one / v_max if v_max > 0 else np.float32(0.0)
+            m_scale[q] = m_max
+            v_scale[q] = v_max
+            for j in range(qs, qe):
+                bits = _element_bits(np.uint64(index0 + j), k0, k1)
+                mi = mt[j - s]
+                r = min(abs(mi) * m_inv, one)
+                code = _encode_int8(_f32_bits(r), r, bits & low16, 3, False)
+                m[j] = np.int8(-code if mi < 0 else code)
+                vi = vt[j - s]
+                r = min(abs(vi) * v_inv, one)
+                v[j] = np.uint8(_encode_int8(_f32_bits(r), r, bits >> np.uint64(16), 4, vi > 0))
+
+
+@functools.cache
+def _kernels() -> Any:
+    """Compile (or load from numba's cache) the compact-state kernels; numba is imported only here."""
+    global _adam, _as_fp32, _prange, _element_bits, _sr_bf16, _encode_int8, _f32_bits, _bits_f32, _decode_int8
+    import numba
+    from llvmlite import ir as llvm_ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    fused = fused_adamw._kernels()  # binds fused_adamw's jitted element helpers first
+    del fused
+
+    @intrinsic
+    def f32_bits(typingctx, x):
+        """fp32 -> its bit pattern, zero-extended to uint64 (a register bitcast)."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.zext(builder.bitcast(args[0], llvm_ir.IntType(32)), llvm_ir.IntType(64))
+
+        return types.uint64(x), codegen
+
+    @intrinsic
+    def bits_f32(typingctx, u):
+        """The low 32 bits of a uint64 as fp32."""
+        if u != types.uint64:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.trunc(args[0], llvm_ir.IntType(32)), llvm_ir.FloatType())
+
+        return types.float32(u), codegen
+
+    def inline(fn: Any) -> Any:
+        return numba.njit(inline="always", fastmath=False, nogil=True)(fn)
+
+    _adam, _as_fp32, _prange = fused_adamw._adam, fused_adamw._as_fp32, numba.prange
+    _f32_bits, _bits_f32 = f32_bits, bits_f32
+    twins = state_formats.numba_twins()
+    _element_bits, _sr_bf16, _encode_int8 = twins.element_bits, twins.sr_bf16, twins.encode_int8
+    _decode_int8 = inline(_decode_int8_py)
+
+    class Kernels:
+        bf16 = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_bf16_py)
+        int8 = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_int8_py)
+
+    return Kernels
+
+
+_decode_int8_py = _decode_int8
+
+
+class CompactAdamW(Optimizer):
+    """AdamW (decoupled weight decay on ranges flagged ``decay``) with moments stored as
+    ``config.state_format`` (``bf16`` or ``int8``), rounded stochastically with seed ``config.state_seed``.
+
+    ``fused``: True runs host ranges through the numba kernels (an error without numba), False through
+    the torch ops, None (default) picks numba when it imports. Device ranges always take the torch ops.
+    ``threads`` caps numba's threads, as for ``FusedAdamW``.
+    """
+
+    def __init__(self, config: AdamWConfig, *, threads: int | None = None, fused: bool | None = None) -> None:
+        super().__init__(config)
+        if config.state_format not in ("bf16", "int8"):
+            raise ValueError(f"CompactAdamW stores bf16 or int8 moments, not {config.state_format!r}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if fused and not fused_adamw.FusedAdamW.available():
+            raise RuntimeError("the fused compact AdamW needs numba (pip install numba)")
+        self.fused = fused_adamw.FusedAdamW.available() if fused is None else fused
+        self.threads = threads
+        self.format = config.state_format
+        self.arrays: tuple[StateArray, ...] = state_arrays(config.state_format)
+        self.state_names = tuple(a.name for a in self.arrays)
+        self._fp32 = TorchAdamW(config, fused=False)
+        self._threads = fused_adamw.FusedAdamW(dataclasses.replace(config, state_format="fp32"), threads=threads)
+        self._correction = AdamWCorrection(config)
+        self._moments: dict[torch.device, torch.Tensor] = {}
+        self._reserved = 0
+
+    @property
+    def state_arrays(self) -> tuple[StateArray, ...]:
+        return self.arrays
+
+    def device_replica(self) -> CompactAdamW:
+        """Device ranges run the torch ops (numba runs on the host only)."""
+        return CompactAdamW(self.config, fused=False)
+
+    def reserve(self, max_range_numel: int, device: torch.device | str = "cpu") -> None:
+        """Remember the largest range: the fp32 moment scratch of the torch path (and of corrections) is
+        allocated at that size when first needed, never by the fused path."""
+        self._reserved = max(self._reserved, max_range_numel)
+        self._fp32.reserve(max_range_numel, device)
+
+    def _scratch(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self._moments.get(device)
+        if held is None or held.numel() < 2 * numel:
+            held = self._moments[device] = torch.empty(
+                2 * max(numel, self._reserved), dtype=torch.float32, device=device
+            )
+        return held[:numel], held[numel : 2 * numel]
+
+    def warmup(self) -> None:
+        """Compile (or load) this format's kernels for bf16 and fp32 gradients on a tiny range."""
+        if not self.fused:
+            return
+        for dtype in (torch.bfloat16, torch.float32):
+            state = {a.name: torch.zeros(a.numel(QUANT_BLOCK), dtype=a.dtype) for a in self.arrays}
+            self.step(torch.ones(QUANT_BLOCK), torch.ones(QUANT_BLOCK, dtype=dtype), state, lr=1e-3, step=1, decay=True)
+
+    def _check(self, master: torch.Tensor, grad: torch.Tensor, state: Mapping[str, torch.Tensor]) -> int:
+        n = master.numel()
+        for a in self.arrays:
+            t = state[a.name]
+            if t.dtype != a.dtype or t.numel() != a.numel(n):
+                raise ValueError(
+                    f"{a.name} must be {a.numel(n)} x {a.dtype} for a range of {n}, got {t.numel()} x {t.dtype}"
+                )
+        if master.dtype != torch.float32 or grad.numel() != n:
+            raise ValueError(f"master must be fp32 and grad of its size ({n}), got {master.dtype}, {grad.numel()}")
+        if self.format == "int8" and n % QUANT_BLOCK:
+            raise ValueError(f"int8 optimizer state works on whole {QUANT_BLOCK}-element blocks, got a range of {n}")
+        return n
+
+    def step(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        lr: float,
+        step: int,
+        decay: bool,
+        grad_scale: float = 1.0,
+    ) -> None:
+        n = self._check(master, grad, state)
+        if n == 0:
+            return
+        key = stream_key(self.config.state_seed, step, STEP_SALT)
+        if self.fused and master.device.type == "cpu":
+            self._fused_step(master, grad, state, key, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
+            return
+        m, v = self._scratch(n, master.device)
+        decode_moments(self.format, state, m, v)
+        self._fp32.step(
+            master, grad, {"exp_avg": m, "exp_avg_sq": v}, lr=lr, step=step, decay=decay, grad_scale=grad_scale
+        )
+        encode_moments(self.format, m, v, state, index0=master.storage_offset(), key=key)
+
+    def _fused_step(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        key: tuple[int, int],
+        *,
+        lr: float,
+        step: int,
+        decay: bool,
+        grad_scale: float,
+    ) -> None:
+        with _compile_lock:
+            kernels = _kernels()
+        self._threads._kernels()  # applies ``threads`` (numba's thread count is per calling thread)
+        cfg, f32 = self.config, np.float32
+        weight_decay = cfg.weight_decay if decay else 0.0
+        weight = f32(1 - cfg.beta1)
+        large = not abs(weight) < f32(0.5)
+        args = (
+            f32(1 - lr * weight_decay) if weight_decay != 0 else f32(1.0),
+            f32(weight - f32(1.0) if large else weight),
+            large,
+            f32(cfg.beta2),
+            f32(1 - cfg.beta2),
+            f32((1 - cfg.beta2**step) ** 0.5),
+            f32(cfg.eps),
+            f32(-(lr / (1 - cfg.beta1**step))),
+        )  # exactly FusedAdamW.step's scalars
+        p = fused_adamw._np(master, "master")
+        if grad.dtype == torch.bfloat16:
+            g = fused_adamw._np(grad.view(torch.int16), "grad").view(np.uint16)
+        else:
+            g = fused_adamw._np(grad if grad.dtype == torch.float32 else grad.float(), "grad")
+        index0, k0, k1 = np.int64(master.storage_offset()), np.uint64(key[0]), np.uint64(key[1])
+        if self.format == "bf16":
+            m = fused_adamw._np(state["exp_avg"].view(torch.int16), "exp_avg").view(np.uint16)
+            v = fused_adamw._np(state["exp_avg_sq"].view(torch.int16), "exp_avg_sq").view(np.uint16)
+            kernels.bf16(p, g, m, v, index0, k0, k1, f32(grad_scale), *args)
+            return
+        kernels.int8(
+            p, g, fused_adamw._np(state["exp_avg"], "exp_avg"), fused_adamw._np(state["exp_avg_sq"], "exp_avg_sq"),
+            fused_adamw._np(state["exp_avg_scale"], "exp_avg_scale"),
+            fused_adamw._np(state["exp_avg_sq_scale"], "exp_avg_sq_scale"), index0, k0, k1, f32(grad_scale), *args,
+        )  # fmt: skip
+
+    def correct(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        applied: Coefficient,
+        correction: Correction,
+        lr: float,
+        step: int,
+        decay: bool,
+    ) -> None:
+        """Decode, correct in fp32 (``AdamWCorrection``), encode with the correction's own hash stream."""
+        if correction.kind == "keep":
+            return
+        n = self._check(master, grad, state)
+        m, v = self._scratch(n, master.device)
+        decode_moments(self.format, state, m, v)
+        moments = {"exp_avg": m, "exp_avg_sq": v}
+        self._correction.apply(correction, master, grad, applied, moments, lr=lr, step=step, decay=decay)
+        key = stream_key(self.config.state_seed, step, CORRECTION_SALT)
+        encode_moments(self.format, m, v, state, index0=master.storage_offset(), key=key)

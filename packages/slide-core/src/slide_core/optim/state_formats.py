@@ -1,0 +1,355 @@
+"""How AdamW's two moments are stored between steps: ``fp32`` (exact), ``bf16`` or ``int8``.
+
+Why: the host optimizer is memory-bound. With fp32 moments a step moves 26 bytes per parameter (bf16
+gradient 2, master / exp_avg / exp_avg_sq read + write 3 x 8); bf16 moments make it 18, int8 ones about 14,
+and the host holds 4 (bf16) or about 6 (int8) bytes per parameter less. The arithmetic of the step stays
+fp32: a compact moment is widened in registers, updated exactly as the fp32 path updates it, and only the
+value written back is rounded.
+
+Rounding is **stochastic** (SR), never to nearest: ``exp_avg_sq`` shrinks by ``beta2 = 0.999`` per step, a
+relative change far below bf16's half-ulp (2^-9), so round-to-nearest would freeze it; SR keeps every
+stored value an unbiased estimate of the fp32 one. Its random bits come from a counter-based hash of
+``(seed, step, element index)`` (:func:`stream_key`, :func:`element_bits`): no RNG state, so a run, its
+resume and any thread count or blocking give the same bits. The index is the element's position in the
+master slab, so the same element gets the same bits wherever its state is staged (RAM or NVMe). One 32-bit
+hash serves both moments: its low 16 bits round ``exp_avg``, its high 16 bits ``exp_avg_sq``.
+
+``bf16``: the fp32 bit pattern plus 16 random bits, truncated to the top 16 (unbiased between the two
+neighbouring bf16 values; a value that is not finite, or whose rounding would overflow to Inf, is truncated).
+``exp_avg_sq`` stays >= 0 and finite because SR never crosses zero or leaves the finite range.
+
+``int8``: blocks of :data:`QUANT_BLOCK` = 64 elements (the unit layout's alignment, so every range the
+engine hands the optimizer starts on a block) share one fp32 scale, the block's largest magnitude, computed
+from the block's new fp32 values before any is encoded. Each element stores ``x / scale`` (in [0, 1]) as an
+8-bit float relative to it:
+
+- ``exp_avg`` (int8, sign and magnitude code in [-120, 120]): 4 exponent bits and 3 mantissa bits,
+  normal codes 8..120 cover [2^-14, 1] with 12.5 % relative steps, codes 0..7 are linear below 2^-14
+  (gradual underflow to exactly 0).
+- ``exp_avg_sq`` (uint8, code in [0, 240]): 4 exponent and 4 mantissa bits, normal codes 16..240 over
+  [2^-14, 1] with 6.25 % steps, codes 0..15 linear below. A positive value never rounds to 0 (it rounds up
+  to the smallest code instead): a zero second moment under a non-zero first one would divide by ``eps``
+  and blow the parameter up. That bias only touches elements whose ``exp_avg_sq`` is below 2^-18 of their
+  block's largest (sqrt below 1/512), where it shrinks the update (safe side).
+
+A float code is used instead of linear int8 because both moments span orders of magnitude within a block:
+linear codes would round most of a block's small elements to zero.
+
+Each encoder here has twins: a torch version (any device; the reference, and the path without numba) and
+numba-jitted scalar versions used inside the fused kernels (slide_core/optim/compact_adamw.py). Both are
+written from the same integer recipe, so given the same fp32 moments they give the same codes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+__all__ = [
+    "QUANT_BLOCK",
+    "STATE_FORMATS",
+    "StateArray",
+    "StateFormat",
+    "decode_moments",
+    "element_bits",
+    "encode_moments",
+    "mix32",
+    "slice_state",
+    "state_arrays",
+    "state_bytes_per_param",
+    "stream_key",
+]
+
+StateFormat = Literal["fp32", "bf16", "int8"]
+STATE_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8")
+QUANT_BLOCK = 64
+"""Elements per int8 scale: the unit layout's alignment (``_ALIGN_NUMEL``), so unit starts, the decay
+prefix's end and every unit's end fall on a block boundary and no two optimizer calls share a block."""
+
+STEP_SALT = 0
+"""Hash stream of an update (``Optimizer.step``)."""
+CORRECTION_SALT = 1
+"""Hash stream of clipping's correction of an update, so it never reuses the update's bits."""
+
+_M32 = 0xFFFFFFFF
+_M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32 (Chris Wellons' hash prospector), a full-avalanche 32-bit mix
+_INT8_M_BIAS = 112 << 3  # fp32 exponent 112 (2^-15) in the (exponent, 3-bit mantissa) code of exp_avg
+_INT8_V_BIAS = 112 << 4  # ... and in the (exponent, 4-bit mantissa) code of exp_avg_sq
+_INT8_M_MAX = 120  # 1.0: exponent 127, mantissa 0
+_INT8_V_MAX = 240
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One optimizer state array: its name, dtype and how many parameters share one of its entries (1 for
+    per-element arrays, :data:`QUANT_BLOCK` for int8 block scales)."""
+
+    name: str
+    dtype: torch.dtype = torch.float32
+    per_entry: int = 1
+
+    def numel(self, params: int) -> int:
+        """Entries for ``params`` parameters (a multiple of ``per_entry`` unless it is a unit's tail)."""
+        return -(-params // self.per_entry)
+
+    def range(self, lo: int, hi: int) -> slice:
+        """The entries of parameters ``[lo, hi)``; ``lo`` must start an entry."""
+        if lo % self.per_entry:
+            raise ValueError(
+                f"{self.name}: int8 optimizer state needs ranges that start on a {self.per_entry}-element block, "
+                f"got {lo}"
+            )
+        return slice(lo // self.per_entry, -(-hi // self.per_entry))
+
+
+def state_arrays(state_format: str, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
+    """The arrays AdamW's moments ``names`` are stored in under ``state_format``."""
+    m, v = names
+    if state_format == "fp32":
+        return (StateArray(m), StateArray(v))
+    if state_format == "bf16":
+        return (StateArray(m, torch.bfloat16), StateArray(v, torch.bfloat16))
+    if state_format == "int8":
+        return (
+            StateArray(m, torch.int8),
+            StateArray(v, torch.uint8),
+            StateArray(f"{m}_scale", torch.float32, QUANT_BLOCK),
+            StateArray(f"{v}_scale", torch.float32, QUANT_BLOCK),
+        )
+    raise ValueError(f"optimizer state format must be one of {', '.join(STATE_FORMATS)}, got {state_format!r}")
+
+
+def state_bytes_per_param(state_format: str) -> float:
+    """Host bytes per parameter of the two moments (int8: codes plus the block scales)."""
+    return sum(a.dtype.itemsize / a.per_entry for a in state_arrays(state_format))
+
+
+def slice_state(
+    arrays: Sequence[StateArray], views: Mapping[str, torch.Tensor], lo: int, hi: int
+) -> dict[str, torch.Tensor]:
+    """Parameters ``[lo, hi)`` of every state view (``views`` cover one range that starts on a block)."""
+    return {a.name: views[a.name][a.range(lo, hi)] for a in arrays}
+
+
+# -- the hash: Python integers (the twin the kernels are checked against) ----------------------------------
+def mix32(x: int) -> int:
+    """A 32-bit integer finaliser: every output bit depends on every input bit."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _M1) & _M32
+    x ^= x >> 15
+    x = (x * _M2) & _M32
+    x ^= x >> 16
+    return x
+
+
+def stream_key(seed: int, step: int, salt: int = STEP_SALT) -> tuple[int, int]:
+    """The two 32-bit keys of one update's hash stream (computed once per call, on the host)."""
+    a = mix32((seed & _M32) ^ 0x243F6A88)
+    a = mix32(a ^ ((seed >> 32) & _M32))
+    b = mix32(a ^ (step & _M32))
+    b = mix32(b ^ ((step >> 32) & _M32))
+    k0 = mix32(b ^ (salt & _M32))
+    return k0, mix32(k0 ^ 0x85A308D3)
+
+
+def element_bits(index: int, k0: int, k1: int) -> int:
+    """32 random bits for the element at master-slab position ``index`` (low half: exp_avg, high: exp_avg_sq)."""
+    return mix32(mix32((index & _M32) ^ k0) ^ ((index >> 32) & _M32) ^ k1)
+
+
+# -- torch twins (any device) ------------------------------------------------------------------------------
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2^32`` for int64 ``x`` in [0, 2^32) without int64 overflow (16-bit halves of ``c``)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32_t(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _M1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _M2)
+    return x ^ (x >> 16)
+
+
+def _bits_t(index0: int, numel: int, key: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """:func:`element_bits` of ``index0 + arange(numel)`` as int64 in [0, 2^32)."""
+    index = torch.arange(index0, index0 + numel, dtype=torch.int64, device=device)
+    k0, k1 = key
+    return _mix32_t(_mix32_t((index & _M32) ^ k0) ^ ((index >> 32) & _M32) ^ k1)
+
+
+def _u32(x: torch.Tensor) -> torch.Tensor:
+    """An fp32 tensor's bit patterns as int64 in [0, 2^32)."""
+    return x.contiguous().view(torch.int32).to(torch.int64) & _M32
+
+
+def _f32(bits: torch.Tensor) -> torch.Tensor:
+    """int64 bit patterns in [0, 2^32) as fp32."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def _sr_bf16_t(x: torch.Tensor, rand16: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 with stochastic rounding by ``rand16`` (int64 in [0, 2^16))."""
+    u = _u32(x)
+    up = (u + rand16) >> 16
+    trunc = u >> 16
+    nonfinite = (u & 0x7F800000) == 0x7F800000
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    overflow = (up & 0x7F80) == 0x7F80
+    out = torch.where(nonfinite | overflow, trunc, up)
+    out = torch.where(nan, trunc | 0x0040, out)  # NaN stays a (quiet) NaN
+    return torch.where(out >= 2**15, out - 2**16, out).to(torch.int16).view(torch.bfloat16)
+
+
+def _block_scale_t(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().view(-1, QUANT_BLOCK).amax(dim=1)
+
+
+def _encode_int8_t(
+    x: torch.Tensor, scale: torch.Tensor, rand16: torch.Tensor, mantissa_bits: int, keep_positive: bool
+) -> torch.Tensor:
+    """Codes (int64, magnitude) of ``|x| / scale`` in the 8-bit float with ``mantissa_bits``; see the module."""
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    r = (x.abs().view(-1, QUANT_BLOCK) * inv[:, None]).reshape(-1).clamp_(max=1.0)
+    u = _u32(r)
+    shift = 23 - mantissa_bits
+    bias = 112 << mantissa_bits
+    normal = ((u + (rand16 << (shift - 16))) >> shift) - bias
+    fixed = (r * float(2 ** (14 + mantissa_bits + 16))).to(torch.int64)  # grid steps x 2^16, truncated
+    low = (fixed + rand16) >> 16
+    if keep_positive:
+        low = torch.where((x > 0) & (low == 0), torch.ones_like(low), low)
+    return torch.where(u >= (113 << 23), normal, low)
+
+
+def _decode_int8_t(mag: torch.Tensor, scale: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
+    normals = mag >= (1 << mantissa_bits)
+    bits = (mag + (112 << mantissa_bits)) << (23 - mantissa_bits)
+    r = torch.where(normals, _f32(bits), mag.to(torch.float32) * float(2.0 ** -(14 + mantissa_bits)))
+    return (r.view(-1, QUANT_BLOCK) * scale[:, None]).reshape(-1)
+
+
+def decode_moments(
+    state_format: str, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor
+) -> None:
+    """Widen one range's stored moments into fp32 ``out_m`` / ``out_v`` (exact for fp32 and bf16)."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    if state_format in ("fp32", "bf16"):
+        out_m.copy_(m)
+        out_v.copy_(v)
+        return
+    _check_blocks(m.numel())
+    signed = m.to(torch.int64)
+    magnitude = _decode_int8_t(signed.abs(), state["exp_avg_scale"], 3)
+    out_m.copy_(torch.where(signed < 0, -magnitude, magnitude))
+    out_v.copy_(_decode_int8_t(v.to(torch.int64), state["exp_avg_sq_scale"], 4))
+
+
+def encode_moments(
+    state_format: str,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    *,
+    index0: int,
+    key: tuple[int, int],
+) -> None:
+    """Store fp32 moments ``m`` / ``v`` of one range into ``state`` (its format's arrays), rounding
+    stochastically with the hash stream ``key`` from slab position ``index0`` on."""
+    if state_format == "fp32":
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)
+        return
+    bits = _bits_t(index0, m.numel(), key, m.device)
+    rand_m, rand_v = bits & 0xFFFF, bits >> 16
+    if state_format == "bf16":
+        state["exp_avg"].copy_(_sr_bf16_t(m, rand_m))
+        state["exp_avg_sq"].copy_(_sr_bf16_t(v, rand_v))
+        return
+    _check_blocks(m.numel())
+    m_scale, v_scale = _block_scale_t(m), _block_scale_t(v)
+    magnitude = _encode_int8_t(m, m_scale, rand_m, 3, keep_positive=False)
+    state["exp_avg"].copy_(torch.where(m < 0, -magnitude, magnitude))
+    state["exp_avg_sq"].copy_(_encode_int8_t(v, v_scale, rand_v, 4, keep_positive=True))
+    state["exp_avg_scale"].copy_(m_scale)
+    state["exp_avg_sq_scale"].copy_(v_scale)
+
+
+def _check_blocks(numel: int) -> None:
+    if numel % QUANT_BLOCK:
+        raise ValueError(f"int8 optimizer state works on whole {QUANT_BLOCK}-element blocks, got a range of {numel}")
+
+
+# -- numba twins: scalar helpers the fused kernels inline (compact_adamw.py) ------------------------------
+_U16 = np.uint64(16)
+_U15 = np.uint64(15)
+_U32 = np.uint64(32)
+_MASK = np.uint64(_M32)
+_C1 = np.uint64(_M1)
+_C2 = np.uint64(_M2)
+
+
+def _mix32_nb(x):
+    """:func:`mix32` on a uint64 holding 32 bits (every constant typed, so numba stays in integers)."""
+    x = x ^ (x >> _U16)
+    x = (x * _C1) & _MASK
+    x = x ^ (x >> _U15)
+    x = (x * _C2) & _MASK
+    return x ^ (x >> _U16)
+
+
+def _element_bits_nb(index, k0, k1):
+    """:func:`element_bits` (``index``, ``k0``, ``k1`` uint64)."""
+    return _mix32_nb(_mix32_nb((index & _MASK) ^ k0) ^ (index >> _U32) ^ k1)
+
+
+def _sr_bf16_nb(u, rand16):
+    """fp32 bits ``u`` (uint64) -> bf16 bits (uint64) rounded stochastically (see ``_sr_bf16_t``)."""
+    trunc = u >> _U16
+    up = (u + rand16) >> _U16
+    if (u & np.uint64(0x7F800000)) == np.uint64(0x7F800000):
+        if (u & np.uint64(0x7FFFFFFF)) > np.uint64(0x7F800000):
+            return trunc | np.uint64(0x0040)
+        return trunc
+    if (up & np.uint64(0x7F80)) == np.uint64(0x7F80):
+        return trunc
+    return up
+
+
+def _encode_int8_nb(u, r, rand16, mantissa_bits, positive):
+    """Magnitude code of ``r`` = |x| / scale in [0, 1] (fp32 ``r``, its bits ``u``) with ``mantissa_bits``
+    (``_encode_int8_t``); ``positive``: the value is > 0 and must not round to 0 (exp_avg_sq)."""
+    shift = np.uint64(23 - mantissa_bits)
+    if u >= np.uint64(113 << 23):
+        return np.int64(((u + (rand16 << (shift - _U16))) >> shift) - np.uint64(112 << mantissa_bits))
+    fixed = np.int64(r * np.float32(2.0 ** (14 + mantissa_bits + 16)))
+    low = (fixed + np.int64(rand16)) >> np.int64(16)
+    if positive and low == 0:
+        return np.int64(1)
+    return low
+
+
+@dataclass(frozen=True)
+class NumbaTwins:
+    element_bits: Any
+    sr_bf16: Any
+    encode_int8: Any
+
+
+@functools.cache
+def numba_twins() -> NumbaTwins:
+    """The scalar twins compiled by numba (inlined into the caller's kernels); imports numba."""
+    global _mix32_nb
+    import numba
+
+    def inline(fn: Any) -> Any:
+        return numba.njit(inline="always", fastmath=False, nogil=True)(fn)
+
+    _mix32_nb = inline(_mix32_nb)
+    return NumbaTwins(inline(_element_bits_nb), inline(_sr_bf16_nb), inline(_encode_int8_nb))
