@@ -33,6 +33,7 @@ import torch
 from slide_core.checkpoint import load_checkpoint
 from slide_core.device import Device
 from slide_core.host_params import HostParameters
+from slide_core.optim.state_formats import StateArray, refuse_other_state_format
 from slide_core.optimizer import Optimizer
 from slide_core.tier import Tier
 from slide_core.unit import SlideModel, Unit
@@ -138,9 +139,10 @@ class Engine(Evaluation):
         self.timeline = Timeline(cfg.record_timings)
         self.timer = ComputeTimer(device, self.timeline)  # compute-stream spans, shared with the pipelines
         self.clip_policy = ClipPolicy(cfg)
-        self._offloaded = OffloadedState.of_config(model, cfg, state_tier, optimizer.state_names)
+        _check_state_format(optimizer, cfg, self._group)
+        self._offloaded = OffloadedState.of_config(model, cfg, state_tier, optimizer.state_arrays)
         elsewhere = {*cfg.resident_units, *cfg.offloaded_units}
-        self.host_state = HostState(model, host_params, optimizer.state_names, elsewhere)
+        self.host_state = HostState(model, host_params, optimizer.state_arrays, elsewhere)
         self.updated: dict[str, Future[None]] = {unit.name: _done() for unit in model.units}
         """Each unit's latest 'updated' future: what its next load waits for (Note [Update futures])."""
         self._ready_after = self.updated  # what this step's (or evaluation's) loads wait for
@@ -249,9 +251,8 @@ class Engine(Evaluation):
         writes its own checkpoint; a resume takes it back at the same world size)."""
         self.wait_idle()
         spans = self._shard_spans()
-        return {
-            name: StateSource(name, self.model.units, self.pipelines.by_name, spans) for name in self._array_names()
-        }
+        by_name = self.pipelines.by_name
+        return {a.name: StateSource(a.name, self.model.units, by_name, spans, a) for a in self._arrays()}
 
     def restore_checkpoint(self, path: Path) -> dict[str, Any]:
         """Resume from a checkpoint written from :meth:`checkpoint_arrays`: every unit's master and Adam
@@ -265,11 +266,14 @@ class Engine(Evaluation):
         if self.step_count or self._workers is None:
             raise EngineError("restore_checkpoint needs a running engine that has not stepped yet")
         spans = self._shard_spans()
-        sinks = {name: StateSink(name, self.model.units, self.pipelines.by_name, spans) for name in self._array_names()}
+        refuse_other_state_format(path, self.optimizer.config.state_format)
+        by_name = self.pipelines.by_name
+        sinks = {a.name: StateSink(a.name, self.model.units, by_name, spans, a) for a in self._arrays()}
         return load_checkpoint(path, sinks)
 
-    def _array_names(self) -> tuple[str, ...]:
-        return ("master", *self.optimizer.state_names)
+    def _arrays(self) -> tuple[StateArray, ...]:
+        """The checkpoint's arrays: the fp32 master, then the optimizer's state as it stores it."""
+        return (StateArray("master"), *self.optimizer.state_arrays)
 
     def _shard_spans(self) -> dict[str, tuple[int, int]] | None:
         """This rank's shard of every unit under data parallel (None in a single-process run)."""
@@ -583,6 +587,23 @@ def _check_data_parallel(group: ProcessGroupContext, device: Device, config: Eng
         raise ValueError(f"a {device.torch_device.type} device needs the nccl process group, got gloo")
     if not group.is_open:
         raise ValueError("open the process group first: `with ProcessGroupContext(...) as group:`")
+
+
+def _check_state_format(optimizer: Optimizer, config: EngineConfig, group: ProcessGroupContext | None) -> None:
+    """Refuse, in one line, the placements a compact optimizer state does not run with (yet)."""
+    state_format = optimizer.config.state_format
+    if state_format == "fp32":
+        return
+    if all(array.dtype == torch.float32 for array in optimizer.state_arrays):
+        raise ValueError(
+            f"{type(optimizer).__name__} keeps fp32 state, but its config asks for {state_format}; "
+            "use CompactAdamW (build_optimizer picks it)"
+        )
+    if group is not None and state_format == "int8":
+        raise ValueError(
+            "int8 optimizer state is not supported with data parallel yet (its shards would split int8 blocks); "
+            "use bf16 or fp32"
+        )
 
 
 def _leaves(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -154,7 +154,7 @@ class HostPipeline:
     def _step(self, unit: Unit, applied: AppliedRange, ctx: StepContext, *, grad_scale: float) -> None:
         lo, hi = applied.start, applied.end
         master = self.host_params.flat(unit)[lo:hi]
-        state = {name: view[lo:hi] for name, view in self._state(unit).items()}
+        state = self.host_state.range(self._state(unit), lo, hi)
         if grad_scale == 1.0:  # the keyword only where it matters: optimizer plugins written before it still work
             self.optimizer.step(master, applied.grad, state, lr=ctx.lr, step=ctx.step, decay=applied.decay)
         else:
@@ -205,7 +205,7 @@ class HostPipeline:
         states = self._state(unit)
         for applied in ranges:
             lo, hi = applied.start, applied.end
-            state = {name: view[lo:hi] for name, view in states.items()}
+            state = self.host_state.range(states, lo, hi)
             self.optimizer.correct(
                 master[lo:hi],
                 applied.grad,

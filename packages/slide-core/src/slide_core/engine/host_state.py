@@ -1,10 +1,15 @@
-"""The host's fp32 buffers besides the master: every unit's optimizer state, laid out like the master slab,
-and the gradient accumulators of host-updated units.
+"""The host's buffers besides the master: every unit's optimizer state, laid out like the master slab,
+and the fp32 gradient accumulators of host-updated units.
 
 The state slabs cover every unit, so a checkpoint gathered in them has the master's layout. A
 device-resident or tier-offloaded unit's range is left unwritten (its pages never touched, costing no
 RSS) until a drain with state copies the unit's state into it; ``valid`` says which ranges hold real
 values.
+
+Each slab has its state array's dtype (``Optimizer.state_arrays``: fp32 moments, bf16 ones, int8 codes);
+an array with one entry per block of parameters (int8's fp32 scales) has one entry per block of the
+master slab. Every unit starts on a block (the layout's 64-element alignment), so a unit's entries are the
+slab's ``[start / block, end / block)``.
 """
 
 from __future__ import annotations
@@ -14,20 +19,27 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 from slide_core.host_params import HostParameters
+from slide_core.optim.state_formats import StateArray
 from slide_core.unit import SlideModel, Unit
 
 __all__ = ["HostState"]
 
 
 class HostState:
-    """Optimizer state slabs (one fp32 slab per state name) and per-unit fp32 gradient accumulators."""
+    """Optimizer state slabs (one per state array, in its dtype) and per-unit fp32 gradient accumulators."""
 
     def __init__(
-        self, model: SlideModel, host_params: HostParameters, state_names: Sequence[str], elsewhere: Collection[str]
+        self,
+        model: SlideModel,
+        host_params: HostParameters,
+        state_names: Sequence[str | StateArray],
+        elsewhere: Collection[str],
     ) -> None:
-        """``elsewhere``: the units whose state lives off the host (on the device, on a tier)."""
+        """``state_names``: the optimizer's state arrays (a bare name is one fp32 element per parameter);
+        ``elsewhere``: the units whose state lives off the host (on the device, on a tier)."""
         self.host_params = host_params
-        self.state_slabs = {name: torch.empty(host_params.numel, dtype=torch.float32) for name in state_names}
+        self.arrays = tuple(a if isinstance(a, StateArray) else StateArray(a) for a in state_names)
+        self.state_slabs = {a.name: torch.empty(a.numel(host_params.numel), dtype=a.dtype) for a in self.arrays}
         self.valid = {unit.name: unit.name not in elsewhere for unit in model.units}
         # Zeroed by ``zero_fresh`` when the engine starts, not here: the engine first gives back the host
         # pages of device-resident masters, so the two never add up in the peak.
@@ -43,7 +55,11 @@ class HostState:
         """This unit's flat optimizer state, one view per state name."""
         master = self.host_params.flat(unit)
         start = (master.data_ptr() - self.host_params.slab.data_ptr()) // master.element_size()
-        return {name: slab[start : start + master.numel()] for name, slab in self.state_slabs.items()}
+        return {a.name: self.state_slabs[a.name][a.range(start, start + master.numel())] for a in self.arrays}
+
+    def range(self, views: Mapping[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """Parameters ``[lo, hi)`` of one unit's state ``views`` (block arrays: the blocks holding them)."""
+        return {a.name: views[a.name][a.range(lo, hi)] for a in self.arrays}
 
     def accumulator(self, unit: Unit) -> torch.Tensor:
         """The unit's fp32 gradient accumulator (optimizer thread). Allocated on first use only: with no
@@ -61,8 +77,8 @@ class HostState:
         it ever updates), so the pages of the rest are never touched and cost the rank no memory."""
         for unit in self._fresh:
             lo, hi = spans[unit.name] if spans is not None else (0, unit.layout.numel)
-            for view in self.views(unit).values():
-                view[lo:hi].zero_()
+            for view in self.range(self.views(unit), lo, hi).values():
+                view.zero_()
         self._fresh = []
 
     def mark_valid(self) -> None:
@@ -72,6 +88,6 @@ class HostState:
 
     def drop(self) -> None:
         """Free the host optimizer state (the run is over and will not be checkpointed again)."""
-        self.state_slabs = {name: torch.empty(0, dtype=torch.float32) for name in self.state_slabs}
+        self.state_slabs = {a.name: torch.empty(0, dtype=a.dtype) for a in self.arrays}
         self._accum.clear()
         self.valid = dict.fromkeys(self.valid, False)

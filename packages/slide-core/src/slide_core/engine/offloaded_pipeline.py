@@ -49,14 +49,14 @@ class OffloadedPipeline(HostPipeline):
     def state_array(self, unit: Unit, name: str) -> torch.Tensor:
         if name == "master":
             return super().state_array(unit, name)
-        staged = torch.empty(unit.layout.numel, dtype=torch.float32)
+        staged = self.offloaded.staged(unit.name, name)
         self.offloaded.read(unit.name, name, staged)
         return staged
 
     def restore_target(self, unit: Unit, name: str) -> torch.Tensor:
         if name == "master":
             return super().restore_target(unit, name)
-        return torch.empty(unit.layout.numel, dtype=torch.float32)  # gathered whole, then written to the tier
+        return self.offloaded.staged(unit.name, name)  # gathered whole, then written to the tier
 
     def restored(self, unit: Unit, name: str, values: torch.Tensor) -> None:
         if name != "master":

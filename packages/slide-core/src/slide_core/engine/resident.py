@@ -18,6 +18,7 @@ import torch
 
 from slide_core.device import Device
 from slide_core.host_params import HostParameters
+from slide_core.optim.state_formats import StateArray
 from slide_core.unit import SlideModel, Unit
 
 from .slots import ParamSlot
@@ -56,7 +57,7 @@ class ResidentUnits:
         device: Device,
         host_params: HostParameters,
         host_state: Mapping[str, Mapping[str, torch.Tensor] | None],
-        state_names: Sequence[str],
+        state_names: Sequence[str | StateArray],
         compute_dtype: torch.dtype,
     ) -> None:
         """``host_state``: per unit, host views of its optimizer state to start from (None: a fresh run,
@@ -75,8 +76,9 @@ class ResidentUnits:
             master.copy_(host_params.flat(unit))
             state = {}
             views = host_state[name]
-            for key in state_names:
-                state[key] = device.empty(numel, torch.float32)
+            for array in (a if isinstance(a, StateArray) else StateArray(a) for a in state_names):
+                key = array.name
+                state[key] = device.empty(array.numel(numel), array.dtype)
                 if views is None:
                     state[key].zero_()
                 else:

@@ -20,6 +20,7 @@ import torch
 from slide_core.device import Event
 from slide_core.host_memory import release_pages
 from slide_core.host_params import HostParameters
+from slide_core.optim.state_formats import slice_state
 from slide_core.optimizer import Correction, Optimizer
 from slide_core.unit import Unit
 
@@ -127,7 +128,7 @@ class ResidentPipeline:
         decay_numel, numel = resident.unit.layout.decay_numel, resident.unit.layout.numel
         for start, end, decay in ((0, decay_numel, True), (decay_numel, numel, False)):
             if end > start:
-                state = {key: view[start:end] for key, view in resident.state.items()}
+                state = slice_state(self.optimizer.state_arrays, resident.state, start, end)
                 self.optimizer.step(
                     resident.master[start:end], grad[start:end], state, lr=ctx.lr, step=ctx.step, decay=decay
                 )
@@ -137,7 +138,7 @@ class ResidentPipeline:
         """The unit's update with ``coeff * grad`` (``coeff`` on the device), in pieces so the fp32 scratch
         stays small."""
         for lo, hi, decay in self._pieces(resident.unit):
-            state = {key: view[lo:hi] for key, view in resident.state.items()}
+            state = slice_state(self.optimizer.state_arrays, resident.state, lo, hi)
             scaled = self._scaled(grad[lo:hi], coeff)
             self.optimizer.step(resident.master[lo:hi], scaled, state, lr=ctx.lr, step=ctx.step, decay=decay)
         resident.slot.params.copy_(resident.master)
@@ -162,7 +163,7 @@ class ResidentPipeline:
             start = self.timer.start()
             applied = self.norms.coefficient(unit)
             for lo, hi, decay in self._pieces(unit):
-                state = {key: view[lo:hi] for key, view in resident.state.items()}
+                state = slice_state(self.optimizer.state_arrays, resident.state, lo, hi)
                 self.optimizer.correct(
                     resident.master[lo:hi],
                     grad[lo:hi],

@@ -10,6 +10,10 @@ Note [Staging reuse ordering]: a staging set is overwritten (by a read or by an 
 write-back that last read it has completed, and a unit's state is read back only after its own last
 write-back has completed: the tier may still be writing the bytes a read would return. Both waits are
 on futures, bounded by ``timeout_s``. Tested by ``test_nvme_state_is_bit_identical_to_ram``.
+
+Each state array keeps its own dtype on the tier and in the staging sets (``Optimizer.state_arrays``), so a
+compact format moves only its bytes: 4 per parameter for bf16 moments instead of 8, about 2 for int8
+(codes plus one fp32 scale per 64-element block), each way.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slide_core.optim.state_formats import StateArray
 from slide_core.tier import Tier, TierError
 from slide_core.unit import SlideModel, Unit
 
@@ -53,15 +58,22 @@ class OffloadedState:
     main thread while the optimizer thread is idle (a drain, a checkpoint, a resume)."""
 
     def __init__(
-        self, tier: Tier, units: Sequence[Unit], state_names: Sequence[str], timeout_s: float, sets: int = 2
+        self,
+        tier: Tier,
+        units: Sequence[Unit],
+        state_names: Sequence[str | StateArray],
+        timeout_s: float,
+        sets: int = 2,
     ) -> None:
+        """``state_names``: the optimizer's state arrays (a bare name is one fp32 element per parameter)."""
         self.tier = tier
         self.units = {unit.name: unit for unit in units}
-        self.state_names = tuple(state_names)
+        self.arrays = {a.name: a for a in (a if isinstance(a, StateArray) else StateArray(a) for a in state_names)}
+        self.state_names = tuple(self.arrays)
         self.timeout_s = timeout_s
         largest = max((unit.layout.numel for unit in units), default=0)
         self._sets = [
-            _StagingSet({name: torch.empty(largest, dtype=torch.float32) for name in self.state_names})
+            _StagingSet({a.name: torch.empty(a.numel(largest), dtype=a.dtype) for a in self.arrays.values()})
             for _ in range(sets)
         ]
         self._written: set[str] = set()
@@ -69,7 +81,7 @@ class OffloadedState:
 
     @staticmethod
     def of_config(
-        model: SlideModel, config: EngineConfig, tier: Tier | None, state_names: Sequence[str]
+        model: SlideModel, config: EngineConfig, tier: Tier | None, state_names: Sequence[str | StateArray]
     ) -> OffloadedState | None:
         """The state of ``config.offloaded_units`` on ``tier`` (None when there are none), checked."""
         if not config.offloaded_units:
@@ -95,7 +107,12 @@ class OffloadedState:
 
     def _views(self, staging: _StagingSet, unit: str) -> dict[str, torch.Tensor]:
         numel = self.units[unit].layout.numel
-        return {name: tensor[:numel] for name, tensor in staging.tensors.items()}
+        return {name: tensor[: self.arrays[name].numel(numel)] for name, tensor in staging.tensors.items()}
+
+    def staged(self, unit: str, name: str) -> torch.Tensor:
+        """A new host tensor the size and dtype of ``unit``'s array ``name`` (a checkpoint's staging)."""
+        array = self.arrays[name]
+        return torch.empty(array.numel(self.units[unit].layout.numel), dtype=array.dtype)
 
     def _find(self, unit: str) -> _StagingSet | None:
         return next((s for s in self._sets if s.owner == unit), None)

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from slide_core.optim.state_formats import StateArray
 from slide_core.unit import Unit
 
 from .pipeline import UnitPipeline
@@ -32,7 +33,9 @@ __all__ = ["StateSink", "StateSource"]
 class _PlacedArray:
     """Array ``name`` (``"master"`` or an optimizer state) over ``units`` in slab order, each unit's range
     kept where the unit's pipeline keeps it. ``spans``: the part ``[lo, hi)`` of each unit the array holds
-    (a data-parallel rank's shards); every unit whole when None."""
+    (a data-parallel rank's shards); every unit whole when None. ``array``: how the array is stored (its
+    dtype, and one entry per block of parameters for int8's scales); one fp32 element per parameter when
+    None."""
 
     def __init__(
         self,
@@ -40,13 +43,16 @@ class _PlacedArray:
         units: Sequence[Unit],
         pipelines: Mapping[str, UnitPipeline],
         spans: Mapping[str, tuple[int, int]] | None = None,
+        array: StateArray | None = None,
     ) -> None:
+        array = array or StateArray(name)
         self.name = name
-        self.dtype = torch.float32
+        self.dtype = array.dtype
         self._units = list(units)
         self._pipelines = pipelines
         self._lengths = [
-            unit.layout.numel if spans is None else spans[unit.name][1] - spans[unit.name][0] for unit in self._units
+            array.numel(unit.layout.numel) if spans is None else _length(array.range(*spans[unit.name]))
+            for unit in self._units
         ]
         self._numel_of = {unit.name: length for unit, length in zip(self._units, self._lengths, strict=True)}
         self._starts = []
@@ -98,3 +104,7 @@ class StateSink(_PlacedArray):
             if filled == self._numel_of[unit.name]:
                 self._filling = None
                 pipeline.restored(unit, self.name, target)
+
+
+def _length(entries: slice) -> int:
+    return entries.stop - entries.start

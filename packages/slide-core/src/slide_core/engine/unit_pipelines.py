@@ -66,7 +66,7 @@ class UnitPipelines:
         lean_host = not host_params.slab.is_pinned()
         views = {name: host_state.views(name) if host_state.valid[name] else None for name in resident}
         self.residents = ResidentUnits(
-            model, config.resident_units, device, host_params, views, optimizer.state_names, config.compute_dtype
+            model, config.resident_units, device, host_params, views, optimizer.state_arrays, config.compute_dtype
         )
         wants_norms = config.clipping or config.skip_nonfinite or config.report_grad_norm
         self.norms = UnitNorms(device, model.units) if wants_norms else None

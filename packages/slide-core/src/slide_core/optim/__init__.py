@@ -7,11 +7,15 @@ the same way. ``auto`` is not a plugin: it is :func:`~slide_core.optim.fused_ada
 
 from __future__ import annotations
 
+import logging
+
 from slide_core import plugins
 from slide_core.optim.adamw import TorchAdamW
 from slide_core.optimizer import AdamWConfig, Optimizer
 
 __all__ = ["AUTO", "GROUP", "TorchAdamW", "auto_optimizer_name", "build_optimizer"]
+
+log = logging.getLogger(__name__)
 
 GROUP = "slide.optimizers"
 AUTO = "auto"
@@ -33,7 +37,13 @@ def build_optimizer(name: str, config: AdamWConfig) -> Optimizer:
     has a ``warmup()`` (compiling its kernels), that runs here, before training, so an optimizer that
     cannot run on this machine fails now, in one line, instead of in the first step. Raises
     :class:`~slide_core.plugins.PluginError`.
+
+    A compact optimizer state (``config.state_format`` bf16 or int8) is stored by ``CompactAdamW``, with
+    the numba kernels (``auto`` with numba, ``fused-adamw``) or torch's ops (``torch-adamw``, ``auto``
+    without numba); both round with the same hash, so either gives the same moments.
     """
+    if config.state_format != "fp32":
+        return _compact_optimizer(name, config)
     if name == AUTO:
         from slide_core.optim.fused_adamw import best_adamw  # numpy; numba only if it is installed
 
@@ -46,4 +56,25 @@ def build_optimizer(name: str, config: AdamWConfig) -> Optimizer:
             warmup()
         except Exception as error:  # a missing compiler (numba), or a compile that fails on this machine
             raise plugins.PluginError(f"optimizer {name!r} cannot run here: {error}") from error
+    return optimizer
+
+
+def _compact_optimizer(name: str, config: AdamWConfig) -> Optimizer:
+    """``CompactAdamW`` in the flavour ``name`` stands for; another plugin is refused in one line."""
+    from slide_core.optim.compact_adamw import CompactAdamW
+
+    if name not in (AUTO, "fused-adamw", "torch-adamw"):
+        raise plugins.PluginError(
+            f"optimizer {name!r} keeps fp32 state; optimizer state {config.state_format} needs auto, fused-adamw "
+            "or torch-adamw"
+        )
+    fused = {AUTO: None, "fused-adamw": True, "torch-adamw": False}[name]
+    try:
+        optimizer = CompactAdamW(config, fused=fused)
+        optimizer.warmup()
+    except Exception as error:  # no numba for fused-adamw, or a compile that fails on this machine
+        if name != AUTO:
+            raise plugins.PluginError(f"optimizer {name!r} cannot run here: {error}") from error
+        log.warning("host optimizer: compact AdamW kernels failed to compile, using torch ops", exc_info=True)
+        optimizer = CompactAdamW(config, fused=False)
     return optimizer

@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -55,10 +56,12 @@ __all__ = [
     "STATE_FORMATS",
     "StateArray",
     "StateFormat",
+    "checkpoint_state_format",
     "decode_moments",
     "element_bits",
     "encode_moments",
     "mix32",
+    "refuse_other_state_format",
     "slice_state",
     "state_arrays",
     "state_bytes_per_param",
@@ -353,3 +356,33 @@ def numba_twins() -> NumbaTwins:
 
     _mix32_nb = inline(_mix32_nb)
     return NumbaTwins(inline(_element_bits_nb), inline(_sr_bf16_nb), inline(_encode_int8_nb))
+
+
+def checkpoint_state_format(path: Path) -> str | None:
+    """The optimizer state format a checkpoint directory was written with, read from the dtype of its
+    ``exp_avg`` file (None when it has none, e.g. a data-parallel manifest); every checkpoint records it
+    so, fp32 ones from before compact formats existed included."""
+    from slide_core.checkpoint import CheckpointCorrupt, read_state
+
+    try:
+        files = read_state(path).get("files", {})
+    except CheckpointCorrupt:  # loading it names the fault
+        return None
+    meta = files.get("exp_avg.bin") if isinstance(files, dict) else None
+    if not isinstance(meta, dict):
+        return None
+    return _FORMAT_OF_DTYPE.get(str(meta.get("dtype")))
+
+
+def refuse_other_state_format(path: Path, state_format: str) -> None:
+    """Raise a one-line ``ValueError`` when the checkpoint at ``path`` holds another state format: the
+    moments cannot be carried across formats without changing the run."""
+    saved = checkpoint_state_format(path)
+    if saved is not None and saved != state_format:
+        raise ValueError(
+            f"checkpoint {path} holds {saved} optimizer state; this run uses {state_format}: resume it with "
+            f"optimizer state {saved}"
+        )
+
+
+_FORMAT_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
