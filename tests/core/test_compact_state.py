@@ -1,0 +1,316 @@
+"""Compact Adam state (slide_core/optim/state_formats.py, compact_adamw.py): the hash and the stochastic
+rounding against plain-Python / plain-torch references, the numba kernels against the torch path, and the
+engine with bf16 and int8 moments on the CPU device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slide_core import AdamWConfig, HostParameters
+from slide_core.devices.cpu import CPUDevice
+from slide_core.engine import Engine, EngineConfig
+from slide_core.optim import TorchAdamW, build_optimizer
+from slide_core.optim.compact_adamw import CompactAdamW
+from slide_core.optim.fused_adamw import FusedAdamW
+from slide_core.optim.state_formats import (
+    QUANT_BLOCK,
+    decode_moments,
+    element_bits,
+    encode_moments,
+    mix32,
+    state_arrays,
+    stream_key,
+)
+from slide_core.testing import ToyConfig, ToyModel, load_init, toy_batches, toy_init
+
+needs_numba = pytest.mark.skipif(not FusedAdamW.available(), reason="numba is not importable")
+M32 = 0xFFFFFFFF
+
+
+def _mix32_reference(x: int) -> int:
+    """lowbias32, written out independently of state_formats."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) % 2**32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) % 2**32
+    return x ^ (x >> 16)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bits of a tensor, for bit-for-bit comparisons of any dtype."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _empty_state(state_format: str, n: int) -> dict[str, torch.Tensor]:
+    return {a.name: torch.zeros(a.numel(n), dtype=a.dtype) for a in state_arrays(state_format)}
+
+
+def test_hash_twins_agree() -> None:
+    """The torch twin (int64 ops, used on every device) gives the Python hash's bits, also past 2^32."""
+    from slide_core.optim.state_formats import _bits_t
+
+    assert [mix32(x) for x in (0, 1, 2**31, M32)] == [_mix32_reference(x) for x in (0, 1, 2**31, M32)]
+    key = stream_key(seed=1234, step=17)
+    for index0 in (0, 1000, 2**32 - 5):
+        got = _bits_t(index0, 10, key, torch.device("cpu")).tolist()
+        assert got == [element_bits(index0 + j, *key) for j in range(10)]
+    assert stream_key(1, 2) != stream_key(1, 3) != stream_key(2, 2)
+    assert stream_key(1, 2, salt=1) != stream_key(1, 2)
+
+
+def _encode_many(state_format: str, m: torch.Tensor, v: torch.Tensor, draws: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoded values of ``draws`` independent encodings (one per step's hash stream)."""
+    ms, vs = [], []
+    out_m, out_v = torch.empty_like(m), torch.empty_like(v)
+    for step in range(1, draws + 1):
+        state = _empty_state(state_format, m.numel())
+        encode_moments(state_format, m, v, state, index0=0, key=stream_key(5, step))
+        decode_moments(state_format, state, out_m, out_v)
+        ms.append(out_m.clone())
+        vs.append(out_v.clone())
+    return torch.stack(ms), torch.stack(vs)
+
+
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_stochastic_rounding_is_unbiased_and_deterministic(state_format: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    n = 8 * QUANT_BLOCK
+    m = torch.randn(n, generator=gen) * torch.logspace(-6, -2, n)
+    v = torch.rand(n, generator=gen) * torch.logspace(-12, -4, n)
+    v[::97] = 0.0
+    draws = 400
+    ms, vs = _encode_many(state_format, m, v, draws)
+    assert bool((vs >= 0).all()) and bool(torch.isfinite(vs).all()) and bool(torch.isfinite(ms).all())
+    assert bool((vs[:, v == 0] == 0).all()), "an exactly zero exp_avg_sq must stay zero"
+    # Every draw lies on one of the two grid points around the value: never further than their spacing.
+    if state_format == "bf16":
+        spacing_m = m.abs() * 2.0**-7
+        spacing_v = v * 2.0**-7
+    else:
+        spacing_m = m.abs() * 2.0**-2 + m.abs().view(-1, QUANT_BLOCK).amax(1).repeat_interleave(QUANT_BLOCK) * 2.0**-17
+        spacing_v = v * 2.0**-3 + v.view(-1, QUANT_BLOCK).amax(1).repeat_interleave(QUANT_BLOCK) * 2.0**-18
+    assert bool(((ms - m).abs() <= spacing_m * 1.01).all())
+    assert bool(((vs - v).abs() <= spacing_v * 1.01).all())
+    # Unbiased: the mean of the draws approaches the value like sigma / sqrt(draws) (5 sigma bound).
+    sigma_m = spacing_m / 2 / draws**0.5
+    sigma_v = spacing_v / 2 / draws**0.5
+    assert bool(((ms.mean(0) - m).abs() <= 5 * sigma_m + 1e-30).all())
+    positive_floor = v >= v.view(-1, QUANT_BLOCK).amax(1).repeat_interleave(QUANT_BLOCK) * 2.0**-18
+    ok = ((vs.mean(0) - v).abs() <= 5 * sigma_v + 1e-30) | ~positive_floor  # below the floor: rounded up, by design
+    assert bool(ok.all())
+    # Deterministic: the same key gives the same codes; another step gives other codes.
+    again = _encode_many(state_format, m, v, 2)
+    assert torch.equal(again[0], ms[:2]) and torch.equal(again[1], vs[:2])
+    assert not torch.equal(ms[0], ms[1])
+
+
+def test_bf16_rounding_keeps_special_values() -> None:
+    x = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.3895314e38, -3.3895314e38, 1e-40])
+    state = _empty_state("bf16", x.numel())
+    for step in range(1, 50):
+        encode_moments("bf16", x, x.abs(), state, index0=0, key=stream_key(0, step))
+        m = state["exp_avg"].float()
+        assert m[0] == 0 and m[1] == 0 and m[2] == float("inf") and m[3] == -float("inf")
+        assert torch.isnan(m[4])
+        assert bool(torch.isfinite(m[5:]).all()), "a finite value never rounds to Inf"
+        assert bool((state["exp_avg_sq"].float()[5:] >= 0).all())
+
+
+def test_int8_positive_second_moment_never_rounds_to_zero() -> None:
+    """A zero exp_avg_sq under a non-zero exp_avg would divide by eps: tiny positive values round up."""
+    v = torch.full((QUANT_BLOCK,), 1e-30)
+    v[0] = 1.0
+    out_m, out_v = torch.empty_like(v), torch.empty_like(v)
+    for step in range(1, 20):
+        state = _empty_state("int8", v.numel())
+        encode_moments("int8", v, v, state, index0=0, key=stream_key(0, step))
+        decode_moments("int8", state, out_m, out_v)
+        assert bool((out_v > 0).all())
+        assert out_v[0] == 1.0 and out_m[0] == 1.0  # the block's largest value is exact
+
+
+def _run_steps(optimizer, master, state, grads, *, scales=None):
+    for step, grad in enumerate(grads, start=1):
+        scale = 1.0 if scales is None else scales[step - 1]
+        optimizer.step(master, grad, state, lr=1e-3, step=step, decay=step % 2 == 1, grad_scale=scale)
+
+
+def _grads(n: int, steps: int, dtype: torch.dtype, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # Gradients over several orders of magnitude inside each block, and some zeros.
+    return [(torch.randn(n, generator=gen) * 1e-2 * torch.rand(n, generator=gen) ** 4).to(dtype) for _ in range(steps)]
+
+
+@needs_numba
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_kernel_matches_the_torch_path(state_format: str, grad_dtype: torch.dtype) -> None:
+    """The numba kernel and the torch ops round the same fp32 moments with the same hash: the stored
+    moments are bit-identical, the master equal to the kernel's sqrt (~1 ulp of an update)."""
+    n = 64 * 123
+    config = AdamWConfig(weight_decay=0.1, state_format=state_format, state_seed=3)
+    slab = torch.randn(n + 256, generator=torch.Generator().manual_seed(2)) * 0.02
+    results = []
+    for fused in (True, False):
+        master = slab.clone()[256:]  # a range at offset 256 of its slab: the hash index starts there
+        state = _empty_state(state_format, n)
+        _run_steps(
+            CompactAdamW(config, fused=fused), master, state, _grads(n, 5, grad_dtype), scales=[1, 1, 0.25, 1, 1]
+        )
+        results.append((master, state))
+    (master_k, state_k), (master_t, state_t) = results
+    for name in state_k:
+        assert torch.equal(_bits(state_k[name]), _bits(state_t[name])), name
+    torch.testing.assert_close(master_k, master_t, rtol=1e-6, atol=1e-9)
+
+
+@needs_numba
+def test_kernel_is_independent_of_thread_count() -> None:
+    n = 64 * 200
+    results = []
+    for threads in (1, 2):
+        config = AdamWConfig(state_format="int8", state_seed=9)
+        master = torch.linspace(-1, 1, n)
+        state = _empty_state("int8", n)
+        _run_steps(CompactAdamW(config, threads=threads, fused=True), master, state, _grads(n, 3, torch.bfloat16))
+        results.append((master, state))
+    assert torch.equal(results[0][0], results[1][0])
+    for name, tensor in results[0][1].items():
+        assert torch.equal(tensor, results[1][1][name]), name
+
+
+@pytest.mark.parametrize(("state_format", "rtol"), [("bf16", 0.02), ("int8", 0.1)])
+def test_compact_updates_follow_fp32_adamw(state_format: str, rtol: float) -> None:
+    """Over 20 steps the parameter change stays within ``rtol`` (relative, 2-norm) of fp32 AdamW's."""
+    n = 64 * 64
+    start = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 0.02
+    grads = _grads(n, 20, torch.float32, seed=7)
+    reference = start.clone()
+    _run_steps(TorchAdamW(AdamWConfig(weight_decay=0.1)), reference, _empty_state("fp32", n), grads)
+    compact = start.clone()
+    _run_steps(
+        CompactAdamW(AdamWConfig(weight_decay=0.1, state_format=state_format)),
+        compact,
+        _empty_state(state_format, n),
+        grads,
+    )
+    error = (compact - reference).norm() / (reference - start).norm()
+    assert error < rtol, f"{state_format}: {error:.3g}"
+
+
+def test_other_optimizers_refuse_a_compact_state() -> None:
+    from slide_core.plugins import PluginError
+
+    with pytest.raises(ValueError, match="optimizer state format must be"):
+        AdamWConfig(state_format="fp16")
+    with pytest.raises(ValueError, match="CompactAdamW stores bf16 or int8"):
+        CompactAdamW(AdamWConfig())
+    cfg = ToyConfig(num_layers=1)
+    model = ToyModel(cfg)
+    with CPUDevice() as device, pytest.raises(ValueError, match=r"TorchAdamW keeps fp32 state.*bf16"):
+        Engine(model, device, HostParameters(model), TorchAdamW(AdamWConfig(state_format="bf16")))
+    assert isinstance(build_optimizer("torch-adamw", AdamWConfig(state_format="bf16")), CompactAdamW)
+    with pytest.raises(PluginError, match="keeps fp32 state"):
+        build_optimizer("some-other", AdamWConfig(state_format="int8"))
+
+
+# -- the engine ------------------------------------------------------------------------------------------
+TOY = ToyConfig(tie_embeddings=True, num_layers=4, vocab_size=512, hidden_size=64)
+
+
+def _engine(
+    state_format: str,
+    batches,
+    *,
+    fused: bool | None = None,
+    config: EngineConfig | None = None,
+    tier=None,
+    save_to=None,
+    restore=None,
+    init_seed: int = 11,
+):
+    """Losses, the final master and the host state (gathered by a drain) of a toy run."""
+    from slide_core.checkpoint import save_checkpoint
+
+    model = ToyModel(TOY)
+    adam = AdamWConfig(weight_decay=0.1, state_format=state_format, state_seed=5)
+    optimizer = TorchAdamW(adam) if state_format == "fp32" else CompactAdamW(adam, fused=fused)
+    config = config or EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024)
+    with CPUDevice() as device:
+        host = HostParameters(model)
+        load_init(host, toy_init(model, seed=init_seed))
+        with Engine(model, device, host, optimizer, config, state_tier=tier) as engine:
+            if restore is not None:
+                engine.restore_schedule_state({"step": engine.restore_checkpoint(restore)["step"]})
+            losses = [engine.step(micro, lr=3e-3).loss for micro in batches]
+            saved = save_checkpoint(save_to, engine.step_count, engine.checkpoint_arrays(), {}) if save_to else None
+            engine.drain(with_state=True)
+            state = {k: v.clone() for k, v in engine.host_state.state_slabs.items()}
+        return losses, host.slab.clone(), state, saved
+
+
+@pytest.mark.parametrize(("state_format", "rtol"), [("bf16", 2e-4), ("int8", 2e-3)])
+def test_engine_trains_close_to_fp32_state(state_format: str, rtol: float) -> None:
+    """Six steps with clipping on a tied toy model: the loss falls and stays within ``rtol`` of the fp32
+    state's losses (the moments differ by their rounding only)."""
+    batches = toy_batches(TOY, steps=6, accum=2, seed=3)
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=1.0)
+    reference = _engine("fp32", batches, config=config)[0]
+    losses = _engine(state_format, batches, config=config)[0]
+    assert losses[-1] < losses[0]
+    assert losses == pytest.approx(reference, rel=rtol)
+
+
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_engine_is_bit_reproducible_and_resumes_bit_identically(state_format: str, tmp_path) -> None:
+    batches = toy_batches(TOY, steps=4, accum=1, seed=8)
+    first = _engine(state_format, batches)
+    second = _engine(state_format, batches)
+    assert first[0] == second[0] and torch.equal(first[1], second[1])
+    _, _, _, saved = _engine(state_format, batches[:2], save_to=tmp_path)
+    resumed = _engine(state_format, batches[2:], restore=saved, init_seed=12)  # other weights, overwritten
+    assert resumed[0] == first[0][2:]
+    assert torch.equal(resumed[1], first[1])
+    for name, tensor in first[2].items():
+        assert torch.equal(_bits(resumed[2][name]), _bits(tensor)), name
+
+
+def test_resume_refuses_another_state_format(tmp_path) -> None:
+    batches = toy_batches(TOY, steps=1, accum=1, seed=8)
+    _, _, _, saved = _engine("bf16", batches, save_to=tmp_path)
+    with pytest.raises(ValueError, match="holds bf16 optimizer state; this run uses int8"):
+        _engine("int8", batches, restore=saved)
+    with pytest.raises(ValueError, match="holds bf16 optimizer state; this run uses fp32"):
+        _engine("fp32", batches, restore=saved)
+
+
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_offloaded_compact_state_is_bit_identical_to_ram(state_format: str) -> None:
+    """Compact moments staged through a tier (Note [Staging reuse ordering]) give the bits of keeping
+    them in RAM: the hash index is the master's, wherever the state is staged."""
+    from slide_core.tiers.host_ram import HostRamTier
+
+    batches = toy_batches(TOY, steps=3, accum=2, seed=9)
+    base = dict(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=0.05)
+    ram = _engine(state_format, batches, config=EngineConfig(**base))
+    with HostRamTier() as tier:
+        offloaded = ("layers.0", "layers.2", "layers.3", "embed")
+        nvme = _engine(state_format, batches, config=EngineConfig(**base, offloaded_units=offloaded), tier=tier)
+    assert nvme[0] == ram[0]
+    assert torch.equal(nvme[1], ram[1])
+    for name, tensor in ram[2].items():
+        assert torch.equal(_bits(nvme[2][name]), _bits(tensor)), name
+
+
+def test_device_resident_units_keep_compact_state() -> None:
+    """A device-resident unit stores its moments in the format too (updated by the torch path)."""
+    batches = toy_batches(TOY, steps=3, accum=1, seed=10)
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, resident_units=("layers.1",))
+    losses, _, state, _ = _engine("int8", batches, config=config)
+    assert (
+        state["exp_avg"].dtype == torch.int8
+        and state["exp_avg_sq_scale"].numel() * QUANT_BLOCK == state["exp_avg"].numel()
+    )
+    reference = _engine("int8", batches)[0]
+    assert losses == pytest.approx(reference, rel=1e-3)
