@@ -88,11 +88,10 @@ class ModelShape:
         vocab, hidden = _embedding_matrix(model)
         hidden = int(_first(config, ("hidden_size", "n_embd"), hidden))
         heads = int(_first(config, ("num_attention_heads", "num_heads", "n_head"), max(1, hidden // 128)))
-        head_dim = int(_first(config, ("head_dim",), hidden // heads))
-        kv_heads = int(_first(config, ("num_key_value_heads", "num_kv_heads"), heads))
+        head_dim, kv_dim = _attention_widths(config, heads, hidden // heads)
         intermediate = int(_first(config, ("intermediate_size", "n_inner"), 4 * hidden))
         routed = _first(config, ("moe_intermediate_size",), None)
-        top_k = _first(config, ("num_experts_per_tok",), None)
+        top_k = _first(config, ("num_experts_per_tok", "top_k_experts"), None)
         if routed and top_k:  # an MoE token runs top_k experts' MLPs
             intermediate = max(intermediate, int(routed) * int(top_k))
         blocks = tuple(unit.layout.numel for unit in model.blocks)
@@ -106,7 +105,7 @@ class ModelShape:
             hidden_size=hidden,
             num_heads=heads,
             head_dim=head_dim,
-            kv_dim=kv_heads * head_dim,
+            kv_dim=kv_dim,
             intermediate_size=intermediate,
             vocab_size=int(_first(config, ("vocab_size",), vocab)),
             extra_device_bytes=int(model.extra_tensors_bytes()),
@@ -128,6 +127,23 @@ class ModelShape:
     @property
     def max_block_numel(self) -> int:
         return max(self.block_numels, default=0)
+
+
+def _attention_widths(config: Any, heads: int, default_head_dim: int) -> tuple[int, int]:
+    """``(head_dim, kv_heads * head_dim)`` of the widest layer.
+
+    transformers' heterogeneous configs keep these per layer (``per_layer_config``; Gemma 4's full layers
+    have twice the head size and fewer kv heads than its sliding ones) and refuse to read them globally,
+    so each layer's view is read; configs without per-layer values give one answer for every layer.
+    """
+    layers = getattr(config, "per_layer_config", None) if config is not None else None
+    count = int(getattr(config, "num_hidden_layers", 0) or 0) if layers is not None else 0
+    views = [layers[i] for i in range(count)] if count else [config]
+    widths = []
+    for view in views:
+        head_dim = int(_first(view, ("head_dim",), default_head_dim))
+        widths.append((head_dim, int(_first(view, ("num_key_value_heads", "num_kv_heads"), heads)) * head_dim))
+    return max(w[0] for w in widths), max(w[1] for w in widths)
 
 
 def _first(config: Any, names: tuple[str, ...], default: Any) -> Any:
@@ -180,6 +196,9 @@ class PlanInputs:
     """Units whose master and Adam state live on the GPU (``EngineConfig.resident_units``)."""
     clipping: bool = False
     """``--max-grad-norm > 0``: gradients land in a full-model pinned store (for the exact rollback)."""
+    optimizer_state: str = "fp32"
+    """``--optimizer-state``: how the host keeps Adam's m and v (fp32, bf16 or int8), which sets their host
+    and NVMe bytes and the bytes the host optimizer moves per step."""
 
     def __post_init__(self) -> None:
         for name, flag in (
@@ -201,6 +220,8 @@ class PlanInputs:
         ):
             if getattr(self, name) not in ("ram", "nvme"):
                 raise UserError(f"{flag} must be 'ram' or 'nvme', got {getattr(self, name)!r}")
+        if self.optimizer_state not in ("fp32", "bf16", "int8"):
+            raise UserError(f"--optimizer-state must be fp32, bf16 or int8, got {self.optimizer_state!r}")
         if not 0.0 <= self.nvme_fraction <= 1.0:
             raise UserError(f"--nvme-fraction must be between 0 and 1, got {self.nvme_fraction}")
         for name, flag in (("gpu_memory_bytes", "--gpu-memory"), ("host_memory_bytes", "--host-memory")):
