@@ -61,6 +61,8 @@ def test_bench_offloads_adam_state_to_nvme_with_identical_losses(slide, tmp_path
         (("--offload-optimizer", "nvme"), "--offload-optimizer nvme needs --nvme-dir"),
         (("--nvme-fraction", "1.5"), "--nvme-fraction must be a finite number in [0, 1], got 1.5"),
         (("--steps", "1"), "--steps (1) must exceed --warmup (1)"),
+        (("--layers", "0"), "--layers must be"),
+        (("--layers", "3"), "--layers must be a whole number from 1 to 2 (the model's layers), got 3"),
     ],
 )
 def test_bench_bad_input_is_one_line(slide, argv, message) -> None:
@@ -106,3 +108,11 @@ def test_bench_unknown_plugin_name_is_one_line(slide, flag, value) -> None:
     status, _out, err = slide("bench", *TINY, flag, value)
     assert status == 2 and len(err.strip().splitlines()) == 1
     assert f"{flag} must be one of" in err and f"got {value!r}" in err
+
+
+def test_bench_runs_the_first_layers_of_a_model(slide) -> None:
+    status, out, _ = slide("bench", *TINY[2:], "--model", "test-llama4", "--layers", "1")
+    assert status == 0
+    result = json.loads(out)
+    assert result["layers"] == {"run": 1, "of": 2}
+    assert [unit for unit in result["slide"]["units"] if unit.startswith("block")] == ["block.0"]

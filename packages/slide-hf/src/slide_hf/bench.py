@@ -51,11 +51,13 @@ class BenchConfig:
     trace_dir: Path | None = None
     device: str = "auto"  # a slide.devices plugin, as `slide train --device`
     optimizer: str = "auto"  # a slide.optimizers plugin, as `slide train --optimizer`
+    optimizer_state: str = "fp32"  # as `slide train --optimizer-state`
     max_grad_norm: float = 0.0
     offload_optimizer: str = "ram"  # a slide.tiers plugin for the Adam state of nvme_fraction of the units
     nvme_dir: Path | None = None
     nvme_fraction: float = 1.0
     report_grad_norm: bool = True
+    layers: int | None = None  # the model's first `layers` decoder layers only (slide_hf/truncate.py)
 
     def run_options(self) -> RunOptions:
         """The engine options a `slide train` run with the same flags would use (one micro-batch, bf16)."""
@@ -63,6 +65,7 @@ class BenchConfig:
             device=self.device,
             gpu_memory_bytes=int(self.gpu_memory_gib * 2**30) if self.gpu_memory_gib else None,
             optimizer=self.optimizer,
+            optimizer_state=self.optimizer_state,
             offload_optimizer=self.offload_optimizer,
             nvme_dir=self.nvme_dir,
             nvme_fraction=self.nvme_fraction,
@@ -150,7 +153,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         host = HostParameters(model)  # as `slide train`: the engine pins only what it streams
         init_random(model, host, config, seed=0)
         setup_s = time.perf_counter() - began
-        optimizer = make_optimizer(options.optimizer, AdamWConfig())
+        optimizer = make_optimizer(options.optimizer, AdamWConfig(state_format=options.optimizer_state))
         parts = open_engine(model, device, host, optimizer, options, placement, scratch=_scratch(cfg))
         with parts as engine:
             device.reset_peak_memory()
@@ -346,8 +349,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     from slide_hf import resolve_model
 
     config, _ = resolve_model(cfg.model)
+    total_layers = config.num_hidden_layers
+    if cfg.layers is not None:
+        from slide_hf.truncate import truncate_layers
+
+        config = truncate_layers(config, cfg.layers)
     result: dict[str, Any] = {
         "model": cfg.model,
+        "layers": {"run": config.num_hidden_layers, "of": total_layers},
         "batch_size": cfg.batch_size,
         "seq_len": cfg.seq_len,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",

@@ -19,6 +19,7 @@ EPILOG = """examples:
   slide bench --model llama3.2-3b --batch-size 16 --seq-len 1024 --compare plain
   slide bench --model llama3.1-8b --gpu-memory 24 --trace out/trace
   slide bench --model llama3.1-8b --gpu-memory 24 --offload-optimizer nvme --nvme-dir /mnt/nvme
+  slide bench --model qwen3.5-35b-a3b --layers 4 --gpu-memory 24
 """
 
 
@@ -45,6 +46,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add("--block-slots", type=int, default=2)
     add(
+        "--layers",
+        type=int,
+        help="run only the model's first N decoder layers, with every shape unchanged: per-layer speed of a "
+        "model whose whole state does not fit this host (default: all layers)",
+    )
+    add(
         "--device",
         metavar="NAME",
         default="auto",
@@ -56,6 +63,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default="auto",
         help=f"host AdamW, one of {installed_names('optimizer')} (default auto, as slide train; "
         "torch and fused are short for torch-adamw and fused-adamw)",
+    )
+    add(
+        "--optimizer-state",
+        choices=("fp32", "bf16", "int8"),
+        default="fp32",
+        help="how AdamW keeps exp_avg and exp_avg_sq between steps: fp32 (exact, 8 B/param), bf16 (4 B/param) or "
+        "int8 (~2 B/param), stochastically rounded (default fp32)",
     )
     add("--max-grad-norm", type=float, default=0.0, help="exact global clipping (default 0 = off)")
     add(
@@ -94,10 +108,12 @@ def run(args: argparse.Namespace) -> int:
         trace_dir=args.trace,
         device=args.device,
         optimizer=args.optimizer,
+        optimizer_state=args.optimizer_state,
         max_grad_norm=args.max_grad_norm,
         offload_optimizer=args.offload_optimizer,
         nvme_dir=args.nvme_dir,
         nvme_fraction=args.nvme_fraction,
+        layers=args.layers,
     )
     check_nvme_dir(cfg.run_options())
     # The outputs are checked before the benchmark, which takes minutes, rather than failing after it.
@@ -126,6 +142,7 @@ _BENCH_RULES = {
     "steps": ("--steps", Rule("int", 1, 10**6)),
     "warmup": ("--warmup", Rule("int", 0, 10**6)),
     "resident_gib": ("--resident-gib", Rule("float", 0, 2**20)),
+    "layers": ("--layers", Rule("int", 1, 10**6)),
 }
 """Bench-only numbers (GiB as floats, step counts); the options shared with `slide train` use its rules, and
 --gpu-memory the one size grammar (slide_hf.sizes)."""
