@@ -173,6 +173,36 @@ def test_export_loads_in_transformers(preset: str, tmp_path: Path, helpers) -> N
     torch.testing.assert_close(_logits(model, host, ids, helpers), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("preset", PRESETS_UNDER_TEST)
+def test_fused_kernels_match_hf(preset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helpers) -> None:
+    """slide-kernels' RMSNorm (the ``w * x`` form read from Gemma 4's code) and GeGLU forced on (Triton
+    interpreter, fp32): loss and every gradient equal HF's eager modules; ``layer_scalar`` gets none."""
+    pytest.importorskip("slide_kernels")
+    from slide_hf.adapters import fused_modules
+    from slide_kernels._backend import interpret_mode
+
+    if not interpret_mode():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py when no GPU is visible)")
+    hf = _saved_reference(preset, tmp_path, helpers)
+    model, host = _ours(tmp_path)
+    assert {"input_layernorm", "self_attn.q_norm", "mlp"} <= set(model.blocks[0].fused_modules)
+    ids, labels = helpers.batch(hf.config.vocab_size)
+    expected = hf(ids, labels=labels).loss
+    expected.backward()
+    monkeypatch.setattr(fused_modules, "_runs_fused", lambda x: True)
+    leaves = helpers.leaves_of(model, host)
+    loss = helpers.run_units(model, leaves, ids, labels, torch.float32)
+    loss.backward()
+    assert abs(loss.item() - expected.item()) <= 2e-5 * abs(expected.item())
+    for unit in model.units:
+        for name, leaf in leaves[unit.name].items():
+            if name == "layer_scalar":
+                assert leaf.grad is None
+                continue
+            err = helpers.rel_err(leaf.grad, hf.get_parameter(unit.checkpoint_names[name]).grad)
+            assert err <= 2e-5, f"{unit.name}/{name}: grad relative error {err:.2e}"
+
+
 # ---- the features the presets switch on, acting ---------------------------------------------------------
 
 
