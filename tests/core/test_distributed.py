@@ -33,6 +33,7 @@ from slide_core.devices.cpu import CPUDevice
 from slide_core.distributed import ProcessGroupContext, shard_span
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
+from slide_core.sharded_checkpoint import save_sharded_checkpoint
 from slide_core.testing import ToyBlock, ToyConfig, ToyModel, load_init, toy_batches, toy_init, wait_ranks
 
 RTOL = 1e-5
@@ -60,6 +61,11 @@ CASES = {
     "nan-on-one-rank": Case(max_grad_norm=1e6, poison_step=2, steps=4),
 }
 CHECKPOINT_CASES = {"clips-4": Case(max_grad_norm=0.05, steps=4)}
+RESHARD_CASE = Case(accum=2, max_grad_norm=0.05, steps=4)
+"""Saved after step 2 by one world size, resumed by another: clipping (the saved step defers its
+successor's updates, Note [Deferred clipped steps]) and accumulation (host-summed gradients)."""
+RESHARD_ROWS = 6
+"""The global batch of the resharding runs: rows for 1, 2 and 3 ranks alike."""
 
 
 # ---- the model, the batches and one run, shared by the ranks and the one-process reference ---------------
@@ -179,6 +185,54 @@ def _checkpointed_run(case: Case, batches, group: ProcessGroupContext, out: Path
     }
 
 
+def _reshard_engine(device: CPUDevice, group: ProcessGroupContext | None) -> tuple[Engine, HostParameters]:
+    model = _model(RESHARD_CASE)
+    config = EngineConfig(
+        compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=RESHARD_CASE.max_grad_norm, timeout_s=60.0
+    )
+    host = HostParameters(model)
+    load_init(host, toy_init(model, seed=4))
+    optimizer = TorchAdamW(AdamWConfig(weight_decay=0.1))
+    return Engine(model, device, host, optimizer, config, process_group=group), host
+
+
+def _reshard_batches(rank: int, world_size: int):
+    """This rank's rows of the resharding runs' global batches (``RESHARD_ROWS`` rows per micro-batch)."""
+    cfg = ToyConfig(num_layers=3)
+    batches = toy_batches(cfg, RESHARD_CASE.steps, RESHARD_CASE.accum, seed=6, batch=RESHARD_ROWS)
+    per_rank = RESHARD_ROWS // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    return [[(ids[rows], labels[rows]) for ids, labels in micro] for micro in batches]
+
+
+def _reshard_save(group: ProcessGroupContext | None, root: Path) -> list[tuple]:
+    """The first 2 steps of the resharding runs, then their checkpoint: every rank's shards under a
+    manifest (one process: a plain checkpoint)."""
+    rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
+    with CPUDevice() as device:
+        engine, _ = _reshard_engine(device, group)
+        with engine:
+            rows = [_as_row(engine.step(micro, lr=LR)) for micro in _reshard_batches(rank, world_size)[:2]]
+            arrays, state = engine.checkpoint_arrays(), engine.schedule_state()
+            if group is None:
+                save_checkpoint(root, 2, arrays, state)
+            else:
+                save_sharded_checkpoint(root, 2, arrays, state, group)
+    return rows
+
+
+def _reshard_resume(group: ProcessGroupContext | None, step_dir: Path) -> dict:
+    """Steps 3 and 4 of the resharding runs from ``step_dir``, whoever wrote it, and the final master."""
+    rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
+    with CPUDevice() as device:
+        engine, host = _reshard_engine(device, group)
+        with engine:
+            state = engine.restore_checkpoint(step_dir)
+            engine.restore_schedule_state(state["extra"])
+            rows = [_as_row(engine.step(micro, lr=LR)) for micro in _reshard_batches(rank, world_size)[2:]]
+        return {"results": rows, "master": host.slab.clone()}
+
+
 def _as_row(result) -> tuple:
     return (result.step, result.loss, result.grad_norm, result.skipped, result.loss_tokens)
 
@@ -193,6 +247,13 @@ def _rank_main(spec: dict) -> None:
     group = ProcessGroupContext.from_env("cpu", timeout_s=spec["timeout_s"])
     out = Path(spec["out"])
     with group:
+        if spec.get("reshard_save"):
+            _reshard_save(group, Path(spec["reshard_save"]))
+            return
+        if spec.get("reshard_resume"):
+            resumed = {name: _reshard_resume(group, Path(path)) for name, path in spec["reshard_resume"].items()}
+            torch.save(resumed, out / f"resharded-rank{group.rank}.pt")
+            return
         if spec.get("checkpoint"):
             case = CHECKPOINT_CASES[spec["checkpoint"]]
             batches = _rank_rows(_global_batches(case, group.world_size), group.rank)
@@ -320,6 +381,49 @@ def test_a_checkpoint_of_each_ranks_shards_resumes_bit_identically(tmp_path: Pat
         assert (tmp_path / f"rank-{rank}" / "step-00000002" / "state.json").exists()
     assert torch.equal(runs[0]["drained"], runs[1]["drained"])  # the drain gathered one whole master
     assert runs[0]["straight"][1][1] != runs[0]["straight"][2][1]  # the steps do move the weights
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
+    """A checkpoint of 2 ranks (clipping and accumulation on) resumes on 3 ranks and on one process, and a
+    one-process checkpoint on 3 ranks: each continues with the uninterrupted run's losses, gradient norms
+    and final weights (summation orders differ between world sizes: 1e-5 relative)."""
+    straight_master, straight = _reshard_straight()
+    saved_by_one = _reshard_save(None, tmp_path / "one")
+    assert saved_by_one == straight[:2]
+    for rank, (code, err) in enumerate(
+        wait_ranks(
+            _launch(2, {"reshard_save": str(tmp_path / "two"), "timeout_s": 30.0}, tmp_path / "a"), LAUNCH_TIMEOUT_S
+        )
+    ):
+        assert code == 0, f"rank {rank} of 2 failed:\n{err[-3000:]}"
+    by_two, by_one = tmp_path / "two" / "step-00000002", tmp_path / "one" / "step-00000002"
+    assert sorted(p.name for p in by_two.iterdir()) == ["rank-0", "rank-1", "state.json"]
+    spec = {"reshard_resume": {"two": str(by_two), "one": str(by_one)}, "timeout_s": 30.0}
+    for rank, (code, err) in enumerate(wait_ranks(_launch(3, spec, tmp_path / "b"), LAUNCH_TIMEOUT_S)):
+        assert code == 0, f"rank {rank} of 3 failed:\n{err[-3000:]}"
+    resumed = {
+        f"{name} on 3 ranks, rank {rank}": run
+        for rank in range(3)
+        for name, run in torch.load(tmp_path / "b" / f"resharded-rank{rank}.pt").items()
+    }
+    resumed["two on one process"] = _reshard_resume(None, by_two)
+    for where, run in resumed.items():
+        for got, want in zip(run["results"], straight[2:], strict=True):
+            assert (got[0], got[3], got[4]) == (want[0], want[3], want[4]), where
+            assert got[1] == pytest.approx(want[1], rel=RTOL), f"{where}: the loss of step {want[0]} differs"
+            assert got[2] == pytest.approx(want[2], rel=RTOL), f"{where}: the norm of step {want[0]} differs"
+        assert _rel(run["master"], straight_master) <= RTOL, f"{where}: the final weights differ"
+    assert all(row[2] > RESHARD_CASE.max_grad_norm for row in straight)  # every step clips
+
+
+def _reshard_straight() -> tuple[torch.Tensor, list[tuple]]:
+    """The uninterrupted resharding run in this process: its final master and its 4 steps."""
+    with CPUDevice() as device:
+        engine, host = _reshard_engine(device, None)
+        with engine:
+            rows = [_as_row(engine.step(micro, lr=LR)) for micro in _reshard_batches(0, 1)]
+        return host.slab.clone(), rows
 
 
 @pytest.mark.slow

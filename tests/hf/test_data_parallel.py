@@ -174,11 +174,19 @@ def test_two_processes_resume_their_checkpoint_bit_identically(two_ranks: Path, 
 
 
 @pytest.mark.slow
-def test_one_process_cannot_resume_a_checkpoint_of_two(two_ranks: Path, tmp_path: Path) -> None:
+def test_one_process_resumes_a_checkpoint_of_two(two_ranks: Path, tmp_path: Path) -> None:
+    """`slide train --resume` in one process (2 rows per step: the same global batch) reads both ranks'
+    shards of the step-2 checkpoint: the last step's loss and the exported weights equal the 2-process
+    run's within 1e-5 relative (the ranks summed their gradients in another order)."""
     step2 = two_ranks / "checkpoints" / "step-00000002"
-    ((code, err),) = _slide_train(tmp_path / "alone", 1, 1, "--resume", str(step2))
-    assert code == 2
-    assert f"checkpoint {step2} was written by 2 process(es); resume it with 2 (this run has 1)" in err
+    alone = tmp_path / "alone"
+    ((code, err),) = _slide_train(alone, 2, 1, "--resume", str(step2))
+    assert code == 0, err[-3000:]
+    assert _losses(alone) == pytest.approx(_losses(two_ranks)[2:], rel=1e-5)
+    want, got = _weights(two_ranks), _weights(alone)
+    for name, tensor in want.items():
+        assert float((got[name] - tensor).norm() / tensor.norm()) <= 1e-5, name
+    assert "master.bin" in read_state(alone / "checkpoints" / f"step-{STEPS:08d}")["files"]  # one process's
 
 
 def test_slide_train_refuses_what_data_parallel_does_not_run_yet(tmp_path, monkeypatch, capsys) -> None:
@@ -206,3 +214,21 @@ def test_slide_train_refuses_what_data_parallel_does_not_run_yet(tmp_path, monke
         "(WORLD_SIZE=2); see docs/distributed.md\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_the_global_batch(two_ranks: Path, monkeypatch) -> None:
+    """The saved --batch-size is per process: another number of processes gets the same global batch, or
+    one line when it cannot share it evenly."""
+    from slide_hf.run_options import saved_options
+
+    step2 = two_ranks / "checkpoints" / "step-00000002"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert saved_options(step2)[0]["batch_size"] == 2
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(UserError) as info:
+        saved_options(step2)
+    assert str(info.value) == (
+        f"checkpoint {step2} stepped on 2 rows (--batch-size 1 x 2 process(es)), which 3 processes cannot "
+        "share evenly; resume it with a number of processes that divides 2"
+    )

@@ -19,7 +19,7 @@ the HF export.
 Launched by torchrun with several processes (``WORLD_SIZE`` > 1) the same recipe runs data parallel
 (docs/distributed.md): every rank trains on its rows of each step's global batch, rank 0 alone owns the
 run directory (the lock, options.json, train.log, metrics, trackers, progress and the export), and each
-rank writes its shards into the step's checkpoint (:func:`_save_rank_shards`). With one process the
+rank writes its shards into the step's checkpoint (slide_core/sharded_checkpoint.py). With one process the
 recipe takes exactly the single-process path.
 """
 
@@ -52,6 +52,7 @@ from slide_core.checkpoint import (
 from slide_core.device import Device
 from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineError
+from slide_core.sharded_checkpoint import save_sharded_checkpoint
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
@@ -574,7 +575,7 @@ class _Trainer:
             if self.group is None:
                 saved = save_checkpoint(self.checkpoints, step, arrays, state)
             else:
-                saved = _save_rank_shards(self.checkpoints, step, arrays, state, self.group)
+                saved = save_sharded_checkpoint(self.checkpoints, step, arrays, state, self.group)
         except CheckpointWriteError as error:
             raise UserError(error.strerror) from error
         if not self.main:
@@ -585,34 +586,6 @@ class _Trainer:
         prune_checkpoints(self.checkpoints, self.cfg.keep_checkpoints, protect=keep)
         log.info("checkpoint written to %s", saved)
         return step
-
-
-def _save_rank_shards(
-    checkpoints: Path, step: int, arrays: Any, state: dict[str, Any], group: ProcessGroupContext
-) -> Path:
-    """Data parallel: every rank's checkpoint of its shards in one step directory, published at once.
-
-    Each rank saves its arrays (slide_core's checkpoint format, each rank's own state.json) under a hidden
-    staging folder; after a barrier rank 0 writes the step's manifest (``state.json``: the run state, the
-    world size, the rank folders), moves every ``rank-R`` under it and publishes the whole step
-    directory with one rename, so a step directory either holds every rank's shards or does not exist
-    (an interrupted save leaves only the ``.tmp-`` staging folder, which pruning removes). Every rank
-    waits for the publication, so a rank-0 failure stops the others at once."""
-    staging = checkpoints / f".tmp-dp-step-{step:08d}"
-    save_checkpoint(staging / f"rank-{group.rank}", step, arrays, state)
-    group.barrier(f"the wait for every rank's checkpoint shards of step {step}")
-    final = _checkpoint_path(checkpoints, step)
-    if group.rank == 0:
-        manifest = {**state, "world_size": group.world_size, "ranks": [f"rank-{r}" for r in range(group.world_size)]}
-        manifest_dir = save_checkpoint(staging / "manifest", step, {}, manifest)
-        for rank in range(group.world_size):
-            os.rename(staging / f"rank-{rank}" / final.name, manifest_dir / f"rank-{rank}")
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(manifest_dir, final)
-        shutil.rmtree(staging, ignore_errors=True)
-    group.barrier(f"the publication of the checkpoint of step {step}")
-    return final
 
 
 DATA_CACHE = ".data-cache"
@@ -803,19 +776,18 @@ def _resume(
 
     Its run state is validated before any array moves (slide_hf/resume.py); a checkpoint older than the
     run's newest sets the later ones aside, so the next ``--resume`` continues this line. With data
-    parallel each rank loads its own shards (``rank-R`` of the step directory, :func:`_save_rank_shards`),
-    which needs the world size the checkpoint was written with."""
+    parallel each rank reads its own shards out of the step directory, whatever the number of processes
+    that wrote it (slide_core/sharded_checkpoint.py): a run resumes on more or fewer ranks, or on one."""
     found, state = checkpoint_to_resume(path)
     point = resume_point(found, state, model=run_state["model"], data_size=len(batches.dataset))
     saved_ranks = state["extra"].get("world_size", 1)
     world_size = 1 if group is None else group.world_size
-    if saved_ranks != world_size:
-        raise UserError(
-            f"checkpoint {found} was written by {saved_ranks} process(es); resume it with {saved_ranks} "
-            f"(this run has {world_size})"
+    if saved_ranks != world_size and (group is None or group.rank == 0):
+        log.info(
+            "resuming a checkpoint of %d process(es) on %d: each reads its shards from theirs", saved_ranks, world_size
         )
     try:
-        engine.restore_checkpoint(found if group is None else found / f"rank-{group.rank}")
+        engine.restore_checkpoint(found)
     except CheckpointCorrupt as error:
         raise UserError(corrupt_message(error)) from None
     engine.restore_schedule_state(point.engine)

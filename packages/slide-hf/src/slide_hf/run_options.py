@@ -2,10 +2,15 @@
 
 Every checkpoint carries the run's resolved options (``extra.config`` of its ``state.json``), so a resumed
 run needs no flag repeated: :func:`slide_hf.options.resume_config` merges what the user passes now.
+
+A data-parallel checkpoint may be resumed by another number of processes (each reads its shards out of
+the old ranks', slide_core/sharded_checkpoint.py). What a resumed run keeps is then the global batch,
+``--batch-size`` x processes: the saved per-process ``--batch-size`` is rescaled to this run's processes.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,4 +26,25 @@ def saved_options(path: Path) -> tuple[dict[str, Any], str]:
     options = state["extra"].get("config")
     if not isinstance(options, dict):
         raise UserError(f"checkpoint {checkpoint} is corrupt: state.json has no run options (extra.config)")
+    saved_ranks = state["extra"].get("world_size", 1)
+    ranks = _env_world_size()
+    batch_size = options.get("batch_size")
+    if saved_ranks != ranks and isinstance(batch_size, int) and isinstance(saved_ranks, int) and saved_ranks > 0:
+        rows = batch_size * saved_ranks
+        if rows % ranks:
+            raise UserError(
+                f"checkpoint {checkpoint} stepped on {rows} rows (--batch-size {batch_size} x {saved_ranks} "
+                f"process(es)), which {ranks} processes cannot share evenly; resume it with a number of "
+                f"processes that divides {rows}"
+            )
+        options = {**options, "batch_size": rows // ranks}
     return options, str(checkpoint)
+
+
+def _env_world_size() -> int:
+    """This run's number of processes, as torchrun tells it (1 without torchrun or with a bad value, which
+    the process group then names)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE") or 1))
+    except ValueError:
+        return 1

@@ -261,14 +261,26 @@ class Engine(Evaluation):
         is running and before its first step; returns the checkpoint's state (its ``extra``, ``step``).
         Raises :class:`~slide_core.checkpoint.CheckpointCorrupt` naming a bad or mismatched file.
 
-        With data parallel ``path`` is this rank's checkpoint (its shards, :meth:`checkpoint_arrays`) from a
-        run of the same world size; one of another size holds a different element count and is refused."""
+        ``path`` may also be a data-parallel step directory (``save_sharded_checkpoint``: every rank's shards
+        under a manifest) of any world size: each rank then reads its own shards out of the old ranks'
+        files (``load_resharded``), so a run resumes on another number of ranks, or on one. A
+        single-process checkpoint resumes the same way on several ranks. With data parallel ``path`` can
+        still be this rank's own checkpoint (its shards, :meth:`checkpoint_arrays`) of a run of the same
+        world size."""
         if self.step_count or self._workers is None:
             raise EngineError("restore_checkpoint needs a running engine that has not stepped yet")
+        from slide_core.sharded_checkpoint import load_resharded, sharded_layout  # it imports distributed.py
+
         spans = self._shard_spans()
         refuse_other_state_format(path, self.optimizer.config.state_format)
         by_name = self.pipelines.by_name
         sinks = {a.name: StateSink(a.name, self.model.units, by_name, spans, a) for a in self._arrays()}
+        layout = sharded_layout(path)
+        whole = layout.state["files"].get("master.bin", {}).get("numel") == self.host_params.numel
+        if layout.is_manifest or (spans is not None and whole):
+            rank, world_size = (0, 1) if self._group is None else (self._group.rank, self._group.world_size)
+            numels = [unit.layout.numel for unit in self.model.units]
+            return load_resharded(path, sinks, numels, rank, world_size)
         return load_checkpoint(path, sinks)
 
     def _arrays(self) -> tuple[StateArray, ...]:
