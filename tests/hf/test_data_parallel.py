@@ -232,3 +232,21 @@ def test_a_resume_keeps_the_global_batch(two_ranks: Path, monkeypatch) -> None:
         f"checkpoint {step2} stepped on 2 rows (--batch-size 1 x 2 process(es)), which 3 processes cannot "
         "share evenly; resume it with a number of processes that divides 2"
     )
+
+
+@pytest.mark.slow
+def test_slide_export_of_a_data_parallel_checkpoint(two_ranks: Path, tmp_path: Path, capsys) -> None:
+    """`slide export` reads both ranks' shards of the last checkpoint into one master: the same weights as
+    the run's own model/ export, which transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    from slide_hf.cli.main import main
+
+    out = tmp_path / "exported"
+    assert main(["export", str(two_ranks), str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"exported step {STEPS} of ")
+    want, got = _weights(two_ranks), load_file(str(out / "model.safetensors"))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(model.model.norm.weight.detach(), want["model.norm.weight"])

@@ -39,6 +39,7 @@ from slide_core.checkpoint import (
     CheckpointCorrupt,
     _bad_block,
     _sized_file,
+    load_checkpoint,
     read_state,
     save_checkpoint,
 )
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from slide_core.checkpoint import ArraySource
     from slide_core.distributed import ProcessGroupContext
 
-__all__ = ["ShardedLayout", "load_resharded", "save_sharded_checkpoint", "sharded_layout"]
+__all__ = ["ShardedLayout", "load_gathered", "load_resharded", "save_sharded_checkpoint", "sharded_layout"]
 
 
 def save_sharded_checkpoint(
@@ -261,3 +262,23 @@ def _load_resharded(
         finally:
             reader.close()
     return layout.state
+
+
+class _TensorSink:
+    """A flat host tensor as an :class:`ArraySink`."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.numel, self.dtype = tensor, tensor.numel(), tensor.dtype
+
+    def write_from(self, start: int, block: torch.Tensor) -> None:
+        self.tensor[start : start + block.numel()].copy_(block)
+
+
+def load_gathered(path: Path, tensors: Mapping[str, torch.Tensor], numels: Sequence[int]) -> dict[str, Any]:
+    """Read checkpoint ``path`` whole into host ``tensors`` (name -> every unit in slab order, e.g.
+    ``{"master": HostParameters.slab}``), whoever wrote it: a single-process checkpoint directly, a
+    data-parallel step directory by streaming each rank's shards into place (what an export of a
+    data-parallel run reads). Returns the verified state of the step directory."""
+    if not sharded_layout(path).is_manifest:
+        return load_checkpoint(path, tensors)
+    return load_resharded(path, {name: _TensorSink(tensor) for name, tensor in tensors.items()}, numels, 0, 1)

@@ -3,6 +3,8 @@
 Takes a run's output directory (its newest checkpoint) or one checkpoint directory, and writes
 config.json, sharded safetensors with an index and the tokenizer files, atomically. This is also how a
 run whose final export failed (a full disk, a signal) gets its model: ``slide export RUN RUN/model``.
+A checkpoint of a data-parallel run (every rank's shards under one step directory) is read shard by
+shard into one master, so its export equals the run's own.
 Weights holding NaN or Inf are refused, naming the first such tensor.
 """
 
@@ -46,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from slide_core import HostParameters
-    from slide_core.checkpoint import CheckpointCorrupt, find_latest, load_checkpoint
+    from slide_core.checkpoint import CheckpointCorrupt, find_latest
+    from slide_core.sharded_checkpoint import load_gathered
     from slide_hf import build_model, load_config
     from slide_hf.errors import UserError
     from slide_hf.resume import corrupt_message
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir}: {str(error).strip().splitlines()[0]}") from None
     host = HostParameters(model)
     try:
-        state = load_checkpoint(checkpoint, {"master": host.slab})
+        state = load_gathered(checkpoint, {"master": host.slab}, [unit.layout.numel for unit in model.units])
     except CheckpointCorrupt as error:
         raise UserError(corrupt_message(error, use)) from None
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.save_dtype]
