@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,8 +85,12 @@ def _free_port() -> int:
 def _slide_train(output: Path, batch_size: int, world_size: int, *extra: str) -> list[tuple[int, str]]:
     """``python -m slide_hf train ...`` in ``world_size`` processes with torchrun's environment variables
     (none for one process); each process's (exit code, stderr), every process killed after the timeout."""
-    args = [*RUN, "--steps", str(STEPS), "--save-every", "2", "--batch-size", str(batch_size), "--output", str(output)]
-    args += [*EVAL, *extra]
+    args = ["--steps", str(STEPS), "--save-every", "2", "--batch-size", str(batch_size), "--output", str(output)]
+    return wait_ranks(_start_train(world_size, *args, *EVAL, *extra), LAUNCH_TIMEOUT_S)
+
+
+def _start_train(world_size: int, *args: str) -> list[subprocess.Popen]:
+    """Start ``python -m slide_hf`` + ``RUN`` + ``args`` in ``world_size`` processes (see _slide_train)."""
     base = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base["OMP_NUM_THREADS"] = "1"
     port = _free_port()
@@ -101,14 +107,14 @@ def _slide_train(output: Path, batch_size: int, world_size: int, *extra: str) ->
             )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "slide_hf", *args],
+                [sys.executable, "-m", "slide_hf", *RUN, *args],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
             )
         )
-    return wait_ranks(procs, LAUNCH_TIMEOUT_S)
+    return procs
 
 
 def _losses(run: Path, key: str = "loss") -> list[float]:
@@ -250,3 +256,36 @@ def test_slide_export_of_a_data_parallel_checkpoint(two_ranks: Path, tmp_path: P
     assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
     model = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(model.model.norm.weight.detach(), want["model.norm.weight"])
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_checkpoints_every_rank(tmp_path: Path) -> None:
+    """Note [Stop on every rank]: SIGTERM to rank 1 alone; both ranks checkpoint the same step (a complete
+    step directory with both ranks' shards), both exit with 143 and a line saying how to continue, and the
+    run resumes from it to the end."""
+    run = tmp_path / "run"
+    procs = _start_train(2, "--steps", "400", "--batch-size", "1", "--output", str(run))
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        if any(proc.poll() is not None for proc in procs):
+            break
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    finished = wait_ranks(procs, LAUNCH_TIMEOUT_S)
+    for rank, (code, err) in enumerate(finished):
+        assert code == 128 + signal.SIGTERM, f"rank {rank}:\n{err[-3000:]}"
+        assert "stopped by SIGTERM after step " in err and f"slide train --resume {run}" in err, err[-2000:]
+    (step_dir,) = (run / "checkpoints").glob("step-*")
+    stopped_at = read_state(step_dir)["step"]
+    assert 2 <= stopped_at < 400
+    assert sorted(p.name for p in step_dir.iterdir()) == ["rank-0", "rank-1", "state.json"]
+    assert all(read_state(step_dir / f"rank-{rank}")["step"] == stopped_at for rank in range(2))
+    ((code, err),) = wait_ranks(_start_train(1, "--resume", str(run), "--steps", str(stopped_at + 2)), LAUNCH_TIMEOUT_S)
+    assert code == 0, err[-3000:]
+    assert [record["step"] for record in map(json.loads, metrics.read_text().splitlines()) if "loss" in record][
+        -2:
+    ] == [
+        stopped_at + 1,
+        stopped_at + 2,
+    ]

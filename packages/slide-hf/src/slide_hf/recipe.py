@@ -496,27 +496,34 @@ class _Trainer:
                 ):
                     self.evaluate(done)
                 # Checkpoint: every --save-every steps, and when asked to stop (SIGINT/SIGTERM).
-                if (cfg.save_every and done % cfg.save_every == 0) or stop.requested:
+                stopping = self._stopping()
+                if (cfg.save_every and done % cfg.save_every == 0) or stopping:
                     self.last_saved = self.checkpoint(done)
                 # Termination: a stop request ends the run here, its checkpoint saved.
-                if stop.requested:
+                if stopping:
                     raise stop.stopped(f"after step {done}; its checkpoint is saved", self.output)
         # Training is over. The final state is checkpointed first, whatever --save-every says, so the
         # export can fail (full disk, a signal) without losing the run.
         final_step = max(first_step, data.total_steps)
         if self.last_saved != final_step:
             self.checkpoint(final_step)
-        if stop.requested:
+        if self._stopping():
             raise stop.stopped(f"after step {final_step}; its checkpoint is saved", self.output)
         return first_step
+
+    def _stopping(self) -> bool:
+        """Whether the run stops after this step. With data parallel it is what the ranks agreed at the
+        step's sum (Note [Stop on every rank]), never a rank's own signal alone."""
+        return (self.stop.agreed if self.group is not None else self.stop.requested) is not None
 
     def _log_step(self, result: Any, micro_batches: list[Any]) -> None:
         times = self.engine.unit_times()
         real_tokens = _real_tokens(micro_batches, self.pad_id)
-        if self.group is not None:  # every rank's rows (the engine's counts already are)
-            counted = torch.tensor([real_tokens], dtype=torch.int64)
+        if self.group is not None:  # every rank's rows (the engine's counts already are), and its signals
+            counted = torch.tensor([real_tokens, *self.stop.local_flags()], dtype=torch.int64)
             self.group.all_reduce_host_(counted, "the sum of the step's real tokens")
-            real_tokens = int(counted)
+            real_tokens = int(counted[0])
+            self.stop.agree(counted[1:].tolist())
         if self.run_log is None:
             return
         record = {
@@ -731,21 +738,41 @@ class _StopRequests:
 
     The handlers stay installed through the final checkpoint and the export, which polls ``requested``
     between shards; a second signal raises ``KeyboardInterrupt`` at once. Either way the run ends with
-    :class:`RunStopped` (exit status 128 + the signal number) after what it needs to continue is saved."""
+    :class:`RunStopped` (exit status 128 + the signal number) after what it needs to continue is saved.
+
+    Note [Stop on every rank]: with data parallel a signal may reach one rank only (a scheduler, a user's
+    ``kill``), and a rank that checkpointed and left alone would leave the others waiting in their next
+    collective. So each rank adds its own requests (:meth:`local_flags`) to the host sum every step
+    already makes (the step's real tokens, in ``_Trainer._log_step``), and every rank stops after the
+    step in which any rank's signal was summed (:meth:`agree`): the same step everywhere, with no
+    collective of its own. A signal that comes after the sum is summed at the next step. Tested by
+    ``test_sigterm_to_one_rank_checkpoints_every_rank``."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self.agreed: str | None = None
+        """Data parallel: the signal some rank had seen by the last step's sum (Note [Stop on every rank])."""
         self._previous: dict[int, Any] = {}
 
     @property
     def exit_code(self) -> int:
-        return 128 + signal.Signals[self.requested or "SIGINT"].value
+        return 128 + signal.Signals[self.requested or self.agreed or "SIGINT"].value
+
+    def local_flags(self) -> list[int]:
+        """This rank's signals as counts to sum over the ranks, one per name of :attr:`SIGNALS`."""
+        return [int(self.requested == name) for name in self.SIGNALS]
+
+    def agree(self, summed: list[int]) -> None:
+        """Take the ranks' summed :meth:`local_flags`: once any rank saw a signal, every rank stops."""
+        if self.agreed is None and any(summed):
+            self.agreed = self.SIGNALS[1] if summed[1] else self.SIGNALS[0]
 
     def stopped(self, when: str, output: Path) -> RunStopped:
         """The stop to raise: what happened and the command that continues the run."""
-        return RunStopped(
-            f"stopped by {self.requested} {when}; continue with `slide train --resume {output}`", self.exit_code
-        )
+        name = self.requested or self.agreed
+        return RunStopped(f"stopped by {name} {when}; continue with `slide train --resume {output}`", self.exit_code)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested is not None:  # a second signal: stop now
