@@ -111,6 +111,7 @@ def _positive_int(high: float = _INT_MAX) -> Rule:
 RULES: dict[str, Rule] = {
     "device": Rule("plugin", choices=("auto",), group="slide.devices"),
     "optimizer": Rule("plugin", choices=("auto",), group="slide.optimizers"),
+    "optimizer_state": Rule("choice", choices=("fp32", "bf16", "int8")),
     "dtype": Rule("choice", choices=("bfloat16", "float32")),
     "seq_len": Rule("int", 2, 2**24),
     "batch_size": _positive_int(),
@@ -184,6 +185,7 @@ class TrainConfig:
     lr: float | None = None
     weight_decay: float = 0.0
     optimizer: str = "auto"
+    optimizer_state: str = "fp32"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

@@ -52,6 +52,7 @@ from slide_core.checkpoint import (
 from slide_core.device import Device
 from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineError
+from slide_core.optim.state_formats import StateFormatMismatch
 from slide_core.sharded_checkpoint import save_sharded_checkpoint
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
 from slide_hf.errors import RunStopped, UserError
@@ -232,6 +233,7 @@ def _run_options(cfg: TrainConfig) -> RunOptions:
         device=cfg.device,
         gpu_memory_bytes=parse_size(cfg.gpu_memory, what="--gpu-memory") if cfg.gpu_memory else None,
         optimizer=cfg.optimizer,
+        optimizer_state=cfg.optimizer_state,
         offload_optimizer=cfg.offload_optimizer,
         nvme_dir=cfg.nvme_dir,
         nvme_fraction=cfg.nvme_fraction,
@@ -318,7 +320,14 @@ def _setup_device(options: RunOptions) -> Device:
 
 def _setup_optimizer(cfg: TrainConfig, options: RunOptions) -> Optimizer:
     """The ``--optimizer`` plugin with the run's AdamW hyperparameters, compiled off the critical path."""
-    adam = AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay)
+    adam = AdamWConfig(
+        cfg.adam_beta1,
+        cfg.adam_beta2,
+        cfg.adam_eps,
+        cfg.weight_decay,
+        state_format=cfg.optimizer_state,
+        state_seed=cfg.seed,
+    )
     return make_optimizer(options.optimizer, adam)
 
 
@@ -817,6 +826,8 @@ def _resume(
         engine.restore_checkpoint(found)
     except CheckpointCorrupt as error:
         raise UserError(corrupt_message(error)) from None
+    except StateFormatMismatch as error:
+        raise UserError(str(error)) from None
     engine.restore_schedule_state(point.engine)
     batches.position = DataPosition(point.epoch, point.index)
     torch.set_rng_state(point.rng)

@@ -59,6 +59,7 @@ class RunOptions:
     device: str = "auto"
     gpu_memory_bytes: int | None = None
     optimizer: str = "auto"
+    optimizer_state: str = "fp32"
     offload_optimizer: str = "ram"
     nvme_dir: Path | None = None
     nvme_fraction: float = 1.0
@@ -157,6 +158,7 @@ def place_units(model: Any, device: Device, options: RunOptions, *, resident_byt
         offload_optimizer=planning_kind(tier_class),
         nvme_fraction=options.nvme_fraction,
         offload_activations=options.offload_activations,
+        optimizer_state=options.optimizer_state,
     )
     check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
     if resident_bytes is None:
@@ -229,7 +231,7 @@ def open_engine(
             request = TierRequest(
                 directory=scratch() if tier_class.on_disk else None,
                 device=device,
-                capacity_bytes=numel * 4 * len(optimizer.state_names),
+                capacity_bytes=sum(a.numel(numel) * a.dtype.itemsize for a in optimizer.state_arrays),
             )
             state_tier = open_tier(tier_class, request, flag="--offload-optimizer")
             opened.callback(state_tier.close)

@@ -56,6 +56,7 @@ __all__ = [
     "STATE_FORMATS",
     "StateArray",
     "StateFormat",
+    "StateFormatMismatch",
     "checkpoint_state_format",
     "decode_moments",
     "element_bits",
@@ -374,12 +375,16 @@ def checkpoint_state_format(path: Path) -> str | None:
     return _FORMAT_OF_DTYPE.get(str(meta.get("dtype")))
 
 
+class StateFormatMismatch(ValueError):
+    """A checkpoint's optimizer state is in another format than the run resuming it."""
+
+
 def refuse_other_state_format(path: Path, state_format: str) -> None:
-    """Raise a one-line ``ValueError`` when the checkpoint at ``path`` holds another state format: the
-    moments cannot be carried across formats without changing the run."""
+    """Raise :class:`StateFormatMismatch` (one line) when the checkpoint at ``path`` holds another state
+    format: the moments cannot be carried across formats without changing the run."""
     saved = checkpoint_state_format(path)
     if saved is not None and saved != state_format:
-        raise ValueError(
+        raise StateFormatMismatch(
             f"checkpoint {path} holds {saved} optimizer state; this run uses {state_format}: resume it with "
             f"optimizer state {saved}"
         )

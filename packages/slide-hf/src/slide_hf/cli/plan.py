@@ -75,6 +75,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"host AdamW, one of {installed_names('optimizer')} (default auto, as slide train)",
     )
     parser.add_argument(
+        "--optimizer-state",
+        choices=("fp32", "bf16", "int8"),
+        default="fp32",
+        help="how AdamW keeps exp_avg and exp_avg_sq between steps: fp32 (exact, 8 B/param), bf16 (4 B/param) or "
+        "int8 (~2 B/param), stochastically rounded (default fp32)",
+    )
+    parser.add_argument(
         "--offload-optimizer",
         metavar="NAME",
         default="ram",
@@ -111,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     _check_options(args)  # option errors first: building takes seconds
     offload_kind = planning_kind(state_tier_class(args.offload_optimizer))
     optimizer = _optimizer_class(args.optimizer)
+    if args.optimizer_state != "fp32":  # compact moments are kept by CompactAdamW (slide_core's build_optimizer)
+        optimizer = f"CompactAdamW ({'numba kernels' if optimizer == 'FusedAdamW' else 'torch ops'})"
     gpu_cap, gpu_source = _gpu_budget(args.gpu_memory, args.device)
     if args.host_memory is not None:
         host_cap, host_source = parse_size(args.host_memory, what="--host-memory"), "allowed by --host-memory"
@@ -129,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         offload_optimizer=offload_kind,
         nvme_fraction=args.nvme_fraction,
         offload_activations=args.offload_activations,
+        optimizer_state=args.optimizer_state,
         fused_loss=_fused_loss_available(),
     )
     plan = make_plan(inputs)
@@ -141,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         problem = problem or str(error)
     if args.json:
         payload = {"model": args.model, "dtype": args.dtype, **plan.to_dict(), "fits": problem is None}
-        payload.update({"optimizer": optimizer, "state_tier": args.offload_optimizer})
+        payload.update({"optimizer": optimizer, "optimizer_state": args.optimizer_state})
+        payload.update({"state_tier": args.offload_optimizer})
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
         print(json.dumps(payload, sort_keys=False))
     else:
@@ -151,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             gpu_source=gpu_source,
             problem=problem,
-            optimizer=f"{optimizer}, Adam state on {args.offload_optimizer}",
+            optimizer=f"{optimizer}, {_state_words(args.optimizer_state)}Adam state on {args.offload_optimizer}",
         )
         print(text)
     if problem is not None and args.check:
@@ -167,6 +178,11 @@ def _check_options(args: argparse.Namespace) -> None:
         check_option(name, getattr(args, name))
     for name in ("device", "optimizer", "offload_optimizer"):
         check_option(name, getattr(args, name))
+
+
+def _state_words(optimizer_state: str) -> str:
+    """``"bf16 "`` before "Adam state" for a compact format; nothing for the default fp32."""
+    return "" if optimizer_state == "fp32" else f"{optimizer_state} "
 
 
 def _optimizer_class(name: str) -> str:

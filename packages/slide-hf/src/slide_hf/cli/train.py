@@ -63,6 +63,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"host AdamW, one of {installed_names('optimizer')} (default auto: fused-adamw when numba "
         "runs here, else torch-adamw)",
     )
+    add(
+        "--optimizer-state",
+        choices=("fp32", "bf16", "int8"),
+        help="how AdamW keeps exp_avg and exp_avg_sq between steps: fp32 (exact, 8 B/param), bf16 (4 B/param) or "
+        "int8 (~2 B/param), stochastically rounded (default fp32)",
+    )
     add("--adam-beta1", type=float, help="default 0.9")
     add("--adam-beta2", type=float, help="default 0.999")
     add("--adam-eps", type=float, help="default 1e-8")

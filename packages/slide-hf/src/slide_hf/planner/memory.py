@@ -20,6 +20,7 @@ import dataclasses
 import math
 
 from slide_core.engine.resident import resident_bytes_per_param
+from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import _ENGINE_DEFAULTS, ModelShape, PlanInputs
 
 __all__ = ["CUDA_CONTEXT_BYTES", "ENGINE_HOST_BUFFERS", "PROCESS_BASELINE_BYTES", "GiB"]
@@ -78,13 +79,14 @@ def _accumulated_numel(shape: ModelShape, grad_accum: int) -> int:
 
 def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
     d = inputs.compute_dtype_bytes
+    state = state_bytes_per_param(inputs.optimizer_state)  # m and v: 8 in fp32, 4 in bf16, ~2.06 in int8
     on_nvme = _nvme_units(shape, inputs)
     boundary = inputs.batch_size * inputs.seq_len * shape.hidden_size * d  # one block's input
     host = {
         # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies])
         "master_fp32": 4 * (shape.total_numel - _resident_numel(shape, inputs)),
         # device-resident units keep m and v on the GPU; their host ranges are never touched
-        "optimizer_state": 8 * (shape.total_numel - sum(on_nvme) - _resident_numel(shape, inputs)),
+        "optimizer_state": math.ceil(state * (shape.total_numel - sum(on_nvme) - _resident_numel(shape, inputs))),
         "grad_accumulators": 4 * _accumulated_numel(shape, inputs.grad_accum),
         "grad_ring": (
             shape.total_numel * d if inputs.clipping else _ring_slots(shape, inputs) * inputs.transfer_chunk_numel * d
@@ -93,14 +95,15 @@ def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
         "optimizer_scratch": 4 * inputs.transfer_chunk_numel,
         # Double buffers in front of NVMe: one unit's m and v (or one block input) read ahead while the
         # previous one is in use.
-        "nvme_staging": 2 * 8 * max(on_nvme, default=0) + (2 * boundary if inputs.offload_activations == "nvme" else 0),
+        "nvme_staging": math.ceil(2 * state * max(on_nvme, default=0))
+        + (2 * boundary if inputs.offload_activations == "nvme" else 0),
         "process_baseline": PROCESS_BASELINE_BYTES,
     }
     return host
 
 
 def _disk_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    state = 8 * sum(_nvme_units(shape, inputs))
+    state = math.ceil(state_bytes_per_param(inputs.optimizer_state) * sum(_nvme_units(shape, inputs)))
     stash = 0
     if inputs.offload_activations == "nvme":
         stash = shape.num_blocks * inputs.batch_size * inputs.seq_len * shape.hidden_size * inputs.compute_dtype_bytes

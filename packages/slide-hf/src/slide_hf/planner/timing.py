@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import _nvme_units
 
@@ -24,6 +25,15 @@ source's fp32 bytes and casts on the device."""
 _ADAM_BYTES_PER_PARAM = 32
 """Host memory traffic of one fp32 AdamW update per parameter: read and write master, m and v (24 B),
 and the gradient cast into the fp32 scratch and read back (8 B)."""
+
+
+def _adam_bytes_per_param(optimizer_state: str) -> float:
+    """Host bytes one AdamW update moves per parameter besides reading the gradient: fp32 state as
+    ``_ADAM_BYTES_PER_PARAM``; compact state in the fused kernel, which reads the gradient as it is (no
+    scratch): master 8 + m and v read and written in their format (bf16: 8, int8: ~4.1)."""
+    if optimizer_state == "fp32":
+        return _ADAM_BYTES_PER_PARAM
+    return 8 + 2 * state_bytes_per_param(optimizer_state)
 
 
 def _block_loads(shape: ModelShape, inputs: PlanInputs) -> int:
@@ -62,10 +72,13 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
 
     contributions = accum * grad_numel  # gradient chunks the optimizer thread receives, in elements
     accum_traffic = (contributions - shape.total_numel) * (8 + d) if contributions > shape.total_numel else 0
-    host_traffic = shape.total_numel * (_ADAM_BYTES_PER_PARAM + d) + accum_traffic
-    update_s = max(shape.total_numel / (bw.cpu_adam_gparams * 1e9), host_traffic / (bw.host_mem_gbps * 1e9))
+    adam_bytes = _adam_bytes_per_param(inputs.optimizer_state)
+    host_traffic = shape.total_numel * (adam_bytes + d) + accum_traffic
+    # The host AdamW is memory-bound (bench/cpu_adam.py), so its measured rate scales with the bytes it moves.
+    adam_rate = bw.cpu_adam_gparams * 1e9 * ((_ADAM_BYTES_PER_PARAM + d) / (adam_bytes + d))
+    update_s = max(shape.total_numel / adam_rate, host_traffic / (bw.host_mem_gbps * 1e9))
 
-    disk_traffic = 2 * 8 * sum(_nvme_units(shape, inputs))
+    disk_traffic = 2 * state_bytes_per_param(inputs.optimizer_state) * sum(_nvme_units(shape, inputs))
     if inputs.offload_activations == "nvme":
         disk_traffic += 2 * stash * accum
     disk_s = disk_traffic / (bw.disk_gbps * 1e9)
