@@ -107,6 +107,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="{bf16,fp16,fp32}",
     )
     parser.add_argument("--block-slots", type=int, default=2, help="GPU slots for blocks (default 2)")
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=1, help="data parallel: ranks (GPUs) per host (default 1)"
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="data parallel: hosts (default 1)")
+    parser.add_argument(
+        "--intra-gbps", type=float, default=150.0, help="data parallel: GB/s per GPU within a host (default 150)"
+    )
+    parser.add_argument(
+        "--inter-gbps", type=float, default=25.0, help="data parallel: GB/s per GPU between hosts (default 25)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--check", action="store_true", help="exit with status 2 when the plan does not fit")
     return parser
@@ -142,8 +152,10 @@ def run(args: argparse.Namespace) -> int:
         fused_loss=_fused_loss_available(),
     )
     plan = make_plan(inputs)
-    if gpu_cap is not None and plan.gpu_peak_bytes <= gpu_cap:
+    distributed = args.nproc_per_node * args.nnodes > 1
+    if gpu_cap is not None and plan.gpu_peak_bytes <= gpu_cap and not distributed:
         plan = plan_with_placement(inputs)  # spare GPU memory holds whole units (master + Adam state)
+    dp = _data_parallel(plan, args) if distributed else None
     problem = _positions_problem(model, args.seq_len)
     try:
         check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source)
@@ -154,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         payload.update({"optimizer": optimizer, "optimizer_state": args.optimizer_state})
         payload.update({"state_tier": args.offload_optimizer})
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
+        if dp is not None:
+            payload["data_parallel"] = dp.to_dict()
         print(json.dumps(payload, sort_keys=False))
     else:
         text = render(
@@ -165,9 +179,21 @@ def run(args: argparse.Namespace) -> int:
             optimizer=f"{optimizer}, {_state_words(args.optimizer_state)}Adam state on {args.offload_optimizer}",
         )
         print(text)
+        if dp is not None:
+            from slide_hf.planner.distributed import render_data_parallel
+
+            print(render_data_parallel(dp))
     if problem is not None and args.check:
         raise UserError(problem)
     return 0
+
+
+def _data_parallel(plan: Plan, args: argparse.Namespace) -> Any:
+    """The plan of ``--nproc-per-node`` x ``--nnodes`` ranks, each at ``plan``'s per-rank batch."""
+    from slide_hf.planner.distributed import Interconnect, plan_data_parallel
+
+    link = Interconnect(intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
+    return plan_data_parallel(plan, args.nproc_per_node, args.nnodes, link)
 
 
 def _check_options(args: argparse.Namespace) -> None:
