@@ -6,6 +6,11 @@ Low-precision gradients are cast into a preallocated fp32 scratch first, so noth
 a ``grad_scale`` other than 1 is applied in that same scratch (an fp32 gradient is copied there first, since
 the caller's gradient is never written). It can correct an update it applied (``Optimizer.correct``, what
 gradient clipping needs) through :class:`~slide_core.optim.adamw_correction.AdamWCorrection`.
+
+A split master range (:class:`~slide_core.split_master.SplitMaster`) is decoded into an fp32 scratch,
+stepped by the same ops and encoded back: the decode is exact, so the result is bit for bit the one the
+fp32 master gets, at about 12 more bytes per parameter of memory traffic than ``FusedAdamW``'s in-register
+decode.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from slide_core.optim.adamw_correction import AdamWCorrection
 from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer
+from slide_core.split_master import SplitMaster
 
 __all__ = ["TorchAdamW"]
 
@@ -29,12 +35,14 @@ class TorchAdamW(Optimizer):
     """AdamW with decoupled weight decay, applied only to ranges flagged ``decay``."""
 
     state_names = ("exp_avg", "exp_avg_sq")
+    split_master = True
 
     def __init__(self, config: AdamWConfig, *, fused: bool | None = None) -> None:
         super().__init__(config)
         self.fused = _fused_adamw_available() if fused is None else fused
         # Per device: the same instance may update host ranges and device-resident units.
         self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._master_scratch: dict[torch.device, torch.Tensor] = {}
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
         self._correction = AdamWCorrection(config)
 
@@ -60,9 +68,18 @@ class TorchAdamW(Optimizer):
             scratch.mul_(grad_scale)  # as optimizer.scale_into: fp32 * float32(grad_scale), one rounding
         return scratch
 
+    def _decoded(self, master: SplitMaster) -> torch.Tensor:
+        """A split range's fp32 values, in a scratch kept per device (grown to the largest range seen)."""
+        held = self._master_scratch.get(master.device)
+        if held is None or held.numel() < master.numel():
+            held = self._master_scratch[master.device] = torch.empty(
+                master.numel(), dtype=torch.float32, device=master.device
+            )
+        return master.decode(held[: master.numel()])
+
     def step(
         self,
-        master: torch.Tensor,
+        master: torch.Tensor | SplitMaster,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -71,6 +88,11 @@ class TorchAdamW(Optimizer):
         decay: bool,
         grad_scale: float = 1.0,
     ) -> None:
+        if isinstance(master, SplitMaster):
+            values = self._decoded(master)
+            self.step(values, grad, state, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
+            master.encode_(values)
+            return
         cfg = self.config
         weight_decay = cfg.weight_decay if decay else 0.0
         grad32 = self._fp32(grad, grad_scale)
@@ -107,7 +129,7 @@ class TorchAdamW(Optimizer):
 
     def correct(
         self,
-        master: torch.Tensor,
+        master: torch.Tensor | SplitMaster,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,

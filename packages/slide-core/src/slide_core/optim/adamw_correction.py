@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from slide_core.optimizer import AdamWConfig, Coefficient, Correction, scale_into
+from slide_core.split_master import SplitMaster
 
 __all__ = ["AdamWCorrection"]
 
@@ -43,6 +44,7 @@ class AdamWCorrection:
         self.max_range_numel = max_range_numel
         self.use_fused = use_fused
         self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._master_scratch: dict[torch.device, torch.Tensor] = {}
 
     def _buffers(self, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         held = self._scratch.get(device)
@@ -53,7 +55,7 @@ class AdamWCorrection:
     def apply(
         self,
         correction: Correction,
-        master: torch.Tensor,
+        master: torch.Tensor | SplitMaster,
         grad: torch.Tensor,
         applied: Coefficient,
         state: Mapping[str, torch.Tensor],
@@ -72,13 +74,25 @@ class AdamWCorrection:
         numel = master.numel()
         for lo in range(0, numel, self.max_range_numel):
             hi = min(numel, lo + self.max_range_numel)
-            pieces = (master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi])
-            self._piece(correction, *pieces, applied, lr, step, decay)
+            piece = master[lo:hi]
+            values = self._decoded(piece) if isinstance(piece, SplitMaster) else piece
+            self._piece(correction, values, grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], applied, lr, step, decay)
+            if isinstance(piece, SplitMaster):
+                piece.encode_(values)
+
+    def _decoded(self, piece: SplitMaster) -> torch.Tensor:
+        """A split master piece's fp32 values in a scratch of its own (exact; encoded back after)."""
+        held = self._master_scratch.get(piece.device)
+        if held is None or held.numel() < piece.numel():
+            held = self._master_scratch[piece.device] = torch.empty(
+                piece.numel(), dtype=torch.float32, device=piece.device
+            )
+        return piece.decode(held[: piece.numel()])
 
     def _fused(
         self,
         correction: Correction,
-        master: torch.Tensor,
+        master: torch.Tensor | SplitMaster,
         grad: torch.Tensor,
         applied: float,
         state: Mapping[str, torch.Tensor],

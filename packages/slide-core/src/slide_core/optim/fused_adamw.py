@@ -46,12 +46,13 @@ import torch
 from slide_core.optim.adamw import TorchAdamW
 from slide_core.optim.adamw_correction import AdamWCorrection
 from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer
+from slide_core.split_master import TIE_BLOCK, SplitMaster
 
 __all__ = ["FusedAdamW", "best_adamw"]
 
 log = logging.getLogger(__name__)
 
-BLOCK = 4096
+BLOCK = TIE_BLOCK
 """Elements per parallel work item: ~4k items per 16M range, plenty to balance 16 threads, and each
 item's five streams stay short enough for the hardware prefetchers to follow."""
 
@@ -89,6 +90,85 @@ def _as_fp32(x):  # pragma: no cover - replaced by an intrinsic
 _prange = range
 
 
+# The split master (slide_core/split_master.py): ``hi`` and ``lo`` as uint16 words, the tie bitmask as
+# bytes. These two helpers are the whole per-element format; a kernel over a split master calls them
+# where an fp32 kernel reads ``p[j]`` and writes it back, and ``_read_ties`` / ``_write_ties`` around
+# its block loop move the rare tie bits between the bitmask and one byte per element.
+
+
+def _decode_py(h, lo, tie):  # pragma: no cover - replaced by an intrinsic (i32 ops, one vector lane each)
+    """The fp32 whose upper 16 bits are ``h`` minus the rounding that went up (``lo > 0x8000``, or ``lo
+    == 0x8000`` and ``tie``) and whose low 16 bits are ``lo``."""
+    up = int(lo) > 0x8000 or (int(lo) == 0x8000 and int(tie) & 1 == 1)
+    bits = (((int(h) - up) & 0xFFFF) << 16) | int(lo)
+    return np.array(np.uint32(bits)).view(np.float32)[()]
+
+
+def _encode_py(x):  # pragma: no cover - replaced by an intrinsic (i32 ops, one vector lane each)
+    """(hi, lo, tie) of one fp32: hi its bf16 round-to-nearest-even (torch's cast; a NaN becomes the
+    quiet NaN 0x7FC0), lo its low 16 bits, tie 1 iff the rounding went up."""
+    bits = int(np.array(np.float32(x)).view(np.uint32)[()])
+    upper = bits >> 16
+    h = 0x7FC0 if x != x else ((bits + 0x7FFF + (upper & 1)) >> 16) & 0xFFFF
+    return np.uint16(h), np.uint16(bits & 0xFFFF), np.uint8(h != upper)
+
+
+_decode = _decode_py
+_encode = _encode_py
+
+
+def _load_master_py(h, lo, tie):
+    """One element of a split master as fp32 (``tie`` is looked at only when ``lo`` is 0x8000)."""
+    return _decode(h, lo, tie)
+
+
+_load_master = _load_master_py
+
+
+def _store_master_py(x):
+    """One fp32 value as the split master's (hi, lo, tie) of it (``tie`` matters only when lo is 0x8000)."""
+    return _encode(x)
+
+
+_store_master = _store_master_py
+
+
+def _read_ties_py(lo, ties, first, flags):
+    """``flags[j]`` = tie bit ``first + j`` for the block's midpoint elements (``lo[j] == 0x8000``); the
+    other flags are left undefined, and ``_load_master`` never looks at them. One vectorised scan of
+    ``lo`` (which the block's loop then finds in L1); the bitmask is read only in the ~6% of blocks of
+    4096 elements that hold a midpoint."""
+    mids = 0
+    for j in range(lo.shape[0]):
+        mids += lo[j] == 0x8000
+    if mids:
+        for j in range(lo.shape[0]):
+            if lo[j] == 0x8000:
+                k = first + j
+                flags[j] = (ties[k >> 3] >> (k & 7)) & 1
+
+
+_read_ties = _read_ties_py
+
+
+def _write_ties_py(lo, ties, first, flags):
+    """Tie bit ``first + j`` = ``flags[j]`` for the block's midpoint elements (``lo[j] == 0x8000``); every
+    other bit is left as it is. A scan of its own after the block's loop: counting midpoints inside that
+    loop would put a 64-bit lane in it and halve its vector width."""
+    mids = 0
+    for j in range(lo.shape[0]):
+        mids += lo[j] == 0x8000
+    if mids:
+        for j in range(lo.shape[0]):
+            if lo[j] == 0x8000:
+                k = first + j
+                mask = np.uint8(1 << (k & 7))
+                ties[k >> 3] = (ties[k >> 3] | mask) if flags[j] else (ties[k >> 3] & ~mask)
+
+
+_write_ties = _write_ties_py
+
+
 def _adam_py(gi, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
     """One element's AdamW moments and parameter step (the part after weight decay), in fp32."""
     base = gi if large else mi
@@ -120,6 +200,44 @@ def _update_block_py(p, g, m, v, scale, decay, coeff, large, beta2, one_minus_be
 _update_block = _update_block_py
 
 
+def _update_block_split_py(
+    hi, lo, ties, first, flags, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+):
+    """``_update_block_py`` over a split master block (``hi``/``lo`` uint16 words, tie bit ``first + j``,
+    ``flags`` one scratch byte per element): the same fp32 arithmetic between ``_load_master`` and
+    ``_store_master``."""
+    _read_ties(lo, ties, first, flags)
+    for j in range(hi.shape[0]):
+        pj = _load_master(hi[j], lo[j], flags[j])
+        gi = _as_fp32(g[j]) * scale
+        mi, vi, step = _adam(gi, m[j], v[j], coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+        h, low, flags[j] = _store_master(pj * decay + step)
+        hi[j] = h
+        lo[j] = low
+        m[j] = mi
+        v[j] = vi
+    _write_ties(lo, ties, first, flags)
+
+
+_update_block_split = _update_block_split_py
+
+
+def _adamw_split_py(
+    hi, lo, ties, first, flags, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+):
+    """The whole split range, in blocks aligned to ``BLOCK`` in the tie numbering (so that no two threads
+    write one tie byte): the first and last block may be shorter. ``flags``: one scratch byte per element."""
+    n = hi.shape[0]
+    skip = first % BLOCK
+    for b in _prange((skip + n + BLOCK - 1) // BLOCK):
+        s = max(b * BLOCK - skip, 0)
+        e = min((b + 1) * BLOCK - skip, n)
+        _update_block_split(
+            hi[s:e], lo[s:e], ties, first + s, flags[s:e], g[s:e], m[s:e], v[s:e], scale, decay, coeff, large,
+            beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+        )  # fmt: skip
+
+
 def _adamw_py(p, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
     """The whole range, block by block across numba's threads."""
     n = p.shape[0]
@@ -129,6 +247,32 @@ def _adamw_py(p, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc
         _update_block(
             p[s:e], g[s:e], m[s:e], v[s:e], scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
         )
+
+
+def _correct_element_py(
+    pi, gi, mi, vi, applied, redo, new_coeff, first, undo_decay, coeff, large, beta1, one_minus_beta1, beta2,
+    one_minus_beta2, bc2_sqrt, eps, neg_step,
+):  # fmt: skip
+    """Take back one element's AdamW update that applied ``applied * g`` and, with ``redo``, apply it
+    again with ``new_coeff * g``: clipping's correction (slide_core/optim/adamw_correction.py), fp32 math
+    mirroring ``AdamWCorrection``'s torch ops (the moments' reversal is exact up to rounding)."""
+    gs = gi * applied
+    pi = pi + (-neg_step * mi) / (np.sqrt(vi) / bc2_sqrt + eps)
+    if first:
+        mi = np.float32(0.0)
+        vi = np.float32(0.0)
+    else:
+        mi = (mi - one_minus_beta1 * gs) / beta1  # division, as torch's div_: not * (1 / beta1)
+        vi = max(_fma32(-one_minus_beta2 * gs, gs, vi) / beta2, np.float32(0.0))
+    if redo:
+        mi, vi, step = _adam(gi * new_coeff, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+        pi = pi + step
+    else:
+        pi = pi / undo_decay
+    return pi, mi, vi
+
+
+_correct_element = _correct_element_py
 
 
 def _correct_block_py(
@@ -151,32 +295,35 @@ def _correct_block_py(
     eps,
     neg_step,
 ):
-    """Take back one AdamW update that applied ``applied * g`` and, with ``redo``, apply it again with
-    ``new_coeff * g``: clipping's correction (slide_core/optim/adamw_correction.py) in one pass, fp32 math
-    mirroring ``AdamWCorrection``'s torch ops (the moments' reversal is exact up to rounding)."""
+    """Clipping's correction of one block in one pass (``_correct_element_py``)."""
     for j in range(p.shape[0]):
-        gi = _as_fp32(g[j])
-        gs = gi * applied
-        mi = m[j]
-        vi = v[j]
-        pi = p[j] + (-neg_step * mi) / (np.sqrt(vi) / bc2_sqrt + eps)
-        if first:
-            mi = np.float32(0.0)
-            vi = np.float32(0.0)
-        else:
-            mi = (mi - one_minus_beta1 * gs) / beta1  # division, as torch's div_: not * (1 / beta1)
-            vi = max(_fma32(-one_minus_beta2 * gs, gs, vi) / beta2, np.float32(0.0))
-        if redo:
-            mi, vi, step = _adam(gi * new_coeff, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
-            pi = pi + step
-        else:
-            pi = pi / undo_decay
-        p[j] = pi
-        m[j] = mi
-        v[j] = vi  # fmt: skip
+        p[j], m[j], v[j] = _correct_element(
+            p[j], _as_fp32(g[j]), m[j], v[j], applied, redo, new_coeff, first, undo_decay, coeff, large, beta1,
+            one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+        )  # fmt: skip
 
 
 _correct_block = _correct_block_py
+
+
+def _correct_block_split_py(
+    hi, lo, ties, tie0, flags, g, m, v, applied, redo, new_coeff, first, undo_decay, coeff, large, beta1,
+    one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+):  # fmt: skip
+    """``_correct_block_py`` over a split master block (tie bit ``tie0 + j``, ``flags`` scratch)."""
+    _read_ties(lo, ties, tie0, flags)
+    for j in range(hi.shape[0]):
+        pi, m[j], v[j] = _correct_element(
+            _load_master(hi[j], lo[j], flags[j]), _as_fp32(g[j]), m[j], v[j], applied, redo, new_coeff, first,
+            undo_decay, coeff, large, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+        )  # fmt: skip
+        h, low, flags[j] = _store_master(pi)
+        hi[j] = h
+        lo[j] = low
+    _write_ties(lo, ties, tie0, flags)
+
+
+_correct_block_split = _correct_block_split_py
 
 
 def _correct_py(
@@ -210,6 +357,22 @@ def _correct_py(
         )  # fmt: skip
 
 
+def _correct_split_py(
+    hi, lo, ties, tie0, flags, g, m, v, applied, redo, new_coeff, first, undo_decay, coeff, large, beta1,
+    one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+):  # fmt: skip
+    """The whole split range, in blocks aligned as ``_adamw_split_py``'s."""
+    n = hi.shape[0]
+    skip = tie0 % BLOCK
+    for b in _prange((skip + n + BLOCK - 1) // BLOCK):
+        s = max(b * BLOCK - skip, 0)
+        e = min((b + 1) * BLOCK - skip, n)
+        _correct_block_split(
+            hi[s:e], lo[s:e], ties, tie0 + s, flags[s:e], g[s:e], m[s:e], v[s:e], applied, redo, new_coeff, first,
+            undo_decay, coeff, large, beta1, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+        )  # fmt: skip
+
+
 @functools.cache
 def _kernels() -> Any:
     """Import numba and build the kernel (compiled, or loaded from numba's disk cache, per grad dtype on
@@ -219,7 +382,9 @@ def _kernels() -> Any:
     per-user cache directory when that is read-only), so only the first process on a machine pays the
     few seconds of LLVM compile.
     """
-    global _adam, _as_fp32, _fma32, _prange, _update_block, _correct_block
+    global _adam, _as_fp32, _fma32, _prange, _update_block, _correct_block, _correct_element
+    global _decode, _encode, _load_master, _store_master, _read_ties, _write_ties
+    global _update_block_split, _correct_block_split
     import numba
     from llvmlite import ir as llvm_ir
     from numba.core import types
@@ -256,14 +421,67 @@ def _kernels() -> Any:
             return types.float32(x), lambda context, builder, signature, args: args[0]
         return None
 
+    i8, i16, i32 = llvm_ir.IntType(8), llvm_ir.IntType(16), llvm_ir.IntType(32)
+
+    def const(t, value):
+        return llvm_ir.Constant(t, value)
+
+    @intrinsic
+    def decode(typingctx, h, lo, tie):
+        """Split master element -> fp32 in 32-bit integer ops (numba's own integer arithmetic widens to
+        64 bits, which halves the vector lanes of the loop around it)."""
+        if (h, lo, tie) != (types.uint16, types.uint16, types.uint8):
+            return None
+
+        def codegen(context, builder, signature, args):
+            h32, lo32 = builder.zext(args[0], i32), builder.zext(args[1], i32)
+            tie1 = builder.icmp_unsigned("!=", builder.and_(args[2], const(i8, 1)), const(i8, 0))
+            above = builder.icmp_unsigned(">", lo32, const(i32, 0x8000))
+            at = builder.icmp_unsigned("==", lo32, const(i32, 0x8000))
+            up = builder.zext(builder.or_(above, builder.and_(at, tie1)), i32)
+            upper = builder.sub(h32, up)
+            bits = builder.or_(builder.shl(upper, const(i32, 16)), lo32)
+            return builder.bitcast(bits, llvm_ir.FloatType())
+
+        return types.float32(h, lo, tie), codegen
+
+    @intrinsic
+    def encode(typingctx, x):
+        """fp32 -> the split master's (hi, lo, tie), in 32-bit integer ops."""
+        if x != types.float32:
+            return None
+        result = types.Tuple((types.uint16, types.uint16, types.uint8))
+
+        def codegen(context, builder, signature, args):
+            bits = builder.bitcast(args[0], i32)
+            upper = builder.lshr(bits, const(i32, 16))
+            rounded = builder.add(builder.add(bits, const(i32, 0x7FFF)), builder.and_(upper, const(i32, 1)))
+            is_nan = builder.fcmp_unordered("uno", args[0], args[0])
+            h = builder.select(is_nan, const(i32, 0x7FC0), builder.lshr(rounded, const(i32, 16)))
+            tie = builder.zext(builder.icmp_unsigned("!=", h, upper), i8)
+            parts = [builder.trunc(h, i16), builder.trunc(bits, i16), tie]
+            return context.make_tuple(builder, signature.return_type, parts)
+
+        return result(x), codegen
+
     _fma32, _as_fp32, _prange = fma32, as_fp32, numba.prange
-    _adam = numba.njit(inline="always", fastmath=False, nogil=True)(_adam_py)
-    _update_block = numba.njit(inline="always", fastmath=False, nogil=True)(_update_block_py)
-    _correct_block = numba.njit(inline="always", fastmath=False, nogil=True)(_correct_block_py)
+    _decode, _encode = decode, encode
+    inline = numba.njit(inline="always", fastmath=False, nogil=True)
+    _adam = inline(_adam_py)
+    _update_block = inline(_update_block_py)
+    _correct_element = inline(_correct_element_py)
+    _correct_block = inline(_correct_block_py)
+    _load_master, _store_master = inline(_load_master_py), inline(_store_master_py)
+    _read_ties, _write_ties = inline(_read_ties_py), inline(_write_ties_py)
+    _update_block_split = inline(_update_block_split_py)
+    _correct_block_split = inline(_correct_block_split_py)
+    kernel = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)
 
     class Kernels:
-        adamw = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_py)
-        correct = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_correct_py)
+        adamw = kernel(_adamw_py)
+        correct = kernel(_correct_py)
+        adamw_split = kernel(_adamw_split_py)
+        correct_split = kernel(_correct_split_py)
         set_num_threads = staticmethod(numba.set_num_threads)
         get_num_threads = staticmethod(numba.get_num_threads)
         max_threads = numba.config.NUMBA_NUM_THREADS
@@ -279,6 +497,14 @@ def _np(t: torch.Tensor, name: str) -> np.ndarray:
     return t.detach().numpy()
 
 
+def _split_np(master: SplitMaster, flags: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
+    """A split range as the kernels take it: hi and lo as uint16 words, the tie bytes, the first tie bit,
+    and ``flags`` (at least one scratch byte per element: each block's tie bits, unpacked)."""
+    hi = _np(master.hi.view(torch.int16), "master hi").view(np.uint16)
+    lo = _np(master.lo, "master lo").view(np.uint16)
+    return hi, lo, _np(master.ties, "master ties"), master.offset, flags[: master.numel()]
+
+
 class FusedAdamW(Optimizer):
     """AdamW (decoupled weight decay, applied only to ranges flagged ``decay``) as one numba kernel.
 
@@ -289,6 +515,7 @@ class FusedAdamW(Optimizer):
     """
 
     state_names = ("exp_avg", "exp_avg_sq")
+    split_master = True
 
     def __init__(self, config: AdamWConfig, *, threads: int | None = None) -> None:
         super().__init__(config)
@@ -296,6 +523,7 @@ class FusedAdamW(Optimizer):
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
         self._scratch = torch.empty(0, dtype=torch.float32)
+        self._flags = np.empty(0, dtype=np.uint8)  # a split master's unpacked tie bits, one byte per element
         self._reserved = 0
         self._off_host: TorchAdamW | None = None
         self._correction = AdamWCorrection(config)
@@ -342,14 +570,18 @@ class FusedAdamW(Optimizer):
         config = AdamWConfig(weight_decay=0.1)
         master = torch.ones(3)
         state = {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
-        for dtype in (torch.bfloat16, torch.float32):
-            FusedAdamW(config, threads=self.threads).step(
-                master, torch.ones(3, dtype=dtype), state, lr=1e-3, step=1, decay=True
-            )
+        split = SplitMaster(
+            torch.ones(3, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int16), torch.zeros(1, dtype=torch.uint8)
+        )
+        for target in (master, split):
+            for dtype in (torch.bfloat16, torch.float32):
+                FusedAdamW(config, threads=self.threads).step(
+                    target, torch.ones(3, dtype=dtype), state, lr=1e-3, step=1, decay=True
+                )
 
     def step(
         self,
-        master: torch.Tensor,
+        master: torch.Tensor | SplitMaster,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -365,7 +597,8 @@ class FusedAdamW(Optimizer):
                 f"range sizes differ: master {n}, grad {grad.numel()}, "
                 f"exp_avg {exp_avg.numel()}, exp_avg_sq {exp_avg_sq.numel()}"
             )
-        for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        fp32 = (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
+        for name, t in fp32 if isinstance(master, SplitMaster) else (("master", master), *fp32):
             if t.dtype != torch.float32:
                 raise ValueError(f"{name} must be fp32, got {t.dtype}")
         if n == 0:
@@ -394,7 +627,7 @@ class FusedAdamW(Optimizer):
             f32(cfg.eps),
             f32(-(lr / bias_correction1)),
         )
-        p, m, v = _np(master, "master"), _np(exp_avg, "exp_avg"), _np(exp_avg_sq, "exp_avg_sq")
+        m, v = _np(exp_avg, "exp_avg"), _np(exp_avg_sq, "exp_avg_sq")
         if grad.dtype == torch.bfloat16:
             g = _np(grad.view(torch.int16), "grad").view(np.uint16)  # raw bits; widened in registers
         else:
@@ -405,11 +638,16 @@ class FusedAdamW(Optimizer):
             g = _np(grad, "grad")
         # One kernel for every scale: multiplying by 1.0f is exact, and the scale is always an fp32 scalar,
         # so the compiled (and cached) signatures are the same two as without clipping (bf16, fp32 grads).
-        kernels.adamw(p, g, m, v, f32(grad_scale), *args)
+        if isinstance(master, SplitMaster):
+            if self._flags.shape[0] < n:
+                self._flags = np.empty(max(n, self._reserved), dtype=np.uint8)
+            kernels.adamw_split(*_split_np(master, self._flags), g, m, v, f32(grad_scale), *args)
+        else:
+            kernels.adamw(_np(master, "master"), g, m, v, f32(grad_scale), *args)
 
     def correct(
         self,
-        master: torch.Tensor,
+        master: torch.Tensor | SplitMaster,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -446,7 +684,7 @@ def best_adamw(config: AdamWConfig, *, threads: int | None = None, warmup: bool 
 
 def fused_correct(
     config: AdamWConfig,
-    master: torch.Tensor,
+    master: torch.Tensor | SplitMaster,
     grad: torch.Tensor,
     state: Mapping[str, torch.Tensor],
     *,
@@ -469,8 +707,12 @@ def fused_correct(
     weight_decay = config.weight_decay if decay else 0.0
     w = 1.0 - config.beta1
     large = w >= 0.5
-    kernels.correct(
-        _np(master, "master"), g, _np(state["exp_avg"], "exp_avg"), _np(state["exp_avg_sq"], "exp_avg_sq"),
+    if isinstance(master, SplitMaster):
+        kernel, planes = kernels.correct_split, _split_np(master, np.empty(master.numel(), dtype=np.uint8))
+    else:
+        kernel, planes = kernels.correct, (_np(master, "master"),)
+    kernel(
+        *planes, g, _np(state["exp_avg"], "exp_avg"), _np(state["exp_avg_sq"], "exp_avg_sq"),
         f32(applied), new_coeff is not None, f32(new_coeff if new_coeff is not None else 1.0), step == 1,
         f32(1.0 - lr * weight_decay), f32(w - 1.0 if large else w), large, f32(config.beta1), f32(w),
         f32(config.beta2), f32(1.0 - config.beta2), f32(math.sqrt(1.0 - config.beta2**step)), f32(config.eps),
