@@ -11,6 +11,11 @@ Bytes per parameter, counted the STREAM way (what the code reads and writes; the
 * torch + cast: cast 2 + 4 (+4 of write-allocate on the scratch), then fp32 grad 4 + 3x8 = 38 (34 without
   the write-allocate; "~40" in the design notes).
 
+* compact state (``--optimizer-state``, ``CompactAdamW``'s numba kernels): bf16 grad 2 + master 8 + the two
+  moments read+write in their format: bf16 2 x 4 = 18; int8 2 x (2 + 2 x 4/64) = 14.25 (codes and block scales).
+  They do the fp32 step plus a hash and a stochastic rounding per element, so they are bound by bandwidth
+  only if the cores keep up: the table says what fraction of the triad they reach.
+
 Effective GB/s = Gparam/s x bytes/param; "% triad" compares that to the triad's GB/s.
 
     python bench/cpu_adam.py --numel 218000000 --threads 16 --reps 7 --json cpu_adam.json
@@ -37,7 +42,9 @@ except ImportError:  # running from a checkout without the package installed
 
 from slide_core import AdamWConfig
 from slide_core.optim import TorchAdamW
+from slide_core.optim.compact_adamw import CompactAdamW, compact_bytes_per_param
 from slide_core.optim.fused_adamw import FusedAdamW
+from slide_core.optim.state_formats import encode_moments, state_arrays, stream_key
 
 FUSED_BYTES = 26
 TORCH_CAST_BYTES = 38
@@ -59,6 +66,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (after compile)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch and numba threads")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument(
+        "--state-formats",
+        default="bf16,int8",
+        help="compact optimizer-state formats to time as well, comma-separated (default bf16,int8; '' for none)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write results here")
     args = p.parse_args()
     if not FusedAdamW.available():
@@ -115,6 +127,9 @@ def main() -> None:
         "adam_only": adam_only,
         "triad": triad,
     }
+    formats = [f for f in args.state_formats.split(",") if f]
+    for state_format in formats:
+        cases[f"compact_{state_format}"] = _compact_step(state_format, args, master, grad, exp_avg, exp_avg_sq, count)
     for _ in range(args.warmup):
         for fn in cases.values():
             fn()
@@ -131,6 +146,10 @@ def main() -> None:
         ("cast_only", "    (a1) cast alone", CAST_BYTES),
         ("adam_only", "    (a2) _fused_adamw_ alone", TORCH_ADAM_BYTES),
         ("fused", "(b) FusedAdamW (numba, bf16 grad)", FUSED_BYTES),
+        *(
+            (f"compact_{f}", f"(d) CompactAdamW, {f} state (numba, bf16 grad)", compact_bytes_per_param(f))
+            for f in formats
+        ),
     ):
         gparams = n / med[name] / 1e9
         gbs = gparams * nbytes
@@ -170,7 +189,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['label']} | {r['ms']:.1f} | {r['gparam_s']:.3f} | {r['bytes_per_param']} | "
+            f"| {r['label']} | {r['ms']:.1f} | {r['gparam_s']:.3f} | {r['bytes_per_param']:g} | "
             f"{r['gb_s']:.1f} | {r['pct_triad']:.0f}% |"
         )
     print(
@@ -183,6 +202,32 @@ def main() -> None:
     )
     if args.json is not None:
         args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+
+
+def _compact_step(
+    state_format: str,
+    args: argparse.Namespace,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    count: list[int],
+) -> Callable[[], None]:
+    """A step of ``CompactAdamW``'s kernel over the same master and gradient, on its own compact copy of
+    the moments (encoded from the fp32 ones, so the values it works on are the same)."""
+    n = master.numel()
+    state = {a.name: torch.empty(a.numel(n), dtype=a.dtype) for a in state_arrays(state_format)}
+    encode_moments(state_format, exp_avg, exp_avg_sq, state, index0=0, key=stream_key(0, 0))
+    optimizer = CompactAdamW(
+        AdamWConfig(weight_decay=args.weight_decay, state_format=state_format), threads=args.threads, fused=True
+    )
+    optimizer.warmup()
+
+    def step() -> None:
+        count[0] += 1
+        optimizer.step(master, grad, state, lr=1e-4, step=count[0], decay=True)
+
+    return step
 
 
 if __name__ == "__main__":

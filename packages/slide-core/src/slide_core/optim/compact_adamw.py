@@ -63,24 +63,37 @@ def compact_bytes_per_param(state_format: str) -> float:
 
 
 # Kernels as plain Python until ``_kernels`` compiles them (module level for numba's disk cache, as in
-# fused_adamw.py). Globals rebound there: ``_adam``, ``_as_fp32`` (fused_adamw's jitted helpers),
-# ``_f32_bits``/``_bits_f32`` (bitcasts), the state_formats scalar twins, ``_prange``.
+# fused_adamw.py). ``_adam``/``_as_fp32`` are fused_adamw's jitted element helpers, then the state_formats
+# intrinsics (``NumbaTwins``: ``_hash32``, ``_sr_bf16``, ...), ``_prange`` numba's; all bound by ``_kernels`` before the first compile.
 _adam = fused_adamw._adam_py
 _as_fp32 = fused_adamw._as_fp32
 _prange = range
-_element_bits = state_formats._element_bits_nb
-_sr_bf16 = state_formats._sr_bf16_nb
-_encode_int8 = state_formats._encode_int8_nb
+_hash32: Any = None
+_high16: Any = None
+_sr_bf16: Any = None
+_abs_bits: Any = None
+_encode_m8: Any = None
+_encode_v8: Any = None
+_decode_m8: Any = None
+_decode_v8: Any = None
 
 
-def _f32_bits(x):  # pragma: no cover - replaced by an intrinsic
-    """An fp32's bit pattern as uint64."""
-    return np.uint64(np.array(np.float32(x)).view(np.uint32)[()])
+def _bf16_block_py(
+    p, g, m, v, lo0, hi0, k0, k1, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+):
+    """One work item (slices from index 0, so LLVM vectorises it; ``lo0``/``hi0``: its first slab index)."""
+    for j in range(p.shape[0]):
+        gi = _as_fp32(g[j]) * scale
+        mi, vi, step = _adam(
+            gi, _as_fp32(m[j]), _as_fp32(v[j]), coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+        )
+        p[j] = p[j] * decay + step
+        bits = _hash32(lo0, j, hi0, k0, k1)
+        m[j] = _sr_bf16(mi, bits)
+        v[j] = _sr_bf16(vi, _high16(bits))
 
 
-def _bits_f32(u):  # pragma: no cover - replaced by an intrinsic
-    """The low 32 bits of a uint64 as fp32."""
-    return np.array(np.uint32(u)).view(np.float32)[()]
+_bf16_block = _bf16_block_py
 
 
 def _adamw_bf16_py(
@@ -88,28 +101,48 @@ def _adamw_bf16_py(
 ):
     """bf16 moments (``m``, ``v``: uint16 bits): widen, update in fp32, round back stochastically."""
     n = p.shape[0]
-    low16 = np.uint64(0xFFFF)
     for b in _prange((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         e = min(s + BLOCK, n)
-        for j in range(s, e):
-            gi = _as_fp32(g[j]) * scale
-            mi, vi, step = _adam(
-                gi, _as_fp32(m[j]), _as_fp32(v[j]), coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
-            )
-            p[j] = p[j] * decay + step
-            bits = _element_bits(np.uint64(index0 + j), k0, k1)
-            m[j] = np.uint16(_sr_bf16(_f32_bits(mi), bits & low16))
-            v[j] = np.uint16(_sr_bf16(_f32_bits(vi), bits >> np.uint64(16)))
+        first = index0 + s
+        _bf16_block(
+            p[s:e], g[s:e], m[s:e], v[s:e], np.uint32(first & 0xFFFFFFFF), np.uint32(first >> 32), k0, k1, scale,
+            decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+        )  # fmt: skip
 
 
-def _decode_int8(code, scale, mantissa_bits):
-    """One int8 magnitude code (non-negative int64) times its block's scale (``_decode_int8_t``)."""
-    if code >= (1 << mantissa_bits):
-        r = _bits_f32(np.uint64(code + (112 << mantissa_bits)) << np.uint64(23 - mantissa_bits))
-    else:
-        r = np.float32(code) * np.float32(2.0 ** -(14 + mantissa_bits))
-    return r * scale
+def _int8_block_py(
+    p, g, m, v, mt, vt, m_scale, v_scale, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+):
+    """Pass 1 over one 64-element block: decode, fp32 AdamW, master step; the new moments go to ``mt``/``vt``.
+    Returns the bits of their largest magnitudes (integer maxima of non-negative floats' bits)."""
+    m_max = np.uint32(0)
+    v_max = np.uint32(0)
+    for j in range(p.shape[0]):
+        gi = _as_fp32(g[j]) * scale
+        mi = _decode_m8(m[j], m_scale)
+        vi = _decode_v8(v[j], v_scale)
+        mi, vi, step = _adam(gi, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+        p[j] = p[j] * decay + step
+        mt[j] = mi
+        vt[j] = vi
+        m_max = max(m_max, _abs_bits(mi))
+        v_max = max(v_max, _abs_bits(vi))
+    return m_max, v_max
+
+
+_int8_block = _int8_block_py
+
+
+def _int8_encode_py(m, v, mt, vt, m_inv, v_inv, lo0, hi0, k0, k1):
+    """Pass 2: the block's new moments as codes against its new scales."""
+    for j in range(m.shape[0]):
+        bits = _hash32(lo0, j, hi0, k0, k1)
+        m[j] = _encode_m8(mt[j], m_inv, bits)
+        v[j] = _encode_v8(vt[j], v_inv, _high16(bits))
+
+
+_int8_encode = _int8_encode_py
 
 
 def _adamw_int8_py(
@@ -134,71 +167,48 @@ def _adamw_int8_py(
 ):
     """int8 moments with one fp32 scale per 64-element block (``m`` int8, ``v`` uint8)."""
     n = p.shape[0]
-    low16 = np.uint64(0xFFFF)
     one = np.float32(1.0)
+    zero = np.float32(0.0)
     for b in _prange((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         e = min(s + BLOCK, n)
-        mt = np.empty(BLOCK, dtype=np.float32)
-        vt = np.empty(BLOCK, dtype=np.float32)
+        mt = np.empty(QUANT_BLOCK, dtype=np.float32)
+        vt = np.empty(QUANT_BLOCK, dtype=np.float32)
         for q in range(s // QUANT_BLOCK, (e + QUANT_BLOCK - 1) // QUANT_BLOCK):
             qs = q * QUANT_BLOCK
             qe = min(qs + QUANT_BLOCK, e)
-            ms, vs = m_scale[q], v_scale[q]
-            m_max = np.float32(0.0)
-            v_max = np.float32(0.0)
-            # 1. update: decode, fp32 AdamW, master step; the new moments wait in the scratch.
-            for j in range(qs, qe):
-                code = np.int64(m[j])
-                mi = _decode_int8(abs(code), ms, 3)
-                if code < 0:
-                    mi = -mi
-                vi = _decode_int8(np.int64(v[j]), vs, 4)
-                gi = _as_fp32(g[j]) * scale
-                mi, vi, step = _adam(gi, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
-                p[j] = p[j] * decay + step
-                mt[j - s] = mi
-                vt[j - s] = vi
-                m_max = max(m_max, abs(mi))
-                v_max = max(v_max, abs(vi))
-            # 2. encode against the block's new maxima.
-            m_inv = one / m_max if m_max > 0 else np.float32(0.0)
-            v_inv = one / v_max if v_max > 0 else np.float32(0.0)
+            k = qe - qs
+            m_bits, v_bits = _int8_block(
+                p[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt[:k], vt[:k], m_scale[q], v_scale[q], scale, decay,
+                coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+            )  # fmt: skip
+            m_max = _bits_f32(np.uint64(m_bits))
+            v_max = _bits_f32(np.uint64(v_bits))
             m_scale[q] = m_max
             v_scale[q] = v_max
-            for j in range(qs, qe):
-                bits = _element_bits(np.uint64(index0 + j), k0, k1)
-                mi = mt[j - s]
-                r = min(abs(mi) * m_inv, one)
-                code = _encode_int8(_f32_bits(r), r, bits & low16, 3, False)
-                m[j] = np.int8(-code if mi < 0 else code)
-                vi = vt[j - s]
-                r = min(abs(vi) * v_inv, one)
-                v[j] = np.uint8(_encode_int8(_f32_bits(r), r, bits >> np.uint64(16), 4, vi > 0))
+            first = index0 + qs
+            _int8_encode(
+                m[qs:qe], v[qs:qe], mt[:k], vt[:k], one / m_max if m_max > zero else zero,
+                one / v_max if v_max > zero else zero, np.uint32(first & 0xFFFFFFFF), np.uint32(first >> 32), k0, k1,
+            )  # fmt: skip
+
+
+def _bits_f32(u):  # pragma: no cover - replaced by an intrinsic
+    """The low 32 bits of a uint64 as fp32."""
+    return np.array(np.uint32(u)).view(np.float32)[()]
 
 
 @functools.cache
 def _kernels() -> Any:
     """Compile (or load from numba's cache) the compact-state kernels; numba is imported only here."""
-    global _adam, _as_fp32, _prange, _element_bits, _sr_bf16, _encode_int8, _f32_bits, _bits_f32, _decode_int8
+    global _adam, _as_fp32, _prange, _bits_f32, _bf16_block, _int8_block, _int8_encode
+    global _hash32, _high16, _sr_bf16, _abs_bits, _encode_m8, _encode_v8, _decode_m8, _decode_v8
     import numba
     from llvmlite import ir as llvm_ir
     from numba.core import types
     from numba.extending import intrinsic
 
-    fused = fused_adamw._kernels()  # binds fused_adamw's jitted element helpers first
-    del fused
-
-    @intrinsic
-    def f32_bits(typingctx, x):
-        """fp32 -> its bit pattern, zero-extended to uint64 (a register bitcast)."""
-        if x != types.float32:
-            return None
-
-        def codegen(context, builder, signature, args):
-            return builder.zext(builder.bitcast(args[0], llvm_ir.IntType(32)), llvm_ir.IntType(64))
-
-        return types.uint64(x), codegen
+    fused_adamw._kernels()  # binds fused_adamw's jitted element helpers first
 
     @intrinsic
     def bits_f32(typingctx, u):
@@ -215,19 +225,17 @@ def _kernels() -> Any:
         return numba.njit(inline="always", fastmath=False, nogil=True)(fn)
 
     _adam, _as_fp32, _prange = fused_adamw._adam, fused_adamw._as_fp32, numba.prange
-    _f32_bits, _bits_f32 = f32_bits, bits_f32
-    twins = state_formats.numba_twins()
-    _element_bits, _sr_bf16, _encode_int8 = twins.element_bits, twins.sr_bf16, twins.encode_int8
-    _decode_int8 = inline(_decode_int8_py)
+    t = state_formats.numba_twins()
+    _hash32, _high16, _sr_bf16, _abs_bits = t.hash32, t.high16, t.sr_bf16, t.abs_bits
+    _encode_m8, _encode_v8, _decode_m8, _decode_v8 = t.encode_m8, t.encode_v8, t.decode_m8, t.decode_v8
+    _bits_f32 = bits_f32
+    _bf16_block, _int8_block, _int8_encode = inline(_bf16_block_py), inline(_int8_block_py), inline(_int8_encode_py)
 
     class Kernels:
         bf16 = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_bf16_py)
         int8 = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_int8_py)
 
     return Kernels
-
-
-_decode_int8_py = _decode_int8
 
 
 class CompactAdamW(Optimizer):
@@ -361,7 +369,7 @@ class CompactAdamW(Optimizer):
             g = fused_adamw._np(grad.view(torch.int16), "grad").view(np.uint16)
         else:
             g = fused_adamw._np(grad if grad.dtype == torch.float32 else grad.float(), "grad")
-        index0, k0, k1 = np.int64(master.storage_offset()), np.uint64(key[0]), np.uint64(key[1])
+        index0, k0, k1 = np.int64(master.storage_offset()), np.uint32(key[0]), np.uint32(key[1])
         if self.format == "bf16":
             m = fused_adamw._np(state["exp_avg"].view(torch.int16), "exp_avg").view(np.uint16)
             v = fused_adamw._np(state["exp_avg_sq"].view(torch.int16), "exp_avg_sq").view(np.uint16)
