@@ -21,6 +21,7 @@ import copy
 import ctypes
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -193,18 +194,19 @@ def _write_weights(
     max_shard_bytes: int,
     stop: Callable[[], bool],
 ) -> None:
-    entries = checkpoint_entries(model)
     views = unit_views(host_params)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    shards: list[list[CheckpointEntry]] = [[]]
+    shards: list[list[list[CheckpointEntry]]] = [[]]
     shard_bytes = 0
     total = 0
-    for entry in entries:
-        nbytes = entry.target(views[entry.unit.name]).numel() * itemsize
+    for parts in _by_key(checkpoint_entries(model)):
+        first = parts[0]
+        numel = math.prod(first.stored_shape) if first.source else first.target(views[first.unit.name]).numel()
+        nbytes = numel * itemsize
         if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
             shards.append([])
             shard_bytes = 0
-        shards[-1].append(entry)
+        shards[-1].append(parts)
         shard_bytes += nbytes
         total += nbytes
 
@@ -217,14 +219,54 @@ def _write_weights(
     for name, shard in zip(names, shards, strict=True):
         if stop():
             raise ExportCancelled(f"the export to {directory} was cancelled")
-        # copy=True: safetensors refuses tensors that share storage, and views of one slab all do.
-        tensors = {e.key: e.target(views[e.unit.name]).to(dtype=dtype, copy=True).contiguous() for e in shard}
+        tensors = {parts[0].key: _stored_tensor(parts, views, dtype) for parts in shard}
         _save_shard(tensors, directory / name)
         del tensors
-        weight_map.update(dict.fromkeys((e.key for e in shard), name))
+        weight_map.update(dict.fromkeys((parts[0].key for parts in shard), name))
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _by_key(entries: list[CheckpointEntry]) -> list[list[CheckpointEntry]]:
+    """Entries grouped by checkpoint key, in first-seen order: a tensor split across units (entries with
+    a ``source`` region) is written once, whole, into one shard."""
+    groups: dict[str, list[CheckpointEntry]] = {}
+    for entry in entries:
+        groups.setdefault(entry.key, []).append(entry)
+    return list(groups.values())
+
+
+def _stored_tensor(
+    parts: list[CheckpointEntry], views: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype
+) -> torch.Tensor:
+    """The tensor written under ``parts[0].key``: one entry's view, or the whole tensor assembled from its
+    regions (which must cover it exactly once, so no uninitialised memory is ever written)."""
+    first = parts[0]
+    if not first.source:
+        # copy=True: safetensors refuses tensors that share storage, and views of one slab all do.
+        return first.target(views[first.unit.name]).to(dtype=dtype, copy=True).contiguous()
+    if not _tiles(first.stored_shape, [part.source for part in parts]):
+        raise ValueError(f"{first.key}: the units' regions do not cover the stored tensor exactly once")
+    whole = torch.empty(first.stored_shape, dtype=dtype)
+    for part in parts:
+        whole[part.source] = part.target(views[part.unit.name])
+    return whole
+
+
+def _tiles(shape: tuple[int, ...], regions: list[tuple[slice, ...]]) -> bool:
+    """Whether the boxes ``regions`` (unit-step slices) are pairwise disjoint and fill ``shape``."""
+    boxes = []
+    for region in regions:
+        box = [s.indices(n)[:2] for s, n in zip(region, shape, strict=False)]
+        box += [(0, n) for n in shape[len(region) :]]
+        boxes.append(box)
+    volume = sum(math.prod(max(0, stop - start) for start, stop in box) for box in boxes)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            if all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b, strict=True)):
+                return False
+    return volume == math.prod(shape)
 
 
 def _save_shard(tensors: dict[str, torch.Tensor], file: Path) -> None:

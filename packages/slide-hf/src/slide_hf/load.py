@@ -102,15 +102,20 @@ def load_weights(model: SlideModel, host_params: HostParameters, model_dir: str 
     views = unit_views(host_params)
     targets = {id(entry): entry.target(views[entry.unit.name]) for entry in entries}
     for file, items in by_file.items():
-        _check_headers(file, [(stored, tuple(targets[id(entry)].shape)) for entry, stored in items])
+        _check_headers(file, [(stored, _stored_shape(entry, targets[id(entry)])) for entry, stored in items])
     budget = min(max(host_params.nbytes // _BUDGET_DIVISOR, _MIN_BUDGET), _MAX_BUDGET)
     with torch.no_grad():
         for file, items in by_file.items():
             reader = _ShardReader(file, budget)
             with _readable(file):
                 for entry, stored in items:
-                    reader.copy_into(stored, targets[id(entry)])
+                    reader.copy_into(stored, targets[id(entry)], entry.source)
             reader.close()
+
+
+def _stored_shape(entry: CheckpointEntry, target: torch.Tensor) -> tuple[int, ...]:
+    """The shape the file must hold for ``entry``: the whole tensor's where the entry is a region of it."""
+    return tuple(entry.stored_shape) if entry.source else tuple(target.shape)
 
 
 @contextlib.contextmanager
@@ -225,7 +230,8 @@ class _ShardReader:
     def close(self) -> None:
         self._handle = None  # dropping the last reference unmaps the file
 
-    def copy_into(self, key: str, dst: torch.Tensor) -> None:
+    def copy_into(self, key: str, dst: torch.Tensor, source: tuple[slice, ...] = ()) -> None:
+        """Copy tensor ``key`` (or its region ``source``: slices with unit steps) into ``dst``, rows at a time."""
         piece = self._open().get_slice(key)
         shape = tuple(piece.get_shape())
         itemsize = _DTYPE_BYTES[piece.get_dtype()]
@@ -235,11 +241,13 @@ class _ShardReader:
             self._read += itemsize
             self._check_finite(key, dst)
             return
+        first = source[0].indices(shape[0])[0] if source else 0
         row_bytes = max(1, itemsize * dst[0].numel())
         step = max(1, self.budget // row_bytes)
-        for start in range(0, shape[0], step):
-            stop = min(start + step, shape[0])
-            dst[start:stop].copy_(self._open().get_slice(key)[start:stop])
+        for start in range(0, dst.shape[0], step):
+            stop = min(start + step, dst.shape[0])
+            rows = slice(first + start, first + stop)
+            dst[start:stop].copy_(self._open().get_slice(key)[(rows, *source[1:])])
             self._read += (stop - start) * row_bytes
             self._check_finite(key, dst[start:stop])
 

@@ -21,12 +21,19 @@ __all__ = ["CheckpointEntry", "checkpoint_entries", "param_count", "unit_views"]
 
 @dataclass(frozen=True)
 class CheckpointEntry:
-    """One tensor of an HF checkpoint: stored under ``key``, it is ``view(param)[index]`` of ``unit``."""
+    """One tensor of an HF checkpoint: stored under ``key``, it is ``view(param)[index]`` of ``unit``.
+
+    With ``source`` the entry is only the region ``source`` of the stored tensor (of ``stored_shape``),
+    whose other regions are other entries under the same key, usually of other units (a checkpoint
+    tensor split across blocks); see ``CheckpointSlice.source`` in slide_hf/adapters/base.py.
+    """
 
     key: str
     unit: Unit
     param: str
     index: tuple[Any, ...] = ()
+    source: tuple[slice, ...] = ()
+    stored_shape: tuple[int, ...] = ()
 
     def target(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
         """The region of the unit's views (from :meth:`HostParameters.views`) this entry covers."""
@@ -52,7 +59,8 @@ def _iter_entries(model: SlideModel) -> Iterator[CheckpointEntry]:
         for spec in unit.layout:
             if spec.name in slices:
                 for piece in slices[spec.name]:
-                    yield CheckpointEntry(piece.key, unit, spec.name, piece.index)
+                    source, stored = getattr(piece, "source", ()), getattr(piece, "stored_shape", ())
+                    yield CheckpointEntry(piece.key, unit, spec.name, piece.index, source, stored)
             else:
                 yield CheckpointEntry(names[spec.name], unit, spec.name)
 

@@ -82,6 +82,14 @@ class CheckpointSlice:
 
     key: str
     index: tuple[Any, ...] = ()
+    source: tuple[slice, ...] = ()
+    """The region of the stored tensor this piece is, where a unit holds only part of a checkpoint tensor
+    (Gemma 4's per-layer embedding table is one (vocab, layers x width) tensor on disk and each block's
+    (vocab, width) columns in memory); empty for the whole tensor. Several units' pieces make up the
+    stored tensor: the loader copies ``stored[source]`` into ``view[index]``, the exporter assembles."""
+    stored_shape: tuple[int, ...] = ()
+    """The whole stored tensor's shape, given with ``source``: what the loader checks the file against and
+    the shape the exporter writes."""
 
 
 @dataclass
