@@ -314,3 +314,32 @@ def test_device_resident_units_keep_compact_state() -> None:
     )
     reference = _engine("int8", batches)[0]
     assert losses == pytest.approx(reference, rel=1e-3)
+
+
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_numba), False])
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_split_master_gives_the_same_compact_state(state_format: str, fused: bool) -> None:
+    """A split master (slide_core/split_master.py) numbers its elements like the fp32 slab, so the same
+    steps give bit-identical moments and a master that decodes to the fp32 run's bits."""
+    from slide_core.split_master import SplitMaster, tie_bytes
+
+    n, offset = 64 * 130, 4096 - 192  # a range whose work items straddle the tie numbering's 4096 blocks
+    values = torch.randn(offset + n, generator=torch.Generator().manual_seed(5)) * 0.02
+    values[offset : offset + 64] = torch.tensor([1.0 + 2.0**-8] * 64)  # low half 0x8000: tie bits in use
+    config = AdamWConfig(weight_decay=0.1, state_format=state_format, state_seed=2)
+    grads = _grads(n, 4, torch.bfloat16, seed=3)
+    plain = values.clone()[offset:]
+    plain_state = _empty_state(state_format, n)
+    _run_steps(CompactAdamW(config, fused=fused), plain, plain_state, grads, scales=[1, 0.5, 1, 1])
+    planes = SplitMaster(
+        torch.empty(offset + n, dtype=torch.bfloat16),
+        torch.empty(offset + n, dtype=torch.int16),
+        torch.zeros(tie_bytes(offset + n), dtype=torch.uint8),
+    )
+    planes.encode_(values)
+    split = planes[offset:]
+    split_state = _empty_state(state_format, n)
+    _run_steps(CompactAdamW(config, fused=fused), split, split_state, grads, scales=[1, 0.5, 1, 1])
+    assert torch.equal(_bits(split.decode()), _bits(plain))
+    for name, tensor in plain_state.items():
+        assert torch.equal(_bits(split_state[name]), _bits(tensor)), name

@@ -13,9 +13,9 @@ Two paths give the same codes from the same fp32 moments:
   ``TorchAdamW``'s single-tensor ops on it, encode with the torch twins of the same hash and rounding. It
   is what device-resident units use (``device_replica``) and the reference the kernels are tested against.
 
-The hash's element index is the master range's offset in its storage (``master.storage_offset()``): for the
-engine's host units that is the element's position in the master slab, the same for a unit whose state is
-staged from NVMe and across a resume. Device-resident units have one master tensor each, so their indices
+The hash's element index is the master range's offset in its storage (``master.storage_offset()``, or a
+split master's ``offset``): for the engine's host units that is the element's position in the master slab,
+the same for a unit whose state is staged from NVMe, across a resume, and for either master format. Device-resident units have one master tensor each, so their indices
 restart at 0 per unit (their streams are still distinct per step).
 
 Clipping's correction (``correct``) decodes, corrects in fp32 (``AdamWCorrection``) and encodes again with
@@ -48,6 +48,7 @@ from slide_core.optim.state_formats import (
     stream_key,
 )
 from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer
+from slide_core.split_master import SplitMaster
 
 __all__ = ["CompactAdamW", "compact_bytes_per_param"]
 
@@ -67,6 +68,10 @@ def compact_bytes_per_param(state_format: str) -> float:
 # intrinsics (``NumbaTwins``: ``_hash32``, ``_sr_bf16``, ...), ``_prange`` numba's; all bound by ``_kernels`` before the first compile.
 _adam = fused_adamw._adam_py
 _as_fp32 = fused_adamw._as_fp32
+_load_master = fused_adamw._load_master_py
+_store_master = fused_adamw._store_master_py
+_read_ties = fused_adamw._read_ties_py
+_write_ties = fused_adamw._write_ties_py
 _prange = range
 _hash32: Any = None
 _high16: Any = None
@@ -193,6 +198,113 @@ def _adamw_int8_py(
             )  # fmt: skip
 
 
+# Split master (slide_core/split_master.py): the same kernels with the master read and written through
+# fused_adamw's ``_load_master`` / ``_store_master`` and its tie bits moved around each work item by
+# ``_read_ties`` / ``_write_ties``; work items are aligned to ``BLOCK`` in the tie numbering as in
+# ``fused_adamw._adamw_split_py`` (a range starts on a 64-element block, so int8 blocks stay whole).
+
+
+def _bf16_split_block_py(
+    hi, lo, ties, first, flags, g, m, v, lo0, hi0, k0, k1, scale, decay, coeff, large, beta2, one_minus_beta2,
+    bc2_sqrt, eps, neg_step,
+):  # fmt: skip
+    """``_bf16_block_py`` over a split master block."""
+    _read_ties(lo, ties, first, flags)
+    for j in range(hi.shape[0]):
+        pj = _load_master(hi[j], lo[j], flags[j])
+        gi = _as_fp32(g[j]) * scale
+        mi, vi, step = _adam(
+            gi, _as_fp32(m[j]), _as_fp32(v[j]), coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
+        )
+        h, low, flags[j] = _store_master(pj * decay + step)
+        hi[j] = h
+        lo[j] = low
+        bits = _hash32(lo0, j, hi0, k0, k1)
+        m[j] = _sr_bf16(mi, bits)
+        v[j] = _sr_bf16(vi, _high16(bits))
+    _write_ties(lo, ties, first, flags)
+
+
+_bf16_split_block = _bf16_split_block_py
+
+
+def _adamw_bf16_split_py(
+    hi, lo, ties, first, flags, g, m, v, index0, k0, k1, scale, decay, coeff, large, beta2, one_minus_beta2,
+    bc2_sqrt, eps, neg_step,
+):  # fmt: skip
+    n = hi.shape[0]
+    skip = first % BLOCK
+    for b in _prange((skip + n + BLOCK - 1) // BLOCK):
+        s = max(b * BLOCK - skip, 0)
+        e = min((b + 1) * BLOCK - skip, n)
+        start = index0 + s
+        _bf16_split_block(
+            hi[s:e], lo[s:e], ties, first + s, flags[s:e], g[s:e], m[s:e], v[s:e], np.uint32(start & 0xFFFFFFFF),
+            np.uint32(start >> 32), k0, k1, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps,
+            neg_step,
+        )  # fmt: skip
+
+
+def _int8_split_block_py(
+    hi, lo, flags, g, m, v, mt, vt, m_scale, v_scale, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt,
+    eps, neg_step,
+):  # fmt: skip
+    """``_int8_block_py`` over a split master block (its tie flags already read into ``flags``)."""
+    m_max = np.uint32(0)
+    v_max = np.uint32(0)
+    for j in range(hi.shape[0]):
+        pj = _load_master(hi[j], lo[j], flags[j])
+        gi = _as_fp32(g[j]) * scale
+        mi = _decode_m8(m[j], m_scale)
+        vi = _decode_v8(v[j], v_scale)
+        mi, vi, step = _adam(gi, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step)
+        h, low, flags[j] = _store_master(pj * decay + step)
+        hi[j] = h
+        lo[j] = low
+        mt[j] = mi
+        vt[j] = vi
+        m_max = max(m_max, _abs_bits(mi))
+        v_max = max(v_max, _abs_bits(vi))
+    return m_max, v_max
+
+
+_int8_split_block = _int8_split_block_py
+
+
+def _adamw_int8_split_py(
+    hi, lo, ties, first, flags, g, m, v, m_scale, v_scale, index0, k0, k1, scale, decay, coeff, large, beta2,
+    one_minus_beta2, bc2_sqrt, eps, neg_step,
+):  # fmt: skip
+    n = hi.shape[0]
+    skip = first % BLOCK
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    for b in _prange((skip + n + BLOCK - 1) // BLOCK):
+        s = max(b * BLOCK - skip, 0)
+        e = min((b + 1) * BLOCK - skip, n)
+        mt = np.empty(QUANT_BLOCK, dtype=np.float32)
+        vt = np.empty(QUANT_BLOCK, dtype=np.float32)
+        _read_ties(lo[s:e], ties, first + s, flags[s:e])
+        for qs in range(s, e, QUANT_BLOCK):
+            q = qs // QUANT_BLOCK
+            qe = min(qs + QUANT_BLOCK, e)
+            k = qe - qs
+            m_bits, v_bits = _int8_split_block(
+                hi[qs:qe], lo[qs:qe], flags[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt[:k], vt[:k], m_scale[q],
+                v_scale[q], scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+            )  # fmt: skip
+            m_max = _bits_f32(np.uint64(m_bits))
+            v_max = _bits_f32(np.uint64(v_bits))
+            m_scale[q] = m_max
+            v_scale[q] = v_max
+            start = index0 + qs
+            _int8_encode(
+                m[qs:qe], v[qs:qe], mt[:k], vt[:k], one / m_max if m_max > zero else zero,
+                one / v_max if v_max > zero else zero, np.uint32(start & 0xFFFFFFFF), np.uint32(start >> 32), k0, k1,
+            )  # fmt: skip
+        _write_ties(lo[s:e], ties, first + s, flags[s:e])
+
+
 def _bits_f32(u):  # pragma: no cover - replaced by an intrinsic
     """The low 32 bits of a uint64 as fp32."""
     return np.array(np.uint32(u)).view(np.float32)[()]
@@ -202,6 +314,7 @@ def _bits_f32(u):  # pragma: no cover - replaced by an intrinsic
 def _kernels() -> Any:
     """Compile (or load from numba's cache) the compact-state kernels; numba is imported only here."""
     global _adam, _as_fp32, _prange, _bits_f32, _bf16_block, _int8_block, _int8_encode
+    global _load_master, _store_master, _read_ties, _write_ties, _bf16_split_block, _int8_split_block
     global _hash32, _high16, _sr_bf16, _abs_bits, _encode_m8, _encode_v8, _decode_m8, _decode_v8
     import numba
     from llvmlite import ir as llvm_ir
@@ -230,12 +343,22 @@ def _kernels() -> Any:
     _encode_m8, _encode_v8, _decode_m8, _decode_v8 = t.encode_m8, t.encode_v8, t.decode_m8, t.decode_v8
     _bits_f32 = bits_f32
     _bf16_block, _int8_block, _int8_encode = inline(_bf16_block_py), inline(_int8_block_py), inline(_int8_encode_py)
+    _load_master, _store_master = fused_adamw._load_master, fused_adamw._store_master
+    _read_ties, _write_ties = fused_adamw._read_ties, fused_adamw._write_ties
+    _bf16_split_block, _int8_split_block = inline(_bf16_split_block_py), inline(_int8_split_block_py)
 
     class Kernels:
         bf16 = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_bf16_py)
         int8 = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_int8_py)
+        bf16_split = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_bf16_split_py)
+        int8_split = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_int8_split_py)
 
     return Kernels
+
+
+def _index0(master: torch.Tensor | SplitMaster) -> int:
+    """The hash index of the range's first element: its position in the master slab (or its plane)."""
+    return master.offset if isinstance(master, SplitMaster) else master.storage_offset()
 
 
 class CompactAdamW(Optimizer):
@@ -244,8 +367,12 @@ class CompactAdamW(Optimizer):
 
     ``fused``: True runs host ranges through the numba kernels (an error without numba), False through
     the torch ops, None (default) picks numba when it imports. Device ranges always take the torch ops.
-    ``threads`` caps numba's threads, as for ``FusedAdamW``.
+    ``threads`` caps numba's threads, as for ``FusedAdamW``. The master may be an fp32 range or a split
+    one (``SplitMaster``); both number their elements by slab position, so the hash, and the stored
+    moments, are the same for either.
     """
+
+    split_master = True
 
     def __init__(self, config: AdamWConfig, *, threads: int | None = None, fused: bool | None = None) -> None:
         super().__init__(config)
@@ -264,6 +391,7 @@ class CompactAdamW(Optimizer):
         self._threads = fused_adamw.FusedAdamW(dataclasses.replace(config, state_format="fp32"), threads=threads)
         self._correction = AdamWCorrection(config)
         self._moments: dict[torch.device, torch.Tensor] = {}
+        self._flags = np.empty(0, dtype=np.uint8)  # a split master's unpacked tie bits, one byte per element
         self._reserved = 0
 
     @property
@@ -296,7 +424,7 @@ class CompactAdamW(Optimizer):
             state = {a.name: torch.zeros(a.numel(QUANT_BLOCK), dtype=a.dtype) for a in self.arrays}
             self.step(torch.ones(QUANT_BLOCK), torch.ones(QUANT_BLOCK, dtype=dtype), state, lr=1e-3, step=1, decay=True)
 
-    def _check(self, master: torch.Tensor, grad: torch.Tensor, state: Mapping[str, torch.Tensor]) -> int:
+    def _check(self, master: torch.Tensor | SplitMaster, grad: torch.Tensor, state: Mapping[str, torch.Tensor]) -> int:
         n = master.numel()
         for a in self.arrays:
             t = state[a.name]
@@ -304,15 +432,16 @@ class CompactAdamW(Optimizer):
                 raise ValueError(
                     f"{a.name} must be {a.numel(n)} x {a.dtype} for a range of {n}, got {t.numel()} x {t.dtype}"
                 )
-        if master.dtype != torch.float32 or grad.numel() != n:
-            raise ValueError(f"master must be fp32 and grad of its size ({n}), got {master.dtype}, {grad.numel()}")
+        dtype = torch.float32 if isinstance(master, SplitMaster) else master.dtype
+        if dtype != torch.float32 or grad.numel() != n:
+            raise ValueError(f"master must be fp32 and grad of its size ({n}), got {dtype}, {grad.numel()}")
         if self.format == "int8" and n % QUANT_BLOCK:
             raise ValueError(f"int8 optimizer state works on whole {QUANT_BLOCK}-element blocks, got a range of {n}")
         return n
 
     def step(
         self,
-        master: torch.Tensor,
+        master: torch.Tensor | SplitMaster,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -333,11 +462,11 @@ class CompactAdamW(Optimizer):
         self._fp32.step(
             master, grad, {"exp_avg": m, "exp_avg_sq": v}, lr=lr, step=step, decay=decay, grad_scale=grad_scale
         )
-        encode_moments(self.format, m, v, state, index0=master.storage_offset(), key=key)
+        encode_moments(self.format, m, v, state, index0=_index0(master), key=key)
 
     def _fused_step(
         self,
-        master: torch.Tensor,
+        master: torch.Tensor | SplitMaster,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         key: tuple[int, int],
@@ -364,26 +493,31 @@ class CompactAdamW(Optimizer):
             f32(cfg.eps),
             f32(-(lr / (1 - cfg.beta1**step))),
         )  # exactly FusedAdamW.step's scalars
-        p = fused_adamw._np(master, "master")
         if grad.dtype == torch.bfloat16:
             g = fused_adamw._np(grad.view(torch.int16), "grad").view(np.uint16)
         else:
             g = fused_adamw._np(grad if grad.dtype == torch.float32 else grad.float(), "grad")
-        index0, k0, k1 = np.int64(master.storage_offset()), np.uint32(key[0]), np.uint32(key[1])
+        index = (np.int64(_index0(master)), np.uint32(key[0]), np.uint32(key[1]), f32(grad_scale))
         if self.format == "bf16":
-            m = fused_adamw._np(state["exp_avg"].view(torch.int16), "exp_avg").view(np.uint16)
-            v = fused_adamw._np(state["exp_avg_sq"].view(torch.int16), "exp_avg_sq").view(np.uint16)
-            kernels.bf16(p, g, m, v, index0, k0, k1, f32(grad_scale), *args)
+            moments = (
+                fused_adamw._np(state["exp_avg"].view(torch.int16), "exp_avg").view(np.uint16),
+                fused_adamw._np(state["exp_avg_sq"].view(torch.int16), "exp_avg_sq").view(np.uint16),
+            )
+        else:
+            moments = tuple(fused_adamw._np(state[a.name], a.name) for a in self.arrays)
+        if isinstance(master, SplitMaster):
+            n = master.numel()
+            if self._flags.shape[0] < n:
+                self._flags = np.empty(max(n, self._reserved), dtype=np.uint8)
+            kernel = kernels.bf16_split if self.format == "bf16" else kernels.int8_split
+            kernel(*fused_adamw._split_np(master, self._flags), g, *moments, *index, *args)
             return
-        kernels.int8(
-            p, g, fused_adamw._np(state["exp_avg"], "exp_avg"), fused_adamw._np(state["exp_avg_sq"], "exp_avg_sq"),
-            fused_adamw._np(state["exp_avg_scale"], "exp_avg_scale"),
-            fused_adamw._np(state["exp_avg_sq_scale"], "exp_avg_sq_scale"), index0, k0, k1, f32(grad_scale), *args,
-        )  # fmt: skip
+        kernel = kernels.bf16 if self.format == "bf16" else kernels.int8
+        kernel(fused_adamw._np(master, "master"), g, *moments, *index, *args)
 
     def correct(
         self,
-        master: torch.Tensor,
+        master: torch.Tensor | SplitMaster,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -402,4 +536,4 @@ class CompactAdamW(Optimizer):
         moments = {"exp_avg": m, "exp_avg_sq": v}
         self._correction.apply(correction, master, grad, applied, moments, lr=lr, step=step, decay=decay)
         key = stream_key(self.config.state_seed, step, CORRECTION_SALT)
-        encode_moments(self.format, m, v, state, index0=master.storage_offset(), key=key)
+        encode_moments(self.format, m, v, state, index0=_index0(master), key=key)
