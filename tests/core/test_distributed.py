@@ -35,6 +35,7 @@ from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
 from slide_core.sharded_checkpoint import save_sharded_checkpoint
 from slide_core.testing import ToyBlock, ToyConfig, ToyModel, load_init, toy_batches, toy_init, wait_ranks
+from slide_core.tiers.host_ram import HostRamTier
 
 RTOL = 1e-5
 LR = 3e-3
@@ -50,6 +51,20 @@ class Case:
     poison_step: int = 0
     """The step whose gradients turn NaN on the last rank only (0: none)."""
     steps: int = 3
+    resident: tuple[str, ...] = ()
+    """Device-resident units (sharded_resident.py)."""
+    offloaded: tuple[str, ...] = ()
+    """Units whose Adam state lives on a tier (the ram-backed stand-in of NVMe)."""
+
+    def config(self) -> EngineConfig:
+        return EngineConfig(
+            compute_dtype=torch.float32,
+            transfer_chunk_numel=1024,
+            max_grad_norm=self.max_grad_norm,
+            timeout_s=60.0,
+            resident_units=self.resident,
+            offloaded_units=self.offloaded,
+        )
 
 
 CASES = {
@@ -59,11 +74,18 @@ CASES = {
     "tied": Case(tied=True),  # the embedding sums the head's share on the host
     "tied-accum-clips": Case(tied=True, accum=2, max_grad_norm=0.05),
     "nan-on-one-rank": Case(max_grad_norm=1e6, poison_step=2, steps=4),
+    "resident": Case(resident=("embed", "layers.0")),
+    "resident-tied-accum-clips": Case(tied=True, accum=2, max_grad_norm=0.05, resident=("embed", "head")),
+    "nvme": Case(offloaded=("layers.0", "layers.2")),
+    "nvme-resident-accum-clips": Case(
+        accum=2, max_grad_norm=0.05, offloaded=("layers.1", "head"), resident=("embed", "layers.2")
+    ),
 }
 CHECKPOINT_CASES = {"clips-4": Case(max_grad_norm=0.05, steps=4)}
-RESHARD_CASE = Case(accum=2, max_grad_norm=0.05, steps=4)
+RESHARD_CASE = Case(accum=2, max_grad_norm=0.05, steps=4, resident=("embed",), offloaded=("layers.1",))
 """Saved after step 2 by one world size, resumed by another: clipping (the saved step defers its
-successor's updates, Note [Deferred clipped steps]) and accumulation (host-summed gradients)."""
+successor's updates, Note [Deferred clipped steps]), accumulation (host-summed gradients), and a unit of
+each placement (host, device-resident, Adam state on a tier)."""
 RESHARD_ROWS = 6
 """The global batch of the resharding runs: rows for 1, 2 and 3 ranks alike."""
 
@@ -114,15 +136,13 @@ def _run(
     optimizer state slabs (NaN wherever they were never written). ``die_after``: the step after which
     this process writes the time to ``obituary`` and kills itself."""
     model = _model(case)
-    config = EngineConfig(
-        compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=case.max_grad_norm, timeout_s=60.0
-    )
+    config = case.config()
     optimizer = TorchAdamW(AdamWConfig(weight_decay=0.1))
     results = []
-    with CPUDevice() as device:
+    with CPUDevice() as device, HostRamTier() as tier:
         host = HostParameters(model)
         load_init(host, toy_init(model, seed=4))
-        engine = Engine(model, device, host, optimizer, config, process_group=group)
+        engine = Engine(model, device, host, optimizer, config, state_tier=tier, process_group=group)
         for slab in engine.host_state.state_slabs.values():
             slab.fill_(math.nan)  # a fresh run zeroes the state it will update; the rest stays NaN
         with engine:
@@ -134,11 +154,11 @@ def _run(
                     assert obituary is not None
                     obituary.write_text(repr(time.time()))
                     os.kill(os.getpid(), signal.SIGKILL)
-            state = {
-                unit.name: {k: v.clone() for k, v in engine.host_state.views(unit).items()} for unit in model.units
-            }
+            in_ram = [unit for unit in model.units if unit.name not in (*case.resident, *case.offloaded)]
+            state = {unit.name: {k: v.clone() for k, v in engine.host_state.views(unit).items()} for unit in in_ram}
         master = {unit.name: host.flat(unit).clone() for unit in model.units}
-    return {"results": results, "master": master, "state": state}
+        on_tier = {key: held.numel() for key, held in tier._store.items()}
+    return {"results": results, "master": master, "state": state, "on_tier": on_tier}
 
 
 def _checkpointed_run(case: Case, batches, group: ProcessGroupContext, out: Path) -> dict:
@@ -185,15 +205,14 @@ def _checkpointed_run(case: Case, batches, group: ProcessGroupContext, out: Path
     }
 
 
-def _reshard_engine(device: CPUDevice, group: ProcessGroupContext | None) -> tuple[Engine, HostParameters]:
+def _reshard_engine(
+    device: CPUDevice, tier: HostRamTier, group: ProcessGroupContext | None
+) -> tuple[Engine, HostParameters]:
     model = _model(RESHARD_CASE)
-    config = EngineConfig(
-        compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=RESHARD_CASE.max_grad_norm, timeout_s=60.0
-    )
     host = HostParameters(model)
     load_init(host, toy_init(model, seed=4))
     optimizer = TorchAdamW(AdamWConfig(weight_decay=0.1))
-    return Engine(model, device, host, optimizer, config, process_group=group), host
+    return Engine(model, device, host, optimizer, RESHARD_CASE.config(), tier, process_group=group), host
 
 
 def _reshard_batches(rank: int, world_size: int):
@@ -209,8 +228,8 @@ def _reshard_save(group: ProcessGroupContext | None, root: Path) -> list[tuple]:
     """The first 2 steps of the resharding runs, then their checkpoint: every rank's shards under a
     manifest (one process: a plain checkpoint)."""
     rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
-    with CPUDevice() as device:
-        engine, _ = _reshard_engine(device, group)
+    with CPUDevice() as device, HostRamTier() as tier:
+        engine, _ = _reshard_engine(device, tier, group)
         with engine:
             rows = [_as_row(engine.step(micro, lr=LR)) for micro in _reshard_batches(rank, world_size)[:2]]
             arrays, state = engine.checkpoint_arrays(), engine.schedule_state()
@@ -224,8 +243,8 @@ def _reshard_save(group: ProcessGroupContext | None, root: Path) -> list[tuple]:
 def _reshard_resume(group: ProcessGroupContext | None, step_dir: Path) -> dict:
     """Steps 3 and 4 of the resharding runs from ``step_dir``, whoever wrote it, and the final master."""
     rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
-    with CPUDevice() as device:
-        engine, host = _reshard_engine(device, group)
+    with CPUDevice() as device, HostRamTier() as tier:
+        engine, host = _reshard_engine(device, tier, group)
         with engine:
             state = engine.restore_checkpoint(step_dir)
             engine.restore_schedule_state(state["extra"])
@@ -362,6 +381,23 @@ def test_each_rank_writes_only_its_shards_optimizer_state(ranks: tuple[int, Path
 
 
 @pytest.mark.slow
+def test_a_tier_holds_only_each_ranks_shards(ranks: tuple[int, Path]) -> None:
+    """NVMe-offloaded Adam state under data parallel: each rank's tier keeps its shard of each offloaded
+    unit's m and v, nothing else."""
+    world_size, out = ranks
+    case = CASES["nvme"]
+    model = _model(case)
+    for rank in range(world_size):
+        on_tier = torch.load(out / f"nvme-rank{rank}.pt")["on_tier"]
+        want = {}
+        for unit in model.units:
+            if unit.name in case.offloaded:
+                lo, hi = shard_span(unit.layout.numel, rank, world_size)
+                want.update({f"{unit.name}/exp_avg": hi - lo, f"{unit.name}/exp_avg_sq": hi - lo})
+        assert on_tier == want, f"rank {rank}"
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_each_ranks_shards_resumes_bit_identically(tmp_path: Path) -> None:
     """Each of 2 ranks saves its shards of the master and the Adam state after 2 clipped steps (the next
     step defers its updates: Note [Deferred clipped steps]), fresh engines restore them, and the next 2
@@ -419,8 +455,8 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
 
 def _reshard_straight() -> tuple[torch.Tensor, list[tuple]]:
     """The uninterrupted resharding run in this process: its final master and its 4 steps."""
-    with CPUDevice() as device:
-        engine, host = _reshard_engine(device, None)
+    with CPUDevice() as device, HostRamTier() as tier:
+        engine, host = _reshard_engine(device, tier, None)
         with engine:
             rows = [_as_row(engine.step(micro, lr=LR)) for micro in _reshard_batches(0, 1)]
         return host.slab.clone(), rows
@@ -471,14 +507,11 @@ def test_a_bad_environment_is_named(environ: dict[str, str], message: str) -> No
         ProcessGroupContext.from_env("cpu", environ=environ)
 
 
-def test_placements_not_sharded_yet_are_refused() -> None:
+def test_an_unopened_group_is_refused() -> None:
     model = ToyModel(ToyConfig())
     group = ProcessGroupContext(0, 2)
     with CPUDevice() as device:
         host = HostParameters(model)
-        config = EngineConfig(resident_units=("embed",))
-        with pytest.raises(ValueError, match="host-updated units only"):
-            Engine(model, device, host, TorchAdamW(AdamWConfig()), config, process_group=group)
         with pytest.raises(ValueError, match="open the process group first"):
             Engine(model, device, host, TorchAdamW(AdamWConfig()), EngineConfig(), process_group=group)
 

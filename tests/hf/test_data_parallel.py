@@ -195,31 +195,22 @@ def test_one_process_resumes_a_checkpoint_of_two(two_ranks: Path, tmp_path: Path
     assert "master.bin" in read_state(alone / "checkpoints" / f"step-{STEPS:08d}")["files"]  # one process's
 
 
-def test_slide_train_refuses_what_data_parallel_does_not_run_yet(tmp_path, monkeypatch, capsys) -> None:
-    from slide_hf.cli.main import main
-
-    environ = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    for key, value in environ.items():
-        monkeypatch.setenv(key, value)
-    args = [
-        "train",
-        "--model",
-        "tiny-llama",
-        "--steps",
-        "1",
-        "--output",
-        str(tmp_path / "run"),
-        "--offload-activations",
-        "nvme",
-        "--nvme-dir",
-        str(tmp_path),
-    ]
-    assert main(args) == 2
-    assert capsys.readouterr().err == (
-        "slide train: error: --offload-activations nvme is not supported with data parallel yet "
-        "(WORLD_SIZE=2); see docs/distributed.md\n"
-    )
-    assert not (tmp_path / "run").exists()
+@pytest.mark.slow
+def test_two_processes_offload_to_nvme(two_ranks: Path, tmp_path: Path) -> None:
+    """Adam state and block inputs on the NVMe tiers under data parallel: each rank offloads its own shards
+    into its own scratch folder, the run trains what the 2-process run in RAM does, and every rank removes
+    its folder at the end."""
+    nvme = tmp_path / "nvme"
+    offload = ("--offload-optimizer", "nvme", "--offload-activations", "nvme", "--nvme-dir", str(nvme))
+    run = tmp_path / "run"
+    for rank, (code, err) in enumerate(_slide_train(run, 1, 2, *offload)):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    assert _losses(run) == pytest.approx(_losses(two_ranks), rel=1e-5)
+    want, got = _weights(two_ranks), _weights(run)
+    for name, tensor in want.items():
+        assert float((got[name] - tensor).norm() / tensor.norm()) <= 1e-5, name
+    assert sorted(p.name for p in nvme.iterdir()) == ["rank-0", "rank-1"]
+    assert not [p for folder in nvme.iterdir() for p in folder.iterdir()]  # the scratch folders are gone
 
 
 @pytest.mark.slow

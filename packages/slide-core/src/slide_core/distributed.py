@@ -14,8 +14,9 @@ Note [One group per issuing thread]: every rank must issue the collectives of on
 order. The engine issues them from two threads: the main thread (the gradients' reduce-scatter after each
 backward, the step's sums of loss, token counts and norms, the masters' gather at a drain) and the h2d
 thread (each load's all-gather). Each thread's order is the schedule's, the same on every rank, but the
-interleaving of the two is not, so each thread has its own group: ``main`` (device tensors) and ``host``
-(host tensors, gloo) for the main thread, ``loads`` for the h2d thread. Tested by every case of
+interleaving of the two is not, so each thread has its own group: ``main`` (device tensors: also the
+all-gather of a device-resident unit after its update) and ``host`` (host tensors, gloo) for the main
+thread, ``loads`` for the h2d thread. Tested by every case of
 tests/core/test_distributed.py (prefetching loads overlap the backward's reduce-scatters there).
 
 Note [Collective failures]: a collective that fails (a peer closed its connections because it died, or
@@ -195,6 +196,11 @@ class ProcessGroupContext:
         on the current stream as :meth:`reduce_scatter_` is."""
         self._gather(self._group("loads"), flat, what)
 
+    def all_gather_main_(self, flat: torch.Tensor, what: str) -> None:
+        """Main thread, device tensor: as :meth:`all_gather_`, through the main thread's group (a
+        device-resident unit's parameters after its update, sharded_resident.py)."""
+        self._gather(self._group("main"), flat, what)
+
     def all_gather_host_(self, flat: torch.Tensor, what: str) -> None:
         """Main thread, host tensor: as :meth:`all_gather_`, through the gloo group."""
         self._gather(self._group("host"), flat, what)
@@ -208,6 +214,17 @@ class ProcessGroupContext:
         """Main thread, host tensor: the sum over the ranks, in place, through the gloo group."""
         group = self._group("host")
         self._run(what, lambda: dist.all_reduce(tensor, group=group, async_op=True))
+
+    def broadcast_object(self, value: Any, what: str) -> Any:
+        """Main thread: rank 0's ``value`` (any picklable object) on every rank, through the gloo group, for
+        a decision every rank must take alike (which units live on the device, for one). ``value`` as is
+        with world size 1."""
+        if not self.is_distributed:
+            return value
+        holder = [value]
+        group = self._group("host")
+        self._run(what, lambda: dist.broadcast_object_list(holder, src=0, group=group))
+        return holder[0]
 
     def barrier(self, what: str) -> None:
         """Main thread: wait until every rank has come here (a sum of nothing through the gloo group, so it

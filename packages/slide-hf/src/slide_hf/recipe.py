@@ -26,6 +26,7 @@ recipe takes exactly the single-process path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -135,7 +136,8 @@ def train(
     # Data parallel: rank 0 holds the directory; the others write only their checkpoint shards in it.
     with group:
         run_dir = RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite)
-        with run_dir if group.rank == 0 else contextlib.nullcontext(run_dir):
+        # The other ranks only remove their NVMe scratch folders at the end (closing an unlocked RunDir).
+        with run_dir if group.rank == 0 else contextlib.closing(run_dir):
             group.barrier("the wait for rank 0 to claim the output directory")
             return _train(cfg, run_dir, on_step=on_step, on_eval=on_eval, group=group)
 
@@ -204,25 +206,13 @@ def _train(
 
 
 def _process_group(cfg: TrainConfig) -> ProcessGroupContext:
-    """This process's place in the run, from torchrun's environment (world size 1 without it), with what
-    data parallel does not support yet refused in one line (docs/distributed.md)."""
+    """This process's place in the run, from torchrun's environment (world size 1 without it); a bad
+    environment is one line (docs/distributed.md)."""
     device_type = "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda"
     try:
         group = ProcessGroupContext.from_env(device_type)
     except ValueError as error:
         raise UserError(str(error)) from None
-    if not group.is_distributed:
-        return group
-    unsupported = [
-        (cfg.offload_optimizer != "ram", f"--offload-optimizer {cfg.offload_optimizer}"),
-        (cfg.offload_activations != "ram", f"--offload-activations {cfg.offload_activations}"),
-    ]
-    for refused, what in unsupported:
-        if refused:
-            raise UserError(
-                f"{what} is not supported with data parallel yet (WORLD_SIZE={group.world_size}); "
-                "see docs/distributed.md"
-            )
     return group
 
 
@@ -334,9 +324,14 @@ def _setup_optimizer(cfg: TrainConfig, options: RunOptions) -> Optimizer:
 def _setup_placement(
     model: _Model, device: Device, options: RunOptions, group: ProcessGroupContext | None
 ) -> Placement:
-    """Refuse what cannot fit before allocating anything; spend spare GPU memory on resident units (none
-    with data parallel, whose engine shards host-updated units only)."""
-    return place_units(model.slide_model, device, options, resident_bytes=0 if group is not None else None)
+    """Refuse what cannot fit before allocating anything; spend spare GPU memory on resident units. With
+    data parallel every rank takes rank 0's choice of resident and offloaded units: a resident unit's
+    collectives differ from a sliding one's, so the ranks must place alike."""
+    placement = place_units(model.slide_model, device, options)
+    if group is None:
+        return placement
+    resident, offloaded = group.broadcast_object((placement.resident, placement.offloaded), "rank 0's placement")
+    return dataclasses.replace(placement, resident=resident, offloaded=offloaded)
 
 
 def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
@@ -411,7 +406,9 @@ def _setup_engine(
 
     def scratch() -> Path:
         assert options.nvme_dir is not None  # check_nvme_dir refused a tier on disk without it
-        return run_dir.scratch(options.nvme_dir)
+        # Each rank its own folder: a rank clearing a killed run's scratch never meets another's new one.
+        own = options.nvme_dir if group is None else options.nvme_dir / f"rank-{group.rank}"
+        return run_dir.scratch(own)
 
     return open_engine(
         model.slide_model, device, host, optimizer, options, placement, scratch=scratch, process_group=group

@@ -289,8 +289,7 @@ class Engine(Evaluation):
 
     def _shard_spans(self) -> dict[str, tuple[int, int]] | None:
         """This rank's shard of every unit under data parallel (None in a single-process run)."""
-        sharded = self.pipelines.sharded
-        return None if sharded is None else sharded.spans
+        return self.pipelines.spans
 
     def schedule_state(self) -> dict[str, int | bool]:
         """What a bit-identical resume needs besides the checkpoint's arrays: the Adam step counter, the
@@ -587,12 +586,7 @@ class Engine(Evaluation):
 
 
 def _check_data_parallel(group: ProcessGroupContext, device: Device, config: EngineConfig) -> None:
-    """Refuse what a data-parallel engine cannot run (yet), in one line each."""
-    if config.resident_units or config.offloaded_units:
-        raise ValueError(
-            f"data parallel (world size {group.world_size}) supports host-updated units only for now; "
-            "device-resident and NVMe-offloaded units (resident_units, offloaded_units) are not supported yet"
-        )
+    """Refuse what a data-parallel engine cannot run, in one line each."""
     if group.backend == "nccl" and device.torch_device.type != "cuda":
         raise ValueError(f"the nccl process group needs a cuda device, got {device.torch_device.type}")
     if group.backend == "gloo" and device.is_accelerator:

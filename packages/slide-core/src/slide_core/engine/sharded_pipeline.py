@@ -9,7 +9,12 @@ updated on this rank's host, and only that shard's optimizer state is ever writt
   and hand the shard to the d2h stage (``GradTransfer`` streams ``[lo, hi)`` only); the inner pipeline's
   ``apply`` then updates that range on the optimizer thread, unchanged.
 - ``state_array`` / ``restore_target``: this rank's shard of each unit, so a rank's checkpoint is its
-  shards (Engine.checkpoint_arrays) and a resume at the same world size takes them back.
+  shards (Engine.checkpoint_arrays), which sharded_checkpoint.py reads back at any world size.
+
+The inner pipeline is a :class:`HostPipeline` (host-updated units) or an :class:`OffloadedPipeline`
+(tier-offloaded units), whose :class:`OffloadedState` then keeps this rank's shards only on the tier
+(``OffloadedState.keep_shards``): its staging stays one unit long, so the update addresses it as in one
+process.
 - ``load`` (h2d thread): once the unit's last update is done, copy this rank's shard of the master into
   the slot and all-gather the slot, so every rank computes with the whole, updated unit.
 
@@ -81,6 +86,7 @@ class ShardedPipeline:
         self.units = list(units)
         self.spans = dict(spans)
         self._reduced: Event | None = None  # the last reduce-scatter's event on the d2h stream
+        self._restoring: dict[tuple[str, str], torch.Tensor] = {}  # the inner targets a resume is filling
 
     # -- compute needs the unit --------------------------------------------------------------------------
     def slot(self, unit: Unit) -> ParamSlot | None:
@@ -191,18 +197,27 @@ class ShardedPipeline:
         return self.inner.state_array(unit, name)[lo:hi]
 
     def restore_target(self, unit: Unit, name: str) -> torch.Tensor:
-        return self.state_array(unit, name)
+        """This rank's shard of the inner pipeline's target (a host range, or a tier-offloaded unit's
+        staging, which :meth:`restored` then hands to the inner pipeline whole)."""
+        lo, hi = self.spans[unit.name]
+        whole = self._restoring[(unit.name, name)] = self.inner.restore_target(unit, name)
+        return whole[lo:hi]
 
     def restored(self, unit: Unit, name: str, values: torch.Tensor) -> None:
-        pass  # written in place; the next load all-gathers the restored shards
+        """The shard is written: the inner pipeline stores its target (a tier keeps the shard only); the
+        next load all-gathers the restored shards."""
+        whole = self._restoring.pop((unit.name, name), None)
+        if whole is not None:
+            self.inner.restored(unit, name, whole)
 
     def sync_to_host(self, host_state: HostState | None) -> None:
         """Make every rank's host master whole again: each rank updated only its shards, so the rest of
         its slab is as old as the last gather (a host all-gather per unit, through the gloo group). The
-        optimizer state stays sharded (``host_state`` is accepted: a host-updated unit's state is already
-        where a checkpoint reads it, this rank's shards of the host slabs)."""
+        optimizer state stays sharded: a host-updated unit's is already where a checkpoint reads it (this
+        rank's shards of the host slabs), a tier-offloaded unit's is copied there by the inner pipeline."""
         for unit in self.units:
             self.group.all_gather_host_(self.inner.host_params.flat(unit), f"the gather of {unit.name}'s master")
+        self.inner.sync_to_host(host_state)
 
     def flush(self) -> None:
         self.inner.flush()

@@ -19,7 +19,7 @@ compact format moves only its bytes: 4 per parameter for bf16 moments instead of
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, TimeoutError
 from dataclasses import dataclass, field
 
@@ -78,6 +78,23 @@ class OffloadedState:
         ]
         self._written: set[str] = set()
         self._pending_writes: dict[str, list[Future]] = {}
+        self._shards: dict[str, tuple[int, int]] = {}
+
+    def keep_shards(self, spans: Mapping[str, tuple[int, int]]) -> None:
+        """Data parallel: keep only this rank's shard ``[lo, hi)`` of each unit on the tier (the rank updates
+        nothing else), so the tier holds 1/N of the state. Staging stays one whole unit long, so the update
+        addresses it as in one process; reads and write-backs move the shard only. Call before any I/O."""
+        for unit in self.units:
+            lo, hi = spans[unit]
+            for array in self.arrays.values():
+                if array.numel(hi - lo) != hi - lo:
+                    raise ValueError(f"optimizer state {array.name} is not one element per parameter: not sharded")
+            self._shards[unit] = (lo, hi)
+
+    def _stored(self, unit: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of one of ``unit``'s arrays (a staging view, a checkpoint's buffer) the tier keeps."""
+        shard = self._shards.get(unit)
+        return tensor if shard is None else tensor[shard[0] : shard[1]]
 
     @staticmethod
     def of_config(
@@ -136,7 +153,7 @@ class OffloadedState:
                 view.zero_()
             return staging
         _wait(self._pending_writes.get(unit, []), f"the write-back of {unit}'s optimizer state", self.timeout_s)
-        staging.reads = [self.tier.get(self._key(unit, name), view) for name, view in views.items()]
+        staging.reads = [self.tier.get(self._key(unit, name), self._stored(unit, view)) for name, view in views.items()]
         return staging
 
     def prefetch(self, unit: str) -> None:
@@ -158,7 +175,8 @@ class OffloadedState:
         staging = self._find(unit)
         if staging is None:
             return
-        writes = [self.tier.put(self._key(unit, name), view) for name, view in self._views(staging, unit).items()]
+        views = self._views(staging, unit).items()
+        writes = [self.tier.put(self._key(unit, name), self._stored(unit, view)) for name, view in views]
         staging.writes = list(writes)
         staging.dirty = False
         self._pending_writes[unit] = list(writes)
@@ -176,7 +194,8 @@ class OffloadedState:
             _wait(staging.reads, f"a read of {unit}'s optimizer state", self.timeout_s)
             staging.owner, staging.dirty = None, False
         _wait(self._pending_writes.get(unit, []), f"the write-back of {unit}'s optimizer state", self.timeout_s)
-        _wait([self.tier.put(self._key(unit, name), values)], f"writing {unit}'s optimizer state", self.timeout_s)
+        stored = self._stored(unit, values)
+        _wait([self.tier.put(self._key(unit, name), stored)], f"writing {unit}'s optimizer state", self.timeout_s)
         self._written.add(unit)
 
     def read(self, unit: str, name: str, out: torch.Tensor) -> None:
@@ -190,7 +209,8 @@ class OffloadedState:
             out.zero_()
             return
         _wait(self._pending_writes.get(unit, []), f"the write-back of {unit}'s optimizer state", self.timeout_s)
-        _wait([self.tier.get(self._key(unit, name), out)], f"reading {unit}'s optimizer state", self.timeout_s)
+        stored = self._stored(unit, out)
+        _wait([self.tier.get(self._key(unit, name), stored)], f"reading {unit}'s optimizer state", self.timeout_s)
 
     def copy_to(self, unit: str, host_views: dict[str, torch.Tensor]) -> None:
         """Copy ``unit``'s current state into host views (a checkpoint), waiting for pending I/O."""
@@ -206,7 +226,7 @@ class OffloadedState:
             return
         _wait(self._pending_writes.get(unit, []), f"the write-back of {unit}'s optimizer state", self.timeout_s)
         _wait(
-            [self.tier.get(self._key(unit, name), host_views[name]) for name in self.state_names],
+            [self.tier.get(self._key(unit, name), self._stored(unit, host_views[name])) for name in self.state_names],
             f"reading {unit}'s optimizer state",
             self.timeout_s,
         )

@@ -28,6 +28,7 @@ from .pipeline import UnitPipeline
 from .resident import ResidentUnits
 from .resident_pipeline import ResidentPipeline
 from .sharded_pipeline import ShardedPipeline
+from .sharded_resident import ShardedResidentPipeline
 from .slots import ParamSlot
 from .state_offload import OffloadedState
 from .timeline import ComputeTimer
@@ -60,8 +61,9 @@ class UnitPipelines:
         offloaded: OffloadedState | None,
         group: ProcessGroupContext | None = None,
     ) -> None:
-        """``group``: the ranks of a data-parallel run (world size > 1); the host-updated units are then
-        sharded across them (sharded_pipeline.py), which is the only placement it supports yet."""
+        """``group``: the ranks of a data-parallel run (world size > 1); every unit is then sharded across
+        them, whatever its placement: host-updated and tier-offloaded units by :class:`ShardedPipeline`
+        wrappers (sharded_pipeline.py), device-resident ones by :class:`ShardedResidentPipeline`."""
         resident = set(config.resident_units)
         lean_host = not host_params.slab.is_pinned()
         views = {name: host_state.views(name) if host_state.valid[name] else None for name in resident}
@@ -73,9 +75,14 @@ class UnitPipelines:
         """Every unit's squared gradient norm of the step (Note [Gradient norm of every step])."""
         timeline = timer.timeline
         chunk_numel = config.transfer_chunk_numel
-        self.resident = ResidentPipeline(
-            self.residents, optimizer.device_replica(), host_params, self.norms, timer, chunk_numel, lean_host=lean_host
-        )
+        self.spans = {unit.name: group.span(unit.layout.numel) for unit in model.units} if group is not None else None
+        """This rank's shard ``[lo, hi)`` of every unit under data parallel (None in a single-process run)."""
+        parts = (self.residents, optimizer.device_replica(), host_params, self.norms, timer, chunk_numel)
+        if group is None:
+            self.resident = ResidentPipeline(*parts, lean_host=lean_host)
+        else:
+            assert self.spans is not None
+            self.resident = ShardedResidentPipeline(*parts, lean_host=lean_host, group=group, spans=self.spans)
         if lean_host:  # give pages back before pinning: a page-locked registration may keep nearby pages
             self.resident.release_host_masters()
             for is_host_updated, run in itertools.groupby(model.units, key=lambda unit: unit.name not in resident):
@@ -83,7 +90,7 @@ class UnitPipelines:
                     units = list(run)
                     device.pin_host_range(host_params.span(units[0], units[-1]))
         host_units = [unit for unit in model.units if unit.name not in resident]
-        spans = {unit.name: group.span(unit.layout.numel) for unit in host_units} if group is not None else None
+        spans = None if self.spans is None else {unit.name: self.spans[unit.name] for unit in host_units}
         host_state.zero_fresh(spans)
         self.transfer = GradTransfer(device, workers, host_units, config, timeline, self.norms, spans)
         host: dict[str, Any] = dict(
@@ -96,15 +103,23 @@ class UnitPipelines:
         """The data-parallel wrapper of the host pipeline, which then owns the host units (None in a
         single-process run)."""
         host_route: UnitPipeline = self.host
+        on_tier = [unit for unit in model.units if offloaded is not None and unit.name in offloaded]
         if group is not None:
             assert spans is not None
-            host_route = self.sharded = ShardedPipeline(self.host, group, host_units, spans)
+            in_ram = [unit for unit in host_units if unit not in on_tier]
+            host_route = self.sharded = ShardedPipeline(self.host, group, in_ram, spans)
         self._of: dict[str, UnitPipeline] = dict.fromkeys(resident, self.resident)
         self.distinct: list[UnitPipeline] = [self.resident, host_route]
         if offloaded is not None:
-            chosen = [unit for unit in model.units if unit.name in offloaded]
-            self.distinct.append(OffloadedPipeline(chosen, offloaded, **host))
-            self._of.update(dict.fromkeys((unit.name for unit in chosen), self.distinct[-1]))
+            if group is not None:  # the tier keeps this rank's shards only
+                assert spans is not None
+                offloaded.keep_shards(spans)
+            offloaded_route: UnitPipeline = OffloadedPipeline(on_tier, offloaded, **host)
+            if group is not None:
+                assert spans is not None
+                offloaded_route = ShardedPipeline(offloaded_route, group, on_tier, spans)  # type: ignore[arg-type]
+            self.distinct.append(offloaded_route)
+            self._of.update(dict.fromkeys((unit.name for unit in on_tier), offloaded_route))
         self.routes: list[tuple[Unit, UnitPipeline]] = [
             (unit, self._of.setdefault(unit.name, host_route)) for unit in model.units
         ]
