@@ -1,21 +1,42 @@
-"""The fp32 master weights of every unit, in one host slab.
+"""The fp32 master weights of every unit, in one host slab per plane.
 
-Loaders write into these views; the engine's optimizer updates them; exporters read them. One slab means
-one pinning call (no per-tensor ``pin_memory``) and one contiguous range per unit, which is what the
+Loaders write into it; the engine's optimizer updates it; exporters read it. One slab per plane means one
+pinning call (no per-tensor ``pin_memory``) and one contiguous range per unit, which is what the
 host-to-device copy and the flat optimizer want.
+
+Two formats hold the same fp32 values (``master_format``):
+
+- ``"fp32"``: one fp32 slab. The host-to-device copy reads 4 bytes per parameter and casts on the device.
+- ``"split"`` (bf16 compute only): a bf16 plane, a plane of the low 16 bits and a tie bitmask
+  (slide_core/split_master.py), 4 bytes + 1 bit per parameter. The bf16 plane is the compute copy
+  itself, so the copy reads 2 bytes per parameter and casts nothing; the values decode bit for bit.
+
+Who reads what: the h2d copy reads :meth:`HostParameters.h2d_source` (the fp32 range or the bf16 plane);
+the optimizer steps :meth:`HostParameters.master` (an fp32 range or a
+:class:`~slide_core.split_master.SplitMaster`); everything else (loaders, exporters, checkpoints, the
+device-resident copies) goes through :meth:`read`, :meth:`write` and :meth:`editing`, which decode into
+fp32 and encode back, and are free views of the slab in the fp32 format.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Literal, get_args
 
 import torch
 
+from slide_core.split_master import SplitMaster, tie_bytes
 from slide_core.unit import SlideModel, Unit
 
-__all__ = ["HostParameters"]
+__all__ = ["HostParameters", "MasterFormat"]
 
 Allocator = Callable[[int, torch.dtype], torch.Tensor]
+
+MasterFormat = Literal["fp32", "split"]
+
+_PIECE_NUMEL = 1 << 22
+"""Elements decoded at a time when a split unit is copied to or from another device."""
 
 
 def _plain_alloc(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -23,60 +44,222 @@ def _plain_alloc(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class HostParameters:
-    """fp32 master copy of a :class:`SlideModel`'s parameters.
+    """fp32 master copy of a :class:`SlideModel`'s parameters, stored as ``master_format`` says.
 
-    ``alloc`` decides where the slab lives. The default, pageable memory, is what training uses: the engine
-    pins the ranges it streams and gives back the pages of device-resident units (Note [Resident host
-    copies]); ``device.alloc_pinned`` pins the whole slab up front instead. Every unit has its range,
-    device-resident ones included: loaders fill it and exporters read it.
+    ``alloc`` decides where each plane lives. The default, pageable memory, is what training uses: the
+    engine pins the ranges it streams and gives back the pages of device-resident units (Note [Resident
+    host copies]); ``device.alloc_pinned`` pins the whole of every plane up front instead. Every unit has
+    its range, device-resident ones included: loaders fill it and exporters read it.
     """
 
-    def __init__(self, model: SlideModel, alloc: Allocator = _plain_alloc) -> None:
+    def __init__(self, model: SlideModel, alloc: Allocator = _plain_alloc, master_format: MasterFormat = "fp32") -> None:
+        if master_format not in get_args(MasterFormat):
+            raise ValueError(f"master format must be fp32 or split, got {master_format!r}")
         self.model = model
+        self.master_format: MasterFormat = master_format
         self._offsets: dict[str, tuple[int, int]] = {}
+        self._units: dict[str, Unit] = {}
         total = 0
         for unit in model.units:
             self._offsets[unit.name] = (total, unit.layout.numel)
+            self._units[unit.name] = unit
             total += unit.layout.numel
         self.numel = total
-        self.slab = alloc(total, torch.float32)
-        # Alignment padding is never read by a unit; keep it finite so whole-slab operations stay clean.
+        if master_format == "fp32":
+            self.planes: dict[str, torch.Tensor] = {"master": alloc(total, torch.float32)}
+        else:
+            # Every unit's range starts at a multiple of 64 elements (unit.py), so each owns whole tie bytes.
+            self.planes = {
+                "hi": alloc(total, torch.bfloat16),
+                "lo": alloc(total, torch.int16),
+                "ties": alloc(tie_bytes(total), torch.uint8),
+            }
+        # Alignment padding is never read by a unit; keep it finite (zero) so whole-unit operations stay clean.
         for unit in model.units:
-            flat = self.flat(unit)
             for start, end in _gaps(unit):
-                flat[start:end].zero_()
+                for plane in self._value_planes():
+                    self._range(plane, unit)[start:end].zero_()
+
+    # -- what the engine streams and steps -----------------------------------------------------------------
+    @property
+    def split(self) -> bool:
+        return self.master_format == "split"
+
+    def offset(self, unit: Unit | str) -> int:
+        """Where the unit's range starts in every plane (in elements)."""
+        return self._offsets[_name(unit)][0]
+
+    def extent(self, unit: Unit | str) -> tuple[int, int]:
+        """The unit's range in every plane, ``(start, end)`` in elements."""
+        start, numel = self._offsets[_name(unit)]
+        return start, start + numel
+
+    def master(self, unit: Unit | str) -> torch.Tensor | SplitMaster:
+        """The unit's master as the optimizer steps it: its fp32 slab range, or its split planes."""
+        if self.split:
+            name = _name(unit)
+            return SplitMaster(
+                self._range("hi", name), self._range("lo", name), self.planes["ties"], self.offset(name)
+            )
+        return self._range("master", unit)
+
+    def h2d_source(self, unit: Unit | str) -> torch.Tensor:
+        """What the host-to-device copy reads for the unit: the fp32 range (cast on the device) or the bf16
+        plane's range (copied as it is, half the bytes)."""
+        return self._range("hi" if self.split else "master", unit)
+
+    def h2d_span(self, first: Unit | str, last: Unit | str) -> torch.Tensor:
+        """:meth:`h2d_source` from ``first``'s range to the end of ``last``'s (units are laid out in model
+        order): the one range to pin for a run of streamed units."""
+        plane = self.planes["hi" if self.split else "master"]
+        end = sum(self._offsets[_name(last)])
+        return plane[self.offset(first) : end]
+
+    def unit_ranges(self, unit: Unit | str) -> list[torch.Tensor]:
+        """The unit's range of every plane (what to give back to the OS while the unit lives elsewhere)."""
+        name = _name(unit)
+        ranges = [self._range(plane, name) for plane in self._value_planes()]
+        if self.split:
+            start, numel = self._offsets[name]
+            ranges.append(self.planes["ties"][start // 8 : tie_bytes(start + numel)])
+        return ranges
+
+    @property
+    def is_pinned(self) -> bool:
+        """Whether the plane the host-to-device copy reads was allocated pinned."""
+        return self.planes["hi" if self.split else "master"].is_pinned()
+
+    # -- fp32 values, in either format -----------------------------------------------------------------
+    def read(self, unit: Unit | str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements ``[start, end)`` of the unit's master in fp32: the slab's own range in the fp32 format
+        (a view; do not write it), a decoded copy in the split format."""
+        master = self.master(unit)
+        piece = master[start:end]
+        return piece.decode() if isinstance(piece, SplitMaster) else piece
+
+    def write(self, unit: Unit | str, values: torch.Tensor, start: int = 0) -> None:
+        """Set elements ``[start, start + values.numel())`` of the unit's master to ``values`` (fp32, on
+        any device: a split master is encoded on the host piece by piece)."""
+        master = self.master(unit)
+        target = master[start : start + values.numel()]
+        if target.numel() != values.numel():
+            raise ValueError(f"{_name(unit)} has {master.numel()} elements; cannot write {values.numel()} at {start}")
+        if not isinstance(target, SplitMaster):
+            target.copy_(values.reshape(-1))
+            return
+        values = values.reshape(-1)
+        for lo in range(0, values.numel(), _PIECE_NUMEL):
+            hi = min(values.numel(), lo + _PIECE_NUMEL)
+            target[lo:hi].encode_(values[lo:hi].to(device="cpu", dtype=torch.float32))
+
+    def read_views(self, unit: Unit | str) -> dict[str, torch.Tensor]:
+        """The unit's parameters in fp32, by name (views of :meth:`read`: not to be written)."""
+        return self._unit(unit).layout.views(self.read(unit))
+
+    @contextlib.contextmanager
+    def editing(self, unit: Unit | str) -> Iterator[dict[str, torch.Tensor]]:
+        """Writable fp32 views of the unit's parameters: the slab's own in the fp32 format; in the split
+        format views of a decoded copy, encoded back when the block ends (without an exception)."""
+        layout = self._unit(unit).layout
+        if not self.split:
+            yield layout.views(self._range("master", unit))
+            return
+        values = self.read(unit)
+        yield layout.views(values)
+        self.write(unit, values)
+
+    def unit_views(self) -> Mapping[str, dict[str, torch.Tensor]]:
+        """``unit name -> read_views(unit)`` for every unit, for walking the model once in unit order. In
+        the split format each unit is decoded when first asked for and kept until another one is, so a
+        walk holds one unit's fp32 copy at a time."""
+        if not self.split:
+            return {unit.name: self.views(unit) for unit in self.model.units}
+        return _DecodedViews(self)
+
+    def copy_from(self, other: HostParameters) -> None:
+        """Take ``other``'s values (another format, or another allocation, of the same model)."""
+        if [u.name for u in other.model.units] != [u.name for u in self.model.units] or other.numel != self.numel:
+            raise ValueError("copy_from needs the master of a model with the same units")
+        for unit in self.model.units:
+            for lo in range(0, unit.layout.numel, _PIECE_NUMEL):
+                self.write(unit, other.read(unit, lo, lo + _PIECE_NUMEL), lo)
+
+    # -- the fp32 slab itself (fp32 format only) ----------------------------------------------------------
+    @property
+    def slab(self) -> torch.Tensor:
+        """The fp32 slab (fp32 format only: a split master has none; use read/write/editing)."""
+        return self.planes[self._fp32_only("slab")]
 
     def flat(self, unit: Unit | str) -> torch.Tensor:
-        name = unit if isinstance(unit, str) else unit.name
-        start, numel = self._offsets[name]
-        return self.slab[start : start + numel]
+        """The unit's fp32 slab range (fp32 format only)."""
+        self._fp32_only("flat")
+        return self._range("master", unit)
 
     def span(self, first: Unit | str, last: Unit | str) -> torch.Tensor:
-        """The slab from ``first``'s range to the end of ``last``'s (units are laid out in model order)."""
-        start = self._offsets[first if isinstance(first, str) else first.name][0]
-        end = sum(self._offsets[last if isinstance(last, str) else last.name])
-        return self.slab[start:end]
+        """The slab from ``first``'s range to the end of ``last``'s (fp32 format only)."""
+        self._fp32_only("span")
+        return self.h2d_span(first, last)
 
     def views(self, unit: Unit | str) -> dict[str, torch.Tensor]:
-        unit = self._unit(unit)
-        return unit.layout.views(self.flat(unit))
+        """Writable fp32 views of the unit's parameters in the slab (fp32 format only)."""
+        return self._unit(unit).layout.views(self.flat(unit))
 
     def named_tensors(self) -> Iterator[tuple[Unit, str, torch.Tensor]]:
+        """Every parameter's fp32 view in the slab (fp32 format only)."""
         for unit in self.model.units:
             for name, tensor in self.views(unit).items():
                 yield unit, name, tensor
 
+    @property
+    def nbytes(self) -> int:
+        return sum(plane.numel() * plane.element_size() for plane in self.planes.values())
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _fp32_only(self, what: str) -> str:
+        if self.split:
+            raise ValueError(
+                f"HostParameters.{what} is an fp32 slab view, and this master is split; use read, write or editing"
+            )
+        return "master"
+
+    def _value_planes(self) -> tuple[str, ...]:
+        return ("hi", "lo") if self.split else ("master",)
+
+    def _range(self, plane: str, unit: Unit | str) -> torch.Tensor:
+        start, numel = self._offsets[_name(unit)]
+        return self.planes[plane][start : start + numel]
+
     def _unit(self, unit: Unit | str) -> Unit:
         if isinstance(unit, Unit):
             return unit
-        for candidate in self.model.units:
-            if candidate.name == unit:
-                return candidate
-        raise KeyError(f"no unit named {unit!r}")
+        found = self._units.get(unit)
+        if found is None:
+            raise KeyError(f"no unit named {unit!r}")
+        return found
 
-    @property
-    def nbytes(self) -> int:
-        return self.slab.numel() * self.slab.element_size()
+
+class _DecodedViews(Mapping[str, dict[str, torch.Tensor]]):
+    """``unit name -> fp32 views`` of a split master, decoding one unit at a time."""
+
+    def __init__(self, host: HostParameters) -> None:
+        self._host = host
+        self._last: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def __getitem__(self, name: str) -> dict[str, torch.Tensor]:
+        if self._last is None or self._last[0] != name:
+            self._last = None  # let the previous unit's copy go first
+            self._last = (name, self._host.read_views(name))
+        return self._last[1]
+
+    def __iter__(self) -> Iterator[str]:
+        return (unit.name for unit in self._host.model.units)
+
+    def __len__(self) -> int:
+        return len(self._host.model.units)
+
+
+def _name(unit: Unit | str) -> str:
+    return unit if isinstance(unit, str) else unit.name
 
 
 def _gaps(unit: Unit) -> list[tuple[int, int]]:

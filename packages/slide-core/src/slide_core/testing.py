@@ -178,10 +178,11 @@ def toy_init(model: ToyModel, seed: int = 1) -> dict[str, dict[str, torch.Tensor
 
 
 def load_init(host: HostParameters, init: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-    """Copy ``toy_init``'s weights into the host master."""
+    """Copy ``toy_init``'s weights into the host master (in either master format)."""
     for unit in host.model.units:
-        for name, view in host.views(unit).items():
-            view.copy_(init[unit.name][name])
+        with host.editing(unit) as views:
+            for name, view in views.items():
+                view.copy_(init[unit.name][name])
 
 
 def toy_batches(

@@ -18,6 +18,10 @@ class EngineConfig:
       ``block_slots - 1`` units ahead of compute; 1 means no overlap at all.
     - ``compute_dtype``: the dtype of the device copies of parameters, activations and gradients. The
       master weights and optimizer state are always fp32.
+    - ``master_format``: how the host holds the fp32 master (master_format.py): ``fp32``, ``split`` (a
+      bf16 plane the device copies as it is, half the host-to-device bytes, plus the low 16 bits and a
+      tie bit: exact; bf16 compute only) or ``auto`` (whichever ``HostParameters`` holds; allocate it with
+      ``choose_master_format``, which picks split wherever it can run).
     - ``transfer_chunk_numel``: elements per host<->device chunk; gradient chunks feed the optimizer as they
       land, so smaller chunks start updates sooner at a small per-chunk cost.
     - ``grad_ring_slots``: pinned host chunks for gradients in flight between the device and the optimizer
@@ -55,6 +59,7 @@ class EngineConfig:
 
     block_slots: int = 2
     compute_dtype: torch.dtype = torch.bfloat16
+    master_format: str = "auto"
     transfer_chunk_numel: int = 16 * 1024 * 1024
     grad_ring_slots: int = 4
     grad_ring_fraction: float = 0.5
@@ -81,6 +86,13 @@ class EngineConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype}")
+        if self.master_format not in ("auto", "fp32", "split"):
+            raise ValueError(f"master_format must be auto, fp32 or split, got {self.master_format!r}")
+        if self.master_format == "split" and self.compute_dtype != torch.bfloat16:
+            raise ValueError(
+                f"master_format split stores the bf16 compute copy, so it needs compute_dtype bfloat16, got "
+                f"{self.compute_dtype}"
+            )
         if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0.0):
             raise ValueError(f"max_grad_norm must be a finite number >= 0 (0 = off), got {self.max_grad_norm}")
         if self.max_consecutive_nonfinite < 1:

@@ -46,6 +46,7 @@ from .evaluation import Evaluation
 from .grad_transfer import GradTransfer
 from .host_pipeline import HostPipeline
 from .host_state import HostState
+from .master_format import check_master_format
 from .micro_batch import HostMicroBatch, MicroBatchLike, split_micro_batch
 from .resident import ResidentUnits
 from .slots import ParamSlot, SlotWindow, Visit
@@ -130,6 +131,7 @@ class Engine(Evaluation):
                 f"max_grad_norm needs an optimizer that can correct an applied update (Optimizer.correct); "
                 f"{type(optimizer).__name__} cannot"
             )
+        check_master_format(host_params, cfg, optimizer)
         self.model, self.device, self.host_params, self.optimizer = model, device, host_params, optimizer
         self._group = process_group if process_group is not None and process_group.is_distributed else None
         if self._group is not None:

@@ -8,6 +8,10 @@ PCIe to the optimizer thread, which updates the master while the device computes
   it); a clipped step's decision comes back through ``finish`` as one correction or held-update job per
   unit (Note [Clip rollback ordering] in docs/design/engine.md);
 - h2d thread (``load``): wait for the unit's last update (Note [Update futures]), copy the master in.
+
+The master is stored as ``HostParameters.master_format`` says: the optimizer steps
+``HostParameters.master`` (an fp32 range or a split one) and the h2d copies ``h2d_source`` (the fp32 range,
+cast on the device, or the split master's bf16 plane as it is: half the bytes over PCIe).
 """
 
 from __future__ import annotations
@@ -73,12 +77,13 @@ class HostPipeline:
         return None
 
     def load(self, unit: Unit, slot: ParamSlot, ready: Future[None], reuse_after: Event | None) -> Event:
-        """h2d thread: wait for the unit's last update, then copy its master into the slot."""
+        """h2d thread: wait for the unit's last update, then copy its master (or its bf16 plane) into the
+        slot."""
         began = time.perf_counter()
         self.workers.wait(ready, f"the update of {unit.name} before loading it")
         self.timeline.host_span(unit.name, "wait", (time.perf_counter() - began) * 1e3)
         device = self.device
-        source = self.host_params.flat(unit)
+        source = self.host_params.h2d_source(unit)
         target = slot.params[: source.numel()]
         chunk = self.chunk_numel
         with device.stream("h2d"):
@@ -153,7 +158,7 @@ class HostPipeline:
 
     def _step(self, unit: Unit, applied: AppliedRange, ctx: StepContext, *, grad_scale: float) -> None:
         lo, hi = applied.start, applied.end
-        master = self.host_params.flat(unit)[lo:hi]
+        master = self.host_params.master(unit)[lo:hi]
         state = self.host_state.range(self._state(unit), lo, hi)
         if grad_scale == 1.0:  # the keyword only where it matters: optimizer plugins written before it still work
             self.optimizer.step(master, applied.grad, state, lr=ctx.lr, step=ctx.step, decay=applied.decay)
@@ -201,7 +206,7 @@ class HostPipeline:
     def correct(self, unit: Unit, ranges: list[AppliedRange], correction: Correction, ctx: StepContext) -> None:
         """Optimizer thread: correct the unit's speculative update, then release its next load."""
         began = time.perf_counter()
-        master = self.host_params.flat(unit)
+        master = self.host_params.master(unit)
         states = self._state(unit)
         for applied in ranges:
             lo, hi = applied.start, applied.end
@@ -222,13 +227,18 @@ class HostPipeline:
 
     # -- checkpoints and drains --------------------------------------------------------------------------
     def state_array(self, unit: Unit, name: str) -> torch.Tensor:
-        return self.host_params.flat(unit) if name == "master" else self.host_state.views(unit)[name]
+        """The unit's array as a checkpoint stores it: the master in fp32 (a split one decoded)."""
+        return self.host_params.read(unit) if name == "master" else self.host_state.views(unit)[name]
 
     def restore_target(self, unit: Unit, name: str) -> torch.Tensor:
+        if name == "master" and self.host_params.split:
+            return torch.empty(unit.layout.numel, dtype=torch.float32)  # encoded by ``restored``
         return self.state_array(unit, name)
 
     def restored(self, unit: Unit, name: str, values: torch.Tensor) -> None:
-        pass  # written in place
+        if name == "master" and self.host_params.split:
+            self.host_params.write(unit, values)
+        # every other array was written in place
 
     def sync_to_host(self, host_state: HostState | None) -> None:
         pass  # the host copies are the ones updated

@@ -53,9 +53,8 @@ class HostState:
 
     def views(self, unit: Unit | str) -> dict[str, torch.Tensor]:
         """This unit's flat optimizer state, one view per state name."""
-        master = self.host_params.flat(unit)
-        start = (master.data_ptr() - self.host_params.slab.data_ptr()) // master.element_size()
-        return {a.name: self.state_slabs[a.name][a.range(start, start + master.numel())] for a in self.arrays}
+        start, end = self.host_params.extent(unit)
+        return {a.name: self.state_slabs[a.name][a.range(start, end)] for a in self.arrays}
 
     def range(self, views: Mapping[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
         """Parameters ``[lo, hi)`` of one unit's state ``views`` (block arrays: the blocks holding them)."""

@@ -6,7 +6,8 @@ fp32 accumulator when the unit receives several gradient contributions per step)
 crosses PCIe and is updated on the device in a millisecond, which takes its bytes off the host's memory
 bus: the resource that limits speed on fast GPUs. The embedding is the natural first candidate: it is the
 largest unit and the last one updated before the next forward needs it. How they are updated is
-resident_pipeline.py.
+resident_pipeline.py. The device master is fp32 whatever ``HostParameters.master_format`` is: the host
+copy is decoded on the way in and encoded on the way back (both exact).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from slide_core.unit import SlideModel, Unit
 from .slots import ParamSlot
 
 __all__ = ["ResidentUnit", "ResidentUnits", "resident_bytes", "resident_bytes_per_param"]
+
+_COPY_NUMEL = 1 << 24
+"""Elements of a master copied to the device at a time: bounds the host copy a split master decodes into."""
 
 
 def resident_bytes_per_param(compute_bytes: int, *, accumulates: bool) -> int:
@@ -73,7 +77,8 @@ class ResidentUnits:
             unit = by_name[name]
             numel = unit.layout.numel
             master = device.empty(numel, torch.float32)
-            master.copy_(host_params.flat(unit))
+            for lo in range(0, numel, _COPY_NUMEL):  # a split master decodes piece by piece on the host
+                master[lo : lo + _COPY_NUMEL].copy_(host_params.read(unit, lo, lo + _COPY_NUMEL))
             state = {}
             views = host_state[name]
             for array in (a if isinstance(a, StateArray) else StateArray(a) for a in state_names):
@@ -117,7 +122,7 @@ class ResidentUnits:
         """Copy device masters back to the host slab (drain, export) and, given ``host_state``, the
         optimizer state too (checkpoints only: it touches 8 bytes/param of host pages)."""
         for name, resident in self.units.items():
-            self.host_params.flat(name).copy_(resident.master)
+            self.host_params.write(name, resident.master)
             if host_state is not None:
                 for key, tensor in resident.state.items():
                     host_state[name][key].copy_(tensor)

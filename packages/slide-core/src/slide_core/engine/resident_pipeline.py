@@ -203,9 +203,9 @@ class ResidentPipeline:
         when the slab is not pinned (their values live on the device)."""
         if self.lean_host:
             for name in self.units.units:
-                master = self.host_params.flat(name)
-                nbytes = master.numel() * master.element_size()
-                if release_pages(master) == 0 and nbytes >= 1 << 22:
+                ranges = self.host_params.unit_ranges(name)  # every plane of the master's format
+                nbytes = sum(r.numel() * r.element_size() for r in ranges)
+                if sum(release_pages(r) for r in ranges) == 0 and nbytes >= 1 << 22:
                     log.warning(
                         "could not give back the host pages of %s (madvise failed): host memory will run "
                         "%.2f GiB above the plan",

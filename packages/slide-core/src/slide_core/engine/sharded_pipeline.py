@@ -101,7 +101,7 @@ class ShardedPipeline:
         inner.timeline.host_span(unit.name, "wait", (time.perf_counter() - began) * 1e3)
         device, timing = inner.device, inner.timeline.enabled
         lo, hi = self.spans[unit.name]
-        source = inner.host_params.flat(unit)
+        source = inner.host_params.h2d_source(unit)
         target = slot.params[: unit.layout.numel]
         with device.stream("h2d"):
             if reuse_after is not None:
@@ -200,12 +200,17 @@ class ShardedPipeline:
         """This rank's shard of the inner pipeline's target (a host range, or a tier-offloaded unit's
         staging, which :meth:`restored` then hands to the inner pipeline whole)."""
         lo, hi = self.spans[unit.name]
+        if name == "master" and self.inner.host_params.split:
+            return torch.empty(hi - lo, dtype=torch.float32)  # encoded by ``restored``
         whole = self._restoring[(unit.name, name)] = self.inner.restore_target(unit, name)
         return whole[lo:hi]
 
     def restored(self, unit: Unit, name: str, values: torch.Tensor) -> None:
         """The shard is written: the inner pipeline stores its target (a tier keeps the shard only); the
         next load all-gathers the restored shards."""
+        if name == "master" and self.inner.host_params.split:
+            self.inner.host_params.write(unit, values, self.spans[unit.name][0])
+            return
         whole = self._restoring.pop((unit.name, name), None)
         if whole is not None:
             self.inner.restored(unit, name, whole)
@@ -215,8 +220,17 @@ class ShardedPipeline:
         its slab is as old as the last gather (a host all-gather per unit, through the gloo group). The
         optimizer state stays sharded: a host-updated unit's is already where a checkpoint reads it (this
         rank's shards of the host slabs), a tier-offloaded unit's is copied there by the inner pipeline."""
+        host_params = self.inner.host_params
         for unit in self.units:
-            self.group.all_gather_host_(self.inner.host_params.flat(unit), f"the gather of {unit.name}'s master")
+            what = f"the gather of {unit.name}'s master"
+            if not host_params.split:
+                self.group.all_gather_host_(host_params.flat(unit), what)
+                continue
+            # A split master is gathered decoded (one unit's fp32 at a time), so the ranks' tie bits, whose
+            # shards need not start on a byte, are re-encoded rather than merged.
+            values = host_params.read(unit)
+            self.group.all_gather_host_(values, what)
+            host_params.write(unit, values)
         self.inner.sync_to_host(host_state)
 
     def flush(self) -> None:

@@ -65,7 +65,7 @@ class UnitPipelines:
         them, whatever its placement: host-updated and tier-offloaded units by :class:`ShardedPipeline`
         wrappers (sharded_pipeline.py), device-resident ones by :class:`ShardedResidentPipeline`."""
         resident = set(config.resident_units)
-        lean_host = not host_params.slab.is_pinned()
+        lean_host = not host_params.is_pinned
         views = {name: host_state.views(name) if host_state.valid[name] else None for name in resident}
         self.residents = ResidentUnits(
             model, config.resident_units, device, host_params, views, optimizer.state_arrays, config.compute_dtype
@@ -88,7 +88,7 @@ class UnitPipelines:
             for is_host_updated, run in itertools.groupby(model.units, key=lambda unit: unit.name not in resident):
                 if is_host_updated:  # one registration per contiguous run of the slab
                     units = list(run)
-                    device.pin_host_range(host_params.span(units[0], units[-1]))
+                    device.pin_host_range(host_params.h2d_span(units[0], units[-1]))
         host_units = [unit for unit in model.units if unit.name not in resident]
         spans = None if self.spans is None else {unit.name: self.spans[unit.name] for unit in host_units}
         host_state.zero_fresh(spans)
