@@ -409,3 +409,66 @@ def test_slide_train_on_cpu(slide, tmp_path: Path, preset: str) -> None:
     status, text = slide("train", "--model", preset, "--steps", "2", "--device", "cpu", "--output", tmp_path / "run")
     assert status == 0, text
     assert (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+# ---- on a GPU ---------------------------------------------------------------------------------------------
+
+
+def _phrases(vocab: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A learnable stream (repeated random phrases) in two accumulated micro-batches per step."""
+    g = torch.Generator().manual_seed(2)
+    phrases = torch.randint(0, vocab, (32, 16), generator=g)
+    out = []
+    for _ in range(steps):
+        micro = []
+        for _ in range(2):
+            ids = phrases[torch.randint(0, 32, (4, 4), generator=g)].reshape(4, -1)
+            labels = ids.clone()
+            labels[1, :5] = -100
+            micro.append((ids, labels))
+        out.append(micro)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("preset", PRESETS_UNDER_TEST)
+def test_bf16_engine_tracks_plain_amp(preset: str, tmp_path: Path, helpers) -> None:
+    """bf16 through the engine (slide-kernels' fused norms and GeGLU, sdpa, the widened stream on the GPU)
+    tracks transformers under bf16 autocast with fp32 AdamW over 30 steps."""
+    from slide_core.devices.cuda import CUDADevice
+
+    steps, lr = 30, 1e-3
+    _saved_reference(preset, tmp_path, helpers)
+    data = _phrases(PRESETS[preset]().vocab_size, steps)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").float().cuda().eval()
+    decay = [p for p in hf.parameters() if p.dim() >= 2]
+    rest = [p for p in hf.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=lr
+    )
+    plain = []
+    for micro in data:
+        tokens = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
+        total = 0.0
+        for ids, labels in micro:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = hf(ids.cuda(), labels=labels.cuda()).loss * int((labels[:, 1:] != -100).sum())
+            (loss / tokens).backward()
+            total += loss.item()
+        plain.append(total / tokens)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    config = load_config(tmp_path)
+    config._attn_implementation = "sdpa"
+    model = build_model(config)
+    with CUDADevice() as device:
+        host = HostParameters(model, device.alloc_pinned)
+        load_weights(model, host, tmp_path)
+        engine_config = EngineConfig(block_slots=2, compute_dtype=torch.bfloat16)
+        with Engine(model, device, host, TorchAdamW(AdamWConfig(weight_decay=0.1)), engine_config) as engine:
+            slide = [engine.step(micro, lr).loss for micro in data]
+    assert slide[0] == pytest.approx(plain[0], rel=1e-2)
+    assert slide[-1] < slide[0]
+    assert sum(slide[-10:]) / 10 == pytest.approx(sum(plain[-10:]) / 10, rel=0.05), (plain, slide)
