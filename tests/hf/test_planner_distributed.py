@@ -30,13 +30,15 @@ def test_scaling_by_hand(per_node: int, nodes: int, accum: int) -> None:
     world = per_node * nodes
     n, d = shape.total_numel, 2  # bf16 compute
 
-    # Host: the master whole, the Adam state and accumulators 1/N, the rest as one process.
+    # Host: the master whole, the Adam state, accumulators and gradient ring 1/N, the rest as one process.
     host = rank.host_breakdown
     assert dp.host_rank_breakdown["master_fp32"] == 4 * n
     assert dp.host_rank_breakdown["optimizer_state"] == 8 * n // world
     assert dp.host_rank_breakdown["grad_accumulators"] == (4 * n if accum > 1 else 0) // world
-    unchanged = sum(v for k, v in host.items() if k not in ("optimizer_state", "grad_accumulators"))
-    assert dp.host_per_rank_bytes == unchanged + 8 * n // world + dp.host_rank_breakdown["grad_accumulators"]
+    assert dp.host_rank_breakdown["grad_ring"] == host["grad_ring"] // world
+    sharded = ("optimizer_state", "grad_accumulators", "grad_ring")
+    unchanged = sum(v for k, v in host.items() if k not in sharded)
+    assert dp.host_per_rank_bytes == unchanged + sum(dp.host_rank_breakdown[k] for k in sharded)
     assert dp.host_per_host_bytes == per_node * dp.host_per_rank_bytes
     assert dp.gpu_peak_bytes == rank.gpu_peak_bytes
 
@@ -61,6 +63,11 @@ def test_scaling_by_hand(per_node: int, nodes: int, accum: int) -> None:
     limits = [dp.compute_s, dp.pcie_s, dp.update_s, dp.disk_s, dp.interconnect_s]
     assert dp.step_time_s == max(limits) and dp.compute_s == rank.compute_s
     assert dp.tokens_per_step == world * 2 * 128 * accum
+
+
+def test_the_clipping_store_stays_whole() -> None:
+    rank = make_plan(PlanInputs(_shape(), batch_size=2, seq_len=128, clipping=True, bandwidths=BW))
+    assert plan_data_parallel(rank, 4).host_rank_breakdown["grad_ring"] == rank.host_breakdown["grad_ring"]
 
 
 def test_one_rank_is_the_single_process_plan() -> None:

@@ -80,8 +80,9 @@ class GradTransfer:
         if config.clipping:  # see grad_ring.py: the store replaces the ring
             self.store = GradStore(device, host_units, config.compute_dtype)
         else:
-            host_numel = sum(unit.layout.numel for unit in host_units)
-            slots = config.ring_slots(host_numel)
+            # The backlog a ring holds is of what this process streams: with data parallel, its shards.
+            streamed = [spans[unit.name] if spans else (0, unit.layout.numel) for unit in host_units]
+            slots = config.ring_slots(sum(hi - lo for lo, hi in streamed))
             self.ring = GradRing(device, slots, config.transfer_chunk_numel, config.compute_dtype)
         self._consumed: dict[str, Future[None]] = {}  # d2h thread only, see Note [Grad store reuse]
         self.spans: Mapping[str, tuple[int, int]] = spans or {}

@@ -5,8 +5,9 @@ the sharded engine changes (slide_core/engine/sharded_pipeline.py, docs/distribu
 
 - GPU: unchanged. Every rank slides the whole model through the same slots and buffers.
 - Host, per rank: the fp32 master whole (every rank loads it; only its shard is updated), the Adam state
-  and the fp32 gradient accumulators 1/N (only the own shards are ever written), the rest as one process
-  (gradient ring or store, activation stash, scratch, the process itself). Per host: that, times the ranks
+  and the fp32 gradient accumulators 1/N (only the own shards are ever written), the pinned gradient ring
+  1/N (it holds the backlog of what the rank streams, its shards; the clipping store stays whole), the
+  rest as one process (activation stash, scratch, the process itself). Per host: that, times the ranks
   on the host.
 - PCIe, per GPU: each load copies only the rank's shard of the master up (the all-gather fills the rest),
   and only the reduced shard of each gradient comes down, so the parameter and gradient bytes are 1/N of
@@ -126,7 +127,8 @@ def plan_data_parallel(
     link = interconnect or Interconnect()
     world = nproc_per_node * nnodes
     inputs, shape = rank.inputs, rank.shape
-    breakdown = {key: (value // world if key in _SHARDED_HOST else value) for key, value in rank.host_breakdown.items()}
+    sharded = (*_SHARDED_HOST, *(() if inputs.clipping else ("grad_ring",)))
+    breakdown = {key: (value // world if key in sharded else value) for key, value in rank.host_breakdown.items()}
     per_rank = sum(breakdown.values())
     params_h2d, stash, grads = _pcie_parts(shape, inputs)
     bw = inputs.bandwidths
