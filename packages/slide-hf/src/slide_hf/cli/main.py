@@ -59,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, or a command line argparse refused (one line, above)
         return exit_.code if isinstance(exit_.code, int) else 2
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a command may hand on (slide_hf/launch.py)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.command is None:
         parser.print_help()

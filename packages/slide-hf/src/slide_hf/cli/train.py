@@ -18,6 +18,7 @@ EPILOG = """examples:
   slide train                                   # tiny-llama on bundled text, CPU or GPU
   slide train --model ./Llama-3.1-8B --data train.jsonl --gpu-memory 24GiB
   slide train --config run.toml --steps 100 --metrics metrics.jsonl
+  slide train --model ./Llama-3.1-8B --data train.jsonl --nproc-per-node 8   # 8 GPUs, data parallel
 """
 
 
@@ -35,6 +36,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     defaults = TrainConfig()
     add = parser.add_argument
     add("--config", type=Path, help="TOML file with any of these options (underscored names)")
+    add(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="data parallel on this host: run N processes, one per GPU, as torchrun would (docs/distributed.md)",
+    )
     add("--model", help=f"HF model directory, Hub name (org/name) or preset (default {defaults.model})")
     add("--tokenizer", type=Path, help="tokenizer directory, when the model directory has none")
     add("--data", help="JSON Lines (.jsonl, .jsonl.gz), .json, .parquet or a Hub dataset (default: bundled text)")
@@ -174,6 +181,11 @@ def build_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from slide_hf.recipe import train
+
+    if args.nproc_per_node is not None:  # this process becomes torch's launcher of N copies of this command
+        from slide_hf.launch import relaunch
+
+        return relaunch(args.nproc_per_node, args.argv)
 
     summary = train(build_config(args))
     if summary.steps == 0:  # a finished run, resumed: only its model was written again
