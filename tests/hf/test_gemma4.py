@@ -310,6 +310,26 @@ def test_shared_keys_and_values_travel_in_the_stream(tmp_path: Path, helpers) ->
     assert abs(emptied - baseline) > 1e-3 * abs(baseline)
 
 
+@pytest.mark.parametrize("preset", ["test-gemma4", "test-gemma4-ple"])
+def test_packed_rows_match_hf(preset: str, tmp_path: Path, helpers) -> None:
+    """Two documents per row (position ids restarting): HF finds them from the position ids (without a
+    cache, as in training), the adapter builds the same per-document masks; the shared keys and values
+    and the per-layer inputs follow."""
+    hf = _saved_reference(preset, tmp_path, helpers)
+    model, host = _ours(tmp_path)
+    ids, labels = helpers.batch(hf.config.vocab_size)
+    positions = torch.cat([torch.arange(7), torch.arange(helpers.SEQ - 7)]).expand(helpers.BATCH, -1)
+    with torch.no_grad():
+        expected = hf(ids, labels=labels, position_ids=positions, use_cache=False).loss.item()
+        leaves = helpers.leaves_of(model, host)
+        inputs = model.prepare_inputs(ids, labels, torch.float32, position_ids=positions)
+        x = helpers.hidden_through_blocks(model, leaves, ids, inputs)
+        got = model.head.forward(helpers.head_params(model, leaves), x, inputs) / model.loss_token_count(labels)
+        unpacked = helpers.run_units(model, leaves, ids, labels).item()
+    assert got.item() == pytest.approx(expected, rel=1e-5)
+    assert abs(unpacked - expected) > 1e-4  # the documents are kept apart
+
+
 def test_released_e2b_preset_has_the_released_shapes() -> None:
     """google/gemma-4-E2B's text decoder: per-layer inputs of 256 over 35 layers, the last 20 layers
     sharing the keys and values of layers 13 (sliding) and 14 (full), double-wide MLPs there."""
