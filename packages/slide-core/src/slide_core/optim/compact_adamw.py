@@ -417,12 +417,20 @@ class CompactAdamW(Optimizer):
         return held[:numel], held[numel : 2 * numel]
 
     def warmup(self) -> None:
-        """Compile (or load) this format's kernels for bf16 and fp32 gradients on a tiny range."""
+        """Compile (or load) this format's kernels for bf16 and fp32 gradients, fp32 and split masters, on
+        a tiny range (off the training critical path)."""
         if not self.fused:
             return
-        for dtype in (torch.bfloat16, torch.float32):
-            state = {a.name: torch.zeros(a.numel(QUANT_BLOCK), dtype=a.dtype) for a in self.arrays}
-            self.step(torch.ones(QUANT_BLOCK), torch.ones(QUANT_BLOCK, dtype=dtype), state, lr=1e-3, step=1, decay=True)
+        n = QUANT_BLOCK
+        split = SplitMaster(
+            torch.ones(n, dtype=torch.bfloat16),
+            torch.zeros(n, dtype=torch.int16),
+            torch.zeros(n // 8, dtype=torch.uint8),
+        )
+        for master in (torch.ones(n), split):  # an fp32 master, and the split one bf16 runs hold by default
+            for dtype in (torch.bfloat16, torch.float32):
+                state = {a.name: torch.zeros(a.numel(n), dtype=a.dtype) for a in self.arrays}
+                self.step(master, torch.ones(n, dtype=dtype), state, lr=1e-3, step=1, decay=True)
 
     def _check(self, master: torch.Tensor | SplitMaster, grad: torch.Tensor, state: Mapping[str, torch.Tensor]) -> int:
         n = master.numel()
