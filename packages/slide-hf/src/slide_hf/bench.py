@@ -32,6 +32,7 @@ import psutil
 import torch
 
 from slide_hf.errors import UserError
+from slide_hf.planner.timing import h2d_bytes_per_param, host_bytes_per_param_step
 from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimizer, open_engine, place_units
 
 __all__ = ["BenchConfig", "run_bench", "write_trace"]
@@ -52,6 +53,7 @@ class BenchConfig:
     device: str = "auto"  # a slide.devices plugin, as `slide train --device`
     optimizer: str = "auto"  # a slide.optimizers plugin, as `slide train --optimizer`
     optimizer_state: str = "fp32"  # as `slide train --optimizer-state`
+    master: str = "auto"  # as `slide train --master`
     max_grad_norm: float = 0.0
     offload_optimizer: str = "ram"  # a slide.tiers plugin for the Adam state of nvme_fraction of the units
     nvme_dir: Path | None = None
@@ -66,6 +68,7 @@ class BenchConfig:
             gpu_memory_bytes=int(self.gpu_memory_gib * 2**30) if self.gpu_memory_gib else None,
             optimizer=self.optimizer,
             optimizer_state=self.optimizer_state,
+            master=self.master,
             offload_optimizer=self.offload_optimizer,
             nvme_dir=self.nvme_dir,
             nvme_fraction=self.nvme_fraction,
@@ -132,6 +135,7 @@ def _pcie_gbps(device: Any) -> tuple[float, float]:
 
 def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from slide_core import AdamWConfig, HostParameters
+    from slide_core.engine import choose_master_format
     from slide_hf import build_model, init_random
     from slide_hf.adapters import attention_summary
 
@@ -150,10 +154,14 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     with PeakRss() as rss, device:
         h2d_gbps, d2h_gbps = _pcie_gbps(device)
         began = time.perf_counter()
-        host = HostParameters(model)  # as `slide train`: the engine pins only what it streams
+        optimizer = make_optimizer(options.optimizer, AdamWConfig(state_format=options.optimizer_state))
+        try:
+            master_format = choose_master_format(options.master, options.compute_dtype, optimizer)
+        except ValueError as error:
+            raise UserError(f"--master {options.master}: {error}") from None
+        host = HostParameters(model, master_format=master_format)  # as `slide train`: pins what it streams
         init_random(model, host, config, seed=0)
         setup_s = time.perf_counter() - began
-        optimizer = make_optimizer(options.optimizer, AdamWConfig(state_format=options.optimizer_state))
         parts = open_engine(model, device, host, optimizer, options, placement, scratch=_scratch(cfg))
         with parts as engine:
             device.reset_peak_memory()
@@ -192,7 +200,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     compute_ms = sum(u.get(k, 0.0) for u in units.values() for k in ("forward", "backward", "head"))
     host_update_ms = sum(u.get("update", 0.0) for n, u in units.items() if n not in resident)
     sliding_numel = sum(u.layout.numel for u in model.units if u.name not in resident)
-    loads_bytes = 2 * sliding_numel * 4  # fp32 master h2d, forward and backward
+    loads_bytes = 2 * sliding_numel * h2d_bytes_per_param(master_format)  # master h2d, forward and backward
     grads_bytes = sliding_numel * 2
     pcie_ms = (loads_bytes / h2d_gbps + grads_bytes / d2h_gbps) / 1e6
     bounds = {"gpu compute": compute_ms, "pcie": pcie_ms, "host optimizer": host_update_ms}
@@ -206,6 +214,10 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "nvme_state_units": list(offloaded),
         "planned_disk_bytes": plan.disk_bytes,
         "optimizer": type(optimizer).__name__,
+        "master_format": master_format,
+        "host_bytes_per_param_step": {
+            fmt: host_bytes_per_param_step(fmt, options.optimizer_state, 2) for fmt in ("fp32", "split")
+        },
         "max_grad_norm": cfg.max_grad_norm,
         "grad_norms": [None if r is None else round(r, 4) for r in norms],
         "setup_s": round(setup_s, 1),

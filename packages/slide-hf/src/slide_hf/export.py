@@ -195,13 +195,14 @@ def _write_weights(
     stop: Callable[[], bool],
 ) -> None:
     views = unit_views(host_params)
+    shapes = {unit.name: unit.layout.views(torch.empty(unit.layout.numel, device="meta")) for unit in model.units}
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards: list[list[list[CheckpointEntry]]] = [[]]
     shard_bytes = 0
     total = 0
     for parts in _by_key(checkpoint_entries(model)):
         first = parts[0]
-        numel = math.prod(first.stored_shape) if first.source else first.target(views[first.unit.name]).numel()
+        numel = math.prod(first.stored_shape) if first.source else first.target(shapes[first.unit.name]).numel()
         nbytes = numel * itemsize
         if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
             shards.append([])

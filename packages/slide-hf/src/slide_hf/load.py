@@ -18,7 +18,7 @@ import contextlib
 import json
 import os
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ import torch
 
 from slide_core.host_params import HostParameters
 from slide_core.unit import SlideModel
-from slide_hf.model import CheckpointEntry, checkpoint_entries, unit_views
+from slide_hf.model import CheckpointEntry, checkpoint_entries
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -99,18 +99,43 @@ def load_weights(model: SlideModel, host_params: HostParameters, model_dir: str 
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
 
-    views = unit_views(host_params)
-    targets = {id(entry): entry.target(views[entry.unit.name]) for entry in entries}
+    shapes = {unit.name: unit.layout.views(torch.empty(unit.layout.numel, device="meta")) for unit in model.units}
     for file, items in by_file.items():
-        _check_headers(file, [(stored, _stored_shape(entry, targets[id(entry)])) for entry, stored in items])
+        _check_headers(
+            file, [(stored, _stored_shape(entry, entry.target(shapes[entry.unit.name]))) for entry, stored in items]
+        )
     budget = min(max(host_params.nbytes // _BUDGET_DIVISOR, _MIN_BUDGET), _MAX_BUDGET)
+    _copy_unit_by_unit(model, host_params, by_file, budget)
+
+
+def _copy_unit_by_unit(
+    model: SlideModel,
+    host_params: HostParameters,
+    by_file: Mapping[Path, list[tuple[CheckpointEntry, str]]],
+    budget: int,
+) -> None:
+    """Write every entry, one unit at a time through ``HostParameters.editing`` (a split master is encoded
+    per unit, so loading never holds more than one unit's fp32 copy besides the master). Each file's
+    reader stays open from the first unit that reads it to the last."""
+    source = {id(entry): (file, stored) for file, items in by_file.items() for entry, stored in items}
+    order = {unit.name: index for index, unit in enumerate(model.units)}
+    last_use = {file: max(order[entry.unit.name] for entry, _ in items) for file, items in by_file.items()}
+    by_unit: dict[str, list[CheckpointEntry]] = defaultdict(list)
+    for items in by_file.values():
+        for entry, _ in items:
+            by_unit[entry.unit.name].append(entry)
+    readers: dict[Path, _ShardReader] = {}
     with torch.no_grad():
-        for file, items in by_file.items():
-            reader = _ShardReader(file, budget)
-            with _readable(file):
-                for entry, stored in items:
-                    reader.copy_into(stored, targets[id(entry)], entry.source)
-            reader.close()
+        for index, unit in enumerate(model.units):
+            if by_unit.get(unit.name):
+                with host_params.editing(unit) as views:
+                    for entry in by_unit[unit.name]:
+                        file, stored = source[id(entry)]
+                        reader = readers.get(file) or readers.setdefault(file, _ShardReader(file, budget))
+                        with _readable(file):
+                            reader.copy_into(stored, entry.target(views), entry.source)
+            for file in [file for file, last in last_use.items() if last == index and file in readers]:
+                readers.pop(file).close()
 
 
 def _stored_shape(entry: CheckpointEntry, target: torch.Tensor) -> tuple[int, ...]:

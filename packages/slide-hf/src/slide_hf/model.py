@@ -7,7 +7,7 @@ adapter units carry.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,8 @@ def param_count(model: SlideModel) -> int:
     return sum(unit.layout.param_numel for unit in model.units) - carried
 
 
-def unit_views(host_params: HostParameters) -> dict[str, dict[str, torch.Tensor]]:
-    """``unit name -> (param -> fp32 view)`` for every unit, built once per load/export."""
-    return {unit.name: host_params.views(unit) for unit in host_params.model.units}
+def unit_views(host_params: HostParameters) -> Mapping[str, dict[str, torch.Tensor]]:
+    """``unit name -> (param -> fp32 view)`` for every unit, for reading the model in unit order (export):
+    the slab's own views of an fp32 master, one decoded unit at a time of a split one
+    (:meth:`HostParameters.unit_views`). Writers go through :meth:`HostParameters.editing`."""
+    return host_params.unit_views()

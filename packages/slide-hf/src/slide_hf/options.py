@@ -112,6 +112,7 @@ RULES: dict[str, Rule] = {
     "device": Rule("plugin", choices=("auto",), group="slide.devices"),
     "optimizer": Rule("plugin", choices=("auto",), group="slide.optimizers"),
     "optimizer_state": Rule("choice", choices=("fp32", "bf16", "int8")),
+    "master": Rule("choice", choices=("auto", "fp32", "split")),
     "dtype": Rule("choice", choices=("bfloat16", "float32")),
     "seq_len": Rule("int", 2, 2**24),
     "batch_size": _positive_int(),
@@ -186,6 +187,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     optimizer: str = "auto"
     optimizer_state: str = "fp32"
+    master: str = "auto"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -234,6 +236,11 @@ class TrainConfig:
             raise UserError("--eval-data and --eval-fraction both choose the evaluation data; give one")
         if self.save_best and not self.evaluates:
             raise UserError("--save-best needs evaluation data: --eval-data FILE or --eval-fraction F")
+        if self.master == "split" and self.dtype != "bfloat16":
+            raise UserError(
+                f"--master split stores the bf16 copy the GPU computes with, so it needs --dtype bfloat16, got "
+                f"{self.dtype}; use --master fp32 or auto"
+            )
 
     @property
     def evaluates(self) -> bool:
@@ -287,10 +294,20 @@ RESUME_SAFE_OPTIONS = frozenset(
 """Options a resumed run may change: how long it goes on and how it saves, evaluates and reports."""
 
 MACHINE_OPTIONS = frozenset(
-    {"device", "gpu_memory", "offload_optimizer", "nvme_dir", "nvme_fraction", "offload_activations", "block_slots"}
+    {
+        "device",
+        "gpu_memory",
+        "offload_optimizer",
+        "nvme_dir",
+        "nvme_fraction",
+        "offload_activations",
+        "block_slots",
+        "master",
+    }
 )
 """Options that say where the run executes. A resumed run may change them (it may land on another machine);
-placement moves arrays between host, GPU and disk, never changes what they hold."""
+placement moves arrays between host, GPU and disk, and ``master`` stores the same fp32 values another way
+(checkpoints hold them in fp32 either way): neither changes what the arrays hold."""
 
 
 _NOT_RESTORED = frozenset({"output", "overwrite", "resume"})

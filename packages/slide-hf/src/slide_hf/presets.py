@@ -955,27 +955,26 @@ def init_random(
     the embedding 0.
     """
     rule: _Rule = getattr(model, "init_rule", None) or partial(_default_rule, config)
-    normal_jobs = []
-    with torch.no_grad():
-        for unit in model.units:
-            views = host_params.views(unit)
-            for spec in unit.layout:
-                kind, value = rule(unit, spec.name, spec.shape)
-                flat = views[spec.name].view(-1)
-                if kind == "constant":
-                    flat.fill_(value)
-                elif kind == "normal":
-                    for i, chunk in enumerate(flat.split(_CHUNK)):
-                        normal_jobs.append((chunk, value, _chunk_seed(seed, unit.name, spec.name, i)))
-                else:
-                    raise ValueError(f"unknown init kind {kind!r} for {unit.name}/{spec.name}")
-        workers = threads or os.cpu_count() or 1
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slide-init") as pool:
-            list(pool.map(_normal_chunk, normal_jobs))
-        padding = getattr(model, "padding_row", lambda: None)()
-        if padding is not None:
-            param, row = padding
-            host_params.views(model.embedding)[param][row].zero_()
+    padding = getattr(model, "padding_row", lambda: None)()
+    workers = threads or os.cpu_count() or 1
+    with torch.no_grad(), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slide-init") as pool:
+        for unit in model.units:  # one unit at a time: a split master is encoded per unit (HostParameters.editing)
+            with host_params.editing(unit) as views:
+                normal_jobs = []
+                for spec in unit.layout:
+                    kind, value = rule(unit, spec.name, spec.shape)
+                    flat = views[spec.name].view(-1)
+                    if kind == "constant":
+                        flat.fill_(value)
+                    elif kind == "normal":
+                        for i, chunk in enumerate(flat.split(_CHUNK)):
+                            normal_jobs.append((chunk, value, _chunk_seed(seed, unit.name, spec.name, i)))
+                    else:
+                        raise ValueError(f"unknown init kind {kind!r} for {unit.name}/{spec.name}")
+                list(pool.map(_normal_chunk, normal_jobs))
+                if padding is not None and unit is model.embedding:
+                    param, row = padding
+                    views[param][row].zero_()
 
 
 def _default_rule(config: PreTrainedConfig, unit: Unit, name: str, shape: tuple[int, ...]) -> tuple[str, float]:

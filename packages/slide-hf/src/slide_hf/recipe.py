@@ -9,7 +9,7 @@ Read :func:`_train` top to bottom. Each ``_setup_*`` step takes what the steps b
 5. ``_setup_placement``: refuse what cannot fit, then choose what lives on the GPU and on the
    ``--offload-optimizer`` tier (slide_hf/setup.py, shared with `slide bench`);
 6. ``_setup_run_log``: metrics and trackers;
-7. ``_setup_weights``: the fp32 master, from HF weights or a random init;
+7. ``_setup_weights``: the fp32 master (stored as ``--master`` says), from HF weights or a random init;
 8. ``_setup_engine``: the tiers and the engine (slide_hf/setup.py).
 
 Then :class:`_Trainer` runs the loop over optimizer steps -- LR, forward/backward with accumulation, clip
@@ -162,7 +162,7 @@ def _train(
     placement = _setup_placement(model, device, options, group)
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
-        host = _setup_weights(cfg, model)
+        host = _setup_weights(cfg, model, optimizer)
         flops = _log_run(cfg, model, data, device, optimizer, group)
         tokenizer_dir = run_dir.path / "tokenizer"
         if main:
@@ -224,6 +224,7 @@ def _run_options(cfg: TrainConfig) -> RunOptions:
         gpu_memory_bytes=parse_size(cfg.gpu_memory, what="--gpu-memory") if cfg.gpu_memory else None,
         optimizer=cfg.optimizer,
         optimizer_state=cfg.optimizer_state,
+        master=cfg.master,
         offload_optimizer=cfg.offload_optimizer,
         nvme_dir=cfg.nvme_dir,
         nvme_fraction=cfg.nvme_fraction,
@@ -344,12 +345,18 @@ def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
     )
 
 
-def _setup_weights(cfg: TrainConfig, model: _Model) -> HostParameters:
-    """The fp32 master: HF weights, or a preset's seeded random init. The engine pins what it streams and
-    gives back what lives on the GPU."""
+def _setup_weights(cfg: TrainConfig, model: _Model, optimizer: Optimizer) -> HostParameters:
+    """The fp32 master: HF weights, or a preset's seeded random init, stored as ``--master`` resolves for
+    this dtype and optimizer. The engine pins what it streams and gives back what lives on the GPU."""
+    from slide_core.engine import choose_master_format
     from slide_hf import init_random, load_weights
 
-    host = HostParameters(model.slide_model)
+    try:
+        master_format = choose_master_format(cfg.master, DTYPES[cfg.dtype], optimizer)
+    except ValueError as error:
+        raise UserError(f"--master {cfg.master}: {error}") from None
+    log.info("host master: %s", master_format)
+    host = HostParameters(model.slide_model, master_format=master_format)
     if model.model_dir is None:
         init_random(model.slide_model, host, model.config, seed=cfg.seed)
     else:

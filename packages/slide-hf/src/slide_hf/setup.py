@@ -60,6 +60,7 @@ class RunOptions:
     gpu_memory_bytes: int | None = None
     optimizer: str = "auto"
     optimizer_state: str = "fp32"
+    master: str = "auto"
     offload_optimizer: str = "ram"
     nvme_dir: Path | None = None
     nvme_fraction: float = 1.0
@@ -216,6 +217,7 @@ def open_engine(
     config = EngineConfig(
         block_slots=options.block_slots,
         compute_dtype=options.compute_dtype,
+        master_format=options.master,
         resident_units=placement.resident,
         offloaded_units=placement.offloaded,
         max_grad_norm=options.max_grad_norm,

@@ -71,6 +71,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="how AdamW keeps exp_avg and exp_avg_sq between steps: fp32 (exact, 8 B/param), bf16 (4 B/param) or "
         "int8 (~2 B/param), stochastically rounded (default fp32)",
     )
+    add(
+        "--master",
+        choices=("auto", "fp32", "split"),
+        default="auto",
+        help="how the host stores the fp32 master: split (a bf16 plane the GPU copies as it is, half the host-to-device bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32, or auto (split when it can run; default)",
+    )
     add("--max-grad-norm", type=float, default=0.0, help="exact global clipping (default 0 = off)")
     add(
         "--offload-optimizer",
@@ -109,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         optimizer=args.optimizer,
         optimizer_state=args.optimizer_state,
+        master=args.master,
         max_grad_norm=args.max_grad_norm,
         offload_optimizer=args.offload_optimizer,
         nvme_dir=args.nvme_dir,

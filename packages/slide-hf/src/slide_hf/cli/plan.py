@@ -82,6 +82,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "int8 (~2 B/param), stochastically rounded (default fp32)",
     )
     parser.add_argument(
+        "--master",
+        choices=("auto", "fp32", "split"),
+        default="auto",
+        help="how the host stores the fp32 master: split (the GPU copies a bf16 plane, half the host-to-device "
+        "bytes; bf16 only), fp32, or auto (split in bf16; default)",
+    )
+    parser.add_argument(
         "--offload-optimizer",
         metavar="NAME",
         default="ram",
@@ -149,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         nvme_fraction=args.nvme_fraction,
         offload_activations=args.offload_activations,
         optimizer_state=args.optimizer_state,
+        master_format=_master_format(args.master, args.dtype),
         fused_loss=_fused_loss_available(),
     )
     plan = make_plan(inputs)
@@ -164,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         payload = {"model": args.model, "dtype": args.dtype, **plan.to_dict(), "fits": problem is None}
         payload.update({"optimizer": optimizer, "optimizer_state": args.optimizer_state})
+        payload.update({"master": inputs.master_format})
         payload.update({"state_tier": args.offload_optimizer})
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
         if dp is not None:
@@ -176,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             gpu_source=gpu_source,
             problem=problem,
-            optimizer=f"{optimizer}, {_state_words(args.optimizer_state)}Adam state on {args.offload_optimizer}",
+            optimizer=f"{optimizer}, {_state_words(args.optimizer_state)}Adam state on {args.offload_optimizer}, "
+            f"{inputs.master_format} master",
         )
         print(text)
         if dp is not None:
@@ -204,6 +214,18 @@ def _check_options(args: argparse.Namespace) -> None:
         check_option(name, getattr(args, name))
     for name in ("device", "optimizer", "offload_optimizer"):
         check_option(name, getattr(args, name))
+
+
+def _master_format(master: str, dtype: str) -> str:
+    """``--master`` as `slide train` resolves it: auto is split in bf16 (every shipped optimizer steps a
+    split master), fp32 otherwise; split in fp32 is refused in one line."""
+    if master == "split" and dtype != "bfloat16":
+        raise UserError(
+            f"--master split stores the bf16 copy the GPU computes with, so it needs --dtype bfloat16, got {dtype}"
+        )
+    if master == "auto":
+        return "split" if dtype == "bfloat16" else "fp32"
+    return master
 
 
 def _state_words(optimizer_state: str) -> str:

@@ -76,6 +76,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="how AdamW keeps exp_avg and exp_avg_sq between steps: fp32 (exact, 8 B/param), bf16 (4 B/param) or "
         "int8 (~2 B/param), stochastically rounded (default fp32)",
     )
+    add(
+        "--master",
+        choices=("auto", "fp32", "split"),
+        help="how the host stores the fp32 master: split (a bf16 plane the GPU copies as it is, half the host-to-device bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32, or auto (split when it can run; default)",
+    )
     add("--adam-beta1", type=float, help="default 0.9")
     add("--adam-beta2", type=float, help="default 0.999")
     add("--adam-eps", type=float, help="default 1e-8")

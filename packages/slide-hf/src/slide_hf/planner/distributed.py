@@ -30,7 +30,7 @@ from typing import Any
 from slide_hf.errors import UserError
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.plan import Plan
-from slide_hf.planner.timing import _H2D_BYTES_PER_PARAM, _block_loads
+from slide_hf.planner.timing import _block_loads, h2d_bytes_per_param
 from slide_hf.sizes import format_bytes
 
 __all__ = ["DataParallelPlan", "Interconnect", "plan_data_parallel", "render_data_parallel"]
@@ -137,7 +137,8 @@ def plan_data_parallel(
         (grads / world + stash) / (bw.d2h_gbps * 1e9),
     )
     d = inputs.compute_dtype_bytes
-    collective_bytes = (params_h2d / _H2D_BYTES_PER_PARAM) * d + grads  # all-gathers + reduce-scatters
+    params_loaded = params_h2d / h2d_bytes_per_param(inputs.master_format)
+    collective_bytes = params_loaded * d + grads  # all-gathers + reduce-scatters
     link_bytes = collective_bytes * (world - 1) / world
     gbps = link.intra_gbps if nnodes == 1 else link.inter_gbps
     interconnect_s = link_bytes / (gbps * 1e9)
@@ -178,7 +179,7 @@ def _pcie_parts(shape: ModelShape, inputs: PlanInputs) -> tuple[float, float, fl
     loads = shape.embedding_numel + shape.head_numel + _block_loads(shape, inputs) * mean_block
     stash = layers * inputs.batch_size * inputs.seq_len * shape.hidden_size * d * accum
     grad_numel = shape.total_numel + (shape.embedding_numel if shape.tied else 0)
-    return _H2D_BYTES_PER_PARAM * loads, float(stash), float(accum * grad_numel * d)
+    return h2d_bytes_per_param(inputs.master_format) * loads, float(stash), float(accum * grad_numel * d)
 
 
 def render_data_parallel(dp: DataParallelPlan) -> str:

@@ -194,6 +194,9 @@ class PlanInputs:
     grad_ring_slots: int = _ENGINE_DEFAULTS.grad_ring_slots
     resident_units: tuple[str, ...] = ()
     """Units whose master and Adam state live on the GPU (``EngineConfig.resident_units``)."""
+    master_format: str = "fp32"
+    """``--master`` as it resolves: ``fp32`` (the h2d reads 4 B/param and casts on the GPU) or ``split``
+    (2 B/param, the bf16 plane as it is; the host holds 4 B/param + 1 tie bit; bf16 compute only)."""
     clipping: bool = False
     """``--max-grad-norm > 0``: gradients land in a full-model pinned store (for the exact rollback)."""
     optimizer_state: str = "fp32"
@@ -227,6 +230,10 @@ class PlanInputs:
             raise UserError(f"--optimizer-state must be fp32, bf16 or int8, got {self.optimizer_state!r}")
         if self.optimizer_state not in ("fp32", "bf16", "int8"):
             raise UserError(f"--optimizer-state must be fp32, bf16 or int8, got {self.optimizer_state!r}")
+        if self.master_format not in ("fp32", "split"):
+            raise UserError(f"--master must resolve to fp32 or split, got {self.master_format!r}")
+        if self.master_format == "split" and self.compute_dtype_bytes != 2:
+            raise UserError("--master split stores the bf16 compute copy, so it needs --dtype bfloat16")
         if not 0.0 <= self.nvme_fraction <= 1.0:
             raise UserError(f"--nvme-fraction must be between 0 and 1, got {self.nvme_fraction}")
         for name, flag in (("gpu_memory_bytes", "--gpu-memory"), ("host_memory_bytes", "--host-memory")):

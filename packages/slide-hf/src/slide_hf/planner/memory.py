@@ -77,6 +77,10 @@ def _accumulated_numel(shape: ModelShape, grad_accum: int) -> int:
     return shape.embedding_numel if shape.tied else 0
 
 
+def _master_bytes(numel: int, master_format: str) -> int:
+    return 4 * numel + (math.ceil(numel / 8) if master_format == "split" else 0)
+
+
 def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
     d = inputs.compute_dtype_bytes
     state = state_bytes_per_param(inputs.optimizer_state)  # m and v: 8 in fp32, 4 in bf16, ~2.06 in int8
@@ -84,7 +88,8 @@ def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
     boundary = inputs.batch_size * inputs.seq_len * shape.hidden_size * d  # one block's input
     host = {
         # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies])
-        "master_fp32": 4 * (shape.total_numel - _resident_numel(shape, inputs)),
+        # 4 B/param in either format (a split master adds one tie bit: slide_core/split_master.py)
+        "master_fp32": _master_bytes(shape.total_numel - _resident_numel(shape, inputs), inputs.master_format),
         # device-resident units keep m and v on the GPU; their host ranges are never touched
         "optimizer_state": math.ceil(state * (shape.total_numel - sum(on_nvme) - _resident_numel(shape, inputs))),
         "grad_accumulators": 4 * _accumulated_numel(shape, inputs.grad_accum),

@@ -124,8 +124,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
       backward: 2 + 2 + 4 = 8 FLOPs per parameter per token (6 without recompute). The head runs once
       with grad (6 V H). Attention: QK^T and AV are 4 S d per token per layer forward, halved by the
       causal mask, times the same four passes: 8 L S d.
-    - pcie = max(h2d, d2h) (the directions are independent). h2d: 4 B/param per load (fp32 master, see
-      ``_H2D_BYTES_PER_PARAM``); the embedding and head load once per step; blocks load once in each
+    - pcie = max(h2d, d2h) (the directions are independent). h2d: 4 B/param per load from an fp32
+      master, 2 from a split one (``h2d_bytes_per_param``); the embedding and head load once per step; blocks load once in each
       forward and backward, minus the ``block_slots`` still resident where the schedule turns around:
       accum x 2L - (2 accum - 1) x slots. d2h: every unit's gradient in the compute dtype per micro-batch
       (the embedding twice when the head is tied). Both add the activation stash (out and back in).

@@ -18,9 +18,26 @@ from slide_hf.planner.memory import _nvme_units
 __all__: list[str] = []
 
 _H2D_BYTES_PER_PARAM = 4
-"""Bytes per parameter per load: the engine copies straight from the fp32 master slab into the
-compute-dtype slot (``Engine._h2d_job``); a non-blocking cross-dtype host-to-device copy moves the
-source's fp32 bytes and casts on the device."""
+"""Bytes per parameter per load from an fp32 master: the engine copies straight from the fp32 slab into
+the compute-dtype slot (``HostPipeline.load``); a non-blocking cross-dtype host-to-device copy moves the
+source's fp32 bytes and casts on the device. A split master sends its bf16 plane instead: 2 bytes."""
+
+
+def h2d_bytes_per_param(master_format: str) -> int:
+    """Bytes per parameter per load: 4 from an fp32 master, 2 from a split one (slide_core/split_master.py)."""
+    return 2 if master_format == "split" else _H2D_BYTES_PER_PARAM
+
+
+def host_bytes_per_param_step(
+    master_format: str, optimizer_state: str, compute_bytes: int, loads: float = 2.0
+) -> dict[str, float]:
+    """Host memory bytes per host-updated parameter per step (one micro-batch): the optimizer's update
+    (``_adam_bytes_per_param`` plus the gradient read; the master's 8 are the same in both formats, read
+    and written once) and the DMA (``loads`` h2d reads of the master, one d2h write of the gradient)."""
+    optimizer = _adam_bytes_per_param(optimizer_state) + compute_bytes
+    dma = loads * h2d_bytes_per_param(master_format) + compute_bytes
+    return {"optimizer": optimizer, "dma": dma, "total": optimizer + dma}
+
 
 _ADAM_BYTES_PER_PARAM = 32
 """Host memory traffic of one fp32 AdamW update per parameter: read and write master, m and v (24 B),
@@ -64,7 +81,7 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     stash_pcie = stash * accum
     mean_block = sum(shape.block_numels) / layers if layers else 0.0
     loads = shape.embedding_numel + shape.head_numel + _block_loads(shape, inputs) * mean_block
-    h2d_bytes = _H2D_BYTES_PER_PARAM * loads + stash_pcie
+    h2d_bytes = h2d_bytes_per_param(inputs.master_format) * loads + stash_pcie
     grad_numel = shape.total_numel + (shape.embedding_numel if shape.tied else 0)
     d2h_grad_bytes = accum * grad_numel * d
     d2h_s = d2h_grad_bytes / (bw.d2h_gbps * 1e9)
