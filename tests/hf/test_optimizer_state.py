@@ -116,6 +116,7 @@ def test_the_planner_prices_each_format() -> None:
     assert state["bf16"] * 2 == state["fp32"]
     assert state["int8"] == pytest.approx(state["fp32"] * (2 + 8 / 64) / 8, rel=1e-6)
     assert plans["bf16"].disk_bytes * 2 == plans["fp32"].disk_bytes
-    assert plans["fp32"].update_s > plans["bf16"].update_s > plans["int8"].update_s
+    # bf16 updates faster than fp32; int8 saves memory but is bound by its arithmetic (planner/timing.py)
+    assert plans["bf16"].update_s < plans["fp32"].update_s < plans["int8"].update_s
     with pytest.raises(UserError, match="--optimizer-state must be fp32, bf16 or int8"):
         PlanInputs(shape, optimizer_state="fp8")
