@@ -369,3 +369,11 @@ def test_compact_state_on_a_gpu_with_resident_units(state_format: str) -> None:
     reference, losses = run("fp32"), run(state_format)
     assert losses[-1] < losses[0], losses
     assert losses == pytest.approx(reference, rel=5e-2), (losses, reference)
+
+
+def test_int8_state_needs_block_aligned_chunks() -> None:
+    model = ToyModel(TOY)
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1000 * 64 + 1)
+    optimizer = CompactAdamW(AdamWConfig(state_format="int8"), fused=False)
+    with CPUDevice() as device, pytest.raises(ValueError, match="multiple of 64"):
+        Engine(model, device, HostParameters(model), optimizer, config)

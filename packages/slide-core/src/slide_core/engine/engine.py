@@ -33,7 +33,7 @@ import torch
 from slide_core.checkpoint import load_checkpoint
 from slide_core.device import Device
 from slide_core.host_params import HostParameters
-from slide_core.optim.state_formats import StateArray, refuse_other_state_format
+from slide_core.optim.state_formats import QUANT_BLOCK, StateArray, refuse_other_state_format
 from slide_core.optimizer import Optimizer
 from slide_core.tier import Tier
 from slide_core.unit import SlideModel, Unit
@@ -606,6 +606,11 @@ def _check_state_format(optimizer: Optimizer, config: EngineConfig, group: Proce
         raise ValueError(
             f"{type(optimizer).__name__} keeps fp32 state, but its config asks for {state_format}; "
             "use CompactAdamW (build_optimizer picks it)"
+        )
+    if state_format == "int8" and config.transfer_chunk_numel % QUANT_BLOCK:
+        raise ValueError(
+            f"int8 optimizer state needs transfer_chunk_numel to be a multiple of {QUANT_BLOCK} (its block), "
+            f"got {config.transfer_chunk_numel}"
         )
     if group is not None and state_format == "int8":
         raise ValueError(
