@@ -125,23 +125,25 @@ def run_format(state_format: str, args: argparse.Namespace, data: dict[str, Any]
         init_random(model, host, config, seed=args.seed)  # the same initialisation for every format
         params = sum(unit.layout.param_numel for unit in model.units)
         with Engine(model, device, host, optimizer, engine_config) as engine:
-            began = time.perf_counter()
+            step_s = []  # each step's wall time; the first (compiles, allocates) is left out of s/step
             for step, ids in enumerate(data["train"]):
+                began = time.perf_counter()
                 result = engine.step([(ids, ids)], lr=schedule.lr_at(step))
+                step_s.append(time.perf_counter() - began)
                 train.append([step + 1, result.loss])
                 if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                     measured = [engine.evaluate([(ids, ids)]) for ids in data["eval"]]
                     loss = sum(m.loss_sum for m in measured) / sum(m.loss_tokens for m in measured)
                     evals.append([step + 1, loss])
                     print(f"{state_format} step {step + 1}: train {result.loss:.4f}  eval {loss:.4f}", flush=True)
-            wall_s = time.perf_counter() - began
+            timed = step_s[1:] or step_s
             state_bytes = sum(t.numel() * t.element_size() for t in engine.host_state.state_slabs.values())
     return {
         "state_format": state_format,
         "optimizer": type(optimizer).__name__,
         "params": params,
         "host_state_bytes": state_bytes,
-        "s_per_step": wall_s / args.steps,
+        "s_per_step": sum(timed) / len(timed),
         "train": train,
         "eval": evals,
     }
