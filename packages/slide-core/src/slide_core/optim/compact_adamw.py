@@ -406,7 +406,8 @@ class CompactAdamW(Optimizer):
         """Remember the largest range: the fp32 moment scratch of the torch path (and of corrections) is
         allocated at that size when first needed, never by the fused path."""
         self._reserved = max(self._reserved, max_range_numel)
-        self._fp32.reserve(max_range_numel, device)
+        if not self.fused or torch.device(device).type != "cpu":  # the fused kernels need no fp32 scratch
+            self._fp32.reserve(max_range_numel, device)
 
     def _scratch(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         held = self._moments.get(device)
