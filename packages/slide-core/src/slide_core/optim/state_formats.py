@@ -35,9 +35,10 @@ from the block's new fp32 values before any is encoded. Each element stores ``x 
 A float code is used instead of linear int8 because both moments span orders of magnitude within a block:
 linear codes would round most of a block's small elements to zero.
 
-Each encoder here has twins: a torch version (any device; the reference, and the path without numba) and
-numba-jitted scalar versions used inside the fused kernels (slide_core/optim/compact_adamw.py). Both are
-written from the same integer recipe, so given the same fp32 moments they give the same codes.
+Each encoder here has twins: a plain-Python hash (:func:`mix32`, :func:`element_bits`), a torch version
+(any device; the reference, and the path without numba) and scalar numba intrinsics the fused kernels
+inline (:func:`numba_twins`, used by slide_core/optim/compact_adamw.py). All are written from the same
+integer recipe, so given the same fp32 moments they give the same codes (tested bit for bit).
 """
 
 from __future__ import annotations
