@@ -47,7 +47,7 @@ from slide_core.optim.state_formats import (
     state_arrays,
     stream_key,
 )
-from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer
+from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer, scale_into
 from slide_core.split_master import SplitMaster
 
 __all__ = ["CompactAdamW", "compact_bytes_per_param"]
@@ -409,13 +409,14 @@ class CompactAdamW(Optimizer):
         if not self.fused or torch.device(device).type != "cpu":  # the fused kernels need no fp32 scratch
             self._fp32.reserve(max_range_numel, device)
 
-    def _scratch(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scratch(self, numel: int, device: torch.device, count: int = 2) -> tuple[torch.Tensor, ...]:
+        """``count`` fp32 buffers of ``numel`` (the moments, and a correction's gradient), kept per device."""
         held = self._moments.get(device)
-        if held is None or held.numel() < 2 * numel:
+        if held is None or held.numel() < count * numel:
             held = self._moments[device] = torch.empty(
-                2 * max(numel, self._reserved), dtype=torch.float32, device=device
+                count * max(numel, self._reserved), dtype=torch.float32, device=device
             )
-        return held[:numel], held[numel : 2 * numel]
+        return tuple(held[i * numel : (i + 1) * numel] for i in range(count))
 
     def warmup(self) -> None:
         """Compile (or load) this format's kernels for bf16 and fp32 gradients, fp32 and split masters, on
@@ -536,12 +537,22 @@ class CompactAdamW(Optimizer):
         step: int,
         decay: bool,
     ) -> None:
-        """Decode, correct in fp32 (``AdamWCorrection``), encode with the correction's own hash stream."""
+        """Decode, correct in fp32 (``AdamWCorrection``), encode with the correction's own hash stream.
+
+        At step 1 the moments before the update were zero, so the ones it divided by are rebuilt exactly
+        from the gradient it applied (the same torch ops as ``TorchAdamW``'s, which the kernels match)
+        instead of from their stored rounding: a first step, often clipped, is then taken back as exactly
+        as with fp32 state. Later steps start from the stored moments (exact to the format's rounding)."""
         if correction.kind == "keep":
             return
         n = self._check(master, grad, state)
-        m, v = self._scratch(n, master.device)
-        decode_moments(self.format, state, m, v)
+        m, v, g = self._scratch(n, master.device, count=3)
+        if step == 1:
+            scale_into(g, grad, applied)
+            m.zero_().lerp_(g, 1.0 - self.config.beta1)
+            v.zero_().mul_(self.config.beta2).addcmul_(g, g, value=1.0 - self.config.beta2)
+        else:
+            decode_moments(self.format, state, m, v)
         moments = {"exp_avg": m, "exp_avg_sq": v}
         self._correction.apply(correction, master, grad, applied, moments, lr=lr, step=step, decay=decay)
         key = stream_key(self.config.state_seed, step, CORRECTION_SALT)
