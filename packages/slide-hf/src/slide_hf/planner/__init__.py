@@ -10,6 +10,7 @@ formula. It is a planning number (within tens of percent), not a benchmark.
 The package, one job per module (each imports only the ones above it):
 
 - :mod:`~slide_hf.sizes`: ``24GiB`` in, ``30.1 GiB`` out;
+- :mod:`~slide_hf.planner.activations`: the bytes a block saves for autograd, measured on the meta device;
 - :mod:`~slide_hf.planner.inputs`: :class:`Bandwidths`, :class:`ModelShape`, :class:`PlanInputs`;
 - :mod:`~slide_hf.planner.memory`: host, GPU and disk bytes;
 - :mod:`~slide_hf.planner.timing`: step time, overlap and the critical batch;

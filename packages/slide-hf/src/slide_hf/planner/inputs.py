@@ -14,6 +14,7 @@ from typing import Any, Literal
 from slide_core.engine.config import EngineConfig
 from slide_core.unit import SlideModel
 from slide_hf.errors import UserError
+from slide_hf.planner.activations import BlockActivations
 
 __all__ = ["Bandwidths", "ModelShape", "Offload", "PlanInputs"]
 
@@ -76,6 +77,9 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     extra_device_bytes: int = 0
+    activations: BlockActivations | None = field(default=None, compare=False, repr=False)
+    """Measures what each kind of block saves for autograd (:mod:`slide_hf.planner.activations`); None
+    (a shape filled by hand, a model that is not an HF adapter's): the planner's formula."""
 
     @classmethod
     def of(cls, model: SlideModel) -> ModelShape:
@@ -109,6 +113,7 @@ class ModelShape:
             intermediate_size=intermediate,
             vocab_size=int(_first(config, ("vocab_size",), vocab)),
             extra_device_bytes=int(model.extra_tensors_bytes()),
+            activations=BlockActivations.of(model),
         )
 
     @property

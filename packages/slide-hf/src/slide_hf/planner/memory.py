@@ -12,12 +12,17 @@ The GPU peak is the persistent part (parameter/gradient slots, the two activatio
 context) plus the largest transient of the four phases of a micro-batch: the no-grad forward of one
 block, the head (slide-kernels' chunked linear + cross-entropy, or HF's full logits without it), the
 recomputed backward of one block, and the embedding backward. Only one runs at a time, so they do not add.
+The backward is priced from what the costliest block's forward saves for autograd, measured on the meta
+device for the model's own layers (:mod:`slide_hf.planner.activations`), with a formula only where
+that cannot run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+import torch
 
 from slide_core.engine.resident import resident_bytes_per_param
 from slide_core.optim.state_formats import state_bytes_per_param
@@ -35,12 +40,15 @@ a CUDA build adds the host side of the CUDA runtime and cuBLAS, hence the round 
 CUDA_CONTEXT_BYTES = 512 << 20
 """GPU memory the CUDA context and cuBLAS workspaces take before the first tensor (~0.5 GB on H100/H200)."""
 
-_BLOCK_WORKSPACE_FACTOR = 1.5
-"""Calibration constant: peak GPU bytes of one block's recompute + backward over the bytes of the
-tensors autograd saves (:func:`_saved_elems_per_token`). The excess over 1 is the gradients of the
-largest intermediates (MLP backward: grads of ``act * up``, ``gate`` and ``up``, about 3 x intermediate
-per token) that live alongside the saved tensors. To be tuned against ``torch.cuda.max_memory_allocated``
-on a GPU."""
+_BLOCK_WORKSPACE_FACTOR = 1.45
+"""Peak GPU bytes of one block's recompute + backward over the bytes its forward saves for autograd
+(:func:`_block_saved_bytes`). The excess over 1 is the backward's transient gradients: those of the
+largest intermediates (the MLP's ``act * up``, ``gate`` and ``up``; a delta net's chunk states), alive
+beside the saved tensors. Derived from H200 peaks (``torch.cuda.max_memory_allocated`` of ``slide bench
+--gpu-memory 24 --batch-size 16 --seq-len 1024``, with the resident units that run had) against the
+measured saved bytes: Llama-3.1-8B 20.35 GiB, GLM-4-9B cut to 20 layers 22.69 GiB and Moonlight-16B-A3B
+cut to 9 layers 21.94 GiB need 1.40, 1.41 and 1.26 to be priced at or above them; 1.45 prices them at
+20.51, 22.86 and 22.62 GiB (+1% to +3%)."""
 
 _CE_CHUNK_LOGITS_BYTES = 256 << 20
 """``slide_kernels.ops.linear_cross_entropy.CHUNK_LOGITS_BYTES``: the fused head's one (rows, vocab)
@@ -115,8 +123,28 @@ def _disk_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     return state + stash
 
 
+def _block_saved_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+    """Bytes autograd saves in the costliest block of the model for one micro-batch.
+
+    Measured on the meta device for each kind of block (:mod:`slide_hf.planner.activations`: one
+    sequence at this sequence length, times the batch); a kind that cannot run there, and a shape
+    without a measurer (filled by hand, a non-HF model), take the formula
+    (:func:`_saved_elems_per_token`).
+    """
+    tokens = inputs.batch_size * inputs.seq_len
+    formula = tokens * _saved_elems_per_token(shape) * inputs.compute_dtype_bytes
+    if shape.activations is None:
+        return formula
+    dtype = torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16
+    measured = shape.activations.saved_bytes(inputs.seq_len, dtype)
+    return max(
+        formula if per_sequence is None else inputs.batch_size * per_sequence for per_sequence in measured.values()
+    )
+
+
 def _saved_elems_per_token(shape: ModelShape) -> int:
-    """Elements autograd saves per token in one Llama-style block (SDPA attention, SwiGLU MLP).
+    """Elements autograd saves per token in one Llama-style block (SDPA attention, SwiGLU MLP): the
+    fallback where a block cannot be measured (:func:`_block_saved_bytes`).
 
     - two RMSNorms, each keeping its input and its fp32 normalised copy (counted in compute-dtype
       elements: H + 2H): 6H;
@@ -164,9 +192,9 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         # (above); per-token fp32 loss scalars; without the fused loss, the head-matrix gradient (the
         # fused loss writes it straight into the slot's gradient buffer: Unit.grads_in_forward).
         "head": tokens * h * (4 * d + 4) + logits + (0 if inputs.fused_loss else v * h * d) + 2 * tokens * 4,
-        # one block with grad: grad_out and grad_in, the saved tensors (x the calibration factor), and
-        # the parameter gradients autograd returns before they are copied into the slot.
-        "backward": int(_BLOCK_WORKSPACE_FACTOR * tokens * _saved_elems_per_token(shape) * d)
+        # one block with grad: grad_out and grad_in, the saved tensors (x the transient gradients'
+        # factor), and the parameter gradients autograd returns before they are copied into the slot.
+        "backward": int(_BLOCK_WORKSPACE_FACTOR * _block_saved_bytes(shape, inputs))
         + 2 * tokens * h * d
         + shape.max_block_numel * d,
         # embedding backward: grad_out and the dense (vocab, hidden) weight gradient.
