@@ -7,6 +7,9 @@ Exit status and what is printed on stderr, one line each, never a traceback unle
   disk) or an unreadable command line -- printed as ``slide CMD: error: ...``.
 - 130 / 143: a run stopped by SIGINT / SIGTERM after saving a checkpoint (:class:`RunStopped`); the line
   gives the command that continues it and is not an error. A bare Ctrl-C elsewhere is 130 too.
+- 2 as well when the GPU runs out of memory anyway (a ``torch.OutOfMemoryError`` anywhere in the
+  exception's chain, also wrapped by the engine's worker threads): the plan priced the run within the
+  budget and it did not hold, so the line says so, gives the budget and what to try.
 - 1: anything else is a bug in slide: one line with the exception and where to report it; ``-v``
   prints the traceback.
 
@@ -79,12 +82,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if args.verbose:
             traceback.print_exc()
+        if _out_of_memory(error):
+            print(f"slide {args.command}: error: {_out_of_memory_line(args)}", file=sys.stderr)
+            return 2
         print(
             f"slide {args.command}: internal error: {type(error).__name__}: {_one_line(error)} -- this is a bug in "
             f"slide; please report it with the output of `slide -v {args.command} ...`",
             file=sys.stderr,
         )
         return 1
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether a ``torch.OutOfMemoryError`` is ``error`` or anywhere in its cause/context chain (the
+    engine re-raises a worker thread's failure as an ``EngineError`` whose cause is the original)."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # torch never imported: nothing ran on a device
+        return False
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, torch.OutOfMemoryError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _out_of_memory_line(args: argparse.Namespace) -> str:
+    """The GPU ran out beyond the plan: the budget the run was planned within, and what to try."""
+    cap = getattr(args, "gpu_memory", None)
+    if cap is not None:
+        from slide_hf.sizes import format_bytes, parse_size
+
+        budget = f"{format_bytes(parse_size(cap, what='--gpu-memory'))} allowed by --gpu-memory"
+        larger = "a larger --gpu-memory"
+    else:
+        budget = "the whole GPU"
+        larger = "a GPU with more memory"
+    return f"the GPU ran out of memory beyond the plan ({budget}); try a smaller --batch-size or --seq-len, or {larger}"
 
 
 def _one_line(error: BaseException) -> str:

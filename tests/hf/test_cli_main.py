@@ -1,0 +1,66 @@
+"""`slide`'s top level (slide_hf/cli/main.py): how a command's failure becomes one line and an exit status."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slide_core.engine.workers import WorkerFailure
+from slide_hf.cli import main as cli
+
+
+def _fail_with(monkeypatch, command: str, error: BaseException) -> None:
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(f"slide_hf.cli.{command}.run", run)
+
+
+def _worker_oom() -> WorkerFailure:
+    """What the engine raises when its compute thread hits a device OOM: the OOM chained as the cause."""
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError as oom:
+            raise WorkerFailure("the compute worker failed") from oom
+    except WorkerFailure as failure:
+        return failure
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "budget"),
+    [
+        ("bench", ["--model", "test-llama", "--gpu-memory", "24"], "24.0 GiB allowed by --gpu-memory"),
+        ("train", ["--model", "test-llama", "--data", "x.jsonl"], "the whole GPU"),
+    ],
+)
+def test_gpu_out_of_memory_is_one_line_with_the_budget(monkeypatch, capsys, command, argv, budget):
+    _fail_with(monkeypatch, command, _worker_oom())
+    assert cli.main([command, *argv]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and "bug" not in err
+    assert lines[0].startswith(f"slide {command}: error: the GPU ran out of memory beyond the plan")
+    assert budget in lines[0] and "--batch-size" in lines[0] and "--seq-len" in lines[0]
+
+
+def test_out_of_memory_found_as_the_context_too(monkeypatch, capsys):
+    """An OOM caught and replaced without ``from`` still names the cause (``__context__``)."""
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("backward failed")  # noqa: B904 -- the implicit context is the point
+    except RuntimeError as error:
+        replaced = error
+    assert isinstance(replaced.__context__, torch.OutOfMemoryError)
+    _fail_with(monkeypatch, "bench", replaced)
+    assert cli.main(["bench", "--model", "test-llama"]) == 2
+    assert "ran out of memory beyond the plan" in capsys.readouterr().err
+
+
+def test_other_failures_stay_internal_errors(monkeypatch, capsys):
+    _fail_with(monkeypatch, "bench", WorkerFailure("the compute worker failed"))
+    assert cli.main(["bench", "--model", "test-llama"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error" in err and "out of memory" not in err
