@@ -70,12 +70,29 @@ def _compare_with_cpu(model) -> dict[str, tuple[int, int]]:
 )
 def test_saved_bytes_equal_a_cpu_run(preset, layers, overrides):
     """On the CPU these layers run sdpa's fused kernel too (no cap), so a real run saves what the planning
-    attention says the GPU kernels save."""
+    attention says the GPU kernels save (Note [Planning attention])."""
     model = _model(preset, layers, **overrides)
     compared = _compare_with_cpu(model)
     assert len(compared) == len({block.attention_type for block in model.blocks})
     for name, (planned, cpu) in compared.items():
         assert planned == pytest.approx(cpu, rel=0.1), name
+
+
+def test_softcapped_attention_priced_as_the_gpu_runs_it():
+    """Note [Planning attention]: Gemma 2's capped layers run flex_attention on the GPU, which keeps no
+    (seq x seq) scores, so the bytes per token stay flat in the sequence length; asked to run eager, the
+    layers are priced with the scores, which grow with it."""
+
+    def per_token(model, seq_len: int) -> float:
+        return max(BlockActivations.of(model).saved_bytes(seq_len, torch.bfloat16).values()) / seq_len
+
+    flex = _model("test-gemma2", 2)
+    assert per_token(flex, 512) == pytest.approx(per_token(flex, 128), rel=0.01)
+    eager = build_model(truncate_layers(PRESETS["test-gemma2"](attn_implementation="eager"), 2))
+    assert eager.attention_for("cuda", torch.bfloat16) == {"sliding_attention": "eager", "full_attention": "eager"}
+    heads = eager.config.num_attention_heads
+    grown = per_token(eager, 512) - per_token(eager, 128)
+    assert grown >= 2 * heads * (512 - 128) * 2  # at least the scores and probabilities of each head, bf16
 
 
 def test_experts_loop_priced_like_a_cpu_run():
