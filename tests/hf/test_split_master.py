@@ -144,3 +144,15 @@ def test_the_planner_prices_the_split_master():
     before, after = host_bytes_per_param_step("fp32", "fp32", 2), host_bytes_per_param_step("split", "fp32", 2)
     assert before["optimizer"] == after["optimizer"]  # the master's 8 bytes per update either way
     assert (before["dma"], after["dma"]) == (2 * 4 + 2, 2 * 2 + 2)  # two loads and one gradient per step
+
+
+@pytest.mark.parametrize("command", [["train", "--device", "cpu", "--steps", "1"], ["plan", "--model", "tiny-llama"]])
+def test_split_with_fp32_compute_is_one_line_on_the_command_line(capsys, tmp_path, command):
+    from slide_hf.cli import main as cli
+
+    extra = ["--output", str(tmp_path / "run")] if command[0] == "train" else []
+    status = cli.main([*command, *extra, "--dtype", "float32", "--master", "split"])
+    _, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert status == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert "--master split stores the bf16 copy the GPU computes with" in lines[0], lines[0]
