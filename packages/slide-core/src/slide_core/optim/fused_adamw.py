@@ -26,6 +26,12 @@ exp_avg_sq come out bit-identical to torch's on AVX2/AVX512 builds. ``p`` can st
 the update: torch's ``sqrt`` on x86 goes through MKL VML in high-accuracy mode (< 1 ulp, not correctly
 rounded), while this kernel's ``sqrt`` is the IEEE one.
 
+A split master (slide_core/split_master.py: the bf16 plane the device is sent, the low 16 bits, a tie
+bit per element) goes through the ``*_split`` kernels: the same element arithmetic between
+``_load_master`` (decode in registers) and ``_store_master`` (encode), and the same 26 bytes per parameter
+(hi and lo read and written instead of the fp32 word), plus the tie bits of the rare midpoints. The decoded
+master and the moments are bit for bit those of the fp32 kernel.
+
 numba is optional: nothing here imports it until a kernel is first needed (``step`` or ``warmup``), and
 ``import slide_core`` never does. ``best_adamw`` picks this optimizer when numba is importable and
 falls back to ``TorchAdamW`` otherwise.
