@@ -34,7 +34,7 @@ from slide_core.distributed import ProcessGroupContext, shard_span
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
 from slide_core.sharded_checkpoint import save_sharded_checkpoint
-from slide_core.testing import ToyBlock, ToyConfig, ToyModel, load_init, toy_batches, toy_init, wait_ranks
+from slide_core.testing import ToyBlock, ToyConfig, ToyModel, toy_batches, toy_init, wait_ranks
 from slide_core.tiers.host_ram import HostRamTier
 
 RTOL = 1e-5
@@ -124,6 +124,26 @@ def _global_batches(case: Case, world_size: int) -> list[list[tuple[torch.Tensor
     return toy_batches(cfg, case.steps, case.accum, seed=5, batch=world_size * ROWS_PER_RANK)
 
 
+def _load(host: HostParameters, group: ProcessGroupContext | None) -> bool:
+    """The initial weights; a rank writes only its shards (``keep_shards``, Note [Sharded master]).
+    Returns whether the master outside the shards kept, bit for bit, what its allocation held."""
+    init = toy_init(host.model, seed=4)
+    before = {}
+    if group is not None:
+        host.keep_shards({unit.name: group.span(unit.layout.numel) for unit in host.model.units})
+        before = {unit.name: host.read(unit).clone().view(torch.int32) for unit in host.model.units}
+    for unit in host.model.units:
+        with host.editing(unit) as views:
+            for name, view in views.items():
+                view.copy_(init[unit.name][name])
+    for name, was in before.items():
+        lo, hi = group.span(was.numel()) if group is not None else (0, 0)
+        now = host.read(name).view(torch.int32)
+        if not (torch.equal(now[:lo], was[:lo]) and torch.equal(now[hi:], was[hi:])):
+            return False
+    return True
+
+
 def _run(
     case: Case,
     batches,
@@ -141,7 +161,7 @@ def _run(
     results = []
     with CPUDevice() as device, HostRamTier() as tier:
         host = HostParameters(model)
-        load_init(host, toy_init(model, seed=4))
+        untouched = _load(host, group)
         engine = Engine(model, device, host, optimizer, config, state_tier=tier, process_group=group)
         for slab in engine.host_state.state_slabs.values():
             slab.fill_(math.nan)  # a fresh run zeroes the state it will update; the rest stays NaN
@@ -158,7 +178,7 @@ def _run(
             state = {unit.name: {k: v.clone() for k, v in engine.host_state.views(unit).items()} for unit in in_ram}
         master = {unit.name: host.flat(unit).clone() for unit in model.units}
         on_tier = {key: held.numel() for key, held in tier._store.items()}
-    return {"results": results, "master": master, "state": state, "on_tier": on_tier}
+    return {"results": results, "master": master, "state": state, "on_tier": on_tier, "untouched": untouched}
 
 
 def _checkpointed_run(case: Case, batches, group: ProcessGroupContext, out: Path) -> dict:
@@ -171,7 +191,7 @@ def _checkpointed_run(case: Case, batches, group: ProcessGroupContext, out: Path
     def engine_for(device: CPUDevice) -> tuple[Engine, HostParameters]:
         model = _model(case)
         host = HostParameters(model)
-        load_init(host, toy_init(model, seed=4))
+        _load(host, group)
         return Engine(model, device, host, TorchAdamW(AdamWConfig(weight_decay=0.1)), config, process_group=group), host
 
     def steps(engine: Engine, micro_batches) -> list[tuple]:
@@ -210,7 +230,7 @@ def _reshard_engine(
 ) -> tuple[Engine, HostParameters]:
     model = _model(RESHARD_CASE)
     host = HostParameters(model)
-    load_init(host, toy_init(model, seed=4))
+    _load(host, group)
     optimizer = TorchAdamW(AdamWConfig(weight_decay=0.1))
     return Engine(model, device, host, optimizer, RESHARD_CASE.config(), tier, process_group=group), host
 
@@ -366,11 +386,14 @@ def test_ranks_match_one_process_at_the_global_batch(ranks: tuple[int, Path], na
 @pytest.mark.slow
 def test_each_rank_writes_only_its_shards_optimizer_state(ranks: tuple[int, Path]) -> None:
     """Every rank zeroes and updates the Adam state of its own shard of each unit and never touches the
-    rest (whose pages then cost it no memory)."""
+    rest (whose pages then cost it no memory); its host master held only its shards until the engine
+    started (Note [Sharded master])."""
     world_size, out = ranks
     model = _model(CASES["plain"])
     for rank in range(world_size):
-        state = torch.load(out / f"plain-rank{rank}.pt")["state"]
+        run = torch.load(out / f"plain-rank{rank}.pt")
+        assert run["untouched"], f"rank {rank} wrote its master outside its shards"
+        state = run["state"]
         for unit in model.units:
             lo, hi = shard_span(unit.layout.numel, rank, world_size)
             assert 0 < hi - lo < unit.layout.numel

@@ -30,13 +30,13 @@ def test_scaling_by_hand(per_node: int, nodes: int, accum: int) -> None:
     world = per_node * nodes
     n, d = shape.total_numel, 2  # bf16 compute
 
-    # Host: the master whole, the Adam state, accumulators and gradient ring 1/N, the rest as one process.
+    # Host: the master, the Adam state, accumulators and gradient ring 1/N, the rest as one process.
     host = rank.host_breakdown
-    assert dp.host_rank_breakdown["master_fp32"] == 4 * n
+    assert dp.host_rank_breakdown["master_fp32"] == host["master_fp32"] // world
     assert dp.host_rank_breakdown["optimizer_state"] == 8 * n // world
     assert dp.host_rank_breakdown["grad_accumulators"] == (4 * n if accum > 1 else 0) // world
     assert dp.host_rank_breakdown["grad_ring"] == host["grad_ring"] // world
-    sharded = ("optimizer_state", "grad_accumulators", "grad_ring")
+    sharded = ("master_fp32", "optimizer_state", "grad_accumulators", "grad_ring")
     unchanged = sum(v for k, v in host.items() if k not in sharded)
     assert dp.host_per_rank_bytes == unchanged + sum(dp.host_rank_breakdown[k] for k in sharded)
     assert dp.host_per_host_bytes == per_node * dp.host_per_rank_bytes

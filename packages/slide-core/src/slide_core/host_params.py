@@ -52,7 +52,9 @@ class HostParameters:
     its range, device-resident ones included: loaders fill it and exporters read it.
     """
 
-    def __init__(self, model: SlideModel, alloc: Allocator = _plain_alloc, master_format: MasterFormat = "fp32") -> None:
+    def __init__(
+        self, model: SlideModel, alloc: Allocator = _plain_alloc, master_format: MasterFormat = "fp32"
+    ) -> None:
         if master_format not in get_args(MasterFormat):
             raise ValueError(f"master format must be fp32 or split, got {master_format!r}")
         self.model = model
@@ -74,6 +76,7 @@ class HostParameters:
                 "lo": alloc(total, torch.int16),
                 "ties": alloc(tie_bytes(total), torch.uint8),
             }
+        self._shards: dict[str, tuple[int, int]] = {}  # keep_shards: each unit's range this process keeps
         # Alignment padding is never read by a unit; keep it finite (zero) so whole-unit operations stay clean.
         for unit in model.units:
             for start, end in _gaps(unit):
@@ -98,9 +101,7 @@ class HostParameters:
         """The unit's master as the optimizer steps it: its fp32 slab range, or its split planes."""
         if self.split:
             name = _name(unit)
-            return SplitMaster(
-                self._range("hi", name), self._range("lo", name), self.planes["ties"], self.offset(name)
-            )
+            return SplitMaster(self._range("hi", name), self._range("lo", name), self.planes["ties"], self.offset(name))
         return self._range("master", unit)
 
     def h2d_source(self, unit: Unit | str) -> torch.Tensor:
@@ -129,6 +130,16 @@ class HostParameters:
         """Whether the plane the host-to-device copy reads was allocated pinned."""
         return self.planes["hi" if self.split else "master"].is_pinned()
 
+    def keep_shards(self, spans: Mapping[str, tuple[int, int]] | None) -> None:
+        """Data parallel: from now on :meth:`write` and :meth:`editing` (loading, random init, a resume)
+        land only in this rank's shard ``[lo, hi)`` of each unit (``spans``, slide_core.distributed's
+        ``shard_span``). The rest of every plane is never written, so its pages never become resident and
+        the master costs this rank 1/N of its bytes (Note [Sharded master] in engine/sharded_pipeline.py).
+        Outside the shard the planes hold whatever their allocation held (zeros for fresh pages) until a
+        drain gathers the whole master into them; the drain first calls ``keep_shards(None)``, after
+        which writes land everywhere again."""
+        self._shards = {} if spans is None else {name: spans[name] for name in self._offsets}
+
     # -- fp32 values, in either format -----------------------------------------------------------------
     def read(self, unit: Unit | str, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Elements ``[start, end)`` of the unit's master in fp32: the slab's own range in the fp32 format
@@ -141,6 +152,13 @@ class HostParameters:
         """Set elements ``[start, start + values.numel())`` of the unit's master to ``values`` (fp32, on
         any device: a split master is encoded on the host piece by piece)."""
         master = self.master(unit)
+        shard = self._shards.get(_name(unit))
+        if shard is not None:  # keep_shards: only the part inside the shard is kept
+            values = values.reshape(-1)
+            lo, hi = max(start, shard[0]), min(start + values.numel(), shard[1])
+            if lo >= hi:
+                return
+            values, start = values[lo - start : hi - start], lo
         target = master[start : start + values.numel()]
         if target.numel() != values.numel():
             raise ValueError(f"{_name(unit)} has {master.numel()} elements; cannot write {values.numel()} at {start}")
@@ -161,10 +179,13 @@ class HostParameters:
         """Writable fp32 views of the unit's parameters: the slab's own in the fp32 format; in the split
         format views of a decoded copy, encoded back when the block ends (without an exception)."""
         layout = self._unit(unit).layout
-        if not self.split:
+        sharded = _name(unit) in self._shards
+        if not self.split and not sharded:
             yield layout.views(self._range("master", unit))
             return
         values = self.read(unit)
+        if not self.split:  # sharded: edit a copy, then keep the shard of it (reading untouched pages is free)
+            values = values.clone()
         yield layout.views(values)
         self.write(unit, values)
 

@@ -162,7 +162,7 @@ def _train(
     placement = _setup_placement(model, device, options, group)
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
-        host = _setup_weights(cfg, model, optimizer)
+        host = _setup_weights(cfg, model, optimizer, group)
         flops = _log_run(cfg, model, data, device, optimizer, group)
         tokenizer_dir = run_dir.path / "tokenizer"
         if main:
@@ -345,9 +345,13 @@ def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
     )
 
 
-def _setup_weights(cfg: TrainConfig, model: _Model, optimizer: Optimizer) -> HostParameters:
+def _setup_weights(
+    cfg: TrainConfig, model: _Model, optimizer: Optimizer, group: ProcessGroupContext | None = None
+) -> HostParameters:
     """The fp32 master: HF weights, or a preset's seeded random init, stored as ``--master`` resolves for
-    this dtype and optimizer. The engine pins what it streams and gives back what lives on the GPU."""
+    this dtype and optimizer. The engine pins what it streams and gives back what lives on the GPU. With
+    data parallel a rank writes (and so holds) only its shards of the master (Note [Sharded master] in
+    slide_core's engine/sharded_pipeline.py); the final drain gathers it whole."""
     from slide_core.engine import choose_master_format
     from slide_hf import init_random, load_weights
 
@@ -357,6 +361,8 @@ def _setup_weights(cfg: TrainConfig, model: _Model, optimizer: Optimizer) -> Hos
         raise UserError(f"--master {cfg.master}: {error}") from None
     log.info("host master: %s", master_format)
     host = HostParameters(model.slide_model, master_format=master_format)
+    if group is not None:
+        host.keep_shards({unit.name: group.span(unit.layout.numel) for unit in model.slide_model.units})
     if model.model_dir is None:
         init_random(model.slide_model, host, model.config, seed=cfg.seed)
     else:

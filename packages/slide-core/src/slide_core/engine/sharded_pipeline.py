@@ -25,6 +25,15 @@ after the reduce-scatter, and the d2h of the shard waits for that. The one wait 
 at the end of the step, before the loss and the norms are read (:meth:`ShardedPipeline.sum_loss_and_norms`).
 On the CPU device streams are no-ops and every collective blocks the host thread that issues it.
 
+Note [Sharded master]: a rank never reads its host master outside its shards before a drain: a load
+copies ``[lo, hi)`` up and the all-gather fills the rest, the update writes ``[lo, hi)``, a checkpoint reads
+``[lo, hi)``, and a device-resident unit's compute copy is all-gathered once at the start
+(sharded_resident.py). So a master loaded with ``HostParameters.keep_shards`` (only the shards written),
+and pinned shard by shard (``UnitPipelines``), costs each rank 1/N of its bytes: the other pages are never
+touched. The drain (:meth:`ShardedPipeline.sync_to_host`) gathers the whole master on every rank, for an
+export. Tested by ``test_ranks_match_one_process_at_the_global_batch`` (every rank loads its shards only)
+and ``test_a_sharded_master_costs_its_shard`` (tests/core/test_sharded_master.py).
+
 The step's sums over ranks are formed here too: the label tokens that divide the loss (before the first
 micro-batch, so every rank scales its gradients by the global count), the loss and the per-unit squared
 norms (one all-reduce, with the step's one read), and the host-summed units' squared norms (gradient

@@ -16,6 +16,8 @@ process would), but owns one shard ``[lo, hi)`` of the unit, as for host-updated
 - ``state_array`` / ``restore_target``: the shard, so a checkpoint of a rank is its shards of every unit
   whatever the unit's placement (sharded_checkpoint.py reads them back at any world size).
 - ``sync_to_host`` (a drain) all-gathers the fp32 master on the device before copying it to the host.
+- At the start every unit's compute copy is all-gathered once: the host master it was copied from may
+  hold only this rank's shards (Note [Sharded master] in sharded_pipeline.py).
 
 Clipping sees the global norm, as with host units: each rank's squared norm of its shard is summed with
 the step's loss (``ShardedPipeline.sum_loss_and_norms``), and the speculative coefficient of a shard
@@ -64,6 +66,8 @@ class ShardedResidentPipeline(ResidentPipeline):
                     f"unit {name} has {self.units.units[name].unit.layout.numel} elements, too few to give each "
                     f"of {group.world_size} ranks a shard"
                 )
+        for resident in self.units.units.values():  # the host master may hold only the shards (Note [Sharded master])
+            self._gather(resident)
 
     # -- gradients, main thread (compute stream) -------------------------------------------------------
     def contribute(

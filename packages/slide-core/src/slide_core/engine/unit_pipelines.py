@@ -65,6 +65,7 @@ class UnitPipelines:
         them, whatever its placement: host-updated and tier-offloaded units by :class:`ShardedPipeline`
         wrappers (sharded_pipeline.py), device-resident ones by :class:`ShardedResidentPipeline`."""
         resident = set(config.resident_units)
+        self.host_params = host_params
         lean_host = not host_params.is_pinned
         views = {name: host_state.views(name) if host_state.valid[name] else None for name in resident}
         self.residents = ResidentUnits(
@@ -86,9 +87,15 @@ class UnitPipelines:
         if lean_host:  # give pages back before pinning: a page-locked registration may keep nearby pages
             self.resident.release_host_masters()
             for is_host_updated, run in itertools.groupby(model.units, key=lambda unit: unit.name not in resident):
-                if is_host_updated:  # one registration per contiguous run of the slab
-                    units = list(run)
+                if not is_host_updated:
+                    continue
+                units = list(run)
+                if self.spans is None:  # one registration per contiguous run of the slab
                     device.pin_host_range(host_params.h2d_span(units[0], units[-1]))
+                    continue
+                for unit in units:  # data parallel: the shards only (Note [Sharded master])
+                    lo, hi = self.spans[unit.name]
+                    device.pin_host_range(host_params.h2d_source(unit)[lo:hi])
         host_units = [unit for unit in model.units if unit.name not in resident]
         spans = None if self.spans is None else {unit.name: self.spans[unit.name] for unit in host_units}
         host_state.zero_fresh(spans)
@@ -141,6 +148,8 @@ class UnitPipelines:
         self.transfer.begin_step()
 
     def sync_to_host(self, host_state: HostState | None) -> None:
+        if self.spans is not None:  # the gathers write every unit whole (Note [Sharded master])
+            self.host_params.keep_shards(None)
         for pipeline in self.distinct:
             pipeline.sync_to_host(host_state)
 

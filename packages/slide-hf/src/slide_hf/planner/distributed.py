@@ -4,11 +4,12 @@ Built on the single-process :class:`~slide_hf.planner.plan.Plan` of one rank (it
 the sharded engine changes (slide_core/engine/sharded_pipeline.py, docs/distributed.md):
 
 - GPU: unchanged. Every rank slides the whole model through the same slots and buffers.
-- Host, per rank: the fp32 master whole (every rank loads it; only its shard is updated), the Adam state
-  and the fp32 gradient accumulators 1/N (only the own shards are ever written), the pinned gradient ring
-  1/N (it holds the backlog of what the rank streams, its shards; the clipping store stays whole), the
-  rest as one process (activation stash, scratch, the process itself). Per host: that, times the ranks
-  on the host.
+- Host, per rank: the fp32 master, the Adam state and the fp32 gradient accumulators 1/N (a rank loads,
+  updates and writes only its shards, so the rest of those buffers is never touched: Note [Sharded
+  master] in slide_core/engine/sharded_pipeline.py), the pinned gradient ring 1/N (it holds the backlog
+  of what the rank streams, its shards; the clipping store stays whole), the rest as one process
+  (activation stash, scratch, the process itself). Per host: that, times the ranks on the host. The
+  final drain gathers the whole master on every rank for the export, which this does not count.
 - PCIe, per GPU: each load copies only the rank's shard of the master up (the all-gather fills the rest),
   and only the reduced shard of each gradient comes down, so the parameter and gradient bytes are 1/N of
   one process's; the activation stash crosses as in one process.
@@ -113,8 +114,8 @@ class DataParallelPlan:
         }
 
 
-_SHARDED_HOST = ("optimizer_state", "grad_accumulators")
-"""Host buffers of which a rank writes (and so holds) only its 1/N share; the master is whole on every rank."""
+_SHARDED_HOST = ("master_fp32", "optimizer_state", "grad_accumulators")
+"""Host buffers of which a rank writes (and so holds) only its 1/N share while it trains."""
 
 
 def plan_data_parallel(
@@ -193,7 +194,7 @@ def render_data_parallel(dp: DataParallelPlan) -> str:
     rows = [
         ("data parallel", f"{dp.world_size} ranks ({dp.nproc_per_node} per host x {dp.nnodes} {hosts})", ""),
         ("  GPU peak", format_bytes(dp.gpu_peak_bytes), "per GPU, as one process"),
-        ("  host per rank", format_bytes(dp.host_per_rank_bytes), "fp32 master whole, Adam state 1/N"),
+        ("  host per rank", format_bytes(dp.host_per_rank_bytes), "fp32 master and Adam state 1/N"),
         ("  host per host", format_bytes(dp.host_per_host_bytes), f"{dp.nproc_per_node} ranks"),
         (
             "  step time",
