@@ -53,7 +53,7 @@ class BenchConfig:
     device: str = "auto"  # a slide.devices plugin, as `slide train --device`
     optimizer: str = "auto"  # a slide.optimizers plugin, as `slide train --optimizer`
     optimizer_state: str = "fp32"  # as `slide train --optimizer-state`
-    master: str = "auto"  # as `slide train --master`
+    master: str = "fp32"  # as `slide train --master`
     max_grad_norm: float = 0.0
     offload_optimizer: str = "ram"  # a slide.tiers plugin for the Adam state of nvme_fraction of the units
     nvme_dir: Path | None = None

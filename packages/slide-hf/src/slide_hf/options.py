@@ -187,7 +187,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     optimizer: str = "auto"
     optimizer_state: str = "fp32"
-    master: str = "auto"
+    master: str = "fp32"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

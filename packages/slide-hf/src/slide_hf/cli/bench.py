@@ -74,8 +74,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add(
         "--master",
         choices=("auto", "fp32", "split"),
-        default="auto",
-        help="how the host stores the fp32 master: split (a bf16 plane the GPU copies as it is, half the host-to-device bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32, or auto (split when it can run; default)",
+        default="fp32",
+        help="how the host stores the fp32 master: split (a bf16 plane the GPU copies as it is, half the host-to-device bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32 (default), or auto (split when it can run)",
     )
     add("--max-grad-norm", type=float, default=0.0, help="exact global clipping (default 0 = off)")
     add(

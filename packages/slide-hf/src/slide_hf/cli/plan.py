@@ -84,9 +84,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--master",
         choices=("auto", "fp32", "split"),
-        default="auto",
+        default="fp32",
         help="how the host stores the fp32 master: split (the GPU copies a bf16 plane, half the host-to-device "
-        "bytes; bf16 only), fp32, or auto (split in bf16; default)",
+        "bytes; bf16 only), fp32 (default), or auto (split in bf16)",
     )
     parser.add_argument(
         "--offload-optimizer",

@@ -79,7 +79,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add(
         "--master",
         choices=("auto", "fp32", "split"),
-        help="how the host stores the fp32 master: split (a bf16 plane the GPU copies as it is, half the host-to-device bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32, or auto (split when it can run; default)",
+        help="how the host stores the fp32 master: split (a bf16 plane the GPU copies as it is, half the host-to-device bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32 (default), or auto (split when it can run)",
     )
     add("--adam-beta1", type=float, help="default 0.9")
     add("--adam-beta2", type=float, help="default 0.999")
