@@ -201,6 +201,20 @@ class ProcessGroupContext:
         device-resident unit's parameters after its update, sharded_resident.py)."""
         self._gather(self._group("main"), flat, what)
 
+    def gather_to_root_(self, flat: torch.Tensor, what: str, *, host: bool) -> None:
+        """Main thread: every rank's shard of ``flat`` into rank 0's ``flat`` (the others' ``flat`` keeps
+        its own shard only), through the gloo group (``host``) or the main group: one send per rank to
+        rank 0, which receives them in rank order. What a drain does when only rank 0 needs the whole
+        master (an export), so the other ranks never hold it."""
+        group = self._group("host" if host else "main")
+        for source, (a, b) in enumerate(self.spans(flat.numel())):
+            if source == 0 or b <= a:
+                continue
+            if self.rank == 0:
+                self._run(what, lambda a=a, b=b, src=source: dist.irecv(flat[a:b], src, group=group))
+            elif self.rank == source:
+                self._run(what, lambda a=a, b=b: dist.isend(flat[a:b], 0, group=group))
+
     def all_gather_host_(self, flat: torch.Tensor, what: str) -> None:
         """Main thread, host tensor: as :meth:`all_gather_`, through the gloo group."""
         self._gather(self._group("host"), flat, what)

@@ -173,8 +173,8 @@ def _train(
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
             # host never holds both (Note [Resident host copies] in slide_core's engine). With data
-            # parallel this gathers the whole master on every rank.
-            engine.close(keep_host_state=False)
+            # parallel the whole master is gathered on rank 0 alone, which exports it.
+            engine.close(keep_host_state=False, master_to_root=group is not None)
             # Export: an HF directory next to the run's other outputs, still under the signal handlers.
             save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
             final_step = max(first_step, data.total_steps)

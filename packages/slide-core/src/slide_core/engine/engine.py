@@ -184,12 +184,12 @@ class Engine(Evaluation):
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.close(drain=exc is None)
 
-    def close(self, *, drain: bool = True, keep_host_state: bool = True) -> None:
+    def close(self, *, drain: bool = True, keep_host_state: bool = True, master_to_root: bool = False) -> None:
         """Finish (or, with ``drain=False``, abandon) pending work and join every thread. Idempotent.
 
         ``keep_host_state=False``: the host optimizer state is dropped once the updates are done, before
         the device-resident masters are copied back to the host slab, so a run about to export its model
-        does not hold both (see Note [Resident host copies]).
+        does not hold both (see Note [Resident host copies]). ``master_to_root``: see :meth:`drain`.
         """
         if self._closed or self._workers is None:
             self._closed = True
@@ -199,7 +199,7 @@ class Engine(Evaluation):
                 self._wait_for_updates()
                 self.host_state.drop()
             if drain:
-                self.drain()
+                self.drain(master_to_root=master_to_root)
         finally:
             self._closed = True
             stuck = self._workers.stop(abandon=not drain)
@@ -214,17 +214,19 @@ class Engine(Evaluation):
             raise EngineError("the engine is not running; use it inside `with Engine(...) as engine:`")
         return self._workers
 
-    def drain(self, *, with_state: bool = False) -> None:
+    def drain(self, *, with_state: bool = False, master_to_root: bool = False) -> None:
         """Wait until every pending update has been applied to the host master.
 
         ``with_state`` also copies device-resident and offloaded units' optimizer state to the host slabs
         (for a checkpoint of the full training state).
 
         With data parallel every rank's master is gathered whole (a host all-gather, so every rank must
-        call it), while the optimizer state stays sharded: each rank's slabs hold its own shards.
+        call it), while the optimizer state stays sharded: each rank's slabs hold its own shards. With
+        ``master_to_root`` only rank 0's master is gathered whole (a run that exports from rank 0 and
+        ends: the other ranks never hold the whole master).
         """
         self.wait_idle()
-        self.pipelines.sync_to_host(self.host_state if with_state else None)
+        self.pipelines.sync_to_host(self.host_state if with_state else None, to_root=master_to_root)
         if with_state:
             self.host_state.mark_valid()
 

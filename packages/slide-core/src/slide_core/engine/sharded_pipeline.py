@@ -224,21 +224,35 @@ class ShardedPipeline:
         if whole is not None:
             self.inner.restored(unit, name, whole)
 
-    def sync_to_host(self, host_state: HostState | None) -> None:
+    def sync_to_host(self, host_state: HostState | None, *, to_root: bool = False) -> None:
         """Make every rank's host master whole again: each rank updated only its shards, so the rest of
         its slab is as old as the last gather (a host all-gather per unit, through the gloo group). The
         optimizer state stays sharded: a host-updated unit's is already where a checkpoint reads it (this
-        rank's shards of the host slabs), a tier-offloaded unit's is copied there by the inner pipeline."""
-        host_params = self.inner.host_params
+        rank's shards of the host slabs), a tier-offloaded unit's is copied there by the inner pipeline.
+        ``to_root``: only rank 0's master is made whole (the others keep their shards, Note [Sharded
+        master]), for a run that exports from rank 0 and ends."""
+        host_params, group = self.inner.host_params, self.group
         for unit in self.units:
             what = f"the gather of {unit.name}'s master"
             if not host_params.split:
-                self.group.all_gather_host_(host_params.flat(unit), what)
+                if to_root:
+                    group.gather_to_root_(host_params.flat(unit), what, host=True)
+                else:
+                    group.all_gather_host_(host_params.flat(unit), what)
                 continue
             # A split master is gathered decoded (one unit's fp32 at a time), so the ranks' tie bits, whose
             # shards need not start on a byte, are re-encoded rather than merged.
-            values = host_params.read(unit)
-            self.group.all_gather_host_(values, what)
+            lo, hi = self.spans[unit.name]
+            values = host_params.read(unit) if not to_root or group.rank == 0 else host_params.read(unit, lo, hi)
+            if to_root and group.rank != 0:
+                whole = torch.empty(unit.layout.numel, dtype=torch.float32)  # only [lo, hi) is sent
+                whole[lo:hi].copy_(values)
+                group.gather_to_root_(whole, what, host=True)
+                continue
+            if to_root:
+                group.gather_to_root_(values, what, host=True)
+            else:
+                group.all_gather_host_(values, what)
             host_params.write(unit, values)
         self.inner.sync_to_host(host_state)
 

@@ -151,9 +151,20 @@ class ShardedResidentPipeline(ResidentPipeline):
         if name == "master":  # every rank restores the same arrays in the same order: gather here
             self._gather(self.units.units[unit.name])
 
-    def sync_to_host(self, host_state: HostState | None) -> None:
+    def sync_to_host(self, host_state: HostState | None, *, to_root: bool = False) -> None:
         """Gather the fp32 masters on the device (each rank updated its shard only), then copy them to
-        the host as one process does; the optimizer state stays sharded."""
+        the host as one process does; the optimizer state stays sharded. ``to_root``: to rank 0 only,
+        and only rank 0 copies them whole to its host; the others copy their shards (Note [Sharded
+        master])."""
         for name, resident in self.units.units.items():
-            self.group.all_gather_main_(resident.master, f"the gather of {name}'s master")
-        super().sync_to_host(host_state)
+            what = f"the gather of {name}'s master"
+            if to_root:
+                self.group.gather_to_root_(resident.master, what, host=False)
+            else:
+                self.group.all_gather_main_(resident.master, what)
+        if not to_root or self.group.rank == 0:
+            super().sync_to_host(host_state)
+            return
+        for name, resident in self.units.units.items():
+            lo, hi = self.spans[name]
+            self.host_params.write(name, resident.master[lo:hi], lo)

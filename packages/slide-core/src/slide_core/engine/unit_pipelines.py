@@ -147,11 +147,17 @@ class UnitPipelines:
             pipeline.begin_step(ctx)
         self.transfer.begin_step()
 
-    def sync_to_host(self, host_state: HostState | None) -> None:
-        if self.spans is not None:  # the gathers write every unit whole (Note [Sharded master])
-            self.host_params.keep_shards(None)
+    def sync_to_host(self, host_state: HostState | None, *, to_root: bool = False) -> None:
+        """Every pipeline's host copies current; with data parallel the masters gathered on every rank,
+        or with ``to_root`` on rank 0 alone (every pipeline is a sharded one then)."""
+        if self.spans is None:
+            for pipeline in self.distinct:
+                pipeline.sync_to_host(host_state)
+            return
+        if not to_root or self.sharded is None or self.sharded.group.rank == 0:
+            self.host_params.keep_shards(None)  # the gathers write every unit whole (Note [Sharded master])
         for pipeline in self.distinct:
-            pipeline.sync_to_host(host_state)
+            pipeline.sync_to_host(host_state, to_root=to_root)  # type: ignore[call-arg]
 
     def flush(self) -> None:
         for pipeline in self.distinct:
