@@ -207,9 +207,6 @@ class PlanInputs:
     optimizer_state: str = "fp32"
     """``--optimizer-state``: how the host keeps Adam's m and v (fp32, bf16 or int8), which sets their host
     and NVMe bytes and the bytes the host optimizer moves per step."""
-    optimizer_state: str = "fp32"
-    """``--optimizer-state``: how the host keeps Adam's m and v (fp32, bf16 or int8), which sets their host
-    and NVMe bytes and the bytes the host optimizer moves per step."""
 
     def __post_init__(self) -> None:
         for name, flag in (
@@ -231,8 +228,6 @@ class PlanInputs:
         ):
             if getattr(self, name) not in ("ram", "nvme"):
                 raise UserError(f"{flag} must be 'ram' or 'nvme', got {getattr(self, name)!r}")
-        if self.optimizer_state not in ("fp32", "bf16", "int8"):
-            raise UserError(f"--optimizer-state must be fp32, bf16 or int8, got {self.optimizer_state!r}")
         if self.optimizer_state not in ("fp32", "bf16", "int8"):
             raise UserError(f"--optimizer-state must be fp32, bf16 or int8, got {self.optimizer_state!r}")
         if self.master_format not in ("fp32", "split"):
