@@ -110,7 +110,9 @@ def test_a_missing_rank_is_named(tmp_path: Path) -> None:
 def test_a_shard_of_another_model_is_named(tmp_path: Path) -> None:
     step_dir = _write(tmp_path, 2, _arrays(0))
     sink = _Collect(sum(NUMELS) + 1)
-    with pytest.raises(CheckpointCorrupt, match=r"rank-0/master.bin holds 59 x float32; rank 0 of 2 of this model would hold 60"):
+    with pytest.raises(
+        CheckpointCorrupt, match=r"rank-0/master.bin holds 59 x float32; rank 0 of 2 of this model would hold 60"
+    ):
         load_resharded(step_dir, {"master": sink}, [*NUMELS, 1], 0, 1)
 
 
