@@ -82,22 +82,27 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _slide_train(output: Path, batch_size: int, world_size: int, *extra: str) -> list[tuple[int, str]]:
+def _slide_train(
+    output: Path, batch_size: int, world_size: int, *extra: str, launched: bool | None = None
+) -> list[tuple[int, str]]:
     """``python -m slide_hf train ...`` in ``world_size`` processes with torchrun's environment variables
-    (none for one process); each process's (exit code, stderr), every process killed after the timeout."""
+    (by default none for one process: ``launched`` says otherwise); each process's (exit code, stderr),
+    every process killed after the timeout."""
     args = ["--steps", str(STEPS), "--save-every", "2", "--batch-size", str(batch_size), "--output", str(output)]
-    return wait_ranks(_start_train(world_size, *args, *EVAL, *extra), LAUNCH_TIMEOUT_S)
+    return wait_ranks(_start_train(world_size, *args, *EVAL, *extra, launched=launched), LAUNCH_TIMEOUT_S)
 
 
-def _start_train(world_size: int, *args: str) -> list[subprocess.Popen]:
+def _start_train(world_size: int, *args: str, launched: bool | None = None) -> list[subprocess.Popen]:
     """Start ``python -m slide_hf`` + ``RUN`` + ``args`` in ``world_size`` processes (see _slide_train)."""
     base = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base["OMP_NUM_THREADS"] = "1"
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        base.pop(name, None)
     port = _free_port()
     procs = []
     for rank in range(world_size):
         env = dict(base)
-        if world_size > 1:
+        if world_size > 1 if launched is None else launched:
             env.update(
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
@@ -164,6 +169,26 @@ def test_slide_train_in_two_processes_matches_one_process(two_ranks: Path, tmp_p
         assert sum(shards) == whole and 0 < shards[1] <= shards[0]
     assert (dp / "options.json").is_file() and (dp / "train.log").is_file()
     assert not list((dp / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_one_process_under_torchrun_runs_the_collective_path(tmp_path: Path) -> None:
+    """torchrun with one process (its variables set, WORLD_SIZE=1) opens a group and runs the sharded path
+    with one shard per unit (Note [One rank under torchrun]): the same losses and exported weights as the
+    plain single process, and data-parallel checkpoints (a manifest and one rank's shards)."""
+    ((code, err),) = _slide_train(tmp_path / "plain", 2, 1)
+    assert code == 0, err[-3000:]
+    ((code, err),) = _slide_train(tmp_path / "launched", 2, 1, launched=True)
+    assert code == 0, err[-3000:]
+    plain, launched = tmp_path / "plain", tmp_path / "launched"
+    assert _losses(launched) == pytest.approx(_losses(plain), rel=1e-6)
+    want, got = _weights(plain), _weights(launched)
+    for name, tensor in want.items():
+        assert float((got[name] - tensor).norm() / tensor.norm()) <= 1e-6, name
+    checkpoint = launched / "checkpoints" / f"step-{STEPS:08d}"
+    assert read_state(checkpoint)["extra"]["world_size"] == 1
+    assert "master.bin" in read_state(checkpoint / "rank-0")["files"]
+    assert "master.bin" in read_state(plain / "checkpoints" / f"step-{STEPS:08d}")["files"]
 
 
 @pytest.mark.slow

@@ -7,8 +7,16 @@ parameters between the ranks through the collectives here. docs/distributed.md s
 
 :class:`ProcessGroupContext` owns the process groups of one run: it creates them in ``__enter__`` and
 destroys them in ``__exit__``. torch.distributed keeps one default group per process, so one context can
-be open per process at a time. Made with world size 1 (no ``WORLD_SIZE`` in the environment, or 1), it
-opens nothing and the engine takes its single-process path, so callers need no branch.
+be open per process at a time. Made with world size 1 and no launcher (no torchrun variables in the
+environment), it opens nothing and the engine takes its single-process path, so callers need no branch.
+A process that torchrun started alone (``--nproc-per-node 1``) does open its groups and runs the sharded
+path with one shard per unit: one GPU then runs the collectives (NCCL on CUDA) that N GPUs run, which is
+how that path is checked on a machine with one GPU (Note [One rank under torchrun]).
+
+Note [One rank under torchrun]: at world size 1 every reduce-scatter and all-gather moves a shard that is the
+whole unit onto itself, so the losses equal the single-process path's (tested with gloo in
+tests/hf/test_data_parallel.py), and the checkpoints are the data-parallel layout (a manifest and one rank
+folder), which resumes on any number of processes.
 
 Note [One group per issuing thread]: every rank must issue the collectives of one group in the same
 order. The engine issues them from two threads: the main thread (the gradients' reduce-scatter after each
@@ -75,6 +83,7 @@ class ProcessGroupContext:
         *,
         backend: str = "gloo",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        collectives_at_one: bool = False,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of size {world_size}")
@@ -89,6 +98,7 @@ class ProcessGroupContext:
         self.local_rank = local_rank
         self.backend = backend
         self.timeout_s = timeout_s
+        self._collective = world_size > 1 or collectives_at_one
         self._groups: dict[str, Any] = {}
         self._open = False
 
@@ -102,19 +112,22 @@ class ProcessGroupContext:
         or malformed variable."""
         env = os.environ if environ is None else environ
         world_size = _env_int(env, "WORLD_SIZE", default=1)
-        if world_size == 1:
+        launched = all(env.get(name) for name in _ENV_VARS)  # torchrun sets every one, also for one process
+        if world_size == 1 and not launched:
             return cls(timeout_s=timeout_s)
         for name in _ENV_VARS:
             if not env.get(name):
                 raise ValueError(f"WORLD_SIZE is {world_size} but {name} is not set; launch with torchrun")
         backend = "nccl" if device_type == "cuda" else "gloo"
-        return cls(_env_int(env, "RANK"), world_size, _env_int(env, "LOCAL_RANK"), backend=backend, timeout_s=timeout_s)
+        rank, local_rank = _env_int(env, "RANK"), _env_int(env, "LOCAL_RANK")
+        return cls(rank, world_size, local_rank, backend=backend, timeout_s=timeout_s, collectives_at_one=launched)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     @property
     def is_distributed(self) -> bool:
-        """Whether there is more than one rank (else nothing is opened and nothing is sharded)."""
-        return self.world_size > 1
+        """Whether the ranks exchange through collectives: more than one rank, or one rank that torchrun
+        started (Note [One rank under torchrun]); else nothing is opened and nothing is sharded."""
+        return self._collective
 
     @property
     def is_open(self) -> bool:
