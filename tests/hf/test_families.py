@@ -378,15 +378,16 @@ def test_deepseek_correction_bias_steers_routing_and_never_trains(tmp_path: Path
 
 
 def test_unsupported_model_type_lists_every_family_in_one_line() -> None:
-    """A config no adapter takes (here Gemma 4, whose layers share K/V across units) is refused in one
-    line that names every supported model type, these families included."""
+    """A decoder no adapter takes (here Falcon) is refused in one line that names every supported model
+    type, these families and Gemma 4 included."""
     from transformers import AutoConfig
 
     from slide_hf import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError) as info:
-        build_model(AutoConfig.for_model("gemma4_text"))
+        build_model(AutoConfig.for_model("falcon"))
     message = str(info.value)
-    assert "'gemma4_text'" in message and "\n" not in message
-    for preset in FAMILIES:
-        assert PRESETS[preset]().model_type in message.split("supported model types: ")[1].split(", ")
+    assert "'falcon'" in message and "\n" not in message
+    supported = message.split("supported model types: ")[1].split(", ")
+    for preset in (*FAMILIES, "gemma4-31b"):
+        assert PRESETS[preset]().model_type in supported
