@@ -162,7 +162,7 @@ class ResidentPipeline:
             assert grad is not None and self.norms is not None
             start = self.timer.start()
             applied = self.norms.coefficient(unit)
-            for lo, hi, decay in self._pieces(unit):
+            for lo, hi, decay in self._correction_pieces(unit):
                 state = slice_state(self.optimizer.state_arrays, resident.state, lo, hi)
                 self.optimizer.correct(
                     resident.master[lo:hi],
@@ -174,11 +174,19 @@ class ResidentPipeline:
                     step=ctx.step,
                     decay=decay,
                 )
-            resident.slot.params.copy_(resident.master)
+            self._publish(resident)
             self.timer.stop(unit.name, "update", start)
         ctx.updated[unit.name].set_result(None)
 
     # -- checkpoints, drains and the host copies -------------------------------------------------------
+    def _correction_pieces(self, unit: Unit) -> list[tuple[int, int, bool]]:
+        """The pieces a correction updates: the whole unit here, the rank's shard under data parallel."""
+        return self._pieces(unit)
+
+    def _publish(self, resident: ResidentUnit) -> None:
+        """Bring the compute copy up to date with the master after a correction."""
+        resident.slot.params.copy_(resident.master)
+
     def state_array(self, unit: Unit, name: str) -> torch.Tensor:
         resident = self.units.units[unit.name]
         return resident.master if name == "master" else resident.state[name]

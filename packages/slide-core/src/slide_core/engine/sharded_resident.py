@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slide_core.optim.state_formats import slice_state
-from slide_core.optimizer import Correction
 from slide_core.unit import Unit
 
 from .context import Contribution, StepContext
@@ -113,33 +112,13 @@ class ShardedResidentPipeline(ResidentPipeline):
         params[lo:hi].copy_(resident.master[lo:hi])
         self.group.all_gather_main_(params, f"the all-gather of {name}'s parameters")
 
-    # -- the end of a clipped step ---------------------------------------------------------------------
-    def finish(self, unit: Unit, ctx: StepContext, correction: Correction) -> None:
-        """Correct the shard's speculative update (the same decision on every rank), then gather."""
-        if correction.kind != "keep":
-            resident = self.units.units[unit.name]
-            summed_in_accum = ctx.expected[unit.name] > 1 and not self._sums_in_slot(ctx)
-            grad = resident.accum if summed_in_accum else resident.slot.grads
-            assert grad is not None and self.norms is not None
-            start = self.timer.start()
-            applied = self.norms.coefficient(unit)
-            for lo, hi, decay in self._shard_pieces(unit):
-                state = slice_state(self.optimizer.state_arrays, resident.state, lo, hi)
-                self.optimizer.correct(
-                    resident.master[lo:hi],
-                    grad[lo:hi],
-                    state,
-                    applied=applied,
-                    correction=correction,
-                    lr=ctx.lr,
-                    step=ctx.step,
-                    decay=decay,
-                )
-            self._gather(resident)
-            self.timer.stop(unit.name, "update", start)
-        ctx.updated[unit.name].set_result(None)
+    # -- the end of a clipped step: ResidentPipeline.finish over the shard, then the gather ---------------
+    def _correction_pieces(self, unit: Unit) -> list[tuple[int, int, bool]]:
+        return self._shard_pieces(unit)
 
-    # -- checkpoints and drains ------------------------------------------------------------------------
+    def _publish(self, resident: ResidentUnit) -> None:
+        self._gather(resident)
+
     def state_array(self, unit: Unit, name: str) -> torch.Tensor:
         lo, hi = self.spans[unit.name]
         return super().state_array(unit, name)[lo:hi]
