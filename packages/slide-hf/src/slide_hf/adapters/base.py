@@ -357,18 +357,24 @@ class HFCausalLM(SlideModel):
         return BlockUnit(index, self.make_layer(index), self.attention_type(index), checkpoint_prefix=prefix)
 
     def make_head_unit(self) -> HeadUnit:
+        return self.build_head_unit(HeadUnit)
+
+    def build_head_unit(self, unit_class: type[HeadUnit], **options: Any) -> HeadUnit:
+        """The final norm and the tied or own head matrix as ``unit_class`` (``options`` are its own
+        keywords): one place for the head's parameters, whichever head class a family computes with."""
         c = self.config
         root = nn.Module()
         root.add_module(self.norm_name, self.make_norm())
         lm_head = "lm_head.weight"
         extra = {} if self.tied else {lm_head: ((c.vocab_size, c.hidden_size), self.lm_head_key)}
-        head = HeadUnit(
+        head = unit_class(
             root,
             self.norm_name,
             lm_head,
             getattr(c, "final_logit_softcapping", None),
             checkpoint_prefix=self.base_prefix,
             extra_params=extra,
+            **options,
         )
         if self.tied:
             head.borrowed = {lm_head: self.token_embedding_param}

@@ -237,23 +237,7 @@ class Gemma4Adapter(LayerTypeRotaryLM):
 
     def make_head_unit(self) -> HeadUnit:
         """The base class's head (final norm, the tied or own matrix, the final cap) on the stream."""
-        c = self.config
-        root = nn.Module()
-        root.add_module(self.norm_name, self.make_norm())
-        lm_head = "lm_head.weight"
-        extra = {} if self.tied else {lm_head: ((c.vocab_size, c.hidden_size), self.lm_head_key)}
-        head = Gemma4HeadUnit(
-            root,
-            self.norm_name,
-            lm_head,
-            c.final_logit_softcapping,
-            stream=self.stream,
-            checkpoint_prefix=self.base_prefix,
-            extra_params=extra,
-        )
-        if self.tied:
-            head.borrowed = {lm_head: self.token_embedding_param}
-        return head
+        return self.build_head_unit(Gemma4HeadUnit, stream=self.stream)
 
     # ---- side inputs ---------------------------------------------------------------------------------
     def prepare_inputs(
