@@ -117,6 +117,21 @@ def test_bad_nvme_fraction_is_one_line(slide):
     assert status == 2 and err.count("\n") == 1 and "--nvme-fraction" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--nproc-per-node", "0"), "--nproc-per-node must be >= 1, got 0"),
+        (("--nnodes", "-2"), "--nnodes must be >= 1, got -2"),
+        (("--intra-gbps", "inf"), "--intra-gbps must be a finite number > 0, got inf"),
+        (("--inter-gbps", "nan"), "--inter-gbps must be a finite number > 0, got nan"),
+        (("--inter-gbps", "0"), "--inter-gbps must be a finite number > 0, got 0.0"),
+    ],
+)
+def test_bad_data_parallel_options_are_one_line(slide, argv, message):
+    status, _, err = slide("plan", "--model", "tiny-llama", *argv)
+    assert status == 2 and err.count("\n") == 1 and message in err
+
+
 def test_without_slide_kernels_the_logits_count_in_full(slide, monkeypatch):
     argv = ("plan", "--model", "llama3.1-8b", "--batch-size", "8", "--gpu-memory", "80GiB", "--json")
     fused = json.loads(slide(*argv)[1])

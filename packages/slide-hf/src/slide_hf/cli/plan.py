@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import textwrap
 from typing import Any
 
@@ -214,6 +215,12 @@ def _check_options(args: argparse.Namespace) -> None:
         check_option(name, getattr(args, name))
     for name in ("device", "optimizer", "offload_optimizer"):
         check_option(name, getattr(args, name))
+    for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(f"{flag} must be a finite number > 0, got {value}")
 
 
 def _master_format(master: str, dtype: str) -> str:
