@@ -310,6 +310,29 @@ def test_shared_keys_and_values_travel_in_the_stream(tmp_path: Path, helpers) ->
     assert abs(emptied - baseline) > 1e-3 * abs(baseline)
 
 
+def test_plan_prices_the_widened_stream(tmp_path: Path, helpers) -> None:
+    """The engine stashes every block's input at the stream's width (the hidden state, the embeddings, the
+    shared norm weight, the shared keys and values): the plan's activation stash is what the engine
+    allocates, and the block measurement runs on that width too."""
+    from slide_hf.planner import ModelShape, PlanInputs, make_plan
+
+    _saved_reference("test-gemma4-ple", tmp_path, helpers)
+    batch, seq = 2, 16
+    generator = torch.Generator().manual_seed(0)
+    with CPUDevice() as device:
+        model, host = _ours(tmp_path, device.alloc_pinned)
+        shape = ModelShape.of(model)
+        assert shape.activation_width == model.stream.width > 4 * shape.hidden_size
+        assert all(value is not None for value in shape.activations.saved_bytes(seq, torch.float32).values())
+        inputs = PlanInputs(shape, batch_size=batch, seq_len=seq, compute_dtype_bytes=4, block_slots=2)
+        planned = make_plan(inputs).host_breakdown["activation_stash"]
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator)
+        config = EngineConfig(block_slots=2, compute_dtype=torch.float32, transfer_chunk_numel=4096)
+        with Engine(model, device, host, TorchAdamW(AdamWConfig()), config) as engine:
+            engine.step([(ids, ids.clone())], LR)
+            assert planned == engine.stash.host_bytes > 0
+
+
 @pytest.mark.parametrize("preset", ["test-gemma4", "test-gemma4-ple"])
 def test_packed_rows_match_hf(preset: str, tmp_path: Path, helpers) -> None:
     """Two documents per row (position ids restarting): HF finds them from the position ids (without a

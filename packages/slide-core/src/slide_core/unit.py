@@ -196,3 +196,13 @@ class SlideModel(ABC):
     def extra_tensors_bytes(self) -> int:
         """Device bytes of state the model keeps outside units (e.g. rotary tables)."""
         return 0
+
+    def activation_width(self) -> int | None:
+        """The last dimension of the activation units pass each other, where it is wider than the hidden
+        state; None where it is the hidden state.
+
+        The engine stashes, transfers and keeps gradients of this activation for every block, so the
+        planner prices it at this width: a model that carries more than the hidden state from unit to unit
+        (Gemma 4's per-layer inputs and shared keys and values) costs that much more activation memory.
+        """
+        return None

@@ -172,6 +172,11 @@ class Gemma4Adapter(LayerTypeRotaryLM):
         self.stream = _stream(config, self.kv_roles)
         super().__init__(config)
 
+    def activation_width(self) -> int | None:
+        """The widened stream's width (Note [Gemma 4's widened stream]); None for the large releases,
+        whose stream is the hidden state alone."""
+        return self.stream.width if self.stream.widened else None
+
     # ---- units ---------------------------------------------------------------------------------------
     def make_embedding(self) -> nn.Module:
         c = self.config

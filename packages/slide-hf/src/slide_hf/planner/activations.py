@@ -248,8 +248,8 @@ class BlockActivations:
         params = {
             spec.name: torch.empty(spec.shape, dtype=dtype, device=meta, requires_grad=True) for spec in block.layout
         }
-        hidden = int(self._model.config.hidden_size)
-        x = torch.empty((*tokens, hidden), dtype=dtype, device=meta, requires_grad=True)
+        width = self._model.activation_width() or int(self._model.config.hidden_size)
+        x = torch.empty((*tokens, width), dtype=dtype, device=meta, requires_grad=True)
         excluded = {*_storages(params), *_storages(x), *_storages(inputs)}
         saved: dict[int, int] = {}
         held: list[torch.Tensor] = []

@@ -178,7 +178,7 @@ def _pcie_parts(shape: ModelShape, inputs: PlanInputs) -> tuple[float, float, fl
     layers = shape.num_blocks
     mean_block = sum(shape.block_numels) / layers if layers else 0.0
     loads = shape.embedding_numel + shape.head_numel + _block_loads(shape, inputs) * mean_block
-    stash = layers * inputs.batch_size * inputs.seq_len * shape.hidden_size * d * accum
+    stash = layers * inputs.batch_size * inputs.seq_len * shape.activation_width * d * accum
     grad_numel = shape.total_numel + (shape.embedding_numel if shape.tied else 0)
     return h2d_bytes_per_param(inputs.master_format) * loads, float(stash), float(accum * grad_numel * d)
 

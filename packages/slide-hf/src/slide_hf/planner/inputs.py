@@ -77,6 +77,9 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     extra_device_bytes: int = 0
+    stream_width: int | None = None
+    """The width of the activation the units pass each other (:meth:`SlideModel.activation_width`); None:
+    the hidden size. Use :attr:`activation_width`."""
     activations: BlockActivations | None = field(default=None, compare=False, repr=False)
     """Measures what each kind of block saves for autograd (:mod:`slide_hf.planner.activations`); None
     (a shape filled by hand, a model that is not an HF adapter's): the planner's formula."""
@@ -113,8 +116,15 @@ class ModelShape:
             intermediate_size=intermediate,
             vocab_size=int(_first(config, ("vocab_size",), vocab)),
             extra_device_bytes=int(model.extra_tensors_bytes()),
+            stream_width=model.activation_width(),
             activations=BlockActivations.of(model),
         )
+
+    @property
+    def activation_width(self) -> int:
+        """Elements per token of the activation stashed for each block, sent between host and GPU and
+        held (with its gradient) between units: the hidden size unless the model widens it."""
+        return self.stream_width or self.hidden_size
 
     @property
     def num_blocks(self) -> int:

@@ -93,7 +93,7 @@ def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
     d = inputs.compute_dtype_bytes
     state = state_bytes_per_param(inputs.optimizer_state)  # m and v: 8 in fp32, 4 in bf16, ~2.06 in int8
     on_nvme = _nvme_units(shape, inputs)
-    boundary = inputs.batch_size * inputs.seq_len * shape.hidden_size * d  # one block's input
+    boundary = inputs.batch_size * inputs.seq_len * shape.activation_width * d  # one block's input
     host = {
         # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies])
         # 4 B/param in either format (a split master adds one tie bit: slide_core/split_master.py)
@@ -119,7 +119,9 @@ def _disk_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     state = math.ceil(state_bytes_per_param(inputs.optimizer_state) * sum(_nvme_units(shape, inputs)))
     stash = 0
     if inputs.offload_activations == "nvme":
-        stash = shape.num_blocks * inputs.batch_size * inputs.seq_len * shape.hidden_size * inputs.compute_dtype_bytes
+        stash = (
+            shape.num_blocks * inputs.batch_size * inputs.seq_len * shape.activation_width * inputs.compute_dtype_bytes
+        )
     return state + stash
 
 
@@ -169,6 +171,7 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
     d = inputs.compute_dtype_bytes
     tokens = inputs.batch_size * inputs.seq_len
     h, kv, i, v = shape.hidden_size, shape.kv_dim, shape.intermediate_size, shape.vocab_size
+    w = shape.activation_width  # what units pass each other: h unless the model widens it
     slots = inputs.block_slots if shape.num_blocks else 0
     side_inputs = 3 * tokens * 8 + 2 * inputs.seq_len * shape.head_dim * d  # ids, labels, shifted; cos, sin
     resident = set(inputs.resident_units)
@@ -177,7 +180,7 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         "embedding_slot": 0 if "embedding" in resident else 2 * shape.embedding_numel * d,
         "head_slot": 0 if "head" in resident else 2 * shape.head_numel * d,
         "resident_units": _resident_bytes(shape, inputs),
-        "activation_buffers": 2 * tokens * h * d,
+        "activation_buffers": 2 * tokens * w * d,
         "model_extras": shape.extra_device_bytes + side_inputs,
         "cuda_context": CUDA_CONTEXT_BYTES,
     }
@@ -187,18 +190,22 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
     phases = {
         # no-grad block: input and output, plus the larger of attention's (normed x, q, k, v) and the
         # MLP's (gate, up, act) intermediates.
-        "forward": tokens * (2 * h + max(2 * h + 2 * kv, 3 * i)) * d,
-        # head: last hidden, normed hidden, its fp32 norm temporary, grad_h and grad_x; the logits
-        # (above); per-token fp32 loss scalars; without the fused loss, the head-matrix gradient (the
-        # fused loss writes it straight into the slot's gradient buffer: Unit.grads_in_forward).
-        "head": tokens * h * (4 * d + 4) + logits + (0 if inputs.fused_loss else v * h * d) + 2 * tokens * 4,
+        "forward": tokens * (2 * w + max(2 * h + 2 * kv, 3 * i)) * d,
+        # head: last hidden, normed hidden, its fp32 norm temporary, grad_h and grad_x (the last block's
+        # output and its gradient at the stream's width); the logits (above); per-token fp32 loss scalars;
+        # without the fused loss, the head-matrix gradient (the fused loss writes it straight into the
+        # slot's gradient buffer: Unit.grads_in_forward).
+        "head": tokens * (h * (4 * d + 4) + 2 * (w - h) * d)
+        + logits
+        + (0 if inputs.fused_loss else v * h * d)
+        + 2 * tokens * 4,
         # one block with grad: grad_out and grad_in, the saved tensors (x the transient gradients'
         # factor), and the parameter gradients autograd returns before they are copied into the slot.
         "backward": int(_BLOCK_WORKSPACE_FACTOR * _block_saved_bytes(shape, inputs))
-        + 2 * tokens * h * d
+        + 2 * tokens * w * d
         + shape.max_block_numel * d,
         # embedding backward: grad_out and the dense (vocab, hidden) weight gradient.
-        "embedding_backward": tokens * h * d + v * h * d,
+        "embedding_backward": tokens * w * d + v * h * d,
     }
     if not shape.num_blocks:
         phases.pop("forward")

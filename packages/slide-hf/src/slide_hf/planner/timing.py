@@ -84,7 +84,7 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     compute_s = flops / gpu_rate
     backward_s = tokens * bwd_flops_per_token / gpu_rate
 
-    stash = layers * inputs.batch_size * seq * shape.hidden_size * d  # per micro-batch
+    stash = layers * inputs.batch_size * seq * shape.activation_width * d  # per micro-batch
     stash_pcie = stash * accum
     mean_block = sum(shape.block_numels) / layers if layers else 0.0
     loads = shape.embedding_numel + shape.head_numel + _block_loads(shape, inputs) * mean_block
