@@ -12,13 +12,17 @@ Sizes: ``0.5b`` is Qwen2.5-0.5B's block shape (hidden 896, 14 heads, 2 KV heads,
 embeddings) with 34 layers instead of 24, since a byte vocabulary drops the 136M-parameter embedding
 matrix: ~0.51B parameters. ``tiny`` (hidden 64, 2 layers) is a CPU smoke test.
 
-Writes to ``--out``: ``<format>.json`` per run as it finishes (train and eval curves, s/step), then
-``curves.json`` (all runs), ``summary.md`` (final eval losses and their differences to fp32) and
-``curves.png`` (train and eval losses per format: matplotlib when installed, else a plain raster drawn
-here with the colours listed in ``summary.md``).
+Writes to ``--out``: ``<format>.json`` per run as it finishes (train and eval curves, s/step, and the
+settings it ran with), then ``curves.json`` (all runs), ``summary.md`` (final eval losses and their
+differences to fp32) and ``curves.png`` (train and eval losses per format: matplotlib when installed, else
+a plain raster drawn here with the colours listed in ``summary.md``). A format whose ``<format>.json`` in
+``--out`` ran with the same settings is not trained again, and the reports cover every format found there:
+the runs can be split over several invocations (``--formats fp32``, then ``--formats bf16``, ...), each
+ending with the reports of all runs so far. ``--fresh`` trains every named format again.
 
     python bench/state_fidelity.py --size 0.5b --steps 500 --out fidelity/        # H200: about 20-30 min
     python bench/state_fidelity.py --size tiny --steps 5 --out /tmp/fidelity      # CPU smoke test
+    python bench/state_fidelity.py --size 0.5b --formats int8 --out fidelity/      # adds int8 to the runs there
 """
 
 from __future__ import annotations
@@ -147,6 +151,26 @@ def run_format(state_format: str, args: argparse.Namespace, data: dict[str, Any]
         "train": train,
         "eval": evals,
     }
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What makes two runs of one format the same run (every option but where the results go)."""
+    return {k: v for k, v in vars(args).items() if k not in ("out", "formats", "fresh")}
+
+
+def earlier_runs(out: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The runs already in ``out`` that ran with ``settings``, by format; others are ignored (and
+    overwritten if trained again)."""
+    found = {}
+    for fmt in FORMATS:
+        path = out / f"{fmt}.json"
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(run, dict) and run.get("settings") == settings and run.get("train"):
+            found[fmt] = run
+    return found
 
 
 # -- reports -----------------------------------------------------------------------------------------------
@@ -287,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="a slide device plugin (default auto: cuda when visible)")
     p.add_argument("--optimizer", default="auto", help="auto (numba kernels when numba runs), fused-adamw, torch-adamw")
     p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--fresh", action="store_true", help="train the named formats even where --out has their runs")
     args = p.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     unknown = [f for f in formats if f not in FORMATS]
@@ -310,10 +335,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(data['eval'])} eval batches",
         flush=True,
     )
-    runs: dict[str, dict[str, Any]] = {}
+    settings = run_settings(args)
+    done = {} if args.fresh else earlier_runs(args.out, settings)
     for fmt in formats:
-        runs[fmt] = run_format(fmt, args, data)
-        (args.out / f"{fmt}.json").write_text(json.dumps(runs[fmt], indent=1))
+        if fmt in done:
+            print(f"{fmt}: kept the run in {args.out / f'{fmt}.json'} (same settings; --fresh trains it again)")
+            continue
+        done[fmt] = {**run_format(fmt, args, data), "settings": settings}
+        (args.out / f"{fmt}.json").write_text(json.dumps(done[fmt], indent=1))
+    runs = {fmt: done[fmt] for fmt in FORMATS if fmt in done}
     first = next(iter(runs.values()))
     meta = {
         "size": args.size,

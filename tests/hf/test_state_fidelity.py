@@ -49,6 +49,34 @@ def test_tiny_smoke_run_writes_curves_table_and_png(fidelity: ModuleType, tmp_pa
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_runs_split_over_invocations_are_reported_together(
+    fidelity: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A format trained by an earlier invocation with the same settings is kept, not trained again, and the
+    reports cover every format found; changed settings or ``--fresh`` train it again."""
+    trained: list[str] = []
+    run_format = fidelity.run_format
+
+    def counting(fmt, args, data):
+        trained.append(fmt)
+        return run_format(fmt, args, data)
+
+    monkeypatch.setattr(fidelity, "run_format", counting)
+    argv = ["--size", "tiny", "--steps", "3", "--eval-every", "3", "--batch-size", "2", "--seq-len", "16"]
+    argv += ["--eval-batches", "1", "--device", "cpu", "--out", str(tmp_path)]
+    assert fidelity.main([*argv, "--formats", "bf16"]) == 0
+    assert fidelity.main([*argv, "--formats", "fp32,bf16"]) == 0
+    assert trained == ["bf16", "fp32"]
+    curves = json.loads((tmp_path / "curves.json").read_text())
+    assert list(curves["runs"]) == ["fp32", "bf16"]  # in the formats' order, whichever ran first
+    assert "| bf16 |" in (tmp_path / "summary.md").read_text()
+    assert fidelity.main([*argv, "--formats", "bf16", "--fresh"]) == 0
+    assert fidelity.main([*argv, "--formats", "fp32", "--lr", "1e-3"]) == 0
+    assert trained == ["bf16", "fp32", "bf16", "fp32"]
+    curves = json.loads((tmp_path / "curves.json").read_text())
+    assert list(curves["runs"]) == ["fp32"]  # bf16 ran with the other learning rate
+
+
 def test_the_data_is_the_standard_library(fidelity: ModuleType) -> None:
     train, held_out, files = fidelity.stdlib_tokens()
     assert files > 100 and train.numel() > 40 * held_out.numel() > 0
