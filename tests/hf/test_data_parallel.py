@@ -191,6 +191,26 @@ def test_one_process_under_torchrun_runs_the_collective_path(tmp_path: Path) -> 
     assert "master.bin" in read_state(plain / "checkpoints" / f"step-{STEPS:08d}")["files"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_process_under_torchrun_on_a_gpu_matches_the_plain_run(tmp_path: Path) -> None:
+    """The same on a GPU in bf16: one process under torchrun runs the sharded path through NCCL (a
+    reduce-scatter and an all-gather of one rank each) and trains what the plain process trains."""
+    cuda = ("--device", "cuda", "--dtype", "bfloat16")
+    ((code, err),) = _slide_train(tmp_path / "plain", 2, 1, *cuda)
+    assert code == 0, err[-3000:]
+    ((code, err),) = _slide_train(tmp_path / "launched", 2, 1, *cuda, launched=True)
+    assert code == 0, err[-3000:]
+    plain, launched = tmp_path / "plain", tmp_path / "launched"
+    assert len(_losses(plain)) == STEPS
+    assert _losses(launched) == pytest.approx(_losses(plain), rel=1e-5)
+    assert _losses(launched, "eval_loss") == pytest.approx(_losses(plain, "eval_loss"), rel=1e-5)
+    want, got = _weights(plain), _weights(launched)
+    for name, tensor in want.items():
+        assert float((got[name].float() - tensor.float()).norm() / tensor.float().norm()) <= 1e-5, name
+    assert read_state(launched / "checkpoints" / f"step-{STEPS:08d}")["extra"]["world_size"] == 1
+
+
 @pytest.mark.slow
 def test_two_processes_resume_their_checkpoint_bit_identically(two_ranks: Path, tmp_path: Path) -> None:
     """Resumed in 2 processes from the step-2 checkpoint (each rank its shards), the last step's loss and
