@@ -192,13 +192,21 @@ def _run(
                     assert obituary is not None
                     obituary.write_text(repr(time.time()))
                     os.kill(os.getpid(), signal.SIGKILL)
+            store = engine.transfer.store
             in_ram = [unit for unit in model.units if unit.name not in (*case.resident, *case.offloaded)]
             state = {unit.name: {k: v.clone() for k, v in engine.host_state.views(unit).items()} for unit in in_ram}
             if case.to_root:
                 engine.close(master_to_root=True)
         master = {unit.name: host.flat(unit).clone() for unit in model.units}
         on_tier = {key: held.numel() for key, held in tier._store.items()}
-    return {"results": results, "master": master, "state": state, "on_tier": on_tier, "untouched": untouched}
+    return {
+        "results": results,
+        "master": master,
+        "state": state,
+        "on_tier": on_tier,
+        "untouched": untouched,
+        "store_bytes": 0 if store is None else store.nbytes,
+    }
 
 
 def _checkpointed_run(case: Case, batches, group: ProcessGroupContext, out: Path) -> dict:
@@ -404,6 +412,22 @@ def test_ranks_match_one_process_at_the_global_batch(ranks: tuple[int, Path], na
             assert _rel(got["master"][unit][lo:hi], master[lo:hi]) <= case.master_rtol, f"rank {rank}: {unit} differs"
     if case.poison_step:
         assert [skipped for _, _, _, skipped, _ in want["results"]] == [False, True, False, False]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["clips", "nvme-resident-accum-clips"])
+def test_each_rank_keeps_only_its_shards_of_the_clipping_store(ranks: tuple[int, Path], name: str) -> None:
+    """With clipping, the pinned store that keeps the step's gradient until the norm is known holds a
+    rank's shards of every host-updated unit (fp32 here: 4 bytes each), not the whole model."""
+    world_size, out = ranks
+    case = CASES[name]
+    model = _model(case)
+    host_units = [unit for unit in model.units if unit.name not in case.resident]
+    for rank in range(world_size):
+        spans = [shard_span(unit.layout.numel, rank, world_size) for unit in host_units]
+        got = torch.load(out / f"{name}-rank{rank}.pt")["store_bytes"]
+        assert got == 4 * max(1, sum(hi - lo for lo, hi in spans)), f"rank {rank}"
+        assert got < 4 * sum(unit.layout.numel for unit in host_units) / (world_size - 0.5)
 
 
 @pytest.mark.slow

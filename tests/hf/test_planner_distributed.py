@@ -65,9 +65,10 @@ def test_scaling_by_hand(per_node: int, nodes: int, accum: int) -> None:
     assert dp.tokens_per_step == world * 2 * 128 * accum
 
 
-def test_the_clipping_store_stays_whole() -> None:
+def test_the_clipping_store_is_sharded() -> None:
+    """A rank keeps only its shards of the step's gradient (slide_core/engine/grad_ring.py, GradStore)."""
     rank = make_plan(PlanInputs(_shape(), batch_size=2, seq_len=128, clipping=True, bandwidths=BW))
-    assert plan_data_parallel(rank, 4).host_rank_breakdown["grad_ring"] == rank.host_breakdown["grad_ring"]
+    assert plan_data_parallel(rank, 4).host_rank_breakdown["grad_ring"] == rank.host_breakdown["grad_ring"] // 4
 
 
 def test_one_rank_is_the_single_process_plan() -> None:

@@ -10,7 +10,9 @@ Two layouts, chosen by ``EngineConfig.max_grad_norm``:
   (docs/design/engine.md, "Clipping"); correcting them needs the very gradient each one applied, so the bytes must outlive
   the update. The device-to-host copy lands straight in the unit's range, so keeping the gradient costs
   no extra host copy, only memory: one compute-dtype element per host-updated parameter (2 bytes/param in
-  bf16; 16 GB for an 8B model), instead of the ring's ``slots x chunk``.
+  bf16; 16 GB for an 8B model), instead of the ring's ``slots x chunk``. A data-parallel rank streams and
+  updates only its shard of each unit (sharded_pipeline.py), so its store holds only its shards: the
+  ranks of one host together keep the step's gradient once, not once per rank.
 
 Note [Grad store reuse]: a unit's store range is written once per gradient contribution. Within a step
 (gradient accumulation, a tied head's share of the embedding gradient) the transfer of contribution k+1
@@ -24,7 +26,7 @@ reads the range (Note [Clip rollback ordering] in docs/design/engine.md). Tested
 from __future__ import annotations
 
 import queue
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -52,20 +54,34 @@ class GradRing:
 
 
 class GradStore:
-    """One pinned compute-dtype slab holding the gradient of every unit in ``units`` (see module notes)."""
+    """One pinned compute-dtype slab holding the gradient of every unit in ``units`` (see module notes).
 
-    def __init__(self, device: Device, units: Sequence[Unit], dtype: torch.dtype) -> None:
-        self._ranges: dict[str, tuple[int, int]] = {}
+    ``spans``: the range ``[lo, hi)`` of each unit's gradient this process streams (a data-parallel rank's
+    shard); the whole unit where absent. Only those elements are stored.
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        units: Sequence[Unit],
+        dtype: torch.dtype,
+        spans: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
+        self._ranges: dict[str, tuple[int, int, int]] = {}
         total = 0
         for unit in units:
-            self._ranges[unit.name] = (total, unit.layout.numel)
-            total += unit.layout.numel
+            lo, hi = (spans or {}).get(unit.name, (0, unit.layout.numel))
+            self._ranges[unit.name] = (total, lo, hi)
+            total += hi - lo
         self._slab = device.alloc_pinned(max(total, 1), dtype)
 
-    def flat(self, unit: Unit | str) -> torch.Tensor:
-        """The unit's gradient range: ``layout.numel`` elements, alignment padding included."""
-        start, numel = self._ranges[unit if isinstance(unit, str) else unit.name]
-        return self._slab[start : start + numel]
+    def range(self, unit: Unit | str, lo: int, hi: int) -> torch.Tensor:
+        """Where elements ``[lo, hi)`` of the unit's gradient (positions in its layout, alignment padding
+        included) are kept; they must lie in its span."""
+        start, span_lo, span_hi = self._ranges[unit if isinstance(unit, str) else unit.name]
+        if not span_lo <= lo <= hi <= span_hi:
+            raise IndexError(f"[{lo}, {hi}) is outside the stored span [{span_lo}, {span_hi})")
+        return self._slab[start + lo - span_lo : start + hi - span_lo]
 
     def __contains__(self, name: object) -> bool:
         return name in self._ranges

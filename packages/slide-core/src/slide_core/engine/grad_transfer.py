@@ -78,7 +78,7 @@ class GradTransfer:
         self.ring: GradRing | None = None
         self.store: GradStore | None = None
         if config.clipping:  # see grad_ring.py: the store replaces the ring
-            self.store = GradStore(device, host_units, config.compute_dtype)
+            self.store = GradStore(device, host_units, config.compute_dtype, spans)
         else:
             # The backlog a ring holds is of what this process streams: with data parallel, its shards.
             streamed = [spans[unit.name] if spans else (0, unit.layout.numel) for unit in host_units]
@@ -143,7 +143,7 @@ class GradTransfer:
             for number, (lo, hi) in enumerate(chunks):
                 index: int | None = None
                 if store is not None:
-                    target = store.flat(unit)[lo:hi]
+                    target = store.range(unit, lo, hi)
                 else:
                     assert ring is not None
                     consumed = self._hand_over_landed(sink, landing) or consumed  # they free ring chunks

@@ -6,8 +6,8 @@ the sharded engine changes (slide_core/engine/sharded_pipeline.py, docs/distribu
 - GPU: unchanged. Every rank slides the whole model through the same slots and buffers.
 - Host, per rank: the fp32 master, the Adam state and the fp32 gradient accumulators 1/N (a rank loads,
   updates and writes only its shards, so the rest of those buffers is never touched: Note [Sharded
-  master] in slide_core/engine/sharded_pipeline.py), the pinned gradient ring 1/N (it holds the backlog
-  of what the rank streams, its shards; the clipping store stays whole), the rest as one process
+  master] in slide_core/engine/sharded_pipeline.py), the pinned gradient ring or clipping store 1/N (the
+  ring holds the backlog of what the rank streams, its shards; the store, those shards), the rest as one process
   (activation stash, scratch, the process itself). Per host: that, times the ranks on the host. The
   final drain gathers the whole master on every rank for the export, which this does not count.
 - PCIe, per GPU: each load copies only the rank's shard of the master up (the all-gather fills the rest),
@@ -114,8 +114,9 @@ class DataParallelPlan:
         }
 
 
-_SHARDED_HOST = ("master_fp32", "optimizer_state", "grad_accumulators")
-"""Host buffers of which a rank writes (and so holds) only its 1/N share while it trains."""
+_SHARDED_HOST = ("master_fp32", "optimizer_state", "grad_accumulators", "grad_ring")
+"""Host buffers of which a rank writes (and so holds) only its 1/N share while it trains (``grad_ring``
+is the clipping store where clipping is on: the rank's shards of the step's gradient)."""
 
 
 def plan_data_parallel(
@@ -128,8 +129,7 @@ def plan_data_parallel(
     link = interconnect or Interconnect()
     world = nproc_per_node * nnodes
     inputs, shape = rank.inputs, rank.shape
-    sharded = (*_SHARDED_HOST, *(() if inputs.clipping else ("grad_ring",)))
-    breakdown = {key: (value // world if key in sharded else value) for key, value in rank.host_breakdown.items()}
+    breakdown = {key: (value // world if key in _SHARDED_HOST else value) for key, value in rank.host_breakdown.items()}
     per_rank = sum(breakdown.values())
     params_h2d, stash, grads = _pcie_parts(shape, inputs)
     bw = inputs.bandwidths
