@@ -14,7 +14,7 @@ from slide_core.checkpoint import read_state
 from slide_hf.errors import UserError
 from slide_hf.launch import launcher_command
 
-LAUNCHER = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+LAUNCHER = [sys.executable, "-m", "slide_hf.launch", "--standalone"]
 
 
 @pytest.mark.parametrize("flag", [["--nproc-per-node", "3"], ["--nproc-per-node=3"]])
@@ -54,3 +54,34 @@ def test_slide_train_launches_its_ranks(tmp_path: Path) -> None:
     manifest = read_state(run / "checkpoints" / "step-00000002")
     assert manifest["extra"]["world_size"] == 2
     assert (run / "model" / "model.safetensors").is_file()
+    # rank 0 alone reports the run: one summary and one progress line per step, not one per process
+    assert done.stdout.count("trained 2 steps") == 1, done.stdout
+    assert done.stderr.count("step 2/2") == 1, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_the_launch_in_one_line(tmp_path: Path) -> None:
+    """Each rank says what stopped it (rank 0: the missing file; rank 1: that rank 0 stopped, not a bug);
+    the launcher ends with one line naming the rank and exits with its status; no traceback."""
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    command = [sys.executable, "-m", "slide_hf", "train", "--model", "tiny-llama", "--device", "cpu", "--steps", "1"]
+    command += ["--nproc-per-node", "2", "--data", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "run")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("slide train:")]
+    assert f"slide train: error: data file {tmp_path / 'missing.jsonl'} does not exist" in lines
+    assert lines[-1] == "slide train: rank 0 exited with status 2; every rank was stopped"
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr and "bug" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_int8_state_under_data_parallel_is_one_line_before_anything_starts(command: str, capsys) -> None:
+    from slide_hf.cli.main import main
+
+    argv = [command, "--model", "tiny-llama", "--device", "cpu", "--optimizer-state", "int8"]
+    assert main([*argv, "--nproc-per-node", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"slide {command}: error: --optimizer-state int8 does not run with data parallel (2 processes) yet: a "
+        "rank's shard could split one of its 64-element blocks; use --optimizer-state bf16 or fp32"
+    )

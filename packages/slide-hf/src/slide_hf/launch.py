@@ -1,23 +1,27 @@
 """`slide train --nproc-per-node N`: data parallel on this host without typing torchrun.
 
-The process replaces itself (``os.execv``) with ``python -m torch.distributed.run --standalone
---nproc-per-node N -m slide_hf <the same command line without --nproc-per-node>``, which is exactly what
-``torchrun --nproc-per-node N -m slide_hf train ...`` runs (docs/distributed.md). Replacing rather than
-wrapping means a SIGINT/SIGTERM sent to the command reaches torch's launcher itself, which passes it to
-every rank (each then checkpoints, Note [Stop on every rank] in recipe.py), and the command's exit status
-is the launcher's. Several hosts still need torchrun on each (``--nnodes``, ``--node-rank``, the
-rendezvous address), which this convenience does not guess.
+The process replaces itself (``os.execv``) with ``python -m slide_hf.launch --standalone --nproc-per-node N
+-m slide_hf <the same command line without --nproc-per-node>``: torch's launcher (``torch.distributed.run``,
+what ``torchrun --nproc-per-node N -m slide_hf train ...`` runs, docs/distributed.md) in this process, by
+:func:`main`. Replacing rather than wrapping in a child means a SIGINT/SIGTERM sent to the command reaches
+torch's launcher itself, which passes it to every rank (each then checkpoints, Note [Stop on every rank]
+in recipe.py). Where torch's launcher would end with its own traceback and failure report, :func:`main`
+ends with one line naming the first rank that failed and how (each rank has already printed its own
+error), and exits with that rank's status. Several hosts still need torchrun on each (``--nnodes``,
+``--node-rank``, the rendezvous address), which this convenience does not guess.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 
 from slide_hf.errors import UserError
 
-__all__ = ["launcher_command", "relaunch"]
+__all__ = ["launcher_command", "main", "relaunch"]
 
 FLAG = "--nproc-per-node"
 
@@ -42,7 +46,7 @@ def launcher_command(nproc_per_node: int, argv: Sequence[str], environ: Mapping[
             skip = True
         elif not arg.startswith(f"{FLAG}="):
             rest.append(arg)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"{FLAG}={nproc_per_node}"]
+    launcher = [sys.executable, "-m", "slide_hf.launch", "--standalone", f"{FLAG}={nproc_per_node}"]
     return [*launcher, "-m", "slide_hf", *rest]
 
 
@@ -56,3 +60,38 @@ def relaunch(nproc_per_node: int, argv: Sequence[str]) -> int:
     except OSError as error:
         raise UserError(f"cannot start {' '.join(command[:4])}: {error.strerror or error}") from None
     return 1  # not reached: execv replaced the process
+
+
+def main(argv: Sequence[str]) -> int:
+    """Torch's launcher on ``argv`` (its own arguments); a failed rank is one line and its exit status.
+
+    The launcher's own log lines (which processes it signals, a failure report per rank) are silenced: the
+    ranks have printed their errors, and the line here says which one failed first."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        torchrun.main(list(argv))
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+        print(f"slide train: rank {rank} {how}; every rank was stopped", file=sys.stderr)
+        return 128 - code if code < 0 else code or 1
+    except SignalException as error:
+        print(f"slide train: stopped by {_signal_name(error.sigval)}", file=sys.stderr)
+        return 128 + int(error.sigval)
+    return 0
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

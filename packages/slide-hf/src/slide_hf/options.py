@@ -28,6 +28,7 @@ __all__ = [
     "RULES",
     "Rule",
     "TrainConfig",
+    "check_data_parallel",
     "check_option",
     "config_dict",
     "installed_names",
@@ -162,6 +163,17 @@ def check_option(name: str, value: Any, *, flag: str | None = None) -> None:
         return
     shown = flag or "--" + name.replace("_", "-")
     raise UserError(f"{shown} must be {rule.describe()}, got {value!r}{rule.out_of_range_word(value)}")
+
+
+def check_data_parallel(optimizer_state: str, processes: int) -> None:
+    """Refuse, in one line and before any process starts, what a data-parallel run cannot do yet: int8 Adam
+    state (a rank's shard of a unit could split one of its 64-element blocks, whose scale is shared).
+    `slide train` (before launching and in every rank) and `slide plan --nproc-per-node` call this."""
+    if processes > 1 and optimizer_state == "int8":
+        raise UserError(
+            f"--optimizer-state int8 does not run with data parallel ({processes} processes) yet: a rank's shard "
+            "could split one of its 64-element blocks; use --optimizer-state bf16 or fp32"
+        )
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ from slide_core.sharded_checkpoint import save_sharded_checkpoint
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
-from slide_hf.options import TrainConfig, config_dict
+from slide_hf.options import TrainConfig, check_data_parallel, config_dict
 from slide_hf.progress import Progress
 from slide_hf.resume import checkpoint_to_resume, corrupt_message, resume_point
 from slide_hf.run_dir import RunDir, default_output, run_of
@@ -129,6 +129,7 @@ def train(
     The output directory is this run's alone while it runs (slide_hf/run_dir.py): locked, refused when it
     holds another run unless resuming or ``overwrite``, and a resumed run defaults to its own directory."""
     group = _process_group(cfg)
+    check_data_parallel(cfg.optimizer_state, group.world_size)
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
     if not group.is_distributed:
         with RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite) as run_dir:

@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help, or a command line argparse refused (one line, above)
         return exit_.code if isinstance(exit_.code, int) else 2
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what a command may hand on (slide_hf/launch.py)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr)
+    level = logging.DEBUG if args.verbose else logging.INFO if _is_main_rank() else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
     if args.command is None:
         parser.print_help()
         return 0
@@ -85,6 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _out_of_memory(error):
             print(f"slide {args.command}: error: {_out_of_memory_line(args)}", file=sys.stderr)
             return 2
+        collective = _in_chain(error, "CollectiveError")
+        if collective is not None:  # another rank stopped (its own line says why) or did not answer
+            print(f"slide {args.command}: error: {_one_line(collective)}", file=sys.stderr)
+            return 1
         print(
             f"slide {args.command}: internal error: {type(error).__name__}: {_one_line(error)} -- this is a bug in "
             f"slide; please report it with the output of `slide -v {args.command} ...`",
@@ -107,6 +112,29 @@ def _out_of_memory(error: BaseException) -> bool:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return False
+
+
+def _in_chain(error: BaseException, name: str) -> BaseException | None:
+    """The first exception of class ``name`` in ``error``'s cause/context chain (the engine re-raises a
+    worker thread's failure as an ``EngineError`` whose cause is the original), or None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if type(current).__name__ == name:
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _is_main_rank() -> bool:
+    """Whether this process is the one that reports progress: rank 0 of a data-parallel run (torchrun's
+    ``RANK``), or the only process. The other ranks log warnings and errors only, so the console shows
+    one run, not one per process."""
+    try:
+        return int(os.environ.get("RANK") or 0) == 0
+    except ValueError:
+        return True
 
 
 def _out_of_memory_line(args: argparse.Namespace) -> str:

@@ -209,7 +209,7 @@ def _data_parallel(plan: Plan, args: argparse.Namespace) -> Any:
 
 def _check_options(args: argparse.Namespace) -> None:
     """The numbers `slide plan` shares with `slide train`, refused by the same rules (finite, in range)."""
-    from slide_hf.options import check_option
+    from slide_hf.options import check_data_parallel, check_option
 
     for name in ("batch_size", "seq_len", "grad_accum", "nvme_fraction", "block_slots"):
         check_option(name, getattr(args, name))
@@ -218,6 +218,7 @@ def _check_options(args: argparse.Namespace) -> None:
     for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
+    check_data_parallel(args.optimizer_state, args.nproc_per_node * args.nnodes)
     for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):
         if not (math.isfinite(value) and value > 0):
             raise UserError(f"{flag} must be a finite number > 0, got {value}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -189,10 +190,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nproc_per_node is not None:  # this process becomes torch's launcher of N copies of this command
         from slide_hf.launch import relaunch
+        from slide_hf.options import check_data_parallel
+
+        check_data_parallel(getattr(args, "optimizer_state", None) or "fp32", args.nproc_per_node)
 
         return relaunch(args.nproc_per_node, args.argv)
 
     summary = train(build_config(args))
+    if os.environ.get("RANK") not in (None, "", "0"):  # rank 0 reports the run (cli/main.py)
+        return 0
     if summary.steps == 0:  # a finished run, resumed: only its model was written again
         print(f"nothing left to train in {summary.output}")
     else:
