@@ -12,7 +12,7 @@ import pytest
 
 from slide_core.checkpoint import read_state
 from slide_hf.errors import UserError
-from slide_hf.launch import launcher_command
+from slide_hf.launch import THREAD_VARIABLES, launcher_command, share_host_cores
 
 LAUNCHER = [sys.executable, "-m", "slide_hf.launch", "--standalone"]
 
@@ -41,6 +41,16 @@ def test_one_process_or_a_launched_one_is_one_line() -> None:
         launcher_command(2, ["train"], environ={"WORLD_SIZE": "2"})
 
 
+def test_each_rank_gets_its_share_of_the_cores_unless_the_user_set_it() -> None:
+    cores = len(os.sched_getaffinity(0))
+    environ: dict[str, str] = {}
+    assert share_host_cores(2, environ) == max(1, cores // 2)
+    assert environ == dict.fromkeys(THREAD_VARIABLES, str(max(1, cores // 2)))
+    environ = {"OMP_NUM_THREADS": "3"}
+    share_host_cores(10 * cores, environ)
+    assert environ == {"OMP_NUM_THREADS": "3", "NUMBA_NUM_THREADS": "1"}  # the user's value stays; at least one
+
+
 @pytest.mark.slow
 def test_slide_train_launches_its_ranks(tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -54,7 +64,10 @@ def test_slide_train_launches_its_ranks(tmp_path: Path) -> None:
     manifest = read_state(run / "checkpoints" / "step-00000002")
     assert manifest["extra"]["world_size"] == 2
     assert (run / "model" / "model.safetensors").is_file()
-    # rank 0 alone reports the run: one summary and one progress line per step, not one per process
+    # rank 0 alone reports the run: one summary and one progress line per step, not one per process;
+    # the ranks share the host's cores (Note [Host cores per rank])
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"host threads per rank: {share} (2 ranks on this host)" in done.stderr, done.stderr[-3000:]
     assert done.stdout.count("trained 2 steps") == 1, done.stdout
     assert done.stderr.count("step 2/2") == 1, done.stderr[-3000:]
 

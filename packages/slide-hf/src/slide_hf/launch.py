@@ -9,6 +9,14 @@ in recipe.py). Where torch's launcher would end with its own traceback and failu
 ends with one line naming the first rank that failed and how (each rank has already printed its own
 error), and exits with that rank's status. Several hosts still need torchrun on each (``--nnodes``,
 ``--node-rank``, the rendezvous address), which this convenience does not guess.
+
+Note [Host cores per rank]: every rank runs its own host optimizer, whose numba kernels would each take
+every core of the host: N ranks would run N times as many threads as there are cores, all at once in the
+backward. So each rank gets the host's usable cores divided by the ranks on the host, through
+``NUMBA_NUM_THREADS`` (the kernels) and ``OMP_NUM_THREADS`` (torch's own CPU ops; torch's launcher would
+otherwise set it to 1), wherever the user has not set them: here for the ranks this command launches, and
+in each rank (slide_hf/recipe.py) for ranks started by torchrun itself, where only ``NUMBA_NUM_THREADS``
+is still free.
 """
 
 from __future__ import annotations
@@ -17,13 +25,29 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 from slide_hf.errors import UserError
 
-__all__ = ["launcher_command", "main", "relaunch"]
+__all__ = ["THREAD_VARIABLES", "launcher_command", "main", "relaunch", "share_host_cores"]
 
 FLAG = "--nproc-per-node"
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
+"""How many threads torch's CPU ops and the numba kernels start (Note [Host cores per rank])."""
+
+
+def share_host_cores(ranks_on_host: int, environ: MutableMapping[str, str]) -> int:
+    """Set each of :data:`THREAD_VARIABLES` that ``environ`` lacks to one rank's share of the usable cores
+    (at least one) and return that share (Note [Host cores per rank])."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    share = max(1, cores // max(1, ranks_on_host))
+    for name in THREAD_VARIABLES:
+        if not environ.get(name):
+            environ[name] = str(share)
+    return share
 
 
 def launcher_command(nproc_per_node: int, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
@@ -53,6 +77,7 @@ def launcher_command(nproc_per_node: int, argv: Sequence[str], environ: Mapping[
 def relaunch(nproc_per_node: int, argv: Sequence[str]) -> int:
     """Replace this process with :func:`launcher_command`'s; returns only when that cannot start."""
     command = launcher_command(nproc_per_node, argv)
+    share_host_cores(nproc_per_node, os.environ)  # inherited by the launcher and its ranks
     sys.stdout.flush()
     sys.stderr.flush()
     try:

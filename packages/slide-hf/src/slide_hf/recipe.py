@@ -58,6 +58,7 @@ from slide_core.sharded_checkpoint import save_sharded_checkpoint
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
+from slide_hf.launch import share_host_cores
 from slide_hf.options import TrainConfig, check_data_parallel, config_dict
 from slide_hf.progress import Progress
 from slide_hf.resume import checkpoint_to_resume, corrupt_message, resume_point
@@ -130,6 +131,11 @@ def train(
     holds another run unless resuming or ``overwrite``, and a resumed run defaults to its own directory."""
     group = _process_group(cfg)
     check_data_parallel(cfg.optimizer_state, group.world_size)
+    if group.is_distributed:  # before numba is imported: Note [Host cores per rank] in launch.py
+        on_host = os.environ.get("LOCAL_WORLD_SIZE", "")
+        ranks_on_host = int(on_host) if on_host.isdigit() and int(on_host) > 0 else group.world_size
+        share_host_cores(ranks_on_host, os.environ)
+        log.info("host threads per rank: %s (%d ranks on this host)", os.environ["NUMBA_NUM_THREADS"], ranks_on_host)
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
     if not group.is_distributed:
         with RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite) as run_dir:
