@@ -20,7 +20,7 @@ a plain raster drawn here with the colours listed in ``summary.md``). A format w
 the runs can be split over several invocations (``--formats fp32``, then ``--formats bf16``, ...), each
 ending with the reports of all runs so far. ``--fresh`` trains every named format again.
 
-    python bench/state_fidelity.py --size 0.5b --steps 500 --out fidelity/        # H200: about 20-30 min
+    python bench/state_fidelity.py --size 0.5b --steps 500 --out fidelity/        # on a GPU; s/step per format in summary.md
     python bench/state_fidelity.py --size tiny --steps 5 --out /tmp/fidelity      # CPU smoke test
     python bench/state_fidelity.py --size 0.5b --formats int8 --out fidelity/      # adds int8 to the runs there
 """
