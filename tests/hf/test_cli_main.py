@@ -64,3 +64,23 @@ def test_other_failures_stay_internal_errors(monkeypatch, capsys):
     assert cli.main(["bench", "--model", "test-llama"]) == 1
     err = capsys.readouterr().err
     assert "internal error" in err and "out of memory" not in err
+
+
+def test_a_collective_failure_is_one_line_not_a_bug(monkeypatch, capsys):
+    """A rank whose collective failed because another rank stopped says so in one line (exit 1): its own
+    run has no bug to report, the other rank's line says what went wrong."""
+    from slide_core.distributed import CollectiveError
+
+    try:
+        try:
+            raise CollectiveError("rank 1 of 2: the all-reduce of the loss failed; another rank has probably stopped")
+        except CollectiveError as collective:
+            raise WorkerFailure("the optimizer worker failed") from collective
+    except WorkerFailure as failure:
+        wrapped = failure
+    _fail_with(monkeypatch, "train", wrapped)
+    assert cli.main(["train", "--model", "test-llama"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "slide train: error: rank 1 of 2: the all-reduce of the loss failed; another rank has probably stopped"
+    )

@@ -99,19 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _out_of_memory(error: BaseException) -> bool:
-    """Whether a ``torch.OutOfMemoryError`` is ``error`` or anywhere in its cause/context chain (the
-    engine re-raises a worker thread's failure as an ``EngineError`` whose cause is the original)."""
-    torch = sys.modules.get("torch")
-    if torch is None:  # torch never imported: nothing ran on a device
-        return False
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, torch.OutOfMemoryError):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
+    """Whether a ``torch.OutOfMemoryError`` is ``error`` or anywhere in its cause/context chain."""
+    return _in_chain(error, "OutOfMemoryError") is not None
 
 
 def _in_chain(error: BaseException, name: str) -> BaseException | None:
