@@ -140,6 +140,14 @@ class ProcessGroupContext:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.close()
 
+    @property
+    def device_index(self) -> int:
+        """This rank's GPU: its local rank among the GPUs the process sees, modulo their number, so that a
+        rank shown only its own GPU (as some schedulers arrange with ``CUDA_VISIBLE_DEVICES``) takes that
+        one. 0 with gloo. The device a rank computes on must be this one (the engine checks)."""
+        count = torch.cuda.device_count() if self.backend == "nccl" else 0
+        return self.local_rank % count if count else 0
+
     def open(self) -> None:
         """Join the other ranks and create the groups (Note [One group per issuing thread])."""
         if self._open:
@@ -152,8 +160,8 @@ class ProcessGroupContext:
         timeout = datetime.timedelta(seconds=self.timeout_s)
         options: dict[str, Any] = {}
         if self.backend == "nccl":
-            torch.cuda.set_device(self.local_rank)
-            options["device_id"] = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device_index)
+            options["device_id"] = torch.device("cuda", self.device_index)
         dist.init_process_group(
             self.backend, init_method="env://", rank=self.rank, world_size=self.world_size, timeout=timeout, **options
         )

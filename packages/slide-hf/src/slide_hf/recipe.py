@@ -164,7 +164,7 @@ def _train(
     model = _setup_model(cfg)
     data = _setup_data_once(cfg, model, run_dir.path, group)
     check_nvme_dir(options)  # before the device: a missing --nvme-dir is the user's to fix, not the machine's
-    device = _setup_device(options)
+    device = _setup_device(options, group)
     optimizer = _setup_optimizer(cfg, options)
     placement = _setup_placement(model, device, options, group)
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
@@ -311,9 +311,11 @@ def _setup_data(cfg: TrainConfig, model: _Model, output: Path, group: ProcessGro
     return _Data(dataset, eval_set, batches, total_steps, schedule)
 
 
-def _setup_device(options: RunOptions) -> Device:
-    """The ``--device`` plugin (``auto``: cuda, rocm on a HIP build, else cpu), closed until the run starts."""
-    return make_device(options.device, options.gpu_memory_bytes)
+def _setup_device(options: RunOptions, group: ProcessGroupContext | None) -> Device:
+    """The ``--device`` plugin (``auto``: cuda, rocm on a HIP build, else cpu), closed until the run starts;
+    with data parallel over GPUs, this rank's GPU (``ProcessGroupContext.device_index``)."""
+    index = group.device_index if group is not None and group.backend == "nccl" else 0
+    return make_device(options.device, options.gpu_memory_bytes, index=index)
 
 
 def _setup_optimizer(cfg: TrainConfig, options: RunOptions) -> Optimizer:

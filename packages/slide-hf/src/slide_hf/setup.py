@@ -88,10 +88,13 @@ class Placement:
 
 
 # -- device ------------------------------------------------------------------------------------------------
-def make_device(name: str, memory_limit_bytes: int | None = None) -> Device:
+def make_device(name: str, memory_limit_bytes: int | None = None, *, index: int = 0) -> Device:
     """The ``slide.devices`` plugin ``name`` (or ``auto``), closed, capped at ``memory_limit_bytes``.
 
-    ``cuda`` on a HIP build of torch is the ``rocm`` device, as torch itself calls AMD GPUs ``cuda``."""
+    ``cuda`` on a HIP build of torch is the ``rocm`` device, as torch itself calls AMD GPUs ``cuda``.
+    ``index``: which GPU (a data-parallel rank's, ``ProcessGroupContext.device_index``); a plugin is then
+    built with ``index=`` as the shipped GPU devices are, and one that takes no index is refused in one
+    line."""
     resolved = auto_device_name() if name == "auto" else name
     if resolved == "cuda" and torch.version.hip:
         resolved = "rocm"
@@ -101,8 +104,16 @@ def make_device(name: str, memory_limit_bytes: int | None = None) -> Device:
         device_class = plugins.load("slide.devices", resolved, expected=Device)
     except plugins.PluginError as error:
         raise UserError(f"--device {name}: {error}") from None
+    where = {"index": index} if index else {}
     try:
-        device = device_class(memory_limit_bytes=memory_limit_bytes)
+        device = device_class(memory_limit_bytes=memory_limit_bytes, **where)
+    except TypeError:
+        if not where:
+            raise
+        raise UserError(
+            f"--device {name}: the {resolved} device plugin cannot be told which GPU to use (no index "
+            f"argument), which data parallel needs for local rank {index}"
+        ) from None
     except (RuntimeError, ValueError) as error:  # no such GPU, no HIP build, a bad cap
         raise UserError(f"--device {name}: {str(error).splitlines()[0]}") from None
     if memory_limit_bytes is not None and not device.is_accelerator:

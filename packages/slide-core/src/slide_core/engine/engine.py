@@ -593,6 +593,11 @@ def _check_data_parallel(group: ProcessGroupContext, device: Device, config: Eng
     """Refuse what a data-parallel engine cannot run, in one line each."""
     if group.backend == "nccl" and device.torch_device.type != "cuda":
         raise ValueError(f"the nccl process group needs a cuda device, got {device.torch_device.type}")
+    if group.backend == "nccl" and device.torch_device.index != group.device_index:
+        raise ValueError(
+            f"rank {group.rank} computes on {device.torch_device}, but its process group uses "
+            f"cuda:{group.device_index} (its local rank's GPU); build the device with index=group.device_index"
+        )
     if group.backend == "gloo" and device.is_accelerator:
         raise ValueError(f"a {device.torch_device.type} device needs the nccl process group, got gloo")
     if not group.is_open:
