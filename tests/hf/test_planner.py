@@ -209,7 +209,7 @@ def test_check_fits_messages_name_the_fix():
     ) as info:
         check_fits(plan, host_available=need, gpu_available=None)
     assert "\n" not in str(info.value)
-    fraction = float(str(info.value).rsplit(" ", 1)[1])
+    fraction = float(str(info.value).split("--nvme-fraction ")[1].split(";")[0])
     assert 0.4 <= fraction < 1.0
     for suggested, fits in ((fraction, True), (fraction - 0.05, False)):
         trial = make_plan(dataclasses.replace(plan.inputs, offload_optimizer="nvme", nvme_fraction=suggested))
@@ -218,6 +218,34 @@ def test_check_fits_messages_name_the_fix():
         check_fits(plan, host_available=GiB, gpu_available=None)
     with pytest.raises(UserError, match=r"GPU memory.*; also needs .* host RAM"):
         check_fits(plan, host_available=GiB, gpu_available=cap)
+
+
+def test_a_compact_state_that_fits_in_ram_is_offered_beside_the_exact_fix():
+    """Where bf16 or int8 Adam state alone would fit the host, the line says so after the NVMe fix (which
+    keeps the math exact); the first such format is named, and none where the run's format is already the
+    most compact or none fits."""
+    shape = ModelShape.of(_toy())
+    plan = make_plan(PlanInputs(shape, batch_size=8, seq_len=256))
+    bf16 = make_plan(PlanInputs(shape, batch_size=8, seq_len=256, optimizer_state="bf16")).host_peak_bytes
+    int8 = make_plan(PlanInputs(shape, batch_size=8, seq_len=256, optimizer_state="int8")).host_peak_bytes
+    assert int8 < bf16 < plan.host_peak_bytes
+    for available, offered in ((bf16, "bf16"), (int8, "int8"), (int8 - 1, None)):
+        with pytest.raises(UserError) as info:
+            check_fits(plan, host_available=available, gpu_available=None)
+        message = str(info.value)
+        if offered is None:
+            assert "--optimizer-state" not in message
+            continue
+        assert message.endswith(f"--optimizer-state {offered} (rounded moments, not exact: docs/optimizer_state.md)")
+        exact = "try --offload-optimizer nvme --nvme-fraction"
+        if exact in message:  # the exact fix first
+            assert message.index(exact) < message.index("; or, in RAM, --optimizer-state")
+        else:
+            assert "use a machine with more RAM, or try --optimizer-state" in message
+    compact = make_plan(PlanInputs(shape, batch_size=8, seq_len=256, optimizer_state="bf16"))
+    with pytest.raises(UserError) as info:
+        check_fits(compact, host_available=int8, gpu_available=None)
+    assert str(info.value).endswith("--optimizer-state int8 (rounded moments, not exact: docs/optimizer_state.md)")
 
 
 @pytest.mark.parametrize(

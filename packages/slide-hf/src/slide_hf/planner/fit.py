@@ -70,9 +70,13 @@ def check_fits(
             f"needs {format_bytes(plan.gpu_peak_bytes)} GPU memory, {format_bytes(gpu_available)} {gpu_source}; {hint}"
         )
     if host_available is not None and plan.host_peak_bytes > host_available:
+        hint = _host_hint(inputs, shape, host_available)
+        compact = _compact_state_that_fits(inputs, shape, host_available)
+        if compact is not None:  # beside an exact fix, or as the one left when none fits
+            joint = "; or, in RAM," if hint.startswith("try ") else ", or try"
+            hint += f"{joint} --optimizer-state {compact} (rounded moments, not exact: docs/optimizer_state.md)"
         problems.append(
-            f"needs {format_bytes(plan.host_peak_bytes)} host RAM, {format_bytes(host_available)} available; "
-            + _host_hint(inputs, shape, host_available)
+            f"needs {format_bytes(plan.host_peak_bytes)} host RAM, {format_bytes(host_available)} available; {hint}"
         )
     if problems:
         raise UserError("; also ".join(problems))
@@ -106,6 +110,22 @@ def _host_hint(inputs: PlanInputs, shape: ModelShape, available: int) -> str:
     floor = _host_peak(shape, dataclasses.replace(trial, batch_size=1))
     with_flags = f" even with {' '.join(flags)}" if flags else ""
     return f"the model alone needs {format_bytes(floor)}{with_flags}; use a machine with more RAM"
+
+
+COMPACT_STATES = ("bf16", "int8")
+"""The opt-in Adam state formats, in the order of the bytes they save (docs/optimizer_state.md)."""
+
+
+def _compact_state_that_fits(inputs: PlanInputs, shape: ModelShape, available: int) -> str | None:
+    """The first state format more compact than the run's with which the host side fits as it is (no more
+    on NVMe), or None. Offered beside the exact fixes, never instead of them: it changes the math."""
+    formats = COMPACT_STATES
+    if inputs.optimizer_state in formats:
+        formats = formats[formats.index(inputs.optimizer_state) + 1 :]
+    for state in formats:
+        if _host_peak(shape, dataclasses.replace(inputs, optimizer_state=state)) <= available:
+            return state
+    return None
 
 
 def _smallest_nvme_fraction(inputs: PlanInputs, shape: ModelShape, available: int) -> float | None:
