@@ -12,7 +12,7 @@ import pytest
 
 from slide_core.checkpoint import read_state
 from slide_hf.errors import UserError
-from slide_hf.launch import THREAD_VARIABLES, launcher_command, share_host_cores
+from slide_hf.launch import THREAD_VARIABLES, check_gpus_for_ranks, launcher_command, share_host_cores
 
 LAUNCHER = [sys.executable, "-m", "slide_hf.launch", "--standalone"]
 
@@ -39,6 +39,21 @@ def test_one_process_or_a_launched_one_is_one_line() -> None:
         launcher_command(1, ["train"], environ={})
     with pytest.raises(UserError, match="WORLD_SIZE=2 already set: this process was started by a launcher"):
         launcher_command(2, ["train"], environ={"WORLD_SIZE": "2"})
+
+
+def test_more_gpu_ranks_than_gpus_is_one_line(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_gpus_for_ranks("auto", 2)
+    check_gpus_for_ranks("cpu", 8)  # gloo ranks on the CPU
+    with pytest.raises(UserError) as info:
+        check_gpus_for_ranks("cuda", 4)
+    assert str(info.value) == (
+        "--nproc-per-node 4 runs one process per GPU, but torch sees 2 GPU(s) here; use --nproc-per-node 2 or "
+        "fewer (or --device cpu)"
+    )
 
 
 def test_each_rank_gets_its_share_of_the_cores_unless_the_user_set_it() -> None:

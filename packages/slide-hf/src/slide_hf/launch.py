@@ -29,7 +29,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 
 from slide_hf.errors import UserError
 
-__all__ = ["THREAD_VARIABLES", "launcher_command", "main", "relaunch", "share_host_cores"]
+__all__ = ["THREAD_VARIABLES", "check_gpus_for_ranks", "launcher_command", "main", "relaunch", "share_host_cores"]
 
 FLAG = "--nproc-per-node"
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -72,6 +72,22 @@ def launcher_command(nproc_per_node: int, argv: Sequence[str], environ: Mapping[
             rest.append(arg)
     launcher = [sys.executable, "-m", "slide_hf.launch", "--standalone", f"{FLAG}={nproc_per_node}"]
     return [*launcher, "-m", "slide_hf", *rest]
+
+
+def check_gpus_for_ranks(device: str, nproc_per_node: int) -> None:
+    """Refuse, in one line, more GPU ranks than GPUs: every rank this command launches sees the same GPUs
+    and takes the one of its local rank (``ProcessGroupContext.device_index``), so two would share one and
+    NCCL would fail at its first collective. ``--device cpu`` (gloo) has no such limit."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if nproc_per_node > gpus:
+        raise UserError(
+            f"{FLAG} {nproc_per_node} runs one process per GPU, but torch sees {gpus} GPU(s) here; "
+            f"use {FLAG} {gpus} or fewer (or --device cpu)"
+        )
 
 
 def relaunch(nproc_per_node: int, argv: Sequence[str]) -> int:

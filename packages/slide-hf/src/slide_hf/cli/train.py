@@ -189,11 +189,11 @@ def run(args: argparse.Namespace) -> int:
     from slide_hf.recipe import train
 
     if args.nproc_per_node is not None:  # this process becomes torch's launcher of N copies of this command
-        from slide_hf.launch import relaunch
+        from slide_hf.launch import check_gpus_for_ranks, relaunch
         from slide_hf.options import check_data_parallel
 
         check_data_parallel(getattr(args, "optimizer_state", None) or "fp32", args.nproc_per_node)
-
+        check_gpus_for_ranks(getattr(args, "device", None) or "auto", args.nproc_per_node)
         return relaunch(args.nproc_per_node, args.argv)
 
     summary = train(build_config(args))
