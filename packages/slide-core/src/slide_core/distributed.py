@@ -26,6 +26,11 @@ interleaving of the two is not, so each thread has its own group: ``main`` (devi
 all-gather of a device-resident unit after its update) and ``host`` (host tensors, gloo) for the main
 thread, ``loads`` for the h2d thread. Tested by every case of
 tests/core/test_distributed.py (prefetching loads overlap the backward's reduce-scatters there).
+With gloo each group progresses on its own. With NCCL the two device groups are two communicators whose
+kernels may run at once on one GPU; NCCL documents that as safe only when every rank launches them in
+the same order, which two threads do not promise. Their kernels take a few SMs each and can be resident
+together, so they should both progress, but this has not run on several GPUs (docs/distributed.md); a
+hang there would end at ``timeout_s`` with a :class:`CollectiveError`, not silently.
 
 Note [Collective failures]: a collective that fails (a peer closed its connections because it died, or
 nothing came within ``timeout_s``) raises :class:`CollectiveError` naming this rank and the collective,
