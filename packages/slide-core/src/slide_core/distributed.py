@@ -32,6 +32,14 @@ the same order, which two threads do not promise. Their kernels take a few SMs e
 together, so they should both progress, but this has not run on several GPUs (docs/distributed.md); a
 hang there would end at ``timeout_s`` with a :class:`CollectiveError`, not silently.
 
+Note [Waits on one rank's work]: some waits are not for a collective computation but for work one rank
+does alone or every rank does at its own pace, on disks and file systems: rank 0 preparing the data,
+every rank writing its checkpoint shards or reading the weights. Those can differ by minutes between
+ranks on a large model, which the collectives' ``timeout_s`` (a minute, to notice a hang soon) would turn
+into a failed run, a checkpoint included. So :meth:`ProcessGroupContext.barrier` with ``slow=True`` goes
+through a gloo group of its own whose timeout is ``phase_timeout_s`` (hours). A rank that dies meanwhile
+still ends the wait at once: its connections close (gloo), and torchrun stops the other ranks.
+
 Note [Collective failures]: a collective that fails (a peer closed its connections because it died, or
 nothing came within ``timeout_s``) raises :class:`CollectiveError` naming this rank and the collective,
 so no rank waits forever for one that is gone; the engine's worker threads carry it to the main thread
@@ -50,10 +58,12 @@ import torch.distributed as dist
 
 from slide_core.engine.workers import EngineError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveError", "ProcessGroupContext", "shard_span"]
+__all__ = ["DEFAULT_PHASE_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "CollectiveError", "ProcessGroupContext", "shard_span"]
 
 DEFAULT_TIMEOUT_S = 60.0
 """How long one collective may wait for the other ranks before it fails (Note [Collective failures])."""
+DEFAULT_PHASE_TIMEOUT_S = 6 * 3600.0
+"""How long a rank may wait for the others' work on disks (Note [Waits on one rank's work])."""
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -88,6 +98,7 @@ class ProcessGroupContext:
         *,
         backend: str = "gloo",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        phase_timeout_s: float = DEFAULT_PHASE_TIMEOUT_S,
         collectives_at_one: bool = False,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
@@ -98,18 +109,26 @@ class ProcessGroupContext:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not phase_timeout_s >= timeout_s:
+            raise ValueError(f"phase_timeout_s must be >= timeout_s ({timeout_s}), got {phase_timeout_s}")
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
         self.backend = backend
         self.timeout_s = timeout_s
+        self.phase_timeout_s = phase_timeout_s
         self._collective = world_size > 1 or collectives_at_one
         self._groups: dict[str, Any] = {}
         self._open = False
 
     @classmethod
     def from_env(
-        cls, device_type: str = "cpu", *, timeout_s: float = DEFAULT_TIMEOUT_S, environ: Mapping[str, str] | None = None
+        cls,
+        device_type: str = "cpu",
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        phase_timeout_s: float = DEFAULT_PHASE_TIMEOUT_S,
+        environ: Mapping[str, str] | None = None,
     ) -> ProcessGroupContext:
         """This process's place in the run, as torchrun describes it (``RANK``, ``WORLD_SIZE``,
         ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): world size 1 when ``WORLD_SIZE`` is unset.
@@ -119,13 +138,21 @@ class ProcessGroupContext:
         world_size = _env_int(env, "WORLD_SIZE", default=1)
         launched = all(env.get(name) for name in _ENV_VARS)  # torchrun sets every one, also for one process
         if world_size == 1 and not launched:
-            return cls(timeout_s=timeout_s)
+            return cls(timeout_s=timeout_s, phase_timeout_s=phase_timeout_s)
         for name in _ENV_VARS:
             if not env.get(name):
                 raise ValueError(f"WORLD_SIZE is {world_size} but {name} is not set; launch with torchrun")
         backend = "nccl" if device_type == "cuda" else "gloo"
         rank, local_rank = _env_int(env, "RANK"), _env_int(env, "LOCAL_RANK")
-        return cls(rank, world_size, local_rank, backend=backend, timeout_s=timeout_s, collectives_at_one=launched)
+        return cls(
+            rank,
+            world_size,
+            local_rank,
+            backend=backend,
+            timeout_s=timeout_s,
+            phase_timeout_s=phase_timeout_s,
+            collectives_at_one=launched,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------------
     @property
@@ -175,6 +202,7 @@ class ProcessGroupContext:
                 "main": dist.group.WORLD,
                 "loads": dist.new_group(backend=self.backend, timeout=timeout),
                 "host": dist.new_group(backend="gloo", timeout=timeout),
+                "phases": dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.phase_timeout_s)),
             }
         except BaseException:
             dist.destroy_process_group()
@@ -266,12 +294,16 @@ class ProcessGroupContext:
         self._run(what, lambda: dist.broadcast_object_list(holder, src=0, group=group))
         return holder[0]
 
-    def barrier(self, what: str) -> None:
-        """Main thread: wait until every rank has come here (a sum of nothing through the gloo group, so it
-        fails like any collective, Note [Collective failures]). Nothing to wait for with world size 1."""
+    def barrier(self, what: str, *, slow: bool = False) -> None:
+        """Main thread: wait until every rank has come here (a sum of nothing through a gloo group, so it
+        fails like any collective, Note [Collective failures]). ``slow``: the others may be minutes or hours
+        behind, doing work on disks (Note [Waits on one rank's work]): wait up to ``phase_timeout_s``.
+        Nothing to wait for with world size 1."""
         if not self.is_distributed:
             return
-        self.all_reduce_host_(torch.zeros(1), what)
+        group = self._group("phases" if slow else "host")
+        limit = self.phase_timeout_s if slow else self.timeout_s
+        self._run(what, lambda: dist.all_reduce(torch.zeros(1), group=group, async_op=True), limit)
 
     def _gather(self, group: Any, flat: torch.Tensor, what: str) -> None:
         spans = self.spans(flat.numel())
@@ -293,9 +325,10 @@ class ProcessGroupContext:
             )
         return self._groups[role]
 
-    def _run(self, what: str, issue: Callable[[], Any]) -> None:
+    def _run(self, what: str, issue: Callable[[], Any], limit_s: float | None = None) -> None:
         """Issue one collective and wait for it: the host blocks on gloo; on NCCL the current stream waits
-        (no host block). A failure becomes a :class:`CollectiveError` (Note [Collective failures])."""
+        (no host block). A failure becomes a :class:`CollectiveError` (Note [Collective failures]) that
+        names ``limit_s`` (the group's timeout; ``timeout_s`` by default)."""
         try:
             work = issue()
             if work is not None:
@@ -304,7 +337,7 @@ class ProcessGroupContext:
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CollectiveError(
                 f"rank {self.rank} of {self.world_size}: {what} failed ({cause}); another rank has probably "
-                f"stopped (its own output says why) or did not answer within {self.timeout_s:.0f} s"
+                f"stopped (its own output says why) or did not answer within {limit_s or self.timeout_s:.0f} s"
             ) from exc
 
     def __repr__(self) -> str:

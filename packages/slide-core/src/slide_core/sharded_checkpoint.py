@@ -67,7 +67,7 @@ def save_sharded_checkpoint(
     others at once (Note [Collective failures] in distributed.py)."""
     staging = root / f".tmp-dp-step-{step:08d}"
     save_checkpoint(staging / f"rank-{group.rank}", step, arrays, extra)
-    group.barrier(f"the wait for every rank's checkpoint shards of step {step}")
+    group.barrier(f"the wait for every rank's checkpoint shards of step {step}", slow=True)
     final = root / f"step-{step:08d}"
     if group.rank == 0:
         ranks = [f"rank-{rank}" for rank in range(group.world_size)]
@@ -80,7 +80,7 @@ def save_sharded_checkpoint(
             shutil.rmtree(final)
         os.rename(manifest_dir, final)
         shutil.rmtree(staging, ignore_errors=True)
-    group.barrier(f"the publication of the checkpoint of step {step}")
+    group.barrier(f"the publication of the checkpoint of step {step}", slow=True)
     return final
 
 

@@ -170,6 +170,8 @@ def _train(
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
         host = _setup_weights(cfg, model, optimizer, group)
+        if group is not None:  # each rank reads at its own pace (Note [Waits on one rank's work])
+            group.barrier("the wait for every rank to load the weights", slow=True)
         flops = _log_run(cfg, model, data, device, optimizer, group)
         tokenizer_dir = run_dir.path / "tokenizer"
         if main:
@@ -282,7 +284,7 @@ def _setup_data_once(cfg: TrainConfig, model: _Model, output: Path, group: Proce
         return _setup_data(cfg, model, output)
     if group.rank == 0:
         data = _setup_data(cfg, model, output, group)
-    group.barrier("the wait for rank 0 to prepare the data")
+    group.barrier("the wait for rank 0 to prepare the data", slow=True)
     if group.rank != 0:
         data = _setup_data(cfg, model, output, group)
     return data
@@ -851,7 +853,7 @@ def _resume(
     batches.position = DataPosition(point.epoch, point.index)
     torch.set_rng_state(point.rng)
     if group is not None:  # every rank has read the checkpoint before rank 0 moves later ones aside
-        group.barrier(f"the wait for every rank to load {found.name}")
+        group.barrier(f"the wait for every rank to load {found.name}", slow=True)
     if group is None or group.rank == 0:
         run_dir.roll_back(found)
     log.info("resumed from %s at step %d", found, point.step)
