@@ -12,7 +12,14 @@ import pytest
 
 from slide_core.checkpoint import read_state
 from slide_hf.errors import UserError
-from slide_hf.launch import THREAD_VARIABLES, check_gpus_for_ranks, launcher_command, share_host_cores
+from slide_hf.launch import (
+    SHUTDOWN_GRACE_S,
+    THREAD_VARIABLES,
+    check_gpus_for_ranks,
+    launch_environment,
+    launcher_command,
+    share_host_cores,
+)
 
 LAUNCHER = [sys.executable, "-m", "slide_hf.launch", "--standalone"]
 
@@ -64,6 +71,24 @@ def test_each_rank_gets_its_share_of_the_cores_unless_the_user_set_it() -> None:
     environ = {"OMP_NUM_THREADS": "3"}
     share_host_cores(10 * cores, environ)
     assert environ == {"OMP_NUM_THREADS": "3", "NUMBA_NUM_THREADS": "1"}  # the user's value stays; at least one
+
+
+def test_the_launcher_gives_the_ranks_time_to_checkpoint(monkeypatch) -> None:
+    """Torch's launcher reads the grace period before SIGKILL from TORCH_ELASTIC_SHUTDOWN_TIMEOUT: 30 s by
+    default, too short for a large model's checkpoint shards (Note [Time to stop]); the user's value stays."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    environ: dict[str, str] = {}
+    launch_environment(2, environ)
+    assert environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(SHUTDOWN_GRACE_S)
+    assert set(THREAD_VARIABLES) <= set(environ)
+    environ = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "90"}
+    launch_environment(2, environ)
+    assert environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "90"
+    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:  # this torch's launcher has the setting
+        monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2)
+        assert config.shutdown_timeout == SHUTDOWN_GRACE_S
 
 
 @pytest.mark.slow

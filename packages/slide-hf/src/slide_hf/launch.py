@@ -10,6 +10,13 @@ ends with one line naming the first rank that failed and how (each rank has alre
 error), and exits with that rank's status. Several hosts still need torchrun on each (``--nnodes``,
 ``--node-rank``, the rendezvous address), which this convenience does not guess.
 
+Note [Time to stop]: on SIGINT/SIGTERM torch's launcher passes the signal to every rank and SIGKILLs those
+still running after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds, 30 by default. A rank that gets the signal
+finishes its step and writes its checkpoint shards (Note [Stop on every rank] in recipe.py), which for a
+large model takes minutes: killed at 30 s it would lose every step since the previous checkpoint. The
+ranks this command launches get :data:`SHUTDOWN_GRACE_S` unless the variable is set. Under torchrun itself,
+pass ``--shutdown-timeout`` (or set the variable) the same way (docs/distributed.md).
+
 Note [Host cores per rank]: every rank runs its own host optimizer, whose numba kernels would each take
 every core of the host: N ranks would run N times as many threads as there are cores, all at once in the
 backward. So each rank gets the host's usable cores divided by the ranks on the host, through
@@ -29,9 +36,20 @@ from collections.abc import Mapping, MutableMapping, Sequence
 
 from slide_hf.errors import UserError
 
-__all__ = ["THREAD_VARIABLES", "check_gpus_for_ranks", "launcher_command", "main", "relaunch", "share_host_cores"]
+__all__ = [
+    "SHUTDOWN_GRACE_S",
+    "THREAD_VARIABLES",
+    "check_gpus_for_ranks",
+    "launch_environment",
+    "launcher_command",
+    "main",
+    "relaunch",
+    "share_host_cores",
+]
 
 FLAG = "--nproc-per-node"
+SHUTDOWN_GRACE_S = 1800
+"""How long torch's launcher lets the ranks checkpoint after a stop signal (Note [Time to stop])."""
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
 """How many threads torch's CPU ops and the numba kernels start (Note [Host cores per rank])."""
 
@@ -90,10 +108,19 @@ def check_gpus_for_ranks(device: str, nproc_per_node: int) -> None:
         )
 
 
+def launch_environment(nproc_per_node: int, environ: MutableMapping[str, str]) -> None:
+    """What the launcher and its ranks inherit, set where the user has not: each rank's share of the host's
+    cores (Note [Host cores per rank]) and the time the ranks get to checkpoint on a stop signal (Note [Time
+    to stop])."""
+    share_host_cores(nproc_per_node, environ)
+    if not environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(SHUTDOWN_GRACE_S)
+
+
 def relaunch(nproc_per_node: int, argv: Sequence[str]) -> int:
     """Replace this process with :func:`launcher_command`'s; returns only when that cannot start."""
     command = launcher_command(nproc_per_node, argv)
-    share_host_cores(nproc_per_node, os.environ)  # inherited by the launcher and its ranks
+    launch_environment(nproc_per_node, os.environ)  # inherited by the launcher and its ranks
     sys.stdout.flush()
     sys.stderr.flush()
     try:
