@@ -121,8 +121,7 @@ class Gemma4BlockUnit(BlockUnit):
             shared[self.attention_type] = stream.read_kv(x, self.attention_type)
         if self.layer_input is not None:
             kwargs["per_layer_input"] = self._per_layer_input(params, x, inputs.input_ids)
-        hidden = x[..., : stream.hidden] if stream.widened else x
-        out = self.call("", layer_params, hidden, shared_kv_states=shared, **kwargs)
+        out = self.call("", layer_params, stream.hidden_state(x), shared_kv_states=shared, **kwargs)
         if not stream.widened:
             return out
         if self.kv_role == "writes":
@@ -152,8 +151,7 @@ class Gemma4HeadUnit(HeadUnit):
         inputs: Any,
         grad_into: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
-        hidden = x[..., : self.stream.hidden] if self.stream.widened else x
-        return super().forward_into(params, hidden, inputs, grad_into)
+        return super().forward_into(params, self.stream.hidden_state(x), inputs, grad_into)
 
 
 class Gemma4Adapter(LayerTypeRotaryLM):

@@ -71,6 +71,10 @@ class Stream:
     def widened(self) -> bool:
         return self.width > self.hidden
 
+    def hidden_state(self, x: torch.Tensor) -> torch.Tensor:
+        """The hidden state: the stream's first ``hidden`` elements (all of it when not widened)."""
+        return x[..., : self.hidden] if self.widened else x
+
     def embeddings(self, x: torch.Tensor) -> torch.Tensor:
         return x[..., self.hidden : 2 * self.hidden]
 
