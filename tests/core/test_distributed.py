@@ -16,7 +16,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
 from slide_core.optim.compact_adamw import CompactAdamW
 from slide_core.sharded_checkpoint import save_sharded_checkpoint
-from slide_core.testing import ToyBlock, ToyConfig, ToyModel, toy_batches, toy_init, wait_ranks
+from slide_core.testing import ToyBlock, ToyConfig, ToyModel, launch_ranks, toy_batches, toy_init, wait_ranks
 from slide_core.tiers.host_ram import HostRamTier
 
 RTOL = 1e-5
@@ -336,39 +335,12 @@ def _rank_main(spec: dict) -> None:
 
 
 # ---- launching ranks --------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(world_size: int, spec: dict, out: Path) -> list[subprocess.Popen]:
     """Start ``world_size`` ranks of this file as torchrun would (its environment variables)."""
     out.mkdir(parents=True, exist_ok=True)
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps({**spec, "out": str(out)}))
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, str(spec_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return procs
+    return launch_ranks([sys.executable, __file__, str(spec_path)], world_size)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])

@@ -5,9 +5,6 @@ in the other format bit for bit."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +16,7 @@ from slide_core.devices.cpu import CPUDevice
 from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
-from slide_core.testing import ToyConfig, ToyModel, load_init, toy_batches, toy_init, wait_ranks
+from slide_core.testing import ToyConfig, ToyModel, launch_ranks, load_init, toy_batches, toy_init, wait_ranks
 
 WORLD_SIZE = 3  # units are 64-element multiples: three ranks' shards start and end inside tie bytes
 ROWS_PER_RANK = 2
@@ -87,29 +84,7 @@ def _rank_main(out: Path) -> None:
 
 
 def test_three_ranks_train_and_resume_alike_with_either_master(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(WORLD_SIZE):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD_SIZE),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    procs = launch_ranks([sys.executable, __file__, str(tmp_path)], WORLD_SIZE)
     for rank, (code, err) in enumerate(wait_ranks(procs, 240.0)):
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]

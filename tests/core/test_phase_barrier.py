@@ -8,9 +8,6 @@ This file is also the rank's program: ``python test_phase_barrier.py OUT`` with 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from slide_core.distributed import CollectiveError, ProcessGroupContext
-from slide_core.testing import wait_ranks
+from slide_core.testing import launch_ranks, wait_ranks
 
 TIMEOUT_S = 2.0
 BEHIND_S = 5.0  # how far rank 0 lags: more than TIMEOUT_S, far less than the phase timeout
@@ -43,30 +40,9 @@ def _rank_main(out: Path) -> None:
     (out / f"rank{group.rank}.json").write_text(json.dumps(report))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_slow_barrier_outwaits_the_collective_timeout(tmp_path: Path) -> None:
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-            )
-        )
+    procs = launch_ranks([sys.executable, __file__, str(tmp_path)], 2)
     wait_ranks(procs, 120.0)
     behind = json.loads((tmp_path / "rank1.json").read_text())
     assert behind["slow_waited_s"] >= BEHIND_S - 1.0  # it waited for rank 0, past TIMEOUT_S, and went on

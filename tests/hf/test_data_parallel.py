@@ -6,9 +6,7 @@ in 2 real gloo processes trains what one process does at the same global batch."
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from slide_core.checkpoint import read_state
-from slide_core.testing import wait_ranks
+from slide_core.testing import launch_ranks, wait_ranks
 from slide_hf.data import Batches, Dataset, DataStats
 from slide_hf.errors import UserError
 
@@ -76,12 +74,6 @@ STEPS = 3
 LAUNCH_TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _slide_train(
     output: Path, batch_size: int, world_size: int, *extra: str, launched: bool | None = None
 ) -> list[tuple[int, str]]:
@@ -94,32 +86,9 @@ def _slide_train(
 
 def _start_train(world_size: int, *args: str, launched: bool | None = None) -> list[subprocess.Popen]:
     """Start ``python -m slide_hf`` + ``RUN`` + ``args`` in ``world_size`` processes (see _slide_train)."""
-    base = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    base["OMP_NUM_THREADS"] = "1"
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        base.pop(name, None)
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(base)
-        if world_size > 1 if launched is None else launched:
-            env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-            )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "slide_hf", *RUN, *args],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return procs
+    command = [sys.executable, "-m", "slide_hf", *RUN, *args]
+    with_variables = world_size > 1 if launched is None else launched
+    return launch_ranks(command, world_size, launched=with_variables, stdout=subprocess.DEVNULL)
 
 
 def _losses(run: Path, key: str = "loss") -> list[float]:

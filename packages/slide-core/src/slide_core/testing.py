@@ -9,8 +9,10 @@ what the engine's results are compared against.
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +25,13 @@ __all__ = [
     "ToyConfig",
     "ToyModel",
     "document_mask",
+    "launch_ranks",
     "load_init",
     "packed_row",
     "reference_loss",
     "toy_batches",
     "toy_init",
+    "wait_ranks",
 ]
 
 
@@ -211,6 +215,38 @@ def packed_row(documents: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     labels = torch.cat([torch.cat((torch.tensor([-100]), doc[1:])) for doc in documents])
     positions = torch.cat([torch.arange(doc.numel()) for doc in documents])
     return ids[None], labels[None], positions[None]
+
+
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun tells each process it starts (Note [One rank under torchrun] in slide_core/distributed.py)."""
+
+
+def launch_ranks(
+    command: Sequence[str], world_size: int, *, launched: bool = True, stdout: int = subprocess.PIPE
+) -> list[subprocess.Popen]:
+    """Start ``command`` in ``world_size`` processes as torchrun would on this machine: each with its
+    rank's variables (:data:`RANK_VARIABLES`, a free local port) and one thread for torch's CPU ops, the
+    processes sharing this machine's cores. ``launched=False`` starts them without the variables (a plain
+    single-process run), whatever this process's environment holds. stderr is piped as text; collect
+    with :func:`wait_ranks`."""
+    base = {key: value for key, value in os.environ.items() if key not in RANK_VARIABLES}
+    base["OMP_NUM_THREADS"] = "1"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(world_size):
+        env = dict(base)
+        if launched:
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+        procs.append(subprocess.Popen(list(command), env=env, stdout=stdout, stderr=subprocess.PIPE, text=True))
+    return procs
 
 
 def wait_ranks(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
