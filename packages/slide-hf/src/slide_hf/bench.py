@@ -20,6 +20,7 @@ logits).
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import statistics
 import threading
@@ -35,7 +36,7 @@ from slide_hf.errors import UserError
 from slide_hf.planner.timing import h2d_bytes_per_param, host_bytes_per_param_step
 from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimizer, open_engine, place_units
 
-__all__ = ["BenchConfig", "run_bench", "write_trace"]
+__all__ = ["BenchConfig", "describe_unit", "run_bench", "write_trace"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
             gpu_peak = device.peak_memory_bytes()
             # As `slide train` ends: the host optimizer state goes before the resident masters come back.
             engine.close(keep_host_state=False)
+    unit_facts = {unit.name: describe_unit(unit) for unit in model.units}
     steady = times[cfg.warmup :] or times
     step_s = statistics.median(steady)
     tokens = cfg.batch_size * cfg.seq_len
@@ -196,7 +198,12 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         phases = {k: round(statistics.mean(r.get(k, 0.0) for r in records), 2) for k in keys}
         busy = phases.get("backward", 0.0) + phases.get("head", 0.0)
         cost = phases.get("d2h", 0.0) + (0.0 if name in resident else phases.get("update", 0.0))
-        units[name] = {"overlap": round(busy / cost, 3) if cost else None, **phases}
+        units[name] = {
+            "overlap": round(busy / cost, 3) if cost else None,
+            "resident": name in resident,
+            **unit_facts[name],
+            **phases,
+        }
     compute_ms = sum(u.get(k, 0.0) for u in units.values() for k in ("forward", "backward", "head"))
     host_update_ms = sum(u.get("update", 0.0) for n, u in units.items() if n not in resident)
     sliding_numel = sum(u.layout.numel for u in model.units if u.name not in resident)
@@ -243,6 +250,26 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     if cfg.trace_dir is not None:
         result["trace"] = write_trace(spans, cfg.trace_dir)
     return result
+
+
+def describe_unit(unit: Any) -> dict[str, Any]:
+    """What a unit's timings are compared by: its kind (blocks of one kind run the same code on the same
+    shapes: layer type, module class, parameter shapes), its parameter count, and the parameters every token
+    multiplies by (experts excluded: a token passes through a few of them, which no parameter count says)."""
+    root = getattr(unit, "root", None)
+    layout = tuple((spec.name, tuple(spec.shape)) for spec in unit.layout)
+    attention = getattr(unit, "attention_type", None)
+    label = type(root).__name__ if root is not None else type(unit).__name__
+    if attention:
+        label = f"{label}:{attention}"
+    digest = hashlib.sha1(repr(layout).encode()).hexdigest()[:6]
+    dense = sum(spec.numel for spec in unit.layout if "experts" not in spec.name and len(spec.shape) >= 2)
+    return {
+        "kind": f"{label}#{digest}",
+        "params": unit.layout.param_numel,
+        "dense_matmul_params": dense,
+        "has_experts": any("experts" in spec.name for spec in unit.layout),
+    }
 
 
 def _scratch(cfg: BenchConfig) -> Any:

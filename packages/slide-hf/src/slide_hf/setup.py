@@ -234,6 +234,8 @@ def open_engine(
         max_grad_norm=options.max_grad_norm,
         report_grad_norm=options.report_grad_norm,
     )
+    plan = placement.plan
+    log.info("plan: GPU peak %.2f GiB, host peak %.2f GiB", plan.gpu_peak_bytes / 2**30, plan.host_peak_bytes / 2**30)
     if placement.resident:
         log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(placement.resident))
     with contextlib.ExitStack() as opened:

@@ -1,0 +1,99 @@
+"""Why is a model's streamed block slower than its resident twin? One short run that says, per block unit,
+where it lives, what dtypes its parameters and input arrive in, whether its host range is pinned, and which
+GPU kernels one step spends its time in (torch.profiler).
+
+    python bench/diagnose_blocks.py --model gemma3-12b --layers 6 --gpu-memory 24 --batch-size 16 --seq-len 1024
+
+Set up as `slide bench` sets up its engine (slide_hf/bench.py); random token ids, never zeros.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from slide_hf.bench import BenchConfig, _batches, _scratch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--gpu-memory", type=float, default=24)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+
+    from slide_core import AdamWConfig, HostParameters
+    from slide_core.engine import choose_master_format
+    from slide_hf import build_model, init_random, resolve_model
+    from slide_hf.setup import make_device, make_optimizer, open_engine, place_units
+    from slide_hf.truncate import truncate_layers
+
+    config, _ = resolve_model(args.model)
+    if args.layers:
+        config = truncate_layers(config, args.layers)
+    cfg = BenchConfig(
+        model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, gpu_memory_gib=args.gpu_memory
+    )
+    options = cfg.run_options()
+    model = build_model(config)
+    device = make_device(options.device, options.gpu_memory_bytes)
+    placement = place_units(model, device, options)
+    seen: dict[str, dict[str, Any]] = defaultdict(dict)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    activity = (
+        torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
+    )
+    for unit in model.blocks:
+        original = unit.forward
+
+        def traced(params: Any, x: torch.Tensor, inputs: Any, _unit: Any = unit, _forward: Any = original) -> Any:
+            record = seen[_unit.name]
+            record["param dtypes"] = sorted({str(p.dtype) for p in params.values()})
+            record["input"] = f"{x.dtype} {tuple(x.shape)} contiguous={x.is_contiguous()}"
+            sync()
+            began = time.perf_counter()
+            out = _forward(params, x, inputs)
+            sync()
+            record.setdefault("forward ms (synchronized)", []).append(round((time.perf_counter() - began) * 1e3, 1))
+            return out
+
+        unit.forward = traced  # type: ignore[method-assign]
+    with device:
+        optimizer = make_optimizer(options.optimizer, AdamWConfig(state_format=options.optimizer_state))
+        master_format = choose_master_format(options.master, options.compute_dtype, optimizer)
+        host = HostParameters(model, master_format=master_format)
+        init_random(model, host, config, seed=0)
+        batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, args.steps)
+        with open_engine(model, device, host, optimizer, options, placement, scratch=_scratch(cfg)) as engine:
+            for unit in model.blocks:
+                if unit.name not in placement.resident:
+                    seen[unit.name]["host range pinned"] = host.h2d_source(unit).is_pinned()
+            for micro in batches[:-1]:
+                engine.step(micro, lr=1e-5)
+            times = engine.unit_times()
+            with torch.profiler.profile(activities=[activity]) as profile:
+                engine.step(batches[-1], lr=1e-5)
+                engine.wait_idle()
+            engine.close(keep_host_state=False)
+    for unit in model.blocks:
+        where = "resident" if unit.name in placement.resident else "streamed"
+        phases = {k: round(v, 1) for k, v in times[unit.name].ms.items()} if unit.name in times else {}
+        print(f"{unit.name} ({where}, {getattr(unit, 'attention_type', '')}): {dict(seen[unit.name])} phases {phases}")
+    print(
+        profile.key_averages().table(
+            sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
+            row_limit=25,
+            max_name_column_width=90,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
