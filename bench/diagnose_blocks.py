@@ -10,8 +10,11 @@ Set up as `slide bench` sets up its engine (slide_hf/bench.py); random token ids
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,9 +75,13 @@ def main() -> None:
         init_random(model, host, config, seed=0)
         batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, args.steps)
         with open_engine(model, device, host, optimizer, options, placement, scratch=_scratch(cfg)) as engine:
-            for unit in model.blocks:
+            for unit in model.units:
                 if unit.name not in placement.resident:
-                    seen[unit.name]["host range pinned"] = host.h2d_source(unit).is_pinned()
+                    source = host.h2d_source(unit)
+                    print(
+                        f"{unit.name}: host range {source.numel() * source.element_size() / 2**30:.2f} GiB, "
+                        f"first byte pinned {source.is_pinned()}, last byte pinned {source[-1:].is_pinned()}"
+                    )
             for micro in batches[:-1]:
                 engine.step(micro, lr=1e-5)
             times = engine.unit_times()
@@ -86,6 +93,14 @@ def main() -> None:
         where = "resident" if unit.name in placement.resident else "streamed"
         phases = {k: round(v, 1) for k, v in times[unit.name].ms.items()} if unit.name in times else {}
         print(f"{unit.name} ({where}, {getattr(unit, 'attention_type', '')}): {dict(seen[unit.name])} phases {phases}")
+    trace = Path(tempfile.mkdtemp()) / "trace.json"
+    profile.export_chrome_trace(str(trace))
+    copies: dict[str, list[int]] = defaultdict(list)
+    for event in json.loads(trace.read_text())["traceEvents"]:
+        if event.get("cat") == "gpu_memcpy":
+            copies[event["name"]].append(int(event.get("args", {}).get("bytes", 0)))
+    for name, sizes in copies.items():
+        print(f"{name}: {len(sizes)} copies, {sum(sizes) / 2**30:.2f} GiB, largest {max(sizes) / 2**20:.1f} MiB")
     print(
         profile.key_averages().table(
             sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
