@@ -73,6 +73,16 @@ def test_each_rank_gets_its_share_of_the_cores_unless_the_user_set_it() -> None:
     assert environ == {"OMP_NUM_THREADS": "3", "NUMBA_NUM_THREADS": "1"}  # the user's value stays; at least one
 
 
+@pytest.mark.parametrize(("cores", "ranks", "share"), [(16, 1, 14), (16, 2, 7), (8, 1, 6), (4, 1, 4), (2, 1, 2)])
+def test_a_large_host_keeps_cores_for_the_launching_and_transfer_threads(monkeypatch, cores, ranks, share) -> None:
+    """Note [Host cores per rank]: from 8 cores up, RESERVED_CORES stay out of the optimizer's share (one
+    process or several); a small host gives the optimizer every core."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    environ: dict[str, str] = {}
+    assert share_host_cores(ranks, environ) == share
+    assert environ == dict.fromkeys(THREAD_VARIABLES, str(share))
+
+
 def test_the_launcher_gives_the_ranks_time_to_checkpoint(monkeypatch) -> None:
     """Torch's launcher reads the grace period before SIGKILL from TORCH_ELASTIC_SHUTDOWN_TIMEOUT: 30 s by
     default, too short for a large model's checkpoint shards (Note [Time to stop]); the user's value stays."""

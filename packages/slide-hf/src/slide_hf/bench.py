@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import os
 import statistics
 import threading
 import time
@@ -386,6 +387,9 @@ def write_trace(spans: list[Any], directory: Path) -> dict[str, str]:
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     from slide_hf import resolve_model
+    from slide_hf.launch import share_host_cores
+
+    share_host_cores(1, os.environ)  # as `slide train`, before numba is imported (Note [Host cores per rank])
 
     config, _ = resolve_model(cfg.model)
     total_layers = config.num_hidden_layers

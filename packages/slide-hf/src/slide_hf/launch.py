@@ -23,7 +23,10 @@ backward. So each rank gets the host's usable cores divided by the ranks on the 
 ``NUMBA_NUM_THREADS`` (the kernels) and ``OMP_NUM_THREADS`` (torch's own CPU ops; torch's launcher would
 otherwise set it to 1), wherever the user has not set them: here for the ranks this command launches, and
 in each rank (slide_hf/recipe.py) for ranks started by torchrun itself, where only ``NUMBA_NUM_THREADS``
-is still free.
+is still free. A single process gets the same treatment (slide_hf/recipe.py, slide_hf/bench.py). On a host of 8 cores or
+more, :data:`RESERVED_CORES` stay out of the share: the optimizer is bound by host memory bandwidth, which
+8 of 16 threads already saturate, while a main thread starved of a core launches the GPU's kernels late
+and stretches every block's compute.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from slide_hf.errors import UserError
 
 __all__ = [
+    "RESERVED_CORES",
     "SHUTDOWN_GRACE_S",
     "THREAD_VARIABLES",
     "check_gpus_for_ranks",
@@ -50,6 +54,9 @@ __all__ = [
 FLAG = "--nproc-per-node"
 SHUTDOWN_GRACE_S = 1800
 """How long torch's launcher lets the ranks checkpoint after a stop signal (Note [Time to stop])."""
+RESERVED_CORES = 2
+"""Cores left out of the host optimizer's share on a host of 8 or more (Note [Host cores per rank]): the
+thread that launches the GPU's kernels and the transfer threads need a core each while the optimizer runs."""
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
 """How many threads torch's CPU ops and the numba kernels start (Note [Host cores per rank])."""
 
@@ -61,7 +68,8 @@ def share_host_cores(ranks_on_host: int, environ: MutableMapping[str, str]) -> i
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    share = max(1, cores // max(1, ranks_on_host))
+    usable = cores - RESERVED_CORES if cores >= 4 * RESERVED_CORES else cores
+    share = max(1, usable // max(1, ranks_on_host))
     for name in THREAD_VARIABLES:
         if not environ.get(name):
             environ[name] = str(share)

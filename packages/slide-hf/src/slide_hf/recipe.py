@@ -136,6 +136,8 @@ def train(
         ranks_on_host = int(on_host) if on_host.isdigit() and int(on_host) > 0 else group.world_size
         share_host_cores(ranks_on_host, os.environ)
         log.info("host threads per rank: %s (%d ranks on this host)", os.environ["NUMBA_NUM_THREADS"], ranks_on_host)
+    else:
+        share_host_cores(1, os.environ)
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
     if not group.is_distributed:
         with RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite) as run_dir:
