@@ -165,7 +165,7 @@ def test_resident_units_add_their_optimizers_scratch_to_the_gpu_peak(state_forma
 def test_resident_scratch_is_what_the_engine_allocates():
     """Real engine steps on the CPU device with a resident embedding (bigger than a chunk) and bf16
     moments: the peak the resident updates allocate (counted op by op) is the plan's
-    ``resident_scratch``, to the byte."""
+    ``resident_scratch``, and the unit's device buffers its ``resident_units``, to the byte."""
     from slide_core.alloc_counter import AllocationCounter
     from slide_core.optim.compact_adamw import CompactAdamW
     from slide_hf import PRESETS, build_model, init_random
@@ -192,9 +192,13 @@ def test_resident_scratch_is_what_the_engine_allocates():
             for seed in range(2):
                 ids = torch.randint(0, hf_config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(seed))
                 engine.step([(ids, ids.clone())], lr=1e-3)
+            resident_bytes = engine.residents.device_bytes
     inputs = PlanInputs(model, seq_len=16, resident_units=("embedding",), optimizer_state="bf16", optimizer=optimizer)
+    plan = make_plan(inputs)
     assert counter.peak_bytes > 0
-    assert counter.peak_bytes == make_plan(inputs).gpu_breakdown["resident_scratch"]
+    assert counter.peak_bytes == plan.gpu_breakdown["resident_scratch"]
+    # the unit itself, with its moments stored as bf16 (12 bytes/param with bf16 compute, not 16)
+    assert resident_bytes == plan.gpu_breakdown["resident_units"] == 12 * model.embedding.layout.numel
 
 
 def test_peaks_grow_with_batch_and_max_batch_is_tight():

@@ -185,7 +185,13 @@ def place_units(
     if resident_bytes is None:
         plan = plan_with_placement(inputs)
     else:
-        chosen = choose_resident_units(model, resident_bytes, options.compute_dtype, accumulates=options.grad_accum > 1)
+        chosen = choose_resident_units(
+            model,
+            resident_bytes,
+            options.compute_dtype,
+            accumulates=options.grad_accum > 1,
+            state_arrays=inputs.device_optimizer().state_arrays,
+        )
         plan = make_plan(dataclasses.replace(inputs, resident_units=chosen))
     resident = plan.inputs.resident_units
     offloaded = offloaded_units(model, options.nvme_fraction, resident) if tier_class is not None else ()

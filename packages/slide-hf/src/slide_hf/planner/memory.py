@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from slide_core.engine.resident import resident_bytes_per_param
+from slide_core.engine.resident import resident_numel_bytes
 from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import _ENGINE_DEFAULTS, ModelShape, PlanInputs
@@ -231,10 +231,17 @@ def _resident_numel(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    """Device-resident units, priced by the engine's own rule (slide_core/engine/resident.py)."""
+    """Device-resident units, priced by the engine's own rule (slide_core/engine/resident.py) with the
+    state arrays the run's optimizer stores (bf16 or int8 moments take less than fp32 ones)."""
     accumulates = inputs.grad_accum > 1  # clipping sums a tied embedding in its slot too (resident.py)
-    per_param = resident_bytes_per_param(inputs.compute_dtype_bytes, accumulates=accumulates)
-    return _resident_numel(shape, inputs) * per_param
+    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
+    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    arrays = inputs.device_optimizer().state_arrays
+    return sum(
+        resident_numel_bytes(numel[name], inputs.compute_dtype_bytes, accumulates=accumulates, state_arrays=arrays)
+        for name in inputs.resident_units
+        if name in numel
+    )
 
 
 def _resident_max_numel(shape: ModelShape, inputs: PlanInputs) -> int:

@@ -229,5 +229,6 @@ def plan_with_placement(inputs: PlanInputs) -> Plan:
     spare = max(0, inputs.gpu_memory_bytes - base.gpu_peak_bytes - margin - scratch)
     dtype = torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16
     accumulates = inputs.grad_accum > 1  # clipping sums a tied embedding in its slot too (resident.py)
-    resident = choose_resident_units(inputs.model, spare, dtype, accumulates=accumulates)
+    arrays = inputs.device_optimizer().state_arrays
+    resident = choose_resident_units(inputs.model, spare, dtype, accumulates=accumulates, state_arrays=arrays)
     return make_plan(dataclasses.replace(inputs, resident_units=resident)) if resident else base
