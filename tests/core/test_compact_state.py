@@ -199,6 +199,144 @@ def test_compact_updates_follow_fp32_adamw(state_format: str, rtol: float) -> No
     assert error < rtol, f"{state_format}: {error:.3g}"
 
 
+# -- the torch path in chunks (device-resident units) ------------------------------------------------------
+CHUNK = 64 * 150
+"""A chunk small enough that the ranges below span several, ending inside one."""
+
+
+def _master_of(kind: str, values: torch.Tensor, offset: int):
+    """The range ``values[offset:]`` as an fp32 slice of its slab or as a split master (same numbering)."""
+    from slide_core.split_master import SplitMaster, tie_bytes
+
+    if kind == "fp32":
+        return values.clone()[offset:]
+    planes = SplitMaster(
+        torch.empty(values.numel(), dtype=torch.bfloat16),
+        torch.empty(values.numel(), dtype=torch.int16),
+        torch.zeros(tie_bytes(values.numel()), dtype=torch.uint8),
+    )
+    planes.encode_(values)
+    return planes[offset:]
+
+
+def _values(master) -> torch.Tensor:
+    return master if isinstance(master, torch.Tensor) else master.decode()
+
+
+def _steps_and_corrections(optimizer, master, state, grads) -> None:
+    """Steps 1-3 with a grad scale at step 2, each followed by clipping's correction: a rescale with a
+    device-style 0-dim coefficient, an undo with a float one, a rescale after a scaled step."""
+    from slide_core.optimizer import Correction
+
+    plan = [
+        (1.0, torch.tensor(1.0), Correction("rescale", 0.3)),
+        (0.5, 0.5, Correction("undo")),
+        (0.25, torch.tensor(0.25), Correction("rescale", 0.125)),
+    ]
+    for step, (grad, (scale, applied, correction)) in enumerate(zip(grads, plan, strict=True), start=1):
+        optimizer.step(master, grad, state, lr=1e-3, step=step, decay=True, grad_scale=scale)
+        optimizer.correct(master, grad, state, applied=applied, correction=correction, lr=1e-3, step=step, decay=True)
+
+
+@pytest.mark.parametrize("master_kind", ["fp32", "split"])
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_chunked_torch_path_is_bit_identical_to_one_pass(state_format: str, master_kind: str) -> None:
+    """The torch path (what device-resident units run) updates and corrects a range a chunk at a time,
+    each element hashed at its own slab index: master and codes are bit for bit those of one pass over
+    the whole range, for a range of several chunks that ends inside one."""
+    n = 64 * 520 + (37 if state_format == "bf16" else 0)  # 3.5 chunks; bf16 ranges need not be blocks
+    offset = 4096 - 192
+    assert n > 3 * CHUNK and n % CHUNK
+    values = torch.randn(offset + n, generator=torch.Generator().manual_seed(21)) * 0.02
+    config = AdamWConfig(weight_decay=0.1, state_format=state_format, state_seed=6)
+    grads = _grads(n, 3, torch.bfloat16, seed=22)
+    results = []
+    for chunk in (CHUNK, 64 * (n // 64 + 1)):
+        optimizer = CompactAdamW(config, fused=False, chunk_numel=chunk)
+        master, state = _master_of(master_kind, values, offset), _empty_state(state_format, n)
+        _steps_and_corrections(optimizer, master, state, grads)
+        results.append((_values(master), state))
+    (master_c, state_c), (master_1, state_1) = results
+    assert torch.equal(_bits(master_c), _bits(master_1))
+    for name, tensor in state_1.items():
+        assert torch.equal(_bits(state_c[name]), _bits(tensor)), name
+
+
+@needs_numba
+@pytest.mark.parametrize("master_kind", ["fp32", "split"])
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_chunked_torch_path_matches_the_kernels(state_format: str, master_kind: str) -> None:
+    """The chunked torch path stores the numba kernels' codes bit for bit over several steps (the master
+    to the kernel's sqrt, as one pass does: ``test_kernel_matches_the_torch_path``)."""
+    n = 64 * 520 + (37 if state_format == "bf16" else 0)
+    offset = 4096 - 192
+    values = torch.randn(offset + n, generator=torch.Generator().manual_seed(23)) * 0.02
+    config = AdamWConfig(weight_decay=0.1, state_format=state_format, state_seed=7)
+    results = []
+    for fused in (True, False):
+        master, state = _master_of(master_kind, values, offset), _empty_state(state_format, n)
+        optimizer = CompactAdamW(config, fused=fused, chunk_numel=CHUNK)
+        _run_steps(optimizer, master, state, _grads(n, 4, torch.bfloat16, seed=24), scales=[1, 0.5, 1, 1])
+        results.append((_values(master), state))
+    (master_k, state_k), (master_t, state_t) = results
+    for name in state_k:
+        assert torch.equal(_bits(state_k[name]), _bits(state_t[name])), name
+    torch.testing.assert_close(master_k, master_t, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("numel", [64 * 520, 64 * 100])
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_device_scratch_bytes_is_what_the_torch_path_allocates(state_format: str, numel: int) -> None:
+    """A fresh device replica's step (bf16 gradients, as a resident unit's slot holds) and correction (a
+    0-dim coefficient, as resident units pass) allocate, at their peak, exactly ``device_scratch_bytes``:
+    a chunk's scratch and codec temporaries, not fp32 copies of a range several chunks long. This number
+    is what the planner adds to the GPU peak of a run with resident units."""
+    from slide_core.alloc_counter import AllocationCounter
+    from slide_core.optim.state_formats import codec_scratch_bytes
+    from slide_core.optimizer import Correction
+
+    config = AdamWConfig(weight_decay=0.1, state_format=state_format)
+    optimizer = CompactAdamW(config, chunk_numel=CHUNK).device_replica()
+    master, grad = torch.randn(numel) * 0.02, _grads(numel, 1, torch.bfloat16)[0]
+    state = _empty_state(state_format, numel)
+    with AllocationCounter() as counter:
+        optimizer.step(master, grad, state, lr=1e-3, step=1, decay=True)
+        stepped = counter.peak_bytes
+        optimizer.correct(
+            master, grad, state, applied=torch.tensor(0.5), correction=Correction("undo"), lr=1e-3, step=1, decay=True
+        )
+    assert stepped == optimizer.device_scratch_bytes(numel)
+    assert counter.peak_bytes == optimizer.device_scratch_bytes(numel, corrects=True)
+    chunk = min(numel, CHUNK)
+    assert optimizer.device_scratch_bytes(numel) == 16 * chunk + codec_scratch_bytes(state_format, chunk)
+
+
+def test_codec_scratch_bytes_is_what_encode_and_decode_allocate() -> None:
+    """The codec's temporaries grow with the range exactly as ``codec_scratch_bytes`` says (the larger of
+    encode and decode), for ranges of a few blocks and of many."""
+    from slide_core.alloc_counter import AllocationCounter
+    from slide_core.optim.state_formats import codec_scratch_bytes
+
+    for state_format in ("fp32", "bf16", "int8"):
+        for numel in (64 * 3, 64 * 1001):
+            m, v = torch.randn(numel), torch.rand(numel)
+            state = _empty_state(state_format, numel)
+            peaks = []
+            for code in (
+                lambda: encode_moments(state_format, m, v, state, index0=7, key=stream_key(1, 2)),  # noqa: B023
+                lambda: decode_moments(state_format, state, m, v),  # noqa: B023
+            ):
+                with AllocationCounter() as counter:
+                    code()
+                peaks.append(counter.peak_bytes)
+            assert max(peaks) == codec_scratch_bytes(state_format, numel), (state_format, numel, peaks)
+
+
+def test_chunks_must_keep_int8_blocks_whole() -> None:
+    with pytest.raises(ValueError, match="multiple of 64"):
+        CompactAdamW(AdamWConfig(state_format="int8"), chunk_numel=1000)
+
+
 def test_other_optimizers_refuse_a_compact_state() -> None:
     from slide_core.plugins import PluginError
 

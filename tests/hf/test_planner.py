@@ -125,6 +125,82 @@ def test_gpu_breakdown_and_phases():
     assert set(plan.gpu_phases) == {"forward", "head", "backward", "embedding_backward"}
 
 
+class _ReportsScratch(TorchAdamW):
+    """An optimizer whose device replica says it needs an odd number of scratch bytes."""
+
+    def device_replica(self) -> _ReportsScratch:
+        return _ReportsScratch(self.config)
+
+    def device_scratch_bytes(self, max_range_numel: int, *, corrects: bool = False) -> int:
+        return 12345 * (2 if corrects else 1) + max_range_numel % 7
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8"])
+def test_resident_units_add_their_optimizers_scratch_to_the_gpu_peak(state_format: str):
+    """Resident units put the update's scratch on the GPU peak: exactly what the run's optimizer's device
+    replica reports for its largest unit, never the planner's own arithmetic."""
+    from slide_core.optim.compact_adamw import CompactAdamW
+
+    shape = ModelShape.of(_toy())
+    config = AdamWConfig(state_format=state_format)
+    optimizer = TorchAdamW(config) if state_format == "fp32" else CompactAdamW(config, fused=False, chunk_numel=64 * 99)
+    inputs = PlanInputs(shape, batch_size=2, seq_len=128, optimizer_state=state_format, optimizer=optimizer)
+    sliding = make_plan(inputs)
+    resident = make_plan(dataclasses.replace(inputs, resident_units=("embedding", "block.1")))
+    scratch = optimizer.device_replica().device_scratch_bytes(shape.embedding_numel)
+    assert scratch > 0 and sliding.gpu_breakdown["resident_scratch"] == 0
+    assert resident.gpu_breakdown["resident_scratch"] == scratch
+    grown = resident.gpu_breakdown["resident_units"] - sliding.gpu_breakdown["embedding_slot"] + scratch
+    assert resident.gpu_peak_bytes - sliding.gpu_peak_bytes == grown
+    # with clipping, the correction's scratch (the optimizer's) and the pipeline's scaled gradient piece
+    clipped = make_plan(dataclasses.replace(inputs, resident_units=("embedding",), clipping=True))
+    corrects = optimizer.device_replica().device_scratch_bytes(shape.embedding_numel, corrects=True)
+    piece = 4 * min(shape.embedding_numel, inputs.transfer_chunk_numel)
+    assert clipped.gpu_breakdown["resident_scratch"] == corrects + piece
+    # one source: whatever the optimizer says is what the plan holds
+    odd = dataclasses.replace(inputs, resident_units=("block.2",), optimizer=_ReportsScratch(AdamWConfig()))
+    assert make_plan(odd).gpu_breakdown["resident_scratch"] == 12345 + shape.block_numels[2] % 7
+
+
+def test_resident_scratch_is_what_the_engine_allocates():
+    """Real engine steps on the CPU device with a resident embedding (bigger than a chunk) and bf16
+    moments: the peak the resident updates allocate (counted op by op) is the plan's
+    ``resident_scratch``, and the unit's device buffers its ``resident_units``, to the byte."""
+    from slide_core.alloc_counter import AllocationCounter
+    from slide_core.optim.compact_adamw import CompactAdamW
+    from slide_hf import PRESETS, build_model, init_random
+
+    hf_config = PRESETS["test-llama-untied"]()
+    model = build_model(hf_config)
+    optimizer = CompactAdamW(AdamWConfig(state_format="bf16", weight_decay=0.1), fused=False, chunk_numel=64 * 10)
+    assert model.embedding.layout.numel > 3 * optimizer.chunk_numel  # updated in several chunks
+    counter = AllocationCounter()
+    replica = optimizer.device_replica()
+    plain_step = replica.step
+
+    def counted_step(*args, **kwargs):
+        with counter:
+            plain_step(*args, **kwargs)
+
+    replica.step = counted_step
+    optimizer.device_replica = lambda: replica
+    config = EngineConfig(compute_dtype=torch.bfloat16, transfer_chunk_numel=4096, resident_units=("embedding",))
+    with CPUDevice() as device:
+        host = HostParameters(model)
+        init_random(model, host, hf_config, seed=0)
+        with Engine(model, device, host, optimizer, config) as engine:
+            for seed in range(2):
+                ids = torch.randint(0, hf_config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(seed))
+                engine.step([(ids, ids.clone())], lr=1e-3)
+            resident_bytes = engine.residents.device_bytes
+    inputs = PlanInputs(model, seq_len=16, resident_units=("embedding",), optimizer_state="bf16", optimizer=optimizer)
+    plan = make_plan(inputs)
+    assert counter.peak_bytes > 0
+    assert counter.peak_bytes == plan.gpu_breakdown["resident_scratch"]
+    # the unit itself, with its moments stored as bf16 (12 bytes/param with bf16 compute, not 16)
+    assert resident_bytes == plan.gpu_breakdown["resident_units"] == 12 * model.embedding.layout.numel
+
+
 def test_peaks_grow_with_batch_and_max_batch_is_tight():
     shape = ModelShape.of(_toy())
     peaks = [make_plan(PlanInputs(shape, batch_size=b, seq_len=512)) for b in (1, 2, 8, 32)]

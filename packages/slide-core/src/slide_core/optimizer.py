@@ -97,6 +97,14 @@ class Optimizer(ABC):
     def reserve(self, max_range_numel: int) -> None:  # noqa: B027 - optional hook
         """Preallocate scratch for ranges up to ``max_range_numel`` so ``step`` never allocates."""
 
+    def device_scratch_bytes(self, max_range_numel: int, *, corrects: bool = False) -> int:
+        """Peak device bytes this optimizer allocates beyond its arguments (scratch it keeps, and the
+        temporaries of its ops) to update device ranges of up to ``max_range_numel`` elements; with
+        ``corrects``, to correct them too (gradient clipping). Asked of the ``device_replica`` that updates
+        device-resident units; the planner adds exactly this to a run's GPU peak, so an optimizer that
+        allocates on the device must say how much. The default: nothing."""
+        return 0
+
     @property
     def corrects(self) -> bool:
         """Whether this optimizer implements :meth:`correct`, which gradient clipping needs."""

@@ -168,7 +168,7 @@ def _train(
     check_nvme_dir(options)  # before the device: a missing --nvme-dir is the user's to fix, not the machine's
     device = _setup_device(options, group)
     optimizer = _setup_optimizer(cfg, options)
-    placement = _setup_placement(model, device, options, group)
+    placement = _setup_placement(model, device, options, group, optimizer)
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
         host = _setup_weights(cfg, model, optimizer, group)
@@ -336,12 +336,12 @@ def _setup_optimizer(cfg: TrainConfig, options: RunOptions) -> Optimizer:
 
 
 def _setup_placement(
-    model: _Model, device: Device, options: RunOptions, group: ProcessGroupContext | None
+    model: _Model, device: Device, options: RunOptions, group: ProcessGroupContext | None, optimizer: Optimizer
 ) -> Placement:
     """Refuse what cannot fit before allocating anything; spend spare GPU memory on resident units. With
     data parallel every rank takes rank 0's choice of resident and offloaded units: a resident unit's
     collectives differ from a sliding one's, so the ranks must place alike."""
-    placement = place_units(model.slide_model, device, options)
+    placement = place_units(model.slide_model, device, options, optimizer=optimizer)
     if group is None:
         return placement
     resident, offloaded = group.broadcast_object((placement.resident, placement.offloaded), "rank 0's placement")

@@ -142,10 +142,18 @@ def check_nvme_dir(options: RunOptions) -> None:
             raise UserError(f"{flag} {name} needs --nvme-dir PATH (a directory on a fast local disk)")
 
 
-def place_units(model: Any, device: Device, options: RunOptions, *, resident_bytes: int | None = None) -> Placement:
+def place_units(
+    model: Any,
+    device: Device,
+    options: RunOptions,
+    *,
+    resident_bytes: int | None = None,
+    optimizer: Optimizer | None = None,
+) -> Placement:
     """Check the run fits (host RAM, GPU budget) before anything is allocated, then choose the units that
     live on the GPU (``resident_bytes`` of them, else whatever the GPU budget leaves spare) and those whose
-    Adam state goes to the ``--offload-optimizer`` tier."""
+    Adam state goes to the ``--offload-optimizer`` tier. ``optimizer``: the run's, whose device replica's
+    scratch the plan prices (None: the shipped one for ``--optimizer-state``)."""
     from slide_core.engine.placement import choose_resident_units
     from slide_hf.planner import (
         PlanInputs,
@@ -171,12 +179,19 @@ def place_units(model: Any, device: Device, options: RunOptions, *, resident_byt
         nvme_fraction=options.nvme_fraction,
         offload_activations=options.offload_activations,
         optimizer_state=options.optimizer_state,
+        optimizer=optimizer,
     )
     check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
     if resident_bytes is None:
         plan = plan_with_placement(inputs)
     else:
-        chosen = choose_resident_units(model, resident_bytes, options.compute_dtype, accumulates=options.grad_accum > 1)
+        chosen = choose_resident_units(
+            model,
+            resident_bytes,
+            options.compute_dtype,
+            accumulates=options.grad_accum > 1,
+            state_arrays=inputs.device_optimizer().state_arrays,
+        )
         plan = make_plan(dataclasses.replace(inputs, resident_units=chosen))
     resident = plan.inputs.resident_units
     offloaded = offloaded_units(model, options.nvme_fraction, resident) if tier_class is not None else ()

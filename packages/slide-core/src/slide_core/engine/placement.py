@@ -8,8 +8,11 @@ one on: the first blocks are updated last, so they too sit closest to the bounda
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from slide_core.optim.state_formats import StateArray
 from slide_core.unit import SlideModel, Unit
 
 from .resident import resident_bytes
@@ -26,16 +29,22 @@ def _window_bytes_saved(unit: Unit, model: SlideModel, compute_dtype: torch.dtyp
 
 
 def choose_resident_units(
-    model: SlideModel, budget_bytes: int, compute_dtype: torch.dtype, *, accumulates: bool
+    model: SlideModel,
+    budget_bytes: int,
+    compute_dtype: torch.dtype,
+    *,
+    accumulates: bool,
+    state_arrays: Sequence[StateArray] | None = None,
 ) -> tuple[str, ...]:
-    """Names of the units to keep on the device within ``budget_bytes`` of spare memory (greedy)."""
+    """Names of the units to keep on the device within ``budget_bytes`` of spare memory (greedy), each
+    priced with the optimizer's ``state_arrays`` (None: fp32 m and v)."""
     order = [model.embedding, model.head, *model.blocks]
     chosen: list[str] = []
     left = budget_bytes
     for unit in order:
         # ``accumulates``: gradient accumulation; otherwise a tied embedding sums its two
         # contributions in its slot (Note [Tied gradient in the slot] in docs/design/engine.md).
-        cost = resident_bytes(unit, compute_dtype, accumulates=accumulates)
+        cost = resident_bytes(unit, compute_dtype, accumulates=accumulates, state_arrays=state_arrays)
         cost -= _window_bytes_saved(unit, model, compute_dtype)
         if cost > left:
             if unit in (model.embedding, model.head):

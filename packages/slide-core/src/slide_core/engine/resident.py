@@ -1,8 +1,9 @@
 """Units whose fp32 master and optimizer state live on the device: their device buffers, and what they cost.
 
 Beyond the paper: when the GPU has memory to spare beyond the sliding window, the engine keeps whole units
-there: a persistent compute-dtype copy, the fp32 master, and Adam's m and v (16 bytes/param, plus 4 for an
-fp32 accumulator when the unit receives several gradient contributions per step). Such a unit never
+there: a persistent compute-dtype copy, the fp32 master, and Adam's m and v (16 bytes/param with fp32
+moments, 12 with bf16 ones, plus 4 for an fp32 accumulator when the unit receives several gradient
+contributions per step). Such a unit never
 crosses PCIe and is updated on the device in a millisecond, which takes its bytes off the host's memory
 bus: the resource that limits speed on fast GPUs. The embedding is the natural first candidate: it is the
 largest unit and the last one updated before the next forward needs it. How they are updated is
@@ -24,22 +25,36 @@ from slide_core.unit import SlideModel, Unit
 
 from .slots import ParamSlot
 
-__all__ = ["ResidentUnit", "ResidentUnits", "resident_bytes", "resident_bytes_per_param"]
+__all__ = ["ResidentUnit", "ResidentUnits", "resident_bytes", "resident_bytes_per_param", "resident_numel_bytes"]
 
 _COPY_NUMEL = 1 << 24
 """Elements of a master copied to the device at a time: bounds the host copy a split master decodes into."""
 
 
 def resident_bytes_per_param(compute_bytes: int, *, accumulates: bool) -> int:
-    """Params + grads in the compute dtype, fp32 master, m and v, and an fp32 accumulator when the unit
-    gets several gradient contributions per step (accumulation, or clipping's rollback)."""
+    """Params + grads in the compute dtype, fp32 master, fp32 m and v, and an fp32 accumulator when the
+    unit gets several gradient contributions per step (accumulation, or clipping's rollback)."""
     return 2 * compute_bytes + 12 + (4 if accumulates else 0)
 
 
-def resident_bytes(unit: Unit, compute_dtype: torch.dtype, *, accumulates: bool) -> int:
-    """Device bytes a unit costs when resident (see :func:`resident_bytes_per_param`)."""
+def resident_numel_bytes(
+    numel: int, compute_bytes: int, *, accumulates: bool, state_arrays: Sequence[StateArray] | None = None
+) -> int:
+    """Device bytes :class:`ResidentUnits` allocates for a unit of ``numel``: params + grads in the compute
+    dtype, the fp32 master, each of the optimizer's ``state_arrays`` as stored (None: fp32 m and v; bf16
+    or int8 moments take 2 or ~1 byte each), and the fp32 accumulator when ``accumulates``."""
+    if state_arrays is None:
+        return numel * resident_bytes_per_param(compute_bytes, accumulates=accumulates)
+    state = sum(array.numel(numel) * array.dtype.itemsize for array in state_arrays)
+    return numel * (2 * compute_bytes + 4 + (4 if accumulates else 0)) + state
+
+
+def resident_bytes(
+    unit: Unit, compute_dtype: torch.dtype, *, accumulates: bool, state_arrays: Sequence[StateArray] | None = None
+) -> int:
+    """Device bytes a unit costs when resident (see :func:`resident_numel_bytes`)."""
     element = torch.empty((), dtype=compute_dtype).element_size()
-    return unit.layout.numel * resident_bytes_per_param(element, accumulates=accumulates)
+    return resident_numel_bytes(unit.layout.numel, element, accumulates=accumulates, state_arrays=state_arrays)
 
 
 @dataclass

@@ -66,6 +66,12 @@ class ResidentPipeline:
         self._host_current = False
         self._scaled = ScaledGrads()
 
+    @staticmethod
+    def scratch_bytes(max_unit_numel: int, chunk_numel: int, *, clipping: bool) -> int:
+        """Device bytes this pipeline itself allocates beyond the units' buffers (``ResidentUnits``) and
+        the optimizer's scratch: with clipping, the fp32 ``coeff * grad`` of one piece (``ScaledGrads``)."""
+        return 4 * min(max_unit_numel, chunk_numel) if clipping else 0
+
     # -- compute needs the unit --------------------------------------------------------------------------
     def slot(self, unit: Unit) -> ParamSlot | None:
         return self.units.slot(unit.name)

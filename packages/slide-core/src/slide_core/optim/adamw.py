@@ -11,6 +11,12 @@ A split master range (:class:`~slide_core.split_master.SplitMaster`) is decoded 
 stepped by the same ops and encoded back: the decode is exact, so the result is bit for bit the one the
 fp32 master gets, at about 12 more bytes per parameter of memory traffic than ``FusedAdamW``'s in-register
 decode.
+
+A range longer than :data:`CHUNK_NUMEL` is updated a chunk at a time, and the single-tensor path divides
+into a kept ``denom`` scratch instead of ``sqrt()``'s and ``/``'s temporaries: every op is elementwise, so
+the result is bit for bit the unchunked one, and a device-resident unit of hundreds of millions of
+parameters (an embedding) needs a few chunks of scratch on the GPU, not fp32 copies of itself
+(:meth:`TorchAdamW.device_scratch_bytes` says how many bytes, and the planner prices exactly that).
 """
 
 from __future__ import annotations
@@ -20,11 +26,16 @@ from collections.abc import Mapping
 
 import torch
 
-from slide_core.optim.adamw_correction import AdamWCorrection
+from slide_core.optim.adamw_correction import DEFAULT_PIECE_NUMEL, AdamWCorrection
 from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer
 from slide_core.split_master import SplitMaster
 
-__all__ = ["TorchAdamW"]
+__all__ = ["CHUNK_NUMEL", "TorchAdamW"]
+
+CHUNK_NUMEL = 1 << 22
+"""Elements updated per pass of a long range (16 MiB of fp32): bounds the fp32 scratch and the temporaries
+of a device range to a few chunks, while a resident embedding still takes only ~100 passes. A multiple of
+``state_formats.QUANT_BLOCK`` (64), so a chunk of a block-aligned range keeps its int8 blocks whole."""
 
 
 def _fused_adamw_available() -> bool:
@@ -37,17 +48,32 @@ class TorchAdamW(Optimizer):
     state_names = ("exp_avg", "exp_avg_sq")
     split_master = True
 
-    def __init__(self, config: AdamWConfig, *, fused: bool | None = None) -> None:
+    def __init__(self, config: AdamWConfig, *, fused: bool | None = None, chunk_numel: int = CHUNK_NUMEL) -> None:
         super().__init__(config)
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         self.fused = _fused_adamw_available() if fused is None else fused
+        self.chunk_numel = chunk_numel
         # Per device: the same instance may update host ranges and device-resident units.
         self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._denom: dict[torch.device, torch.Tensor] = {}
         self._master_scratch: dict[torch.device, torch.Tensor] = {}
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
-        self._correction = AdamWCorrection(config)
+        self._correction = AdamWCorrection(config, min(chunk_numel, DEFAULT_PIECE_NUMEL))
 
     def device_replica(self) -> TorchAdamW:
-        return TorchAdamW(self.config)
+        return TorchAdamW(self.config, chunk_numel=self.chunk_numel)
+
+    def device_scratch_bytes(self, max_range_numel: int, *, corrects: bool = False) -> int:
+        """What a device range's step holds: the fp32 gradient of one chunk (device gradients are in the
+        compute dtype), ``torch._fused_adamw_``'s 0-dim step count or the unfused path's ``denom``, and, with
+        ``corrects``, the correction's two fp32 pieces (``AdamWCorrection``). No temporaries: every op
+        writes in place. The master of a device range is fp32 (``ResidentUnits``), so no decode scratch."""
+        chunk = min(max_range_numel, self.chunk_numel)
+        held = 4 * chunk + (4 if self.fused else 4 * chunk)
+        if corrects:
+            held += self._correction.scratch_bytes(chunk)
+        return held if max_range_numel > 0 else 0
 
     def reserve(self, max_range_numel: int, device: torch.device | str = "cpu") -> None:
         device = torch.device(device)
@@ -68,14 +94,16 @@ class TorchAdamW(Optimizer):
             scratch.mul_(grad_scale)  # as optimizer.scale_into: fp32 * float32(grad_scale), one rounding
         return scratch
 
+    def _held(self, buffers: dict[torch.device, torch.Tensor], numel: int, device: torch.device) -> torch.Tensor:
+        """``numel`` fp32 elements of a scratch kept per device (grown to the largest chunk seen)."""
+        held = buffers.get(device)
+        if held is None or held.numel() < numel:
+            held = buffers[device] = torch.empty(numel, dtype=torch.float32, device=device)
+        return held[:numel]
+
     def _decoded(self, master: SplitMaster) -> torch.Tensor:
-        """A split range's fp32 values, in a scratch kept per device (grown to the largest range seen)."""
-        held = self._master_scratch.get(master.device)
-        if held is None or held.numel() < master.numel():
-            held = self._master_scratch[master.device] = torch.empty(
-                master.numel(), dtype=torch.float32, device=master.device
-            )
-        return master.decode(held[: master.numel()])
+        """A split range's fp32 values, in a scratch kept per device (grown to the largest chunk seen)."""
+        return master.decode(self._held(self._master_scratch, master.numel(), master.device))
 
     def step(
         self,
@@ -88,9 +116,31 @@ class TorchAdamW(Optimizer):
         decay: bool,
         grad_scale: float = 1.0,
     ) -> None:
+        numel = master.numel()
+        if numel <= self.chunk_numel:
+            self._step_chunk(master, grad, state, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
+            return
+        for lo in range(0, numel, self.chunk_numel):
+            hi = min(numel, lo + self.chunk_numel)
+            chunk_state = {name: tensor[lo:hi] for name, tensor in state.items()}
+            self._step_chunk(
+                master[lo:hi], grad[lo:hi], chunk_state, lr=lr, step=step, decay=decay, grad_scale=grad_scale
+            )
+
+    def _step_chunk(
+        self,
+        master: torch.Tensor | SplitMaster,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        lr: float,
+        step: int,
+        decay: bool,
+        grad_scale: float,
+    ) -> None:
         if isinstance(master, SplitMaster):
             values = self._decoded(master)
-            self.step(values, grad, state, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
+            self._step_chunk(values, grad, state, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
             master.encode_(values)
             return
         cfg = self.config
@@ -124,7 +174,9 @@ class TorchAdamW(Optimizer):
         exp_avg_sq.mul_(cfg.beta2).addcmul_(grad32, grad32, value=1.0 - cfg.beta2)
         bias_correction1 = 1.0 - cfg.beta1**step
         bias_correction2_sqrt = math.sqrt(1.0 - cfg.beta2**step)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
+        # torch.optim.AdamW's (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps), op for op, in place
+        denom = torch.sqrt(exp_avg_sq, out=self._held(self._denom, master.numel(), master.device))
+        denom.div_(bias_correction2_sqrt).add_(cfg.eps)
         master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
     def correct(

@@ -46,6 +46,11 @@ class AdamWCorrection:
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._master_scratch: dict[torch.device, torch.Tensor] = {}
 
+    def scratch_bytes(self, max_range_numel: int) -> int:
+        """Bytes of the fp32 scratch a torch-ops correction of ranges up to ``max_range_numel`` holds on a
+        device (the scaled gradient and ``denom`` of one piece; device masters are fp32, so no decode)."""
+        return 2 * 4 * min(max_range_numel, self.max_range_numel)
+
     def _buffers(self, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         held = self._scratch.get(device)
         if held is None or held.numel() < 2 * numel:

@@ -9,9 +9,14 @@ Two paths give the same codes from the same fp32 moments:
   over each 64-element block, both in cache: update (the fp32 moments go to a small scratch, the block
   maxima are formed), then encode against the new maxima. Bytes per parameter and step: bf16 grad 2 +
   master 8 + moments 2 x 4 (bf16) = 18, or 2 x 2 + 2 x 8/64 (int8) = ~14.25.
-- **torch** (any device, and the host without numba): decode the range into an fp32 scratch, run
-  ``TorchAdamW``'s single-tensor ops on it, encode with the torch twins of the same hash and rounding. It
-  is what device-resident units use (``device_replica``) and the reference the kernels are tested against.
+- **torch** (any device, and the host without numba): a chunk of at most ``chunk_numel`` elements at a
+  time (``adamw.CHUNK_NUMEL``, a multiple of the int8 block), decode it into an fp32 scratch, run
+  ``TorchAdamW``'s single-tensor ops on it, encode it in place with the torch twins of the same hash and
+  rounding, each element hashed at its own index (the range's first plus its position), so the codes are
+  bit for bit the unchunked ones and the fused kernels'. It is what device-resident units use
+  (``device_replica``): a resident embedding of 394M parameters is updated with a few chunks of scratch
+  (``device_scratch_bytes``, which the planner adds to the GPU peak) instead of fp32 copies of itself.
+  It is also the reference the kernels are tested against.
 
 The hash's element index is the master range's offset in its storage (``master.storage_offset()``, or a
 split master's ``offset``): for the engine's host units that is the element's position in the master slab,
@@ -35,15 +40,17 @@ import numpy as np
 import torch
 
 from slide_core.optim import fused_adamw, state_formats
-from slide_core.optim.adamw import TorchAdamW
-from slide_core.optim.adamw_correction import AdamWCorrection
+from slide_core.optim.adamw import CHUNK_NUMEL, TorchAdamW
+from slide_core.optim.adamw_correction import DEFAULT_PIECE_NUMEL, AdamWCorrection
 from slide_core.optim.state_formats import (
     CORRECTION_SALT,
     QUANT_BLOCK,
     STEP_SALT,
     StateArray,
+    codec_scratch_bytes,
     decode_moments,
     encode_moments,
+    slice_state,
     state_arrays,
     stream_key,
 )
@@ -366,31 +373,42 @@ class CompactAdamW(Optimizer):
     ``config.state_format`` (``bf16`` or ``int8``), rounded stochastically with seed ``config.state_seed``.
 
     ``fused``: True runs host ranges through the numba kernels (an error without numba), False through
-    the torch ops, None (default) picks numba when it imports. Device ranges always take the torch ops.
-    ``threads`` caps numba's threads, as for ``FusedAdamW``. The master may be an fp32 range or a split
-    one (``SplitMaster``); both number their elements by slab position, so the hash, and the stored
-    moments, are the same for either.
+    the torch ops, None (default) picks numba when it imports. Device ranges always take the torch ops, in
+    chunks of ``chunk_numel`` (a multiple of the int8 block). ``threads`` caps numba's threads, as for
+    ``FusedAdamW``. The master may be an fp32 range or a split one (``SplitMaster``); both number their
+    elements by slab position, so the hash, and the stored moments, are the same for either.
     """
 
     split_master = True
 
-    def __init__(self, config: AdamWConfig, *, threads: int | None = None, fused: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: AdamWConfig,
+        *,
+        threads: int | None = None,
+        fused: bool | None = None,
+        chunk_numel: int = CHUNK_NUMEL,
+    ) -> None:
         super().__init__(config)
         if config.state_format not in ("bf16", "int8"):
             raise ValueError(f"CompactAdamW stores bf16 or int8 moments, not {config.state_format!r}")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        if chunk_numel < QUANT_BLOCK or chunk_numel % QUANT_BLOCK:
+            raise ValueError(f"chunk_numel must be a positive multiple of {QUANT_BLOCK}, got {chunk_numel}")
         if fused and not fused_adamw.FusedAdamW.available():
             raise RuntimeError("the fused compact AdamW needs numba (pip install numba)")
         self.fused = fused_adamw.FusedAdamW.available() if fused is None else fused
         self.threads = threads
+        self.chunk_numel = chunk_numel
         self.format = config.state_format
         self.arrays: tuple[StateArray, ...] = state_arrays(config.state_format)
         self.state_names = tuple(a.name for a in self.arrays)
-        self._fp32 = TorchAdamW(config, fused=False)
+        self._fp32 = TorchAdamW(config, fused=False, chunk_numel=chunk_numel)
         self._threads = fused_adamw.FusedAdamW(dataclasses.replace(config, state_format="fp32"), threads=threads)
-        self._correction = AdamWCorrection(config)
-        self._moments: dict[torch.device, torch.Tensor] = {}
+        self._correction = AdamWCorrection(config, min(chunk_numel, DEFAULT_PIECE_NUMEL))
+        self._moments: dict[torch.device, torch.Tensor] = {}  # one chunk's fp32 m and v, per device
+        self._grads: dict[torch.device, torch.Tensor] = {}  # one chunk's fp32 applied gradient (corrections)
         self._flags = np.empty(0, dtype=np.uint8)  # a split master's unpacked tie bits, one byte per element
         self._reserved = 0
 
@@ -400,22 +418,40 @@ class CompactAdamW(Optimizer):
 
     def device_replica(self) -> CompactAdamW:
         """Device ranges run the torch ops (numba runs on the host only)."""
-        return CompactAdamW(self.config, fused=False)
+        return CompactAdamW(self.config, fused=False, chunk_numel=self.chunk_numel)
+
+    def device_scratch_bytes(self, max_range_numel: int, *, corrects: bool = False) -> int:
+        """The torch path's peak on a device, one chunk's worth: fp32 m and v, ``TorchAdamW``'s gradient and
+        ``denom``, and the largest of the codec's temporaries (``codec_scratch_bytes``); with ``corrects``
+        also the correction's applied gradient and ``AdamWCorrection``'s two pieces (the codec's
+        temporaries again, at a time the step's are gone)."""
+        if max_range_numel <= 0:
+            return 0
+        chunk = min(max_range_numel, self.chunk_numel)
+        held = 2 * 4 * chunk + self._fp32.device_scratch_bytes(chunk)
+        if corrects:
+            held += 4 * chunk + self._correction.scratch_bytes(chunk)
+        return held + codec_scratch_bytes(self.format, chunk)
 
     def reserve(self, max_range_numel: int, device: torch.device | str = "cpu") -> None:
-        """Remember the largest range: the fp32 moment scratch of the torch path (and of corrections) is
-        allocated at that size when first needed, never by the fused path."""
+        """Remember the largest range: the torch path's fp32 moment scratch (and a correction's) is
+        allocated for one chunk of it when first needed, never by the fused path."""
         self._reserved = max(self._reserved, max_range_numel)
         if not self.fused or torch.device(device).type != "cpu":  # the fused kernels need no fp32 scratch
-            self._fp32.reserve(max_range_numel, device)
+            self._fp32.reserve(min(max_range_numel, self.chunk_numel), device)
 
-    def _scratch(self, numel: int, device: torch.device, count: int = 2) -> tuple[torch.Tensor, ...]:
-        """``count`` fp32 buffers of ``numel`` (the moments, and a correction's gradient), kept per device."""
-        held = self._moments.get(device)
+    def _chunks(self, numel: int) -> range:
+        return range(0, numel, self.chunk_numel)
+
+    def _held(
+        self, buffers: dict[torch.device, torch.Tensor], count: int, numel: int, device: torch.device
+    ) -> tuple[torch.Tensor, ...]:
+        """``count`` fp32 buffers of ``numel`` (at most a chunk) from a scratch kept per device, allocated at
+        the largest chunk this instance will see (its reserved range's, or this one)."""
+        held = buffers.get(device)
         if held is None or held.numel() < count * numel:
-            held = self._moments[device] = torch.empty(
-                count * max(numel, self._reserved), dtype=torch.float32, device=device
-            )
+            size = max(numel, min(self._reserved, self.chunk_numel))
+            held = buffers[device] = torch.empty(count * size, dtype=torch.float32, device=device)
         return tuple(held[i * numel : (i + 1) * numel] for i in range(count))
 
     def warmup(self) -> None:
@@ -467,12 +503,15 @@ class CompactAdamW(Optimizer):
         if self.fused and master.device.type == "cpu":
             self._fused_step(master, grad, state, key, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
             return
-        m, v = self._scratch(n, master.device)
-        decode_moments(self.format, state, m, v)
-        self._fp32.step(
-            master, grad, {"exp_avg": m, "exp_avg_sq": v}, lr=lr, step=step, decay=decay, grad_scale=grad_scale
-        )
-        encode_moments(self.format, m, v, state, index0=_index0(master), key=key)
+        index0 = _index0(master)
+        for lo in self._chunks(n):
+            hi = min(n, lo + self.chunk_numel)
+            m, v = self._held(self._moments, 2, hi - lo, master.device)
+            codes = slice_state(self.arrays, state, lo, hi)
+            decode_moments(self.format, codes, m, v)
+            moments = {"exp_avg": m, "exp_avg_sq": v}
+            self._fp32.step(master[lo:hi], grad[lo:hi], moments, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
+            encode_moments(self.format, m, v, codes, index0=index0 + lo, key=key)
 
     def _fused_step(
         self,
@@ -546,14 +585,21 @@ class CompactAdamW(Optimizer):
         if correction.kind == "keep":
             return
         n = self._check(master, grad, state)
-        m, v, g = self._scratch(n, master.device, count=3)
-        if step == 1:
-            scale_into(g, grad, applied)
-            m.zero_().lerp_(g, 1.0 - self.config.beta1)
-            v.zero_().mul_(self.config.beta2).addcmul_(g, g, value=1.0 - self.config.beta2)
-        else:
-            decode_moments(self.format, state, m, v)
-        moments = {"exp_avg": m, "exp_avg_sq": v}
-        self._correction.apply(correction, master, grad, applied, moments, lr=lr, step=step, decay=decay)
+        index0 = _index0(master)
         key = stream_key(self.config.state_seed, step, CORRECTION_SALT)
-        encode_moments(self.format, m, v, state, index0=_index0(master), key=key)
+        for lo in self._chunks(n):
+            hi = min(n, lo + self.chunk_numel)
+            m, v = self._held(self._moments, 2, hi - lo, master.device)
+            codes = slice_state(self.arrays, state, lo, hi)
+            if step == 1:
+                (g,) = self._held(self._grads, 1, hi - lo, master.device)
+                scale_into(g, grad[lo:hi], applied)
+                m.zero_().lerp_(g, 1.0 - self.config.beta1)
+                v.zero_().mul_(self.config.beta2).addcmul_(g, g, value=1.0 - self.config.beta2)
+            else:
+                decode_moments(self.format, codes, m, v)
+            moments = {"exp_avg": m, "exp_avg_sq": v}
+            self._correction.apply(
+                correction, master[lo:hi], grad[lo:hi], applied, moments, lr=lr, step=step, decay=decay
+            )
+            encode_moments(self.format, m, v, codes, index0=index0 + lo, key=key)

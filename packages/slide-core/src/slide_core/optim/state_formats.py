@@ -58,6 +58,7 @@ __all__ = [
     "StateFormat",
     "StateFormatMismatch",
     "checkpoint_state_format",
+    "codec_scratch_bytes",
     "decode_moments",
     "element_bits",
     "encode_moments",
@@ -283,6 +284,23 @@ def encode_moments(
     state["exp_avg_sq"].copy_(_encode_int8_t(v, v_scale, rand_v, 4, keep_positive=True))
     state["exp_avg_scale"].copy_(m_scale)
     state["exp_avg_sq_scale"].copy_(v_scale)
+
+
+_CODEC_BYTES_PER_ELEMENT = {"fp32": 0, "bf16": 76, "int8": 85}
+_CODEC_BYTES_PER_BLOCK = {"fp32": 0, "bf16": 0, "int8": 12}
+
+
+def codec_scratch_bytes(state_format: str, numel: int) -> int:
+    """Peak bytes of the temporaries the torch twins allocate to encode (or decode: less) one range of
+    ``numel``: the hash's int64 lanes, the rounding's bit patterns, int8's per-block scales. The twins
+    are written as plain tensor expressions, so this grows with the range: callers bound it by passing
+    chunks (``CompactAdamW``'s torch path). Counted op by op with ``slide_core.alloc_counter`` (tests/core/
+    test_compact_state.py holds these numbers to the count): bf16 76 B per element (encode; decode is a
+    copy), int8 85 B per element and 12 per block (encode; decode 46 B per element)."""
+    if state_format not in _CODEC_BYTES_PER_ELEMENT:
+        raise ValueError(f"optimizer state format must be one of {', '.join(STATE_FORMATS)}, got {state_format!r}")
+    blocks = -(-numel // QUANT_BLOCK)
+    return _CODEC_BYTES_PER_ELEMENT[state_format] * numel + _CODEC_BYTES_PER_BLOCK[state_format] * blocks
 
 
 def _check_blocks(numel: int) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from slide_core.engine.config import EngineConfig
+from slide_core.optimizer import AdamWConfig, Optimizer
 from slide_core.unit import SlideModel
 from slide_hf.errors import UserError
 from slide_hf.planner.activations import BlockActivations
@@ -217,6 +218,10 @@ class PlanInputs:
     optimizer_state: str = "fp32"
     """``--optimizer-state``: how the host keeps Adam's m and v (fp32, bf16 or int8), which sets their host
     and NVMe bytes and the bytes the host optimizer moves per step."""
+    optimizer: Optimizer | None = field(default=None, compare=False, repr=False)
+    """The run's optimizer: its ``device_replica`` updates the resident units, and the scratch that replica
+    reports (``Optimizer.device_scratch_bytes``) is on the GPU peak. None: the shipped optimizer for
+    ``optimizer_state`` (:meth:`device_optimizer`)."""
 
     def __post_init__(self) -> None:
         for name, flag in (
@@ -254,3 +259,17 @@ class PlanInputs:
     @property
     def shape(self) -> ModelShape:
         return self.model if isinstance(self.model, ModelShape) else ModelShape.of(self.model)
+
+    def device_optimizer(self) -> Optimizer:
+        """The optimizer that updates device-resident units: the run's ``device_replica``, or, without
+        one, that of the shipped optimizer for ``optimizer_state`` (every shipped AdamW's replica runs
+        the same torch ops on the device). Built without compiling anything."""
+        if self.optimizer is not None:
+            return self.optimizer.device_replica()
+        from slide_core.optim import TorchAdamW
+        from slide_core.optim.compact_adamw import CompactAdamW
+
+        config = AdamWConfig(state_format=self.optimizer_state)
+        if self.optimizer_state == "fp32":
+            return TorchAdamW(config).device_replica()
+        return CompactAdamW(config, fused=False).device_replica()

@@ -9,7 +9,8 @@ the NVMe staging sets and everything on the GPU
 beyond the preallocated slots are estimates from the model's shapes.
 
 The GPU peak is the persistent part (parameter/gradient slots, the two activation buffers, the CUDA
-context) plus the largest transient of the four phases of a micro-batch: the no-grad forward of one
+context, device-resident units and the scratch their updates hold, the latter as the optimizer and the
+resident pipeline report it rather than derived here) plus the largest transient of the four phases of a micro-batch: the no-grad forward of one
 block, the head (slide-kernels' chunked linear + cross-entropy, or HF's full logits without it), the
 recomputed backward of one block, and the embedding backward. Only one runs at a time, so they do not add.
 The backward is priced from what the costliest block's forward saves for autograd, measured on the meta
@@ -24,7 +25,8 @@ import math
 
 import torch
 
-from slide_core.engine.resident import resident_bytes_per_param
+from slide_core.engine.resident import resident_numel_bytes
+from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import _ENGINE_DEFAULTS, ModelShape, PlanInputs
 
@@ -180,6 +182,7 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         "embedding_slot": 0 if "embedding" in resident else 2 * shape.embedding_numel * d,
         "head_slot": 0 if "head" in resident else 2 * shape.head_numel * d,
         "resident_units": _resident_bytes(shape, inputs),
+        "resident_scratch": _resident_scratch_bytes(shape, inputs),
         "activation_buffers": 2 * tokens * w * d,
         "model_extras": shape.extra_device_bytes + side_inputs,
         "cuda_context": CUDA_CONTEXT_BYTES,
@@ -228,10 +231,39 @@ def _resident_numel(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    """Device-resident units, priced by the engine's own rule (slide_core/engine/resident.py)."""
+    """Device-resident units, priced by the engine's own rule (slide_core/engine/resident.py) with the
+    state arrays the run's optimizer stores (bf16 or int8 moments take less than fp32 ones)."""
     accumulates = inputs.grad_accum > 1  # clipping sums a tied embedding in its slot too (resident.py)
-    per_param = resident_bytes_per_param(inputs.compute_dtype_bytes, accumulates=accumulates)
-    return _resident_numel(shape, inputs) * per_param
+    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
+    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    arrays = inputs.device_optimizer().state_arrays
+    return sum(
+        resident_numel_bytes(numel[name], inputs.compute_dtype_bytes, accumulates=accumulates, state_arrays=arrays)
+        for name in inputs.resident_units
+        if name in numel
+    )
+
+
+def _resident_max_numel(shape: ModelShape, inputs: PlanInputs) -> int:
+    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
+    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    return max((numel.get(name, 0) for name in inputs.resident_units), default=0)
+
+
+def resident_scratch_bytes(inputs: PlanInputs, max_unit_numel: int) -> int:
+    """The GPU scratch of updating resident units of up to ``max_unit_numel`` elements, as its owners
+    report it: the optimizer's device replica (``Optimizer.device_scratch_bytes``; the engine hands it
+    ranges of at most a unit) and the resident pipeline's own (``ResidentPipeline.scratch_bytes``). Held
+    from the first update on, so it is priced as persistent."""
+    if max_unit_numel <= 0:
+        return 0
+    optimizer = inputs.device_optimizer().device_scratch_bytes(max_unit_numel, corrects=inputs.clipping)
+    pipeline = ResidentPipeline.scratch_bytes(max_unit_numel, inputs.transfer_chunk_numel, clipping=inputs.clipping)
+    return optimizer + pipeline
+
+
+def _resident_scratch_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+    return resident_scratch_bytes(inputs, _resident_max_numel(shape, inputs))
 
 
 def _gpu_peak(shape: ModelShape, inputs: PlanInputs) -> int:

@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slide_hf.planner.inputs import ModelShape, PlanInputs
-from slide_hf.planner.memory import ENGINE_HOST_BUFFERS, _disk_bytes, _gpu_bytes, _gpu_peak, _host_bytes, _host_peak
+from slide_hf.planner.memory import (
+    ENGINE_HOST_BUFFERS,
+    _disk_bytes,
+    _gpu_bytes,
+    _gpu_peak,
+    _host_bytes,
+    _host_peak,
+    resident_scratch_bytes,
+)
 from slide_hf.planner.timing import _times
 
 __all__ = ["GPU_MARGIN_BYTES", "Plan", "largest_batch", "make_plan", "plan_with_placement"]
@@ -216,8 +224,11 @@ def plan_with_placement(inputs: PlanInputs) -> Plan:
     if inputs.gpu_memory_bytes is None or isinstance(inputs.model, ModelShape):
         return base
     margin = GPU_MARGIN_BYTES + int(GPU_MARGIN_FRACTION * inputs.gpu_memory_bytes)
-    spare = max(0, inputs.gpu_memory_bytes - base.gpu_peak_bytes - margin)
+    # Resident units bring their update's scratch (at most that of the largest unit's ranges) along.
+    scratch = resident_scratch_bytes(inputs, max(base.shape.unit_numels, default=0))
+    spare = max(0, inputs.gpu_memory_bytes - base.gpu_peak_bytes - margin - scratch)
     dtype = torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16
     accumulates = inputs.grad_accum > 1  # clipping sums a tied embedding in its slot too (resident.py)
-    resident = choose_resident_units(inputs.model, spare, dtype, accumulates=accumulates)
+    arrays = inputs.device_optimizer().state_arrays
+    resident = choose_resident_units(inputs.model, spare, dtype, accumulates=accumulates, state_arrays=arrays)
     return make_plan(dataclasses.replace(inputs, resident_units=resident)) if resident else base
