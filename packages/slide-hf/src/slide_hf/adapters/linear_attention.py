@@ -330,7 +330,11 @@ class LinearAttention:
         return cls(kernels[_CHUNK], kernels, requested_linear_attention() if request is None else request)
 
     def path_for(self, device: torch.device, dtype: torch.dtype) -> LinearAttentionPath:
-        """The path ``device`` runs at ``dtype``: decided on first use (logged once, but for the meta device)."""
+        """The path ``device`` runs at ``dtype``: decided on first use (logged once, but for the meta device).
+        The run's setup asks first (so the line comes with the run's other setup lines and the GPU check
+        runs before the engine does); the layers ask again for the device their inputs are on."""
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one decision
+            device = torch.device("cuda", torch.cuda.current_device())
         key = (device.type, device.index, dtype)
         found = self._paths.get(key)
         if found is None:
