@@ -254,3 +254,16 @@ def test_slide_train_runs_the_torch_path_on_the_cpu(monkeypatch, capsys, caplog,
     ]
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_a_broken_fla_and_tilelang_beside_fla() -> None:
+    broken = la.FlaFacts(None, problem="ImportError: libcudart.so.12: cannot open shared object file")
+    assert la.fla_refusal(broken) == (
+        "flash-linear-attention does not import: ImportError: libcudart.so.12: cannot open shared object file"
+    )
+    hopper = la.FlaFacts("0.6.0", triton="3.6.0", capability=(9, 0))
+    assert "refuses its backward on Hopper" in la.fla_refusal(hopper)
+    # fla routes the affected kernel through tilelang when it is installed: the check on the GPU decides
+    assert la.fla_refusal(la.FlaFacts("0.6.0", triton="3.6.0", capability=(9, 0), tilelang=True)) is None
+    assert la.fla_refusal(la.FlaFacts("0.6.0", triton="3.3.1", capability=(9, 0))) is None  # before the bug
+    assert la.fla_refusal(la.FlaFacts("0.6.0", triton="3.6.0", capability=None)) is None  # ROCm

@@ -156,7 +156,7 @@ class FlaFacts:
 
 
 def _import_fla() -> types.ModuleType:
-    """fla's package (its kernels are imported by :func:`_fla_chunk`); a seam tests replace."""
+    """fla's package (its kernel is imported by :func:`_load_fla_chunk`); a seam tests replace."""
     return importlib.import_module("fla")
 
 
@@ -192,11 +192,12 @@ def fla_refusal(facts: FlaFacts) -> str | None:
         if facts.problem is None:
             return "flash-linear-attention is not installed"
         return f"flash-linear-attention does not import: {facts.problem}"
-    if Version(facts.version) < Version(FLA_MIN_VERSION):
+    if _parsed(facts.version) < Version(FLA_MIN_VERSION):
         return f"flash-linear-attention {facts.version} is older than {FLA_MIN_VERSION}"
     first, fixed = HOPPER_BAD_TRITON
     hopper = facts.capability is not None and facts.capability[0] == 9
-    if hopper and facts.triton and Version(first) <= Version(facts.triton) < Version(fixed) and not facts.tilelang:
+    triton = _parsed(facts.triton) if facts.triton else None
+    if hopper and triton is not None and Version(first) <= triton < Version(fixed) and not facts.tilelang:
         return (
             f"flash-linear-attention {facts.version} refuses its backward on Hopper with Triton {facts.triton} "
             f"< {fixed}"
@@ -391,6 +392,16 @@ def _torch_kernels(cls: type) -> dict[str, Callable[..., Any]]:
 
 def _is_cuda_fault(error: BaseException) -> bool:
     return type(error).__name__ == "AcceleratorError" or "CUDA error" in str(error)
+
+
+def _parsed(version: str) -> Any:
+    """``packaging``'s Version of ``version``, or version 0 for a string it cannot read (a local build)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version)
+    except InvalidVersion:
+        return Version("0")
 
 
 def _version_of(distribution: str) -> str | None:
