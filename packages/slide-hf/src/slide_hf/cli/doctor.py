@@ -199,7 +199,10 @@ def _linear_attention(model: Any) -> dict[str, Any]:
 
         owner = LinearAttention.for_class(Qwen3NextGatedDeltaNet)
     device_types = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
-    return {t: owner.path_for(torch.device(t), torch.bfloat16).describe() for t in device_types}
+    devices = {
+        t: torch.device(t, 0) if t == "cuda" else torch.device(t) for t in device_types
+    }  # the GPU "device" reports
+    return {t: owner.path_for(device, torch.bfloat16).describe() for t, device in devices.items()}
 
 
 def _attention(model: Any) -> dict[str, Any]:
