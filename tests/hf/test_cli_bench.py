@@ -116,3 +116,15 @@ def test_bench_runs_the_first_layers_of_a_model(slide) -> None:
     result = json.loads(out)
     assert result["layers"] == {"run": 1, "of": 2}
     assert [unit for unit in result["slide"]["units"] if unit.startswith("block")] == ["block.0"]
+
+
+def test_bench_reports_the_linear_attention_path(slide) -> None:
+    status, out, err = slide("bench", *TINY[2:], "--model", "test-qwen3.5")
+    assert status == 0, err
+    result = json.loads(out)
+    engine = result.get("slide", result)
+    assert engine["linear_attention"] == (
+        "torch path (flash-linear-attention's kernels run on CUDA only, not on the cpu device)"
+    )
+    status, out, _ = slide("bench", *TINY)
+    assert json.loads(out).get("slide", json.loads(out))["linear_attention"] is None  # no delta-net layers

@@ -98,3 +98,27 @@ def test_a_failing_probe_becomes_an_error_entry(slide, monkeypatch):
     status, out, _ = slide("doctor")
     assert status == 0
     assert "error: RuntimeError: driver went away" in out
+
+
+def test_doctor_says_which_path_linear_attention_runs(slide, monkeypatch):
+    """Per device type, flash-linear-attention or transformers' torch path, and why: for any model with
+    delta-net layers, and with --model for that model's own choice."""
+    import torch
+
+    from slide_hf.adapters import linear_attention
+
+    def absent():
+        raise ModuleNotFoundError("No module named 'fla'", name="fla")
+
+    monkeypatch.setattr(linear_attention, "_import_fla", absent)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine without fla
+    cpu = "torch path (flash-linear-attention's kernels run on CUDA only, not on the cpu device)"
+    for argv in (("doctor", "--json"), ("doctor", "--model", "test-qwen3.5", "--json")):
+        status, out, err = slide(*argv)
+        assert status == 0, err
+        paths = json.loads(out)["kernels"]["linear_attention"]
+        assert paths == {"cuda": "torch path (flash-linear-attention is not installed)", "cpu": cpu}, argv
+    monkeypatch.setenv(linear_attention.ENV_VAR, "torch")
+    status, out, _ = slide("doctor")
+    assert status == 0
+    assert "    cuda: torch path (SLIDE_LINEAR_ATTENTION=torch)" in out.splitlines()

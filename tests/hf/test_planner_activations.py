@@ -3,6 +3,8 @@ of the same blocks, and the plan it gives the families whose runs the Llama form
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from slide_hf import build_model
 from slide_hf.cli.main import main
 from slide_hf.planner import GiB, ModelShape, PlanInputs, make_plan
 from slide_hf.planner.activations import BlockActivations, _storages
-from slide_hf.planner.memory import _BLOCK_WORKSPACE_FACTOR, _saved_elems_per_token
+from slide_hf.planner.memory import _BLOCK_WORKSPACE_FACTOR, _block_saved_bytes, _saved_elems_per_token
 from slide_hf.presets import PRESETS
 from slide_hf.truncate import truncate_layers
 
@@ -124,6 +126,39 @@ def test_hybrid_linear_attention_is_priced_from_the_measurement():
     assert linear > 2.5 * 1024 * _saved_elems_per_token(shape) * 2 and linear > measured["block.3"]
     plan = make_plan(PlanInputs(shape, batch_size=16, seq_len=1024))
     assert plan.gpu_phases["backward"] >= _BLOCK_WORKSPACE_FACTOR * 16 * linear
+
+
+def _as_if_picked_at_import(monkeypatch, module: str) -> None:
+    """Make transformers' module-level delta-rule and convolution names what its decorator makes of them
+    when flash-linear-attention imports: wrappers around other kernels (here failing ones) that keep the
+    torch function as ``__wrapped__``."""
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+
+    def other_kernel(original):
+        @functools.wraps(original)
+        def kernel(*args, **kwargs):
+            raise AssertionError(f"transformers' import-time pick for {original.__name__} ran")
+
+        return kernel
+
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        monkeypatch.setattr(modeling, name, other_kernel(getattr(modeling, name)))
+
+
+@pytest.mark.parametrize(("preset", "module"), [("test-qwen3.5", "qwen3_5"), ("test-qwen3-next", "qwen3_next")])
+@pytest.mark.parametrize("seq_len", [SEQ, 100])
+def test_linear_attention_blocks_are_priced_at_least_at_what_the_torch_path_saves(monkeypatch, preset, module, seq_len):
+    """The plan prices a delta-net block at no less than what the path that runs on the CPU -- transformers'
+    torch path, bound by the model whatever transformers picked at import -- saves for backward, counted
+    with saved_tensors_hooks on real tensors; the measurement on meta never calls the import-time pick."""
+    _as_if_picked_at_import(monkeypatch, module)
+    model = _model(preset, 2)
+    shape = ModelShape.of(model)
+    planned = _block_saved_bytes(shape, PlanInputs(shape, batch_size=1, seq_len=seq_len))
+    linear = [block for block in model.blocks if block.attention_type == "linear_attention"]
+    assert linear
+    for block in linear:
+        assert planned >= _cpu_saved_bytes(model, block, seq_len), block.name
 
 
 def test_saved_bytes_scale_with_the_batch():

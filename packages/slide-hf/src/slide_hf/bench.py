@@ -150,6 +150,9 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     resident_bytes = None if cfg.resident_gib is None else int(cfg.resident_gib * 2**30)
     placement = place_units(model, device, options, resident_bytes=resident_bytes)
     plan, resident, offloaded = placement.plan, placement.resident, placement.offloaded
+    # The delta rule delta-net layers run here, decided (a check on the GPU) and logged before the engine.
+    owner = getattr(model, "linear_attention", None)
+    linear = owner.path_for(device.torch_device, options.compute_dtype) if owner is not None else None
     batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.steps)
     times, losses, spans, norms = [], [], [], []
     per_unit: dict[str, list[dict[str, float]]] = {}
@@ -246,6 +249,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "critical_batch_size": round(cfg.batch_size / median_overlap, 1) if median_overlap else None,
         "losses": [round(x, 4) for x in losses],
         "attention": attention_summary(model, device.torch_device.type, torch.bfloat16),
+        "linear_attention": linear.describe() if linear is not None else None,
         "units": units,
     }
     if cfg.trace_dir is not None:

@@ -415,6 +415,9 @@ def _log_run(
         type(optimizer).__name__,
     )
     log.info("attention: %s", attention_summary(model.slide_model, device.torch_device.type, DTYPES[cfg.dtype]))
+    linear = getattr(model.slide_model, "linear_attention", None)
+    if linear is not None:  # decided (a check on the GPU) and logged here, before the engine runs
+        linear.path_for(device.torch_device, DTYPES[cfg.dtype])
     return flops_per_token(model.config, params, cfg.seq_len)
 
 

@@ -37,6 +37,7 @@ from transformers.masking_utils import (
 from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
 from slide_hf.adapters.attention import AttentionSupport, choose_attention, layer_attention, requested_attention
 from slide_hf.adapters.fused_modules import fuse_modules
+from slide_hf.adapters.linear_attention import LinearAttention
 from slide_hf.errors import UserError
 
 __all__ = [
@@ -322,6 +323,9 @@ class HFCausalLM(SlideModel):
             raise ValueError(f"{self.config.model_type}: unsupported attention layer types {sorted(unknown)}")
         self._rotary: dict[torch.device, nn.Module] = {}
         self._init_attention()
+        self.linear_attention = LinearAttention.for_layers(b.root for b in self.blocks)
+        """The delta-rule implementation each device runs (adapters/linear_attention.py); None without
+        delta-net layers."""
 
     # ---- family hooks -------------------------------------------------------------------------------
     def make_embedding(self) -> nn.Module:
@@ -486,6 +490,8 @@ class HFCausalLM(SlideModel):
                     "flow from one packed document into the next; train with --no-packing (one example per row)"
                 )
             same_document = packed_sequence_mask_function(_document_ids(position_ids))
+        if self.linear_attention is not None:  # decided before any block runs on this device (a GPU check)
+            self.linear_attention.path_for(device, dtype)
         # HF's mask builders and rotary read only (batch, seq, dtype, device) of the hidden states.
         probe = torch.empty((batch, seq, 0), dtype=dtype, device=device)
         masks = {}

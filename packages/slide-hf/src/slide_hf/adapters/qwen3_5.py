@@ -2,9 +2,9 @@
 between gated full-attention layers -- with a dense MLP, separate delta-net input projections and
 multimodal rotary positions.
 
-* Everything about the delta-net layers holds as in ``qwen3_next.py``: HF's torch path (or
-  flash-linear-attention's kernels when ``slide-hf[fla]`` is installed), no cache and no carried state in
-  training, packed rows refused, the same HF initial values.
+* Everything about the delta-net layers holds as in ``qwen3_next.py``: the delta rule chosen per device
+  (``linear_attention.py``: flash-linear-attention's kernel or HF's torch path), no cache and no carried
+  state in training, packed rows refused, the same HF initial values.
 * Rotary: ``Qwen3_5TextRotaryEmbedding`` takes positions on three axes (time, height, width; interleaved
   by ``mrope_section``). For text all three are the token's position, which is what HF's model builds
   when it is given none; :class:`TextRotary` does that expansion, so the table equals the plain one.

@@ -5,8 +5,10 @@ mixture of experts with a shared expert in every layer.
   ``Qwen3NextGatedDeltaNet``: a causal depthwise convolution, then the chunked gated delta rule) and the
   fourth ``full_attention`` (sigmoid-gated output, q/k norms, rotary on a quarter of each head).
   Linear layers get HF's recurrent mask (None without padding) and no attention implementation.
-* Linear attention runs HF's own code: transformers' torch path, or flash-linear-attention's kernels
-  when ``slide-hf[fla]`` is installed (HF picks them up; nothing here requires them). In training there
+* Linear attention runs HF's own layer code with the delta rule chosen per device by
+  ``linear_attention.py``: flash-linear-attention's kernel on a GPU where ``slide-hf[fla]`` is installed
+  and passes its checks, transformers' torch path elsewhere (the CPU, the planner's meta device, Hopper
+  with Triton < 3.7.1, ``SLIDE_LINEAR_ATTENTION=torch``). In training there
   is no cache: ``past_key_values`` is None, so the convolution and recurrent states start at zero on
   every call and nothing outlives it -- a block recomputed in backward computes exactly its forward.
   For the same reason nothing keeps packed documents apart inside a linear layer, so packed rows are

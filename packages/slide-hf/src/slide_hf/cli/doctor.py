@@ -6,7 +6,9 @@ a traceback. That is the point of the command: it is what people run when someth
 
 ``kernels.attention`` says which of HF's attention implementations training runs on each device type
 here (slide_hf/adapters/attention.py): for plain and for logit-capped (Gemma 2) layers, or, with
-``--model``, for each layer type of that model.
+``--model``, for each layer type of that model. ``kernels.linear_attention`` says, per device type, whether
+gated delta-net layers (Qwen3.5, Qwen3-Next) run flash-linear-attention or transformers' torch path, and
+why (slide_hf/adapters/linear_attention.py); on a GPU that takes a tiny check of fla's kernel there.
 """
 
 from __future__ import annotations
@@ -180,7 +182,27 @@ def _kernels(model: Any = None) -> dict[str, Any]:
         info["triton"] = f"slide-kernels unusable: {_one_line(error)}"
     info["flash_attn"] = _importable("flash_attn")
     info["attention"] = _guard(lambda: _attention(model))
+    info["linear_attention"] = _guard(lambda: _linear_attention(model))
     return info
+
+
+def _linear_attention(model: Any) -> dict[str, Any]:
+    """Per device type, the path delta-net layers run at bf16 and why: ``model``'s own choice where it has
+    such layers, else the rule's answer for any model that has."""
+    import torch
+
+    from slide_hf.adapters.linear_attention import LinearAttention
+
+    owner = getattr(model, "linear_attention", None)
+    if owner is None:
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+        owner = LinearAttention.for_class(Qwen3NextGatedDeltaNet)
+    device_types = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
+    devices = {
+        t: torch.device(t, 0) if t == "cuda" else torch.device(t) for t in device_types
+    }  # the GPU "device" reports
+    return {t: owner.path_for(device, torch.bfloat16).describe() for t, device in devices.items()}
 
 
 def _attention(model: Any) -> dict[str, Any]:

@@ -10,6 +10,8 @@ Exit status and what is printed on stderr, one line each, never a traceback unle
 - 2 as well when the GPU runs out of memory anyway (a ``torch.OutOfMemoryError`` anywhere in the
   exception's chain, also wrapped by the engine's worker threads): the plan priced the run within the
   budget and it did not hold, so the line says so, gives the budget and what to try.
+- 1 for a CUDA error raised inside another package's kernel (flash-linear-attention, flash-attn): the
+  line names the package and its version and how to run without it (cli/kernel_fault.py).
 - 1: anything else is a bug in slide: one line with the exception and where to report it; ``-v``
   prints the traceback.
 
@@ -30,6 +32,7 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
+from slide_hf.cli.kernel_fault import third_party_fault
 from slide_hf.errors import RunStopped, UserError
 
 COMMANDS = ("train", "data", "plan", "bench", "doctor", "export")
@@ -89,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         collective = _in_chain(error, "CollectiveError")
         if collective is not None:  # another rank stopped (its own line says why) or did not answer
             print(f"slide {args.command}: error: {_one_line(collective)}", file=sys.stderr)
+            return 1
+        fault = third_party_fault(error)
+        if fault is not None:
+            print(f"slide {args.command}: error: {fault}", file=sys.stderr)
             return 1
         print(
             f"slide {args.command}: internal error: {type(error).__name__}: {_one_line(error)} -- this is a bug in "

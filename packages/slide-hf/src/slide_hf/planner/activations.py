@@ -23,9 +23,13 @@ What each kind of block runs here (Note [Planning attention]):
   when a mask is given (sliding layers).
 - attention the engine runs eagerly (an explicit ``eager``): transformers' eager function as it is,
   (seq x seq) scores and probabilities included.
-- gated delta nets (``linear_attention`` layers): transformers' torch path, what runs without
-  flash-linear-attention installed. With it installed the fused kernels save less, so the plan is high
-  there, never low.
+- gated delta nets (``linear_attention`` layers): transformers' torch path, always: the model's
+  :class:`~slide_hf.adapters.linear_attention.LinearAttention` binds its delta-net layers to the torch path
+  on the meta device whatever transformers picked at import, so flash-linear-attention's Triton kernels
+  are never launched on meta tensors (they would read address 0 and poison the process's CUDA context).
+  That is the path a GPU run takes when fla is missing or refused; where fla runs, its fused kernels save
+  less, so the plan is high there, never low (``test_linear_attention_blocks_are_priced_at_least_at_what_
+  the_torch_path_saves`` checks the bound against a CPU run of the torch path).
 - mixture-of-experts blocks: the engine runs transformers' ``grouped_mm`` experts (the adapters'
   default), which sort the routed tokens into shapes known in advance, so they run on meta too and are
   measured like the rest.
