@@ -63,9 +63,9 @@ class Row:
 
 
 def rows() -> list[Row]:
-    """Options on Llama-3.2-3B's shapes (its first 8 layers, with the full 128K-vocabulary embedding and head, at
+    """Options on Llama-3.2-3B's shapes (its first 4 layers, with the full 128K-vocabulary embedding and head, at
     12 GiB), train-only features on tiny-llama, then every family at 24 GiB."""
-    llama = dict(model="llama3.2-3b", quick_model="test-llama", layers=8, gpu_memory="12")
+    llama = dict(model="llama3.2-3b", quick_model="test-llama", layers=4, gpu_memory="12")
     options = [
         Row("state fp32", "bench", **llama),
         Row("state bf16", "bench", args=("--optimizer-state", "bf16"), **llama),
@@ -91,21 +91,21 @@ def rows() -> list[Row]:
         Row("train: torchrun, 1 process", "torchrun", **tiny),
     ]
     families = [
-        Row("qwen3.5 (torch linear attention)", "bench", "qwen3.5-9b", "test-qwen3.5", layers=8),
-        Row("qwen3.5 +fla", "bench", "qwen3.5-9b", "test-qwen3.5", layers=8, needs_fla=True),
+        Row("qwen3.5 (torch linear attention)", "bench", "qwen3.5-9b", "test-qwen3.5", layers=4),
+        Row("qwen3.5 +fla", "bench", "qwen3.5-9b", "test-qwen3.5", layers=4, needs_fla=True),
         Row("qwen3-next (torch linear attention)", "bench", "qwen3-next-80b-a3b", "test-qwen3-next", layers=4),
         Row("qwen3-next +fla", "bench", "qwen3-next-80b-a3b", "test-qwen3-next", layers=4, needs_fla=True),
-        Row("gemma3", "bench", "gemma3-12b", "test-gemma3", layers=12),
-        Row("gemma4", "bench", "gemma4-31b", "test-gemma4", layers=6),
-        Row("gemma4 per-layer embeddings", "bench", "gemma4-e2b", "test-gemma4-ple", layers=8),
+        Row("gemma3", "bench", "gemma3-12b", "test-gemma3", layers=8),
+        Row("gemma4", "bench", "gemma4-31b", "test-gemma4", layers=4),
+        Row("gemma4 per-layer embeddings", "bench", "gemma4-e2b", "test-gemma4-ple", layers=6),
         Row("llama4", "bench", "llama4-scout-text", "test-llama4", layers=2, gpu_memory="48"),
-        Row("deepseek-v3 (moonlight)", "bench", "moonlight-16b-a3b", "test-deepseek-v3", layers=4),
-        Row("glm4", "bench", "glm4-9b", "test-glm4", layers=8),
-        Row("olmo2", "bench", "olmo2-7b", "test-olmo2", layers=8),
-        Row("olmo3", "bench", "olmo3-7b", "test-olmo3", layers=8),
-        Row("granite", "bench", "granite-3.3-8b", "test-granite", layers=8),
-        Row("ministral3", "bench", "ministral3-8b", "test-ministral3", layers=8),
-        Row("smollm3", "bench", "smollm3-3b", "test-smollm3", layers=8),
+        Row("deepseek-v3 (moonlight)", "bench", "moonlight-16b-a3b", "test-deepseek-v3", layers=3),
+        Row("glm4", "bench", "glm4-9b", "test-glm4", layers=4),
+        Row("olmo2", "bench", "olmo2-7b", "test-olmo2", layers=4),
+        Row("olmo3", "bench", "olmo3-7b", "test-olmo3", layers=4),
+        Row("granite", "bench", "granite-3.3-8b", "test-granite", layers=4),
+        Row("ministral3", "bench", "ministral3-8b", "test-ministral3", layers=4),
+        Row("smollm3", "bench", "smollm3-3b", "test-smollm3", layers=4),
     ]
     return options + train + families
 
@@ -176,34 +176,78 @@ def run_row(row: Row, s: Settings) -> Outcome:
     launcher = [sys.executable, "-m", "slide_hf"]
     if row.command == "torchrun":
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "slide_hf"]
+    log_path = workdir / "output.log"
     if s.in_process and row.command != "torchrun":
         done = run_in_process(argv)
-    else:
+    elif row.command == "torchrun" or row.needs_fla:  # a launcher, or another sys.path: a fresh interpreter
         try:
-            done = subprocess.run(
-                [*launcher, *argv],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=ROW_TIMEOUT_S,
-            )
+            done = subprocess.run([*launcher, *argv], env=env, capture_output=True, text=True, timeout=ROW_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            outcome.wall_s = time.perf_counter() - began
-            outcome.fail(f"did not finish within {ROW_TIMEOUT_S} s")
-            return outcome
+            done = subprocess.CompletedProcess(argv, -1, "", f"did not finish within {ROW_TIMEOUT_S} s")
+    else:
+        done = run_forked(argv, log_path)
     outcome.wall_s = time.perf_counter() - began
-    (s.out / "logs").mkdir(exist_ok=True)
-    log_name = "".join(c if c.isalnum() else "_" for c in row.name)[:60]
-    (s.out / "logs" / f"{log_name}.log").write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+    log_path.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
-        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        lines = [line for line in (done.stdout + done.stderr).strip().splitlines() if line.strip()]
         outcome.fail(f"exit {done.returncode}: {lines[-1][:300] if lines else '(no output)'}")
+        with (s.out / "failed_rows.log").open("a") as failed:  # the end of each failed row's output
+            failed.write(f"==== {row.name}: slide {' '.join(argv)}\n" + "\n".join(lines[-60:]) + "\n")
         return outcome
     if row.command == "bench":
         check_bench(outcome, json.loads((workdir / "bench.json").read_text()), s)
     else:
         check_train(outcome, workdir / "run", check_host=not s.in_process or row.command == "torchrun")
     return outcome
+
+
+def run_forked(argv: list[str], log_path: Path) -> subprocess.CompletedProcess[str]:
+    """``slide ARGV`` in a child forked from this process, which has imported torch, transformers and slide_hf
+    but never touched CUDA: a fresh process's host peak and CUDA context without its seconds of imports."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its output to the log, its exit status the command's
+        code = 1
+        try:
+            os.close(read_fd)
+            out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            from slide_hf.cli.main import main as slide
+
+            code = slide(argv)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code if isinstance(code, int) else 1)
+    os.close(write_fd)
+    os.close(read_fd)
+    deadline = time.monotonic() + ROW_TIMEOUT_S
+    while True:
+        finished, status = os.waitpid(pid, os.WNOHANG)
+        if finished:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return subprocess.CompletedProcess(argv, -1, "", f"did not finish within {ROW_TIMEOUT_S} s")
+        time.sleep(0.2)
+    code = os.waitstatus_to_exitcode(status)
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return subprocess.CompletedProcess(argv, code, text, "")
+
+
+def preimport() -> None:
+    """What every row imports, loaded once before the rows are forked (CUDA stays untouched here)."""
+    import transformers  # noqa: F401
+
+    import slide_hf.bench
+    import slide_hf.cli.main
+    import slide_hf.recipe  # noqa: F401
 
 
 def run_in_process(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -369,6 +413,21 @@ def measure_matmul_tflops() -> float:
     return 2 * 8192**3 / _median(times) / 1e12
 
 
+def matmul_in_child() -> tuple[float, str]:
+    """:func:`measure_matmul_tflops` and the GPU's name, in a child process: this one never initialises CUDA,
+    because it forks the rows."""
+    code = "import gpu_matrix, torch; print(torch.cuda.get_device_name()); print(gpu_matrix.measure_matmul_tflops())"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = done.stdout.strip().splitlines()
+    return float(lines[-1]), lines[-2]
+
+
 def host_facts() -> dict[str, Any]:
     facts: dict[str, Any] = {"cores": os.cpu_count(), "python": platform.python_version()}
     try:
@@ -381,7 +440,6 @@ def host_facts() -> dict[str, Any]:
         import torch
 
         facts["torch"] = torch.__version__
-        facts["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     except ImportError:
         pass
     try:
@@ -460,13 +518,15 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [w.strip() for w in args.rows.split(",") if w.strip()]
         chosen = [r for r in chosen if any(w in r.name for w in wanted)]
     scratch = Path(tempfile.mkdtemp(prefix="gpu-matrix-", dir=args.scratch))
-    matmul = None if args.device == "cpu" else measure_matmul_tflops()
+    matmul, gpu = (None, "none") if args.device == "cpu" else matmul_in_child()
+    if not args.quick:
+        preimport()
     settings = Settings(args.device, args.quick, args.out, scratch, args.fla_site, matmul, in_process=args.quick)
     header = {
         "command": "python bench/gpu_matrix.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "date": datetime.date.today().isoformat(),
         "tree": tree_name(args.tree),
-        "host": host_facts(),
+        "host": {**host_facts(), "gpu": gpu},
         "matmul_tflops": matmul,
     }
     outcomes: list[Outcome] = []
