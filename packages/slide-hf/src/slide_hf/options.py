@@ -213,7 +213,6 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     decay_fraction: float = 0.1
     decay_shape: str = "linear"
-    extend_schedule: bool = False
     allow_data_change: bool = False
     max_grad_norm: float = 0.0
     seed: int = 0
@@ -249,7 +248,9 @@ class TrainConfig:
             object.__setattr__(self, "report_to", _split_reporters(self.report_to))
         unknown = [name for name in self.report_to if name not in REPORTERS]
         if unknown:
-            raise UserError(f"{option('report_to')} must name {', '.join(REPORTERS)}; got {', '.join(map(repr, unknown))}")
+            raise UserError(
+                f"{option('report_to')} must name {', '.join(REPORTERS)}; got {', '.join(map(repr, unknown))}"
+            )
         if self.gpu_memory is not None:
             from slide_hf.sizes import parse_size
 
@@ -321,7 +322,6 @@ RESUME_SAFE_OPTIONS = frozenset(
         "output",
         "overwrite",
         "save_dtype",
-        "extend_schedule",
         "allow_data_change",
     }
 )
@@ -344,9 +344,9 @@ placement moves arrays between host, GPU and disk, and ``master`` stores the sam
 (checkpoints hold them in fp32 either way): neither changes what the arrays hold."""
 
 
-_NOT_RESTORED = frozenset({"output", "overwrite", "resume", "extend_schedule", "allow_data_change"})
-"""What belongs to one invocation: where it was, and what it allowed (replacing a directory, stretching
-the lr schedule, training on changed data). A later resume asks again."""
+_NOT_RESTORED = frozenset({"output", "overwrite", "resume", "allow_data_change"})
+"""What belongs to one invocation: where it was, and what it allowed (replacing a directory, training on
+changed data). A later resume asks again."""
 
 
 def default_lr(from_preset: bool) -> float:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
-__all__ = ["keyword_spelling", "option"]
+__all__ = ["keyword_spelling", "option", "train_call"]
 
 _KEYWORDS: ContextVar[bool] = ContextVar("slide_hf_keyword_spelling", default=False)
 
@@ -28,6 +28,14 @@ def option(name: str, value: Any = None) -> str:
         return f"{name}=" if value is None else f"{name}={str(value)!r}"
     flag = "--" + name.replace("_", "-")
     return flag if value is None else f"{flag} {value}"
+
+
+def train_call(**settings: Any) -> str:
+    """The call that runs training with ``settings``: ``slide train --resume runs/a`` or
+    ``slide_hf.train(resume='runs/a')``."""
+    if _KEYWORDS.get():
+        return "slide_hf.train(" + ", ".join(option(name, value) for name, value in settings.items()) + ")"
+    return " ".join(["slide train", *(option(name, value) for name, value in settings.items())])
 
 
 @contextlib.contextmanager

@@ -95,13 +95,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--decay-fraction", type=float, help="wsd: fraction of the steps that decay, in (0, 1] (default 0.1)")
     add("--decay-shape", choices=("linear", "cosine"), help="wsd: shape of the decay to the floor (default linear)")
     add(
-        "--extend-schedule",
-        action="store_true",
-        default=None,
-        help="with --resume and a new --steps/--epochs: continue the lr curve from the resumed step to the new end "
-        "(without it a change of length is refused)",
-    )
-    add(
         "--allow-data-change",
         action="store_true",
         default=None,
