@@ -123,6 +123,10 @@ def test_api_messages_name_keywords_where_the_cli_names_flags(tmp_path, capsys):
     assert "--" not in message
     with pytest.raises(UserError, match=r"^min_lr_ratio= must be a finite number in \[0, 1\), got 1.5$"):
         slide_hf.train("tiny-llama", min_lr_ratio=1.5, output=tmp_path / "other")
+    not_a_dir = tmp_path / "tok.txt"
+    not_a_dir.write_text("")
+    with pytest.raises(UserError, match=r"^tokenizer='.*tok.txt' is not a directory$"):
+        slide_hf.train("tiny-llama", tokenizer=not_a_dir, output=tmp_path / "third", device="cpu")
     # The command line, after an API call in the same process, still names flags.
     assert main(["train", *RUN, "--steps", "1", "--output", str(run)]) == 2
     err = capsys.readouterr().err
