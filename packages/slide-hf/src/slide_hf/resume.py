@@ -6,6 +6,10 @@ engine's schedule counters -- is checked here, before any array is streamed into
 value is one line naming its field instead of an ``IndexError`` in the data loader or a resume that
 silently continues somewhere else. When the checkpoint is corrupt, the message names the newest intact
 one of the same run and how to use it.
+
+Two more things a resume must not change silently: the data (:func:`check_same_data` compares a SHA-256
+of the prepared rows with the checkpoint's) and the lr curve (:func:`resumed_schedule` continues the
+saved one when the run's length changes, instead of replanning it from the top).
 """
 
 from __future__ import annotations
