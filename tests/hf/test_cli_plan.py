@@ -172,3 +172,26 @@ def test_an_unknown_plugin_name_is_one_line(slide, flag, value):
     status, out, err = slide("plan", "--model", "tiny-llama", flag, value)
     assert status == 2 and out == "" and err.count("\n") == 1
     assert f"{flag} must be one of" in err and f"got {value!r}" in err
+
+
+def test_plan_prices_the_checkpoints_and_the_export(slide):
+    """One checkpoint is the master and moments the engine writes (12 B/param in fp32, 8 with bf16 moments),
+    times those that exist at once (kept, best, the one being written), plus the exported model."""
+    from slide_core.optim.state_formats import checkpoint_arrays, checkpoint_bytes, state_arrays
+    from slide_hf import build_model, resolve_model
+
+    model = build_model(resolve_model("tiny-llama")[0])
+    numels = [unit.layout.numel for unit in model.units]
+    params = sum(unit.layout.param_numel for unit in model.units)
+    base = ("plan", "--model", "tiny-llama", "--seq-len", "256", "--json")
+    plain = json.loads(slide(*base)[1])["output_disk"]
+    assert plain["checkpoint_bytes"] == checkpoint_bytes(checkpoint_arrays(state_arrays("fp32")), numels)
+    assert plain["checkpoint_bytes"] == 12 * sum(numels)
+    assert plain["checkpoints_at_once"] == 3 and plain["export_bytes"] == params * 4  # the preset's fp32
+    best = json.loads(slide(*base, "--keep-checkpoints", "5", "--save-best", "--optimizer-state", "bf16")[1])
+    disk = best["output_disk"]
+    assert disk["checkpoint_bytes"] == 8 * sum(numels) and disk["checkpoints_at_once"] == 7
+    assert disk["total_bytes"] == 7 * disk["checkpoint_bytes"] + disk["export_bytes"]
+    status, out, _ = slide("plan", "--model", "tiny-llama", "--save-dtype", "bfloat16")
+    assert status == 0 and "output disk" in out and "3 at once" in out
+    assert json.loads(slide(*base, "--save-dtype", "bfloat16")[1])["output_disk"]["export_bytes"] == params * 2

@@ -734,3 +734,47 @@ def test_float32_cpu_training_equals_transformers_and_adamw(slide, tmp_path, mon
             continue
         err = ((have - want).norm() / want.norm().clamp_min(1e-12)).item()
         assert err <= 1e-5, f"{key}: exported weights differ from the reference ({err:.2e})"
+
+
+def test_wsd_and_the_lr_floor_from_flags_and_toml(slide, tmp_path):
+    """--lr-schedule wsd with --decay-fraction, --decay-shape and --min-lr-ratio: the lrs the metrics record
+    are the schedule's at every step; the same options from a TOML file give the same run."""
+    from slide_core import LRSchedule
+
+    options = ["--steps", "6", "--lr", "1e-3", "--warmup-steps", "1", "--lr-schedule", "wsd"]
+    options += ["--decay-fraction", "0.5", "--decay-shape", "cosine", "--min-lr-ratio", "0.2"]
+    lrs = [r["lr"] for r in _run(slide, tmp_path / "flags", *options)]
+    want = LRSchedule(1e-3, "wsd", 1, 6, min_lr_ratio=0.2, decay_fraction=0.5, decay_shape="cosine")
+    assert lrs == [want.lr_at(step) for step in range(6)]
+    assert lrs[1] == lrs[2] == 1e-3 and lrs[3] == pytest.approx(1e-3) and 2e-4 < lrs[5] < lrs[4] < 1e-3
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        'lr_schedule = "wsd"\ndecay_fraction = 0.5\ndecay_shape = "cosine"\nmin_lr_ratio = 0.2\n'
+        "lr = 1e-3\nwarmup_steps = 1\nsteps = 6\n"
+    )
+    rest = ("--device", "cpu", "--dtype", "float32", "--seq-len", "32", "--batch-size", "2")
+    assert [r["lr"] for r in _run(slide, tmp_path / "toml", "--config", toml, *rest, tiny=False)] == lrs
+
+
+def test_cosine_floor_from_flags(slide, tmp_path):
+    lrs = [
+        r["lr"]
+        for r in _run(
+            slide, tmp_path / "run", "--steps", "4", "--lr", "1e-3", "--lr-schedule", "cosine", "--min-lr-ratio", "0.5"
+        )
+    ]
+    assert lrs[0] == pytest.approx(1e-3) and all(lr >= 5e-4 for lr in lrs) and lrs[-1] < lrs[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--min-lr-ratio", "1"], "--min-lr-ratio must be a finite number in [0, 1), got 1.0"),
+        (["--min-lr-ratio", "-0.1"], "--min-lr-ratio must be a finite number in [0, 1), got -0.1"),
+        (["--decay-fraction", "0"], "--decay-fraction must be a finite number in (0, 1], got 0.0"),
+        (["--decay-fraction", "1.5"], "--decay-fraction must be a finite number in (0, 1], got 1.5"),
+        (["--lr-schedule", "constant", "--min-lr-ratio", "0.1"], "--lr-schedule constant has none"),
+    ],
+)
+def test_bad_schedule_options_are_one_line(slide, tmp_path, argv, match):
+    _fails(slide, *TINY, "--output", tmp_path / "x", *argv, match=match)

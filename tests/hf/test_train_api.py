@@ -60,7 +60,7 @@ def test_python_api_takes_paths_as_str_calls_back_and_returns_the_summary(tmp_pa
 
 
 def test_python_api_refuses_bad_options_with_the_cli_message(tmp_path):
-    with pytest.raises(UserError, match=r"^--lr must be a finite number >= 0, got nan$"):
+    with pytest.raises(UserError, match=r"^lr= must be a finite number >= 0, got nan$"):
         slide_hf.train("tiny-llama", lr=float("nan"), output=tmp_path / "run")
     with pytest.raises(TypeError, match="unexpected keyword argument 'learning_rate'"):
         slide_hf.train("tiny-llama", learning_rate=1e-3, output=tmp_path / "run")
@@ -110,3 +110,39 @@ def test_report_to_tensorboard_from_the_command_line(tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(_losses(run))
+
+
+def test_api_messages_name_keywords_where_the_cli_names_flags(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(UserError) as error:
+        slide_hf.train("tiny-llama", output=run, device="cpu", steps=1)
+    message = str(error.value)
+    assert f"resume='{run}'" in message and "overwrite=" in message and "output=" in message
+    assert "--" not in message
+    with pytest.raises(UserError, match=r"^min_lr_ratio= must be a finite number in \[0, 1\), got 1.5$"):
+        slide_hf.train("tiny-llama", min_lr_ratio=1.5, output=tmp_path / "other")
+    not_a_dir = tmp_path / "tok.txt"
+    not_a_dir.write_text("")
+    with pytest.raises(UserError, match=r"^tokenizer='.*tok.txt' is not a directory$"):
+        slide_hf.train("tiny-llama", tokenizer=not_a_dir, output=tmp_path / "third", device="cpu")
+    # The command line, after an API call in the same process, still names flags.
+    assert main(["train", *RUN, "--steps", "1", "--output", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume {run}" in err and "--overwrite" in err and "resume=" not in err
+
+
+def test_resume_compares_the_lr_the_run_resolved_not_none(tmp_path, capsys):
+    """A run without --lr trains a preset at 1e-3 and saves that number: resuming with --lr 1e-3 is the
+    same run, and another value is named against 0.001, never None."""
+    run = tmp_path / "run"
+    no_lr = [arg for arg in RUN if arg not in ("--lr", "3e-3")]
+    assert main(["train", *no_lr, "--steps", "2", "--output", str(run)]) == 0
+    assert json.loads((run / "options.json").read_text())["lr"] == 1e-3
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--steps", "3", "--lr", "1e-3"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--steps", "4", "--lr", "2e-3"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--lr was 0.001 in the run at" in line and "is 0.002 now" in line

@@ -126,7 +126,7 @@ def test_eval_fraction_and_save_best_keep_the_best_checkpoint(tmp_path, capsys):
     best = json.loads((run / "checkpoints" / "best.json").read_text())
     assert best["step"] == min(evals, key=evals.get)
     assert best["eval_loss"] == pytest.approx(min(evals.values()))
-    assert Path(best["path"]).is_dir()  # kept, whatever --keep-checkpoints pruned
+    assert (run / best["path"]).is_dir()  # kept, whatever --keep-checkpoints pruned; relative to the run
 
 
 def test_eval_does_not_change_training(tmp_path, capsys):

@@ -7,7 +7,7 @@
 Options are the keyword names of `slide train`'s flags (underscores), validated by the same layer
 (:mod:`slide_hf.options`); paths may be ``str`` or ``Path``. ``resume="runs/qwen"`` restores the saved
 run's options as ``--resume`` does. Bad input raises :class:`~slide_hf.errors.UserError` with the same one
-line the CLI prints. Log lines go to the notebook's output (stderr) unless the caller configured logging.
+line the CLI prints, naming keyword arguments (``resume=``) where the CLI names flags (slide_hf/spelling.py). Log lines go to the notebook's output (stderr) unless the caller configured logging.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 from slide_hf.options import TrainConfig, resume_config
 from slide_hf.recipe import TrainSummary
 from slide_hf.recipe import train as run_training
+from slide_hf.spelling import keyword_spelling
 
 __all__ = ["train"]
 
@@ -51,6 +52,17 @@ def train(
     ``on_step`` receives each step's metrics record (the same dict as a ``metrics.jsonl`` line) and
     ``on_eval`` each evaluation's; both run on the training thread between steps, so keep them quick."""
     _visible_logging()
+    with keyword_spelling():  # messages name keyword arguments (resume=), not flags (slide_hf/spelling.py)
+        return _train(model, data, on_step, on_eval, options)
+
+
+def _train(
+    model: str | Path,
+    data: str | Path | None,
+    on_step: Callable[[Record], None] | None,
+    on_eval: Callable[[Record], None] | None,
+    options: dict[str, Any],
+) -> TrainSummary:
     given: dict[str, Any] = {"model": str(model), **options}
     if data is not None:
         given["data"] = data

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = ["MODEL_FILES", "is_hub_id", "push_to_hub", "resolve_hub_model"]
 
@@ -50,21 +51,21 @@ def resolve_hub_model(repo_id: str, *, revision: str | None = None) -> Path:
     except LocalEntryNotFoundError:
         pass  # not cached: download below, unless offline
     except (OSError, ValueError) as error:
-        raise UserError(f"--model {repo_id}: the local Hub cache entry is unreadable ({error})") from None
+        raise UserError(f"{option('model', repo_id)}: the local Hub cache entry is unreadable ({error})") from None
     if _offline():
         raise UserError(
-            f"--model {repo_id} is not in the local Hub cache and HF_HUB_OFFLINE is set; download it on a "
+            f"{option('model', repo_id)} is not in the local Hub cache and HF_HUB_OFFLINE is set; download it on a "
             f"machine with network (huggingface-cli download {repo_id}) or pass a model directory"
         )
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(MODEL_FILES)))
     except RepositoryNotFoundError:
         raise UserError(
-            f"--model {repo_id}: no such model on the Hub, or it is private (log in with hf auth login)"
+            f"{option('model', repo_id)}: no such model on the Hub, or it is private (log in with hf auth login)"
         ) from None
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"--model {repo_id}: cannot download from the Hub ({first})") from None
+        raise UserError(f"{option('model', repo_id)}: cannot download from the Hub ({first})") from None
 
 
 def push_to_hub(folder: Path, repo_id: str, *, private: bool = False, message: str) -> str:

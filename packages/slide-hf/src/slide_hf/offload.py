@@ -18,6 +18,7 @@ from typing import Any, Literal
 from slide_core import plugins
 from slide_core.tier import Tier, TierError, TierRequest
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = [
     "IN_HOST_RAM",
@@ -47,7 +48,7 @@ def state_tier_class(name: str) -> type[Tier] | None:
     try:
         return plugins.load("slide.tiers", name, expected=Tier)
     except plugins.PluginError as error:
-        raise UserError(f"--offload-optimizer {name}: {error}") from None
+        raise UserError(f"{option('offload_optimizer', name)}: {error}") from None
 
 
 def planning_kind(tier_class: type[Tier] | None) -> Literal["ram", "nvme"]:
@@ -77,9 +78,9 @@ def open_activation_tier(directory: Path, device: Any) -> Tier:
         except plugins.PluginError:
             gds_class = None
         if gds_class is not None and getattr(gds_class, "real_gds_available", lambda: False)():
-            return open_tier(gds_class, request, flag="--offload-activations")
+            return open_tier(gds_class, request, flag=option("offload_activations"))
     try:
         nvme_class = plugins.load("slide.tiers", "nvme", expected=Tier)
     except plugins.PluginError as error:
-        raise UserError(f"--offload-activations nvme: {error}") from None
-    return open_tier(nvme_class, request, flag="--offload-activations")
+        raise UserError(f"{option('offload_activations', 'nvme')}: {error}") from None
+    return open_tier(nvme_class, request, flag=option("offload_activations"))

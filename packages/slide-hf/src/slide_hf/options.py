@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = [
     "MACHINE_OPTIONS",
@@ -31,6 +32,7 @@ __all__ = [
     "check_data_parallel",
     "check_option",
     "config_dict",
+    "default_lr",
     "installed_names",
     "resume_config",
 ]
@@ -125,7 +127,10 @@ RULES: dict[str, Rule] = {
     "adam_beta1": Rule("float", 0, 1, high_open=True),
     "adam_beta2": Rule("float", 0, 1, high_open=True),
     "adam_eps": Rule("float", 0, 1, low_open=True),
-    "lr_schedule": Rule("choice", choices=("constant", "linear", "cosine")),
+    "lr_schedule": Rule("choice", choices=("constant", "linear", "cosine", "wsd")),
+    "min_lr_ratio": Rule("float", 0, 1, high_open=True),
+    "decay_fraction": Rule("float", 0, 1, low_open=True),
+    "decay_shape": Rule("choice", choices=("linear", "cosine")),
     "warmup_steps": Rule("int", 0, _INT_MAX),
     "max_grad_norm": Rule("float", 0),
     "seed": Rule("int", 0, _INT_MAX),
@@ -161,7 +166,7 @@ def check_option(name: str, value: Any, *, flag: str | None = None) -> None:
     rule = RULES[name]
     if value is None or rule.accepts(value):
         return
-    shown = flag or "--" + name.replace("_", "-")
+    shown = flag or option(name)
     raise UserError(f"{shown} must be {rule.describe()}, got {value!r}{rule.out_of_range_word(value)}")
 
 
@@ -205,6 +210,10 @@ class TrainConfig:
     adam_eps: float = 1e-8
     lr_schedule: str = "linear"
     warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    decay_fraction: float = 0.1
+    decay_shape: str = "linear"
+    allow_data_change: bool = False
     max_grad_norm: float = 0.0
     seed: int = 0
     no_shuffle: bool = False
@@ -231,7 +240,7 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 if not value.strip():
-                    raise UserError(f"--{name.replace('_', '-')} must not be empty")
+                    raise UserError(f"{option(name)} must not be empty")
                 object.__setattr__(self, name, Path(value))
         for name in RULES:
             check_option(name, getattr(self, name))
@@ -239,15 +248,27 @@ class TrainConfig:
             object.__setattr__(self, "report_to", _split_reporters(self.report_to))
         unknown = [name for name in self.report_to if name not in REPORTERS]
         if unknown:
-            raise UserError(f"--report-to must name {', '.join(REPORTERS)}; got {', '.join(map(repr, unknown))}")
+            raise UserError(
+                f"{option('report_to')} must name {', '.join(REPORTERS)}; got {', '.join(map(repr, unknown))}"
+            )
         if self.gpu_memory is not None:
             from slide_hf.sizes import parse_size
 
-            parse_size(str(self.gpu_memory), what="--gpu-memory")
+            parse_size(str(self.gpu_memory), what=option("gpu_memory"))
         if self.eval_data is not None and self.eval_fraction > 0:
-            raise UserError("--eval-data and --eval-fraction both choose the evaluation data; give one")
+            raise UserError(
+                f"{option('eval_data')} and {option('eval_fraction')} both choose the evaluation data; give one"
+            )
         if self.save_best and not self.evaluates:
-            raise UserError("--save-best needs evaluation data: --eval-data FILE or --eval-fraction F")
+            raise UserError(
+                f"{option('save_best')} needs evaluation data: {option('eval_data', 'FILE')} or "
+                f"{option('eval_fraction', 'F')}"
+            )
+        if self.min_lr_ratio > 0 and self.lr_schedule == "constant":
+            raise UserError(
+                f"{option('min_lr_ratio')} is the floor of a decay; {option('lr_schedule', 'constant')} has none "
+                "(use linear, cosine or wsd)"
+            )
         if self.master == "split" and self.dtype != "bfloat16":
             raise UserError(
                 f"--master split stores the bf16 copy the GPU computes with, so it needs --dtype bfloat16, got "
@@ -301,6 +322,7 @@ RESUME_SAFE_OPTIONS = frozenset(
         "output",
         "overwrite",
         "save_dtype",
+        "allow_data_change",
     }
 )
 """Options a resumed run may change: how long it goes on and how it saves, evaluates and reports."""
@@ -322,7 +344,23 @@ placement moves arrays between host, GPU and disk, and ``master`` stores the sam
 (checkpoints hold them in fp32 either way): neither changes what the arrays hold."""
 
 
-_NOT_RESTORED = frozenset({"output", "overwrite", "resume"})
+_NOT_RESTORED = frozenset({"output", "overwrite", "resume", "allow_data_change"})
+"""What belongs to one invocation: where it was, and what it allowed (replacing a directory, training on
+changed data). A later resume asks again."""
+
+
+def default_lr(from_preset: bool) -> float:
+    """The peak lr when none is given: 1e-3 for a preset's random init, 2e-5 to fine-tune real weights.
+    The recipe resolves it once and saves the number, so a resume compares numbers, never ``None``."""
+    return 1e-3 if from_preset else 2e-5
+
+
+def _saved_default_lr(model: Any) -> float:
+    """The lr an older checkpoint that saved ``lr = None`` trained with (its model a preset or a directory)."""
+    from slide_hf.presets import PRESETS
+
+    name = str(model)
+    return default_lr(name in PRESETS and not Path(name).expanduser().is_dir())
 
 
 def resume_config(saved: Mapping[str, Any], given: Mapping[str, Any], *, source: str) -> TrainConfig:
@@ -339,6 +377,8 @@ def resume_config(saved: Mapping[str, Any], given: Mapping[str, Any], *, source:
     values = {key: value for key, value in saved.items() if key in known and key not in _NOT_RESTORED}
     if _inside(saved.get("metrics"), saved.get("output")):
         values.pop("metrics")  # the run's own file: it follows the run directory (the default path)
+    if "lr" in values and values["lr"] is None:  # saved before the recipe recorded the lr it resolved
+        values["lr"] = _saved_default_lr(values.get("model"))
     for key, value in given.items():
         if key not in known:
             raise UserError(f"unknown option {key!r}")
@@ -347,10 +387,9 @@ def resume_config(saved: Mapping[str, Any], given: Mapping[str, Any], *, source:
             continue
         before, after = _comparable(key, values[key]), _comparable(key, value)
         if before != after:
-            flag = "--" + key.replace("_", "-")
             raise UserError(
-                f"{flag} was {_shown(values[key])} in the run at {source} and is {_shown(value)} now; a resumed "
-                f"run keeps it (start a new run with --output to change it)"
+                f"{option(key)} was {_shown(values[key])} in the run at {source} and is {_shown(value)} now; a "
+                f"resumed run keeps it (start a new run with {option('output')} to change it)"
             )
     try:
         return TrainConfig(**_typed(values))

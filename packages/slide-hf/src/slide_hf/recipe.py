@@ -59,9 +59,17 @@ from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.launch import share_host_cores
-from slide_hf.options import TrainConfig, check_data_parallel, config_dict
+from slide_hf.options import TrainConfig, check_data_parallel, config_dict, default_lr
+from slide_hf.planner import output_disk as disk
 from slide_hf.progress import Progress
-from slide_hf.resume import checkpoint_to_resume, corrupt_message, resume_point
+from slide_hf.resume import (
+    check_same_data,
+    checkpoint_to_resume,
+    corrupt_message,
+    resume_point,
+    resumed_schedule,
+    run_data_digests,
+)
 from slide_hf.run_dir import RunDir, default_output, run_of
 from slide_hf.run_export import export_run_model
 from slide_hf.run_log import RunLog
@@ -77,6 +85,7 @@ from slide_hf.setup import (
     place_units,
 )
 from slide_hf.sizes import parse_size
+from slide_hf.spelling import option, train_call
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
 
 __all__ = ["TrainConfig", "TrainSummary", "config_dict", "train"]
@@ -164,10 +173,16 @@ def _train(
     torch.manual_seed(cfg.seed)
     options = _run_options(cfg)
     model = _setup_model(cfg)
-    data = _setup_data_once(cfg, model, run_dir.path, group)
+    if cfg.lr is None:  # resolved once and saved as a number, so a resume compares numbers
+        cfg = dataclasses.replace(cfg, lr=default_lr(from_preset=model.model_dir is None))
+    # Resume: the checkpoint's run state (state.json only) before the data, whose schedule it continues.
+    resumed = checkpoint_to_resume(cfg.resume) if cfg.resume is not None else None
+    data = _setup_data_once(cfg, model, run_dir.path, group, resumed)
     check_nvme_dir(options)  # before the device: a missing --nvme-dir is the user's to fix, not the machine's
     device = _setup_device(options, group)
     optimizer = _setup_optimizer(cfg, options)
+    if main:
+        disk.check_output_disk(run_dir.path, _output_disk(cfg, model, optimizer))
     placement = _setup_placement(model, device, options, group, optimizer)
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
@@ -180,6 +195,7 @@ def _train(
             tokenizer_dir = _save_tokenizer(model.tokenizer, model.config, run_dir.path, model.model_dir)
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
         trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group)
+        trainer.resumed = resumed
         with trainer.stop, parts as engine:
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
@@ -279,22 +295,35 @@ def _setup_model(cfg: TrainConfig) -> _Model:
     return _Model(config, model_dir, tokenizer, slide_model)
 
 
-def _setup_data_once(cfg: TrainConfig, model: _Model, output: Path, group: ProcessGroupContext | None) -> _Data:
+def _setup_data_once(
+    cfg: TrainConfig,
+    model: _Model,
+    output: Path,
+    group: ProcessGroupContext | None,
+    resumed: tuple[Path, dict[str, Any]] | None = None,
+) -> _Data:
     """:func:`_setup_data`; with data parallel rank 0 prepares and caches the rows first and the other
     ranks then read its cache, so no two processes write it."""
     if group is None:
-        return _setup_data(cfg, model, output)
+        return _setup_data(cfg, model, output, None, resumed)
     if group.rank == 0:
-        data = _setup_data(cfg, model, output, group)
+        data = _setup_data(cfg, model, output, group, resumed)
     group.barrier("the wait for rank 0 to prepare the data", slow=True)
     if group.rank != 0:
-        data = _setup_data(cfg, model, output, group)
+        data = _setup_data(cfg, model, output, group, resumed)
     return data
 
 
-def _setup_data(cfg: TrainConfig, model: _Model, output: Path, group: ProcessGroupContext | None = None) -> _Data:
+def _setup_data(
+    cfg: TrainConfig,
+    model: _Model,
+    output: Path,
+    group: ProcessGroupContext | None = None,
+    resumed: tuple[Path, dict[str, Any]] | None = None,
+) -> _Data:
     """Rows (prepared once, cached in the run directory), batches, the number of steps and the LR schedule.
-    With data parallel each rank's batches are its rows of every step's global batch."""
+    With data parallel each rank's batches are its rows of every step's global batch. A resumed run is
+    refused here when its data changed, and continues the checkpoint's schedule (slide_hf/resume.py)."""
     config = model.config
     max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     data_options = DataOptions(
@@ -306,13 +335,47 @@ def _setup_data(cfg: TrainConfig, model: _Model, output: Path, group: ProcessGro
         vocab_size=config.vocab_size,
     )
     dataset, eval_set = _load_data(cfg, model.tokenizer, data_options, output / DATA_CACHE)
+    if resumed is not None:
+        check_same_data(*resumed, run_data_digests(cfg, dataset, eval_set), allow=cfg.allow_data_change)
     ranks = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed, **ranks)
     epochs = cfg.epochs or (10 if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
-    lr = cfg.lr if cfg.lr is not None else (1e-3 if model.model_dir is None else 2e-5)
-    schedule = LRSchedule(lr, cfg.lr_schedule, cfg.warmup_steps, total_steps)
+    lr = cfg.lr if cfg.lr is not None else default_lr(from_preset=model.model_dir is None)
+    schedule = LRSchedule(
+        lr,
+        cfg.lr_schedule,
+        cfg.warmup_steps,
+        total_steps,
+        min_lr_ratio=cfg.min_lr_ratio,
+        decay_fraction=cfg.decay_fraction,
+        decay_shape=cfg.decay_shape,
+    )
+    if resumed is not None:
+        schedule = resumed_schedule(*resumed, schedule, length=_length_option(cfg))
     return _Data(dataset, eval_set, batches, total_steps, schedule)
+
+
+def _length_option(cfg: TrainConfig) -> str:
+    """The option that set the run's length, for messages."""
+    return "steps" if cfg.steps is not None else "epochs"
+
+
+def _output_disk(cfg: TrainConfig, model: _Model, optimizer: Optimizer) -> disk.OutputDisk:
+    """What the run's checkpoints and export take (slide_hf/planner/output_disk.py), from the arrays the
+    engine will write for this optimizer."""
+    from slide_hf.export import resolve_dtype
+
+    units = model.slide_model.units
+    export_dtype = resolve_dtype(None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype], model.config)
+    return disk.output_disk(
+        [unit.layout.numel for unit in units],
+        optimizer.state_arrays,
+        params=sum(unit.layout.param_numel for unit in units),
+        export_itemsize=torch.empty((), dtype=export_dtype).element_size(),
+        keep_checkpoints=cfg.keep_checkpoints,
+        save_best=cfg.save_best,
+    )
 
 
 def _setup_device(options: RunOptions, group: ProcessGroupContext | None) -> Device:
@@ -371,7 +434,7 @@ def _setup_weights(
     try:
         master_format = choose_master_format(cfg.master, DTYPES[cfg.dtype], optimizer)
     except ValueError as error:
-        raise UserError(f"--master {cfg.master}: {error}") from None
+        raise UserError(f"{option('master', cfg.master)}: {error}") from None
     log.info("host master: %s", master_format)
     host = HostParameters(model.slide_model, master_format=master_format)
     if group is not None:
@@ -480,6 +543,9 @@ class _Trainer:
             "seed": cfg.seed,
             "total_steps": data.total_steps,
             "config": config_dict(cfg),
+            # What a resume checks and continues: the lr curve (with any extension) and the rows trained on.
+            "schedule": data.schedule.to_dict(),
+            "data_digest": run_data_digests(cfg, data.dataset, data.eval_set),
         }
         tokenizer = model.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -487,6 +553,7 @@ class _Trainer:
         self.losses: list[float] = []
         self.best: dict[str, Any] = {}
         self.last_saved: int | None = None
+        self.resumed: tuple[Path, dict[str, Any]] | None = None  # the checkpoint and its state, when resuming
         self.progress: Progress | None = None
         self._process = psutil.Process()
 
@@ -496,10 +563,10 @@ class _Trainer:
         cfg, data, engine, stop = self.cfg, self.data, self.engine, self.stop
         # Resume: each unit's arrays stream to where the unit lives.
         first_step = 0
-        if cfg.resume is not None:
-            first_step = _resume(cfg.resume, engine, data.batches, self.run_state, self.run_dir, self.group)
-        self.last_saved = first_step if cfg.resume is not None else None
-        self.best.update(_read_best(self.checkpoints) if cfg.resume is not None and cfg.save_best else {})
+        if self.resumed is not None:
+            first_step = _resume(*self.resumed, engine, data.batches, self.run_state, self.run_dir, self.group)
+        self.last_saved = first_step if self.resumed is not None else None
+        self.best.update(_read_best(self.output) if self.resumed is not None and cfg.save_best else {})
         if self.run_log is not None:
             self.run_log.start(first_step)
         self.device.reset_peak_memory()
@@ -519,7 +586,7 @@ class _Trainer:
                 if result.skipped:
                     log.warning("step %d skipped exactly: non-finite gradients (nothing applied)", step + 1)
                 elif not math.isfinite(result.loss):
-                    raise UserError(f"the loss became {result.loss} at step {result.step}; try a lower --lr")
+                    raise UserError(f"the loss became {result.loss} at step {result.step}; try a lower {option('lr')}")
                 else:
                     self.losses.append(result.loss)
                 # Logging.
@@ -530,9 +597,10 @@ class _Trainer:
                     done == data.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)
                 ):
                     self.evaluate(done)
-                # Checkpoint: every --save-every steps, and when asked to stop (SIGINT/SIGTERM).
+                # Checkpoint: every --save-every steps, and when asked to stop (SIGINT/SIGTERM), unless the
+                # evaluation just saved this very step as the best.
                 stopping = self._stopping()
-                if (cfg.save_every and done % cfg.save_every == 0) or stopping:
+                if ((cfg.save_every and done % cfg.save_every == 0) or stopping) and self.last_saved != done:
                     self.last_saved = self.checkpoint(done)
                 # Termination: a stop request ends the run here, its checkpoint saved.
                 if stopping:
@@ -590,7 +658,7 @@ class _Trainer:
         if self.run_log is None:  # not rank 0: only the checkpoint below is every rank's
             if self.cfg.save_best and record["eval_loss"] < self.best.get("eval_loss", math.inf):
                 if self.last_saved != step:
-                    self.last_saved = self.checkpoint(step, protect_step=step)
+                    self.last_saved = self._save(step)
                 self.best.update(step=step, eval_loss=record["eval_loss"])
             return
         assert self.progress is not None
@@ -599,15 +667,31 @@ class _Trainer:
         if self.on_eval is not None:
             self.on_eval(dict(record))
         if self.cfg.save_best and record["eval_loss"] < self.best.get("eval_loss", math.inf):
+            # Saved, then named in best.json, then the older best pruned: a crash between leaves best.json
+            # naming a checkpoint that exists.
             if self.last_saved != step:
-                self.last_saved = self.checkpoint(step, protect_step=step)
-            path = str(_checkpoint_path(self.checkpoints, step))
-            self.best.update(step=step, eval_loss=record["eval_loss"], path=path)
+                self.last_saved = self._save(step)
+            path = _checkpoint_path(self.checkpoints, step)
+            self.best.update(step=step, eval_loss=record["eval_loss"], path=str(path.relative_to(self.output)))
             _write_best(self.checkpoints, self.best)
+            self._prune()
             log.info("best eval loss so far: %.4f at step %d (%s)", record["eval_loss"], step, path)
 
-    def checkpoint(self, step: int, protect_step: int | None = None) -> int:
-        """Save the whole run state at ``step``, then prune all but --keep-checkpoints (and the best)."""
+    def checkpoint(self, step: int) -> int:
+        """Save the whole run state at ``step``, then prune to the retention rule (:meth:`_prune`)."""
+        self._save(step)
+        self._prune()
+        return step
+
+    def _prune(self) -> None:
+        """Keep the newest --keep-checkpoints and the best one (docs/checkpoints.md, "Retention"): at most
+        --keep-checkpoints + 1 once a save is published. Rank 0 alone prunes."""
+        if self.main:
+            best = [self.output / self.best["path"]] if self.best.get("path") else []
+            prune_checkpoints(self.checkpoints, self.cfg.keep_checkpoints, protect=best)
+
+    def _save(self, step: int) -> int:
+        """Write the whole run state at ``step`` as one checkpoint; nothing is pruned."""
         arrays = self.engine.checkpoint_arrays()  # note: waits for every pending update (a host sync), only when saving
         batches = self.data.batches
         state = {**self.run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
@@ -620,13 +704,8 @@ class _Trainer:
                 saved = save_sharded_checkpoint(self.checkpoints, step, arrays, state, self.group)
         except CheckpointWriteError as error:
             raise UserError(error.strerror) from error
-        if not self.main:
-            return step
-        keep = [Path(self.best["path"])] if self.best else []
-        if protect_step is not None:
-            keep.append(saved)
-        prune_checkpoints(self.checkpoints, self.cfg.keep_checkpoints, protect=keep)
-        log.info("checkpoint written to %s", saved)
+        if self.main:
+            log.info("checkpoint written to %s", saved)
         return step
 
 
@@ -737,13 +816,22 @@ def _write_best(checkpoints: Path, best: dict[str, Any]) -> None:
         log.warning("cannot write %s (%s); the best checkpoint is %s", target, error.strerror, best.get("path"))
 
 
-def _read_best(checkpoints: Path) -> dict[str, Any]:
+def _read_best(output: Path) -> dict[str, Any]:
+    """``best.json`` of the run in ``output``, its path relative to ``output`` (so the run directory may be
+    moved and resumed from anywhere); {} when it is missing, unreadable or names no checkpoint. Files
+    written before the path was relative (relative to where that run started) are read by the
+    checkpoint's name."""
     try:
-        best = json.loads((checkpoints / "best.json").read_text(encoding="utf-8"))
+        best = json.loads((output / "checkpoints" / "best.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    fields_ok = isinstance(best, dict) and isinstance(best.get("eval_loss"), int | float) and "path" in best
-    return best if fields_ok and Path(best["path"]).is_dir() else {}
+    if not (isinstance(best, dict) and isinstance(best.get("eval_loss"), int | float) and "path" in best):
+        return {}
+    saved, root = Path(str(best["path"])), output.resolve()
+    for candidate in (output / saved, output / "checkpoints" / saved.name):
+        if candidate.is_dir() and candidate.resolve().is_relative_to(root):
+            return {**best, "path": str(candidate.resolve().relative_to(root))}
+    return {}
 
 
 def _describe_model(cfg: TrainConfig, model_dir: Path | None) -> str:
@@ -807,7 +895,7 @@ class _StopRequests:
     def stopped(self, when: str, output: Path) -> RunStopped:
         """The stop to raise: what happened and the command that continues the run."""
         name = self.requested or self.agreed
-        return RunStopped(f"stopped by {name} {when}; continue with `slide train --resume {output}`", self.exit_code)
+        return RunStopped(f"stopped by {name} {when}; continue with `{train_call(resume=output)}`", self.exit_code)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested is not None:  # a second signal: stop now
@@ -827,20 +915,21 @@ class _StopRequests:
 
 
 def _resume(
-    path: Path,
+    found: Path,
+    state: dict[str, Any],
     engine: Engine,
     batches: Batches,
     run_state: dict[str, Any],
     run_dir: RunDir,
     group: ProcessGroupContext | None = None,
 ) -> int:
-    """Load the newest checkpoint at ``path`` into the running engine; return the step to continue from.
+    """Load checkpoint ``found`` (``state``: its verified state.json, from :func:`checkpoint_to_resume`)
+    into the running engine; return the step to continue from.
 
     Its run state is validated before any array moves (slide_hf/resume.py); a checkpoint older than the
     run's newest sets the later ones aside, so the next ``--resume`` continues this line. With data
     parallel each rank reads its own shards out of the step directory, whatever the number of processes
     that wrote it (slide_core/sharded_checkpoint.py): a run resumes on more or fewer ranks, or on one."""
-    found, state = checkpoint_to_resume(path)
     point = resume_point(found, state, model=run_state["model"], data_size=len(batches.dataset))
     saved_ranks = state["extra"].get("world_size", 1)
     world_size = 1 if group is None else group.world_size

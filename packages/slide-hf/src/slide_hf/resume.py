@@ -6,10 +6,16 @@ engine's schedule counters -- is checked here, before any array is streamed into
 value is one line naming its field instead of an ``IndexError`` in the data loader or a resume that
 silently continues somewhere else. When the checkpoint is corrupt, the message names the newest intact
 one of the same run and how to use it.
+
+Two more things a resume must not change silently: the data (:func:`check_same_data` compares a SHA-256
+of the prepared rows with the checkpoint's) and the lr curve (:func:`resumed_schedule` continues the
+saved one when the run's length changes, instead of replanning it from the top).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +24,21 @@ from typing import Any
 import torch
 
 from slide_core.checkpoint import CheckpointCorrupt, find_latest, newest_intact, read_state
+from slide_core.schedule import LRSchedule
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
-__all__ = ["ResumePoint", "checkpoint_to_resume", "corrupt_message", "resume_point"]
+__all__ = [
+    "ResumePoint",
+    "check_same_data",
+    "checkpoint_to_resume",
+    "corrupt_message",
+    "resume_point",
+    "resumed_schedule",
+    "run_data_digests",
+]
+
+log = logging.getLogger("slide.train")
 
 
 @dataclass(frozen=True)
@@ -36,7 +54,7 @@ class ResumePoint:
 
 
 def _resume_hint(path: Path) -> str:
-    return f"resume from it with --resume {path}"
+    return f"resume from it with {option('resume', path)}"
 
 
 def corrupt_message(error: CheckpointCorrupt, use: Callable[[Path], str] = _resume_hint) -> str:
@@ -103,3 +121,98 @@ def resume_point(checkpoint: Path, state: Mapping[str, Any], *, model: str, data
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def run_data_digests(cfg: Any, dataset: Any, eval_set: Any) -> dict[str, dict[str, Any]]:
+    """What a checkpoint records of the data it trained on, per split: the prepared rows' SHA-256
+    (``Dataset.digest``), their count, and the option that named them (for the message)."""
+    digests = {"train": {"sha256": dataset.digest, "rows": len(dataset), "option": "data"}}
+    if eval_set is not None:
+        name = "eval_data" if cfg.eval_data is not None else "data"
+        digests["eval"] = {"sha256": eval_set.digest, "rows": len(eval_set), "option": name}
+    return digests
+
+
+def check_same_data(
+    checkpoint: Path, state: Mapping[str, Any], now: Mapping[str, Mapping[str, Any]], *, allow: bool
+) -> None:
+    """Refuse in one line a resume whose prepared rows differ from those ``checkpoint`` trained on (an
+    edited, replaced or re-tokenized data file): its saved position counts rows of the old data, so the
+    run would silently go on somewhere else in the new. ``allow`` (``--allow-data-change``) turns that
+    into a warning. A checkpoint that predates the record is not checked."""
+    saved = state["extra"].get("data_digest")
+    if not isinstance(saved, dict):
+        log.debug("checkpoint %s records no data digest; the data is not compared", checkpoint)
+        return
+    for split, current in now.items():
+        before = saved.get(split)
+        if not isinstance(before, dict) or before.get("sha256") in (None, "", current["sha256"]):
+            continue
+        config = state["extra"].get("config", {})
+        value = config.get(current["option"]) if isinstance(config, dict) else None
+        what = option(current["option"], value) if value is not None else "the bundled text"
+        what = f"the evaluation rows of {what}" if split == "eval" else what
+        change = (
+            f"prepared rows sha256 {str(before['sha256'])[:12]} -> {current['sha256'][:12]}, "
+            f"{before.get('rows')} -> {current['rows']} rows"
+        )
+        if allow:
+            log.warning("%s changed since %s (%s); training on it from the saved position", what, checkpoint, change)
+            continue
+        raise UserError(
+            f"{what} changed since {checkpoint} was saved ({change}); its saved position counts the old rows: "
+            f"resume with {option('allow_data_change')} to train on the new data from there, or start a new run"
+        )
+
+
+def resumed_schedule(checkpoint: Path, state: Mapping[str, Any], planned: LRSchedule, *, length: str) -> LRSchedule:
+    """The lr schedule a run resumed from ``checkpoint`` follows, given the one its options ``planned``.
+
+    The same length: the checkpoint's own schedule, so the resume is bit-identical. Another length
+    (``--steps``, ``--epochs``): the saved curve continued from the resumed step to the new end
+    (``LRSchedule.extend``: the same shape, from the lr it had there down to the floor), logged in one
+    line. Replanning the whole curve for the new length instead would send the lr back up it (35x at
+    once for a finished 20-step cosine run resumed to 30). A finished run's lr had reached its floor, so
+    its new steps train at the floor, which a warning says. ``length`` names the option that set the
+    length (``steps`` or ``epochs``)."""
+    extra = state["extra"]
+    step = state["step"]
+    if isinstance(extra.get("schedule"), dict):
+        try:
+            saved = LRSchedule.from_dict(extra["schedule"])
+        except (KeyError, TypeError, ValueError) as error:
+            detail = f"state.json field extra.schedule is not an lr schedule: {error}"
+            raise UserError(
+                corrupt_message(CheckpointCorrupt(f"checkpoint {checkpoint} is corrupt ({detail})"))
+            ) from None
+    else:  # written before checkpoints kept the schedule: the saved options and length rebuild it
+        saved = dataclasses.replace(planned, total_steps=int(extra.get("total_steps", planned.total_steps)))
+    total = planned.total_steps
+    if total == saved.final_steps or step >= total:
+        return saved
+    extended = saved.extend(step, total)
+    if saved.kind == "constant":
+        return extended  # a constant lr does not depend on the length
+    start, floor = saved.lr_at(step), saved.min_lr_ratio * saved.base_lr
+    log.info(
+        "%s: the run now ends at step %d instead of %d; its %s lr continues from %.3g at step %d down to %.3g at "
+        "the new end (docs/checkpoints.md)",
+        option(length),
+        total,
+        saved.final_steps,
+        saved.kind,
+        start,
+        step,
+        floor,
+    )
+    if start <= floor and total > saved.final_steps and step >= saved.final_steps:
+        log.warning(
+            "the %s lr of %s had decayed to its floor %.3g by step %d: the %d new steps train at that lr; to train "
+            "further at a higher one, start a new run from its model",
+            saved.kind,
+            checkpoint,
+            floor,
+            step,
+            total - step,
+        )
+    return extended

@@ -32,6 +32,7 @@ from types import TracebackType
 
 from slide_core.checkpoint import list_checkpoints
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = [
     "LOCK_FILE",
@@ -185,7 +186,7 @@ class RunDir:
     def __enter__(self) -> RunDir:
         self._refuse_cwd()
         if self.path.exists() and not self.path.is_dir():
-            raise UserError(f"--output {self.path} is a file, not a directory")
+            raise UserError(f"{option('output', self.path)} is a file, not a directory")
         self.created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -231,12 +232,12 @@ class RunDir:
 
     def _refuse_cwd(self) -> None:
         if str(self.path).strip() in ("", "."):
-            raise UserError("--output must name a directory for the run, not the current directory")
+            raise UserError(f"{option('output')} must name a directory for the run, not the current directory")
         here = Path.cwd().resolve()
         target = self.path.resolve()
         if target == here or target in here.parents:
             raise UserError(
-                f"--output {self.path} is the current directory or contains it; a run needs its own directory "
+                f"{option('output', self.path)} is the current directory or contains it; a run needs its own directory "
                 "(e.g. runs/my-run)"
             )
 
@@ -258,8 +259,8 @@ class RunDir:
             return
         shown = ", ".join(present[:4]) + (f" and {len(present) - 4} more" if len(present) > 4 else "")
         raise UserError(
-            f"output directory {self.path} is not empty ({shown}); continue its run with --resume {self.path}, "
-            "replace slide's files in it with --overwrite, or choose another --output"
+            f"output directory {self.path} is not empty ({shown}); continue its run with {option('resume', self.path)}, "
+            f"replace slide's files in it with {option('overwrite')}, or choose another {option('output')}"
         )
 
     def _resumes_here(self) -> bool:
@@ -284,7 +285,7 @@ class RunDir:
         and removed when the run ends. Folders that killed runs left there are removed first (their locks
         are free); those of live runs are locked and left alone."""
         if nvme_dir.exists() and not nvme_dir.is_dir():
-            raise UserError(f"--nvme-dir {nvme_dir} is a file, not a directory")
+            raise UserError(f"{option('nvme_dir', nvme_dir)} is a file, not a directory")
         try:
             nvme_dir.mkdir(parents=True, exist_ok=True)
             for old in nvme_dir.glob(f"{_SCRATCH_PREFIX}*"):
@@ -298,7 +299,7 @@ class RunDir:
             lock = _Lock(folder)
             lock.acquire()
         except OSError as error:
-            raise UserError(f"cannot use --nvme-dir {nvme_dir}: {error.strerror or error}") from None
+            raise UserError(f"cannot use {option('nvme_dir', nvme_dir)}: {error.strerror or error}") from None
         self._scratch.append((folder, lock))
         return folder
 

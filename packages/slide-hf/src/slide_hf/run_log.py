@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 from slide_hf.trackers import Tracker, open_trackers
 
 __all__ = ["RunLog"]
@@ -58,7 +59,7 @@ class RunLog:
         for path in inputs:
             if path.expanduser().resolve() == target:
                 raise UserError(
-                    f"--metrics {self.metrics_path} is an input of this run; metrics would be appended to it"
+                    f"{option('metrics', self.metrics_path)} is an input of this run; metrics would be appended to it"
                 )
 
     def __enter__(self) -> RunLog:

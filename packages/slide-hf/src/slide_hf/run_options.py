@@ -16,6 +16,7 @@ from typing import Any
 
 from slide_hf.errors import UserError
 from slide_hf.resume import checkpoint_to_resume
+from slide_hf.spelling import option
 
 __all__ = ["saved_options"]
 
@@ -33,7 +34,7 @@ def saved_options(path: Path) -> tuple[dict[str, Any], str]:
         rows = batch_size * saved_ranks
         if rows % ranks:
             raise UserError(
-                f"checkpoint {checkpoint} stepped on {rows} rows (--batch-size {batch_size} x {saved_ranks} "
+                f"checkpoint {checkpoint} stepped on {rows} rows ({option('batch_size', batch_size)} x {saved_ranks} "
                 f"process(es)), which {ranks} processes cannot share evenly; resume it with a number of "
                 f"processes that divides {rows}"
             )

@@ -36,6 +36,7 @@ from slide_core.optim import build_optimizer
 from slide_core.tier import Tier, TierRequest
 from slide_hf.errors import UserError
 from slide_hf.offload import offloaded_units, open_activation_tier, open_tier, planning_kind, state_tier_class
+from slide_hf.spelling import option
 
 __all__ = [
     "EngineParts",
@@ -99,11 +100,13 @@ def make_device(name: str, memory_limit_bytes: int | None = None, *, index: int 
     if resolved == "cuda" and torch.version.hip:
         resolved = "rocm"
     if resolved in ("cuda", "rocm") and not torch.cuda.is_available():
-        raise UserError(f"--device {name} was asked for, but torch sees no GPU; use --device auto or cpu")
+        raise UserError(
+            f"{option('device', name)} was asked for, but torch sees no GPU; use {option('device', 'auto')} or cpu"
+        )
     try:
         device_class = plugins.load("slide.devices", resolved, expected=Device)
     except plugins.PluginError as error:
-        raise UserError(f"--device {name}: {error}") from None
+        raise UserError(f"{option('device', name)}: {error}") from None
     where = {"index": index} if index else {}
     try:
         device = device_class(memory_limit_bytes=memory_limit_bytes, **where)
@@ -111,13 +114,13 @@ def make_device(name: str, memory_limit_bytes: int | None = None, *, index: int 
         if not where:
             raise
         raise UserError(
-            f"--device {name}: the {resolved} device plugin cannot be told which GPU to use (no index "
+            f"{option('device', name)}: the {resolved} device plugin cannot be told which GPU to use (no index "
             f"argument), which data parallel needs for local rank {index}"
         ) from None
     except (RuntimeError, ValueError) as error:  # no such GPU, no HIP build, a bad cap
-        raise UserError(f"--device {name}: {str(error).splitlines()[0]}") from None
+        raise UserError(f"{option('device', name)}: {str(error).splitlines()[0]}") from None
     if memory_limit_bytes is not None and not device.is_accelerator:
-        log.warning("--gpu-memory is ignored on the CPU device")
+        log.warning("%s is ignored on the CPU device", option("gpu_memory"))
     return device
 
 
@@ -127,19 +130,23 @@ def make_optimizer(name: str, adam: AdamWConfig) -> Optimizer:
     try:
         return build_optimizer(name, adam)
     except plugins.PluginError as error:
-        raise UserError(f"--optimizer {name}: {error}") from None
+        raise UserError(f"{option('optimizer', name)}: {error}") from None
 
 
 # -- plan and placement ------------------------------------------------------------------------------------
 def check_nvme_dir(options: RunOptions) -> None:
     """Refuse, before anything is built, a tier on disk without ``--nvme-dir`` (one line naming the flag)."""
     kinds = (
-        ("--offload-optimizer", options.offload_optimizer, planning_kind(state_tier_class(options.offload_optimizer))),
-        ("--offload-activations", options.offload_activations, options.offload_activations),
+        (
+            option("offload_optimizer"),
+            options.offload_optimizer,
+            planning_kind(state_tier_class(options.offload_optimizer)),
+        ),
+        (option("offload_activations"), options.offload_activations, options.offload_activations),
     )
     for flag, name, kind in kinds:
         if kind == "nvme" and options.nvme_dir is None:
-            raise UserError(f"{flag} {name} needs --nvme-dir PATH (a directory on a fast local disk)")
+            raise UserError(f"{flag} {name} needs {option('nvme_dir', 'PATH')} (a directory on a fast local disk)")
 
 
 def place_units(
@@ -263,7 +270,7 @@ def open_engine(
                 device=device,
                 capacity_bytes=sum(a.numel(numel) * a.dtype.itemsize for a in optimizer.state_arrays),
             )
-            state_tier = open_tier(tier_class, request, flag="--offload-optimizer")
+            state_tier = open_tier(tier_class, request, flag=option("offload_optimizer"))
             opened.callback(state_tier.close)
             where = f" ({options.nvme_dir})" if tier_class.on_disk else ""
             log.info("Adam state on the %s tier%s for %d units", state_tier.name, where, len(placement.offloaded))

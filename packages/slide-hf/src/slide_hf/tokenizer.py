@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = ["BYTE_VOCAB_SIZE", "byte_tokenizer", "has_tokenizer", "load_tokenizer"]
 
@@ -63,10 +64,12 @@ def load_tokenizer(model_dir: Path | None, tokenizer_dir: Path | None = None) ->
     if source is None:
         return byte_tokenizer()
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
-        raise UserError(f"--tokenizer {tokenizer_dir} is not a directory")
+        raise UserError(f"{option('tokenizer', tokenizer_dir)} is not a directory")
     if not has_tokenizer(source):
         if tokenizer_dir is not None:
-            raise UserError(f"--tokenizer {tokenizer_dir} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+            raise UserError(
+                f"{option('tokenizer', tokenizer_dir)} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
+            )
         raise UserError(
             f"model directory {model_dir} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
             "pass --tokenizer DIR with the tokenizer it was trained with"

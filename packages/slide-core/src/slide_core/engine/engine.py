@@ -33,7 +33,7 @@ import torch
 from slide_core.checkpoint import load_checkpoint
 from slide_core.device import Device
 from slide_core.host_params import HostParameters
-from slide_core.optim.state_formats import QUANT_BLOCK, StateArray, refuse_other_state_format
+from slide_core.optim.state_formats import QUANT_BLOCK, StateArray, checkpoint_arrays, refuse_other_state_format
 from slide_core.optimizer import Optimizer
 from slide_core.tier import Tier
 from slide_core.unit import SlideModel, Unit
@@ -289,7 +289,7 @@ class Engine(Evaluation):
 
     def _arrays(self) -> tuple[StateArray, ...]:
         """The checkpoint's arrays: the fp32 master, then the optimizer's state as it stores it."""
-        return (StateArray("master"), *self.optimizer.state_arrays)
+        return checkpoint_arrays(self.optimizer.state_arrays)
 
     def _shard_spans(self) -> dict[str, tuple[int, int]] | None:
         """This rank's shard of every unit under data parallel (None in a single-process run)."""

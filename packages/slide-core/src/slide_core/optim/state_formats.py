@@ -57,6 +57,8 @@ __all__ = [
     "StateArray",
     "StateFormat",
     "StateFormatMismatch",
+    "checkpoint_arrays",
+    "checkpoint_bytes",
     "checkpoint_state_format",
     "codec_scratch_bytes",
     "decode_moments",
@@ -127,6 +129,19 @@ def state_arrays(state_format: str, names: Sequence[str] = ("exp_avg", "exp_avg_
             StateArray(f"{v}_scale", torch.float32, QUANT_BLOCK),
         )
     raise ValueError(f"optimizer state format must be one of {', '.join(STATE_FORMATS)}, got {state_format!r}")
+
+
+def checkpoint_arrays(state: Sequence[StateArray]) -> tuple[StateArray, ...]:
+    """The arrays of a checkpoint, in file order: the fp32 master, then the optimizer's ``state`` arrays as it
+    stores them. ``Engine.checkpoint_arrays`` writes exactly these, and planners price them with
+    :func:`checkpoint_bytes`, so a plan's checkpoint size is the size of the files."""
+    return (StateArray("master"), *state)
+
+
+def checkpoint_bytes(arrays: Sequence[StateArray], unit_numels: Sequence[int]) -> int:
+    """Bytes of the array files of one checkpoint of units of ``unit_numels`` (``state.json`` aside, a few
+    KiB): each array holds ``array.numel(n)`` entries per unit, as ``StateSource`` counts them."""
+    return sum(array.numel(numel) * array.dtype.itemsize for array in arrays for numel in unit_numels)
 
 
 def state_bytes_per_param(state_format: str) -> float:

@@ -125,6 +125,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--inter-gbps", type=float, default=25.0, help="data parallel: GB/s per GPU between hosts (default 25)"
     )
+    parser.add_argument(
+        "--keep-checkpoints", type=int, default=2, help="checkpoints slide train keeps, for the disk (default 2)"
+    )
+    parser.add_argument(
+        "--save-best", action="store_true", help="slide train keeps the best checkpoint too, for the disk"
+    )
+    parser.add_argument(
+        "--save-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="dtype of the exported model, for the disk (default auto: the model's)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--check", action="store_true", help="exit with status 2 when the plan does not fit")
     return parser
@@ -165,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if gpu_cap is not None and plan.gpu_peak_bytes <= gpu_cap and not distributed:
         plan = plan_with_placement(inputs)  # spare GPU memory holds whole units (master + Adam state)
     dp = _data_parallel(plan, args) if distributed else None
+    outputs = _output_disk(model, args)
     problem = _positions_problem(model, args.seq_len)
     try:
         check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source)
@@ -174,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         payload = {"model": args.model, "dtype": args.dtype, **plan.to_dict(), "fits": problem is None}
         payload.update({"optimizer": optimizer, "optimizer_state": args.optimizer_state})
         payload.update({"master": inputs.master_format})
-        payload.update({"state_tier": args.offload_optimizer})
+        payload.update({"state_tier": args.offload_optimizer, "output_disk": outputs.to_dict()})
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
         if dp is not None:
             payload["data_parallel"] = dp.to_dict()
@@ -188,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
             problem=problem,
             optimizer=f"{optimizer}, {_state_words(args.optimizer_state)}Adam state on {args.offload_optimizer}, "
             f"{inputs.master_format} master",
+            outputs=outputs,
         )
         print(text)
         if dp is not None:
@@ -211,7 +225,7 @@ def _check_options(args: argparse.Namespace) -> None:
     """The numbers `slide plan` shares with `slide train`, refused by the same rules (finite, in range)."""
     from slide_hf.options import check_data_parallel, check_option
 
-    for name in ("batch_size", "seq_len", "grad_accum", "nvme_fraction", "block_slots"):
+    for name in ("batch_size", "seq_len", "grad_accum", "nvme_fraction", "block_slots", "keep_checkpoints"):
         check_option(name, getattr(args, name))
     for name in ("device", "optimizer", "offload_optimizer"):
         check_option(name, getattr(args, name))
@@ -222,6 +236,26 @@ def _check_options(args: argparse.Namespace) -> None:
     for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):
         if not (math.isfinite(value) and value > 0):
             raise UserError(f"{flag} must be a finite number > 0, got {value}")
+
+
+def _output_disk(model: Any, args: argparse.Namespace) -> Any:
+    """The checkpoints and export of a `slide train` run of ``model`` with these options, priced by what
+    writes them (slide_hf/planner/output_disk.py)."""
+    import torch
+
+    from slide_core.optim.state_formats import state_arrays
+    from slide_hf.export import resolve_dtype
+    from slide_hf.planner.output_disk import output_disk
+
+    export_dtype = resolve_dtype(None if args.save_dtype == "auto" else args.save_dtype, model.config)
+    return output_disk(
+        [unit.layout.numel for unit in model.units],
+        state_arrays(args.optimizer_state),
+        params=sum(unit.layout.param_numel for unit in model.units),
+        export_itemsize=torch.empty((), dtype=export_dtype).element_size(),
+        keep_checkpoints=args.keep_checkpoints,
+        save_best=args.save_best,
+    )
 
 
 def _master_format(master: str, dtype: str) -> str:
@@ -298,9 +332,17 @@ def _gpu_budget(text: str | None, device_name: str) -> tuple[int | None, str]:
 
 
 def render(
-    plan: Plan, *, model_name: str, dtype: str, gpu_source: str, problem: str | None, optimizer: str | None = None
+    plan: Plan,
+    *,
+    model_name: str,
+    dtype: str,
+    gpu_source: str,
+    problem: str | None,
+    optimizer: str | None = None,
+    outputs: Any = None,
 ) -> str:
-    """The human-readable table; ``optimizer`` says which host optimizer and state tier were planned."""
+    """The human-readable table; ``optimizer`` says which host optimizer and state tier were planned,
+    ``outputs`` (an ``OutputDisk``) what the run's checkpoints and export take."""
     i = plan.inputs
     lines = [
         f"{model_name}: {plan.params / 1e9:.2f} B params, batch {i.batch_size} x seq {i.seq_len} x accum "
@@ -314,7 +356,18 @@ def render(
     lines.append(_row("on the GPU", resident, "units whose master and Adam state live on the GPU"))
     lines.append(_row("host peak", format_bytes(plan.host_peak_bytes)))
     lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v)) for k, v in plan.host_breakdown.items() if v]
-    lines.append(_row("disk", format_bytes(plan.disk_bytes)))
+    lines.append(_row("disk", format_bytes(plan.disk_bytes), "NVMe: offloaded Adam state and activations"))
+    if outputs is not None:
+        lines.append(_row("output disk", format_bytes(outputs.total_bytes), "checkpoints and the exported model"))
+        lines.append(
+            _row(
+                "  checkpoints",
+                format_bytes(outputs.checkpoints_bytes),
+                f"{outputs.checkpoints_at_once} at once (kept, best, the one being written) x "
+                f"{format_bytes(outputs.checkpoint_bytes)}",
+            )
+        )
+        lines.append(_row("  export", format_bytes(outputs.export_bytes), "the HF model directory"))
     lines.append(_row("params", f"{plan.params:,}"))
     lines.append(_row("max batch", _max_batch(plan, gpu_source)))
     lines.append(

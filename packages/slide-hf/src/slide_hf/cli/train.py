@@ -85,8 +85,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--adam-beta1", type=float, help="default 0.9")
     add("--adam-beta2", type=float, help="default 0.999")
     add("--adam-eps", type=float, help="default 1e-8")
-    add("--lr-schedule", choices=("constant", "linear", "cosine"), help="default linear")
+    add(
+        "--lr-schedule",
+        choices=("constant", "linear", "cosine", "wsd"),
+        help="default linear; wsd: warmup, stable at --lr, then a decay over the last --decay-fraction of the steps",
+    )
     add("--warmup-steps", type=int, help="linear warmup steps (default 0)")
+    add("--min-lr-ratio", type=float, help="lr floor after warmup, as a fraction of --lr, in [0, 1) (default 0)")
+    add("--decay-fraction", type=float, help="wsd: fraction of the steps that decay, in (0, 1] (default 0.1)")
+    add("--decay-shape", choices=("linear", "cosine"), help="wsd: shape of the decay to the floor (default linear)")
+    add(
+        "--allow-data-change",
+        action="store_true",
+        default=None,
+        help="with --resume: train on data that changed since the checkpoint, from the saved position",
+    )
     add("--max-grad-norm", type=float, help="global gradient-norm clip, 0 = off (default 0)")
     add("--seed", type=int, help="seed for init and shuffling (default 0)")
     add("--no-shuffle", action="store_true", default=None, help="keep file order")

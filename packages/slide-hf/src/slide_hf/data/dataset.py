@@ -33,6 +33,7 @@ from slide_hf.data.storage import (
     RowWriter,
     cache_key,
     read_meta,
+    rows_digest,
     tokenizer_fingerprint,
     write_meta,
 )
@@ -70,6 +71,8 @@ class Dataset:
     position_ids: torch.Tensor
     source: str
     stats: DataStats
+    digest: str = ""
+    """SHA-256 of the prepared rows (storage.rows_digest): equal digests, equal training data."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -192,12 +195,14 @@ def _open(directory: Path, meta: dict[str, Any], name: str) -> tuple[Dataset, Da
     for split, stats in meta["splits"].items():
         files = RowFiles(directory / split, int(stats["rows"]), seq_len)
         source = name if split == "train" else f"{name} (eval split)"
+        digest = meta.get("digests", {}).get(split) or rows_digest(directory / split)
         splits[split] = Dataset(
             files.tensors["input_ids"],
             files.tensors["labels"],
             files.tensors["position_ids"],
             source,
             DataStats(**stats),
+            digest,
         )
     return splits["train"], splits.get("eval")
 
@@ -315,6 +320,7 @@ def _build(
         "seq_len": options.seq_len,
         "source": reader.name,
         "splits": {name: asdict(value) for name, value in stats.items()},
+        "digests": {name: split.writer.digest for name, split in splits.items()},
         "notes": notes,
     }
     write_meta(directory, meta)

@@ -37,6 +37,7 @@ __all__ = [
     "RowWriter",
     "cache_key",
     "read_meta",
+    "rows_digest",
     "tokenizer_fingerprint",
     "write_meta",
 ]
@@ -85,19 +86,46 @@ class RowWriter:
         self.tokens = 0
         self.loss_tokens = 0
         self._handles: dict[str, BinaryIO] = {name: (directory / f"{name}.int32").open("wb") for name in _ARRAYS}
+        self._hashes = {name: hashlib.sha256() for name in _ARRAYS}
 
     def write(self, block: Rows) -> None:
         for name in _ARRAYS:
-            self._handles[name].write(np.ascontiguousarray(getattr(block, name), dtype=np.int32).tobytes())
+            data = np.ascontiguousarray(getattr(block, name), dtype=np.int32).tobytes()
+            self._handles[name].write(data)
+            self._hashes[name].update(data)
         rows = block.input_ids.shape[0]
         self.rows += rows
         self.tokens += block.tokens
         self.loss_tokens += int((block.labels != -100).sum())
 
+    @property
+    def digest(self) -> str:
+        """:func:`rows_digest` of what was written, computed as it was written."""
+        return _combine({name: hashed.hexdigest() for name, hashed in self._hashes.items()})
+
     def close(self) -> None:
         for handle in self._handles.values():
             if not handle.closed:
                 handle.close()
+
+
+def _combine(digests: dict[str, str]) -> str:
+    return hashlib.sha256("|".join(digests[name] for name in _ARRAYS).encode("ascii")).hexdigest()
+
+
+def rows_digest(directory: Path) -> str:
+    """A SHA-256 over one split's prepared rows (each array file hashed, then the three hashes): what a
+    resumed run compares to know it trains on the rows the checkpoint's data position counts in, whatever
+    the source file's path or modification time. Builds record it in ``meta.json``; this reads the files
+    for an entry prepared before that."""
+    digests = {}
+    for name in _ARRAYS:
+        hashed = hashlib.sha256()
+        with (directory / f"{name}.int32").open("rb") as handle:
+            while chunk := handle.read(1 << 24):
+                hashed.update(chunk)
+        digests[name] = hashed.hexdigest()
+    return _combine(digests)
 
 
 class RowFiles:

@@ -1,0 +1,111 @@
+"""Disk of a run's output directory: its checkpoints and the exported HF model.
+
+One checkpoint is priced by the code that decides what a checkpoint holds (``checkpoint_arrays`` and
+``checkpoint_bytes`` in slide_core's optim/state_formats.py, which the engine writes from): the fp32
+master and the optimizer's moments as ``--optimizer-state`` stores them, about 12 B/param in fp32. How
+many exist at once follows the retention rule of docs/checkpoints.md: the newest ``--keep-checkpoints``,
+the best one when ``--save-best`` keeps an older one, and the one being written (the previous ones stay
+until it is published). The export is every parameter once in the export dtype.
+
+`slide plan` shows these numbers; `slide train` refuses, before loading anything, an output disk that
+cannot hold one checkpoint and the export (:func:`check_output_disk`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from slide_core.optim.state_formats import StateArray, checkpoint_arrays, checkpoint_bytes
+from slide_hf.errors import UserError
+from slide_hf.sizes import format_bytes
+from slide_hf.spelling import option
+
+__all__ = ["OutputDisk", "check_output_disk", "checkpoints_at_once", "free_bytes", "output_disk"]
+
+log = logging.getLogger("slide.train")
+
+
+@dataclass(frozen=True)
+class OutputDisk:
+    """Bytes one checkpoint takes, how many exist at once at most, and the exported model's bytes."""
+
+    checkpoint_bytes: int
+    checkpoints_at_once: int
+    export_bytes: int
+
+    @property
+    def checkpoints_bytes(self) -> int:
+        return self.checkpoint_bytes * self.checkpoints_at_once
+
+    @property
+    def total_bytes(self) -> int:
+        """The most the run's checkpoints and export take together."""
+        return self.checkpoints_bytes + self.export_bytes
+
+    @property
+    def minimum_bytes(self) -> int:
+        """Less than this and the run cannot finish: one checkpoint and the export."""
+        return self.checkpoint_bytes + self.export_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "checkpoints_bytes": self.checkpoints_bytes, "total_bytes": self.total_bytes}
+
+
+def checkpoints_at_once(keep_checkpoints: int, save_best: bool) -> int:
+    """The newest ``keep_checkpoints``, an older best one, and the one being written."""
+    return keep_checkpoints + int(save_best) + 1
+
+
+def output_disk(
+    unit_numels: Sequence[int],
+    state: Sequence[StateArray],
+    *,
+    params: int,
+    export_itemsize: int,
+    keep_checkpoints: int,
+    save_best: bool,
+) -> OutputDisk:
+    """The output disk of a run of units of ``unit_numels`` whose optimizer keeps ``state`` arrays,
+    exporting ``params`` parameters of ``export_itemsize`` bytes."""
+    return OutputDisk(
+        checkpoint_bytes(checkpoint_arrays(state), unit_numels),
+        checkpoints_at_once(keep_checkpoints, save_best),
+        params * export_itemsize,
+    )
+
+
+def free_bytes(directory: Path) -> int:
+    """Free bytes on the file system of ``directory`` (its nearest existing ancestor) for this user."""
+    path = Path(directory).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_output_disk(directory: Path, need: OutputDisk) -> None:
+    """Refuse in one line an output disk that cannot hold one checkpoint and the export; warn when it holds
+    that but not every checkpoint the retention keeps at once."""
+    free = free_bytes(directory)
+    if free < need.minimum_bytes:
+        raise UserError(
+            f"the disk of {directory} has {format_bytes(free)} free, but one checkpoint takes "
+            f"{format_bytes(need.checkpoint_bytes)} and the exported model {format_bytes(need.export_bytes)}; "
+            f"free space there or choose another {option('output')}"
+        )
+    if free < need.total_bytes:
+        log.warning(
+            "the disk of %s has %s free; up to %d checkpoints of %s and the %s export may exist at once (%s): "
+            "lower %s or free space before the later saves fail",
+            directory,
+            format_bytes(free),
+            need.checkpoints_at_once,
+            format_bytes(need.checkpoint_bytes),
+            format_bytes(need.export_bytes),
+            format_bytes(need.total_bytes),
+            option("keep_checkpoints"),
+        )
