@@ -1,0 +1,94 @@
+"""bench/gpu_matrix.py, the GPU acceptance run: its CPU quick mode runs every row on tiny models (so the script
+cannot rot between GPU runs), and its checks fail what they exist to catch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_matrix.py"
+
+
+def _matrix():
+    spec = importlib.util.spec_from_file_location("gpu_matrix", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules["gpu_matrix"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _unit(kind: str, resident: bool, forward: float, backward: float, dense: int = 10**9) -> dict:
+    return {
+        "kind": kind,
+        "resident": resident,
+        "forward": forward,
+        "backward": backward,
+        "dense_matmul_params": dense,
+        "has_experts": False,
+    }
+
+
+def test_a_streamed_block_15x_slower_than_its_resident_twin_fails() -> None:
+    matrix = _matrix()
+    units = {
+        "block.0": _unit("Gemma3DecoderLayer:sliding#1", True, 12.0, 40.0),
+        "block.1": _unit("Gemma3DecoderLayer:sliding#1", False, 180.0, 250.0),
+        "block.2": _unit("Gemma3DecoderLayer:sliding#1", False, 170.0, 240.0),
+    }
+    (entry,) = matrix.block_speeds(units, tokens=16384, matmul_tflops=790.0)
+    assert entry["forward_ratio"] == pytest.approx(175 / 12, rel=1e-2)
+    assert len(entry["problems"]) == 2  # forward and backward
+    units["block.1"].update(forward=13.0, backward=44.0)
+    units["block.2"].update(forward=14.0, backward=46.0)
+    (entry,) = matrix.block_speeds(units, tokens=16384, matmul_tflops=790.0)
+    assert entry["problems"] == []
+
+
+def test_a_streamed_block_without_twin_is_held_to_the_matmul_rate() -> None:
+    matrix = _matrix()
+    # 218M dense parameters, 16K tokens: 2 * 218e6 * 16384 FLOP forward in 10 ms is ~714 TFLOP/s (90 %)
+    fast = {"block.0": _unit("Llama#1", False, 10.0, 30.0, dense=218_000_000)}
+    (entry,) = matrix.block_speeds(fast, tokens=16384, matmul_tflops=790.0)
+    assert entry["forward_matmul_share"] == pytest.approx(0.904, abs=0.01) and entry["problems"] == []
+    slow = {"block.0": _unit("Llama#1", False, 150.0, 450.0, dense=218_000_000)}
+    (entry,) = matrix.block_speeds(slow, tokens=16384, matmul_tflops=790.0)
+    assert len(entry["problems"]) == 2
+
+
+def test_peaks_beyond_the_plan_fail_their_row() -> None:
+    matrix = _matrix()
+    outcome = matrix.Outcome(matrix.rows()[0], [])
+    matrix.check_peak(outcome, "gpu", 10.9, 10.59, matrix.GPU_SLACK)
+    assert outcome.ok
+    matrix.check_peak(outcome, "host", 19.43, 17.81, matrix.HOST_SLACK)
+    assert not outcome.ok and "host peak 19.43 GiB > plan 17.81 GiB + 5 %" in outcome.failures[0]
+
+
+@pytest.mark.slow
+def test_every_row_runs_in_the_cpu_quick_mode(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(tmp_path), "--scratch", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_matrix.json").read_text())
+    names = [row["name"] for row in report["rows"]]
+    assert names == [row.name for row in _matrix().rows()]
+    for row in report["rows"]:
+        if row["skipped"]:
+            assert "+fla" in row["name"]  # flash-linear-attention is not installed here
+            continue
+        assert row["ok"], row
+        assert row["losses"] and all(isinstance(x, float) for x in row["losses"])
+    table = (tmp_path / "gpu_matrix.md").read_text()
+    assert table.startswith("Command: `python bench/gpu_matrix.py --device cpu --quick")
+    assert "| state bf16 | ok |" in table
