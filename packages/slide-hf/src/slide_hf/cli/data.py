@@ -3,7 +3,8 @@
 The data goes through the same pipeline as `slide train` (same tokenizer resolution, chat template, masks,
 packing), so what it shows is what training sees. The first --show examples are printed before packing
 with the text that carries loss marked: in colour on a terminal, between [[ and ]] otherwise. A
-summary follows: examples, rows, tokens, loss tokens, padding, truncated and skipped examples.
+summary follows: examples, rows, tokens, loss tokens, padding, truncated and skipped examples, and how
+many assistant turns' reasoning the chat template drops (never trained).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def _runs(record: Any) -> list[tuple[list[int], bool]]:
 
 def _example_json(record: Any, tokenizer: Any) -> dict[str, Any]:
     ids = [token for document in record.documents for token in document.input_ids.tolist()]
+    spans = [tokenizer.decode(run) for run, carries_loss in _runs(record) if carries_loss]
     trained = [
         token
         for document in record.documents
@@ -137,6 +139,7 @@ def _example_json(record: Any, tokenizer: Any) -> dict[str, Any]:
         "where": record.where,
         "text": tokenizer.decode(ids),
         "trained_text": tokenizer.decode(trained),
+        "trained_spans": spans,
         "tokens": len(ids),
         "loss_tokens": len(trained),
         "cut": record.cut,
@@ -160,7 +163,10 @@ def _example_text(record: Any, tokenizer: Any, *, colour: bool) -> str:
 
 
 def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
+    from slide_hf.data.dataset import dropped_reasoning_line
+
     marked = "in colour" if colour else f"between {_OPEN} and {_CLOSE}"
+    dropped = summary["dropped_reasoning_turns"]
     return "\n".join(
         [
             f"summary of {summary['source']} (seq-len {summary['seq_len']}, packing {'on' if summary['packing'] else 'off'}; "
@@ -172,5 +178,6 @@ def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
             f"  padding             {summary['padding_fraction']:.1%}",
             f"  truncated examples  {summary['truncated_examples']}",
             f"  skipped examples    {summary['skipped_examples']}",
+            *([f"  {dropped_reasoning_line(dropped)}"] if dropped else []),
         ]
     )
