@@ -110,6 +110,23 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["data", "--show", "-1"]) == 2
 
 
+def test_unknown_role_is_named_with_the_accepted_ones(tmp_path, capsys):
+    chat = [{"role": "user", "content": "Hi"}, {"role": "gpt", "content": "Hello!"}]
+    path = _data(tmp_path, {"messages": CONVERSATIONS["one turn"]}, {"messages": chat})
+    tokenizer = str(_tokenizer_dir(tmp_path))
+    assert main(["data", "--model", "qwen3-8b", "--data", str(path), "--tokenizer", tokenizer, "--show", "0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"slide data: error: {path}:2: messages[1].role is 'gpt'; accepted roles: system, user, assistant, tool "
+        '(ShareGPT turns, from "human"/"gpt", go in "conversations")'
+    )
+    # The same turns as ShareGPT are the supported schema for those names.
+    sharegpt = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]
+    path = _data(tmp_path, {"conversations": sharegpt})
+    assert main(["data", "--model", "qwen3-8b", "--data", str(path), "--tokenizer", tokenizer, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert shown["trained_text"] == "<think>\n\n</think>\n\nHello!<|im_end|>\n"
+
+
 def test_preset_with_bundled_text_and_no_packing(capsys):
     assert main(["data", "--model", "tiny-llama", "--seq-len", "64", "--show", "0", "--no-packing", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
