@@ -127,6 +127,15 @@ def test_unknown_role_is_named_with_the_accepted_ones(tmp_path, capsys):
     assert shown["trained_text"] == "<think>\n\n</think>\n\nHello!<|im_end|>\n"
 
 
+def test_seq_len_defaults_to_2048_and_to_the_demos_own_on_the_bundled_text(tmp_path, capsys):
+    path = _data(tmp_path, {"messages": CONVERSATIONS["one turn"]})
+    args = ["data", "--model", "qwen3-8b", "--data", str(path), "--tokenizer", str(_tokenizer_dir(tmp_path))]
+    assert main([*args, "--show", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["seq_len"] == 2048  # Qwen3-8B has 40960 positions
+    assert main(["data", "--model", "tiny-llama", "--show", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["seq_len"] == 128  # slide train's demo rows
+
+
 def test_preset_with_bundled_text_and_no_packing(capsys):
     assert main(["data", "--model", "tiny-llama", "--seq-len", "64", "--show", "0", "--no-packing", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]

@@ -56,6 +56,7 @@ from slide_core.engine import Engine, EngineError
 from slide_core.optim.state_formats import StateFormatMismatch
 from slide_core.sharded_checkpoint import save_sharded_checkpoint
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
+from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.launch import share_host_cores
@@ -160,8 +161,10 @@ def _train(
     """``group``: this rank of a data-parallel run (open); None for one process."""
     main = group is None or group.rank == 0  # the rank that owns the run directory
     torch.manual_seed(cfg.seed)
-    options = _run_options(cfg)
     model = _setup_model(cfg)
+    # The default row length depends on the model (its context length) and the data (the demo's own).
+    cfg = dataclasses.replace(cfg, seq_len=resolve_seq_len(cfg.seq_len, model.config, bundled_text=cfg.data is None))
+    options = _run_options(cfg)
     data = _setup_data_once(cfg, model, run_dir.path, group)
     check_nvme_dir(options)  # before the device: a missing --nvme-dir is the user's to fix, not the machine's
     device = _setup_device(options, group)
@@ -294,7 +297,8 @@ def _setup_data(cfg: TrainConfig, model: _Model, output: Path, group: ProcessGro
     """Rows (prepared once, cached in the run directory), batches, the number of steps and the LR schedule.
     With data parallel each rank's batches are its rows of every step's global batch."""
     config = model.config
-    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    max_positions = model_positions(config)
+    assert cfg.seq_len is not None  # resolved by _train
     data_options = DataOptions(
         seq_len=cfg.seq_len,
         packing=cfg.packing,
@@ -306,7 +310,7 @@ def _setup_data(cfg: TrainConfig, model: _Model, output: Path, group: ProcessGro
     dataset, eval_set = _load_data(cfg, model.tokenizer, data_options, output / DATA_CACHE)
     ranks = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed, **ranks)
-    epochs = cfg.epochs or (10 if cfg.data is None else 1)
+    epochs = cfg.epochs or (DEMO_EPOCHS if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
     lr = cfg.lr if cfg.lr is not None else (1e-3 if model.model_dir is None else 2e-5)
     schedule = LRSchedule(lr, cfg.lr_schedule, cfg.warmup_steps, total_steps)
