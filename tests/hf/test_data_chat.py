@@ -8,12 +8,13 @@ prefix method on every multi-turn conversation; the bundled twin must take over 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 
 import pytest
 from test_data_templates import CONVERSATIONS
-from test_data_tokenizer import QWEN3, QWEN25, assistant_turns, chat_tokenizer
+from test_data_tokenizer import FIXTURES, QWEN3, QWEN25, assistant_turns, chat_tokenizer
 
 from slide_hf.data import IGNORE, DataOptions, preview
 from slide_hf.data.chat import ChatEncoder
@@ -125,6 +126,29 @@ def test_unknown_template_that_re_renders_is_masked_from_the_final_render(tmp_pa
     records = preview(path, tok, OPTIONS, len(CHAT_NAMES))
     for name, record in zip(CHAT_NAMES, records, strict=True):
         _check_exact(tok, edited, CONVERSATIONS[name], record.documents[0])
+
+
+def test_deepseek_r1_template_is_masked_from_the_final_render():
+    """A second re-rendering template with no twin: DeepSeek-R1-Distill's drops every reply's reasoning and
+    prefills ``<think>\\n`` in its generation prompt, which its rendered replies lack."""
+    tok = chat_tokenizer((FIXTURES / "deepseek-r1-distill.jinja").read_text(encoding="utf-8"))
+    specials = ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4"},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "<think>\nThree and three.\n</think>\n\n6"},
+    ]
+    encoder = ChatEncoder(tok, resolve_template(tok, None), train_on_inputs=False)
+    (encoded,) = encoder.encode([ChatExample("c:1", messages)])
+    assert encoder.final_render and encoded.dropped_reasoning == 2
+    trained = [
+        token if label != IGNORE else None for token, label in zip(encoded.input_ids, encoded.labels, strict=True)
+    ]
+    runs = [tok.decode(list(run)) for key, run in itertools.groupby(trained, key=lambda t: t is not None) if key]
+    assert runs == ["\n\n4<｜end▁of▁sentence｜>", "\n\n6<｜end▁of▁sentence｜>"]
 
 
 def test_template_that_loses_an_assistant_message_is_refused_naming_it(tmp_path):

@@ -36,11 +36,22 @@ def test_markers_come_from_the_prefix_renders():
     )
 
 
+def test_a_prefilled_generation_prompt_opens_replies_at_the_role_header():
+    """DeepSeek-R1's prompt ends with ``<think>\\n`` for the model to reason after; its rendered replies lack
+    it, so the opening is the part of the prompt the reply shares."""
+    before = "Sys.<｜User｜>2+2?"
+    through = before + "<｜Assistant｜>\n\n4<｜end▁of▁sentence｜>"
+    specials = ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]
+    marks = turn_markers(before, before + "<｜Assistant｜><think>\n", through, specials)
+    assert marks == TurnMarkers("<｜Assistant｜>", "<｜end▁of▁sentence｜>", "")
+
+
 def test_no_markers_when_the_renders_do_not_show_them():
     before = "<|im_start|>user\nHi<|im_end|>\n"
     assert turn_markers(None, before, before, CHATML) is None  # a render failed
     assert turn_markers(before, before, before + "Hello!<|im_end|>\n", CHATML) is None  # no generation prompt
     assert turn_markers(before, before + "A: ", before + "A: Hello!\n", CHATML) is None  # no special token ends it
+    assert turn_markers(before, before + "<|im_start|>assistant\n", "Hi" + before, CHATML) is None  # re-rendered
 
 
 def test_replies_are_found_in_order_and_named_when_lost():

@@ -5,7 +5,8 @@ every reply before the last user query) defeats masking by prefix renders, but t
 text a run trains on, still holds every reply the template kept. This module finds them in that text:
 
 - a reply opens with the template's *generation prompt*: what rendering ``messages[:i]`` with
-  ``add_generation_prompt`` adds to rendering it without (``<|im_start|>assistant\\n`` for ChatML);
+  ``add_generation_prompt`` adds to rendering it without (``<|im_start|>assistant\\n`` for ChatML), as far
+  as the template also renders it before the reply;
 - it closes with the *end of turn*: the last special token of the reply as the template renders it when
   it is the last message, with the text after it there (``<|im_end|>`` and ``\\n``);
 - assistant message ``i`` is the text after the next opening (from where the previous reply closed)
@@ -62,21 +63,24 @@ def turn_markers(
     before: str | None, before_with_prompt: str | None, through: str | None, special_tokens: Sequence[str]
 ) -> TurnMarkers | None:
     """The markers of one reply from three renders: the messages before it without and with the generation
-    prompt, and the messages through it. None when the renders do not show them (a render failed, the
-    template adds no generation prompt, or the reply ends with no special token)."""
+    prompt, and the messages through it. The opening is the part of the generation prompt the template
+    also renders before the reply: all of it for ChatML; for a prompt that prefills reasoning
+    (``<｜Assistant｜><think>\\n``) which the rendered reply lacks, the role header before it. None when the
+    renders do not show the markers (a render failed, the earlier turns render differently, no generation
+    prompt, or the reply ends with no special token)."""
     if before is None or before_with_prompt is None or through is None:
         return None
-    if not before_with_prompt.startswith(before) or len(before_with_prompt) == len(before):
+    if not before_with_prompt.startswith(before) or not through.startswith(before):
         return None
-    opening = before_with_prompt[len(before) :]
-    if through.startswith(before_with_prompt):
-        reply = through[len(before_with_prompt) :]
-    elif opening in through:
-        reply = through[through.rindex(opening) + len(opening) :]
-    else:
+    prompt, reply = before_with_prompt[len(before) :], through[len(before) :]
+    shared = next(
+        (i for i, (a, b) in enumerate(zip(prompt, reply, strict=False)) if a != b), min(len(prompt), len(reply))
+    )
+    opening = prompt[:shared]
+    if not opening:
         return None
-    last = max(((reply.rfind(token), token) for token in special_tokens if token), default=(-1, ""))
-    position, closing = last
+    reply = reply[len(opening) :]
+    position, closing = max(((reply.rfind(token), token) for token in special_tokens if token), default=(-1, ""))
     if position < 0:
         return None
     return TurnMarkers(opening, closing, reply[position + len(closing) :])
