@@ -37,6 +37,12 @@ def test_bench_prints_and_writes_one_result(slide, tmp_path) -> None:
     assert engine["nvme_state_units"] == [] and engine["planned_disk_bytes"] == 0
 
 
+def test_bench_seq_len_defaults_to_2048_or_the_models_context_length(slide) -> None:
+    status, out, err = slide("bench", "--model", "test-gpt2", "--batch-size", "1", "--steps", "2", "--warmup", "1")
+    assert status == 0, err
+    assert json.loads(out)["seq_len"] == 64  # test-gpt2 has 64 positions, fewer than 2048
+
+
 def test_bench_offloads_adam_state_to_nvme_with_identical_losses(slide, tmp_path) -> None:
     _, out, _ = slide("bench", *TINY)
     in_ram = json.loads(out)

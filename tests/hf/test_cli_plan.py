@@ -55,6 +55,16 @@ def test_plan_tiny_llama_table(slide):
     assert "larger batches raise overlap" in out  # a tiny batch cannot hide the optimizer
 
 
+def test_plan_seq_len_defaults_to_2048_or_the_models_context_length(slide):
+    status, out, err = slide("plan", "--model", "tiny-llama", "--json")
+    assert status == 0, err
+    assert json.loads(out)["inputs"]["seq_len"] == 2048
+    status, out, err = slide("plan", "--model", "test-gpt2", "--json")  # 64 positions
+    assert status == 0, err
+    plan = json.loads(out)
+    assert plan["inputs"]["seq_len"] == 64 and plan["problem"] is None
+
+
 def test_plan_tiny_llama_json(slide):
     status, out, _ = slide("plan", "--model", "tiny-llama", "--seq-len", "128", "--gpu-memory", "4GiB", "--json")
     assert status == 0

@@ -8,12 +8,13 @@ prefix method on every multi-turn conversation; the bundled twin must take over 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 
 import pytest
 from test_data_templates import CONVERSATIONS
-from test_data_tokenizer import QWEN3, QWEN25, assistant_turns, chat_tokenizer
+from test_data_tokenizer import FIXTURES, QWEN3, QWEN25, assistant_turns, chat_tokenizer
 
 from slide_hf.data import IGNORE, DataOptions, preview
 from slide_hf.data.chat import ChatEncoder
@@ -74,6 +75,7 @@ def test_qwen3_reasoning_of_earlier_turns_is_dropped_and_the_user_is_never_train
     trained = tok.decode(_trained(record.documents[0]))
     assert trained == "4<|im_end|>\n<think>\nThree and three.\n</think>\n\n6<|im_end|>\n"
     assert "3+3?" not in trained and "Two and two" not in trained
+    assert record.dropped_reasoning == 1  # the first reply's, which the template leaves out
 
 
 @pytest.mark.parametrize("name", CHAT_NAMES)
@@ -106,9 +108,56 @@ def test_prefix_method_and_twin_agree_wherever_both_apply(original, twin):
     assert not by_prefix.template.marked  # the prefix method held for all of them
 
 
-def test_unknown_template_that_re_renders_is_refused_in_one_line(tmp_path):
+def test_unknown_template_that_re_renders_is_masked_from_the_final_render(tmp_path, caplog):
+    """An edited Qwen3 template has no twin: each reply is found in the whole render, and the masks equal
+    the twin's (generation markers, an independent method) on every conversation, tool calls included."""
     edited = "{#- a fine-tuner's copy #}" + QWEN3  # same behaviour, unknown text: no twin
     tok = chat_tokenizer(edited, name="my-org/qwen3-edit")
+    batch = [ChatExample(f"c:{i}", CONVERSATIONS[name]) for i, name in enumerate(CHAT_NAMES)]
+    by_render = ChatEncoder(tok, resolve_template(tok, None), train_on_inputs=False)
+    assert by_render.template.twin is None
+    with caplog.at_level(logging.INFO, logger="slide.data"):
+        encoded = by_render.encode(batch)
+    assert by_render.final_render and "masking each assistant message where it appears" in caplog.text
+    by_twin = ChatEncoder(tok, resolve_template(tok, "qwen3"), train_on_inputs=False)
+    assert encoded == by_twin.encode(batch)
+    # Through the pipeline too, with the user's turns untrained.
+    path = _write(tmp_path / "c.jsonl", *({"messages": CONVERSATIONS[name]} for name in CHAT_NAMES))
+    records = preview(path, tok, OPTIONS, len(CHAT_NAMES))
+    for name, record in zip(CHAT_NAMES, records, strict=True):
+        _check_exact(tok, edited, CONVERSATIONS[name], record.documents[0])
+
+
+def test_deepseek_r1_template_is_masked_from_the_final_render():
+    """A second re-rendering template with no twin: DeepSeek-R1-Distill's drops every reply's reasoning and
+    prefills ``<think>\\n`` in its generation prompt, which its rendered replies lack."""
+    tok = chat_tokenizer((FIXTURES / "deepseek-r1-distill.jinja").read_text(encoding="utf-8"))
+    specials = ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4"},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "<think>\nThree and three.\n</think>\n\n6"},
+    ]
+    encoder = ChatEncoder(tok, resolve_template(tok, None), train_on_inputs=False)
+    (encoded,) = encoder.encode([ChatExample("c:1", messages)])
+    assert encoder.final_render and encoded.dropped_reasoning == 2
+    trained = [
+        token if label != IGNORE else None for token, label in zip(encoded.input_ids, encoded.labels, strict=True)
+    ]
+    runs = [tok.decode(list(run)) for key, run in itertools.groupby(trained, key=lambda t: t is not None) if key]
+    assert runs == ["\n\n4<｜end▁of▁sentence｜>", "\n\n6<｜end▁of▁sentence｜>"]
+
+
+def test_template_that_loses_an_assistant_message_is_refused_naming_it(tmp_path):
+    loses_replies = (  # renders a reply only when it ends the conversation
+        "{%- for m in messages %}{%- if m.role != 'assistant' or loop.last %}"
+        "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    tok = chat_tokenizer(loses_replies, name="my-org/forgetful")
     path = _write(
         tmp_path / "c.jsonl",
         {"messages": CONVERSATIONS["one turn"]},
@@ -116,18 +165,14 @@ def test_unknown_template_that_re_renders_is_refused_in_one_line(tmp_path):
     )
     with pytest.raises(UserError) as info:
         preview(path, tok, OPTIONS, 2)
-    message = str(info.value)
-    assert message == (
-        f"{path}:2: the chat template of my-org/qwen3-edit re-renders earlier turns (turn 3 differs between the "
-        "prefix and the full conversation); pass --chat-template FILE with {% generation %} markers"
+    assert str(info.value) == (
+        f"{path}:2: message 3 (assistant) does not appear in the rendered conversation (its content is not in "
+        "the reply found there); the chat template of my-org/forgetful loses it: pass --chat-template FILE with "
+        "{% generation %} markers, or a bundled one (chatml, qwen2.5, qwen3)"
     )
-    # The way out works: the same data with a marked template file.
-    marked = tmp_path / "marked.jinja"
-    from slide_hf.data.templates import bundled_template_text
-
-    marked.write_text(bundled_template_text("qwen3"), encoding="utf-8")
-    records = preview(path, tok, DataOptions(seq_len=4096, chat_template=str(marked)), 2)
-    _check_exact(tok, QWEN3, CONVERSATIONS["system and two turns"], records[1].documents[0])
+    # The way out works: the same data with a marked template.
+    records = preview(path, tok, DataOptions(seq_len=4096, chat_template="chatml"), 2)
+    assert tok.decode(_trained(records[1].documents[0])) == "Red.<|im_end|>\nBlue.<|im_end|>\n"
 
 
 def test_template_exception_is_one_line_naming_the_record(tmp_path):

@@ -77,6 +77,10 @@ BAD = [
         "messages[0].reasoning_content must be a string",
     ),
     ({"messages": ["hi"]}, "messages[0] must be an object with 'role' and 'content', got a string"),
+    (
+        {"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]},
+        "messages[1].role is 'bot'; accepted roles: system, user, assistant, tool",
+    ),
     ({"conversations": [{"from": "bot", "value": "x"}]}, "conversations[0].from must be one of human, user, gpt"),
     ({"conversations": [{"from": "human"}]}, "conversations[0] must be an object with 'from' and 'value'"),
     ({"input_ids": [1, True, 3]}, "input_ids[1] must be an integer, got a boolean True"),

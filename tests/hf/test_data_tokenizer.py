@@ -21,6 +21,9 @@ from slide_hf.data import bundled_text_path
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 QWEN3 = (FIXTURES / "qwen3-0.6b.jinja").read_text(encoding="utf-8")
 QWEN25 = (FIXTURES / "qwen2.5-7b-instruct.jinja").read_text(encoding="utf-8")
+# Qwen3's current template (the revision that checks ``message.content is string``): no twin is bundled for
+# it, so multi-turn conversations are masked from the final render.
+QWEN3_CURRENT = (FIXTURES / "qwen3-current.jinja").read_text(encoding="utf-8")
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ADDED = ("<think>", "</think>")  # added but not special, as in Qwen3's tokenizer
 

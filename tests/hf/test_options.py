@@ -44,7 +44,7 @@ def test_choices_list_what_is_accepted(name, value):
 
 def test_defaults_pass_and_none_means_choose_for_me():
     cfg = TrainConfig(lr=None, steps=None, epochs=None)
-    assert cfg.lr is None and cfg.seq_len == 128
+    assert cfg.lr is None and cfg.seq_len is None  # seq_len: resolved against the model (slide_hf/defaults.py)
 
 
 def test_check_option_names_the_callers_flag():

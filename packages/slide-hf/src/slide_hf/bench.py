@@ -19,6 +19,7 @@ logits).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -33,6 +34,7 @@ from typing import Any
 import psutil
 import torch
 
+from slide_hf.defaults import DEFAULT_SEQ_LEN, resolve_seq_len
 from slide_hf.errors import UserError
 from slide_hf.planner.timing import h2d_bytes_per_param, host_bytes_per_param_step
 from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimizer, open_engine, place_units
@@ -44,7 +46,7 @@ __all__ = ["BenchConfig", "describe_unit", "run_bench", "write_trace"]
 class BenchConfig:
     model: str = "llama3.2-3b"
     batch_size: int = 16
-    seq_len: int = 1024
+    seq_len: int | None = None  # None: slide_hf.defaults.resolve_seq_len, resolved by run_bench
     steps: int = 6
     warmup: int = 2
     gpu_memory_gib: float | None = None
@@ -77,7 +79,8 @@ class BenchConfig:
             block_slots=self.block_slots,
             compute_dtype=torch.bfloat16,
             batch_size=self.batch_size,
-            seq_len=self.seq_len,
+            # None only before run_bench resolves it against the model (the CLI's --nvme-dir check).
+            seq_len=self.seq_len or DEFAULT_SEQ_LEN,
             max_grad_norm=self.max_grad_norm,
             report_grad_norm=self.report_grad_norm,
         )
@@ -396,6 +399,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     share_host_cores(1, os.environ)  # as `slide train`, before numba is imported (Note [Host cores per rank])
 
     config, _ = resolve_model(cfg.model)
+    cfg = dataclasses.replace(cfg, seq_len=resolve_seq_len(cfg.seq_len, config))
     total_layers = config.num_hidden_layers
     if cfg.layers is not None:
         from slide_hf.truncate import truncate_layers

@@ -183,7 +183,10 @@ def check_data_parallel(optimizer_state: str, processes: int) -> None:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Every `slide train` option, with the same names (underscores) as the flags and the TOML file."""
+    """Every `slide train` option, with the same names (underscores) as the flags and the TOML file.
+
+    ``None`` where a field allows it means "choose for me": ``steps``/``epochs`` (one epoch, or the demo's),
+    ``lr``, and ``seq_len`` (2048, or the model's context length if shorter; see slide_hf/defaults.py)."""
 
     model: str = "tiny-llama"
     tokenizer: Path | None = None
@@ -192,7 +195,7 @@ class TrainConfig:
     overwrite: bool = False
     device: str = "auto"
     dtype: str = "bfloat16"
-    seq_len: int = 128
+    seq_len: int | None = None  # None: slide_hf.defaults.resolve_seq_len, once the model is known
     packing: bool = True
     train_on_inputs: bool = False
     chat_template: str | None = None

@@ -335,7 +335,7 @@ PRESETS: dict[str, PresetFactory] = {
         query_pre_attn_scalar=144,
         **_gemma2_released(46),
     ),
-    # ---- Gemma 2 as released at demo size: both caps, a window shorter than the default --seq-len 128,
+    # ---- Gemma 2 as released at demo size: both caps, a window shorter than the demo's --seq-len 128,
     # a byte-sized vocabulary (259 tokens) so `slide train --model tiny-gemma2` runs without a tokenizer.
     "tiny-gemma2": _preset(
         "gemma2",

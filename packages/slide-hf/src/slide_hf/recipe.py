@@ -56,6 +56,7 @@ from slide_core.engine import Engine, EngineError
 from slide_core.optim.state_formats import StateFormatMismatch
 from slide_core.sharded_checkpoint import save_sharded_checkpoint
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
+from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.launch import share_host_cores
@@ -171,10 +172,12 @@ def _train(
     """``group``: this rank of a data-parallel run (open); None for one process."""
     main = group is None or group.rank == 0  # the rank that owns the run directory
     torch.manual_seed(cfg.seed)
-    options = _run_options(cfg)
     model = _setup_model(cfg)
     if cfg.lr is None:  # resolved once and saved as a number, so a resume compares numbers
         cfg = dataclasses.replace(cfg, lr=default_lr(from_preset=model.model_dir is None))
+    # The default row length depends on the model (its context length) and the data (the demo's own).
+    cfg = dataclasses.replace(cfg, seq_len=resolve_seq_len(cfg.seq_len, model.config, bundled_text=cfg.data is None))
+    options = _run_options(cfg)
     # Resume: the checkpoint's run state (state.json only) before the data, whose schedule it continues.
     resumed = checkpoint_to_resume(cfg.resume) if cfg.resume is not None else None
     data = _setup_data_once(cfg, model, run_dir.path, group, resumed)
@@ -325,7 +328,8 @@ def _setup_data(
     With data parallel each rank's batches are its rows of every step's global batch. A resumed run is
     refused here when its data changed, and continues the checkpoint's schedule (slide_hf/resume.py)."""
     config = model.config
-    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    max_positions = model_positions(config)
+    assert cfg.seq_len is not None  # resolved by _train
     data_options = DataOptions(
         seq_len=cfg.seq_len,
         packing=cfg.packing,
@@ -339,7 +343,7 @@ def _setup_data(
         check_same_data(*resumed, run_data_digests(cfg, dataset, eval_set), allow=cfg.allow_data_change)
     ranks = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed, **ranks)
-    epochs = cfg.epochs or (10 if cfg.data is None else 1)
+    epochs = cfg.epochs or (DEMO_EPOCHS if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
     lr = cfg.lr if cfg.lr is not None else default_lr(from_preset=model.model_dir is None)
     schedule = LRSchedule(

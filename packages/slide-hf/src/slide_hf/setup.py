@@ -34,6 +34,7 @@ from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import build_optimizer
 from slide_core.tier import Tier, TierRequest
+from slide_hf.defaults import DEFAULT_SEQ_LEN
 from slide_hf.errors import UserError
 from slide_hf.offload import offloaded_units, open_activation_tier, open_tier, planning_kind, state_tier_class
 from slide_hf.spelling import option
@@ -69,7 +70,7 @@ class RunOptions:
     block_slots: int = 2
     compute_dtype: torch.dtype = torch.bfloat16
     batch_size: int = 1
-    seq_len: int = 2048
+    seq_len: int = DEFAULT_SEQ_LEN
     grad_accum: int = 1
     max_grad_norm: float = 0.0
     report_grad_norm: bool = True

@@ -11,6 +11,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from slide_hf.defaults import DEFAULT_SEQ_LEN
 from slide_hf.errors import UserError
 from slide_hf.options import Rule, check_option, installed_names
 from slide_hf.sizes import SIZE_RULE, parse_size
@@ -34,7 +35,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add = parser.add_argument
     add("--model", default="llama3.2-3b", help="preset or HF model directory (default llama3.2-3b)")
     add("--batch-size", type=int, default=16)
-    add("--seq-len", type=int, default=1024)
+    add(
+        "--seq-len",
+        type=int,
+        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's context length if shorter)",
+    )
     add("--steps", type=int, default=6, help="timed steps including warmup (default 6)")
     add("--warmup", type=int, default=2, help="steps excluded from the median (default 2)")
     add("--gpu-memory", help="GPU cap for the engine, e.g. 24 (GiB), 24GiB or 80GB (default: the whole card)")

@@ -3,7 +3,8 @@
 The data goes through the same pipeline as `slide train` (same tokenizer resolution, chat template, masks,
 packing), so what it shows is what training sees. The first --show examples are printed before packing
 with the text that carries loss marked: in colour on a terminal, between [[ and ]] otherwise. A
-summary follows: examples, rows, tokens, loss tokens, padding, truncated and skipped examples.
+summary follows: examples, rows, tokens, loss tokens, padding, truncated and skipped examples, and how
+many assistant turns' reasoning the chat template drops (never trained).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _OPEN, _CLOSE = "[[", "]]"
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     from slide_hf.data import BUNDLED_TEMPLATES
+    from slide_hf.defaults import DEFAULT_SEQ_LEN, DEMO_SEQ_LEN
     from slide_hf.options import TrainConfig
 
     defaults = TrainConfig()
@@ -47,7 +49,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--model", default=defaults.model, help=f"HF model directory, Hub id or preset (default {defaults.model})")
     add("--data", help="data file, datasets directory or Hub dataset (default: the bundled English text)")
     add("--tokenizer", type=Path, help="tokenizer directory (default: the model's; the byte tokenizer for presets)")
-    add("--seq-len", type=int, default=defaults.seq_len, help=f"tokens per row (default {defaults.seq_len})")
+    add(
+        "--seq-len",
+        type=int,
+        help=f"tokens per row (default {DEFAULT_SEQ_LEN}, or the model's context length if shorter; "
+        f"{DEMO_SEQ_LEN} on the bundled demo text), as slide train",
+    )
     add("--show", type=int, default=3, metavar="K", help="examples to show before the summary (default 3)")
     add("--json", action="store_true", help='one JSON object per shown example, then {"summary": {...}}')
     add("--no-packing", action="store_true", help="one example per row, as slide train --no-packing")
@@ -61,17 +68,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slide_hf.data import DataOptions, load_dataset, preview
+    from slide_hf.defaults import model_positions, resolve_seq_len
     from slide_hf.errors import UserError
 
     if args.show < 0:
         raise UserError(f"--show must be >= 0, got {args.show}")
     tokenizer, config = _tokenizer_and_config(args)
     options = DataOptions(
-        seq_len=args.seq_len,
+        seq_len=resolve_seq_len(args.seq_len, config, bundled_text=args.data is None),
         packing=not args.no_packing,
         train_on_inputs=args.train_on_inputs,
         chat_template=args.chat_template,
-        max_positions=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None),
+        max_positions=model_positions(config),
         vocab_size=config.vocab_size,
     )
     shown = preview(args.data, tokenizer, options, args.show) if args.show else []
@@ -127,6 +135,7 @@ def _runs(record: Any) -> list[tuple[list[int], bool]]:
 
 def _example_json(record: Any, tokenizer: Any) -> dict[str, Any]:
     ids = [token for document in record.documents for token in document.input_ids.tolist()]
+    spans = [tokenizer.decode(run) for run, carries_loss in _runs(record) if carries_loss]
     trained = [
         token
         for document in record.documents
@@ -137,6 +146,7 @@ def _example_json(record: Any, tokenizer: Any) -> dict[str, Any]:
         "where": record.where,
         "text": tokenizer.decode(ids),
         "trained_text": tokenizer.decode(trained),
+        "trained_spans": spans,
         "tokens": len(ids),
         "loss_tokens": len(trained),
         "cut": record.cut,
@@ -160,7 +170,10 @@ def _example_text(record: Any, tokenizer: Any, *, colour: bool) -> str:
 
 
 def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
+    from slide_hf.data.dataset import dropped_reasoning_line
+
     marked = "in colour" if colour else f"between {_OPEN} and {_CLOSE}"
+    dropped = summary["dropped_reasoning_turns"]
     return "\n".join(
         [
             f"summary of {summary['source']} (seq-len {summary['seq_len']}, packing {'on' if summary['packing'] else 'off'}; "
@@ -172,5 +185,6 @@ def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
             f"  padding             {summary['padding_fraction']:.1%}",
             f"  truncated examples  {summary['truncated_examples']}",
             f"  skipped examples    {summary['skipped_examples']}",
+            *([f"  {dropped_reasoning_line(dropped)}"] if dropped else []),
         ]
     )

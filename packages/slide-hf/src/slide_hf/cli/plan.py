@@ -16,6 +16,7 @@ import math
 import textwrap
 from typing import Any
 
+from slide_hf.defaults import DEFAULT_SEQ_LEN, model_positions, resolve_seq_len
 from slide_hf.errors import UserError
 from slide_hf.planner import (
     Plan,
@@ -58,7 +59,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, metavar="DIR|PRESET", help="HF model directory or preset name")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's context length if shorter)",
+    )
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     parser.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory budget (default: the visible GPU's)")
     parser.add_argument("--host-memory", metavar="SIZE", help="host RAM budget (default: available RAM here)")
@@ -156,10 +161,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         host_cap, host_source = available_host_bytes(), "available"
     model = _build(args.model)
+    seq_len = resolve_seq_len(args.seq_len, model.config)
     inputs = PlanInputs(
         model=model,
         batch_size=args.batch_size,
-        seq_len=args.seq_len,
+        seq_len=seq_len,
         grad_accum=args.grad_accum,
         compute_dtype_bytes=DTYPE_BYTES[args.dtype],
         block_slots=args.block_slots,
@@ -178,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_with_placement(inputs)  # spare GPU memory holds whole units (master + Adam state)
     dp = _data_parallel(plan, args) if distributed else None
     outputs = _output_disk(model, args)
-    problem = _positions_problem(model, args.seq_len)
+    problem = _positions_problem(model, seq_len)
     try:
         check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source)
     except UserError as error:
@@ -291,8 +297,7 @@ def _optimizer_class(name: str) -> str:
 
 def _positions_problem(model: Any, seq_len: int) -> str | None:
     """`slide train` refuses a --seq-len past the model's positions, so the plan must not say it fits."""
-    config = model.config
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    positions = model_positions(model.config)
     if positions is not None and seq_len > positions:
         return f"--seq-len {seq_len} exceeds the model's {positions} positions"
     return None

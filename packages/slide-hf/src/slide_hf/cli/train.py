@@ -24,6 +24,7 @@ EPILOG = """examples:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    from slide_hf.defaults import DEFAULT_SEQ_LEN, DEMO_SEQ_LEN
     from slide_hf.options import REPORTERS, TrainConfig, installed_names
     from slide_hf.sizes import SIZE_RULE
 
@@ -55,7 +56,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "of torch, else cpu)",
     )
     add("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bfloat16)")
-    add("--seq-len", type=int, help=f"tokens per sequence (default {defaults.seq_len})")
+    add(
+        "--seq-len",
+        type=int,
+        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's context length if shorter; "
+        f"{DEMO_SEQ_LEN} on the bundled demo text)",
+    )
     add("--no-packing", dest="packing", action="store_false", default=None, help="one example per row (padded)")
     add("--train-on-inputs", action="store_true", default=None, help="loss on prompts and user turns too")
     add("--chat-template", help="chat template file (.jinja) or a bundled name, instead of the tokenizer's")

@@ -3,7 +3,8 @@
 ``load_dataset(source, tokenizer, DataOptions(seq_len=...))`` reads JSON Lines (plain or ``.gz``), a JSON
 array, Parquet, a ``datasets`` directory or a Hub name; detects each record's kind (text, chat messages,
 ShareGPT, prompt/completion, Alpaca, token ids); masks chat turns exactly (the template's generation
-markers, or prefix renders verified token by token, or a refusal naming the record); packs whole documents
+markers, prefix renders verified token by token, or each reply found in the final render; a refusal naming
+the record and the message only when the template loses one); packs whole documents
 into rows whose position ids restart per document; and keeps the rows as int32 files, cached by content.
 :class:`Batches` hands out seeded :class:`MicroBatch` es for training and :func:`eval_batches` the rows in
 order. docs/data.md describes the formats and rules for users.

@@ -1,6 +1,6 @@
 """Conversations to token ids with loss exactly on the assistant's turns, or refused in one line.
 
-Two ways to find the assistant's tokens, tried in this order:
+Three ways to find the assistant's tokens, tried in this order:
 
 1. **Generation markers.** A template with ``{% generation %}`` blocks says itself which text the assistant
    wrote; ``apply_chat_template(..., return_assistant_tokens_mask=True)`` maps that text to tokens.
@@ -10,29 +10,53 @@ Two ways to find the assistant's tokens, tried in this order:
    conversation. Qwen3's template breaks it: an earlier reply loses its reasoning once a later user turn
    exists, and the last reply alone gains an empty think block, so a naive prefix mask trains on the
    wrong tokens (the user's included). When a check fails, a known template switches to its bundled
-   marked twin (:mod:`slide_hf.data.templates`); an unknown one is refused with the record, the turn and
-   the way out (``--chat-template FILE`` with markers).
+   marked twin (:mod:`slide_hf.data.templates`).
+3. **The final render.** Any other template that breaks the check is masked from the whole conversation
+   rendered once: each assistant message's span is found in that text (:mod:`slide_hf.data.rendered_spans`)
+   and mapped to tokens through the fast tokenizer's character offsets. A conversation is refused, naming
+   the message, only when the template lost an assistant message from the render.
 
-With ``train_on_inputs`` every rendered token carries loss and no mask is needed.
+Reasoning a template drops (Qwen3: every reply's before the last user query) is in no render, so it is
+never trained; each conversation's count of such replies travels with its tokens so ``slide data`` and the
+training log can say so. With ``train_on_inputs`` every rendered token carries loss and no mask is needed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from slide_hf.data.options import IGNORE
 from slide_hf.data.readers import first_line
+from slide_hf.data.rendered_spans import (
+    ReplyNotFound,
+    TurnMarkers,
+    dropped_reasoning,
+    labels_in_spans,
+    locate_replies,
+    turn_markers,
+)
 from slide_hf.data.schemas import ChatExample
-from slide_hf.data.templates import ChatTemplate
+from slide_hf.data.templates import BUNDLED_TEMPLATES, ChatTemplate
 from slide_hf.errors import UserError
 
-__all__ = ["ChatEncoder"]
+__all__ = ["ChatEncoder", "ChatEncoding"]
 
 log = logging.getLogger("slide.data")
 
 Encoded = tuple[list[int], list[int]]
+
+
+@dataclass(frozen=True)
+class ChatEncoding:
+    """One conversation's token ids and labels, and how many of its assistant messages carry reasoning the
+    template left out of the render (untrained, and reported)."""
+
+    input_ids: list[int]
+    labels: list[int]
+    dropped_reasoning: int = 0
 
 
 class _PrefixBroken(Exception):
@@ -47,34 +71,53 @@ class _PrefixBroken(Exception):
 class ChatEncoder:
     """Token ids and labels for batches of conversations under one chat template.
 
-    The encoder may switch, once, from the template to its marked twin when a conversation defeats the
-    prefix method; conversations encoded before the switch were verified, and the twin marks the same
-    text for them (the tests hold the two methods equal wherever both apply).
+    The encoder may switch, once, from the prefix method to the template's marked twin, or to the final
+    render when it has none, at the first conversation that defeats the prefix method; conversations
+    encoded before the switch were verified, and the other methods mark the same text for them (the tests
+    hold the methods equal wherever both apply).
     """
 
     def __init__(self, tokenizer: Any, template: ChatTemplate, *, train_on_inputs: bool) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.train_on_inputs = train_on_inputs
+        self.final_render = False  # set once the prefix method failed on a template with no twin
 
-    def encode(self, batch: Sequence[ChatExample]) -> list[Encoded]:
+    def encode(self, batch: Sequence[ChatExample]) -> list[ChatEncoding]:
         if not batch:
             return []
+        conversations = [example.messages for example in batch]
+        texts = self._render(batch, conversations, generation_prompt=False)
         if self.train_on_inputs:
-            texts = self._render(batch, [example.messages for example in batch], generation_prompt=False)
             ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            return [(list(row), list(row)) for row in ids]
-        if self.template.marked:
-            return self._marked(batch)
+            pairs: list[Encoded] = [(list(row), list(row)) for row in ids]
+        elif self.template.marked:
+            pairs = self._marked(batch)
+        elif self.final_render:
+            pairs = self._final_render(batch, texts)
+        else:
+            pairs = self._prefix_or_fallback(batch, texts)
+        return [
+            ChatEncoding(ids, labels, dropped_reasoning(text, messages))
+            for (ids, labels), text, messages in zip(pairs, texts, conversations, strict=True)
+        ]
+
+    def _prefix_or_fallback(self, batch: Sequence[ChatExample], texts: list[str]) -> list[Encoded]:
+        """Prefix renders; where they break, the known template's twin, else the final render (from then on)."""
         try:
-            return self._prefix(batch)
+            return self._prefix(batch, texts)
         except _PrefixBroken as broken:
             twin = self.template.twin
             if twin is None:
-                raise UserError(
-                    f"{broken.where}: {self.template.name} {broken.reason}; "
-                    "pass --chat-template FILE with {% generation %} markers"
-                ) from None
+                log.info(
+                    "%s %s (%s); masking each assistant message where it appears in the whole rendered "
+                    "conversation instead",
+                    self.template.name,
+                    broken.reason,
+                    broken.where,
+                )
+                self.final_render = True
+                return self._final_render(batch, texts)
             log.info(
                 "%s %s (%s); using %s, which renders the same text and marks the assistant's turns",
                 self.template.name,
@@ -110,17 +153,13 @@ class ChatEncoder:
 
     # ---- verified prefix renders ----------------------------------------------------------------------------
 
-    def _prefix(self, batch: Sequence[ChatExample]) -> list[Encoded]:
-        fulls = self._render(batch, [example.messages for example in batch], generation_prompt=False)
+    def _prefix(self, batch: Sequence[ChatExample], fulls: list[str]) -> list[Encoded]:
         # Per conversation and assistant turn i: the render of messages[:i] with the generation prompt (where
         # the turn starts) and of messages[: i + 1] (where it ends).
-        turns: list[list[int]] = [
-            [index for index, message in enumerate(example.messages) if message["role"] == "assistant"]
-            for example in batch
-        ]
+        turns = _assistant_turns(batch)
         starts = self._render_parts(batch, turns, lambda messages, index: messages[:index], generation_prompt=True)
         ends = self._render_parts(batch, turns, lambda messages, index: messages[: index + 1], generation_prompt=False)
-        texts: list[str] = list(fulls)
+        texts = list(fulls)
         for example, full, indices, start_texts, end_texts in zip(batch, fulls, turns, starts, ends, strict=True):
             for index, start, end in zip(indices, start_texts, end_texts, strict=True):
                 if start is None or end is None:
@@ -177,6 +216,47 @@ class ChatEncoder:
         except Exception:  # any failure of a part render makes that turn unverifiable, named by the caller
             return None
 
+    # ---- the final render -----------------------------------------------------------------------------------
+
+    def _final_render(self, batch: Sequence[ChatExample], fulls: list[str]) -> list[Encoded]:
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise UserError(
+                f"{self.template.name} renders earlier turns differently once later ones exist; masking it from "
+                "the final render needs a fast tokenizer (character offsets)"
+            )
+        turns = _assistant_turns(batch)
+        befores = self._render_parts(batch, turns, lambda messages, index: messages[:index], generation_prompt=False)
+        prompts = self._render_parts(batch, turns, lambda messages, index: messages[:index], generation_prompt=True)
+        throughs = self._render_parts(
+            batch, turns, lambda messages, index: messages[: index + 1], generation_prompt=False
+        )
+        specials = [str(token) for token in self.tokenizer.all_special_tokens]
+        tokens = self.tokenizer(list(fulls), add_special_tokens=False, return_offsets_mapping=True)
+        encoded = []
+        for row, example in enumerate(batch):
+            markers: dict[int, TurnMarkers | None] = {
+                index: turn_markers(before, prompt, through, specials)
+                for index, before, prompt, through in zip(
+                    turns[row], befores[row], prompts[row], throughs[row], strict=True
+                )
+            }
+            # A reply whose own renders show no markers (the template cannot render the turns before it
+            # alone, say) takes another reply's: one template opens and closes its replies alike.
+            known = next((marks for marks in markers.values() if marks is not None), None)
+            filled = {index: marks or known for index, marks in markers.items() if (marks or known) is not None}
+            try:
+                spans = locate_replies(fulls[row], example.messages, filled)
+            except ReplyNotFound as missing:
+                names = ", ".join(BUNDLED_TEMPLATES)
+                raise UserError(
+                    f"{example.where}: message {missing.index + 1} (assistant) does not appear in the rendered "
+                    f"conversation ({missing.reason}); {self.template.name} loses it: pass --chat-template FILE "
+                    f"with {{% generation %}} markers, or a bundled one ({names})"
+                ) from None
+            ids = list(tokens["input_ids"][row])
+            encoded.append((ids, labels_in_spans(ids, tokens["offset_mapping"][row], spans)))
+        return encoded
+
     # ---- rendering -----------------------------------------------------------------------------------------
 
     def _apply(self, conversations: list[list[dict[str, Any]]], generation_prompt: bool) -> list[str]:
@@ -202,3 +282,8 @@ class ChatEncoder:
                 raise UserError(
                     f"{example.where}: {self.template.name} refused this conversation: {first_line(error)}"
                 ) from None
+
+
+def _assistant_turns(batch: Sequence[ChatExample]) -> list[list[int]]:
+    """Per conversation, the indices of its assistant messages."""
+    return [[index for index, message in enumerate(ex.messages) if message["role"] == "assistant"] for ex in batch]

@@ -40,7 +40,7 @@ from slide_hf.data.storage import (
 from slide_hf.data.templates import resolve_template
 from slide_hf.errors import UserError
 
-__all__ = ["DataStats", "Dataset", "load_dataset", "load_split", "open_source", "preview"]
+__all__ = ["DataStats", "Dataset", "dropped_reasoning_line", "load_dataset", "load_split", "open_source", "preview"]
 
 log = logging.getLogger("slide.data")
 
@@ -50,7 +50,9 @@ _NAMED = 5  # records named in a warning before "..."
 @dataclass(frozen=True)
 class DataStats:
     """What a prepared split holds. ``examples`` counts records kept; ``truncated_examples`` those cut to
-    ``seq_len`` (text: split into pieces); ``skipped_examples`` those left with no token to train."""
+    ``seq_len`` (text: split into pieces); ``skipped_examples`` those left with no token to train;
+    ``dropped_reasoning_turns`` the assistant messages of kept records whose reasoning the chat template
+    leaves out of the render (Qwen3 keeps only the replies' after the last user query), so it is not trained."""
 
     examples: int
     rows: int
@@ -59,6 +61,7 @@ class DataStats:
     padding_fraction: float
     truncated_examples: int
     skipped_examples: int
+    dropped_reasoning_turns: int = 0
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,7 @@ class _Split:
         self.cut_count = {"split": 0, "truncated": 0}
         self.skipped: list[str] = []
         self.skipped_count = 0
+        self.dropped_reasoning = 0
 
     def add(self, record: EncodedRecord) -> None:
         if record.skipped:
@@ -230,6 +234,7 @@ class _Split:
                 self.skipped.append(record.where)
             return
         self.examples += 1
+        self.dropped_reasoning += record.dropped_reasoning
         if record.cut is not None:
             self.cut_count[record.cut] += 1
             if len(self.cut[record.cut]) < _NAMED:
@@ -253,6 +258,7 @@ class _Split:
             padding_fraction=(cells - self.writer.tokens) / cells if cells else 0.0,
             truncated_examples=sum(self.cut_count.values()),
             skipped_examples=self.skipped_count,
+            dropped_reasoning_turns=self.dropped_reasoning,
         )
 
     def notes(self, name: str) -> tuple[list[str], list[str]]:
@@ -272,6 +278,8 @@ class _Split:
         if self.cut_count["split"]:
             count = self.cut_count["split"]
             infos.append(f"{name}: split {count} text(s) longer than --seq-len {self.seq_len} into row-sized pieces")
+        if self.dropped_reasoning:
+            infos.append(f"{name}: {dropped_reasoning_line(self.dropped_reasoning)}")
         return warnings, infos
 
 
@@ -330,6 +338,12 @@ def _build(
 def _held_out(seed: int, index: int, fraction: float) -> bool:
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+def dropped_reasoning_line(turns: int) -> str:
+    """The one line that says how much reasoning the chat template drops (and so is never trained)."""
+    noun = "assistant turn's reasoning is" if turns == 1 else "assistant turns' reasoning is"
+    return f"{turns} {noun} dropped by the chat template and not trained"
 
 
 def _named(wheres: list[str], count: int) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from slide_hf.data.chat import ChatEncoder
+from slide_hf.data.chat import ChatEncoder, ChatEncoding
 from slide_hf.data.options import IGNORE, DataOptions
 from slide_hf.data.schemas import ChatExample, Example, PromptExample, TextExample, TokenExample
 from slide_hf.data.templates import ChatTemplate
@@ -50,6 +50,7 @@ class EncodedRecord:
     where: str
     documents: list[Document] = field(default_factory=list)
     cut: str | None = None  # "split" (a text longer than a row, in pieces) or "truncated" (its end dropped)
+    dropped_reasoning: int = 0  # assistant messages whose reasoning the chat template left out (untrained)
 
     @property
     def skipped(self) -> bool:
@@ -89,17 +90,20 @@ class Encoder:
         chats = [i for i, ex in enumerate(batch) if isinstance(ex, chat_kinds)]
         prompts = [i for i, ex in enumerate(batch) if isinstance(ex, PromptExample) and self.chat is None]
         pairs: dict[int, Pair] = {}
+        dropped: dict[int, int] = {}
         if texts:
             pairs.update(zip(texts, self._texts([batch[i] for i in texts]), strict=True))
         if chats:
-            pairs.update(zip(chats, self._chats([batch[i] for i in chats]), strict=True))
+            for i, chat in zip(chats, self._chats([batch[i] for i in chats]), strict=True):
+                pairs[i] = (chat.input_ids, chat.labels)
+                dropped[i] = chat.dropped_reasoning
         if prompts:
             pairs.update(zip(prompts, self._plain_prompts([batch[i] for i in prompts]), strict=True))
         for i, example in enumerate(batch):
             if isinstance(example, TokenExample):
                 labels = example.labels if example.labels is not None else example.input_ids
                 pairs[i] = (example.input_ids, labels)
-            yield self._documents(first_index + i, example, *pairs[i])
+            yield self._documents(first_index + i, example, *pairs[i], dropped_reasoning=dropped.get(i, 0))
 
     def _texts(self, texts: list[TextExample]) -> list[Pair]:
         encoded = self.tokenizer([ex.text for ex in texts], add_special_tokens=True)["input_ids"]
@@ -109,7 +113,7 @@ class Encoder:
             pairs.append((ids, list(ids)))
         return pairs
 
-    def _chats(self, examples: list[ChatExample | PromptExample]) -> list[Pair]:
+    def _chats(self, examples: list[ChatExample | PromptExample]) -> list[ChatEncoding]:
         if self.chat is None:
             raise UserError(
                 f"{examples[0].where}: the tokenizer has no chat template for conversations; pass --chat-template "
@@ -137,7 +141,9 @@ class Encoder:
             pairs.append((ids, list(labels)))
         return pairs
 
-    def _documents(self, index: int, example: Example, ids: list[int], labels: list[int]) -> EncodedRecord:
+    def _documents(
+        self, index: int, example: Example, ids: list[int], labels: list[int], *, dropped_reasoning: int = 0
+    ) -> EncodedRecord:
         seq_len = self.options.seq_len
         ids_array = np.asarray(ids, dtype=np.int32)
         labels_array = np.asarray(labels, dtype=np.int32)
@@ -156,4 +162,4 @@ class Encoder:
                 piece_labels[0] = IGNORE  # see the module docstring: no document predicts another's start
             if (piece_labels != IGNORE).any():
                 documents.append(Document(piece_ids, piece_labels))
-        return EncodedRecord(index, example.where, documents, cut)
+        return EncodedRecord(index, example.where, documents, cut, dropped_reasoning)

@@ -6,8 +6,9 @@ Kinds (exactly one per record; other keys, such as an ``id`` column, are ignored
 keys                                  becomes
 ====================================  ============================================================
 ``text``                              :class:`TextExample` (EOS appended; loss on every token)
-``messages`` (role/content)           :class:`ChatExample`; content may be a string or a list of
-                                      OpenAI text parts ``{"type": "text", "text": ...}``, joined
+``messages`` (role/content)           :class:`ChatExample`; roles are system, user, assistant and
+                                      tool; content may be a string or a list of OpenAI text parts
+                                      ``{"type": "text", "text": ...}``, joined
 ``conversations`` (ShareGPT from/value)  :class:`ChatExample`; human/gpt/system/tool become roles
 ``input_ids`` (+ optional ``labels``)    :class:`TokenExample`, used as given
 ``prompt`` + ``completion``           :class:`PromptExample` (loss on the completion)
@@ -27,7 +28,7 @@ from slide_hf.data.options import IGNORE
 from slide_hf.data.readers import Record
 from slide_hf.errors import UserError
 
-__all__ = ["ChatExample", "Example", "PromptExample", "TextExample", "TokenExample", "parse_record"]
+__all__ = ["CHAT_ROLES", "ChatExample", "Example", "PromptExample", "TextExample", "TokenExample", "parse_record"]
 
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -37,6 +38,9 @@ _SHAREGPT_ROLES = {
     "system": "system",
     "tool": "tool",
 }
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a ``messages`` record may use: what chat templates render. Any other (``bot``, ``gpt``) would
+render as nothing, or as text no reply is found in, and the record would silently train on nothing."""
 _KINDS = (
     ("messages",),
     ("conversations",),
@@ -131,6 +135,9 @@ def _messages(value: Any, where: str) -> list[dict[str, Any]]:
         role = message["role"]
         if not isinstance(role, str) or not role:
             raise UserError(f"{where}: {field}.role must be a non-empty string, got {_type(role)}")
+        if role not in CHAT_ROLES:
+            hint = ' (ShareGPT turns, from "human"/"gpt", go in "conversations")' if role in ("human", "gpt") else ""
+            raise UserError(f"{where}: {field}.role is {role!r}; accepted roles: {', '.join(CHAT_ROLES)}{hint}")
         normal = {key: item for key, item in message.items() if item is not None}
         normal["role"] = role
         normal["content"] = _content(message["content"], where, f"{field}.content")

@@ -42,8 +42,9 @@ __all__ = [
     "write_meta",
 ]
 
-FORMAT_VERSION = 1
-"""Bumped whenever the rows a given input produces change (layout, masking, packing rules)."""
+FORMAT_VERSION = 2
+"""Bumped whenever the rows a given input produces, or what ``meta.json`` records of them, change (layout,
+masking, packing rules, statistics)."""
 
 _ARRAYS = ("input_ids", "labels", "position_ids")
 log = logging.getLogger("slide.data")

@@ -7,7 +7,8 @@ earlier turn differently once later turns exist (Qwen3 drops earlier reasoning, 
 think block only to the last reply). For such templates that we know, a generation-marked *twin* is
 bundled under ``resources/chat_templates``: the same template with markers added, rendering byte for
 byte the same text (the tests render many conversations through both to hold that). Known templates
-are recognised by the SHA-256 of their exact text, so an edited copy is never mistaken for one.
+are recognised by the SHA-256 of their exact text, so an edited copy is never mistaken for one; an
+unknown template that defeats the prefix method is masked from its final render instead.
 """
 
 from __future__ import annotations

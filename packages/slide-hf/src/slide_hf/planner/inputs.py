@@ -14,6 +14,7 @@ from typing import Any, Literal
 from slide_core.engine.config import EngineConfig
 from slide_core.optimizer import AdamWConfig, Optimizer
 from slide_core.unit import SlideModel
+from slide_hf.defaults import DEFAULT_SEQ_LEN
 from slide_hf.errors import UserError
 from slide_hf.planner.activations import BlockActivations
 
@@ -195,7 +196,7 @@ class PlanInputs:
 
     model: SlideModel | ModelShape
     batch_size: int = 1
-    seq_len: int = 2048
+    seq_len: int = DEFAULT_SEQ_LEN
     grad_accum: int = 1
     compute_dtype_bytes: int = 2
     block_slots: int = _ENGINE_DEFAULTS.block_slots

@@ -1,0 +1,35 @@
+"""Defaults that depend on the model or the data, decided in one place.
+
+``seq_len`` left unset (``None``, the default of every way in: `slide train`, `slide data`, `slide plan`,
+`slide bench`, a TOML file, ``slide_hf.train``) means :func:`resolve_seq_len`: 2048 tokens, or the
+model's context length when that is shorter, so one model gets one row length whichever command asks.
+
+The demo run (no ``--data``: the bundled English text, a few thousand bytes) has defaults of its own so
+``slide train`` with no arguments learns visibly in seconds on a CPU: rows of :data:`DEMO_SEQ_LEN` tokens
+(at 2048, the whole text would be three rows) and :data:`DEMO_EPOCHS` passes over it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["DEFAULT_SEQ_LEN", "DEMO_EPOCHS", "DEMO_SEQ_LEN", "model_positions", "resolve_seq_len"]
+
+DEFAULT_SEQ_LEN = 2048
+DEMO_SEQ_LEN = 128
+DEMO_EPOCHS = 3
+
+
+def model_positions(config: Any) -> int | None:
+    """The model's context length from its HF config (``max_position_embeddings``, GPT-2's ``n_positions``)."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def resolve_seq_len(seq_len: int | None, config: Any, *, bundled_text: bool = False) -> int:
+    """``seq_len`` when given; else :data:`DEMO_SEQ_LEN` for the bundled text, else :data:`DEFAULT_SEQ_LEN`,
+    either capped at the model's context length."""
+    if seq_len is not None:
+        return seq_len
+    default = DEMO_SEQ_LEN if bundled_text else DEFAULT_SEQ_LEN
+    positions = model_positions(config)
+    return min(default, positions) if positions else default
