@@ -182,6 +182,7 @@ def place_units(
         compute_dtype_bytes=torch.empty((), dtype=options.compute_dtype).element_size(),
         block_slots=options.block_slots,
         gpu_memory_bytes=gpu_budget,
+        accelerator=device.is_accelerator,
         clipping=options.max_grad_norm > 0,
         offload_optimizer=planning_kind(tier_class),
         nvme_fraction=options.nvme_fraction,

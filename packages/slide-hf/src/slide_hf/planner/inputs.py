@@ -201,6 +201,7 @@ class PlanInputs:
     compute_dtype_bytes: int = 2
     block_slots: int = _ENGINE_DEFAULTS.block_slots
     gpu_memory_bytes: int | None = None
+    accelerator: bool = True  # the run computes on a GPU (False: the CPU device): its runtime's host memory
     host_memory_bytes: int | None = None
     offload_optimizer: Offload = "ram"
     nvme_fraction: float = 1.0
