@@ -59,7 +59,7 @@ from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.launch import share_host_cores
-from slide_hf.options import TrainConfig, check_data_parallel, config_dict
+from slide_hf.options import TrainConfig, check_adamw, check_data_parallel, config_dict, data_sources
 from slide_hf.progress import Progress
 from slide_hf.resume import checkpoint_to_resume, corrupt_message, resume_point
 from slide_hf.run_dir import RunDir, default_output, run_of
@@ -302,13 +302,16 @@ def _setup_data(cfg: TrainConfig, model: _Model, output: Path, group: ProcessGro
         chat_template=cfg.chat_template,
         max_positions=max_positions,
         vocab_size=config.vocab_size,
+        max_record_bytes=cfg.max_record_bytes,
     )
     dataset, eval_set = _load_data(cfg, model.tokenizer, data_options, output / DATA_CACHE)
     ranks = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
+    ranks["weights"] = cfg.data_weights  # a mixture's sampling proportions (slide_hf/data/mixture.py)
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed, **ranks)
     epochs = cfg.epochs or (10 if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
     lr = cfg.lr if cfg.lr is not None else (1e-3 if model.model_dir is None else 2e-5)
+    check_adamw(cfg.lr, cfg.weight_decay, default_lr=lr)
     schedule = LRSchedule(lr, cfg.lr_schedule, cfg.warmup_steps, total_steps)
     return _Data(dataset, eval_set, batches, total_steps, schedule)
 
@@ -352,7 +355,7 @@ def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
         config_dict(cfg),
         metrics=cfg.metrics,
         report_to=cfg.report_to,
-        inputs=tuple(p for p in (cfg.data, cfg.eval_data, cfg.resume) if isinstance(p, Path)),
+        inputs=tuple(p for p in (*data_sources(cfg), cfg.eval_data, cfg.resume) if isinstance(p, Path)),
     )
 
 
