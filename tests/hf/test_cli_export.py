@@ -126,3 +126,20 @@ def test_a_corrupt_newest_checkpoint_names_the_newest_intact_one(tmp_path: Path,
     assert len(err) == 1 and "master.bin is 0 bytes, expected" in err[0], err
     assert f"the newest intact one is {intact}: export it with `slide export {intact} {out}`" in err[0]
     assert main(["export", str(intact), str(out)]) == 0
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_every_exported_file_has_the_same_mode_under_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    import os
+    import stat
+
+    run = tmp_path / "run"
+    assert main(["train", "--output", str(run), *TINY]) == 0
+    previous = os.umask(umask)
+    try:
+        assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(previous)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "out").iterdir()}
+    assert "model.safetensors" in modes and "config.json" in modes and "tokenizer.json" in modes
+    assert modes == dict.fromkeys(modes, mode), {name: oct(m) for name, m in modes.items()}
