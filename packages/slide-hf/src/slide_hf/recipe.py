@@ -305,7 +305,7 @@ def _setup_data(cfg: TrainConfig, model: _Model, output: Path, group: ProcessGro
         max_record_bytes=cfg.max_record_bytes,
     )
     dataset, eval_set = _load_data(cfg, model.tokenizer, data_options, output / DATA_CACHE)
-    ranks = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
+    ranks: dict[str, Any] = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
     ranks["weights"] = cfg.data_weights  # a mixture's sampling proportions (slide_hf/data/mixture.py)
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed, **ranks)
     epochs = cfg.epochs or (10 if cfg.data is None else 1)
