@@ -32,6 +32,7 @@ __all__ = [
     "check_data_parallel",
     "check_option",
     "config_dict",
+    "data_sources",
     "installed_names",
     "resume_config",
 ]
