@@ -126,3 +126,93 @@ def test_a_corrupt_newest_checkpoint_names_the_newest_intact_one(tmp_path: Path,
     assert len(err) == 1 and "master.bin is 0 bytes, expected" in err[0], err
     assert f"the newest intact one is {intact}: export it with `slide export {intact} {out}`" in err[0]
     assert main(["export", str(intact), str(out)]) == 0
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_every_exported_file_has_the_same_mode_under_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    import os
+    import stat
+
+    run = tmp_path / "run"
+    assert main(["train", "--output", str(run), *TINY]) == 0
+    previous = os.umask(umask)
+    try:
+        assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(previous)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "out").iterdir()}
+    assert "model.safetensors" in modes and "config.json" in modes and "tokenizer.json" in modes
+    assert modes == dict.fromkeys(modes, mode), {name: oct(m) for name, m in modes.items()}
+
+
+@pytest.fixture
+def three_checkpoints(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    argv = ["train", "--output", str(run), *TINY, "--steps", "3", "--save-every", "1", "--keep-checkpoints", "3"]
+    assert main(argv) == 0
+    return run
+
+
+def _pruned_while_read(monkeypatch, victim: Path, *, at_once: bool) -> None:
+    """The live run prunes ``victim`` as the export reads it: its first file is gone at once and the rest
+    follow a moment later (as rmtree goes), or the whole directory is gone before the read."""
+    import shutil
+    import threading
+
+    import slide_core.sharded_checkpoint as sharded
+
+    real = sharded.load_gathered
+
+    def load(path, tensors, numels):
+        if Path(path) == victim and victim.exists():
+            if at_once:
+                shutil.rmtree(victim)
+            else:
+                (victim / "master.bin").unlink()
+                threading.Timer(0.3, shutil.rmtree, (victim,)).start()
+        return real(path, tensors, numels)
+
+    monkeypatch.setattr(sharded, "load_gathered", load)
+
+
+@pytest.mark.parametrize("at_once", [False, True])
+def test_export_of_a_live_run_falls_back_when_the_newest_checkpoint_is_pruned(
+    three_checkpoints: Path, tmp_path: Path, monkeypatch, capsys, caplog, at_once: bool
+) -> None:
+    from slide_hf.run_dir import _Lock
+
+    run = three_checkpoints
+    newest = run / "checkpoints" / "step-00000003"
+    live = _Lock(run)
+    assert live.acquire()  # a training process holds the run
+    try:
+        _pruned_while_read(monkeypatch, newest, at_once=at_once)
+        capsys.readouterr()
+        with caplog.at_level("WARNING", logger="slide.export"):
+            assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    finally:
+        live.release()
+    captured = capsys.readouterr()
+    assert "corrupt" not in captured.err and "exported step 2" in captured.out
+    assert f"{newest} was removed while it was read" in caplog.text
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_named_checkpoint_pruned_while_read_is_one_line(three_checkpoints: Path, tmp_path: Path, monkeypatch, capsys):
+    run = three_checkpoints
+    newest = run / "checkpoints" / "step-00000003"
+    _pruned_while_read(monkeypatch, newest, at_once=True)
+    capsys.readouterr()
+    assert main(["export", str(newest), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"checkpoint {newest} was removed while it was read" in err[0], err
+    assert f"`slide export {run} {tmp_path / 'out'}`" in err[0]
+
+
+def test_a_damaged_checkpoint_of_an_idle_run_is_still_corrupt(three_checkpoints: Path, tmp_path: Path, capsys):
+    newest = three_checkpoints / "checkpoints" / "step-00000003"
+    (newest / "master.bin").unlink()
+    capsys.readouterr()
+    assert main(["export", str(three_checkpoints), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"checkpoint {newest} is corrupt (master.bin is missing)" in err[0], err

@@ -313,7 +313,7 @@ def test_optimizer_options_change_the_trajectory(slide, tmp_path, flag, value):
         (("--weight-decay", "-0.1"), "--weight-decay must be a finite number >= 0, got -0.1"),
         (("--adam-beta1", "1"), "--adam-beta1 must be a finite number in [0, 1), got 1.0"),
         (("--adam-beta2", "-0.5"), "--adam-beta2 must be a finite number in [0, 1), got -0.5"),
-        (("--adam-eps", "0"), "--adam-eps must be a finite number in (0, 1], got 0.0"),
+        (("--adam-eps", "0"), "--adam-eps must be a finite number in [1.17549e-38, 1], got 0.0"),
         (("--warmup-steps", "-1"), "--warmup-steps must be an integer >= 0, got -1"),
         (("--max-grad-norm", "-1"), "--max-grad-norm must be a finite number >= 0, got -1.0"),
         (("--grad-accum", "0"), "--grad-accum must be an integer >= 1, got 0"),

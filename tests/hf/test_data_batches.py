@@ -93,3 +93,69 @@ def test_eval_batches_cover_every_row_once_in_order():
     assert all(b.labels.dtype == torch.int64 for b in batches)
     with pytest.raises(UserError, match="must be positive"):
         list(eval_batches(data, 0))
+
+
+# ---- weighted mixtures ---------------------------------------------------------------------------------------
+
+
+def _mixture(rows_a: int, rows_b: int) -> Dataset:
+    """Rows of source a hold their index; rows of b their index too (b's start at ``rows_a``)."""
+    from slide_hf.data import SourcePart
+
+    data = _numbered(rows_a + rows_b)
+    parts = (SourcePart("a", 0, rows_a, rows_a, 0, 0), SourcePart("b", rows_a, rows_b, rows_b, 0, 0))
+    return Dataset(data.input_ids, data.labels, data.position_ids, "a + b", data.stats, parts)
+
+
+def _drawn(batches: Batches, steps: int) -> list[int]:
+    return [row for _ in range(steps) for row in _rows(batches.next_step())]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_weights_draw_sources_in_proportion_reproducibly(shuffle):
+    data = _mixture(200, 200)
+    batches = Batches(data, batch_size=4, grad_accum=2, shuffle=shuffle, seed=5, weights=(3, 1))
+    rows = _drawn(batches, 3 * batches.steps_per_epoch)  # three epochs
+    from_a = sum(row < 200 for row in rows) / len(rows)
+    assert abs(from_a - 0.75) < 0.02, from_a
+    assert rows == _drawn(Batches(data, 4, 2, shuffle=shuffle, seed=5, weights=(3, 1)), 3 * batches.steps_per_epoch)
+    first_50 = rows[:50]
+    assert 0.6 < sum(row < 200 for row in first_50) / 50 < 0.9  # interleaved, not a block of a then b
+    if shuffle:
+        assert _drawn(Batches(data, 4, 2, shuffle=True, seed=6, weights=(3, 1)), 10) != rows[:80]
+    # Every row of the smaller share is still seen over the epochs; the larger share repeats.
+    assert set(rows) == set(range(400))
+
+
+def test_a_small_source_weighted_up_repeats_in_fresh_orders():
+    data = _mixture(90, 10)
+    batches = Batches(data, batch_size=10, grad_accum=1, shuffle=True, seed=0, weights=(1, 1))
+    rows = _drawn(batches, batches.steps_per_epoch)
+    b_rows = [row for row in rows if row >= 90]
+    assert len(b_rows) == 50 and set(b_rows) == set(range(90, 100))
+    assert b_rows[:10] != b_rows[10:20]  # each pass over b is reshuffled
+
+
+def test_a_resumed_mixture_continues_the_same_sequence():
+    """The saved data position (epoch, index) is the sampler's whole state: a fresh Batches placed there
+    draws exactly what the uninterrupted one draws, across the epoch boundary too."""
+    data = _mixture(30, 50)
+    whole = Batches(data, batch_size=4, grad_accum=2, shuffle=True, seed=9, weights=(1, 3))
+    drawn = [_rows(whole.next_step()) for _ in range(25)]  # 10 steps per epoch: crosses two boundaries
+    for stop in (3, 10, 17):
+        replay = Batches(data, batch_size=4, grad_accum=2, shuffle=True, seed=9, weights=(1, 3))
+        for _ in range(stop):
+            replay.next_step()
+        resumed = Batches(data, batch_size=4, grad_accum=2, shuffle=True, seed=9, weights=(1, 3))
+        resumed.position = DataPosition(replay.position.epoch, replay.position.index)
+        assert [_rows(resumed.next_step()) for _ in range(25 - stop)] == drawn[stop:]
+
+
+def test_without_weights_several_sources_are_one_pool():
+    rows = _drawn(Batches(_mixture(10, 30), 4, 1, shuffle=True, seed=1), 10)
+    assert sorted(rows) == list(range(40))
+
+
+def test_weights_must_match_the_sources():
+    with pytest.raises(UserError, match=r"--data-weights gives 3 weight\(s\) for 2 --data source\(s\)"):
+        Batches(_mixture(10, 10), 2, 1, shuffle=True, seed=0, weights=(1, 2, 3))

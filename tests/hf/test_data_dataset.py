@@ -206,3 +206,65 @@ def test_eval_split_is_per_record_seeded_and_disjoint(tmp_path, tok):
         load_split(path, tok, options, eval_fraction=1.0)
     with pytest.raises(UserError, match=r"--eval-fraction 0\.001 holds out none of the 3 record"):
         load_split(_write(tmp_path / "few.jsonl", *rows[:3]), tok, options, eval_fraction=0.001)
+
+
+# ---- mixtures: several sources -------------------------------------------------------------------------------
+
+
+def _source_rows(dataset, tok) -> list[str]:
+    """The source letter of each row (every record below starts with its source's letter)."""
+    return [tok.decode(row.tolist())[0] for row in dataset.input_ids]
+
+
+def test_several_sources_are_prepared_into_one_dataset_with_a_part_each(tmp_path, tok):
+    a = _write(tmp_path / "a.jsonl", *({"text": f"a{i:02d} " + "x" * 20} for i in range(30)))
+    b = _write(tmp_path / "b.jsonl", *({"text": f"b{i:02d} " + "y" * 20} for i in range(10)))
+    options = DataOptions(seq_len=32, packing=False)
+    mixed = load_dataset([a, b], tok, options, cache_dir=tmp_path / "cache")
+    assert mixed.source == f"{a} + {b}"
+    assert [(p.name, p.first_row, p.rows, p.examples) for p in mixed.parts] == [
+        (str(a), 0, 30, 30),
+        (str(b), 30, 10, 10),
+    ]
+    assert _source_rows(mixed, tok) == ["a"] * 30 + ["b"] * 10  # no row mixes two sources
+    assert sum(p.tokens for p in mixed.parts) == mixed.stats.tokens
+    assert mixed.stats.examples == 40
+    again = load_dataset([a, b], tok, options, cache_dir=tmp_path / "cache")  # from the cache, parts and all
+    assert again.parts == mixed.parts
+    assert load_dataset(a, tok, options).parts[0].rows == 30
+
+
+def test_packed_sources_never_share_a_row(tmp_path, tok):
+    a = _write(tmp_path / "a.jsonl", *({"text": "a" * 5} for _ in range(3)))  # 3 short docs: one packed row
+    b = _write(tmp_path / "b.jsonl", *({"text": "b" * 5} for _ in range(3)))
+    mixed = load_dataset([a, b], tok, DataOptions(seq_len=64))
+    assert [p.rows for p in mixed.parts] == [1, 1]
+    assert set(tok.decode(mixed.input_ids[0].tolist())) & {"b"} == set()
+
+
+def test_eval_split_of_a_mixture_is_disjoint_per_source(tmp_path, tok):
+    a = _write(tmp_path / "a.jsonl", *({"text": f"a{i:03d}"} for i in range(100)))
+    b = _write(tmp_path / "b.jsonl", *({"text": f"b{i:03d}"} for i in range(100)))
+    options = DataOptions(seq_len=16, packing=False)
+    train, held_out = load_split([a, b], tok, options, eval_fraction=0.25, seed=3)
+
+    def records(dataset):
+        return {tok.decode(row.tolist())[:4] for row in dataset.input_ids}
+
+    train_ids, eval_ids = records(train), records(held_out)
+    assert train_ids.isdisjoint(eval_ids) and len(train_ids | eval_ids) == 200
+    for letter in "ab":  # each source holds out about its own quarter
+        held = {r for r in eval_ids if r[0] == letter}
+        assert 10 <= len(held) <= 45, (letter, len(held))
+    assert [p.rows for p in held_out.parts] == [len({r for r in eval_ids if r[0] == s}) for s in "ab"]
+    # The first source keeps the split it has alone; the second is drawn apart (not the same indices).
+    alone = records(load_split(a, tok, options, eval_fraction=0.25, seed=3)[1])
+    assert alone == {r for r in eval_ids if r[0] == "a"}
+    assert {r[1:] for r in eval_ids if r[0] == "b"} != {r[1:] for r in alone}
+
+
+def test_an_empty_source_of_a_mixture_is_named(tmp_path, tok):
+    a = _write(tmp_path / "a.jsonl", {"text": "hello"})
+    b = _write(tmp_path / "b.jsonl", "")
+    with pytest.raises(UserError, match=rf"--data {b} holds no example with a token to train"):
+        load_dataset([a, b], tok, DataOptions(seq_len=16))

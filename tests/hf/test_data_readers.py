@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -217,3 +218,83 @@ def test_fingerprint_changes_with_the_file(tmp_path):
     assert open_source(Path(path)).fingerprint() == before
     path.write_text('{"text": "ab"}\n', encoding="utf-8")
     assert open_source(path).fingerprint() != before
+
+
+# ---- bounded hostile records ---------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_50_mb_json_line_is_refused_by_size_quickly_and_in_bounded_memory(tmp_path, capsys):
+    """Tokenizing such a line took minutes and gigabytes; the size check refuses it before parsing."""
+    import resource
+    import time
+
+    from slide_hf.cli.main import main
+
+    path = tmp_path / "big.jsonl"
+    with path.open("w", encoding="utf-8") as handle:
+        handle.write(json.dumps({"text": "short"}) + "\n")
+        handle.write('{"text": "' + "word " * 10_000_000 + '"}\n')  # 50 MB on line 2
+    main(["data", "--data", str(tmp_path / "missing.jsonl"), "--show", "0"])  # imports done: time the reading
+    capsys.readouterr()
+    before = _rss_bytes()
+    start = time.monotonic()
+    assert main(["data", "--data", str(path), "--show", "0"]) == 2
+    seconds = time.monotonic() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"{path}:2: the record is larger than the 8 MiB record limit" in err[0]
+    assert "--max-record-size" in err[0]
+    assert seconds < 30 and peak < before + (2 << 30), (seconds, peak, before)
+
+
+def test_the_record_limit_can_be_raised_and_lowered(tmp_path, capsys):
+    from slide_hf.cli.main import main
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "x" * 3000}) + "\n" + json.dumps({"text": "y" * 100}) + "\n")
+    assert main(["data", "--data", str(path), "--show", "0", "--max-record-size", "2KiB", "--seq-len", "16"]) == 2
+    assert f"{path}:1: the record is larger than the 2048 bytes record limit" in capsys.readouterr().err
+    assert main(["data", "--data", str(path), "--show", "0", "--max-record-size", "4KiB", "--seq-len", "16"]) == 0
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_deeply_nested_json_is_a_bad_record_not_a_crash(tmp_path, capsys, suffix):
+    import time
+
+    from slide_hf.cli.main import main
+
+    path = tmp_path / f"deep{suffix}"
+    deep = '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    body = f'{{"text": "fine"}}\n{deep}\n' if suffix == ".jsonl" else f'[{{"text": "fine"}},\n{deep}]\n'
+    path.write_text(body, encoding="utf-8")
+    start = time.monotonic()
+    assert main(["data", "--data", str(path), "--show", "0"]) == 2
+    assert time.monotonic() - start < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{path}:2: JSON nested too deeply to read" in err[0], err
+    assert "internal error" not in err[0]
+
+
+def test_an_oversized_json_array_object_is_refused_before_it_is_decoded(tmp_path):
+    path = tmp_path / "big.json"
+    path.write_text('[{"text": "a"},\n{"text": "' + "b" * 5000 + '"}]', encoding="utf-8")
+    source = open_source(path, max_record_bytes=1000)
+    with pytest.raises(UserError, match=rf"{path}:2: the record is larger than the 1000 bytes record limit"):
+        list(source.records())
+    assert len(list(open_source(path, max_record_bytes=6000).records())) == 2
+
+
+def test_an_oversized_parquet_row_is_refused_by_its_text(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["a", "é" * 600]}), path)  # 1200 UTF-8 bytes in row 1
+    with pytest.raises(UserError, match=rf"{path} row 1: the record is larger than the 1000 bytes"):
+        list(open_source(path, max_record_bytes=1000).records())

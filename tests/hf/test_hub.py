@@ -139,3 +139,31 @@ def test_export_overwrite_replaces_only_a_model_directory(trained_run, tmp_path,
     assert main(["export", str(trained_run), str(notes), "--overwrite"]) == 2
     assert "replaces only a model directory" in capsys.readouterr().err
     assert (notes / "mine.txt").read_text() == "keep"
+
+
+class _UnreachableApi(_FakeApi):
+    """A Hub client on a machine without network: the connection itself fails, as httpx reports it."""
+
+    endpoint = "https://hub.example.org"
+
+    def create_repo(self, repo_id, private, exist_ok, repo_type):
+        import httpx
+
+        raise httpx.ConnectError("[Errno -3] Temporary failure in name resolution")
+
+
+def test_push_without_a_network_is_one_line_naming_the_host_and_repo(trained_run, tmp_path, monkeypatch, capsys):
+    from slide_hf.cli.main import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.HfApi", _UnreachableApi)
+    out = tmp_path / "export"
+    assert main(["export", str(trained_run), str(out), "--push-to-hub", "me/tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(
+        "slide export: error: cannot reach the Hub at hub.example.org to push me/tiny (ConnectError"
+    )
+    assert f"the model stays in {out}" in err[0] and "internal error" not in err[0]
+    assert (out / "config.json").is_file()

@@ -148,3 +148,27 @@ def test_int8_state_under_data_parallel_is_one_line_before_anything_starts(comma
         f"slide {command}: error: --optimizer-state int8 does not run with data parallel (2 processes) yet: a "
         "rank's shard could split one of its 64-element blocks; use --optimizer-state bf16 or fp32"
     )
+
+
+def test_more_cpu_ranks_than_cores_is_one_line(monkeypatch, capsys) -> None:
+    import torch
+
+    from slide_hf.cli.main import main
+    from slide_hf.launch import check_ranks_for_cores
+
+    cores = os.cpu_count() or 1
+    assert main(["train", "--device", "cpu", "--nproc-per-node", "100000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"slide train: error: --nproc-per-node 100000 runs one training process per rank, but this host has "
+        f"{cores} CPU core(s); use --nproc-per-node {cores} or fewer"
+    ]
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    check_ranks_for_cores("cpu", 4)
+    with pytest.raises(UserError, match="--nproc-per-node 5 runs one training process per rank, but this host has 4"):
+        check_ranks_for_cores("cpu", 5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--nproc-per-node 5 runs"):
+        check_ranks_for_cores("auto", 5)  # auto without a GPU runs on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_ranks_for_cores("cuda", 5)  # GPU ranks are bounded by the GPUs instead

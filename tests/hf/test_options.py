@@ -120,3 +120,103 @@ def test_the_runs_own_metrics_file_follows_the_run_directory(tmp_path):
 def test_resume_equal_values_of_other_types_pass():
     saved = _saved()
     assert resume_config(saved, {"lr": 0.001, "batch_size": 2}, source="ck").lr == 1e-3
+
+
+# ---- mixtures: several --data and --data-weights -------------------------------------------------------------
+
+
+def test_several_data_sources_and_their_weights():
+    one = TrainConfig(data=["a.jsonl"])
+    assert one.data == Path("a.jsonl")  # one source stays a path, as before
+    cfg = TrainConfig(data=["a.jsonl", "b.jsonl"], data_weights="0.7,0.3")
+    assert cfg.data == (Path("a.jsonl"), Path("b.jsonl")) and cfg.data_weights == (0.7, 0.3)
+    assert TrainConfig(data=("a.jsonl", "b.jsonl"), data_weights=[3, 1]).data_weights == (3.0, 1.0)
+    saved = config_dict(cfg)
+    assert saved["data"] == ["a.jsonl", "b.jsonl"] and saved["data_weights"] == [0.7, 0.3]
+    resumed = resume_config(saved, {"data": ["a.jsonl", "b.jsonl"], "data_weights": "0.7,0.3"}, source="ck")
+    assert resumed.data == cfg.data and resumed.data_weights == cfg.data_weights
+    with pytest.raises(UserError, match=r"^--data-weights was \[0\.7, 0\.3\] in the run at ck and is '1,1' now"):
+        resume_config(saved, {"data_weights": "1,1"}, source="ck")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"data": ["a", "b"], "data_weights": "3,1,1"}, r"--data-weights gives 3 weight\(s\) for 2 --data source\(s\)"),
+        ({"data": "a", "data_weights": "3,1"}, r"--data-weights gives 2 weight\(s\) for 1 --data source\(s\)"),
+        ({"data_weights": [1]}, r"--data-weights gives 1 weight\(s\) for 0 --data source\(s\)"),
+        ({"data": ["a", "b"], "data_weights": "3,-1"}, "--data-weights must be positive finite numbers.*'-1'"),
+        ({"data": ["a", "b"], "data_weights": "3,0"}, "--data-weights must be positive finite numbers.*'0'"),
+        ({"data": ["a", "b"], "data_weights": "3,nan"}, "--data-weights must be positive finite numbers.*'nan'"),
+        ({"data": ["a", "b"], "data_weights": [3, math.inf]}, "--data-weights must be positive finite numbers.*inf"),
+        ({"data": ["a", "b"], "data_weights": "3,x"}, "--data-weights must be positive finite numbers.*'x'"),
+        ({"data": ["a", "b"], "data_weights": [3, True]}, "--data-weights must be positive finite numbers.*True"),
+        ({"data": ["a", ""]}, "--data must name a file"),
+        ({"data": []}, "--data must name at least one source"),
+    ],
+)
+def test_bad_data_weights_are_one_line_naming_the_flag(kwargs, match):
+    with pytest.raises(UserError, match=match):
+        TrainConfig(**kwargs)
+
+
+# ---- AdamW hyperparameters that cannot run, sizes from TOML, ranks past the cores ----------------------------
+
+
+@pytest.mark.parametrize("eps", [1e-300, 1e-39, 0.0, -1e-8])
+def test_adam_eps_must_be_a_normal_fp32_number(eps):
+    with pytest.raises(UserError, match=r"^--adam-eps must be a finite number in \[1\.17549e-38, 1\]"):
+        TrainConfig(adam_eps=eps)
+    assert TrainConfig(adam_eps=1.2e-38).adam_eps == 1.2e-38
+
+
+@pytest.mark.parametrize(("lr", "wd"), [(1e-3, 1e30), (0.1, 10.0), (1.0, 1.0)])
+def test_weight_decay_that_flips_the_weights_is_refused(lr, wd):
+    with pytest.raises(UserError, match=r"^--weight-decay .* with --lr .* lr \* wd must be below 1"):
+        TrainConfig(lr=lr, weight_decay=wd)
+    assert TrainConfig(lr=lr, weight_decay=0.99 / lr).weight_decay == 0.99 / lr
+
+
+@pytest.mark.parametrize("value", [24, 1.5, "24", "24GiB"])
+def test_sizes_take_plain_numbers_as_gib(value):
+    assert TrainConfig(gpu_memory=value).gpu_memory == str(value)
+
+
+def test_a_boolean_size_is_refused():
+    with pytest.raises(UserError, match="--gpu-memory must be a size"):
+        TrainConfig(gpu_memory=True)
+
+
+def test_slide_train_refuses_eps_and_weight_decay_before_training(tmp_path, capsys):
+    from slide_hf.cli.main import main
+
+    base = ["train", "--device", "cpu", "--steps", "1", "--seq-len", "16", "--output", str(tmp_path / "run")]
+    assert main([*base, "--adam-eps", "1e-300"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["slide train: error: --adam-eps must be a finite number in [1.17549e-38, 1], got 1e-300"]
+    assert main([*base, "--weight-decay", "1e30"]) == 2  # the preset's default lr, 1e-3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("slide train: error: --weight-decay 1e+30 with the default --lr 0.001")
+    assert "lr * wd must be below 1" in err[0]
+
+
+def test_toml_takes_data_lists_weights_and_plain_number_sizes(tmp_path):
+    from slide_hf.cli.main import build_parser
+    from slide_hf.cli.train import build_config
+
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'data = ["a.jsonl", "b.jsonl"]\ndata_weights = [3, 1]\ngpu_memory = 24\nmax_record_size = "64MiB"\n'
+    )
+    cfg = build_config(build_parser().parse_args(["train", "--config", str(config)]))
+    assert cfg.data == (Path("a.jsonl"), Path("b.jsonl")) and cfg.data_weights == (3.0, 1.0)
+    assert cfg.gpu_memory == "24" and cfg.max_record_bytes == 64 << 20
+    flags = ["train", "--data", "a.jsonl", "--data", "b.jsonl", "--data-weights", "0.7,0.3"]
+    cfg = build_config(build_parser().parse_args(flags))
+    assert cfg.data == (Path("a.jsonl"), Path("b.jsonl")) and cfg.data_weights == (0.7, 0.3)
+    config.write_text('data = ["a.jsonl", 5]\n')
+    with pytest.raises(UserError, match=r"data must be a list of Path, got \['a.jsonl', 5\]"):
+        build_config(build_parser().parse_args(["train", "--config", str(config)]))
+    config.write_text("data_weights = 3\n")
+    with pytest.raises(UserError, match="data_weights must be a list of float, got 3"):
+        build_config(build_parser().parse_args(["train", "--config", str(config)]))

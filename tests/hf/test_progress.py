@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -57,3 +58,41 @@ def test_log_every_thins_plain_lines_but_keeps_the_last(caplog):
             progress.update(_record(step))
     steps = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("step ")]
     assert steps == ["2/5", "4/5", "5/5"]
+
+
+def _live_line(width: int, total: int = 1000) -> str:
+    """The last live line a terminal of ``width`` columns shows after three steps of a long run."""
+    import io
+
+    from rich.console import Console
+
+    screen = io.StringIO()
+    console = Console(file=screen, width=width, force_terminal=True, color_system=None)
+    with Progress(total, live=True, has_gpu=True, console=console) as progress:
+        for step in (1, 2, 3):
+            record = _record(step) | {"tokens_per_s": 12345.0, "tflops": 123.4, "gpu_mem_peak_gb": 20.4}
+            progress.update(record)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())  # cursor and erase codes
+    return [line for line in text.replace("\r", "\n").splitlines() if line.strip()][-1]
+
+
+@pytest.mark.parametrize("width", [60, 80, 200])
+def test_the_live_line_keeps_the_step_counter_and_eta_at_any_width(width):
+    line = _live_line(width)
+    assert len(line) <= width and "…" not in line, line
+    assert "3/1000" in line and "ETA " in line and "loss 1.2500" in line, line
+    if width == 200:  # room for everything
+        for field in ("grad norm 0.75", "12,345 tok/s", "123.4 TFLOPS", "overlap 1.40", "GPU 20.4 GB", "host 2.0 GB"):
+            assert field in line, line
+    if width == 60:  # the least important fields went first
+        assert "host" not in line and "GPU" not in line and "TFLOPS" not in line
+
+
+def test_fit_fields_drops_the_least_important_first():
+    from slide_hf.progress import fit_fields
+
+    fields = [("step", "3/10"), ("loss", "loss 1.0"), ("host", "host 2.0 GB"), ("eta", "ETA 0:07")]
+    assert fit_fields(fields, 100) == "3/10  loss 1.0  host 2.0 GB  ETA 0:07"
+    assert fit_fields(fields, 30) == "3/10  loss 1.0  ETA 0:07"
+    assert fit_fields(fields, 15) == "3/10  ETA 0:07"
+    assert fit_fields(fields, 1) == "3/10"

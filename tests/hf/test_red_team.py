@@ -466,6 +466,36 @@ CASES: list[Case] = [
         "bad.jsonl",
         setup=_write("bad.jsonl", '{"text": "fine"}\n{"text": \n'),
     ),
+    Case(
+        "data nested 100000 deep",
+        (*TRAIN, "--data", "{user}/deep.jsonl"),
+        "deep.jsonl:2: JSON nested too deeply",
+        setup=_write("deep.jsonl", '{"text": "fine"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n"),
+    ),
+    Case(
+        "data record over the limit",
+        (*TRAIN, "--data", "{user}/big.jsonl", "--max-record-size", "1KiB"),
+        "big.jsonl:1: the record is larger than the 1024 bytes record limit",
+        setup=_write("big.jsonl", '{"text": "' + "x" * 2000 + '"}\n'),
+    ),
+    Case(
+        "data in a mixture missing",
+        (*TRAIN, "--data", "{user}/data.jsonl", "--data", "{user}/none.jsonl"),
+        "none.jsonl",
+    ),
+    Case(
+        "data weights without a second --data",
+        (*TRAIN, "--data", "{user}/data.jsonl", "--data-weights", "3,1"),
+        "--data-weights gives 2 weight(s) for 1 --data source(s)",
+    ),
+    Case(
+        "data weights negative",
+        (*TRAIN, "--data", "{user}/data.jsonl", "--data", "{user}/data.jsonl", "--data-weights", "3,-1"),
+        "--data-weights must be positive finite numbers",
+    ),
+    Case("adam eps below fp32", (*TRAIN, "--adam-eps", "1e-300"), "--adam-eps must be a finite number in [1.17549e-38"),
+    Case("weight decay past 1/lr", (*TRAIN, "--weight-decay", "1e30"), "lr * wd must be below 1"),
+    Case("ranks past the cores", (*TRAIN, "--nproc-per-node", "100000"), "CPU core(s); use --nproc-per-node"),
     # ---- --model directories ----
     Case("model missing", (*TRAIN[:4], "{user}/nothing", *TRAIN[5:]), "nothing"),
     Case("weights missing", TRAIN, "no *.safetensors weights", setup=_remove("model/model.safetensors")),

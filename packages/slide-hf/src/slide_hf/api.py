@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +41,15 @@ def _visible_logging() -> None:
 
 def train(
     model: str | Path = "tiny-llama",
-    data: str | Path | None = None,
+    data: str | Path | Sequence[str | Path] | None = None,
     *,
     on_step: Callable[[Record], None] | None = None,
     on_eval: Callable[[Record], None] | None = None,
     **options: Any,
 ) -> TrainSummary:
     """Train ``model`` on ``data`` with `slide train`'s options; return the run's summary.
+
+    ``data`` may list several sources (``data=["a.jsonl", "b.jsonl"], data_weights=[3, 1]``, docs/data.md).
 
     ``on_step`` receives each step's metrics record (the same dict as a ``metrics.jsonl`` line) and
     ``on_eval`` each evaluation's; both run on the training thread between steps, so keep them quick."""

@@ -7,7 +7,9 @@ unexpected keys.
 
 A training run exports at the end, after its final checkpoint; a crash half-way must not leave a
 directory that looks like a model. So everything is written into a hidden temp directory beside
-``out_dir``, fsynced, then renamed into place: the directory appears complete or not at all. Replacing
+``out_dir``, fsynced, then renamed into place: the directory appears complete or not at all. Every file
+gets the same permissions, those of a new file under the process's umask (0644 under the usual 022), the
+weights included. Replacing
 an existing export swaps the two directories with one ``renameat2(RENAME_EXCHANGE)`` where the kernel
 has it. Every failure (a full disk, ``cancel``, an interrupt) removes the temp directory and raises.
 
@@ -146,7 +148,9 @@ def export_hf(
         _write_weights(model, host_params, tmp, target_dtype, max_shard_bytes, stop)
         for file in tokenizer_files:
             shutil.copyfile(file, tmp / file.name)
+        mode = _new_file_mode(tmp)
         for file in tmp.iterdir():
+            os.chmod(file, mode)  # safetensors creates its files 0600; the rest follow the umask
             _fsync(file)
         _fsync(tmp)
         if stop():
@@ -293,6 +297,18 @@ def _tokenizer_files(directory: Path) -> list[Path]:
     if not any(f.name != "generation_config.json" for f in found):
         raise ModelFilesError(f"{directory} has no tokenizer files ({', '.join(TOKENIZER_FILES[:5])}, ...)")
     return found
+
+
+def _new_file_mode(directory: Path) -> int:
+    """The permission bits a new file gets here (0666 less the umask), read from a probe file: asking
+    ``os.umask`` means setting it, which would race with every other thread of the process."""
+    probe = directory / f".mode-{uuid.uuid4().hex[:8]}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def _fsync(path: Path) -> None:

@@ -68,6 +68,38 @@ def resolve_hub_model(repo_id: str, *, revision: str | None = None) -> Path:
         raise UserError(f"{option('model', repo_id)}: cannot download from the Hub ({first})") from None
 
 
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """The transport failures of the HTTP clients huggingface_hub may use (httpx now, requests before)."""
+    found: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        import httpx
+
+        found.append(httpx.TransportError)
+    except ImportError:
+        pass
+    try:
+        import requests
+
+        found += [requests.exceptions.ConnectionError, requests.exceptions.Timeout]
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+def _hub_host(api: object) -> str:
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    endpoint = str(getattr(api, "endpoint", None) or constants.ENDPOINT)
+    return urlparse(endpoint).netloc or endpoint
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 def push_to_hub(folder: Path, repo_id: str, *, private: bool = False, message: str) -> str:
     """Upload an exported model directory to the Hub repository ``repo_id`` (created if needed); returns
     the repository's URL. The export stays on disk whatever happens: a failed push is one line and can be
@@ -83,6 +115,11 @@ def push_to_hub(folder: Path, repo_id: str, *, private: bool = False, message: s
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message)
+    except _network_errors() as error:  # no route, DNS, proxy, timeout: the Hub was never reached
+        raise UserError(
+            f"cannot reach the Hub at {_hub_host(api)} to push {repo_id} ({_first_line(error)}); check the network "
+            f"(or HF_ENDPOINT) and push again; the model stays in {folder}"
+        ) from None
     except (HfHubHTTPError, OSError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot push to {repo_id} ({first}); the model stays in {folder}") from None

@@ -100,6 +100,22 @@ def launcher_command(nproc_per_node: int, argv: Sequence[str], environ: Mapping[
     return [*launcher, "-m", "slide_hf", *rest]
 
 
+def check_ranks_for_cores(device: str, nproc_per_node: int) -> None:
+    """Refuse, in one line, more ranks on the CPU (``--device cpu``, or ``auto`` without a GPU) than the
+    host has cores (``os.cpu_count()``): each rank is a whole training process with its own optimizer
+    threads, so more than one per core only thrashes (and thousands exhaust the host before any error)."""
+    import torch
+
+    if device != "cpu" and (device != "auto" or torch.cuda.is_available()):
+        return
+    cores = os.cpu_count() or 1
+    if nproc_per_node > cores:
+        raise UserError(
+            f"{FLAG} {nproc_per_node} runs one training process per rank, but this host has {cores} CPU core(s); "
+            f"use {FLAG} {cores} or fewer"
+        )
+
+
 def check_gpus_for_ranks(device: str, nproc_per_node: int) -> None:
     """Refuse, in one line, more GPU ranks than GPUs: every rank this command launches sees the same GPUs
     and takes the one of its local rank (``ProcessGroupContext.device_index``), so two would share one and

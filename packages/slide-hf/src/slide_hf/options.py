@@ -29,15 +29,20 @@ __all__ = [
     "RULES",
     "Rule",
     "TrainConfig",
+    "check_adamw",
     "check_data_parallel",
     "check_option",
     "config_dict",
+    "data_sources",
     "default_lr",
     "installed_names",
     "resume_config",
 ]
 
 _INT_MAX = 2**63 - 1
+_FP32_TINY = 1.1754943508222875e-38
+"""The smallest normal fp32 number: an --adam-eps below it rounds to 0 (or a subnormal) in the fp32 update,
+and a zero second moment then divides 0 by 0."""
 REPORTERS = ("tensorboard", "wandb", "mlflow")
 
 
@@ -126,7 +131,7 @@ RULES: dict[str, Rule] = {
     "weight_decay": Rule("float", 0),
     "adam_beta1": Rule("float", 0, 1, high_open=True),
     "adam_beta2": Rule("float", 0, 1, high_open=True),
-    "adam_eps": Rule("float", 0, 1, low_open=True),
+    "adam_eps": Rule("float", _FP32_TINY, 1),
     "lr_schedule": Rule("choice", choices=("constant", "linear", "cosine", "wsd")),
     "min_lr_ratio": Rule("float", 0, 1, high_open=True),
     "decay_fraction": Rule("float", 0, 1, low_open=True),
@@ -170,6 +175,20 @@ def check_option(name: str, value: Any, *, flag: str | None = None) -> None:
     raise UserError(f"{shown} must be {rule.describe()}, got {value!r}{rule.out_of_range_word(value)}")
 
 
+def check_adamw(lr: float | None, weight_decay: float, *, default_lr: float | None = None) -> None:
+    """Refuse a weight decay that flips the weights' sign: AdamW scales each weight by ``1 - lr * wd`` per
+    step, so ``lr * wd`` must stay below 1 (past it every step negates and grows the weights, and the run
+    fails steps later with a message about the loss). ``default_lr`` is the lr used when ``lr`` is None."""
+    rate = lr if lr is not None else default_lr
+    if rate is None or weight_decay == 0 or rate * weight_decay < 1:
+        return
+    shown = f"--lr {rate:g}" if lr is not None else f"the default --lr {rate:g}"
+    raise UserError(
+        f"--weight-decay {weight_decay:g} with {shown} scales every weight by 1 - lr * wd = "
+        f"{1 - rate * weight_decay:g} per step; lr * wd must be below 1 (a weight decay is usually 0.0-0.1)"
+    )
+
+
 def check_data_parallel(optimizer_state: str, processes: int) -> None:
     """Refuse, in one line and before any process starts, what a data-parallel run cannot do yet: int8 Adam
     state (a rank's shard of a unit could split one of its 64-element blocks, whose scale is shared).
@@ -190,7 +209,9 @@ class TrainConfig:
 
     model: str = "tiny-llama"
     tokenizer: Path | None = None
-    data: Path | None = None
+    data: Path | tuple[Path, ...] | None = None
+    data_weights: tuple[float, ...] | None = None
+    max_record_size: str | int | None = None
     output: Path | None = None
     overwrite: bool = False
     device: str = "auto"
@@ -230,7 +251,7 @@ class TrainConfig:
     save_every: int = 0
     keep_checkpoints: int = 2
     resume: Path | None = None
-    gpu_memory: str | None = None
+    gpu_memory: str | int | float | None = None
     offload_optimizer: str = "ram"
     nvme_dir: Path | None = None
     nvme_fraction: float = 1.0
@@ -239,6 +260,7 @@ class TrainConfig:
     block_slots: int = 2
 
     def __post_init__(self) -> None:
+        _normalise_data(self)
         for name in sorted(_PATH_FIELDS):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -254,10 +276,16 @@ class TrainConfig:
             raise UserError(
                 f"{option('report_to')} must name {', '.join(REPORTERS)}; got {', '.join(map(repr, unknown))}"
             )
-        if self.gpu_memory is not None:
-            from slide_hf.sizes import parse_size
+        from slide_hf.sizes import parse_size
 
-            parse_size(str(self.gpu_memory), what=option("gpu_memory"))
+        for name in ("gpu_memory", "max_record_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or (value is not None and not isinstance(value, str | int | float)):
+                raise UserError(f"{option(name)} must be a size such as 24GiB, got {value!r}")
+            if value is not None:  # a plain number (a TOML 24) is GiB, as on the command line
+                object.__setattr__(self, name, str(value))
+                parse_size(str(value), what=option(name))
+        check_adamw(self.lr, self.weight_decay)
         if self.eval_data is not None and self.eval_fraction > 0:
             raise UserError(
                 f"{option('eval_data')} and {option('eval_fraction')} both choose the evaluation data; give one"
@@ -282,8 +310,56 @@ class TrainConfig:
     def evaluates(self) -> bool:
         return self.eval_data is not None or self.eval_fraction > 0
 
+    @property
+    def max_record_bytes(self) -> int:
+        """``--max-record-size`` in bytes (default 8 MiB, docs/data.md)."""
+        from slide_hf.data.readers import DEFAULT_MAX_RECORD_BYTES
+        from slide_hf.sizes import parse_size
 
-_PATH_FIELDS = frozenset({"tokenizer", "data", "output", "eval_data", "metrics", "resume", "nvme_dir"})
+        if self.max_record_size is None:
+            return DEFAULT_MAX_RECORD_BYTES
+        return parse_size(str(self.max_record_size), what="--max-record-size")
+
+
+_PATH_FIELDS = frozenset({"tokenizer", "output", "eval_data", "metrics", "resume", "nvme_dir"})
+
+
+def _normalise_data(cfg: TrainConfig) -> None:
+    """``data``: one source as a Path, several (a mixture) as a tuple of Paths; ``data_weights``: a tuple
+    of positive finite numbers, one per source (``"3,1"`` from the command line, a list from TOML)."""
+    data = cfg.data
+    items = list(data) if isinstance(data, list | tuple) else ([] if data is None else [data])
+    for item in items:
+        if not isinstance(item, str | Path) or not str(item).strip():
+            raise UserError(f"--data must name a file, a datasets directory or a Hub dataset, got {item!r}")
+    if isinstance(data, list | tuple) and not items:
+        raise UserError("--data must name at least one source")
+    paths = tuple(Path(item) for item in items)
+    object.__setattr__(cfg, "data", None if not paths else paths[0] if len(paths) == 1 else paths)
+    weights = cfg.data_weights
+    if weights is None:
+        return
+    if isinstance(weights, str):
+        weights = [part.strip() for part in weights.split(",")]
+    if not isinstance(weights, list | tuple):
+        weights = [weights]
+    parsed = []
+    for weight in weights:
+        try:
+            value = float(weight) if not isinstance(weight, bool) else math.nan
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise UserError(f"--data-weights must be positive finite numbers, one per --data, got {weight!r}")
+        parsed.append(value)
+    if len(parsed) != len(paths):
+        raise UserError(f"--data-weights gives {len(parsed)} weight(s) for {len(paths)} --data source(s)")
+    object.__setattr__(cfg, "data_weights", tuple(parsed))
+
+
+def data_sources(cfg: TrainConfig) -> tuple[Path, ...]:
+    """The run's ``--data`` sources (empty for the bundled text)."""
+    return cfg.data if isinstance(cfg.data, tuple) else () if cfg.data is None else (cfg.data,)
 
 
 def _split_reporters(text: str) -> tuple[str, ...]:
@@ -297,6 +373,9 @@ def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     absolute paths, so ``--resume`` finds them from any working directory."""
     values: dict[str, Any] = {}
     for key, value in asdict(cfg).items():
+        if key == "data" and isinstance(value, tuple):
+            values[key] = [_saved_input(item) for item in value]
+            continue
         if key in _INPUTS and value is not None and Path(str(value)).expanduser().exists():
             value = str(Path(str(value)).expanduser().resolve())
         elif isinstance(value, Path):
@@ -308,6 +387,11 @@ def config_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 
 _INPUTS = frozenset({"model", "tokenizer", "data", "eval_data", "chat_template", "nvme_dir"})
+
+
+def _saved_input(value: Path) -> str:
+    path = value.expanduser()
+    return str(path.resolve()) if path.exists() else str(value)
 
 
 RESUME_SAFE_OPTIONS = frozenset(
@@ -326,6 +410,7 @@ RESUME_SAFE_OPTIONS = frozenset(
         "overwrite",
         "save_dtype",
         "allow_data_change",
+        "max_record_size",
     }
 )
 """Options a resumed run may change: how long it goes on and how it saves, evaluates and reports."""
@@ -409,9 +494,13 @@ def _inside(path: Any, directory: Any) -> bool:
 def _typed(values: dict[str, Any]) -> dict[str, Any]:
     """Saved JSON values back to the field types (paths as Path, lists as tuples)."""
     typed = dict(values)
-    for key in _PATH_FIELDS:
+    for key in _PATH_FIELDS | {"data"}:
         if isinstance(typed.get(key), str):
             typed[key] = Path(typed[key])
+    if isinstance(typed.get("data"), list):
+        typed["data"] = tuple(Path(item) for item in typed["data"])
+    if isinstance(typed.get("data_weights"), list):
+        typed["data_weights"] = tuple(typed["data_weights"])
     if isinstance(typed.get("report_to"), list):
         typed["report_to"] = tuple(typed["report_to"])
     return typed
@@ -420,7 +509,15 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
 def _comparable(key: str, value: Any) -> Any:
     if value is None:
         return None
-    if key in _PATH_FIELDS or key == "model":
+    if key == "data" and isinstance(value, list | tuple):
+        return tuple(_comparable(key, item) for item in value) if len(value) > 1 else _comparable(key, value[0])
+    if key == "data_weights":
+        items = value.split(",") if isinstance(value, str) else value if isinstance(value, list | tuple) else [value]
+        try:
+            return tuple(float(item) for item in items)
+        except (TypeError, ValueError):
+            return value
+    if key in _PATH_FIELDS or key in ("model", "data"):
         path = Path(str(value)).expanduser()
         # A preset name is not a path; compare it as text unless such a directory exists.
         return str(path.resolve()) if (key != "model" or path.exists()) else str(value)

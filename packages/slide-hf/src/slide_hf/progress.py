@@ -4,6 +4,10 @@ Both say the same things with labels: loss, tokens per second (tokens that are n
 remaining as ``ETA 1:42:10``, and the overlap (how much of the gradient transfer and host update hides
 behind the backward; >= 1 means all of it -- a ratio, not a time). GPU memory and TFLOPS appear only when
 the run has a GPU.
+
+The live line is fitted to the terminal's width on every update (a resized terminal included): the step
+counter and the time remaining always stay, then the loss and the throughput; the other fields go first,
+and the bar narrows, rather than letting the terminal crop the line's end.
 """
 
 from __future__ import annotations
@@ -14,9 +18,13 @@ import time
 from collections import deque
 from typing import Any
 
-__all__ = ["Progress", "format_duration"]
+__all__ = ["Progress", "fit_fields", "format_duration"]
 
 log = logging.getLogger("slide.train")
+
+_LABEL = "train"
+_KEEP_ORDER = ("step", "eta", "loss", "tok/s", "grad norm", "overlap", "TFLOPS", "GPU", "host")
+"""Which fields a narrow line keeps, most important first (they are shown in the line's own order)."""
 
 
 def format_duration(seconds: float) -> str:
@@ -25,6 +33,18 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def fit_fields(fields: list[tuple[str, str]], room: int) -> str:
+    """The ``(key, text)`` fields joined by two spaces in their order, leaving out the least important
+    (by ``_KEEP_ORDER``) until the line is at most ``room`` characters; the first kept field is never
+    dropped."""
+    rank = {key: i for i, key in enumerate(_KEEP_ORDER)}
+    kept = list(fields)
+    by_importance = sorted(kept, key=lambda field: rank.get(field[0], len(rank)))
+    while len(kept) > 1 and len("  ".join(text for _, text in kept)) > room:
+        kept.remove(by_importance.pop())
+    return "  ".join(text for _, text in kept)
 
 
 class Progress:
@@ -43,7 +63,9 @@ class Progress:
         has_gpu: bool = True,
         log_every: int = 1,
         window: int = 20,
+        console: Any = None,
     ) -> None:
+        """``console``: the rich console of the live line (default: stderr's), e.g. a fixed-width one."""
         self.total_steps = total_steps
         self.first_step = first_step
         self.live = sys.stderr.isatty() if live is None else live
@@ -54,18 +76,21 @@ class Progress:
         self._steps_seen = 0
         self._progress: Any = None
         self._task: Any = None
+        self._bar: Any = None
+        self._console = console
 
     def __enter__(self) -> Progress:
         self._last_mark = time.perf_counter()
         if self.live:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+            from rich.progress import BarColumn, Progress, TextColumn
 
+            self._bar = BarColumn()
             self._progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
+                TextColumn(f"[bold]{_LABEL}"),
+                self._bar,
                 TextColumn("{task.fields[status]}"),
                 transient=False,
+                console=self._console,
             )
             self._progress.__enter__()
             self._task = self._progress.add_task(
@@ -97,25 +122,39 @@ class Progress:
         step = record["step"]
         remaining = self.seconds_remaining(step)
         record["eta_s"] = remaining
-        parts = [f"loss {record['loss']:.4f}"]
-        if record.get("grad_norm") is not None:
-            parts.append(f"grad norm {record['grad_norm']:.3g}")
-        parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
-        if self.has_gpu:
-            parts.append(f"{record['tflops']:.1f} TFLOPS")
-        if record.get("overlap") is not None:
-            parts.append(f"overlap {record['overlap']:.2f}")
-        if self.has_gpu:
-            parts.append(f"GPU {record['gpu_mem_peak_gb']:.1f} GB")
-        parts.append(f"host {record['host_rss_gb']:.1f} GB")
-        if remaining is not None:
-            parts.append(f"ETA {format_duration(remaining)}")
-        status = "  ".join(parts)
+        fields = self._fields(record, remaining)
+        status = "  ".join(text for _, text in fields)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, status=status)
+            self._progress.update(self._task, completed=step, status=self._fit(step, fields))
         elif step % self.log_every == 0 or step == self.total_steps:
             log.info("step %d/%d  lr %.3g  %s", step, self.total_steps, record["lr"], status)
         return status
+
+    def _fields(self, record: dict[str, Any], remaining: float | None) -> list[tuple[str, str]]:
+        """``(key, text)`` of each field of the status, in the line's order (keys as in ``_KEEP_ORDER``)."""
+        fields = [("loss", f"loss {record['loss']:.4f}")]
+        if record.get("grad_norm") is not None:
+            fields.append(("grad norm", f"grad norm {record['grad_norm']:.3g}"))
+        fields.append(("tok/s", f"{record['tokens_per_s']:,.0f} tok/s"))
+        if self.has_gpu:
+            fields.append(("TFLOPS", f"{record['tflops']:.1f} TFLOPS"))
+        if record.get("overlap") is not None:
+            fields.append(("overlap", f"overlap {record['overlap']:.2f}"))
+        if self.has_gpu:
+            fields.append(("GPU", f"GPU {record['gpu_mem_peak_gb']:.1f} GB"))
+        fields.append(("host", f"host {record['host_rss_gb']:.1f} GB"))
+        if remaining is not None:
+            fields.append(("eta", f"ETA {format_duration(remaining)}"))
+        return fields
+
+    def _fit(self, step: int, fields: list[tuple[str, str]]) -> str:
+        """The live status for the console's width now: the bar takes a fifth of the width (5 to 40
+        columns), and fields are dropped least important first until the line fits."""
+        width = self._progress.console.width
+        bar = min(40, max(5, width // 5))
+        self._bar.bar_width = bar
+        room = width - len(_LABEL) - bar - 3  # two column gaps, and one spare column
+        return fit_fields([("step", f"{step}/{self.total_steps}"), *fields], room)
 
     def evaluation(self, record: dict[str, Any]) -> None:
         """One evaluation's line (always logged: it is what a user compares checkpoints by)."""

@@ -60,7 +60,7 @@ from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.launch import share_host_cores
-from slide_hf.options import TrainConfig, check_data_parallel, config_dict, default_lr
+from slide_hf.options import TrainConfig, check_adamw, check_data_parallel, config_dict, data_sources, default_lr
 from slide_hf.planner import output_disk as disk
 from slide_hf.progress import Progress
 from slide_hf.resume import (
@@ -337,15 +337,18 @@ def _setup_data(
         chat_template=cfg.chat_template,
         max_positions=max_positions,
         vocab_size=config.vocab_size,
+        max_record_bytes=cfg.max_record_bytes,
     )
     dataset, eval_set = _load_data(cfg, model.tokenizer, data_options, output / DATA_CACHE)
     if resumed is not None:
         check_same_data(*resumed, run_data_digests(cfg, dataset, eval_set), allow=cfg.allow_data_change)
-    ranks = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
+    ranks: dict[str, Any] = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
+    ranks["weights"] = cfg.data_weights  # a mixture's sampling proportions (slide_hf/data/mixture.py)
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed, **ranks)
     epochs = cfg.epochs or (DEMO_EPOCHS if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
     lr = cfg.lr if cfg.lr is not None else default_lr(from_preset=model.model_dir is None)
+    check_adamw(cfg.lr, cfg.weight_decay, default_lr=lr)
     schedule = LRSchedule(
         lr,
         cfg.lr_schedule,
@@ -421,7 +424,7 @@ def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
         config_dict(cfg),
         metrics=cfg.metrics,
         report_to=cfg.report_to,
-        inputs=tuple(p for p in (cfg.data, cfg.eval_data, cfg.resume) if isinstance(p, Path)),
+        inputs=tuple(p for p in (*data_sources(cfg), cfg.eval_data, cfg.resume) if isinstance(p, Path)),
     )
 
 

@@ -3,8 +3,9 @@
 The data goes through the same pipeline as `slide train` (same tokenizer resolution, chat template, masks,
 packing), so what it shows is what training sees. The first --show examples are printed before packing
 with the text that carries loss marked: in colour on a terminal, between [[ and ]] otherwise. A
-summary follows: examples, rows, tokens, loss tokens, padding, truncated and skipped examples, and how
-many assistant turns' reasoning the chat template drops (never trained).
+summary follows: examples, rows, tokens, loss tokens, padding, truncated and skipped examples, how many
+assistant turns' reasoning the chat template drops (never trained), and for several --data sources each one's
+share of the rows and tokens (and, with --data-weights, of the rows an epoch of training draws).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ EPILOG = """examples:
   slide data --model ./Qwen3-8B --data chats.jsonl --show 2     # trained text in colour (or [[...]] when piped)
   slide data --model ./Qwen3-8B --data chats.jsonl --json | jq .trained_text
   slide data --model tiny-llama --data corpus.jsonl --seq-len 512 --show 0   # summary only
+  slide data --data chats.jsonl --data code.jsonl --data-weights 3,1 --show 0  # each source's share
 
 formats: .jsonl, .jsonl.gz, .json, .parquet, a datasets directory or a Hub dataset org/name; records of
 text, messages, conversations (ShareGPT), input_ids (+labels), prompt/completion or Alpaca
@@ -47,7 +49,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add = parser.add_argument
     add("--model", default=defaults.model, help=f"HF model directory, Hub id or preset (default {defaults.model})")
-    add("--data", help="data file, datasets directory or Hub dataset (default: the bundled English text)")
+    add(
+        "--data",
+        action="append",
+        help="data file, datasets directory or Hub dataset (default: the bundled English text); repeat for several",
+    )
+    add("--data-weights", metavar="W1,W2,...", help="sampling proportions of the --data sources, as slide train")
+    add("--max-record-size", metavar="SIZE", help="refuse a record larger than this before parsing it (default 8MiB)")
     add("--tokenizer", type=Path, help="tokenizer directory (default: the model's; the byte tokenizer for presets)")
     add(
         "--seq-len",
@@ -70,9 +78,11 @@ def run(args: argparse.Namespace) -> int:
     from slide_hf.data import DataOptions, load_dataset, preview
     from slide_hf.defaults import model_positions, resolve_seq_len
     from slide_hf.errors import UserError
+    from slide_hf.options import TrainConfig
 
     if args.show < 0:
         raise UserError(f"--show must be >= 0, got {args.show}")
+    given = TrainConfig(data=args.data, data_weights=args.data_weights, max_record_size=args.max_record_size)
     tokenizer, config = _tokenizer_and_config(args)
     options = DataOptions(
         seq_len=resolve_seq_len(args.seq_len, config, bundled_text=args.data is None),
@@ -81,11 +91,14 @@ def run(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         max_positions=model_positions(config),
         vocab_size=config.vocab_size,
+        max_record_bytes=given.max_record_bytes,
     )
-    shown = preview(args.data, tokenizer, options, args.show) if args.show else []
-    dataset = load_dataset(args.data, tokenizer, options)
+    shown = preview(given.data, tokenizer, options, args.show) if args.show else []
+    dataset = load_dataset(given.data, tokenizer, options)
     summary = {"source": dataset.source, "seq_len": options.seq_len, "packing": options.packing}
     summary |= dataclasses.asdict(dataset.stats)
+    if len(dataset.parts) > 1:
+        summary["sources"] = _shares(dataset, given.data_weights)
     if args.json:
         for record in shown:
             print(json.dumps(_example_json(record, tokenizer), ensure_ascii=False))
@@ -96,6 +109,28 @@ def run(args: argparse.Namespace) -> int:
         print(_example_text(record, tokenizer, colour=colour))
     print(_summary_text(summary, colour=colour))
     return 0
+
+
+def _shares(dataset: Any, weights: tuple[float, ...] | None) -> list[dict[str, Any]]:
+    """Each source's rows and tokens and their fractions of the whole; with weights, the fraction of the
+    rows an epoch of training draws from it (slide_hf/data/mixture.py)."""
+    rows = max(dataset.stats.rows, 1)
+    tokens = max(dataset.stats.tokens, 1)
+    shares = []
+    for i, part in enumerate(dataset.parts):
+        share = {
+            "name": part.name,
+            "examples": part.examples,
+            "rows": part.rows,
+            "tokens": part.tokens,
+            "loss_tokens": part.loss_tokens,
+            "row_share": part.rows / rows,
+            "token_share": part.tokens / tokens,
+        }
+        if weights is not None:
+            share["sampled_share"] = weights[i] / sum(weights)
+        shares.append(share)
+    return shares
 
 
 def _tokenizer_and_config(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -174,6 +209,13 @@ def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
 
     marked = "in colour" if colour else f"between {_OPEN} and {_CLOSE}"
     dropped = summary["dropped_reasoning_turns"]
+    sources = []
+    for share in summary.get("sources", []):
+        sampled = f", sampled {share['sampled_share']:.1%} of an epoch" if "sampled_share" in share else ""
+        sources.append(
+            f"  source {share['name']}: {share['rows']} rows ({share['row_share']:.1%}), {share['tokens']} tokens "
+            f"({share['token_share']:.1%}), {share['examples']} examples{sampled}"
+        )
     return "\n".join(
         [
             f"summary of {summary['source']} (seq-len {summary['seq_len']}, packing {'on' if summary['packing'] else 'off'}; "
@@ -186,5 +228,6 @@ def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
             f"  truncated examples  {summary['truncated_examples']}",
             f"  skipped examples    {summary['skipped_examples']}",
             *([f"  {dropped_reasoning_line(dropped)}"] if dropped else []),
+            *sources,
         ]
     )

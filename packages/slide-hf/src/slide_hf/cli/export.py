@@ -6,13 +6,20 @@ run whose final export failed (a full disk, a signal) gets its model: ``slide ex
 A checkpoint of a data-parallel run (every rank's shards under one step directory) is read shard by
 shard into one master, so its export equals the run's own.
 Weights holding NaN or Inf are refused, naming the first such tensor.
+
+A run that is still training prunes its old checkpoints as it saves new ones. A checkpoint that vanishes
+while the export reads it (its directory gone, or going while the run holds its lock) was never a
+corrupt one: the export falls back to the newest checkpoint that is still complete, and says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import logging
+import os
+import time
 from pathlib import Path
 
 log = logging.getLogger("slide.export")
@@ -48,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from slide_core import HostParameters
-    from slide_core.checkpoint import CheckpointCorrupt, find_latest
+    from slide_core.checkpoint import CheckpointCorrupt, find_latest, list_checkpoints
     from slide_core.sharded_checkpoint import load_gathered
     from slide_hf import build_model, load_config
     from slide_hf.errors import UserError
@@ -65,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint = find_latest(args.checkpoint)
     except CheckpointCorrupt as error:
         raise UserError(str(error)) from None
+    named = checkpoint == args.checkpoint  # the user named this checkpoint, not a run to take the newest of
     run_dir = run_of(checkpoint)
     clean_if_idle(run_dir)  # temp dirs of a killed run or export, unless a live run holds the directory
     if out.exists() and not args.overwrite:
@@ -80,10 +88,28 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:  # a damaged config.json, a model type this version cannot build
         raise UserError(f"{run_dir}: {str(error).strip().splitlines()[0]}") from None
     host = HostParameters(model)
-    try:
-        state = load_gathered(checkpoint, {"master": host.slab}, [unit.layout.numel for unit in model.units])
-    except CheckpointCorrupt as error:
-        raise UserError(corrupt_message(error, use)) from None
+    numels = [unit.layout.numel for unit in model.units]
+    gone: set[Path] = set()
+    while True:
+        try:
+            state = load_gathered(checkpoint, {"master": host.slab}, numels)
+            break
+        except (CheckpointCorrupt, FileNotFoundError) as error:
+            if not _vanished(checkpoint, run_dir):
+                if isinstance(error, FileNotFoundError):
+                    raise
+                raise UserError(corrupt_message(error, use)) from None
+        if named:
+            raise UserError(
+                f"checkpoint {checkpoint} was removed while it was read (a live run pruned it); export the run, "
+                f"`slide export {run_dir} {out}`, to take its newest complete checkpoint"
+            )
+        gone.add(checkpoint)
+        older = [p for p in list_checkpoints(checkpoint.parent) if p not in gone and p.name < checkpoint.name]
+        if not older:
+            raise UserError(f"every checkpoint of {run_dir} was removed while it was read; export again")
+        log.warning("%s was removed while it was read (pruned by the live run); exporting %s", checkpoint, older[-1])
+        checkpoint = older[-1]
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.save_dtype]
     tokenizer = tokenizer_dir if tokenizer_dir.is_dir() else None
     if tokenizer is None:
@@ -98,6 +124,38 @@ def run(args: argparse.Namespace) -> int:
         url = push_to_hub(out, args.push_to_hub, private=args.private, message=f"slide export of step {state['step']}")
         print(f"pushed {out} to {url}")
     return 0
+
+
+def _vanished(checkpoint: Path, run_dir: Path, *, wait_s: float = 5.0) -> bool:
+    """Whether ``checkpoint`` is gone or going: its ``state.json`` (what marks a complete checkpoint) is
+    absent, or disappears within ``wait_s`` while a live run holds the run directory (pruning removes a
+    checkpoint's files one by one). A damaged checkpoint of an idle run answers at once: it stays."""
+    deadline = time.monotonic() + wait_s
+    while (checkpoint / "state.json").is_file():
+        if time.monotonic() > deadline or not _held_by_a_run(run_dir):
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _held_by_a_run(run_dir: Path) -> bool:
+    """Whether a live `slide train` holds ``run_dir``'s lock (a shared, non-blocking probe that writes
+    nothing: an idle run's lock file is left as it is)."""
+    from slide_hf.run_dir import LOCK_FILE
+
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing drops a lock the probe took
+    return False
 
 
 def _holds_a_model(directory: Path) -> bool:

@@ -46,7 +46,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add("--model", help=f"HF model directory, Hub name (org/name) or preset (default {defaults.model})")
     add("--tokenizer", type=Path, help="tokenizer directory, when the model directory has none")
-    add("--data", help="JSON Lines (.jsonl, .jsonl.gz), .json, .parquet or a Hub dataset (default: bundled text)")
+    add(
+        "--data",
+        action="append",
+        help="JSON Lines (.jsonl, .jsonl.gz), .json, .parquet or a Hub dataset (default: bundled text); repeat it "
+        "to train on several sources (concatenated, or sampled by --data-weights)",
+    )
+    add(
+        "--data-weights",
+        metavar="W1,W2,...",
+        help="sampling proportions of the --data sources, one positive number each (e.g. 3,1): seeded, resumable",
+    )
+    add(
+        "--max-record-size",
+        metavar="SIZE",
+        help="refuse a record (a JSON line or object) larger than this before parsing it (default 8MiB)",
+    )
     add("--output", type=Path, help="output directory (default runs/<timestamp>-<suffix>)")
     add("--overwrite", action="store_true", default=None, help="reuse a non-empty --output, replacing slide's files")
     add(
@@ -160,11 +175,23 @@ _TOML_TYPES["Path"] = _TOML_TYPES["str"]
 
 
 def _check_toml_value(path: Path, key: str, value: Any, annotation: str) -> None:
-    """A TOML value of the wrong type (``steps = 2.5``, ``data = 5``) is named here, not deep in training."""
+    """A TOML value of the wrong type (``steps = 2.5``, ``data = 5``) is named here, not deep in training.
+    A ``tuple[X, ...]`` field takes a TOML list of X (``data = ["a.jsonl", "b.jsonl"]``)."""
     names = [name for name in str(annotation).split(" | ") if name != "None"]
+    scalars = [name for name in names if not name.startswith("tuple[")]
+    items = [name.removeprefix("tuple[").split(",")[0] for name in names if name.startswith("tuple[")]
+    if isinstance(value, list) and items:
+        if not all(_toml_type_ok(item, items) for item in value):
+            raise UserError(f"config file {path}: {key} must be a list of {' or '.join(items)}, got {value!r}")
+        return
+    if not _toml_type_ok(value, scalars):
+        wanted = " or ".join(scalars) if scalars else f"a list of {' or '.join(items)}"
+        raise UserError(f"config file {path}: {key} must be {wanted}, got {value!r}")
+
+
+def _toml_type_ok(value: Any, names: list[str]) -> bool:
     allowed = tuple(kind for name in names for kind in _TOML_TYPES.get(name, (object,)))
-    if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
-        raise UserError(f"config file {path}: {key} must be {' or '.join(names)}, got {value!r}")
+    return not (isinstance(value, bool) and bool not in allowed) and isinstance(value, allowed)
 
 
 def given_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -208,10 +235,11 @@ def run(args: argparse.Namespace) -> int:
     from slide_hf.recipe import train
 
     if args.nproc_per_node is not None:  # this process becomes torch's launcher of N copies of this command
-        from slide_hf.launch import check_gpus_for_ranks, relaunch
+        from slide_hf.launch import check_gpus_for_ranks, check_ranks_for_cores, relaunch
         from slide_hf.options import check_data_parallel
 
         check_data_parallel(getattr(args, "optimizer_state", None) or "fp32", args.nproc_per_node)
+        check_ranks_for_cores(getattr(args, "device", None) or "auto", args.nproc_per_node)
         check_gpus_for_ranks(getattr(args, "device", None) or "auto", args.nproc_per_node)
         return relaunch(args.nproc_per_node, args.argv)
 

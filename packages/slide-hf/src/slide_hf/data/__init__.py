@@ -7,11 +7,12 @@ markers, prefix renders verified token by token, or each reply found in the fina
 the record and the message only when the template loses one); packs whole documents
 into rows whose position ids restart per document; and keeps the rows as int32 files, cached by content.
 :class:`Batches` hands out seeded :class:`MicroBatch` es for training and :func:`eval_batches` the rows in
-order. docs/data.md describes the formats and rules for users.
+order; several sources are prepared as one dataset with a :class:`SourcePart` each and, with weights,
+sampled in proportion (:mod:`~slide_hf.data.mixture`). docs/data.md describes the formats and rules for users.
 """
 
 from slide_hf.data.batches import Batches, DataPosition, MicroBatch, eval_batches
-from slide_hf.data.dataset import Dataset, DataStats, load_dataset, load_split, open_source, preview
+from slide_hf.data.dataset import Dataset, DataStats, SourcePart, load_dataset, load_split, open_source, preview
 from slide_hf.data.encode import Document, EncodedRecord
 from slide_hf.data.options import IGNORE, DataOptions
 from slide_hf.data.readers import bundled_text_path
@@ -28,6 +29,7 @@ __all__ = [
     "Document",
     "EncodedRecord",
     "MicroBatch",
+    "SourcePart",
     "bundled_text_path",
     "eval_batches",
     "load_dataset",

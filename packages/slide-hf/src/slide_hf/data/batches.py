@@ -9,17 +9,23 @@ micro-batches of ``batch_size x world_size`` rows, taken from the same seeded or
 rank ``r`` keeps rows ``[r * batch_size, (r + 1) * batch_size)`` of each. The position counts global rows,
 so it is the same on every rank, and N ranks see together exactly the rows one process with
 ``batch_size x N`` would.
+
+With ``weights`` (one per source of a mixture, ``--data-weights``) an epoch's order comes from
+:func:`~slide_hf.data.mixture.mixture_order` instead: still a function of ``seed`` and the epoch, so
+``(epoch, index)`` remains the whole position a resume needs. Without weights the sources' rows are one
+pool (concatenated), shuffled together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from slide_hf.data.dataset import Dataset
+from slide_hf.data.mixture import mixture_order
 from slide_hf.errors import UserError
 
 __all__ = ["Batches", "DataPosition", "MicroBatch", "eval_batches"]
@@ -64,7 +70,10 @@ class Batches:
         seed: int,
         rank: int = 0,
         world_size: int = 1,
+        weights: Sequence[float] | None = None,
     ) -> None:
+        if weights is not None and len(weights) != len(dataset.parts):
+            raise UserError(f"--data-weights gives {len(weights)} weight(s) for {len(dataset.parts)} --data source(s)")
         if batch_size < 1:
             raise UserError(f"--batch-size must be positive, got {batch_size}")
         if grad_accum < 1:
@@ -85,10 +94,14 @@ class Batches:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.weights = tuple(weights) if weights is not None else None
         self.position = DataPosition()
         self.steps_per_epoch = len(dataset) // per_step
 
     def _order(self, epoch: int) -> torch.Tensor:
+        if self.weights is not None:
+            rows = [part.rows for part in self.dataset.parts]
+            return mixture_order(rows, self.weights, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
         if not self.shuffle:
             return torch.arange(len(self.dataset))
         return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))

@@ -6,6 +6,11 @@ tokenized in batches (:mod:`~slide_hf.data.encode`, :mod:`~slide_hf.data.chat`) 
 memory stays bounded. An evaluation split is drawn per *record*, before packing, so no document is in
 both sets; membership hashes the record's index with the seed, which is deterministic and needs no second
 pass over the data.
+
+Several sources (a mixture) are prepared into one set of files, one after another: each source's rows are
+packed on their own (no row mixes two sources), and the rows each source holds are recorded as a
+:class:`SourcePart`, which is what weighted sampling (:mod:`~slide_hf.data.mixture`) and `slide data`'s
+per-source shares read. The evaluation split is drawn per source, by each record's index in its source.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,7 @@ from slide_hf.data.encode import EncodedRecord, Encoder
 from slide_hf.data.hf_datasets import HubDataset, SavedDataset, is_hub_name, is_saved_dataset
 from slide_hf.data.options import DataOptions
 from slide_hf.data.packing import Packer
-from slide_hf.data.readers import BundledText, Source, open_file_source
+from slide_hf.data.readers import DEFAULT_MAX_RECORD_BYTES, BundledText, Source, open_file_source
 from slide_hf.data.schemas import parse_record
 from slide_hf.data.storage import (
     PreparedStore,
@@ -40,7 +45,20 @@ from slide_hf.data.storage import (
 from slide_hf.data.templates import resolve_template
 from slide_hf.errors import UserError
 
-__all__ = ["DataStats", "Dataset", "dropped_reasoning_line", "load_dataset", "load_split", "open_source", "preview"]
+__all__ = [
+    "DataSource",
+    "DataStats",
+    "Dataset",
+    "SourcePart",
+    "dropped_reasoning_line",
+    "load_dataset",
+    "load_split",
+    "open_source",
+    "preview",
+]
+
+DataSource = str | Path | None | Sequence[str | Path]
+"""One source (a file, a datasets directory, a Hub name; None: the bundled text) or several, a mixture."""
 
 log = logging.getLogger("slide.data")
 
@@ -65,9 +83,22 @@ class DataStats:
 
 
 @dataclass(frozen=True)
+class SourcePart:
+    """The rows one source of a split holds: rows ``[first_row, first_row + rows)``, and what they carry."""
+
+    name: str
+    first_row: int
+    rows: int
+    examples: int
+    tokens: int
+    loss_tokens: int
+
+
+@dataclass(frozen=True)
 class Dataset:
     """Prepared rows: ``input_ids``, ``labels`` and ``position_ids`` are (N, seq_len) int32 tensors mapped
-    from disk (batches convert the rows they take to int64)."""
+    from disk (batches convert the rows they take to int64). ``parts``: each source's rows, in order
+    (one part for one source)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -76,41 +107,54 @@ class Dataset:
     stats: DataStats
     digest: str = ""
     """SHA-256 of the prepared rows (storage.rows_digest): equal digests, equal training data."""
+    parts: tuple[SourcePart, ...] = ()
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
 
-def open_source(source: str | Path | None) -> Source:
+def open_source(source: str | Path | None, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Source:
     """The reader for ``source``: None (the bundled text), a file, a datasets directory, or ``org/name``."""
     if source is None:
         return BundledText()
     path = Path(source).expanduser()
     if path.is_dir():
         if is_saved_dataset(path):
-            return SavedDataset(path)
+            return SavedDataset(path, max_record_bytes=max_record_bytes)
         raise UserError(
             f"data directory {path} was not written by datasets' save_to_disk (no dataset_info.json or "
             "dataset_dict.json); pass a file"
         )
     if path.is_file():
-        return open_file_source(path)
+        return open_file_source(path, max_record_bytes=max_record_bytes)
     text = str(source)
     if is_hub_name(text) and not text.startswith((".", "/", "~")):
-        return HubDataset(text)
+        return HubDataset(text, max_record_bytes=max_record_bytes)
     raise UserError(f"data file {path} does not exist")
 
 
-def load_dataset(
-    source: str | Path | None, tokenizer: Any, options: DataOptions, *, cache_dir: Path | None = None
-) -> Dataset:
-    """Every record of ``source`` as training rows (None: the bundled English text)."""
+def _sources(source: DataSource) -> list[str | Path | None]:
+    if isinstance(source, str | Path) or source is None:
+        return [source]
+    sources = list(source)
+    if not sources:
+        raise UserError("--data names no source")
+    return sources
+
+
+def _open_all(source: DataSource, options: DataOptions) -> list[Source]:
+    return [open_source(one, max_record_bytes=options.max_record_bytes) for one in _sources(source)]
+
+
+def load_dataset(source: DataSource, tokenizer: Any, options: DataOptions, *, cache_dir: Path | None = None) -> Dataset:
+    """Every record of ``source`` as training rows (None: the bundled English text; several sources are
+    prepared one after another, see the module notes)."""
     train, _ = _prepare(source, tokenizer, options, cache_dir=cache_dir, eval_fraction=0.0, seed=0)
     return train
 
 
 def load_split(
-    source: str | Path | None,
+    source: DataSource,
     tokenizer: Any,
     options: DataOptions,
     *,
@@ -118,7 +162,8 @@ def load_split(
     seed: int = 0,
     cache_dir: Path | None = None,
 ) -> tuple[Dataset, Dataset]:
-    """``(train, eval)``: about ``eval_fraction`` of the records, chosen by ``seed``, go to ``eval``."""
+    """``(train, eval)``: about ``eval_fraction`` of the records of each source, chosen by ``seed``, go to
+    ``eval``."""
     if not 0.0 < eval_fraction < 1.0:
         raise UserError(f"--eval-fraction must be between 0 and 1 (exclusive), got {eval_fraction}")
     train, held_out = _prepare(source, tokenizer, options, cache_dir=cache_dir, eval_fraction=eval_fraction, seed=seed)
@@ -126,20 +171,25 @@ def load_split(
     return train, held_out
 
 
-def preview(source: str | Path | None, tokenizer: Any, options: DataOptions, count: int) -> list[EncodedRecord]:
-    """The first ``count`` records as documents (before packing), for showing which tokens carry loss."""
-    reader = open_source(source)
+def preview(source: DataSource, tokenizer: Any, options: DataOptions, count: int) -> list[EncodedRecord]:
+    """The first ``count`` records as documents (before packing), for showing which tokens carry loss; of
+    several sources, the first records of each in turn until ``count`` are shown."""
+    readers = _open_all(source, options)
     encoder = Encoder(tokenizer, options, resolve_template(tokenizer, options.chat_template), batch_size=max(count, 1))
-    examples = (parse_record(record, vocab_size=options.vocab_size) for record in reader.records())
-    with _os_errors_named(reader.name):
-        return list(encoder.encode(itertools.islice(examples, count)))
+    shown: list[EncodedRecord] = []
+    share = -(-count // len(readers))
+    for reader in readers:
+        examples = (parse_record(record, vocab_size=options.vocab_size) for record in reader.records())
+        with _os_errors_named(reader.name):
+            shown += encoder.encode(itertools.islice(examples, min(share, count - len(shown))))
+    return shown
 
 
 # ---- building -------------------------------------------------------------------------------------------------
 
 
 def _prepare(
-    source: str | Path | None,
+    source: DataSource,
     tokenizer: Any,
     options: DataOptions,
     *,
@@ -147,14 +197,16 @@ def _prepare(
     eval_fraction: float,
     seed: int,
 ) -> tuple[Dataset, Dataset | None]:
-    reader = open_source(source)
+    readers = _open_all(source, options)
+    name = " + ".join(reader.name for reader in readers)
     template = resolve_template(tokenizer, options.chat_template)
+    fingerprints = [reader.fingerprint() for reader in readers]
     key = cache_key(
         {
-            "source": reader.fingerprint(),
+            "source": fingerprints[0] if len(fingerprints) == 1 else fingerprints,
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "template": template.text if template else None,
-            "options": asdict(options) | {"max_positions": None, "chat_template": None},
+            "options": asdict(options) | {"max_positions": None, "chat_template": None, "max_record_bytes": None},
             "split": [eval_fraction, seed] if eval_fraction > 0 else None,
         }
     )
@@ -166,21 +218,21 @@ def _prepare(
         try:
             if meta is None:
                 raise FileNotFoundError(f"{directory}/meta.json is unreadable")
-            result = _open(directory, meta, reader.name)
+            result = _open(directory, meta, name)
         except (FileNotFoundError, KeyError, TypeError, ValueError) as error:
             log.warning("rebuilding the prepared data in %s: %s", directory, error)
             replace = True
         else:
-            log.info("data: %s prepared in %s (cache)", reader.name, directory)
+            log.info("data: %s prepared in %s (cache)", name, directory)
             for note in meta.get("notes", []):
                 log.warning("%s", note)
             return result
-    with _os_errors_named(reader.name), store.build(replace=replace) as work:
-        meta = _build(reader, tokenizer, options, template, work, eval_fraction=eval_fraction, seed=seed)
+    with _os_errors_named(name), store.build(replace=replace) as work:
+        meta = _build(readers, tokenizer, options, template, work, eval_fraction=eval_fraction, seed=seed)
         if store.final is None:
-            return _open(work, meta, reader.name)
+            return _open(work, meta, name)
     assert store.final is not None
-    return _open(store.final, meta, reader.name)
+    return _open(store.final, meta, name)
 
 
 @contextlib.contextmanager
@@ -199,6 +251,12 @@ def _open(directory: Path, meta: dict[str, Any], name: str) -> tuple[Dataset, Da
         files = RowFiles(directory / split, int(stats["rows"]), seq_len)
         source = name if split == "train" else f"{name} (eval split)"
         digest = meta.get("digests", {}).get(split) or rows_digest(directory / split)
+        parts = tuple(SourcePart(**part) for part in meta.get("parts", {}).get(split, []))
+        if not parts:  # one source
+            whole = SourcePart(name, 0, stats["rows"], stats["examples"], stats["tokens"], stats["loss_tokens"])
+            parts = (whole,)
+        if sum(part.rows for part in parts) != stats["rows"]:
+            raise ValueError(f"the sources' rows do not add up to the {stats['rows']} rows of {split}")
         splits[split] = Dataset(
             files.tensors["input_ids"],
             files.tensors["labels"],
@@ -206,6 +264,7 @@ def _open(directory: Path, meta: dict[str, Any], name: str) -> tuple[Dataset, Da
             source,
             DataStats(**stats),
             digest,
+            parts,
         )
     return splits["train"], splits.get("eval")
 
@@ -226,6 +285,18 @@ class _Split:
         self.skipped: list[str] = []
         self.skipped_count = 0
         self.dropped_reasoning = 0
+        self.parts: list[SourcePart] = []
+        self._part_start = (0, 0, 0, 0)  # rows, examples, tokens, loss tokens when the source began
+
+    def end_source(self, name: str) -> None:
+        """Close one source's rows (its last row is not shared with the next source) and record its part."""
+        block = self.packer.finish()
+        if block is not None:
+            self.writer.write(block)
+        now = (self.writer.rows, self.examples, self.writer.tokens, self.writer.loss_tokens)
+        start = self._part_start
+        self.parts.append(SourcePart(name, start[0], *(b - a for a, b in zip(start, now, strict=True))))
+        self._part_start = now
 
     def add(self, record: EncodedRecord) -> None:
         if record.skipped:
@@ -284,7 +355,7 @@ class _Split:
 
 
 def _build(
-    reader: Source,
+    readers: list[Source],
     tokenizer: Any,
     options: DataOptions,
     template: Any,
@@ -293,32 +364,39 @@ def _build(
     eval_fraction: float,
     seed: int,
 ) -> dict[str, Any]:
-    log.info("data: tokenizing %s", reader.name)
     splits = {"train": _Split(directory / "train", tokenizer, options)}
     if eval_fraction > 0:
         splits["eval"] = _Split(directory / "eval", tokenizer, options)
     encoder = Encoder(tokenizer, options, template)
-    examples = (parse_record(record, vocab_size=options.vocab_size) for record in reader.records())
     records = 0
     try:
-        for record in encoder.encode(examples):
-            records += 1
-            held_out = eval_fraction > 0 and _held_out(seed, record.index, eval_fraction)
-            splits["eval" if held_out else "train"].add(record)
+        for ordinal, reader in enumerate(readers):
+            log.info("data: tokenizing %s", reader.name)
+            examples = (parse_record(record, vocab_size=options.vocab_size) for record in reader.records())
+            for record in encoder.encode(examples):
+                records += 1
+                held_out = eval_fraction > 0 and _held_out(seed, ordinal, record.index, eval_fraction)
+                splits["eval" if held_out else "train"].add(record)
+            for split in splits.values():
+                split.end_source(reader.name)
     except BaseException:
         for split in splits.values():
             split.writer.close()
         raise
-    stats = {name: split.finish() for name, split in splits.items()}
+    name = " + ".join(reader.name for reader in readers)
+    stats = {split_name: split.finish() for split_name, split in splits.items()}
     if stats["train"].rows == 0:
-        raise UserError(f"{reader.name} holds no example with a token to train ({records} record(s) read)")
+        raise UserError(f"{name} holds no example with a token to train ({records} record(s) read)")
+    for part in splits["train"].parts if len(readers) > 1 else []:
+        if part.rows == 0:
+            raise UserError(f"--data {part.name} holds no example with a token to train")
     if "eval" in stats and stats["eval"].rows == 0:
         raise UserError(
-            f"--eval-fraction {eval_fraction} holds out none of the {records} record(s) of {reader.name}; raise it"
+            f"--eval-fraction {eval_fraction} holds out none of the {records} record(s) of {name}; raise it"
         )
     notes: list[str] = []
-    for name, split in splits.items():
-        warnings, infos = split.notes(reader.name if name == "train" else f"{reader.name} (eval)")
+    for split_name, split in splits.items():
+        warnings, infos = split.notes(name if split_name == "train" else f"{name} (eval)")
         notes += warnings
         for info in infos:
             log.info("%s", info)
@@ -326,17 +404,21 @@ def _build(
         log.warning("%s", note)
     meta = {
         "seq_len": options.seq_len,
-        "source": reader.name,
-        "splits": {name: asdict(value) for name, value in stats.items()},
-        "digests": {name: split.writer.digest for name, split in splits.items()},
+        "source": name,
+        "splits": {split_name: asdict(value) for split_name, value in stats.items()},
+        "digests": {split_name: split.writer.digest for split_name, split in splits.items()},
+        "parts": {split_name: [asdict(part) for part in split.parts] for split_name, split in splits.items()},
         "notes": notes,
     }
     write_meta(directory, meta)
     return meta
 
 
-def _held_out(seed: int, index: int, fraction: float) -> bool:
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+def _held_out(seed: int, source: int, index: int, fraction: float) -> bool:
+    """Whether record ``index`` of the ``source``-th source is held out (the first source keys by the
+    record alone, as a single source always has, so its split does not change when sources are added)."""
+    key = f"{seed}:{index}" if source == 0 else f"{seed}:{source}:{index}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") < fraction * 2**64
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from slide_hf.data.readers import Record, first_line
+from slide_hf.data.readers import DEFAULT_MAX_RECORD_BYTES, Record, check_record_size, first_line
 from slide_hf.errors import UserError
 from slide_hf.hub import is_hub_id
 
@@ -44,9 +44,11 @@ def _import_datasets(what: str) -> Any:
     return datasets
 
 
-def _rows(dataset: Any, name: str) -> Iterator[Record]:
+def _rows(dataset: Any, name: str, max_record_bytes: int) -> Iterator[Record]:
     for index, fields in enumerate(dataset):
-        yield Record(f"{name} row {index}", dict(fields))
+        where = f"{name} row {index}"
+        check_record_size(fields, where, max_record_bytes)
+        yield Record(where, dict(fields))
 
 
 def _one_split(datasets: Any, loaded: Any, name: str, split: str) -> Any:
@@ -63,9 +65,10 @@ def _one_split(datasets: Any, loaded: Any, name: str, split: str) -> Any:
 class SavedDataset:
     """A directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` (its ``train`` split)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.path = path
         self.name = str(path)
+        self.max_record_bytes = max_record_bytes
 
     def fingerprint(self) -> str:
         parts = []
@@ -81,14 +84,15 @@ class SavedDataset:
             loaded = datasets.load_from_disk(str(self.path))
         except Exception as error:  # FileNotFoundError, ArrowInvalid, ... from a damaged directory
             raise UserError(f"{self.path}: not a readable datasets directory ({first_line(error)})") from None
-        yield from _rows(_one_split(datasets, loaded, self.name, "train"), self.name)
+        yield from _rows(_one_split(datasets, loaded, self.name, "train"), self.name, self.max_record_bytes)
 
 
 class HubDataset:
     """``org/name`` (optionally ``:split``, default ``train``) through ``datasets.load_dataset``."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.spec = spec
+        self.max_record_bytes = max_record_bytes
         self.name = spec
         repo, _, split = spec.partition(":")
         self.repo = repo
@@ -114,4 +118,4 @@ class HubDataset:
         return f"{self.spec}|{getattr(self._load(), '_fingerprint', '')}"
 
     def records(self) -> Iterator[Record]:
-        yield from _rows(self._load(), self.repo)
+        yield from _rows(self._load(), self.repo, self.max_record_bytes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slide_hf.data.readers import DEFAULT_MAX_RECORD_BYTES
 from slide_hf.errors import UserError
 
 __all__ = ["IGNORE", "DataOptions"]
@@ -21,6 +22,7 @@ class DataOptions:
     ``chat_template``: a template file or a bundled name (``chatml``, ``qwen2.5``, ``qwen3``) used instead
     of the tokenizer's own. ``max_positions`` and ``vocab_size`` are the model's limits, checked here so a
     bad token id is named by its line instead of failing inside an embedding lookup.
+    ``max_record_bytes``: the largest record read (docs/data.md); it refuses input, never changes rows.
     """
 
     seq_len: int
@@ -29,6 +31,7 @@ class DataOptions:
     chat_template: str | None = None
     max_positions: int | None = None
     vocab_size: int | None = None
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
@@ -37,5 +40,11 @@ class DataOptions:
             raise UserError(f"--seq-len {self.seq_len} exceeds the model's {self.max_positions} positions")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise UserError(f"the model's vocabulary size must be positive, got {self.vocab_size}")
+        if (
+            isinstance(self.max_record_bytes, bool)
+            or not isinstance(self.max_record_bytes, int)
+            or self.max_record_bytes < 1
+        ):
+            raise UserError(f"--max-record-size must be a positive size, got {self.max_record_bytes!r}")
         if self.chat_template is not None and not str(self.chat_template).strip():
             raise UserError("--chat-template must not be empty")

@@ -6,6 +6,11 @@ place a user can open in an editor (``train.jsonl:12``, ``train.parquet row 7``)
 reader raises names it in one line: bytes that are not UTF-8, a JSON escape of a lone surrogate (valid
 JSON, but not text any tokenizer accepts), a line that is not a JSON object.
 
+Every reader also bounds one record: a JSON line or object longer than ``max_record_bytes`` (8 MiB by
+default, :data:`DEFAULT_MAX_RECORD_BYTES`) is refused by its size *before* it is parsed or tokenized, so a
+runaway record (a 50 MB line, a whole dump on one line) costs a bounded read instead of gigabytes of
+tokenizer state, and JSON nested deeper than Python's decoder can follow is a bad record, not a crash.
+
 A source also has a ``fingerprint``: what the prepared-data cache key needs to notice that the data
 changed (path, size and modification time for a file).
 """
@@ -25,7 +30,19 @@ from typing import Any, BinaryIO, Protocol
 
 from slide_hf.errors import UserError
 
-__all__ = ["Record", "Source", "bundled_text_path", "file_fingerprint", "open_file_source"]
+__all__ = [
+    "DEFAULT_MAX_RECORD_BYTES",
+    "Record",
+    "Source",
+    "bundled_text_path",
+    "check_record_size",
+    "file_fingerprint",
+    "open_file_source",
+]
+
+DEFAULT_MAX_RECORD_BYTES = 8 << 20
+"""The largest record read by default (8 MiB of raw JSON, or of a table row's text): far past any example
+a model trains on at a few thousand tokens, small enough that refusing it is quick and cheap."""
 
 _CHUNK_BYTES = 1 << 20
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -60,17 +77,17 @@ def file_fingerprint(path: Path) -> str:
     return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
 
 
-def open_file_source(path: Path) -> Source:
+def open_file_source(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Source:
     """The reader for ``path`` by its suffix; one line naming the supported ones otherwise."""
     name = path.name.lower()
     if name.endswith(".jsonl.gz"):
-        return JsonLinesFile(path, compressed=True)
+        return JsonLinesFile(path, compressed=True, max_record_bytes=max_record_bytes)
     if name.endswith(".jsonl"):
-        return JsonLinesFile(path, compressed=False)
+        return JsonLinesFile(path, compressed=False, max_record_bytes=max_record_bytes)
     if name.endswith(".json"):
-        return JsonArrayFile(path)
+        return JsonArrayFile(path, max_record_bytes=max_record_bytes)
     if name.endswith(".parquet"):
-        return ParquetFile(path)
+        return ParquetFile(path, max_record_bytes=max_record_bytes)
     raise UserError(f"data file {path}: unknown format; use one of {', '.join(SUFFIXES)} or a datasets directory")
 
 
@@ -95,10 +112,11 @@ class BundledText:
 class JsonLinesFile:
     """One JSON object per line; blank lines are skipped but still counted, so numbers match an editor's."""
 
-    def __init__(self, path: Path, *, compressed: bool) -> None:
+    def __init__(self, path: Path, *, compressed: bool, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.path = path
         self.name = str(path)
         self.compressed = compressed
+        self.max_record_bytes = max_record_bytes
 
     def fingerprint(self) -> str:
         return file_fingerprint(self.path)
@@ -107,13 +125,15 @@ class JsonLinesFile:
         with self._open() as handle:
             number = 0
             while True:
-                try:
-                    raw = handle.readline()
+                try:  # at most one byte past the limit is read: a runaway line costs no memory
+                    raw = handle.readline(self.max_record_bytes + 2)
                 except (OSError, EOFError, zlib.error) as error:
                     raise UserError(f"{self.path}:{number + 1}: cannot decompress ({error})") from None
                 if not raw:
                     return
                 number += 1
+                if len(raw.rstrip(b"\r\n")) > self.max_record_bytes:
+                    raise UserError(_too_large(f"{self.path}:{number}", self.max_record_bytes))
                 if number == 1:
                     raw = raw.removeprefix(codecs.BOM_UTF8)
                 if not raw.strip():
@@ -135,9 +155,10 @@ class JsonArrayFile:
     ``where`` is the line on which each object starts.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.path = path
         self.name = str(path)
+        self.max_record_bytes = max_record_bytes
 
     def fingerprint(self) -> str:
         return file_fingerprint(self.path)
@@ -146,15 +167,16 @@ class JsonArrayFile:
         if not self.path.is_file():
             raise UserError(f"data file {self.path} does not exist")
         with self.path.open("rb") as handle:
-            yield from _ArrayScanner(self.path, handle).records()
+            yield from _ArrayScanner(self.path, handle, self.max_record_bytes).records()
 
 
 class _ArrayScanner:
     """Walks ``[ {...}, {...} ]`` (or ``{...}\\n{...}``) with ``raw_decode`` over a growing text window."""
 
-    def __init__(self, path: Path, handle: BinaryIO) -> None:
+    def __init__(self, path: Path, handle: BinaryIO, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.path = path
         self.handle = handle
+        self.max_record_bytes = max_record_bytes
         self.decoder = codecs.getincrementaldecoder("utf-8")("strict")
         self.text = ""
         self.pos = 0
@@ -192,7 +214,10 @@ class _ArrayScanner:
                 self._skip_space()
             where = f"{self.path}:{self.line}"
             value, end = self._decode_value(json_decoder, where)
-            _check_surrogates(self.text[self.pos : end].encode("utf-8", "surrogatepass"), value, where)
+            raw = self.text[self.pos : end].encode("utf-8", "surrogatepass")
+            if len(raw) > self.max_record_bytes:
+                raise UserError(_too_large(where, self.max_record_bytes))
+            _check_surrogates(raw, value, where)
             if not isinstance(value, dict):
                 raise UserError(f"{where}: expected a JSON object, got {_json_type(value)}")
             self._advance(end - self.pos)
@@ -206,8 +231,12 @@ class _ArrayScanner:
             except json.JSONDecodeError as error:
                 if self.eof:
                     raise UserError(f"{where}: not valid JSON ({error.msg})") from None
+                if len(self.text) - self.pos > self.max_record_bytes:  # characters: never more than bytes
+                    raise UserError(_too_large(where, self.max_record_bytes)) from None
                 self._read(grow=True)
                 continue
+            except RecursionError:
+                raise UserError(_too_deep(where)) from None
             if end == len(self.text) and not self.eof and not isinstance(value, (dict, list, str)):
                 self._read(grow=True)  # a bare number may continue in the next chunk
                 continue
@@ -248,9 +277,10 @@ class _ArrayScanner:
 class ParquetFile:
     """A Parquet table read in record batches; ``where`` is ``file row N`` (0-based, as pandas shows it)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.path = path
         self.name = str(path)
+        self.max_record_bytes = max_record_bytes
 
     def fingerprint(self) -> str:
         return file_fingerprint(self.path)
@@ -274,7 +304,9 @@ class ParquetFile:
                 except UnicodeDecodeError as error:
                     raise UserError(f"{self.path} rows {row}-{row + batch.num_rows - 1}: {error.reason}") from None
                 for fields in rows:
-                    yield Record(f"{self.path} row {row}", fields)
+                    where = f"{self.path} row {row}"
+                    check_record_size(fields, where, self.max_record_bytes)
+                    yield Record(where, fields)
                     row += 1
 
 
@@ -287,17 +319,58 @@ def _parse_object(raw: bytes, where: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise UserError(f"{where}: not valid JSON ({error.msg})") from None
+    except RecursionError:
+        raise UserError(_too_deep(where)) from None
     _check_surrogates(raw, value, where)
     if not isinstance(value, dict):
         raise UserError(f"{where}: expected a JSON object, got {_json_type(value)}")
     return value
 
 
+def check_record_size(fields: Any, where: str, limit: int) -> None:
+    """Refuse a table row whose text (strings, UTF-8 bytes, and ids at 4 bytes each) passes ``limit``,
+    before any tokenizer sees it. Walks the row iteratively (a deep row cannot overflow the stack) and
+    stops as soon as the limit is passed."""
+    total = 0
+    pending = [fields]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            total += len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+            total += len(value)
+        elif isinstance(value, list | tuple):
+            pending.extend(value)
+        else:
+            total += 4
+        if total > limit:
+            raise UserError(_too_large(where, limit))
+
+
+def _too_large(where: str, limit: int) -> str:
+    return (
+        f"{where}: the record is larger than the {_mib(limit)} record limit; split it, or raise the limit "
+        "with --max-record-size"
+    )
+
+
+def _too_deep(where: str) -> str:
+    return f"{where}: JSON nested too deeply to read (thousands of levels); not a training record"
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):g} MiB" if size >= 1 << 20 else f"{size} bytes"
+
+
 def _check_surrogates(raw: bytes, value: Any, where: str) -> None:
     """``"\\ud800"`` is valid JSON but no text: find the field before a tokenizer fails on it."""
     if not _SURROGATE_ESCAPE.search(raw):
         return  # the common case costs one regex scan
-    field = _lone_surrogate_field(value, "")
+    try:
+        field = _lone_surrogate_field(value, "")
+    except RecursionError:
+        raise UserError(_too_deep(where)) from None
     if field is not None:
         raise UserError(f"{where}: {field or 'the value'} holds a lone surrogate escape (\\ud800-\\udfff), not text")
 
