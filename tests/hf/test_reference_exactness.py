@@ -20,8 +20,9 @@ error on either side (each fp32 run misses the float64 one by as much as they mi
   about the gradients and the optimizer, not about rounding.
 * Gemma 4 (unit attention scale on normed q and k, per-layer inputs) at ``lr = 3e-3`` amplifies the
   last-bit differences between any two fp32 runs by several times per step: after six steps
-  transformers' own fp32 run is 2e-2 of an update from its float64 twin, and ours as far. At
-  ``lr = 3e-4`` both stay within 2e-3, so Gemma 4 runs at that rate here.
+  transformers' own fp32 run is 2e-2 of an update from its float64 twin, and ours as far; its eager
+  and sdpa fp32 runs end 1e-2 of an update (and 1.5e-5 in the sixth loss) apart from each other. At
+  ``lr = 3e-4`` the fp32 runs stay within 2e-3 of float64, so Gemma 4 runs at that rate here.
 * Rare tokens' embedding rows get gradients of ``eps`` size, where Adam's step is most sensitive to the
   last bits of the gradient: OLMo 3's ``embed_tokens`` ends 3e-4 of its update from float64, in both
   fp32 runs, through a handful of rows of tokens seen once or twice.
