@@ -57,6 +57,7 @@ class Row:
     args: tuple[str, ...] = ()
     layers: int | None = None  # bench --layers: the first N decoder layers (the host cannot hold the whole model)
     gpu_memory: str = "24"
+    batch: int = 16  # bench rows: the largest micro-batch the plan fits in gpu_memory, up to 16 x 1024
     needs_fla: bool = False
     clip: float | None = None  # a --max-grad-norm this small fires on every step
     nvme: bool = False  # gets --nvme-dir
@@ -93,12 +94,12 @@ def rows() -> list[Row]:
     families = [
         Row("qwen3.5 (torch linear attention)", "bench", "qwen3.5-9b", "test-qwen3.5", layers=4),
         Row("qwen3.5 +fla", "bench", "qwen3.5-9b", "test-qwen3.5", layers=4, needs_fla=True),
-        Row("qwen3-next (torch linear attention)", "bench", "qwen3-next-80b-a3b", "test-qwen3-next", layers=4),
-        Row("qwen3-next +fla", "bench", "qwen3-next-80b-a3b", "test-qwen3-next", layers=4, needs_fla=True),
+        Row("qwen3-next (torch linear attention)", "bench", "qwen3-next-80b-a3b", "test-qwen3-next", layers=4, batch=6),
+        Row("qwen3-next +fla", "bench", "qwen3-next-80b-a3b", "test-qwen3-next", layers=4, batch=6, needs_fla=True),
         Row("gemma3", "bench", "gemma3-12b", "test-gemma3", layers=8),
         Row("gemma4", "bench", "gemma4-31b", "test-gemma4", layers=4),
-        Row("gemma4 per-layer embeddings", "bench", "gemma4-e2b", "test-gemma4-ple", layers=6),
-        Row("llama4", "bench", "llama4-scout-text", "test-llama4", layers=2, gpu_memory="48"),
+        Row("gemma4 per-layer embeddings", "bench", "gemma4-e2b", "test-gemma4-ple", layers=22),
+        Row("llama4", "bench", "llama4-scout-text", "test-llama4", layers=2, gpu_memory="72"),
         Row("deepseek-v3 (moonlight)", "bench", "moonlight-16b-a3b", "test-deepseek-v3", layers=3),
         Row("glm4", "bench", "glm4-9b", "test-glm4", layers=4),
         Row("olmo2", "bench", "olmo2-7b", "test-olmo2", layers=4),
@@ -144,7 +145,7 @@ def row_argv(row: Row, s: Settings, workdir: Path) -> list[str]:
     if not s.quick:
         argv += ["--gpu-memory", row.gpu_memory]
     if row.command == "bench":
-        batch, seq, steps, warmup = (2, 32, 2, 1) if s.quick else (16, 1024, 3, 1)
+        batch, seq, steps, warmup = (2, 32, 2, 1) if s.quick else (row.batch, 1024, 3, 1)
         argv += ["--batch-size", str(batch), "--seq-len", str(seq), "--steps", str(steps), "--warmup", str(warmup)]
         if row.layers is not None and not s.quick:
             argv += ["--layers", str(row.layers)]
