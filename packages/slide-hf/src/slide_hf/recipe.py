@@ -174,7 +174,9 @@ def _train(
     torch.manual_seed(cfg.seed)
     model = _setup_model(cfg)
     if cfg.lr is None:  # resolved once and saved as a number, so a resume compares numbers
-        cfg = dataclasses.replace(cfg, lr=default_lr(from_preset=model.model_dir is None))
+        resolved = default_lr(from_preset=model.model_dir is None)
+        check_adamw(None, cfg.weight_decay, default_lr=resolved)  # the message says the lr was the default
+        cfg = dataclasses.replace(cfg, lr=resolved)
     # The default row length depends on the model (its context length) and the data (the demo's own).
     cfg = dataclasses.replace(cfg, seq_len=resolve_seq_len(cfg.seq_len, model.config, bundled_text=cfg.data is None))
     options = _run_options(cfg)
@@ -348,7 +350,6 @@ def _setup_data(
     epochs = cfg.epochs or (DEMO_EPOCHS if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
     lr = cfg.lr if cfg.lr is not None else default_lr(from_preset=model.model_dir is None)
-    check_adamw(cfg.lr, cfg.weight_decay, default_lr=lr)
     schedule = LRSchedule(
         lr,
         cfg.lr_schedule,
