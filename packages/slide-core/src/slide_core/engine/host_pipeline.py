@@ -32,6 +32,7 @@ from .clipping import AppliedRange
 from .context import Contribution, ContributionKind, StepContext
 from .grad_transfer import GradChunk, GradTransfer
 from .host_state import HostState
+from .master_upload import MasterUpload
 from .norms import UnitNorms
 from .pipeline import write_gradients
 from .slots import ParamSlot
@@ -71,6 +72,8 @@ class HostPipeline:
         self.timeline = timeline
         self.forward_position = forward_position
         self.chunk_numel = chunk_numel
+        self.upload = MasterUpload(device, chunk_numel)
+        """The h2d thread's chunked copies into slots (Note [Casting uploads])."""
 
     # -- compute needs the unit --------------------------------------------------------------------------
     def slot(self, unit: Unit) -> ParamSlot | None:
@@ -85,13 +88,11 @@ class HostPipeline:
         device = self.device
         source = self.host_params.h2d_source(unit)
         target = slot.params[: source.numel()]
-        chunk = self.chunk_numel
         with device.stream("h2d"):
             if reuse_after is not None:
                 device.wait_event("h2d", reuse_after)
             start = device.record_event("h2d", timing=self.timeline.enabled)
-            for offset in range(0, source.numel(), chunk):
-                device.copy_to_device(target[offset : offset + chunk], source[offset : offset + chunk], "h2d")
+            self.upload.copy(target, source)
             end = device.record_event("h2d", timing=self.timeline.enabled)
         self.timeline.device_span(unit.name, "h2d", start, end)
         return end

@@ -116,9 +116,7 @@ class ShardedPipeline:
             if reuse_after is not None:
                 device.wait_event("h2d", reuse_after)
             start = device.record_event("h2d", timing=timing)
-            for offset in range(lo, hi, inner.chunk_numel):
-                end = min(hi, offset + inner.chunk_numel)
-                device.copy_to_device(target[offset:end], source[offset:end], "h2d")
+            inner.upload.copy(target, source, lo, hi)
             self.group.all_gather_(target, f"the all-gather of {unit.name}'s parameters")
             loaded = device.record_event("h2d", timing=timing)
         inner.timeline.device_span(unit.name, "h2d", start, loaded)

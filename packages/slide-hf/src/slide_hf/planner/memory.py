@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from slide_core.engine.master_upload import MasterUpload
 from slide_core.engine.resident import resident_numel_bytes
 from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.optim.state_formats import state_bytes_per_param
@@ -191,6 +192,7 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         "head_slot": 0 if "head" in resident else 2 * shape.head_numel * d,
         "resident_units": _resident_bytes(shape, inputs),
         "resident_scratch": _resident_scratch_bytes(shape, inputs),
+        "h2d_staging": _h2d_staging_bytes(shape, inputs),
         "activation_buffers": 2 * tokens * w * d,
         "model_extras": shape.extra_device_bytes + side_inputs,
         "cuda_context": CUDA_CONTEXT_BYTES,
@@ -222,6 +224,14 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         phases.pop("forward")
         phases.pop("backward")
     return persistent, phases
+
+
+def _h2d_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+    """The upload's cast buffer (slide_core/engine/master_upload.py reports its size), when any unit streams."""
+    if _resident_numel(shape, inputs) >= shape.total_numel:
+        return 0
+    source = 2 if inputs.master_format == "split" else 4  # the split master's bf16 plane, or the fp32 master
+    return MasterUpload.staging_bytes(inputs.transfer_chunk_numel, source, inputs.compute_dtype_bytes)
 
 
 def _ring_slots(shape: ModelShape, inputs: PlanInputs) -> int:
