@@ -127,6 +127,8 @@ def test_api_messages_name_keywords_where_the_cli_names_flags(tmp_path, capsys):
     not_a_dir.write_text("")
     with pytest.raises(UserError, match=r"^tokenizer='.*tok.txt' is not a directory$"):
         slide_hf.train("tiny-llama", tokenizer=not_a_dir, output=tmp_path / "third", device="cpu")
+    with pytest.raises(UserError, match=r"^eval_fraction= 0.01 holds out none of the 14 record\(s\) of "):
+        slide_hf.train("tiny-llama", eval_fraction=0.01, output=tmp_path / "fourth", device="cpu", steps=1)
     # The command line, after an API call in the same process, still names flags.
     assert main(["train", *RUN, "--steps", "1", "--output", str(run)]) == 2
     err = capsys.readouterr().err

@@ -27,6 +27,7 @@ import torch
 from slide_hf.data.dataset import Dataset
 from slide_hf.data.mixture import mixture_order
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = ["Batches", "DataPosition", "MicroBatch", "eval_batches"]
 
@@ -73,11 +74,13 @@ class Batches:
         weights: Sequence[float] | None = None,
     ) -> None:
         if weights is not None and len(weights) != len(dataset.parts):
-            raise UserError(f"--data-weights gives {len(weights)} weight(s) for {len(dataset.parts)} --data source(s)")
+            raise UserError(
+                f"{option('data_weights')} gives {len(weights)} weight(s) for {len(dataset.parts)} {option('data')} source(s)"
+            )
         if batch_size < 1:
-            raise UserError(f"--batch-size must be positive, got {batch_size}")
+            raise UserError(f"{option('batch_size')} must be positive, got {batch_size}")
         if grad_accum < 1:
-            raise UserError(f"--grad-accum must be positive, got {grad_accum}")
+            raise UserError(f"{option('grad_accum')} must be positive, got {grad_accum}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of size {world_size}")
         per_step = batch_size * grad_accum * world_size
@@ -85,7 +88,7 @@ class Batches:
             ranks = f" x {world_size} ranks" if world_size > 1 else ""
             raise UserError(
                 f"{dataset.source} yields {len(dataset)} rows; one step needs {per_step} "
-                f"(--batch-size {batch_size} x --grad-accum {grad_accum}{ranks})"
+                f"({option('batch_size')} {batch_size} x {option('grad_accum')} {grad_accum}{ranks})"
             )
         self.dataset = dataset
         self.batch_size = batch_size

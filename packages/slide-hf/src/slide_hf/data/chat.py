@@ -41,6 +41,7 @@ from slide_hf.data.rendered_spans import (
 from slide_hf.data.schemas import ChatExample
 from slide_hf.data.templates import BUNDLED_TEMPLATES, ChatTemplate
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = ["ChatEncoder", "ChatEncoding"]
 
@@ -250,7 +251,7 @@ class ChatEncoder:
                 names = ", ".join(BUNDLED_TEMPLATES)
                 raise UserError(
                     f"{example.where}: message {missing.index + 1} (assistant) does not appear in the rendered "
-                    f"conversation ({missing.reason}); {self.template.name} loses it: pass --chat-template FILE "
+                    f"conversation ({missing.reason}); {self.template.name} loses it: pass {option('chat_template')} FILE "
                     f"with {{% generation %}} markers, or a bundled one ({names})"
                 ) from None
             ids = list(tokens["input_ids"][row])

@@ -44,6 +44,7 @@ from slide_hf.data.storage import (
 )
 from slide_hf.data.templates import resolve_template
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = [
     "DataSource",
@@ -138,7 +139,7 @@ def _sources(source: DataSource) -> list[str | Path | None]:
         return [source]
     sources = list(source)
     if not sources:
-        raise UserError("--data names no source")
+        raise UserError(f"{option('data')} names no source")
     return sources
 
 
@@ -165,7 +166,7 @@ def load_split(
     """``(train, eval)``: about ``eval_fraction`` of the records of each source, chosen by ``seed``, go to
     ``eval``."""
     if not 0.0 < eval_fraction < 1.0:
-        raise UserError(f"--eval-fraction must be between 0 and 1 (exclusive), got {eval_fraction}")
+        raise UserError(f"{option('eval_fraction')} must be between 0 and 1 (exclusive), got {eval_fraction}")
     train, held_out = _prepare(source, tokenizer, options, cache_dir=cache_dir, eval_fraction=eval_fraction, seed=seed)
     assert held_out is not None
     return train, held_out
@@ -338,17 +339,19 @@ class _Split:
         if self.cut_count["truncated"]:
             count = self.cut_count["truncated"]
             warnings.append(
-                f"{name}: truncated {count} example(s) longer than --seq-len {self.seq_len}: "
+                f"{name}: truncated {count} example(s) longer than {option('seq_len')} {self.seq_len}: "
                 f"{_named(self.cut['truncated'], count)}"
             )
         if self.skipped_count:
             warnings.append(
-                f"{name}: skipped {self.skipped_count} example(s) with no token to train within --seq-len "
+                f"{name}: skipped {self.skipped_count} example(s) with no token to train within {option('seq_len')} "
                 f"{self.seq_len}: {_named(self.skipped, self.skipped_count)}"
             )
         if self.cut_count["split"]:
             count = self.cut_count["split"]
-            infos.append(f"{name}: split {count} text(s) longer than --seq-len {self.seq_len} into row-sized pieces")
+            infos.append(
+                f"{name}: split {count} text(s) longer than {option('seq_len')} {self.seq_len} into row-sized pieces"
+            )
         if self.dropped_reasoning:
             infos.append(f"{name}: {dropped_reasoning_line(self.dropped_reasoning)}")
         return warnings, infos
@@ -389,10 +392,10 @@ def _build(
         raise UserError(f"{name} holds no example with a token to train ({records} record(s) read)")
     for part in splits["train"].parts if len(readers) > 1 else []:
         if part.rows == 0:
-            raise UserError(f"--data {part.name} holds no example with a token to train")
+            raise UserError(f"{option('data')} {part.name} holds no example with a token to train")
     if "eval" in stats and stats["eval"].rows == 0:
         raise UserError(
-            f"--eval-fraction {eval_fraction} holds out none of the {records} record(s) of {name}; raise it"
+            f"{option('eval_fraction')} {eval_fraction} holds out none of the {records} record(s) of {name}; raise it"
         )
     notes: list[str] = []
     for split_name, split in splits.items():

@@ -28,6 +28,7 @@ from slide_hf.data.options import IGNORE, DataOptions
 from slide_hf.data.schemas import ChatExample, Example, PromptExample, TextExample, TokenExample
 from slide_hf.data.templates import ChatTemplate
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = ["Document", "EncodedRecord", "Encoder"]
 
@@ -116,7 +117,7 @@ class Encoder:
     def _chats(self, examples: list[ChatExample | PromptExample]) -> list[ChatEncoding]:
         if self.chat is None:
             raise UserError(
-                f"{examples[0].where}: the tokenizer has no chat template for conversations; pass --chat-template "
+                f"{examples[0].where}: the tokenizer has no chat template for conversations; pass {option('chat_template')} "
                 "(a file, or chatml)"
             )
         conversations = []

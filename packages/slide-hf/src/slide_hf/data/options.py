@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from slide_hf.data.readers import DEFAULT_MAX_RECORD_BYTES
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = ["IGNORE", "DataOptions"]
 
@@ -35,9 +36,9 @@ class DataOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
-            raise UserError(f"--seq-len must be an integer of at least 2, got {self.seq_len!r}")
+            raise UserError(f"{option('seq_len')} must be an integer of at least 2, got {self.seq_len!r}")
         if self.max_positions is not None and self.seq_len > self.max_positions:
-            raise UserError(f"--seq-len {self.seq_len} exceeds the model's {self.max_positions} positions")
+            raise UserError(f"{option('seq_len')} {self.seq_len} exceeds the model's {self.max_positions} positions")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise UserError(f"the model's vocabulary size must be positive, got {self.vocab_size}")
         if (
@@ -45,6 +46,6 @@ class DataOptions:
             or not isinstance(self.max_record_bytes, int)
             or self.max_record_bytes < 1
         ):
-            raise UserError(f"--max-record-size must be a positive size, got {self.max_record_bytes!r}")
+            raise UserError(f"{option('max_record_size')} must be a positive size, got {self.max_record_bytes!r}")
         if self.chat_template is not None and not str(self.chat_template).strip():
-            raise UserError("--chat-template must not be empty")
+            raise UserError(f"{option('chat_template')} must not be empty")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from slide_hf.errors import UserError
+from slide_hf.spelling import option
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
@@ -351,7 +352,7 @@ def check_record_size(fields: Any, where: str, limit: int) -> None:
 def _too_large(where: str, limit: int) -> str:
     return (
         f"{where}: the record is larger than the {_mib(limit)} record limit; split it, or raise the limit "
-        "with --max-record-size"
+        f"with {option('max_record_size')}"
     )
 
 

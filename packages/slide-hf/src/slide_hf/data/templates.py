@@ -74,7 +74,7 @@ def resolve_template(tokenizer: Any, option: str | None) -> ChatTemplate | None:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            raise UserError(f"--chat-template {path}: not UTF-8 text") from None
+            raise UserError(f"{option('chat_template')} {path}: not UTF-8 text") from None
         return _with_twin(text, f"the chat template {path}")
     text = getattr(tokenizer, "chat_template", None)
     if isinstance(text, dict):  # a tokenizer with named templates: the one apply_chat_template uses

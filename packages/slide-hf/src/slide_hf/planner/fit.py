@@ -16,6 +16,7 @@ from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import _host_peak
 from slide_hf.planner.plan import Plan, largest_batch
 from slide_hf.sizes import format_bytes
+from slide_hf.spelling import option
 
 __all__ = ["available_host_bytes", "check_fits"]
 
@@ -61,11 +62,11 @@ def check_fits(
     if gpu_available is not None and plan.gpu_peak_bytes > gpu_available:
         best, _ = largest_batch(inputs, gpu_cap=gpu_available, host_cap=None, shape=shape)
         if best:
-            hint = f"try a smaller --batch-size (largest that fits: {best})"
+            hint = f"try a smaller {option('batch_size')} (largest that fits: {best})"
         elif inputs.block_slots > 1:
-            hint = "not even --batch-size 1 fits; try --block-slots 1 or a shorter --seq-len"
+            hint = f"not even {option('batch_size')} 1 fits; try {option('block_slots')} 1 or a shorter {option('seq_len')}"
         else:
-            hint = "not even --batch-size 1 fits; try a shorter --seq-len or a larger GPU"
+            hint = f"not even {option('batch_size')} 1 fits; try a shorter {option('seq_len')} or a larger GPU"
         problems.append(
             f"needs {format_bytes(plan.gpu_peak_bytes)} GPU memory, {format_bytes(gpu_available)} {gpu_source}; {hint}"
         )
@@ -74,7 +75,9 @@ def check_fits(
         compact = _compact_state_that_fits(inputs, shape, host_available)
         if compact is not None:  # beside an exact fix, or as the one left when none fits
             joint = "; or, in RAM," if hint.startswith("try ") else ", or try"
-            hint += f"{joint} --optimizer-state {compact} (rounded moments, not exact: docs/optimizer_state.md)"
+            hint += (
+                f"{joint} {option('optimizer_state')} {compact} (rounded moments, not exact: docs/optimizer_state.md)"
+            )
         problems.append(
             f"needs {format_bytes(plan.host_peak_bytes)} host RAM, {format_bytes(host_available)} available; {hint}"
         )
@@ -88,14 +91,14 @@ def _host_hint(inputs: PlanInputs, shape: ModelShape, available: int) -> str:
     fraction = _smallest_nvme_fraction(inputs, shape, available)
     if inputs.offload_optimizer == "ram":
         if fraction is not None and fraction < 1.0:
-            return f"try --offload-optimizer nvme --nvme-fraction {fraction:g}"
-        steps.append(("--offload-optimizer nvme", {"offload_optimizer": "nvme", "nvme_fraction": 1.0}))
+            return f"try {option('offload_optimizer')} nvme {option('nvme_fraction')} {fraction:g}"
+        steps.append((f"{option('offload_optimizer')} nvme", {"offload_optimizer": "nvme", "nvme_fraction": 1.0}))
     elif inputs.nvme_fraction < 1.0:
         if fraction is not None and fraction < 1.0:
-            return f"try --nvme-fraction {fraction:g}"
-        steps.append(("--nvme-fraction 1", {"nvme_fraction": 1.0}))
+            return f"try {option('nvme_fraction')} {fraction:g}"
+        steps.append((f"{option('nvme_fraction')} 1", {"nvme_fraction": 1.0}))
     if inputs.offload_activations == "ram":
-        steps.append(("--offload-activations nvme", {"offload_activations": "nvme"}))
+        steps.append((f"{option('offload_activations')} nvme", {"offload_activations": "nvme"}))
     flags: list[str] = []
     changes: dict[str, Any] = {}
     for flag, change in steps:
@@ -106,7 +109,7 @@ def _host_hint(inputs: PlanInputs, shape: ModelShape, available: int) -> str:
     trial = dataclasses.replace(inputs, **changes)
     best, _ = largest_batch(trial, gpu_cap=None, host_cap=available, shape=shape)
     if best and best < inputs.batch_size:
-        return "try " + " ".join([*flags, f"--batch-size {best}"])
+        return "try " + " ".join([*flags, f"{option('batch_size')} {best}"])
     floor = _host_peak(shape, dataclasses.replace(trial, batch_size=1))
     with_flags = f" even with {' '.join(flags)}" if flags else ""
     return f"the model alone needs {format_bytes(floor)}{with_flags}; use a machine with more RAM"
