@@ -34,6 +34,8 @@ __all__ = ["add_parser", "run"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
 """Short names, and the torch spellings ``slide train --dtype`` takes."""
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""The torch spelling of each short name."""
 
 EPILOG = textwrap.dedent(
     """\
@@ -267,12 +269,13 @@ def _output_disk(model: Any, args: argparse.Namespace) -> Any:
 def _master_format(master: str, dtype: str) -> str:
     """``--master`` as `slide train` resolves it: auto is split in bf16 (every shipped optimizer steps a
     split master), fp32 otherwise; split in fp32 is refused in one line."""
-    if master == "split" and dtype != "bfloat16":
+    bf16 = DTYPE_NAMES.get(dtype, dtype) == "bfloat16"  # either spelling (bf16, as this command's default)
+    if master == "split" and not bf16:
         raise UserError(
-            f"--master split stores the bf16 copy the GPU computes with, so it needs --dtype bfloat16, got {dtype}"
+            f"--master split stores the bf16 copy the GPU computes with, so it needs --dtype bf16, got {dtype}"
         )
     if master == "auto":
-        return "split" if dtype == "bfloat16" else "fp32"
+        return "split" if bf16 else "fp32"
     return master
 
 
