@@ -83,6 +83,19 @@ def test_a_large_host_keeps_cores_for_the_launching_and_transfer_threads(monkeyp
     assert environ == dict.fromkeys(THREAD_VARIABLES, str(share))
 
 
+def test_one_run_shares_the_cores_then_leaves_the_environment_as_it_was(monkeypatch) -> None:
+    """A run from Python (Note [Host cores per rank]) sets the thread variables only while it runs: processes
+    started after it (ranks of a later launch) get their own share, not this run's."""
+    from slide_hf.launch import host_cores_for_this_run
+
+    for name in THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with host_cores_for_this_run() as share:
+        assert os.environ["NUMBA_NUM_THREADS"] == str(share) and os.environ["OMP_NUM_THREADS"] == "3"
+    assert "NUMBA_NUM_THREADS" not in os.environ and os.environ["OMP_NUM_THREADS"] == "3"
+
+
 def test_the_launcher_gives_the_ranks_time_to_checkpoint(monkeypatch) -> None:
     """Torch's launcher reads the grace period before SIGKILL from TORCH_ELASTIC_SHUTDOWN_TIMEOUT: 30 s by
     default, too short for a large model's checkpoint shards (Note [Time to stop]); the user's value stays."""

@@ -23,7 +23,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import os
 import statistics
 import threading
 import time
@@ -393,10 +392,14 @@ def write_trace(spans: list[Any], directory: Path) -> dict[str, str]:
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    from slide_hf import resolve_model
-    from slide_hf.launch import share_host_cores
+    from slide_hf.launch import host_cores_for_this_run
 
-    share_host_cores(1, os.environ)  # as `slide train`, before numba is imported (Note [Host cores per rank])
+    with host_cores_for_this_run():  # as `slide train`, before numba is imported (Note [Host cores per rank])
+        return _run_bench(cfg)
+
+
+def _run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    from slide_hf import resolve_model
 
     config, _ = resolve_model(cfg.model)
     cfg = dataclasses.replace(cfg, seq_len=resolve_seq_len(cfg.seq_len, config))

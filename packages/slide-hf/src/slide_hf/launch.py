@@ -31,11 +31,12 @@ and stretches every block's compute.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 
 from slide_hf.errors import UserError
 
@@ -44,6 +45,7 @@ __all__ = [
     "SHUTDOWN_GRACE_S",
     "THREAD_VARIABLES",
     "check_gpus_for_ranks",
+    "host_cores_for_this_run",
     "launch_environment",
     "launcher_command",
     "main",
@@ -74,6 +76,23 @@ def share_host_cores(ranks_on_host: int, environ: MutableMapping[str, str]) -> i
         if not environ.get(name):
             environ[name] = str(share)
     return share
+
+
+@contextlib.contextmanager
+def host_cores_for_this_run() -> Iterator[int]:
+    """One process's share of the host (:func:`share_host_cores` with one rank) while the block runs, then
+    the environment as it was: a run started from Python (a notebook, a test) must not leave the variables
+    behind for the processes it starts later (Note [Host cores per rank]). numba reads them when first
+    imported, so the share holds for this process's kernels from then on."""
+    saved = {name: os.environ.get(name) for name in THREAD_VARIABLES}
+    try:
+        yield share_host_cores(1, os.environ)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def launcher_command(nproc_per_node: int, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:

@@ -59,7 +59,7 @@ from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load
 from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
-from slide_hf.launch import share_host_cores
+from slide_hf.launch import host_cores_for_this_run, share_host_cores
 from slide_hf.options import TrainConfig, check_adamw, check_data_parallel, config_dict, data_sources, default_lr
 from slide_hf.planner import output_disk as disk
 from slide_hf.progress import Progress
@@ -146,11 +146,9 @@ def train(
         ranks_on_host = int(on_host) if on_host.isdigit() and int(on_host) > 0 else group.world_size
         share_host_cores(ranks_on_host, os.environ)
         log.info("host threads per rank: %s (%d ranks on this host)", os.environ["NUMBA_NUM_THREADS"], ranks_on_host)
-    else:
-        share_host_cores(1, os.environ)
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
     if not group.is_distributed:
-        with RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite) as run_dir:
+        with host_cores_for_this_run(), RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite) as run_dir:
             return _train(cfg, run_dir, on_step=on_step, on_eval=on_eval)
     # Data parallel: rank 0 holds the directory; the others write only their checkpoint shards in it.
     with group:

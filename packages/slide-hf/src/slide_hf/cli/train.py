@@ -204,9 +204,9 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
         for key, value in _from_toml(args.config).items():
             if key not in fields:
                 raise UserError(f"config file {args.config}: unknown option {key!r}")
-            if key == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
-                value = ",".join(value)
             _check_toml_value(args.config, key, value, fields[key].type)
+            if key == "report_to" and isinstance(value, list):
+                value = ",".join(value)
             values[key] = value
     for name in fields:
         value = getattr(args, name, None)

@@ -106,9 +106,9 @@ class Dataset:
     position_ids: torch.Tensor
     source: str
     stats: DataStats
+    parts: tuple[SourcePart, ...] = ()
     digest: str = ""
     """SHA-256 of the prepared rows (storage.rows_digest): equal digests, equal training data."""
-    parts: tuple[SourcePart, ...] = ()
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -264,8 +264,8 @@ def _open(directory: Path, meta: dict[str, Any], name: str) -> tuple[Dataset, Da
             files.tensors["position_ids"],
             source,
             DataStats(**stats),
-            digest,
             parts,
+            digest,
         )
     return splits["train"], splits.get("eval")
 

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from slide_hf import spelling
 from slide_hf.errors import UserError
 
 __all__ = ["BUNDLED_TEMPLATES", "ChatTemplate", "bundled_template_text", "has_generation_markers", "resolve_template"]
@@ -69,12 +70,13 @@ def resolve_template(tokenizer: Any, option: str | None) -> ChatTemplate | None:
         path = Path(option).expanduser()
         if not path.is_file():
             raise UserError(
-                f"--chat-template {option}: not a file, nor a bundled template ({', '.join(BUNDLED_TEMPLATES)})"
+                f"{spelling.option('chat_template')} {option}: not a file, nor a bundled template "
+                f"({', '.join(BUNDLED_TEMPLATES)})"
             )
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            raise UserError(f"{option('chat_template')} {path}: not UTF-8 text") from None
+            raise UserError(f"{spelling.option('chat_template')} {path}: not UTF-8 text") from None
         return _with_twin(text, f"the chat template {path}")
     text = getattr(tokenizer, "chat_template", None)
     if isinstance(text, dict):  # a tokenizer with named templates: the one apply_chat_template uses
