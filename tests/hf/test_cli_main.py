@@ -67,8 +67,8 @@ def test_other_failures_stay_internal_errors(monkeypatch, capsys):
 
 
 def test_a_collective_failure_is_one_line_not_a_bug(monkeypatch, capsys):
-    """A rank whose collective failed because another rank stopped says so in one line (exit 1): its own
-    run has no bug to report, the other rank's line says what went wrong."""
+    """A rank whose collective failed because another rank stopped says so in one line (exit 3, so the launcher
+    reports the other rank): its own run has no bug to report, the other rank's line says what went wrong."""
     from slide_core.distributed import CollectiveError
 
     try:
@@ -79,7 +79,7 @@ def test_a_collective_failure_is_one_line_not_a_bug(monkeypatch, capsys):
     except WorkerFailure as failure:
         wrapped = failure
     _fail_with(monkeypatch, "train", wrapped)
-    assert cli.main(["train", "--model", "test-llama"]) == 1
+    assert cli.main(["train", "--model", "test-llama"]) == 3
     err = capsys.readouterr().err
     assert err.strip() == (
         "slide train: error: rank 1 of 2: the all-reduce of the loss failed; another rank has probably stopped"

@@ -135,6 +135,26 @@ def test_slide_train_launches_its_ranks(tmp_path: Path) -> None:
     assert done.stderr.count("step 2/2") == 1, done.stderr[-3000:]
 
 
+def test_the_launch_reports_the_rank_that_stopped_first_for_its_own_reason() -> None:
+    """Rank 1 may exit (status PEER_STOPPED_STATUS: its collective broke) as early as rank 0, whose error
+    stopped the run: the line names rank 0 whatever the order the launcher saw them in."""
+    from types import SimpleNamespace
+
+    from slide_hf.launch import PEER_STOPPED_STATUS, first_cause
+
+    failures = {
+        1: SimpleNamespace(exitcode=PEER_STOPPED_STATUS, timestamp=100),
+        0: SimpleNamespace(exitcode=2, timestamp=100),
+    }
+    assert first_cause(failures)[0] == 0
+    failures[0].timestamp = 101  # noticed later, still the cause
+    assert first_cause(failures)[0] == 0
+    only_peers = {2: SimpleNamespace(exitcode=PEER_STOPPED_STATUS, timestamp=5), 1: failures[1]}
+    assert first_cause(only_peers)[0] == 2  # the earliest when every rank only saw another go
+    killed = {0: SimpleNamespace(exitcode=-9, timestamp=7), 1: SimpleNamespace(exitcode=1, timestamp=3)}
+    assert first_cause(killed)[0] == 1
+
+
 @pytest.mark.slow
 def test_a_failing_rank_ends_the_launch_in_one_line(tmp_path: Path) -> None:
     """Each rank says what stopped it (rank 0: the missing file; rank 1: that rank 0 stopped, not a bug);

@@ -37,14 +37,17 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
 
 from slide_hf.errors import UserError
 
 __all__ = [
+    "PEER_STOPPED_STATUS",
     "RESERVED_CORES",
     "SHUTDOWN_GRACE_S",
     "THREAD_VARIABLES",
     "check_gpus_for_ranks",
+    "first_cause",
     "host_cores_for_this_run",
     "launch_environment",
     "launcher_command",
@@ -59,6 +62,10 @@ SHUTDOWN_GRACE_S = 1800
 RESERVED_CORES = 2
 """Cores left out of the host optimizer's share on a host of 8 or more (Note [Host cores per rank]): the
 thread that launches the GPU's kernels and the transfer threads need a core each while the optimizer runs."""
+PEER_STOPPED_STATUS = 3
+"""A rank's exit status when a collective failed because another rank stopped or did not answer: the launcher
+reports the rank that stopped first for its own reason, not one that only saw it go (they can finish in
+either order)."""
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
 """How many threads torch's CPU ops and the numba kernels start (Note [Host cores per rank])."""
 
@@ -186,7 +193,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         torchrun.main(list(argv))
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
+        rank, failure = first_cause(error.failures)
         code = failure.exitcode
         how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
         print(f"slide train: rank {rank} {how}; every rank was stopped", file=sys.stderr)
@@ -195,6 +202,14 @@ def main(argv: Sequence[str]) -> int:
         print(f"slide train: stopped by {_signal_name(error.sigval)}", file=sys.stderr)
         return 128 + int(error.sigval)
     return 0
+
+
+def first_cause(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The failed rank to report: the earliest (then lowest) that did not stop only because another rank did
+    (:data:`PEER_STOPPED_STATUS`); the earliest of all when every rank says so."""
+    ordered = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    own = [item for item in ordered if item[1].exitcode != PEER_STOPPED_STATUS]
+    return (own or ordered)[0]
 
 
 def _signal_name(number: int) -> str:

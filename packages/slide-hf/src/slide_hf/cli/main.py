@@ -34,6 +34,7 @@ from typing import NoReturn
 
 from slide_hf.cli.kernel_fault import third_party_fault
 from slide_hf.errors import RunStopped, UserError
+from slide_hf.launch import PEER_STOPPED_STATUS
 
 COMMANDS = ("train", "data", "plan", "bench", "doctor", "export")
 
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         collective = _in_chain(error, "CollectiveError")
         if collective is not None:  # another rank stopped (its own line says why) or did not answer
             print(f"slide {args.command}: error: {_one_line(collective)}", file=sys.stderr)
-            return 1
+            return PEER_STOPPED_STATUS
         fault = third_party_fault(error)
         if fault is not None:
             print(f"slide {args.command}: error: {fault}", file=sys.stderr)
