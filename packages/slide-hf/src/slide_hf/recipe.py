@@ -342,14 +342,14 @@ def _setup_data(
     dataset, eval_set = _load_data(cfg, model.tokenizer, data_options, output / DATA_CACHE)
     if resumed is not None:
         check_same_data(*resumed, run_data_digests(cfg, dataset, eval_set), allow=cfg.allow_data_change)
-    ranks: dict[str, Any] = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
-    ranks["weights"] = cfg.data_weights  # a mixture's sampling proportions (slide_hf/data/mixture.py)
-    batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed, **ranks)
+    sampling: dict[str, Any] = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
+    sampling["weights"] = cfg.data_weights  # a mixture's sampling proportions (slide_hf/data/mixture.py)
+    batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed, **sampling)
     epochs = cfg.epochs or (DEMO_EPOCHS if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
-    lr = cfg.lr if cfg.lr is not None else default_lr(from_preset=model.model_dir is None)
+    assert cfg.lr is not None  # resolved by _train, once, before the data
     schedule = LRSchedule(
-        lr,
+        cfg.lr,
         cfg.lr_schedule,
         cfg.warmup_steps,
         total_steps,
