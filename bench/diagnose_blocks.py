@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -30,7 +32,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--switch-interval", type=float, help="sys.setswitchinterval for the run (Python's default 0.005 s)"
+    )
+    parser.add_argument(
+        "--no-sync",
+        action="store_true",
+        help="time each block's forward without synchronizing around it: host issue time, main-thread CPU "
+        "time and the device span between two events, plus where a sampler finds the main thread",
+    )
     args = parser.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
 
     from slide_core import AdamWConfig, HostParameters
     from slide_core.engine import choose_master_format
@@ -49,7 +62,9 @@ def main() -> None:
     device = make_device(options.device, options.gpu_memory_bytes)
     placement = place_units(model, device, options)
     seen: dict[str, dict[str, Any]] = defaultdict(dict)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and not args.no_sync else (lambda: None)
+    sampler = MainThreadSampler()
+    spans: list[tuple[str, Any, Any]] = []
     activity = (
         torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
     )
@@ -61,10 +76,18 @@ def main() -> None:
             record["param dtypes"] = sorted({str(p.dtype) for p in params.values()})
             record["input"] = f"{x.dtype} {tuple(x.shape)} contiguous={x.is_contiguous()}"
             sync()
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.thread_time()
+            start = _event()
+            sampler.unit = _unit.name
             out = _forward(params, x, inputs)
+            sampler.unit = None
+            end = _event()
             sync()
-            record.setdefault("forward ms (synchronized)", []).append(round((time.perf_counter() - began) * 1e3, 1))
+            label = "forward ms (synchronized)" if not args.no_sync else "forward issue ms"
+            record.setdefault(label, []).append(round((time.perf_counter() - began) * 1e3, 1))
+            if args.no_sync:
+                record.setdefault("main-thread CPU ms", []).append(round((time.thread_time() - cpu_began) * 1e3, 1))
+                spans.append((_unit.name, start, end))
             return out
 
         unit.forward = traced  # type: ignore[method-assign]
@@ -85,14 +108,24 @@ def main() -> None:
             for micro in batches[:-1]:
                 engine.step(micro, lr=1e-5)
             times = engine.unit_times()
-            with torch.profiler.profile(activities=[activity]) as profile:
+            retries_before = _allocator_counts()
+            with sampler, torch.profiler.profile(activities=[activity]) as profile:
                 engine.step(batches[-1], lr=1e-5)
                 engine.wait_idle()
+            print(f"allocator during the profiled step: {_allocator_counts(retries_before)}")
             engine.close(keep_host_state=False)
     for unit in model.blocks:
         where = "resident" if unit.name in placement.resident else "streamed"
         phases = {k: round(v, 1) for k, v in times[unit.name].ms.items()} if unit.name in times else {}
         print(f"{unit.name} ({where}, {getattr(unit, 'attention_type', '')}): {dict(seen[unit.name])} phases {phases}")
+    if spans and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        device_ms: dict[str, list[float]] = defaultdict(list)
+        for name, start, end in spans:
+            device_ms[name].append(round(start.elapsed_time(end), 1))
+        for name, values in device_ms.items():
+            print(f"{name}: device span between forward start and end events (ms): {values}")
+    sampler.report()
     trace = Path(tempfile.mkdtemp()) / "trace.json"
     profile.export_chrome_trace(str(trace))
     copies: dict[str, list[int]] = defaultdict(list)
@@ -108,6 +141,63 @@ def main() -> None:
             max_name_column_width=90,
         )
     )
+
+
+def _event() -> Any:
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _allocator_counts(before: dict[str, int] | None = None) -> dict[str, int]:
+    """The caching allocator's retries (a cap reached: every cached block freed, with a device sync) and
+    its cudaMalloc/cudaFree calls; with ``before``, the change since then."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    now = {key: int(stats.get(key, 0)) for key in keys}
+    return now if before is None else {key: now[key] - before[key] for key in keys}
+
+
+class MainThreadSampler:
+    """Samples the main thread's innermost frames every millisecond while a block's forward is being issued
+    (``unit`` set): if it is found outside torch's own calls, something else holds it (the GIL, a lock)."""
+
+    def __init__(self) -> None:
+        self.unit: str | None = None
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._main = threading.main_thread().ident
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MainThreadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            unit = self.unit
+            if unit is None:
+                continue
+            frame = sys._current_frames().get(self._main)
+            where = []
+            while frame is not None and len(where) < 3:
+                where.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}:{frame.f_code.co_name}")
+                frame = frame.f_back
+            self.counts[unit][" < ".join(where)] += 1
+
+    def report(self) -> None:
+        for unit, counts in self.counts.items():
+            top = sorted(counts.items(), key=lambda item: -item[1])[:6]
+            total = sum(counts.values())
+            print(f"{unit}: {total} samples of the main thread; top: {top}")
 
 
 if __name__ == "__main__":
