@@ -37,3 +37,16 @@ def test_transformers_builds_the_cut_model_with_the_layers_kept(name: str) -> No
 def test_a_count_outside_the_model_is_refused(layers: object) -> None:
     with pytest.raises(ValueError, match=r"--layers must be a whole number from 1 to 28"):
         truncate_layers(PRESETS["llama3.2-3b"](), layers)
+
+
+@pytest.mark.parametrize("layers, shared", [(22, 7), (15, 0), (35, 20), (4, 0)])
+def test_kv_sharing_keeps_the_shared_layers_among_those_kept(layers: int, shared: int) -> None:
+    """Gemma 4 E2B: the last 20 of 35 layers reuse keys and values; the first 22 layers hold 7 of them,
+    and the adapter finds a source layer for every shared one (it refuses a cut that leaves none)."""
+    from slide_hf.adapters.gemma4 import _kv_roles
+
+    full = PRESETS["gemma4-e2b"]()
+    cut = truncate_layers(full, layers)
+    assert cut.num_kv_shared_layers == shared and full.num_kv_shared_layers == 20
+    roles = _kv_roles(cut)
+    assert list(roles.values()).count("reads") == shared

@@ -8,7 +8,9 @@ the per-layer times the full model would have; the result says it is cut and to 
 
 Per-layer fields are cut with the layers: lists with one entry per layer (``layer_types``,
 ``no_rope_layers``) keep their first ``n`` entries, and lists of layer indices (``moe_layers``,
-``mlp_only_layers``) keep the indices below ``n``.
+``mlp_only_layers``) keep the indices below ``n``. Counts of the model's *last* layers
+(``num_kv_shared_layers``: Gemma 4's layers that reuse an earlier layer's keys and values) keep the
+ones among the first ``n``: cutting E2B's 35 layers, the last 20 shared, to 22 leaves layers 15-21 shared.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ __all__ = ["truncate_layers"]
 
 LAYER_INDEX_FIELDS = ("moe_layers", "mlp_only_layers")
 """Config fields that list layer indices rather than one value per layer."""
+
+TRAILING_COUNT_FIELDS = ("num_kv_shared_layers",)
+"""Config fields that count the model's last layers."""
 
 
 def truncate_layers(config: Any, layers: int) -> Any:
@@ -35,5 +40,9 @@ def truncate_layers(config: Any, layers: int) -> Any:
             setattr(cut, field, [index for index in value if index < layers])
         elif len(value) == total:
             setattr(cut, field, value[:layers])
+    for field in TRAILING_COUNT_FIELDS:
+        count = getattr(config, field, None)
+        if isinstance(count, int) and not isinstance(count, bool):
+            setattr(cut, field, max(0, count - (total - layers)))
     cut.num_hidden_layers = layers
     return cut
