@@ -41,6 +41,9 @@ def main() -> None:
         help="time each block's forward without synchronizing around it: host issue time, main-thread CPU "
         "time and the device span between two events, plus where a sampler finds the main thread",
     )
+    parser.add_argument(
+        "--pinned-slab", action="store_true", help="allocate the master slab page-locked (device.alloc_pinned)"
+    )
     args = parser.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -94,7 +97,8 @@ def main() -> None:
     with device:
         optimizer = make_optimizer(options.optimizer, AdamWConfig(state_format=options.optimizer_state))
         master_format = choose_master_format(options.master, options.compute_dtype, optimizer)
-        host = HostParameters(model, master_format=master_format)
+        alloc = {"alloc": device.alloc_pinned} if args.pinned_slab else {}
+        host = HostParameters(model, master_format=master_format, **alloc)
         init_random(model, host, config, seed=0)
         batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, args.steps)
         with open_engine(model, device, host, optimizer, options, placement, scratch=_scratch(cfg)) as engine:
