@@ -32,7 +32,7 @@ class AllocationCounter(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves this __init__ unannotated
         self.live_bytes = 0
         self.peak_bytes = 0
         self._counted: set[int] = set()

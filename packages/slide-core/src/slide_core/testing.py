@@ -223,7 +223,7 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_POR
 
 def launch_ranks(
     command: Sequence[str], world_size: int, *, launched: bool = True, stdout: int = subprocess.PIPE
-) -> list[subprocess.Popen]:
+) -> list[subprocess.Popen[str]]:
     """Start ``command`` in ``world_size`` processes as torchrun would on this machine: each with its
     rank's variables (:data:`RANK_VARIABLES`, a free local port) and one thread for torch's CPU ops, the
     processes sharing this machine's cores. ``launched=False`` starts them without the variables (a plain
@@ -249,7 +249,7 @@ def launch_ranks(
     return procs
 
 
-def wait_ranks(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
+def wait_ranks(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[tuple[int, str]]:
     """Each launched rank's ``(exit code, stderr)``; every rank still running after ``timeout_s`` is
     killed, so a test of several processes can fail but never hang or leave an orphan."""
     import time

@@ -60,7 +60,7 @@ def train(
 
 def _train(
     model: str | Path,
-    data: str | Path | None,
+    data: str | Path | Sequence[str | Path] | None,
     on_step: Callable[[Record], None] | None,
     on_eval: Callable[[Record], None] | None,
     options: dict[str, Any],

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 import torch
@@ -37,6 +37,9 @@ from slide_hf.defaults import DEFAULT_SEQ_LEN, resolve_seq_len
 from slide_hf.errors import UserError
 from slide_hf.planner.timing import h2d_bytes_per_param, host_bytes_per_param_step
 from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimizer, open_engine, place_units
+
+if TYPE_CHECKING:
+    from slide_hf.adapters.base import HFCausalLM
 
 __all__ = ["BenchConfig", "describe_unit", "run_bench", "write_trace"]
 
@@ -143,6 +146,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from slide_hf import build_model, init_random
     from slide_hf.adapters import attention_summary
 
+    assert cfg.seq_len is not None  # resolved by run_bench
     model = build_model(config)
     params = sum(u.layout.param_numel for u in model.units)
     options = cfg.run_options()
@@ -179,12 +183,12 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
                     engine.timeline.begin_trace(device.record_event("compute", timing=True))
                 device.synchronize()
                 start = time.perf_counter()
-                result = engine.step(micro, lr=1e-5)
+                stepped = engine.step(micro, lr=1e-5)
                 if traced:
                     engine.wait_idle()
                 times.append(time.perf_counter() - start)
-                losses.append(result.loss)
-                norms.append(result.grad_norm)
+                losses.append(stepped.loss)
+                norms.append(stepped.grad_norm)
                 if traced:
                     spans = engine.timeline.end_trace()
                 taken = engine.unit_times()
@@ -217,7 +221,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     grads_bytes = sliding_numel * 2
     pcie_ms = (loads_bytes / h2d_gbps + grads_bytes / d2h_gbps) / 1e6
     bounds = {"gpu compute": compute_ms, "pcie": pcie_ms, "host optimizer": host_update_ms}
-    binding = max(bounds, key=bounds.get)
+    binding = max(bounds, key=bounds.__getitem__)
     block_overlaps = [u["overlap"] for n, u in units.items() if n.startswith("block") and u["overlap"]]
     median_overlap = statistics.median(block_overlaps) if block_overlaps else None
     flops = flops_per_token(config, params, cfg.seq_len)
@@ -293,6 +297,7 @@ def _scratch(cfg: BenchConfig) -> Any:
 def run_plain(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
+    assert cfg.seq_len is not None  # resolved by run_bench
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(
@@ -338,7 +343,8 @@ def _plain_attention(config: Any) -> str:
     implementation for every layer (the rule gives every layer type the same one today)."""
     from slide_hf import build_model
 
-    chosen = set(build_model(config).attention_for("cuda", torch.bfloat16).values())
+    model = cast("HFCausalLM", build_model(config))  # every registered adapter is one
+    chosen = set(model.attention_for("cuda", torch.bfloat16).values())
     if len(chosen) != 1:
         raise ValueError(f"layer types run different attention ({sorted(chosen)}); HF's model takes one")
     return chosen.pop()

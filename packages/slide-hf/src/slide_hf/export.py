@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -243,7 +243,7 @@ def _by_key(entries: list[CheckpointEntry]) -> list[list[CheckpointEntry]]:
 
 
 def _stored_tensor(
-    parts: list[CheckpointEntry], views: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype
+    parts: list[CheckpointEntry], views: Mapping[str, dict[str, torch.Tensor]], dtype: torch.dtype
 ) -> torch.Tensor:
     """The tensor written under ``parts[0].key``: one entry's view, or the whole tensor assembled from its
     regions (which must cover it exactly once, so no uninitialised memory is ever written)."""

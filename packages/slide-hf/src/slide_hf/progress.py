@@ -71,6 +71,7 @@ class Progress:
         self.live = sys.stderr.isatty() if live is None else live
         self.has_gpu = has_gpu
         self.log_every = log_every
+        self._window = window
         self._durations: deque[float] = deque(maxlen=window)
         self._last_mark: float | None = None
         self._steps_seen = 0
@@ -108,7 +109,7 @@ class Progress:
         if not self._durations:
             return None
         times = list(self._durations)
-        if len(times) > 1 and self._steps_seen <= self._durations.maxlen:
+        if len(times) > 1 and self._steps_seen <= self._window:
             times = times[1:]  # the first step compiles and warms caches
         return sum(times) / len(times) * max(0, self.total_steps - step)
 

@@ -24,7 +24,7 @@ import functools
 import os
 import types
 from collections.abc import Iterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -68,7 +68,15 @@ def _next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-triton, tl, HAS_TRITON = _import_triton()
+if TYPE_CHECKING:
+    # The type checker sees the real modules (unannotated, so every name in them is Any), which makes the
+    # kernels' ``tl.constexpr`` parameter annotations types; at run time, the modules or their stand-ins.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON: bool
+else:
+    triton, tl, HAS_TRITON = _import_triton()
 
 _override: Backend | None = None
 

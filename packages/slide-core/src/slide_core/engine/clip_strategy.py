@@ -9,13 +9,14 @@
   applied once with the final coefficient (Note [Deferred clipped steps]); device-resident units still
   speculate.
 
-:class:`ClipPolicy` picks one per step and keeps what carries over between steps. The pipelines call the
-strategy (host pipelines on the optimizer thread: :meth:`ClipStrategy.unit_norm`,
-:meth:`ClipStrategy.ranges`, :meth:`ClipStrategy.unit_updated`; the resident pipeline on the main thread:
-:meth:`ClipStrategy.device_coefficient`), and the engine ends the step with :meth:`ClipStrategy.finish`,
-which hands the decision to every unit's pipeline (``UnitPipeline.finish``). Nothing here depends on the
-optimizer's arithmetic: the final coefficient reaches every update through ``grad_scale`` or
-``Optimizer.correct``.
+Their common interface, :class:`ClipStrategy`, lives in context.py next to the :class:`StepContext` that
+carries it, so neither module imports the other. :class:`ClipPolicy` picks one per step and keeps what
+carries over between steps. The pipelines call the strategy (host pipelines on the optimizer thread:
+:meth:`ClipStrategy.unit_norm`, :meth:`ClipStrategy.ranges`, :meth:`ClipStrategy.unit_updated`; the resident
+pipeline on the main thread: :meth:`ClipStrategy.device_coefficient`), and the engine ends the step with
+:meth:`ClipStrategy.finish`, which hands the decision to every unit's pipeline (``UnitPipeline.finish``).
+Nothing here depends on the optimizer's arithmetic: the final coefficient reaches every update through
+``grad_scale`` or ``Optimizer.correct``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,86 +35,15 @@ from slide_core.unit import Unit
 
 from .clipping import AppliedRange, clip_coefficient, unit_coefficient
 from .config import EngineConfig
-from .context import Contribution, ContributionKind, StepContext
+from .context import ClipStrategy, Contribution, ContributionKind, Routes, StepContext
 from .norms import UnitNorms
 from .workers import EngineError, Workers
-
-if TYPE_CHECKING:
-    from .pipeline import UnitPipeline
 
 __all__ = ["ClipPolicy", "ClipStrategy", "DeferredClipping", "NoClipping", "SpeculativeClipping"]
 
 log = logging.getLogger(__name__)
 
-Routes = Sequence[tuple[Unit, "UnitPipeline"]]
-"""Every unit, in forward order, with the pipeline that owns its gradient."""
-
 KEEP = Correction("keep")
-
-
-class ClipStrategy(ABC):
-    """One step's strategy. The base is what every strategy has: the records the host pipelines read at
-    the end of a clipped step (empty without clipping)."""
-
-    deferred: bool = False
-    releases_at_last_chunk: bool = True
-    """Whether a host unit is done with its optimizer state once its last chunk is applied (not when its
-    update is held for the step's decision)."""
-
-    def __init__(self, *, checks_norms: bool, host_sq: dict[str, float] | None) -> None:
-        self.checks_norms = checks_norms
-        """Whether per-unit norms decide something (the non-finite checks, clipping): each final
-        contribution's device norm then lands ahead of its chunks and is checked before any is applied."""
-        self.host_sq = host_sq
-        """Host-summed units' squared final-gradient norms, summed chunk by chunk (None: not wanted)."""
-        self.applied: dict[str, list[AppliedRange]] = {}
-        """Host units' ranges applied before the decision (speculative), to correct."""
-        self.held: dict[str, list[AppliedRange]] = {}
-        """Host units' ranges held for the decision (deferred), to apply."""
-        self.skipped = False
-        """Set when the step was taken back (its non-finite norm), before ``finish`` returns or raises."""
-
-    def _add_square(self, name: str, grad: torch.Tensor) -> None:
-        assert self.host_sq is not None
-        squared = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
-        self.host_sq[name] = self.host_sq.get(name, 0.0) + squared
-
-    # -- host pipelines, optimizer thread ---------------------------------------------------------------
-    @abstractmethod
-    def unit_norm(self, unit: Unit, squared: float, contribution: Contribution, step: int) -> None:
-        """The device-computed squared norm of the unit's final contribution, landed before its first
-        chunk and checked before any of it is applied (Note [Speculative non-finite guard])."""
-
-    @abstractmethod
-    def ranges(
-        self, unit: Unit, start: int, end: int, grad: torch.Tensor, *, summed: bool, last_chunk: bool
-    ) -> Sequence[AppliedRange]:
-        """One landed range of the unit's final gradient (``summed``: a view of its host accumulator):
-        which ranges to apply now, each with its coefficient."""
-
-    @abstractmethod
-    def unit_updated(self, name: str, updated: Future[None]) -> None:
-        """After the unit's last chunk was applied (or held): resolve its 'updated' future, or leave that
-        to the step's decision."""
-
-    # -- the resident pipeline, main thread (compute stream) --------------------------------------------
-    @abstractmethod
-    def device_coefficient(self, norms: UnitNorms | None, unit: Unit, grad: torch.Tensor) -> torch.Tensor | None:
-        """The coefficient of a device-resident unit's update, as a 0-dim device tensor; None when its
-        update is final as applied (its 'updated' future resolves at once)."""
-
-    # -- the engine, main thread, end of step -----------------------------------------------------------
-    @abstractmethod
-    def finish(
-        self,
-        ctx: StepContext,
-        squares: list[float] | None,
-        workers: Workers,
-        routes: Routes,
-        last_d2h: Future[Event] | None,
-    ) -> float | None:
-        """Decide the step and hand the decision to every unit's pipeline; return the global gradient norm
-        (None when not reported). ``squares``: every unit's device-side squared norm, read with the loss."""
 
 
 class NoClipping(ClipStrategy):

@@ -1,5 +1,6 @@
-"""What one optimizer step tells every unit pipeline: :class:`StepContext`, made once per step, and
-:class:`Contribution`, what one gradient of a unit is within the step.
+"""What one optimizer step tells every unit pipeline: :class:`StepContext`, made once per step,
+:class:`Contribution`, what one gradient of a unit is within the step, and :class:`ClipStrategy`, the
+interface of the step's clipping strategy (its implementations are in clip_strategy.py).
 
 A unit gets ``micro_batches`` gradient contributions per step, twice that for an embedding whose matrix the
 head borrows (the head's share, then its own, in every micro-batch). Where the sum of several lives (a host
@@ -9,18 +10,24 @@ contribution is, is decided here only (:meth:`Contribution.of`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import torch
+
+from slide_core.device import Event
+from slide_core.optimizer import Correction
 from slide_core.unit import Unit
 
-if TYPE_CHECKING:
-    from .clip_strategy import ClipStrategy
+from .clipping import AppliedRange
+from .norms import UnitNorms
+from .workers import Workers
 
-__all__ = ["Contribution", "ContributionKind", "StepContext"]
+__all__ = ["ClipStrategy", "Contribution", "ContributionKind", "Routes", "StepContext", "UnitFinisher"]
 
 
 class ContributionKind(Enum):
@@ -95,3 +102,79 @@ class StepContext:
         """Whether the unit's final gradient exists only in a host accumulator (several contributions to a
         host-updated unit): its squared norm is then summed on the host, not on the device."""
         return self.expected[name] > 1 and name not in self.device_updated
+
+
+class UnitFinisher(Protocol):
+    """What the step's decision needs of a unit's pipeline: ``UnitPipeline.finish`` (pipeline.py), which
+    every pipeline has. Named here so that the strategy need not import the pipelines, which import this."""
+
+    def finish(self, unit: Unit, ctx: StepContext, correction: Correction) -> None: ...
+
+
+Routes = Sequence[tuple[Unit, UnitFinisher]]
+"""Every unit, in forward order, with the pipeline that owns its gradient."""
+
+
+class ClipStrategy(ABC):
+    """One step's strategy. The base is what every strategy has: the records the host pipelines read at
+    the end of a clipped step (empty without clipping)."""
+
+    deferred: bool = False
+    releases_at_last_chunk: bool = True
+    """Whether a host unit is done with its optimizer state once its last chunk is applied (not when its
+    update is held for the step's decision)."""
+
+    def __init__(self, *, checks_norms: bool, host_sq: dict[str, float] | None) -> None:
+        self.checks_norms = checks_norms
+        """Whether per-unit norms decide something (the non-finite checks, clipping): each final
+        contribution's device norm then lands ahead of its chunks and is checked before any is applied."""
+        self.host_sq = host_sq
+        """Host-summed units' squared final-gradient norms, summed chunk by chunk (None: not wanted)."""
+        self.applied: dict[str, list[AppliedRange]] = {}
+        """Host units' ranges applied before the decision (speculative), to correct."""
+        self.held: dict[str, list[AppliedRange]] = {}
+        """Host units' ranges held for the decision (deferred), to apply."""
+        self.skipped = False
+        """Set when the step was taken back (its non-finite norm), before ``finish`` returns or raises."""
+
+    def _add_square(self, name: str, grad: torch.Tensor) -> None:
+        assert self.host_sq is not None
+        squared = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+        self.host_sq[name] = self.host_sq.get(name, 0.0) + squared
+
+    # -- host pipelines, optimizer thread ---------------------------------------------------------------
+    @abstractmethod
+    def unit_norm(self, unit: Unit, squared: float, contribution: Contribution, step: int) -> None:
+        """The device-computed squared norm of the unit's final contribution, landed before its first
+        chunk and checked before any of it is applied (Note [Speculative non-finite guard])."""
+
+    @abstractmethod
+    def ranges(
+        self, unit: Unit, start: int, end: int, grad: torch.Tensor, *, summed: bool, last_chunk: bool
+    ) -> Sequence[AppliedRange]:
+        """One landed range of the unit's final gradient (``summed``: a view of its host accumulator):
+        which ranges to apply now, each with its coefficient."""
+
+    @abstractmethod
+    def unit_updated(self, name: str, updated: Future[None]) -> None:
+        """After the unit's last chunk was applied (or held): resolve its 'updated' future, or leave that
+        to the step's decision."""
+
+    # -- the resident pipeline, main thread (compute stream) --------------------------------------------
+    @abstractmethod
+    def device_coefficient(self, norms: UnitNorms | None, unit: Unit, grad: torch.Tensor) -> torch.Tensor | None:
+        """The coefficient of a device-resident unit's update, as a 0-dim device tensor; None when its
+        update is final as applied (its 'updated' future resolves at once)."""
+
+    # -- the engine, main thread, end of step -----------------------------------------------------------
+    @abstractmethod
+    def finish(
+        self,
+        ctx: StepContext,
+        squares: list[float] | None,
+        workers: Workers,
+        routes: Routes,
+        last_d2h: Future[Event] | None,
+    ) -> float | None:
+        """Decide the step and hand the decision to every unit's pipeline; return the global gradient norm
+        (None when not reported). ``squares``: every unit's device-side squared norm, read with the loss."""

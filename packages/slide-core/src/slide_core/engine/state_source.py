@@ -106,5 +106,5 @@ class StateSink(_PlacedArray):
                 pipeline.restored(unit, self.name, target)
 
 
-def _length(entries: slice) -> int:
+def _length(entries: slice[int, int, int | None]) -> int:
     return entries.stop - entries.start

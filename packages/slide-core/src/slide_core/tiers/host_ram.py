@@ -6,14 +6,17 @@ It keeps slide-core usable on its own. slide-io adds a pinned slab tier and NVMe
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import TypeVar
 
 import torch
 
 from slide_core.tier import Tier, TierError, TierRequest
 
+T = TypeVar("T")
 
-def _done(value: object) -> Future:
-    future: Future = Future()
+
+def _done(value: T) -> Future[T]:
+    future: Future[T] = Future()
     future.set_result(value)
     return future
 

@@ -296,6 +296,9 @@ class HFCausalLM(SlideModel):
     runs the attention chosen for it (:meth:`attention_for`).
     """
 
+    embedding: EmbeddingUnit
+    blocks: list[BlockUnit]
+    head: HeadUnit
     decoder_layer: ClassVar[type[nn.Module]]
     """HF decoder layer class, called as ``decoder_layer(config, layer_idx)``."""
     rotary_embedding: ClassVar[type[nn.Module] | None] = None
@@ -564,7 +567,7 @@ def _repoint_config(root: nn.Module, old: PreTrainedConfig, new: PreTrainedConfi
     """
     for module in root.modules():
         if getattr(module, "config", None) is old:
-            module.config = new
+            module.config = new  # type: ignore[assignment]  # nn.Module types attributes as Tensor | Module
 
 
 def _named_parameters_of(fn: Callable[..., Any]) -> frozenset[str]:

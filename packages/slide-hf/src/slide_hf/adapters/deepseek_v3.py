@@ -24,6 +24,8 @@ then a mixture of experts with group-limited routing and shared experts.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
@@ -54,7 +56,7 @@ class DeepseekV3Adapter(HFCausalLM):
         layer = super().make_layer(index)
         if index >= self.config.first_k_dense_replace:
             router = layer.get_submodule("mlp.gate")
-            bias = router.e_score_correction_bias
+            bias = cast(torch.Tensor, router.e_score_correction_bias)  # a buffer, until the next line
             del router._buffers["e_score_correction_bias"]
             router.e_score_correction_bias = nn.Parameter(torch.zeros_like(bias), requires_grad=False)
         return layer

@@ -29,12 +29,18 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from slide_kernels.ops.rms_norm import CastingMode
+
 __all__ = ["NormForm", "fuse_modules", "norm_form", "rotates_halves"]
+
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""The ``nn.Linear`` children of a dense gated MLP, in the order its forward uses them."""
 
 _GLU_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
 """HF activation names whose ``act(gate) * up`` slide-kernels fuses (GeGLU is the tanh approximation)."""
@@ -49,12 +55,13 @@ def _runs_fused(x: torch.Tensor) -> bool:
     return use_triton(x)
 
 
-NormForm = tuple[float, str]
+NormForm = tuple[float, "CastingMode"]
 """``(offset, casting_mode)`` of an RMSNorm, as slide-kernels' ``rms_norm`` takes them."""
 
 
 def _norm_eps(module: nn.Module) -> float:
-    return float(module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps)
+    eps: Any = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps  # a float attribute
+    return float(eps)
 
 
 def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) -> torch.Tensor:
@@ -76,7 +83,7 @@ def norm_form(module: nn.Module) -> NormForm | None:
     """
     from torch.func import functional_call
 
-    width = module.weight.shape[-1]
+    width = cast(torch.Tensor, module.weight).shape[-1]
     eps = _norm_eps(module)
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(64, width, generator=g, device="cpu") * 3
@@ -95,7 +102,8 @@ def norm_form(module: nn.Module) -> NormForm | None:
         bf16 = run(xb, wb)
     except (RuntimeError, TypeError, ValueError):  # a norm with another signature or extra state
         return None
-    modes = [m for m in ("llama", "gemma") if torch.equal(bf16, _norm_reference(xb, wb, eps, (offsets[0], m)))]
+    casting_modes: tuple[CastingMode, ...] = ("llama", "gemma")
+    modes = [m for m in casting_modes if torch.equal(bf16, _norm_reference(xb, wb, eps, (offsets[0], m)))]
     return (offsets[0], modes[0]) if len(modes) == 1 else None
 
 
@@ -110,7 +118,7 @@ def _fused_rms_norm(module: nn.Module, form: NormForm) -> Callable[[torch.Tensor
             return hf_forward(module, hidden_states)
         from slide_kernels import rms_norm
 
-        return rms_norm(hidden_states, module.weight, eps, offset, casting_mode=casting_mode)
+        return rms_norm(hidden_states, cast(torch.Tensor, module.weight), eps, offset, casting_mode=casting_mode)
 
     return forward
 
@@ -124,7 +132,8 @@ def _fused_gated_mlp(module: nn.Module, glu: str) -> Callable[[torch.Tensor], to
             return hf_forward(module, x)
         import slide_kernels
 
-        return module.down_proj(getattr(slide_kernels, glu)(module.gate_proj(x), module.up_proj(x)))
+        gate_proj, up_proj, down_proj = (cast(nn.Linear, getattr(module, n)) for n in _MLP_PROJECTIONS)
+        return down_proj(getattr(slide_kernels, glu)(gate_proj(x), up_proj(x)))
 
     return forward
 
@@ -192,7 +201,7 @@ def _is_gated_mlp(module: nn.Module, activation: str) -> bool:
     """HF's dense ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with the config's activation."""
     from transformers.activations import ACT2FN
 
-    projections = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+    projections = all(isinstance(getattr(module, n, None), nn.Linear) for n in _MLP_PROJECTIONS)
     act = getattr(module, "act_fn", None)
     return projections and type(module).__name__.endswith("MLP") and type(act) is type(ACT2FN[activation])
 

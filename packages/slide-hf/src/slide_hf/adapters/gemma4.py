@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -202,7 +202,7 @@ class Gemma4Adapter(LayerTypeRotaryLM):
         """HF's layer with ``layer_scalar`` turned from a buffer into a parameter (Note [Buffers carried as
         parameters]), so it travels with the weights."""
         layer = super().make_layer(index)
-        scalar = layer.layer_scalar
+        scalar = cast(torch.Tensor, layer.layer_scalar)  # a buffer, until the next line
         del layer._buffers[_LAYER_SCALAR]
         layer.layer_scalar = nn.Parameter(torch.ones_like(scalar), requires_grad=False)
         return layer

@@ -120,7 +120,10 @@ class LayerInput(nn.Module):
     def __init__(self, vocab: int, hidden: int, per_layer: int, padding_idx: int | None, eps: float) -> None:
         super().__init__()
         self.embed_tokens_per_layer = Gemma4TextScaledWordEmbedding(
-            vocab, per_layer, padding_idx, embed_scale=per_layer**0.5
+            vocab,
+            per_layer,
+            padding_idx,  # type: ignore[arg-type]  # HF annotates int; nn.Embedding takes None (no padding row)
+            embed_scale=per_layer**0.5,
         )
         self.per_layer_model_projection = nn.Linear(hidden, per_layer, bias=False)
         self.per_layer_projection_norm = Gemma4RMSNorm(per_layer, eps=eps)

@@ -150,7 +150,10 @@ class FlaFacts:
         except Exception as error:  # a broken build: undefined symbols, a Triton it cannot use
             return cls(None, problem=_one_line(error))
         triton = _version_of("triton")
-        capability = None if torch.version.hip else tuple(torch.cuda.get_device_capability(device))
+        capability = None
+        if not torch.version.hip:
+            major, minor = torch.cuda.get_device_capability(device)
+            capability = (major, minor)
         tilelang = importlib.util.find_spec("tilelang") is not None
         return cls(str(getattr(fla, "__version__", "0")), triton=triton, capability=capability, tilelang=tilelang)
 
@@ -246,10 +249,10 @@ def check_against_torch(
     for name, ref, got in zip(names, *results, strict=True):
         if got is None:
             return f"its kernel gives no {name} on {device}"
-        error = float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
-        if not error <= tolerance:  # also NaN
+        difference = float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+        if not difference <= tolerance:  # also NaN
             return (
-                f"its kernel's {name} differs from transformers' torch path by {error:.3g} (relative) on {device} "
+                f"its kernel's {name} differs from transformers' torch path by {difference:.3g} (relative) on {device} "
                 f"in {_dtype_name(dtype)}, more than {tolerance:g}"
             )
     return None

@@ -21,6 +21,8 @@ mixture of experts with a shared expert in every layer.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import nn
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     Qwen3NextDecoderLayer,
@@ -52,7 +54,7 @@ def delta_net_init_rule(name: str) -> tuple[str, float] | None:
 class Qwen3NextAdapter(HFCausalLM):
     """``model_type == "qwen3_next"``."""
 
-    decoder_layer = Qwen3NextDecoderLayer
+    decoder_layer: ClassVar[type[nn.Module]] = Qwen3NextDecoderLayer
     rotary_embedding = Qwen3NextRotaryEmbedding
     norm_init = 0.0
 

@@ -244,7 +244,7 @@ class ChatEncoder:
             # A reply whose own renders show no markers (the template cannot render the turns before it
             # alone, say) takes another reply's: one template opens and closes its replies alike.
             known = next((marks for marks in markers.values() if marks is not None), None)
-            filled = {index: marks or known for index, marks in markers.items() if (marks or known) is not None}
+            filled = {index: found for index, marks in markers.items() if (found := marks or known) is not None}
             try:
                 spans = locate_replies(fulls[row], example.messages, filled)
             except ReplyNotFound as missing:

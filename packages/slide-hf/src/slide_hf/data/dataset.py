@@ -137,7 +137,7 @@ def open_source(source: str | Path | None, *, max_record_bytes: int = DEFAULT_MA
 def _sources(source: DataSource) -> list[str | Path | None]:
     if isinstance(source, str | Path) or source is None:
         return [source]
-    sources = list(source)
+    sources: list[str | Path | None] = list(source)
     if not sources:
         raise UserError(f"{option('data')} names no source")
     return sources

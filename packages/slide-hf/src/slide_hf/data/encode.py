@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -93,13 +93,17 @@ class Encoder:
         pairs: dict[int, Pair] = {}
         dropped: dict[int, int] = {}
         if texts:
-            pairs.update(zip(texts, self._texts([batch[i] for i in texts]), strict=True))
+            pairs.update(zip(texts, self._texts(cast(list[TextExample], [batch[i] for i in texts])), strict=True))
         if chats:
-            for i, chat in zip(chats, self._chats([batch[i] for i in chats]), strict=True):
+            for i, chat in zip(
+                chats, self._chats(cast(list[ChatExample | PromptExample], [batch[i] for i in chats])), strict=True
+            ):
                 pairs[i] = (chat.input_ids, chat.labels)
                 dropped[i] = chat.dropped_reasoning
         if prompts:
-            pairs.update(zip(prompts, self._plain_prompts([batch[i] for i in prompts]), strict=True))
+            pairs.update(
+                zip(prompts, self._plain_prompts(cast(list[PromptExample], [batch[i] for i in prompts])), strict=True)
+            )
         for i, example in enumerate(batch):
             if isinstance(example, TokenExample):
                 labels = example.labels if example.labels is not None else example.input_ids

@@ -110,7 +110,9 @@ def _tool_names(message: dict[str, Any]) -> list[str]:
     names = []
     for call in message.get("tool_calls") or ():
         if isinstance(call, dict):
-            function = call.get("function") if isinstance(call.get("function"), dict) else call
+            function = call.get("function")
+            if not isinstance(function, dict):
+                function = call
             name = function.get("name")
             if isinstance(name, str) and name:
                 names.append(name)

@@ -78,13 +78,13 @@ def resolve_template(tokenizer: Any, option: str | None) -> ChatTemplate | None:
         except UnicodeDecodeError:
             raise UserError(f"{spelling.option('chat_template')} {path}: not UTF-8 text") from None
         return _with_twin(text, f"the chat template {path}")
-    text = getattr(tokenizer, "chat_template", None)
-    if isinstance(text, dict):  # a tokenizer with named templates: the one apply_chat_template uses
-        text = text.get("default")
-    if not text:
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # a tokenizer with named templates: the one apply_chat_template uses
+        own = own.get("default")
+    if not own:
         return None
     owner = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
-    return _with_twin(str(text), f"the chat template of {owner}")
+    return _with_twin(str(own), f"the chat template of {owner}")
 
 
 def _with_twin(text: str, name: str) -> ChatTemplate:

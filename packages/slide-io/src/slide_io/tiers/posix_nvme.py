@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import itertools
 import os
 import queue
@@ -133,7 +134,8 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _host_view(tensor: torch.Tensor) -> memoryview:
     """A memoryview over a host ``uint8`` tensor's bytes (no copy), for the buffer-protocol syscalls."""
-    return memoryview(tensor.numpy()).cast("B")
+    # numpy declares ndarray's buffer protocol (``__buffer__``) to the type checker only from Python 3.12 on.
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -351,8 +353,8 @@ class PosixNvmeTier(Tier):
     def _write_plan(self, entry: _Entry, src: torch.Tensor) -> _Plan:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (_O_DIRECT if self.direct_io else 0)
         fd = os.open(entry.path, flags, 0o600)
-        tasks = [
-            (lambda start=start: self._write_chunk(fd, src, start, min(start + self.chunk_bytes, entry.nbytes)))
+        tasks: list[Callable[[], None]] = [
+            functools.partial(self._write_chunk, fd, src, start, min(start + self.chunk_bytes, entry.nbytes))
             for start in range(0, entry.nbytes, self.chunk_bytes)
         ]
         return _Plan(tasks=tasks, release=lambda: os.close(fd))
@@ -368,8 +370,8 @@ class PosixNvmeTier(Tier):
                 out.copy_(dst.view(entry.dtype).view(out.shape))
             return out
 
-        tasks = [
-            (lambda start=start: self._read_chunk(fd, dst, start, min(start + self.chunk_bytes, entry.nbytes)))
+        tasks: list[Callable[[], None]] = [
+            functools.partial(self._read_chunk, fd, dst, start, min(start + self.chunk_bytes, entry.nbytes))
             for start in range(0, entry.nbytes, self.chunk_bytes)
         ]
         return _Plan(tasks=tasks, release=lambda: os.close(fd), result=result)

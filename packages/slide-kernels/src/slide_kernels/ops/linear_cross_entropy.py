@@ -313,7 +313,7 @@ def linear_cross_entropy_forward(
             d_weight, fresh_gw = torch.empty(weight.shape, dtype=dtype, device=device), True
         else:
             d_weight = torch.zeros(weight.shape, dtype=accum_dtype or weight.dtype, device=device)
-    if grad_bias:
+    if grad_bias and bias is not None:  # the second test only narrows the type: grad_bias implies it
         d_bias = grad_bias_out
         if d_bias is None:
             d_bias = torch.zeros(n_vocab, dtype=accum_dtype or bias.dtype, device=device)
@@ -328,6 +328,7 @@ def linear_cross_entropy_forward(
     for start in range(0, n_rows, chunk):
         end = min(start + chunk, n_rows)
         h_c = hidden[start:end]
+        assert buffer is not None  # allocated whenever there are rows
         logits = buffer[: end - start]
         if b is None:
             torch.mm(h_c, w.t(), out=logits)
@@ -347,7 +348,7 @@ def linear_cross_entropy_forward(
                 _accumulate(d_weight, logits.t(), h_c)
         if d_bias is not None:
             d_bias += logits.sum(0, dtype=torch.float32).to(d_bias.dtype)
-    if fresh_gw and n_rows == 0:
+    if fresh_gw and n_rows == 0 and d_weight is not None:  # fresh_gw implies d_weight
         d_weight.zero_()
 
     loss = loss_rows.sum()
@@ -355,7 +356,7 @@ def linear_cross_entropy_forward(
         loss = loss / n_valid.clamp(min=1.0)
     if grad_weight_out is None and d_weight is not None and d_weight.dtype != weight.dtype:
         d_weight = d_weight.to(weight.dtype)
-    if grad_bias_out is None and d_bias is not None and d_bias.dtype != bias.dtype:
+    if grad_bias_out is None and d_bias is not None and bias is not None and d_bias.dtype != bias.dtype:
         d_bias = d_bias.to(bias.dtype)
     return loss, d_hidden, d_weight, d_bias
 
