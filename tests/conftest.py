@@ -27,7 +27,7 @@ def _numba_compiled() -> None:
     test's duration includes a compile that only the first user of the optimizer in a session would pay."""
     try:
         from slide_core.optim.fused_adamw import FusedAdamW
-        from slide_core.optimizer import AdamWConfig
+        from slide_core.optim.adamw_config import AdamWConfig
     except ImportError:  # a kernels-only checkout
         return
     if FusedAdamW.available():

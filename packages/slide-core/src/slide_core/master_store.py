@@ -64,6 +64,11 @@ class MasterRange(Protocol):
     def device(self) -> torch.device: ...
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the values it holds (fp32 for every master; another only for a misused tensor)."""
+        ...
+
+    @property
     def index0(self) -> int:
         """The position of the range's first element in its storage (the hash index of compact state)."""
         ...
@@ -110,6 +115,10 @@ class Fp32Master:
         return self.tensor.device
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
     def index0(self) -> int:
         return self.tensor.storage_offset()
 
@@ -133,6 +142,8 @@ class Fp32Master:
         return 0
 
     def kernel_operands(self, flags: np.ndarray) -> tuple[Any, ...]:
+        if self.tensor.dtype != torch.float32:
+            raise ValueError(f"master must be fp32, got {self.tensor.dtype}")
         return (kernel_array(self.tensor, "master"),)
 
 

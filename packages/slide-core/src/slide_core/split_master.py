@@ -114,6 +114,11 @@ class SplitMaster:
 
     # -- slide_core.master_store.MasterRange -----------------------------------------------------------
     @property
+    def dtype(self) -> torch.dtype:
+        """fp32: the values it holds decode to fp32."""
+        return torch.float32
+
+    @property
     def index0(self) -> int:
         """The first element's position in the planes (its tie bit), the hash index of compact state."""
         return self.offset

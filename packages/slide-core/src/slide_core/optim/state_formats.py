@@ -35,7 +35,9 @@ from the block's new fp32 values before any is encoded. Each element stores ``x 
 A float code is used instead of linear int8 because both moments span orders of magnitude within a block:
 linear codes would round most of a block's small elements to zero.
 
-Each encoder here has twins: a plain-Python hash (:func:`mix32`, :func:`element_bits`), a torch version
+Each format is a :class:`MomentCodec` (:func:`moment_codec` by name): the optimizer resolves its codec
+once and asks it for the arrays, the widening and the rounding, so no code compares format names. Each
+encoder here has twins: a plain-Python hash (:func:`mix32`, :func:`element_bits`), a torch version
 (any device; the reference, and the path without numba) and scalar numba intrinsics the fused kernels
 inline (:func:`numba_twins`, used by slide_core/optim/compact_adamw.py). All are written from the same
 integer recipe, so given the same fp32 moments they give the same codes (tested bit for bit).
@@ -44,15 +46,18 @@ integer recipe, so given the same fp32 moments they give the same codes (tested 
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 __all__ = [
     "QUANT_BLOCK",
+    "MomentCodec",
+    "moment_codec",
     "STATE_FORMATS",
     "StateArray",
     "StateFormat",
@@ -116,19 +121,7 @@ class StateArray:
 
 def state_arrays(state_format: str, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
     """The arrays AdamW's moments ``names`` are stored in under ``state_format``."""
-    m, v = names
-    if state_format == "fp32":
-        return (StateArray(m), StateArray(v))
-    if state_format == "bf16":
-        return (StateArray(m, torch.bfloat16), StateArray(v, torch.bfloat16))
-    if state_format == "int8":
-        return (
-            StateArray(m, torch.int8),
-            StateArray(v, torch.uint8),
-            StateArray(f"{m}_scale", torch.float32, QUANT_BLOCK),
-            StateArray(f"{v}_scale", torch.float32, QUANT_BLOCK),
-        )
-    raise ValueError(f"optimizer state format must be one of {', '.join(STATE_FORMATS)}, got {state_format!r}")
+    return moment_codec(state_format).arrays(names)
 
 
 def checkpoint_arrays(state: Sequence[StateArray]) -> tuple[StateArray, ...]:
@@ -146,7 +139,7 @@ def checkpoint_bytes(arrays: Sequence[StateArray], unit_numels: Sequence[int]) -
 
 def state_bytes_per_param(state_format: str) -> float:
     """Host bytes per parameter of the two moments (int8: codes plus the block scales)."""
-    return sum(a.dtype.itemsize / a.per_entry for a in state_arrays(state_format))
+    return moment_codec(state_format).bytes_per_param()
 
 
 def slice_state(
@@ -259,16 +252,7 @@ def decode_moments(
     state_format: str, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor
 ) -> None:
     """Widen one range's stored moments into fp32 ``out_m`` / ``out_v`` (exact for fp32 and bf16)."""
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    if state_format in ("fp32", "bf16"):
-        out_m.copy_(m)
-        out_v.copy_(v)
-        return
-    _check_blocks(m.numel())
-    signed = m.to(torch.int64)
-    magnitude = _decode_int8_t(signed.abs(), state["exp_avg_scale"], 3)
-    out_m.copy_(torch.where(signed < 0, -magnitude, magnitude))
-    out_v.copy_(_decode_int8_t(v.to(torch.int64), state["exp_avg_sq_scale"], 4))
+    moment_codec(state_format).decode(state, out_m, out_v)
 
 
 def encode_moments(
@@ -282,40 +266,174 @@ def encode_moments(
 ) -> None:
     """Store fp32 moments ``m`` / ``v`` of one range into ``state`` (its format's arrays), rounding
     stochastically with the hash stream ``key`` from slab position ``index0`` on."""
-    if state_format == "fp32":
-        state["exp_avg"].copy_(m)
-        state["exp_avg_sq"].copy_(v)
-        return
-    bits = _bits_t(index0, m.numel(), key, m.device)
-    rand_m, rand_v = bits & 0xFFFF, bits >> 16
-    if state_format == "bf16":
-        state["exp_avg"].copy_(_sr_bf16_t(m, rand_m))
-        state["exp_avg_sq"].copy_(_sr_bf16_t(v, rand_v))
-        return
-    _check_blocks(m.numel())
-    m_scale, v_scale = _block_scale_t(m), _block_scale_t(v)
-    magnitude = _encode_int8_t(m, m_scale, rand_m, 3, keep_positive=False)
-    state["exp_avg"].copy_(torch.where(m < 0, -magnitude, magnitude))
-    state["exp_avg_sq"].copy_(_encode_int8_t(v, v_scale, rand_v, 4, keep_positive=True))
-    state["exp_avg_scale"].copy_(m_scale)
-    state["exp_avg_sq_scale"].copy_(v_scale)
-
-
-_CODEC_BYTES_PER_ELEMENT = {"fp32": 0, "bf16": 76, "int8": 85}
-_CODEC_BYTES_PER_BLOCK = {"fp32": 0, "bf16": 0, "int8": 12}
+    moment_codec(state_format).encode(m, v, state, index0=index0, key=key)
 
 
 def codec_scratch_bytes(state_format: str, numel: int) -> int:
     """Peak bytes of the temporaries the torch twins allocate to encode (or decode: less) one range of
-    ``numel``: the hash's int64 lanes, the rounding's bit patterns, int8's per-block scales. The twins
-    are written as plain tensor expressions, so this grows with the range: callers bound it by passing
-    chunks (``CompactAdamW``'s torch path). Counted op by op with ``slide_core.alloc_counter`` (tests/core/
-    test_compact_state.py holds these numbers to the count): bf16 76 B per element (encode; decode is a
-    copy), int8 85 B per element and 12 per block (encode; decode 46 B per element)."""
-    if state_format not in _CODEC_BYTES_PER_ELEMENT:
-        raise ValueError(f"optimizer state format must be one of {', '.join(STATE_FORMATS)}, got {state_format!r}")
-    blocks = -(-numel // QUANT_BLOCK)
-    return _CODEC_BYTES_PER_ELEMENT[state_format] * numel + _CODEC_BYTES_PER_BLOCK[state_format] * blocks
+    ``numel`` (:meth:`MomentCodec.scratch_bytes`)."""
+    return moment_codec(state_format).scratch_bytes(numel)
+
+
+# -- the codecs ------------------------------------------------------------------------------------------
+class MomentCodec(ABC):
+    """How AdamW's two moments are stored: the arrays, and the torch ops that widen them to fp32 and
+    round fp32 back into them. Stateless: one instance per format serves every optimizer and thread."""
+
+    name: ClassVar[StateFormat]
+    block: ClassVar[int] = 1
+    """Parameters whose moments are encoded together (int8: a block shares a scale): every range an
+    optimizer is handed must start on a multiple of it."""
+
+    @abstractmethod
+    def arrays(self, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
+        """The arrays the moments ``names`` are stored in."""
+
+    def bytes_per_param(self) -> float:
+        """Host bytes per parameter of the two moments (int8: codes plus the block scales)."""
+        return sum(a.dtype.itemsize / a.per_entry for a in self.arrays())
+
+    @abstractmethod
+    def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
+        """Widen one range's stored moments into fp32 ``out_m`` / ``out_v``."""
+
+    @abstractmethod
+    def encode(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        index0: int,
+        key: tuple[int, int],
+    ) -> None:
+        """Store fp32 moments ``m`` / ``v`` of one range into ``state``, rounding stochastically with the
+        hash stream ``key`` from slab position ``index0`` on."""
+
+    @abstractmethod
+    def scratch_bytes(self, numel: int) -> int:
+        """Peak bytes of the temporaries the torch twins allocate to encode (or decode: less) one range of
+        ``numel``: the hash's int64 lanes, the rounding's bit patterns, int8's per-block scales. The twins
+        are written as plain tensor expressions, so this grows with the range: callers bound it by passing
+        chunks (``CompactAdamW``'s torch path). Counted op by op with ``slide_core.alloc_counter``
+        (tests/core/test_compact_state.py holds these numbers to the count)."""
+
+
+class Fp32Moments(MomentCodec):
+    """fp32 moments, stored as they are (exact)."""
+
+    name = "fp32"
+
+    def arrays(self, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
+        m, v = names
+        return (StateArray(m), StateArray(v))
+
+    def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
+        out_m.copy_(state["exp_avg"])
+        out_v.copy_(state["exp_avg_sq"])
+
+    def encode(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        index0: int,
+        key: tuple[int, int],
+    ) -> None:
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)
+
+    def scratch_bytes(self, numel: int) -> int:
+        return 0
+
+
+class Bf16Moments(MomentCodec):
+    """bf16 moments, rounded stochastically (decoding is exact)."""
+
+    name = "bf16"
+
+    def arrays(self, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
+        m, v = names
+        return (StateArray(m, torch.bfloat16), StateArray(v, torch.bfloat16))
+
+    def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
+        out_m.copy_(state["exp_avg"])
+        out_v.copy_(state["exp_avg_sq"])
+
+    def encode(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        index0: int,
+        key: tuple[int, int],
+    ) -> None:
+        bits = _bits_t(index0, m.numel(), key, m.device)
+        rand_m, rand_v = bits & 0xFFFF, bits >> 16
+        state["exp_avg"].copy_(_sr_bf16_t(m, rand_m))
+        state["exp_avg_sq"].copy_(_sr_bf16_t(v, rand_v))
+
+    def scratch_bytes(self, numel: int) -> int:
+        return 76 * numel  # encode; decode is a copy
+
+
+class Int8Moments(MomentCodec):
+    """8-bit float codes against one fp32 scale per :data:`QUANT_BLOCK` elements (see the module)."""
+
+    name = "int8"
+    block = QUANT_BLOCK
+
+    def arrays(self, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
+        m, v = names
+        return (
+            StateArray(m, torch.int8),
+            StateArray(v, torch.uint8),
+            StateArray(f"{m}_scale", torch.float32, QUANT_BLOCK),
+            StateArray(f"{v}_scale", torch.float32, QUANT_BLOCK),
+        )
+
+    def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        _check_blocks(m.numel())
+        signed = m.to(torch.int64)
+        magnitude = _decode_int8_t(signed.abs(), state["exp_avg_scale"], 3)
+        out_m.copy_(torch.where(signed < 0, -magnitude, magnitude))
+        out_v.copy_(_decode_int8_t(v.to(torch.int64), state["exp_avg_sq_scale"], 4))
+
+    def encode(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        index0: int,
+        key: tuple[int, int],
+    ) -> None:
+        bits = _bits_t(index0, m.numel(), key, m.device)
+        rand_m, rand_v = bits & 0xFFFF, bits >> 16
+        _check_blocks(m.numel())
+        m_scale, v_scale = _block_scale_t(m), _block_scale_t(v)
+        magnitude = _encode_int8_t(m, m_scale, rand_m, 3, keep_positive=False)
+        state["exp_avg"].copy_(torch.where(m < 0, -magnitude, magnitude))
+        state["exp_avg_sq"].copy_(_encode_int8_t(v, v_scale, rand_v, 4, keep_positive=True))
+        state["exp_avg_scale"].copy_(m_scale)
+        state["exp_avg_sq_scale"].copy_(v_scale)
+
+    def scratch_bytes(self, numel: int) -> int:
+        return 85 * numel + 12 * -(-numel // QUANT_BLOCK)  # encode; decode 46 B per element
+
+
+_CODECS: tuple[MomentCodec, ...] = (Fp32Moments(), Bf16Moments(), Int8Moments())
+
+
+def moment_codec(state_format: str) -> MomentCodec:
+    """The codec of the format named ``state_format`` (``fp32``, ``bf16`` or ``int8``)."""
+    for codec in _CODECS:
+        if codec.name == state_format:
+            return codec
+    raise ValueError(f"optimizer state format must be one of {', '.join(STATE_FORMATS)}, got {state_format!r}")
 
 
 def _check_blocks(numel: int) -> None:
