@@ -56,7 +56,10 @@ into (:meth:`MasterRange.updating`); asked only by a range that is not stored in
 class MasterRange(Protocol):
     """A flat range of a master in its storage format (structural: ``Fp32Master`` and ``SplitMaster``)."""
 
-    format: ClassVar[MasterFormat]
+    @property
+    def format(self) -> MasterFormat:
+        """The storage format, which picks the numba kernel (``Kernels.step[master.format]``)."""
+        ...
 
     def numel(self) -> int: ...
 
@@ -120,7 +123,7 @@ class Fp32Master:
 
     @property
     def index0(self) -> int:
-        return self.tensor.storage_offset()
+        return int(self.tensor.storage_offset())
 
     def __getitem__(self, index: slice) -> Fp32Master:
         return Fp32Master(self.tensor[index])
@@ -255,7 +258,6 @@ def master_store(master_format: str, numel: int, alloc: Allocator) -> MasterStor
     """A store of ``numel`` elements in ``master_format`` (``fp32`` or ``split``), its planes from ``alloc``."""
     if master_format not in get_args(MasterFormat):
         raise ValueError(f"master format must be fp32 or split, got {master_format!r}")
-    store_class: type[Fp32MasterStore | SplitMasterStore] = (
-        SplitMasterStore if master_format == "split" else Fp32MasterStore
-    )
-    return store_class(numel, alloc)
+    if master_format == "split":
+        return SplitMasterStore(numel, alloc)
+    return Fp32MasterStore(numel, alloc)

@@ -20,18 +20,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
 if TYPE_CHECKING:
+    from slide_core.master_store import MasterRange
     from slide_core.optim.state_formats import StateArray
-    from slide_core.split_master import SplitMaster
 
-__all__ = ["Coefficient", "ConfigT", "Correction", "Optimizer", "scale_into"]
-
-ConfigT = TypeVar("ConfigT")
-"""An optimizer's own config type (a frozen dataclass)."""
+__all__ = ["Coefficient", "Correction", "Optimizer", "scale_into"]
 
 Coefficient = float | torch.Tensor
 """A gradient scale: a host float, or a 0-dim fp32 tensor on the device (no host sync to read it)."""
@@ -54,10 +51,11 @@ class Correction:
     coeff: float = 1.0
 
 
-class Optimizer(ABC, Generic[ConfigT]):
+class Optimizer(ABC):
     """Updates flat fp32 ranges in place. One instance serves one engine and is used from one thread.
 
-    ``config`` is the plugin's own (``config_type``), for the plugin's use: the engine never reads it."""
+    ``config`` is the plugin's own (``config_type``), for the plugin's use: the engine never reads it. A
+    plugin narrows its type by declaring ``config: MyConfig`` in its class body."""
 
     config_type: ClassVar[type[Any]] = object
     """The config dataclass this optimizer is built with (``cls(config)``); ``build_optimizer`` checks a
@@ -71,7 +69,9 @@ class Optimizer(ABC, Generic[ConfigT]):
     where an fp32 master range would be, leaving its decoded values exactly as the fp32 range's. The
     engine stores the master split only for an optimizer that says so."""
 
-    def __init__(self, config: ConfigT) -> None:
+    config: Any
+
+    def __init__(self, config: Any) -> None:
         self.config = config
 
     @property
@@ -104,7 +104,7 @@ class Optimizer(ABC, Generic[ConfigT]):
         """Whether this optimizer implements :meth:`correct`, which gradient clipping needs."""
         return type(self).correct is not Optimizer.correct
 
-    def device_replica(self) -> Optimizer[ConfigT]:
+    def device_replica(self) -> Optimizer:
         """An instance with these hyperparameters for device-resident units: the engine's main thread
         updates them on the compute stream while this instance serves the optimizer thread, and an
         optimizer is used from one thread. The default builds ``type(self)(self.config)``."""
@@ -113,7 +113,7 @@ class Optimizer(ABC, Generic[ConfigT]):
     @abstractmethod
     def step(
         self,
-        master: torch.Tensor | SplitMaster,
+        master: torch.Tensor | MasterRange,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -123,8 +123,8 @@ class Optimizer(ABC, Generic[ConfigT]):
         grad_scale: float = 1.0,
     ) -> None:
         """Apply one update to ``master`` (fp32, flat) in place: an fp32 tensor, or, for an optimizer whose
-        ``split_master`` is True, possibly a split range (``slide_core.master_store.as_master_range`` treats
-        both alike).
+        ``split_master`` is True, possibly a split range (a ``SplitMaster``;
+        ``slide_core.master_store.as_master_range`` treats both alike).
 
         ``grad`` has the same numel in any float dtype and is never written; ``state`` holds the matching
         ranges of this optimizer's state tensors; ``step`` is the 1-based update count used for bias
@@ -138,7 +138,7 @@ class Optimizer(ABC, Generic[ConfigT]):
 
     def correct(
         self,
-        master: torch.Tensor | SplitMaster,
+        master: torch.Tensor | MasterRange,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,

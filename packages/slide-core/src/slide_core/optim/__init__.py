@@ -8,7 +8,6 @@ the same way. ``auto`` is not a plugin: it is :func:`~slide_core.optim.fused_ada
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 from slide_core import plugins
@@ -33,7 +32,7 @@ def auto_optimizer_name() -> str:
     return "fused-adamw" if FusedAdamW.available() else "torch-adamw"
 
 
-def build_optimizer(name: str, config: object | None = None) -> Optimizer[Any]:
+def build_optimizer(name: str, config: object | None = None) -> Optimizer:
     """The optimizer called ``name`` (``auto`` or a ``slide.optimizers`` plugin), built with ``config``.
 
     A plugin is a :class:`~slide_core.optimizer.Optimizer` subclass constructed as ``cls(config)`` with a
@@ -53,7 +52,7 @@ def build_optimizer(name: str, config: object | None = None) -> Optimizer[Any]:
 
         return best_adamw(_config_of(name, AdamWConfig, config))
     optimizer_class = plugins.load(GROUP, name, expected=Optimizer)
-    optimizer = optimizer_class(_config_of(name, optimizer_class.config_type, config))
+    optimizer: Optimizer = optimizer_class(_config_of(name, optimizer_class.config_type, config))
     warmup = getattr(optimizer, "warmup", None)
     if callable(warmup):
         try:
@@ -68,13 +67,11 @@ def _config_of(name: str, config_type: type[Any], config: object | None) -> Any:
     if config is None:
         return config_type()
     if not isinstance(config, config_type):
-        raise plugins.PluginError(
-            f"optimizer {name!r} takes a {config_type.__name__}, got a {type(config).__name__}"
-        )
+        raise plugins.PluginError(f"optimizer {name!r} takes a {config_type.__name__}, got a {type(config).__name__}")
     return config
 
 
-def _compact_optimizer(name: str, config: AdamWConfig) -> Optimizer[AdamWConfig]:
+def _compact_optimizer(name: str, config: AdamWConfig) -> Optimizer:
     """``CompactAdamW`` in the flavour ``name`` stands for; another plugin is refused in one line."""
     from slide_core.optim.compact_adamw import CompactAdamW
 

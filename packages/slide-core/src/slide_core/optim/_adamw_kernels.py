@@ -43,6 +43,7 @@ import functools
 import math
 import threading
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -485,8 +486,8 @@ def _kernels() -> Any:
         correct = kernel(_correct_py)
         adamw_split = kernel(_adamw_split_py)
         correct_split = kernel(_correct_split_py)
-        step = {"fp32": adamw, "split": adamw_split}  # by MasterRange.format
-        correction = {"fp32": correct, "split": correct_split}
+        step = MappingProxyType({"fp32": adamw, "split": adamw_split})  # by MasterRange.format
+        correction = MappingProxyType({"fp32": correct, "split": correct_split})
         set_num_threads = staticmethod(numba.set_num_threads)
         get_num_threads = staticmethod(numba.get_num_threads)
         max_threads = numba.config.NUMBA_NUM_THREADS

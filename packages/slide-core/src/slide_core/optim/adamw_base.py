@@ -20,14 +20,15 @@ from slide_core.optimizer import Coefficient, Correction, Optimizer
 __all__ = ["AdamWOptimizer"]
 
 
-class AdamWOptimizer(Optimizer[AdamWConfig]):
+class AdamWOptimizer(Optimizer):
     """AdamW with decoupled weight decay on ranges flagged ``decay``; steps fp32 and split masters.
 
     ``correction_piece_numel`` bounds the fp32 scratch of a correction through torch's ops (two pieces of
     it per device)."""
 
     config_type = AdamWConfig
-    state_names = ("exp_avg", "exp_avg_sq")
+    config: AdamWConfig
+    state_names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     split_master = True
 
     def __init__(self, config: AdamWConfig, *, correction_piece_numel: int = DEFAULT_PIECE_NUMEL) -> None:

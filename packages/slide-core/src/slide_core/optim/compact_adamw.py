@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -365,12 +366,14 @@ def _kernels() -> Any:
         int8 = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_int8_py)
         bf16_split = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_bf16_split_py)
         int8_split = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_int8_split_py)
-        step = {  # by (MomentCodec.name, MasterRange.format)
-            ("bf16", "fp32"): bf16,
-            ("int8", "fp32"): int8,
-            ("bf16", "split"): bf16_split,
-            ("int8", "split"): int8_split,
-        }
+        step = MappingProxyType(  # by (MomentCodec.name, MasterRange.format)
+            {
+                ("bf16", "fp32"): bf16,
+                ("int8", "fp32"): int8,
+                ("bf16", "split"): bf16_split,
+                ("int8", "split"): int8_split,
+            }
+        )
 
     return Kernels
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,6 @@ from slide_core.optim._adamw_kernels import numba_available as _numba_available
 from slide_core.optim.adamw import TorchAdamW
 from slide_core.optim.adamw_base import AdamWOptimizer
 from slide_core.optim.adamw_config import AdamWConfig
-
 from slide_core.split_master import SplitMaster, kernel_array
 
 __all__ = ["BLOCK", "FusedAdamW", "best_adamw", "fused_correct"]

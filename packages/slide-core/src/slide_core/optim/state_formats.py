@@ -56,9 +56,8 @@ import torch
 
 __all__ = [
     "QUANT_BLOCK",
-    "MomentCodec",
-    "moment_codec",
     "STATE_FORMATS",
+    "MomentCodec",
     "StateArray",
     "StateFormat",
     "StateFormatMismatch",
@@ -70,6 +69,7 @@ __all__ = [
     "element_bits",
     "encode_moments",
     "mix32",
+    "moment_codec",
     "refuse_other_state_format",
     "slice_state",
     "state_arrays",
