@@ -161,3 +161,31 @@ def test_a_plugin_steps_a_split_master_bit_for_bit(momentum_plugin: type) -> Non
     assert masters["split"][0] == masters["fp32"][0]
     for name, want in masters["fp32"][1].items():
         assert torch.equal(masters["split"][1][name], want), name
+
+
+def test_the_optimizer_modules_import_one_another_without_a_cycle() -> None:
+    """Every import between slide_core.optim's modules, the base and the master store (lazy ones inside
+    functions too) points one way: the kernels and the correction never import an optimizer class."""
+    import ast
+    from pathlib import Path
+
+    import slide_core
+
+    root = Path(slide_core.__file__).parent
+    files = {f"slide_core.optim.{p.stem}": p for p in (root / "optim").glob("*.py") if p.stem != "__init__"}
+    files |= {f"slide_core.{name}": root / f"{name}.py" for name in ("optimizer", "master_store", "split_master")}
+    edges: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        edges[module] = targets & files.keys() - {module}
+
+    def cycle_from(module: str, path: tuple[str, ...]) -> tuple[str, ...] | None:
+        if module in path:
+            return (*path, module)
+        return next((c for n in sorted(edges[module]) if (c := cycle_from(n, (*path, module)))), None)
+
+    cycles = [c for c in (cycle_from(m, ()) for m in sorted(files)) if c]
+    assert not cycles, " -> ".join(cycles[0])
