@@ -45,6 +45,7 @@ import torch
 
 from slide_core.master_store import MasterRange, as_master_range
 from slide_core.optim import _adamw_kernels, state_formats
+from slide_core.optim._moment_intrinsics import numba_twins
 from slide_core.optim.adamw import CHUNK_NUMEL, TorchAdamW
 from slide_core.optim.adamw_base import AdamWOptimizer
 from slide_core.optim.adamw_config import AdamWConfig
@@ -352,7 +353,7 @@ def _kernels() -> Any:
         return numba.njit(inline="always", fastmath=False, nogil=True)(fn)
 
     _adam, _as_fp32, _prange = _adamw_kernels._adam, _adamw_kernels._as_fp32, numba.prange
-    t = state_formats.numba_twins()
+    t = numba_twins()
     _hash32, _high16, _sr_bf16, _abs_bits = t.hash32, t.high16, t.sr_bf16, t.abs_bits
     _encode_m8, _encode_v8, _decode_m8, _decode_v8 = t.encode_m8, t.encode_v8, t.decode_m8, t.decode_v8
     _bits_f32 = bits_f32
