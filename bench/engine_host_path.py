@@ -70,8 +70,8 @@ def _run(args: argparse.Namespace) -> dict:
     from slide_core.devices.cpu import CPUDevice
     from slide_core.engine import Engine, EngineConfig
     from slide_core.host_params import HostParameters
+    from slide_core.optim.adamw_config import AdamWConfig
     from slide_core.optim.fused_adamw import best_adamw
-    from slide_core.optimizer import AdamWConfig
     from slide_core.testing import ToyConfig, ToyModel
 
     if args.torch_threads:

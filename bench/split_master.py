@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optim.fused_adamw import FusedAdamW
-from slide_core.optimizer import AdamWConfig
 from slide_core.split_master import SplitMaster, tie_bytes
 
 

@@ -26,8 +26,8 @@ def _numba_compiled() -> None:
     """Compile FusedAdamW's kernels (or load them from numba's on-disk cache) once, before any test, so no
     test's duration includes a compile that only the first user of the optimizer in a session would pay."""
     try:
+        from slide_core.optim.adamw_config import AdamWConfig
         from slide_core.optim.fused_adamw import FusedAdamW
-        from slide_core.optimizer import AdamWConfig
     except ImportError:  # a kernels-only checkout
         return
     if FusedAdamW.available():

@@ -14,8 +14,8 @@ import pytest
 from slide_core import Device, Optimizer, Tier, plugins
 from slide_core.devices.cpu import CPUDevice
 from slide_core.optim import TorchAdamW, auto_optimizer_name, build_optimizer
+from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optim.fused_adamw import FusedAdamW
-from slide_core.optimizer import AdamWConfig
 from slide_core.tiers.host_ram import HostRamTier
 
 TIER_SOURCE = """

@@ -206,10 +206,10 @@ def test_the_kernel_helpers_match_torch_on_every_pattern():
     """``_store_master`` / ``_load_master`` (what every split kernel inlines) against torch's cast and
     ``decode``, over every low pattern: hi, lo and, at the midpoints, the tie bit."""
     numba = pytest.importorskip("numba")
-    from slide_core.optim import fused_adamw
+    from slide_core.optim import _adamw_kernels
 
-    fused_adamw._kernels()  # binds the compiled helpers
-    store, load = fused_adamw._store_master, fused_adamw._load_master
+    _adamw_kernels.kernels()  # binds the compiled helpers
+    store, load = _adamw_kernels._store_master, _adamw_kernels._load_master
 
     @numba.njit
     def round_trip(x, hi, lo, flags, back):

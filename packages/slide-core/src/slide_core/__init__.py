@@ -2,7 +2,8 @@
 
 from slide_core.device import Device, DeviceFacts, Event
 from slide_core.host_params import HostParameters
-from slide_core.optimizer import AdamWConfig, Optimizer
+from slide_core.optim.adamw_config import AdamWConfig
+from slide_core.optimizer import Optimizer
 from slide_core.schedule import LRSchedule
 from slide_core.tier import Tier, TierError
 from slide_core.unit import ParamLayout, ParamSpec, SlideModel, Unit, UnitRole

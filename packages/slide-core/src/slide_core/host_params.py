@@ -4,7 +4,7 @@ Loaders write into it; the engine's optimizer updates it; exporters read it. One
 pinning call (no per-tensor ``pin_memory``) and one contiguous range per unit, which is what the
 host-to-device copy and the flat optimizer want.
 
-Two formats hold the same fp32 values (``master_format``):
+Two formats hold the same fp32 values (``master_format``; each is a store, slide_core/master_store.py):
 
 - ``"fp32"``: one fp32 slab. The host-to-device copy reads 4 bytes per parameter and casts on the device.
 - ``"split"`` (bf16 compute only): a bf16 plane, a plane of the low 16 bits and a tie bitmask
@@ -15,28 +15,25 @@ Who reads what: the h2d copy reads :meth:`HostParameters.h2d_source` (the fp32 r
 the optimizer steps :meth:`HostParameters.master` (an fp32 range or a
 :class:`~slide_core.split_master.SplitMaster`); everything else (loaders, exporters, checkpoints, the
 device-resident copies) goes through :meth:`read`, :meth:`write` and :meth:`editing`, which decode into
-fp32 and encode back, and are free views of the slab in the fp32 format.
+fp32 and encode back, and are free views of the slab in the fp32 format. Which of these a format does is
+the store's business (:class:`~slide_core.master_store.MasterStore`), not this class's.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
-from typing import Literal, get_args
+from collections.abc import Iterator, Mapping
 
 import torch
 
-from slide_core.split_master import SplitMaster, tie_bytes
+from slide_core.master_store import Allocator, MasterFormat, MasterRange, MasterStore, master_store
+from slide_core.split_master import SplitMaster
 from slide_core.unit import SlideModel, Unit
 
 __all__ = ["HostParameters", "MasterFormat"]
 
-Allocator = Callable[[int, torch.dtype], torch.Tensor]
-
-MasterFormat = Literal["fp32", "split"]
-
 _PIECE_NUMEL = 1 << 22
-"""Elements decoded at a time when a split unit is copied to or from another device."""
+"""Elements read at a time when a unit is copied from another master (:meth:`HostParameters.copy_from`)."""
 
 
 def _plain_alloc(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -55,10 +52,7 @@ class HostParameters:
     def __init__(
         self, model: SlideModel, alloc: Allocator = _plain_alloc, master_format: MasterFormat = "fp32"
     ) -> None:
-        if master_format not in get_args(MasterFormat):
-            raise ValueError(f"master format must be fp32 or split, got {master_format!r}")
         self.model = model
-        self.master_format: MasterFormat = master_format
         self._offsets: dict[str, tuple[int, int]] = {}
         self._units: dict[str, Unit] = {}
         total = 0
@@ -67,25 +61,21 @@ class HostParameters:
             self._units[unit.name] = unit
             total += unit.layout.numel
         self.numel = total
-        if master_format == "fp32":
-            self.planes: dict[str, torch.Tensor] = {"master": alloc(total, torch.float32)}
-        else:
-            # Every unit's range starts at a multiple of 64 elements (unit.py), so each owns whole tie bytes.
-            self.planes = {
-                "hi": alloc(total, torch.bfloat16),
-                "lo": alloc(total, torch.int16),
-                "ties": alloc(tie_bytes(total), torch.uint8),
-            }
+        self.store: MasterStore = master_store(master_format, total, alloc)
+        self.master_format: MasterFormat = self.store.format
+        self.planes: dict[str, torch.Tensor] = self.store.planes
         self._shards: dict[str, tuple[int, int]] = {}  # keep_shards: each unit's range this process keeps
         # Alignment padding is never read by a unit; keep it finite (zero) so whole-unit operations stay clean.
         for unit in model.units:
+            base = self.offset(unit)
             for start, end in _gaps(unit):
-                for plane in self._value_planes():
-                    self._range(plane, unit)[start:end].zero_()
+                for plane in self.store.value_planes:
+                    plane[base + start : base + end].zero_()
 
     # -- what the engine streams and steps -----------------------------------------------------------------
     @property
     def split(self) -> bool:
+        """Whether the master is split (for pipelines that still stage a split master's restore themselves)."""
         return self.master_format == "split"
 
     def offset(self, unit: Unit | str) -> int:
@@ -99,36 +89,31 @@ class HostParameters:
 
     def master(self, unit: Unit | str) -> torch.Tensor | SplitMaster:
         """The unit's master as the optimizer steps it: its fp32 slab range, or its split planes."""
-        if self.split:
-            name = _name(unit)
-            return SplitMaster(self._range("hi", name), self._range("lo", name), self.planes["ties"], self.offset(name))
-        return self._range("master", unit)
+        return self.store.stepped(*self.extent(unit))
+
+    def master_range(self, unit: Unit | str) -> MasterRange:
+        """The unit's master as a :class:`~slide_core.master_store.MasterRange` (fp32 values in and out)."""
+        return self.store.range(*self.extent(unit))
 
     def h2d_source(self, unit: Unit | str) -> torch.Tensor:
         """What the host-to-device copy reads for the unit: the fp32 range (cast on the device) or the bf16
         plane's range (copied as it is, half the bytes)."""
-        return self._range("hi" if self.split else "master", unit)
+        start, end = self.extent(unit)
+        return self.store.h2d_plane[start:end]
 
     def h2d_span(self, first: Unit | str, last: Unit | str) -> torch.Tensor:
         """:meth:`h2d_source` from ``first``'s range to the end of ``last``'s (units are laid out in model
         order): the one range to pin for a run of streamed units."""
-        plane = self.planes["hi" if self.split else "master"]
-        end = sum(self._offsets[_name(last)])
-        return plane[self.offset(first) : end]
+        return self.store.h2d_plane[self.offset(first) : self.extent(last)[1]]
 
     def unit_ranges(self, unit: Unit | str) -> list[torch.Tensor]:
         """The unit's range of every plane (what to give back to the OS while the unit lives elsewhere)."""
-        name = _name(unit)
-        ranges = [self._range(plane, name) for plane in self._value_planes()]
-        if self.split:
-            start, numel = self._offsets[name]
-            ranges.append(self.planes["ties"][start // 8 : tie_bytes(start + numel)])
-        return ranges
+        return self.store.page_ranges(*self.extent(unit))
 
     @property
     def is_pinned(self) -> bool:
         """Whether the plane the host-to-device copy reads was allocated pinned."""
-        return self.planes["hi" if self.split else "master"].is_pinned()
+        return self.store.h2d_plane.is_pinned()
 
     def keep_shards(self, spans: Mapping[str, tuple[int, int]] | None) -> None:
         """Data parallel: from now on :meth:`write` and :meth:`editing` (loading, random init, a resume)
@@ -144,14 +129,12 @@ class HostParameters:
     def read(self, unit: Unit | str, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Elements ``[start, end)`` of the unit's master in fp32: the slab's own range in the fp32 format
         (a view; do not write it), a decoded copy in the split format."""
-        master = self.master(unit)
-        piece = master[start:end]
-        return piece.decode() if isinstance(piece, SplitMaster) else piece
+        return self.master_range(unit)[start:end].values()
 
     def write(self, unit: Unit | str, values: torch.Tensor, start: int = 0) -> None:
         """Set elements ``[start, start + values.numel())`` of the unit's master to ``values`` (fp32, on
         any device: a split master is encoded on the host piece by piece)."""
-        master = self.master(unit)
+        master = self.master_range(unit)
         shard = self._shards.get(_name(unit))
         if shard is not None:  # keep_shards: only the part inside the shard is kept
             values = values.reshape(-1)
@@ -162,13 +145,7 @@ class HostParameters:
         target = master[start : start + values.numel()]
         if target.numel() != values.numel():
             raise ValueError(f"{_name(unit)} has {master.numel()} elements; cannot write {values.numel()} at {start}")
-        if not isinstance(target, SplitMaster):
-            target.copy_(values.reshape(-1))
-            return
-        values = values.reshape(-1)
-        for lo in range(0, values.numel(), _PIECE_NUMEL):
-            hi = min(values.numel(), lo + _PIECE_NUMEL)
-            target[lo:hi].encode_(values[lo:hi].to(device="cpu", dtype=torch.float32))
+        target.assign_(values)
 
     def read_views(self, unit: Unit | str) -> dict[str, torch.Tensor]:
         """The unit's parameters in fp32, by name (views of :meth:`read`: not to be written)."""
@@ -179,13 +156,11 @@ class HostParameters:
         """Writable fp32 views of the unit's parameters: the slab's own in the fp32 format; in the split
         format views of a decoded copy, encoded back when the block ends (without an exception)."""
         layout = self._unit(unit).layout
-        sharded = _name(unit) in self._shards
-        if not self.split and not sharded:
-            yield layout.views(self._range("master", unit))
+        if _name(unit) not in self._shards:
+            with self.master_range(unit).updating(_new_fp32) as values:
+                yield layout.views(values)
             return
-        values = self.read(unit)
-        if not self.split:  # sharded: edit a copy, then keep the shard of it (reading untouched pages is free)
-            values = values.clone()
+        values = self.master_range(unit).decode()  # sharded: edit a copy, then keep the shard of it
         yield layout.views(values)
         self.write(unit, values)
 
@@ -193,7 +168,7 @@ class HostParameters:
         """``unit name -> read_views(unit)`` for every unit, for walking the model once in unit order. In
         the split format each unit is decoded when first asked for and kept until another one is, so a
         walk holds one unit's fp32 copy at a time."""
-        if not self.split:
+        if self.store.fp32_slab is not None:
             return {unit.name: self.views(unit) for unit in self.model.units}
         return _DecodedViews(self)
 
@@ -209,17 +184,16 @@ class HostParameters:
     @property
     def slab(self) -> torch.Tensor:
         """The fp32 slab (fp32 format only: a split master has none; use read/write/editing)."""
-        return self.planes[self._fp32_only("slab")]
+        return self._fp32_only("slab")
 
     def flat(self, unit: Unit | str) -> torch.Tensor:
         """The unit's fp32 slab range (fp32 format only)."""
-        self._fp32_only("flat")
-        return self._range("master", unit)
+        start, end = self.extent(unit)
+        return self._fp32_only("flat")[start:end]
 
     def span(self, first: Unit | str, last: Unit | str) -> torch.Tensor:
         """The slab from ``first``'s range to the end of ``last``'s (fp32 format only)."""
-        self._fp32_only("span")
-        return self.h2d_span(first, last)
+        return self._fp32_only("span")[self.offset(first) : self.extent(last)[1]]
 
     def views(self, unit: Unit | str) -> dict[str, torch.Tensor]:
         """Writable fp32 views of the unit's parameters in the slab (fp32 format only)."""
@@ -236,19 +210,14 @@ class HostParameters:
         return sum(plane.numel() * plane.element_size() for plane in self.planes.values())
 
     # -- helpers -------------------------------------------------------------------------------------------
-    def _fp32_only(self, what: str) -> str:
-        if self.split:
+    def _fp32_only(self, what: str) -> torch.Tensor:
+        slab = self.store.fp32_slab
+        if slab is None:
             raise ValueError(
-                f"HostParameters.{what} is an fp32 slab view, and this master is split; use read, write or editing"
+                f"HostParameters.{what} is an fp32 slab view, and this master is {self.master_format}; use read, "
+                "write or editing"
             )
-        return "master"
-
-    def _value_planes(self) -> tuple[str, ...]:
-        return ("hi", "lo") if self.split else ("master",)
-
-    def _range(self, plane: str, unit: Unit | str) -> torch.Tensor:
-        start, numel = self._offsets[_name(unit)]
-        return self.planes[plane][start : start + numel]
+        return slab
 
     def _unit(self, unit: Unit | str) -> Unit:
         if isinstance(unit, Unit):
@@ -277,6 +246,11 @@ class _DecodedViews(Mapping[str, dict[str, torch.Tensor]]):
 
     def __len__(self) -> int:
         return len(self._host.model.units)
+
+
+def _new_fp32(numel: int, device: torch.device) -> torch.Tensor:
+    """A fresh fp32 tensor for a split unit's decoded copy while it is edited (freed when the edit ends)."""
+    return torch.empty(numel, dtype=torch.float32, device=device)
 
 
 def _name(unit: Unit | str) -> str:

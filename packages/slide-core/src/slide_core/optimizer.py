@@ -8,6 +8,11 @@ Gradient clipping (``EngineConfig.max_grad_norm``) asks one more thing of an opt
 redo with another coefficient, an update it applied earlier in the same step (:meth:`Optimizer.correct`).
 The engine applies each unit's update before the step's global norm is known and corrects it once it is
 (docs/design/engine.md, "Clipping"); an optimizer that cannot correct runs only with clipping off.
+
+An optimizer is a ``slide.optimizers`` plugin with a frozen config dataclass of its own (``config_type``;
+AdamW's is :class:`~slide_core.optim.adamw_config.AdamWConfig`). The engine reads nothing inside that
+config: what it needs, an optimizer says through this base's properties and methods (``state_arrays``,
+``state_format``, ``split_master``, ``corrects``, ``device_scratch_bytes``, ``device_replica``).
 """
 
 from __future__ import annotations
@@ -15,14 +20,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
 if TYPE_CHECKING:
+    from slide_core.master_store import MasterRange
     from slide_core.optim.state_formats import StateArray
 
-__all__ = ["AdamWConfig", "Coefficient", "Correction", "Optimizer", "scale_into"]
+__all__ = ["Coefficient", "Correction", "Optimizer", "scale_into"]
 
 Coefficient = float | torch.Tensor
 """A gradient scale: a host float, or a 0-dim fp32 tensor on the device (no host sync to read it)."""
@@ -45,35 +51,15 @@ class Correction:
     coeff: float = 1.0
 
 
-@dataclass(frozen=True)
-class AdamWConfig:
-    """AdamW hyperparameters, with torch.optim.AdamW's defaults except weight decay (HF's 0.0).
-
-    ``state_format``: how exp_avg and exp_avg_sq are stored between steps, ``fp32`` (exact), ``bf16`` or
-    ``int8`` (stochastically rounded with seed ``state_seed``; slide_core/optim/state_formats.py)."""
-
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    state_format: str = "fp32"
-    state_seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.beta1 < 1.0:
-            raise ValueError(f"adam beta1 must be in [0, 1), got {self.beta1}")
-        if not 0.0 <= self.beta2 < 1.0:
-            raise ValueError(f"adam beta2 must be in [0, 1), got {self.beta2}")
-        if self.eps <= 0.0:
-            raise ValueError(f"adam eps must be > 0, got {self.eps}")
-        if self.weight_decay < 0.0:
-            raise ValueError(f"weight decay must be >= 0, got {self.weight_decay}")
-        if self.state_format not in ("fp32", "bf16", "int8"):
-            raise ValueError(f"optimizer state format must be fp32, bf16 or int8, got {self.state_format!r}")
-
-
 class Optimizer(ABC):
-    """Updates flat fp32 ranges in place. One instance serves one engine and is used from one thread."""
+    """Updates flat fp32 ranges in place. One instance serves one engine and is used from one thread.
+
+    ``config`` is the plugin's own (``config_type``), for the plugin's use: the engine never reads it. A
+    plugin narrows its type by declaring ``config: MyConfig`` in its class body."""
+
+    config_type: ClassVar[type[Any]] = object
+    """The config dataclass this optimizer is built with (``cls(config)``); ``build_optimizer`` checks a
+    config against it and builds ``config_type()`` when given none. ``object``: any config."""
 
     state_names: tuple[str, ...] = ()
     """Names of the per-element fp32 state tensors (e.g. ``exp_avg``, ``exp_avg_sq``)."""
@@ -83,8 +69,16 @@ class Optimizer(ABC):
     where an fp32 master range would be, leaving its decoded values exactly as the fp32 range's. The
     engine stores the master split only for an optimizer that says so."""
 
-    def __init__(self, config: AdamWConfig) -> None:
+    config: Any
+
+    def __init__(self, config: Any) -> None:
         self.config = config
+
+    @property
+    def state_format(self) -> str:
+        """How this optimizer's state is stored between steps, by name (a checkpoint records it and a
+        resume with another is refused: ``state_formats.refuse_other_state_format``). Default ``fp32``."""
+        return "fp32"
 
     @property
     def state_arrays(self) -> tuple[StateArray, ...]:
@@ -119,7 +113,7 @@ class Optimizer(ABC):
     @abstractmethod
     def step(
         self,
-        master: torch.Tensor,
+        master: torch.Tensor | MasterRange,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -128,7 +122,9 @@ class Optimizer(ABC):
         decay: bool,
         grad_scale: float = 1.0,
     ) -> None:
-        """Apply one update to ``master`` (fp32, flat) in place.
+        """Apply one update to ``master`` (fp32, flat) in place: an fp32 tensor, or, for an optimizer whose
+        ``split_master`` is True, possibly a split range (a ``SplitMaster``;
+        ``slide_core.master_store.as_master_range`` treats both alike).
 
         ``grad`` has the same numel in any float dtype and is never written; ``state`` holds the matching
         ranges of this optimizer's state tensors; ``step`` is the 1-based update count used for bias
@@ -142,7 +138,7 @@ class Optimizer(ABC):
 
     def correct(
         self,
-        master: torch.Tensor,
+        master: torch.Tensor | MasterRange,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,

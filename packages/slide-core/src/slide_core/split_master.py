@@ -27,12 +27,16 @@ and encodes in registers with the same rule.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 
-__all__ = ["MIDPOINT", "TIE_BLOCK", "SplitMaster", "decode", "encode", "tie_bytes"]
+__all__ = ["MIDPOINT", "TIE_BLOCK", "SplitMaster", "decode", "encode", "kernel_array", "tie_bytes"]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("the split master reads fp32 patterns as (low, high) int16 pairs: little-endian only")
@@ -47,6 +51,9 @@ of 8, so the items never share a tie byte)."""
 _PIECE_NUMEL = 1 << 20
 """Elements decoded or encoded per vectorised piece: bounds the temporaries (about 8 bytes each)."""
 
+_ASSIGN_PIECE_NUMEL = 1 << 22
+"""Elements converted to fp32 on the planes' device at a time by :meth:`SplitMaster.assign_`."""
+
 
 def tie_bytes(numel: int) -> int:
     """Bytes of a tie bitmask for ``numel`` elements."""
@@ -59,6 +66,7 @@ class SplitMaster:
     bit ``offset + j`` of ``ties``. Slicing gives another range over the same storage, which is what the
     optimizer and clipping hand around where an fp32 master range would be a tensor slice."""
 
+    format: ClassVar[Literal["split"]] = "split"
     hi: torch.Tensor
     lo: torch.Tensor
     ties: torch.Tensor
@@ -103,6 +111,58 @@ class SplitMaster:
     def encode_(self, values: torch.Tensor) -> None:
         """Store ``values`` (fp32, this range's length) in place."""
         encode(values, self.hi, self.lo, self.ties, self.offset)
+
+    # -- slide_core.master_store.MasterRange -----------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """fp32: the values it holds decode to fp32."""
+        return torch.float32
+
+    @property
+    def index0(self) -> int:
+        """The first element's position in the planes (its tie bit), the hash index of compact state."""
+        return self.offset
+
+    def values(self) -> torch.Tensor:
+        """The fp32 values, decoded into a new tensor."""
+        return self.decode()
+
+    def assign_(self, values: torch.Tensor) -> None:
+        """Store ``values`` (this range's length, any float dtype and device), piece by piece."""
+        values = values.reshape(-1)
+        if values.numel() != self.numel():
+            raise ValueError(f"a split master range of {self.numel()} cannot take {values.numel()} values")
+        for lo in range(0, values.numel(), _ASSIGN_PIECE_NUMEL):
+            hi = min(values.numel(), lo + _ASSIGN_PIECE_NUMEL)
+            self[lo:hi].encode_(values[lo:hi].to(device=self.device, dtype=torch.float32))
+
+    @contextlib.contextmanager
+    def updating(self, scratch: Callable[[int, torch.device], torch.Tensor]) -> Iterator[torch.Tensor]:
+        """The fp32 values decoded into ``scratch(numel, device)``, encoded back when the block ends
+        (exact both ways, so an update of them is bit for bit the fp32 master's)."""
+        values = self.decode(scratch(self.numel(), self.device))
+        yield values
+        self.encode_(values)
+
+    def kernel_flags_numel(self) -> int:
+        """One scratch byte per element: the numba kernels unpack each block's tie bits into it."""
+        return self.numel()
+
+    def kernel_operands(self, flags: np.ndarray) -> tuple[Any, ...]:
+        """What the ``*_split`` numba kernels take in place of an fp32 master: ``hi`` and ``lo`` as uint16
+        words, the tie bytes, the first tie bit, and ``flags`` (at least :meth:`kernel_flags_numel` bytes)."""
+        hi = kernel_array(self.hi.view(torch.int16), "master hi").view(np.uint16)
+        lo = kernel_array(self.lo, "master lo").view(np.uint16)
+        return hi, lo, kernel_array(self.ties, "master ties"), self.offset, flags[: self.numel()]
+
+
+def kernel_array(t: torch.Tensor, name: str) -> np.ndarray:
+    """``t`` as the numpy array a numba kernel reads or writes in place (a host, contiguous tensor)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"the numba kernels run on host tensors, got {name} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"the numba kernels need contiguous ranges, {name} is not")
+    return t.detach().numpy()
 
 
 def decode(hi: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, offset: int, out: torch.Tensor) -> None:

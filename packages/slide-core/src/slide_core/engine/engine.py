@@ -276,7 +276,7 @@ class Engine(Evaluation):
         from slide_core.sharded_checkpoint import load_resharded, sharded_layout  # it imports distributed.py
 
         spans = self._shard_spans()
-        refuse_other_state_format(path, self.optimizer.config.state_format)
+        refuse_other_state_format(path, self.optimizer.state_format)
         by_name = self.pipelines.by_name
         sinks = {a.name: StateSink(a.name, self.model.units, by_name, spans, a) for a in self._arrays()}
         layout = sharded_layout(path)
@@ -606,7 +606,7 @@ def _check_data_parallel(group: ProcessGroupContext, device: Device, config: Eng
 
 def _check_state_format(optimizer: Optimizer, config: EngineConfig, group: ProcessGroupContext | None) -> None:
     """Refuse, in one line, the placements a compact optimizer state does not run with (yet)."""
-    state_format = optimizer.config.state_format
+    state_format = optimizer.state_format
     if state_format == "fp32":
         return
     if all(array.dtype == torch.float32 for array in optimizer.state_arrays):

@@ -8,12 +8,14 @@ the same way. ``auto`` is not a plugin: it is :func:`~slide_core.optim.fused_ada
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from slide_core import plugins
 from slide_core.optim.adamw import TorchAdamW
-from slide_core.optimizer import AdamWConfig, Optimizer
+from slide_core.optim.adamw_config import AdamWConfig
+from slide_core.optimizer import Optimizer
 
-__all__ = ["AUTO", "GROUP", "TorchAdamW", "auto_optimizer_name", "build_optimizer"]
+__all__ = ["AUTO", "GROUP", "AdamWConfig", "TorchAdamW", "auto_optimizer_name", "build_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -30,26 +32,27 @@ def auto_optimizer_name() -> str:
     return "fused-adamw" if FusedAdamW.available() else "torch-adamw"
 
 
-def build_optimizer(name: str, config: AdamWConfig) -> Optimizer:
+def build_optimizer(name: str, config: object | None = None) -> Optimizer:
     """The optimizer called ``name`` (``auto`` or a ``slide.optimizers`` plugin), built with ``config``.
 
-    A plugin is a :class:`~slide_core.optimizer.Optimizer` subclass constructed as ``cls(config)``. When it
-    has a ``warmup()`` (compiling its kernels), that runs here, before training, so an optimizer that
-    cannot run on this machine fails now, in one line, instead of in the first step. Raises
-    :class:`~slide_core.plugins.PluginError`.
+    A plugin is a :class:`~slide_core.optimizer.Optimizer` subclass constructed as ``cls(config)`` with a
+    config of its own ``config_type`` (None: ``config_type()``, its defaults; ``auto`` is AdamW and takes
+    an :class:`AdamWConfig`). When it has a ``warmup()`` (compiling its kernels), that runs here, before
+    training, so an optimizer that cannot run on this machine fails now, in one line, instead of in the
+    first step. Raises :class:`~slide_core.plugins.PluginError`.
 
-    A compact optimizer state (``config.state_format`` bf16 or int8) is stored by ``CompactAdamW``, with
-    the numba kernels (``auto`` with numba, ``fused-adamw``) or torch's ops (``torch-adamw``, ``auto``
+    A compact optimizer state (an AdamW ``config.state_format`` bf16 or int8) is stored by ``CompactAdamW``,
+    with the numba kernels (``auto`` with numba, ``fused-adamw``) or torch's ops (``torch-adamw``, ``auto``
     without numba); both round with the same hash, so either gives the same moments.
     """
-    if config.state_format != "fp32":
+    if isinstance(config, AdamWConfig) and config.state_format != "fp32":
         return _compact_optimizer(name, config)
     if name == AUTO:
         from slide_core.optim.fused_adamw import best_adamw  # numpy; numba only if it is installed
 
-        return best_adamw(config)
+        return best_adamw(_config_of(name, AdamWConfig, config))
     optimizer_class = plugins.load(GROUP, name, expected=Optimizer)
-    optimizer = optimizer_class(config)
+    optimizer: Optimizer = optimizer_class(_config_of(name, optimizer_class.config_type, config))
     warmup = getattr(optimizer, "warmup", None)
     if callable(warmup):
         try:
@@ -57,6 +60,15 @@ def build_optimizer(name: str, config: AdamWConfig) -> Optimizer:
         except Exception as error:  # a missing compiler (numba), or a compile that fails on this machine
             raise plugins.PluginError(f"optimizer {name!r} cannot run here: {error}") from error
     return optimizer
+
+
+def _config_of(name: str, config_type: type[Any], config: object | None) -> Any:
+    """``config``, checked against the plugin's ``config_type`` (None: that type's defaults)."""
+    if config is None:
+        return config_type()
+    if not isinstance(config, config_type):
+        raise plugins.PluginError(f"optimizer {name!r} takes a {config_type.__name__}, got a {type(config).__name__}")
+    return config
 
 
 def _compact_optimizer(name: str, config: AdamWConfig) -> Optimizer:

@@ -5,10 +5,10 @@ device, and otherwise the same single-tensor arithmetic as ``torch.optim.AdamW(f
 Low-precision gradients are cast into a preallocated fp32 scratch first, so nothing is allocated per step;
 a ``grad_scale`` other than 1 is applied in that same scratch (an fp32 gradient is copied there first, since
 the caller's gradient is never written). It can correct an update it applied (``Optimizer.correct``, what
-gradient clipping needs) through :class:`~slide_core.optim.adamw_correction.AdamWCorrection`.
+gradient clipping needs) through :class:`~slide_core.optim.adamw_base.AdamWOptimizer`'s.
 
-A split master range (:class:`~slide_core.split_master.SplitMaster`) is decoded into an fp32 scratch,
-stepped by the same ops and encoded back: the decode is exact, so the result is bit for bit the one the
+A master range stored other than in fp32 (a :class:`~slide_core.split_master.SplitMaster`) is decoded
+into an fp32 scratch, stepped by the same ops and encoded back (``MasterRange.updating``): the decode is exact, so the result is bit for bit the one the
 fp32 master gets, at about 12 more bytes per parameter of memory traffic than ``FusedAdamW``'s in-register
 decode.
 
@@ -26,9 +26,10 @@ from collections.abc import Mapping
 
 import torch
 
-from slide_core.optim.adamw_correction import DEFAULT_PIECE_NUMEL, AdamWCorrection
-from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer
-from slide_core.split_master import SplitMaster
+from slide_core.master_store import MasterRange, as_master_range
+from slide_core.optim.adamw_base import AdamWOptimizer
+from slide_core.optim.adamw_config import AdamWConfig
+from slide_core.optim.adamw_correction import DEFAULT_PIECE_NUMEL
 
 __all__ = ["CHUNK_NUMEL", "TorchAdamW"]
 
@@ -42,14 +43,12 @@ def _fused_adamw_available() -> bool:
     return hasattr(torch, "_fused_adamw_")
 
 
-class TorchAdamW(Optimizer):
+class TorchAdamW(AdamWOptimizer):
     """AdamW with decoupled weight decay, applied only to ranges flagged ``decay``."""
 
-    state_names = ("exp_avg", "exp_avg_sq")
-    split_master = True
-
     def __init__(self, config: AdamWConfig, *, fused: bool | None = None, chunk_numel: int = CHUNK_NUMEL) -> None:
-        super().__init__(config)
+        super().__init__(config, correction_piece_numel=min(chunk_numel, DEFAULT_PIECE_NUMEL))
+        self._refuse_compact_state()
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         self.fused = _fused_adamw_available() if fused is None else fused
@@ -59,7 +58,6 @@ class TorchAdamW(Optimizer):
         self._denom: dict[torch.device, torch.Tensor] = {}
         self._master_scratch: dict[torch.device, torch.Tensor] = {}
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
-        self._correction = AdamWCorrection(config, min(chunk_numel, DEFAULT_PIECE_NUMEL))
 
     def device_replica(self) -> TorchAdamW:
         return TorchAdamW(self.config, chunk_numel=self.chunk_numel)
@@ -101,13 +99,14 @@ class TorchAdamW(Optimizer):
             held = buffers[device] = torch.empty(numel, dtype=torch.float32, device=device)
         return held[:numel]
 
-    def _decoded(self, master: SplitMaster) -> torch.Tensor:
-        """A split range's fp32 values, in a scratch kept per device (grown to the largest chunk seen)."""
-        return master.decode(self._held(self._master_scratch, master.numel(), master.device))
+    def _decode_scratch(self, numel: int, device: torch.device) -> torch.Tensor:
+        """Where a range stored other than in fp32 is decoded for its update (kept per device, grown to the
+        largest chunk seen)."""
+        return self._held(self._master_scratch, numel, device)
 
     def step(
         self,
-        master: torch.Tensor | SplitMaster,
+        master: torch.Tensor | MasterRange,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -116,6 +115,7 @@ class TorchAdamW(Optimizer):
         decay: bool,
         grad_scale: float = 1.0,
     ) -> None:
+        master = as_master_range(master)
         numel = master.numel()
         if numel <= self.chunk_numel:
             self._step_chunk(master, grad, state, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
@@ -129,7 +129,7 @@ class TorchAdamW(Optimizer):
 
     def _step_chunk(
         self,
-        master: torch.Tensor | SplitMaster,
+        master: MasterRange,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -138,11 +138,21 @@ class TorchAdamW(Optimizer):
         decay: bool,
         grad_scale: float,
     ) -> None:
-        if isinstance(master, SplitMaster):
-            values = self._decoded(master)
-            self._step_chunk(values, grad, state, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
-            master.encode_(values)
-            return
+        with master.updating(self._decode_scratch) as values:
+            self._step_values(values, grad, state, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
+
+    def _step_values(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        lr: float,
+        step: int,
+        decay: bool,
+        grad_scale: float,
+    ) -> None:
+        """One chunk's update on fp32 values in place (the range itself, or its decoded scratch)."""
         cfg = self.config
         weight_decay = cfg.weight_decay if decay else 0.0
         grad32 = self._fp32(grad, grad_scale)
@@ -178,17 +188,3 @@ class TorchAdamW(Optimizer):
         denom = torch.sqrt(exp_avg_sq, out=self._held(self._denom, master.numel(), master.device))
         denom.div_(bias_correction2_sqrt).add_(cfg.eps)
         master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-
-    def correct(
-        self,
-        master: torch.Tensor | SplitMaster,
-        grad: torch.Tensor,
-        state: Mapping[str, torch.Tensor],
-        *,
-        applied: Coefficient,
-        correction: Correction,
-        lr: float,
-        step: int,
-        decay: bool,
-    ) -> None:
-        self._correction.apply(correction, master, grad, applied, state, lr=lr, step=step, decay=decay)

@@ -1,7 +1,8 @@
 """Taking back, or redoing with another coefficient, an AdamW update applied with a known gradient.
 
 Gradient clipping applies each unit's update before the step's global norm is known and corrects it once
-it is (docs/design/engine.md, "Clipping"); this is that correction for both shipped AdamW optimizers.
+it is (docs/design/engine.md, "Clipping"); this is that correction for every shipped AdamW optimizer
+(``AdamWOptimizer.correct``, which ``CompactAdamW`` wraps in its moment codec).
 
 Undo arithmetic (decoupled AdamW, ``s = lr / (1 - beta1^t)``, ``d = sqrt(v) / sqrt(1 - beta2^t) + eps``,
 ``g`` the gradient exactly as applied): ``p_decayed = p + s * m / d`` (m and v are still the ones the step
@@ -18,8 +19,10 @@ from collections.abc import Mapping
 
 import torch
 
-from slide_core.optimizer import AdamWConfig, Coefficient, Correction, scale_into
-from slide_core.split_master import SplitMaster
+from slide_core.master_store import MasterRange, as_master_range
+from slide_core.optim._adamw_kernels import fused_correct
+from slide_core.optim.adamw_config import AdamWConfig
+from slide_core.optimizer import Coefficient, Correction, scale_into
 
 __all__ = ["AdamWCorrection"]
 
@@ -60,7 +63,7 @@ class AdamWCorrection:
     def apply(
         self,
         correction: Correction,
-        master: torch.Tensor | SplitMaster,
+        master: torch.Tensor | MasterRange,
         grad: torch.Tensor,
         applied: Coefficient,
         state: Mapping[str, torch.Tensor],
@@ -74,30 +77,29 @@ class AdamWCorrection:
         if correction.kind == "keep":
             return
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        master = as_master_range(master)
         if isinstance(applied, float) and self._fused(correction, master, grad, applied, state, lr, step, decay):
             return
         numel = master.numel()
         for lo in range(0, numel, self.max_range_numel):
             hi = min(numel, lo + self.max_range_numel)
-            piece = master[lo:hi]
-            values = self._decoded(piece) if isinstance(piece, SplitMaster) else piece
-            self._piece(correction, values, grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], applied, lr, step, decay)
-            if isinstance(piece, SplitMaster):
-                piece.encode_(values)
+            with master[lo:hi].updating(self._decode_scratch) as values:
+                self._piece(
+                    correction, values, grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], applied, lr, step, decay
+                )
 
-    def _decoded(self, piece: SplitMaster) -> torch.Tensor:
-        """A split master piece's fp32 values in a scratch of its own (exact; encoded back after)."""
-        held = self._master_scratch.get(piece.device)
-        if held is None or held.numel() < piece.numel():
-            held = self._master_scratch[piece.device] = torch.empty(
-                piece.numel(), dtype=torch.float32, device=piece.device
-            )
-        return piece.decode(held[: piece.numel()])
+    def _decode_scratch(self, numel: int, device: torch.device) -> torch.Tensor:
+        """Where a master piece stored other than in fp32 is decoded for the correction (a scratch of its own,
+        kept per device; the decode is exact and the piece is encoded back after)."""
+        held = self._master_scratch.get(device)
+        if held is None or held.numel() < numel:
+            held = self._master_scratch[device] = torch.empty(numel, dtype=torch.float32, device=device)
+        return held[:numel]
 
     def _fused(
         self,
         correction: Correction,
-        master: torch.Tensor | SplitMaster,
+        master: MasterRange,
         grad: torch.Tensor,
         applied: float,
         state: Mapping[str, torch.Tensor],
@@ -109,8 +111,6 @@ class AdamWCorrection:
         fifteen torch passes); the result agrees with the torch ops to rounding."""
         if master.device.type != "cpu" or not self.use_fused:
             return False
-        from slide_core.optim.fused_adamw import fused_correct
-
         new = correction.coeff if correction.kind == "rescale" else None
         return fused_correct(
             self.config, master, grad, state, applied=applied, new_coeff=new, lr=lr, step=step, decay=decay

@@ -4,7 +4,7 @@ Two paths give the same codes from the same fp32 moments:
 
 - **fused** (host ranges, numba): one multi-threaded pass like ``FusedAdamW``'s. Each element's moments
   are widened in registers, updated by the fused kernel's own element function (``_adam`` of
-  fused_adamw.py, so the fp32 arithmetic is the same op for op), the master stepped with the fp32 moments,
+  _adamw_kernels.py, so the fp32 arithmetic is the same op for op), the master stepped with the fp32 moments,
   and the moments written back with stochastic rounding. int8 works per 4096-element item in two passes
   over each 64-element block, both in cache: update (the fp32 moments go to a small scratch, the block
   maxima are formed), then encode against the new maxima. Bytes per parameter and step: bf16 grad 2 +
@@ -18,13 +18,16 @@ Two paths give the same codes from the same fp32 moments:
   (``device_scratch_bytes``, which the planner adds to the GPU peak) instead of fp32 copies of itself.
   It is also the reference the kernels are tested against.
 
-The hash's element index is the master range's offset in its storage (``master.storage_offset()``, or a
-split master's ``offset``): for the engine's host units that is the element's position in the master slab,
+The hash's element index is the master range's offset in its storage (``MasterRange.index0``: an fp32
+range's ``storage_offset()``, a split master's ``offset``): for the engine's host units that is the element's position in the master slab,
 the same for a unit whose state is staged from NVMe, across a resume, and for either master format. Device-resident units have one master tensor each, so their indices
 restart at 0 per unit (their streams are still distinct per step).
 
-Clipping's correction (``correct``) decodes, corrects in fp32 (``AdamWCorrection``) and encodes again with
-its own hash stream. Because the stored moments are rounded, taking an update back is exact only to the
+The moments' format is a codec (``state_formats.MomentCodec``) the optimizer is handed, or resolves from
+``config.state_format`` once: every widening and rounding goes through it.
+
+Clipping's correction (``correct``) decodes, corrects in fp32 (``AdamWOptimizer.correct``, the one every
+AdamW shares) and encodes again with its own hash stream. Because the stored moments are rounded, taking an update back is exact only to the
 format's rounding (bf16: ~2^-9 of the moments, int8: a step of its code), not to fp32's few ulp.
 """
 
@@ -34,32 +37,37 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
 
-from slide_core.optim import fused_adamw, state_formats
+from slide_core.master_store import MasterRange, as_master_range
+from slide_core.optim import _adamw_kernels, state_formats
+from slide_core.optim._moment_intrinsics import numba_twins
 from slide_core.optim.adamw import CHUNK_NUMEL, TorchAdamW
-from slide_core.optim.adamw_correction import DEFAULT_PIECE_NUMEL, AdamWCorrection
+from slide_core.optim.adamw_base import AdamWOptimizer
+from slide_core.optim.adamw_config import AdamWConfig
+from slide_core.optim.adamw_correction import DEFAULT_PIECE_NUMEL
+from slide_core.optim.fused_adamw import FusedAdamW
 from slide_core.optim.state_formats import (
     CORRECTION_SALT,
     QUANT_BLOCK,
     STEP_SALT,
+    Fp32Moments,
+    MomentCodec,
     StateArray,
-    codec_scratch_bytes,
-    decode_moments,
-    encode_moments,
+    moment_codec,
     slice_state,
-    state_arrays,
     stream_key,
 )
-from slide_core.optimizer import AdamWConfig, Coefficient, Correction, Optimizer, scale_into
-from slide_core.split_master import SplitMaster
+from slide_core.optimizer import Coefficient, Correction, scale_into
+from slide_core.split_master import SplitMaster, kernel_array
 
 __all__ = ["CompactAdamW", "compact_bytes_per_param"]
 
-BLOCK = fused_adamw.BLOCK
+BLOCK = _adamw_kernels.BLOCK
 """Elements per parallel work item (64 int8 blocks), as in the fp32 kernel."""
 
 _compile_lock = threading.Lock()
@@ -71,14 +79,14 @@ def compact_bytes_per_param(state_format: str) -> float:
 
 
 # Kernels as plain Python until ``_kernels`` compiles them (module level for numba's disk cache, as in
-# fused_adamw.py). ``_adam``/``_as_fp32`` are fused_adamw's jitted element helpers, then the state_formats
+# _adamw_kernels.py). ``_adam``/``_as_fp32`` are _adamw_kernels' jitted element helpers, then the state_formats
 # intrinsics (``NumbaTwins``: ``_hash32``, ``_sr_bf16``, ...), ``_prange`` numba's; all bound by ``_kernels`` before the first compile.
-_adam = fused_adamw._adam_py
-_as_fp32 = fused_adamw._as_fp32
-_load_master = fused_adamw._load_master_py
-_store_master = fused_adamw._store_master_py
-_read_ties = fused_adamw._read_ties_py
-_write_ties = fused_adamw._write_ties_py
+_adam = _adamw_kernels._adam_py
+_as_fp32 = _adamw_kernels._as_fp32
+_load_master = _adamw_kernels._load_master_py
+_store_master = _adamw_kernels._store_master_py
+_read_ties = _adamw_kernels._read_ties_py
+_write_ties = _adamw_kernels._write_ties_py
 _prange = range
 _hash32: Any = None
 _high16: Any = None
@@ -208,7 +216,7 @@ def _adamw_int8_py(
 # Split master (slide_core/split_master.py): the same kernels with the master read and written through
 # fused_adamw's ``_load_master`` / ``_store_master`` and its tie bits moved around each work item by
 # ``_read_ties`` / ``_write_ties``; work items are aligned to ``BLOCK`` in the tie numbering as in
-# ``fused_adamw._adamw_split_py`` (a range starts on a 64-element block, so int8 blocks stay whole).
+# ``_adamw_kernels._adamw_split_py`` (a range starts on a 64-element block, so int8 blocks stay whole).
 
 
 def _bf16_split_block_py(
@@ -328,7 +336,7 @@ def _kernels() -> Any:
     from numba.core import types
     from numba.extending import intrinsic
 
-    fused_adamw._kernels()  # binds fused_adamw's jitted element helpers first
+    _adamw_kernels.kernels()  # binds _adamw_kernels' jitted element helpers first
 
     @intrinsic
     def bits_f32(typingctx, u):
@@ -344,14 +352,14 @@ def _kernels() -> Any:
     def inline(fn: Any) -> Any:
         return numba.njit(inline="always", fastmath=False, nogil=True)(fn)
 
-    _adam, _as_fp32, _prange = fused_adamw._adam, fused_adamw._as_fp32, numba.prange
-    t = state_formats.numba_twins()
+    _adam, _as_fp32, _prange = _adamw_kernels._adam, _adamw_kernels._as_fp32, numba.prange
+    t = numba_twins()
     _hash32, _high16, _sr_bf16, _abs_bits = t.hash32, t.high16, t.sr_bf16, t.abs_bits
     _encode_m8, _encode_v8, _decode_m8, _decode_v8 = t.encode_m8, t.encode_v8, t.decode_m8, t.decode_v8
     _bits_f32 = bits_f32
     _bf16_block, _int8_block, _int8_encode = inline(_bf16_block_py), inline(_int8_block_py), inline(_int8_encode_py)
-    _load_master, _store_master = fused_adamw._load_master, fused_adamw._store_master
-    _read_ties, _write_ties = fused_adamw._read_ties, fused_adamw._write_ties
+    _load_master, _store_master = _adamw_kernels._load_master, _adamw_kernels._store_master
+    _read_ties, _write_ties = _adamw_kernels._read_ties, _adamw_kernels._write_ties
     _bf16_split_block, _int8_split_block = inline(_bf16_split_block_py), inline(_int8_split_block_py)
 
     class Kernels:
@@ -359,58 +367,71 @@ def _kernels() -> Any:
         int8 = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_int8_py)
         bf16_split = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_bf16_split_py)
         int8_split = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_int8_split_py)
+        step = MappingProxyType(  # by (MomentCodec.name, MasterRange.format)
+            {
+                ("bf16", "fp32"): bf16,
+                ("int8", "fp32"): int8,
+                ("bf16", "split"): bf16_split,
+                ("int8", "split"): int8_split,
+            }
+        )
 
     return Kernels
 
 
-def _index0(master: torch.Tensor | SplitMaster) -> int:
-    """The hash index of the range's first element: its position in the master slab (or its plane)."""
-    return master.offset if isinstance(master, SplitMaster) else master.storage_offset()
-
-
-class CompactAdamW(Optimizer):
-    """AdamW (decoupled weight decay on ranges flagged ``decay``) with moments stored as
-    ``config.state_format`` (``bf16`` or ``int8``), rounded stochastically with seed ``config.state_seed``.
+class CompactAdamW(AdamWOptimizer):
+    """AdamW (decoupled weight decay on ranges flagged ``decay``) with moments stored by ``codec`` (bf16 or
+    int8; by default the codec ``config.state_format`` names), rounded stochastically with seed
+    ``config.state_seed``.
 
     ``fused``: True runs host ranges through the numba kernels (an error without numba), False through
     the torch ops, None (default) picks numba when it imports. Device ranges always take the torch ops, in
     chunks of ``chunk_numel`` (a multiple of the int8 block). ``threads`` caps numba's threads, as for
     ``FusedAdamW``. The master may be an fp32 range or a split one (``SplitMaster``); both number their
-    elements by slab position, so the hash, and the stored moments, are the same for either.
+    elements by slab position (``MasterRange.index0``), so the hash, and the stored moments, are the same
+    for either.
     """
-
-    split_master = True
 
     def __init__(
         self,
         config: AdamWConfig,
         *,
+        codec: MomentCodec | None = None,
         threads: int | None = None,
         fused: bool | None = None,
         chunk_numel: int = CHUNK_NUMEL,
     ) -> None:
-        super().__init__(config)
-        if config.state_format not in ("bf16", "int8"):
-            raise ValueError(f"CompactAdamW stores bf16 or int8 moments, not {config.state_format!r}")
+        super().__init__(config, correction_piece_numel=min(chunk_numel, DEFAULT_PIECE_NUMEL))
+        self.codec = moment_codec(config.state_format) if codec is None else codec
+        if isinstance(self.codec, Fp32Moments):
+            raise ValueError(f"CompactAdamW stores bf16 or int8 moments, not {self.codec.name!r}")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if chunk_numel < QUANT_BLOCK or chunk_numel % QUANT_BLOCK:
             raise ValueError(f"chunk_numel must be a positive multiple of {QUANT_BLOCK}, got {chunk_numel}")
-        if fused and not fused_adamw.FusedAdamW.available():
+        if fused and not FusedAdamW.available():
             raise RuntimeError("the fused compact AdamW needs numba (pip install numba)")
-        self.fused = fused_adamw.FusedAdamW.available() if fused is None else fused
+        self.fused = FusedAdamW.available() if fused is None else fused
         self.threads = threads
         self.chunk_numel = chunk_numel
-        self.format = config.state_format
-        self.arrays: tuple[StateArray, ...] = state_arrays(config.state_format)
+        self.arrays: tuple[StateArray, ...] = self.codec.arrays()
         self.state_names = tuple(a.name for a in self.arrays)
-        self._fp32 = TorchAdamW(config, fused=False, chunk_numel=chunk_numel)
-        self._threads = fused_adamw.FusedAdamW(dataclasses.replace(config, state_format="fp32"), threads=threads)
-        self._correction = AdamWCorrection(config, min(chunk_numel, DEFAULT_PIECE_NUMEL))
+        fp32_config = dataclasses.replace(config, state_format="fp32")
+        self._fp32 = TorchAdamW(fp32_config, fused=False, chunk_numel=chunk_numel)
+        self._threads = FusedAdamW(fp32_config, threads=threads)
         self._moments: dict[torch.device, torch.Tensor] = {}  # one chunk's fp32 m and v, per device
         self._grads: dict[torch.device, torch.Tensor] = {}  # one chunk's fp32 applied gradient (corrections)
         self._flags = np.empty(0, dtype=np.uint8)  # a split master's unpacked tie bits, one byte per element
         self._reserved = 0
+
+    @property
+    def format(self) -> str:
+        """The moments' format by name (the codec's)."""
+        return self.codec.name
+
+    @property
+    def state_format(self) -> str:
+        return self.codec.name
 
     @property
     def state_arrays(self) -> tuple[StateArray, ...]:
@@ -418,12 +439,12 @@ class CompactAdamW(Optimizer):
 
     def device_replica(self) -> CompactAdamW:
         """Device ranges run the torch ops (numba runs on the host only)."""
-        return CompactAdamW(self.config, fused=False, chunk_numel=self.chunk_numel)
+        return CompactAdamW(self.config, codec=self.codec, fused=False, chunk_numel=self.chunk_numel)
 
     def device_scratch_bytes(self, max_range_numel: int, *, corrects: bool = False) -> int:
         """The torch path's peak on a device, one chunk's worth: fp32 m and v, ``TorchAdamW``'s gradient and
-        ``denom``, and the largest of the codec's temporaries (``codec_scratch_bytes``); with ``corrects``
-        also the correction's applied gradient and ``AdamWCorrection``'s two pieces (the codec's
+        ``denom``, and the largest of the codec's temporaries (``MomentCodec.scratch_bytes``); with
+        ``corrects`` also the correction's applied gradient and ``AdamWCorrection``'s two pieces (the codec's
         temporaries again, at a time the step's are gone)."""
         if max_range_numel <= 0:
             return 0
@@ -431,7 +452,7 @@ class CompactAdamW(Optimizer):
         held = 2 * 4 * chunk + self._fp32.device_scratch_bytes(chunk)
         if corrects:
             held += 4 * chunk + self._correction.scratch_bytes(chunk)
-        return held + codec_scratch_bytes(self.format, chunk)
+        return held + self.codec.scratch_bytes(chunk)
 
     def reserve(self, max_range_numel: int, device: torch.device | str = "cpu") -> None:
         """Remember the largest range: the torch path's fp32 moment scratch (and a correction's) is
@@ -470,7 +491,7 @@ class CompactAdamW(Optimizer):
                 state = {a.name: torch.zeros(a.numel(n), dtype=a.dtype) for a in self.arrays}
                 self.step(master, torch.ones(n, dtype=dtype), state, lr=1e-3, step=1, decay=True)
 
-    def _check(self, master: torch.Tensor | SplitMaster, grad: torch.Tensor, state: Mapping[str, torch.Tensor]) -> int:
+    def _check(self, master: MasterRange, grad: torch.Tensor, state: Mapping[str, torch.Tensor]) -> int:
         n = master.numel()
         for a in self.arrays:
             t = state[a.name]
@@ -478,16 +499,18 @@ class CompactAdamW(Optimizer):
                 raise ValueError(
                     f"{a.name} must be {a.numel(n)} x {a.dtype} for a range of {n}, got {t.numel()} x {t.dtype}"
                 )
-        dtype = torch.float32 if isinstance(master, SplitMaster) else master.dtype
-        if dtype != torch.float32 or grad.numel() != n:
-            raise ValueError(f"master must be fp32 and grad of its size ({n}), got {dtype}, {grad.numel()}")
-        if self.format == "int8" and n % QUANT_BLOCK:
-            raise ValueError(f"int8 optimizer state works on whole {QUANT_BLOCK}-element blocks, got a range of {n}")
+        if master.dtype != torch.float32 or grad.numel() != n:
+            raise ValueError(f"master must be fp32 and grad of its size ({n}), got {master.dtype}, {grad.numel()}")
+        if n % self.codec.block:
+            raise ValueError(
+                f"{self.codec.name} optimizer state works on whole {self.codec.block}-element blocks, got a range "
+                f"of {n}"
+            )
         return n
 
     def step(
         self,
-        master: torch.Tensor | SplitMaster,
+        master: torch.Tensor | MasterRange,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -496,6 +519,7 @@ class CompactAdamW(Optimizer):
         decay: bool,
         grad_scale: float = 1.0,
     ) -> None:
+        master = as_master_range(master)
         n = self._check(master, grad, state)
         if n == 0:
             return
@@ -503,19 +527,19 @@ class CompactAdamW(Optimizer):
         if self.fused and master.device.type == "cpu":
             self._fused_step(master, grad, state, key, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
             return
-        index0 = _index0(master)
+        index0 = master.index0
         for lo in self._chunks(n):
             hi = min(n, lo + self.chunk_numel)
             m, v = self._held(self._moments, 2, hi - lo, master.device)
             codes = slice_state(self.arrays, state, lo, hi)
-            decode_moments(self.format, codes, m, v)
+            self.codec.decode(codes, m, v)
             moments = {"exp_avg": m, "exp_avg_sq": v}
             self._fp32.step(master[lo:hi], grad[lo:hi], moments, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
-            encode_moments(self.format, m, v, codes, index0=index0 + lo, key=key)
+            self.codec.encode(m, v, codes, index0=index0 + lo, key=key)
 
     def _fused_step(
         self,
-        master: torch.Tensor | SplitMaster,
+        master: MasterRange,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         key: tuple[int, int],
@@ -528,45 +552,19 @@ class CompactAdamW(Optimizer):
         with _compile_lock:
             kernels = _kernels()
         self._threads._kernels()  # applies ``threads`` (numba's thread count is per calling thread)
-        cfg, f32 = self.config, np.float32
-        weight_decay = cfg.weight_decay if decay else 0.0
-        weight = f32(1 - cfg.beta1)
-        large = not abs(weight) < f32(0.5)
-        args = (
-            f32(1 - lr * weight_decay) if weight_decay != 0 else f32(1.0),
-            f32(weight - f32(1.0) if large else weight),
-            large,
-            f32(cfg.beta2),
-            f32(1 - cfg.beta2),
-            f32((1 - cfg.beta2**step) ** 0.5),
-            f32(cfg.eps),
-            f32(-(lr / (1 - cfg.beta1**step))),
-        )  # exactly FusedAdamW.step's scalars
-        if grad.dtype == torch.bfloat16:
-            g = fused_adamw._np(grad.view(torch.int16), "grad").view(np.uint16)
-        else:
-            g = fused_adamw._np(grad if grad.dtype == torch.float32 else grad.float(), "grad")
-        index = (np.int64(_index0(master)), np.uint32(key[0]), np.uint32(key[1]), f32(grad_scale))
-        if self.format == "bf16":
-            moments = (
-                fused_adamw._np(state["exp_avg"].view(torch.int16), "exp_avg").view(np.uint16),
-                fused_adamw._np(state["exp_avg_sq"].view(torch.int16), "exp_avg_sq").view(np.uint16),
-            )
-        else:
-            moments = tuple(fused_adamw._np(state[a.name], a.name) for a in self.arrays)
-        if isinstance(master, SplitMaster):
-            n = master.numel()
-            if self._flags.shape[0] < n:
-                self._flags = np.empty(max(n, self._reserved), dtype=np.uint8)
-            kernel = kernels.bf16_split if self.format == "bf16" else kernels.int8_split
-            kernel(*fused_adamw._split_np(master, self._flags), g, *moments, *index, *args)
-            return
-        kernel = kernels.bf16 if self.format == "bf16" else kernels.int8
-        kernel(fused_adamw._np(master, "master"), g, *moments, *index, *args)
+        args = _adamw_kernels.step_scalars(self.config, lr, step, decay)  # exactly FusedAdamW.step's scalars
+        g = _adamw_kernels.grad_array(grad if grad.dtype in (torch.bfloat16, torch.float32) else grad.float())
+        index = (np.int64(master.index0), np.uint32(key[0]), np.uint32(key[1]), np.float32(grad_scale))
+        moments = tuple(_moment_array(state[a.name], a.name) for a in self.arrays)
+        n = master.kernel_flags_numel()
+        if self._flags.shape[0] < n:
+            self._flags = np.empty(max(n, self._reserved), dtype=np.uint8)
+        operands = master.kernel_operands(self._flags)
+        kernels.step[(self.codec.name, master.format)](*operands, g, *moments, *index, *args)
 
     def correct(
         self,
-        master: torch.Tensor | SplitMaster,
+        master: torch.Tensor | MasterRange,
         grad: torch.Tensor,
         state: Mapping[str, torch.Tensor],
         *,
@@ -576,7 +574,7 @@ class CompactAdamW(Optimizer):
         step: int,
         decay: bool,
     ) -> None:
-        """Decode, correct in fp32 (``AdamWCorrection``), encode with the correction's own hash stream.
+        """Decode, correct in fp32 (``AdamWOptimizer.correct``), encode with the correction's own hash stream.
 
         At step 1 the moments before the update were zero, so the ones it divided by are rebuilt exactly
         from the gradient it applied (the same torch ops as ``TorchAdamW``'s, which the kernels match)
@@ -584,8 +582,9 @@ class CompactAdamW(Optimizer):
         as with fp32 state. Later steps start from the stored moments (exact to the format's rounding)."""
         if correction.kind == "keep":
             return
+        master = as_master_range(master)
         n = self._check(master, grad, state)
-        index0 = _index0(master)
+        index0 = master.index0
         key = stream_key(self.config.state_seed, step, CORRECTION_SALT)
         for lo in self._chunks(n):
             hi = min(n, lo + self.chunk_numel)
@@ -597,9 +596,17 @@ class CompactAdamW(Optimizer):
                 m.zero_().lerp_(g, 1.0 - self.config.beta1)
                 v.zero_().mul_(self.config.beta2).addcmul_(g, g, value=1.0 - self.config.beta2)
             else:
-                decode_moments(self.format, codes, m, v)
+                self.codec.decode(codes, m, v)
             moments = {"exp_avg": m, "exp_avg_sq": v}
-            self._correction.apply(
-                correction, master[lo:hi], grad[lo:hi], applied, moments, lr=lr, step=step, decay=decay
-            )
-            encode_moments(self.format, m, v, codes, index0=index0 + lo, key=key)
+            super().correct(
+                master[lo:hi], grad[lo:hi], moments, applied=applied, correction=correction, lr=lr, step=step,
+                decay=decay,
+            )  # fmt: skip
+            self.codec.encode(m, v, codes, index0=index0 + lo, key=key)
+
+
+def _moment_array(t: torch.Tensor, name: str) -> np.ndarray:
+    """A stored moment array as the kernels take it (bf16 as its raw 16-bit words)."""
+    if t.dtype == torch.bfloat16:
+        return kernel_array(t.view(torch.int16), name).view(np.uint16)
+    return kernel_array(t, name)

@@ -35,25 +35,28 @@ from the block's new fp32 values before any is encoded. Each element stores ``x 
 A float code is used instead of linear int8 because both moments span orders of magnitude within a block:
 linear codes would round most of a block's small elements to zero.
 
-Each encoder here has twins: a plain-Python hash (:func:`mix32`, :func:`element_bits`), a torch version
+Each format is a :class:`MomentCodec` (:func:`moment_codec` by name): the optimizer resolves its codec
+once and asks it for the arrays, the widening and the rounding, so no code compares format names. Each
+encoder here has twins: a plain-Python hash (:func:`mix32`, :func:`element_bits`), a torch version
 (any device; the reference, and the path without numba) and scalar numba intrinsics the fused kernels
-inline (:func:`numba_twins`, used by slide_core/optim/compact_adamw.py). All are written from the same
+inline (slide_core/optim/_moment_intrinsics.py, used by slide_core/optim/compact_adamw.py). All are written from the same
 integer recipe, so given the same fp32 moments they give the same codes (tested bit for bit).
 """
 
 from __future__ import annotations
 
-import functools
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
 import torch
 
 __all__ = [
     "QUANT_BLOCK",
     "STATE_FORMATS",
+    "MomentCodec",
     "StateArray",
     "StateFormat",
     "StateFormatMismatch",
@@ -65,6 +68,7 @@ __all__ = [
     "element_bits",
     "encode_moments",
     "mix32",
+    "moment_codec",
     "refuse_other_state_format",
     "slice_state",
     "state_arrays",
@@ -116,19 +120,7 @@ class StateArray:
 
 def state_arrays(state_format: str, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
     """The arrays AdamW's moments ``names`` are stored in under ``state_format``."""
-    m, v = names
-    if state_format == "fp32":
-        return (StateArray(m), StateArray(v))
-    if state_format == "bf16":
-        return (StateArray(m, torch.bfloat16), StateArray(v, torch.bfloat16))
-    if state_format == "int8":
-        return (
-            StateArray(m, torch.int8),
-            StateArray(v, torch.uint8),
-            StateArray(f"{m}_scale", torch.float32, QUANT_BLOCK),
-            StateArray(f"{v}_scale", torch.float32, QUANT_BLOCK),
-        )
-    raise ValueError(f"optimizer state format must be one of {', '.join(STATE_FORMATS)}, got {state_format!r}")
+    return moment_codec(state_format).arrays(names)
 
 
 def checkpoint_arrays(state: Sequence[StateArray]) -> tuple[StateArray, ...]:
@@ -146,7 +138,7 @@ def checkpoint_bytes(arrays: Sequence[StateArray], unit_numels: Sequence[int]) -
 
 def state_bytes_per_param(state_format: str) -> float:
     """Host bytes per parameter of the two moments (int8: codes plus the block scales)."""
-    return sum(a.dtype.itemsize / a.per_entry for a in state_arrays(state_format))
+    return moment_codec(state_format).bytes_per_param()
 
 
 def slice_state(
@@ -259,16 +251,7 @@ def decode_moments(
     state_format: str, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor
 ) -> None:
     """Widen one range's stored moments into fp32 ``out_m`` / ``out_v`` (exact for fp32 and bf16)."""
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    if state_format in ("fp32", "bf16"):
-        out_m.copy_(m)
-        out_v.copy_(v)
-        return
-    _check_blocks(m.numel())
-    signed = m.to(torch.int64)
-    magnitude = _decode_int8_t(signed.abs(), state["exp_avg_scale"], 3)
-    out_m.copy_(torch.where(signed < 0, -magnitude, magnitude))
-    out_v.copy_(_decode_int8_t(v.to(torch.int64), state["exp_avg_sq_scale"], 4))
+    moment_codec(state_format).decode(state, out_m, out_v)
 
 
 def encode_moments(
@@ -282,194 +265,179 @@ def encode_moments(
 ) -> None:
     """Store fp32 moments ``m`` / ``v`` of one range into ``state`` (its format's arrays), rounding
     stochastically with the hash stream ``key`` from slab position ``index0`` on."""
-    if state_format == "fp32":
-        state["exp_avg"].copy_(m)
-        state["exp_avg_sq"].copy_(v)
-        return
-    bits = _bits_t(index0, m.numel(), key, m.device)
-    rand_m, rand_v = bits & 0xFFFF, bits >> 16
-    if state_format == "bf16":
-        state["exp_avg"].copy_(_sr_bf16_t(m, rand_m))
-        state["exp_avg_sq"].copy_(_sr_bf16_t(v, rand_v))
-        return
-    _check_blocks(m.numel())
-    m_scale, v_scale = _block_scale_t(m), _block_scale_t(v)
-    magnitude = _encode_int8_t(m, m_scale, rand_m, 3, keep_positive=False)
-    state["exp_avg"].copy_(torch.where(m < 0, -magnitude, magnitude))
-    state["exp_avg_sq"].copy_(_encode_int8_t(v, v_scale, rand_v, 4, keep_positive=True))
-    state["exp_avg_scale"].copy_(m_scale)
-    state["exp_avg_sq_scale"].copy_(v_scale)
-
-
-_CODEC_BYTES_PER_ELEMENT = {"fp32": 0, "bf16": 76, "int8": 85}
-_CODEC_BYTES_PER_BLOCK = {"fp32": 0, "bf16": 0, "int8": 12}
+    moment_codec(state_format).encode(m, v, state, index0=index0, key=key)
 
 
 def codec_scratch_bytes(state_format: str, numel: int) -> int:
     """Peak bytes of the temporaries the torch twins allocate to encode (or decode: less) one range of
-    ``numel``: the hash's int64 lanes, the rounding's bit patterns, int8's per-block scales. The twins
-    are written as plain tensor expressions, so this grows with the range: callers bound it by passing
-    chunks (``CompactAdamW``'s torch path). Counted op by op with ``slide_core.alloc_counter`` (tests/core/
-    test_compact_state.py holds these numbers to the count): bf16 76 B per element (encode; decode is a
-    copy), int8 85 B per element and 12 per block (encode; decode 46 B per element)."""
-    if state_format not in _CODEC_BYTES_PER_ELEMENT:
-        raise ValueError(f"optimizer state format must be one of {', '.join(STATE_FORMATS)}, got {state_format!r}")
-    blocks = -(-numel // QUANT_BLOCK)
-    return _CODEC_BYTES_PER_ELEMENT[state_format] * numel + _CODEC_BYTES_PER_BLOCK[state_format] * blocks
+    ``numel`` (:meth:`MomentCodec.scratch_bytes`)."""
+    return moment_codec(state_format).scratch_bytes(numel)
+
+
+# -- the codecs ------------------------------------------------------------------------------------------
+class MomentCodec(ABC):
+    """How AdamW's two moments are stored: the arrays, and the torch ops that widen them to fp32 and
+    round fp32 back into them. Stateless: one instance per format serves every optimizer and thread."""
+
+    name: ClassVar[StateFormat]
+    block: ClassVar[int] = 1
+    """Parameters whose moments are encoded together (int8: a block shares a scale): every range an
+    optimizer is handed must start on a multiple of it."""
+
+    @abstractmethod
+    def arrays(self, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
+        """The arrays the moments ``names`` are stored in."""
+
+    def bytes_per_param(self) -> float:
+        """Host bytes per parameter of the two moments (int8: codes plus the block scales)."""
+        return sum(a.dtype.itemsize / a.per_entry for a in self.arrays())
+
+    @abstractmethod
+    def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
+        """Widen one range's stored moments into fp32 ``out_m`` / ``out_v``."""
+
+    @abstractmethod
+    def encode(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        index0: int,
+        key: tuple[int, int],
+    ) -> None:
+        """Store fp32 moments ``m`` / ``v`` of one range into ``state``, rounding stochastically with the
+        hash stream ``key`` from slab position ``index0`` on."""
+
+    @abstractmethod
+    def scratch_bytes(self, numel: int) -> int:
+        """Peak bytes of the temporaries the torch twins allocate to encode (or decode: less) one range of
+        ``numel``: the hash's int64 lanes, the rounding's bit patterns, int8's per-block scales. The twins
+        are written as plain tensor expressions, so this grows with the range: callers bound it by passing
+        chunks (``CompactAdamW``'s torch path). Counted op by op with ``slide_core.alloc_counter``
+        (tests/core/test_compact_state.py holds these numbers to the count)."""
+
+
+class Fp32Moments(MomentCodec):
+    """fp32 moments, stored as they are (exact)."""
+
+    name = "fp32"
+
+    def arrays(self, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
+        m, v = names
+        return (StateArray(m), StateArray(v))
+
+    def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
+        out_m.copy_(state["exp_avg"])
+        out_v.copy_(state["exp_avg_sq"])
+
+    def encode(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        index0: int,
+        key: tuple[int, int],
+    ) -> None:
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)
+
+    def scratch_bytes(self, numel: int) -> int:
+        return 0
+
+
+class Bf16Moments(MomentCodec):
+    """bf16 moments, rounded stochastically (decoding is exact)."""
+
+    name = "bf16"
+
+    def arrays(self, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
+        m, v = names
+        return (StateArray(m, torch.bfloat16), StateArray(v, torch.bfloat16))
+
+    def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
+        out_m.copy_(state["exp_avg"])
+        out_v.copy_(state["exp_avg_sq"])
+
+    def encode(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        index0: int,
+        key: tuple[int, int],
+    ) -> None:
+        bits = _bits_t(index0, m.numel(), key, m.device)
+        rand_m, rand_v = bits & 0xFFFF, bits >> 16
+        state["exp_avg"].copy_(_sr_bf16_t(m, rand_m))
+        state["exp_avg_sq"].copy_(_sr_bf16_t(v, rand_v))
+
+    def scratch_bytes(self, numel: int) -> int:
+        return 76 * numel  # encode; decode is a copy
+
+
+class Int8Moments(MomentCodec):
+    """8-bit float codes against one fp32 scale per :data:`QUANT_BLOCK` elements (see the module)."""
+
+    name = "int8"
+    block = QUANT_BLOCK
+
+    def arrays(self, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
+        m, v = names
+        return (
+            StateArray(m, torch.int8),
+            StateArray(v, torch.uint8),
+            StateArray(f"{m}_scale", torch.float32, QUANT_BLOCK),
+            StateArray(f"{v}_scale", torch.float32, QUANT_BLOCK),
+        )
+
+    def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        _check_blocks(m.numel())
+        signed = m.to(torch.int64)
+        magnitude = _decode_int8_t(signed.abs(), state["exp_avg_scale"], 3)
+        out_m.copy_(torch.where(signed < 0, -magnitude, magnitude))
+        out_v.copy_(_decode_int8_t(v.to(torch.int64), state["exp_avg_sq_scale"], 4))
+
+    def encode(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        index0: int,
+        key: tuple[int, int],
+    ) -> None:
+        bits = _bits_t(index0, m.numel(), key, m.device)
+        rand_m, rand_v = bits & 0xFFFF, bits >> 16
+        _check_blocks(m.numel())
+        m_scale, v_scale = _block_scale_t(m), _block_scale_t(v)
+        magnitude = _encode_int8_t(m, m_scale, rand_m, 3, keep_positive=False)
+        state["exp_avg"].copy_(torch.where(m < 0, -magnitude, magnitude))
+        state["exp_avg_sq"].copy_(_encode_int8_t(v, v_scale, rand_v, 4, keep_positive=True))
+        state["exp_avg_scale"].copy_(m_scale)
+        state["exp_avg_sq_scale"].copy_(v_scale)
+
+    def scratch_bytes(self, numel: int) -> int:
+        return 85 * numel + 12 * -(-numel // QUANT_BLOCK)  # encode; decode 46 B per element
+
+
+_CODECS: tuple[MomentCodec, ...] = (Fp32Moments(), Bf16Moments(), Int8Moments())
+
+
+def moment_codec(state_format: str) -> MomentCodec:
+    """The codec of the format named ``state_format`` (``fp32``, ``bf16`` or ``int8``)."""
+    for codec in _CODECS:
+        if codec.name == state_format:
+            return codec
+    raise ValueError(f"optimizer state format must be one of {', '.join(STATE_FORMATS)}, got {state_format!r}")
 
 
 def _check_blocks(numel: int) -> None:
     if numel % QUANT_BLOCK:
         raise ValueError(f"int8 optimizer state works on whole {QUANT_BLOCK}-element blocks, got a range of {numel}")
-
-
-# -- numba twins: scalar intrinsics the fused kernels inline (compact_adamw.py) ------------------------------
-# Written as LLVM IR, not as numba Python: numba widens every integer operation to 64 bits, and the hash's
-# 32-bit multiplies then run as 64-bit vector multiplies in half as many lanes (measured ~1.7x slower per
-# element than the 32-bit lanes below). Each intrinsic is the torch twin above, operation for operation.
-
-
-@dataclass(frozen=True)
-class NumbaTwins:
-    """The intrinsics (numba ``@intrinsic`` objects, callable from jitted code only).
-
-    - ``hash32(lo0, j, hi0, k0, k1) -> uint32``: :func:`element_bits` of index ``lo0 + j + 2^32 hi0``
-      (``lo0``/``hi0`` uint32 halves of a block's first index, ``j`` intp < 2^31).
-    - ``high16(h) -> uint32``: ``h >> 16`` (exp_avg_sq's random bits).
-    - ``sr_bf16(x, rand) -> uint16``: ``_sr_bf16_t`` of fp32 ``x`` with the low 16 bits of ``rand``.
-    - ``abs_bits(x) -> uint32``: the bits of ``|x|``; for non-negative floats their order is the values'
-      order, so a block maximum is an integer max (which vectorises; a float max reduction does not
-      without fast-math).
-    - ``encode_m8(x, inv, rand) -> int8`` / ``encode_v8(x, inv, rand) -> uint8``: ``_encode_int8_t`` of
-      ``x`` given ``inv`` = 1 / its block's scale (0 for an all-zero block).
-    - ``decode_m8(code, scale)`` / ``decode_v8(code, scale) -> float32``: ``_decode_int8_t``.
-    """
-
-    hash32: Any
-    high16: Any
-    sr_bf16: Any
-    abs_bits: Any
-    encode_m8: Any
-    encode_v8: Any
-    decode_m8: Any
-    decode_v8: Any
-
-
-@functools.cache
-def numba_twins() -> NumbaTwins:
-    """Build the intrinsics (imports numba and llvmlite)."""
-    from llvmlite import ir
-    from numba.core import types
-    from numba.extending import intrinsic
-
-    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-
-    def c(value: int) -> ir.Constant:
-        return ir.Constant(i32, value)
-
-    def cf(value: float) -> ir.Constant:
-        return ir.Constant(f32, value)
-
-    def mix(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-        x = b.xor(x, b.lshr(x, c(16)))
-        x = b.mul(x, c(_M1))
-        x = b.xor(x, b.lshr(x, c(15)))
-        x = b.mul(x, c(_M2))
-        return b.xor(x, b.lshr(x, c(16)))
-
-    @intrinsic
-    def hash32(typingctx, lo0, j, hi0, k0, k1):
-        def codegen(context, b, signature, args):
-            lo0, j, hi0, k0, k1 = args
-            lo = b.add(lo0, b.trunc(j, i32))
-            hi = b.add(hi0, b.zext(b.icmp_unsigned("<", lo, lo0), i32))  # the carry into the high half
-            return mix(b, b.xor(b.xor(mix(b, b.xor(lo, k0)), hi), k1))
-
-        return types.uint32(types.uint32, types.intp, types.uint32, types.uint32, types.uint32), codegen
-
-    @intrinsic
-    def high16(typingctx, h):
-        return types.uint32(types.uint32), lambda context, b, signature, args: b.lshr(args[0], c(16))
-
-    @intrinsic
-    def sr_bf16(typingctx, x, rand):
-        def codegen(context, b, signature, args):
-            u = b.bitcast(args[0], i32)
-            trunc = b.lshr(u, c(16))
-            up = b.lshr(b.add(u, b.and_(args[1], c(0xFFFF))), c(16))
-            special = b.icmp_unsigned("==", b.and_(u, c(0x7F800000)), c(0x7F800000))
-            overflow = b.icmp_unsigned("==", b.and_(up, c(0x7F80)), c(0x7F80))
-            nan = b.icmp_unsigned(">", b.and_(u, c(0x7FFFFFFF)), c(0x7F800000))
-            out = b.select(b.or_(special, overflow), trunc, up)
-            return b.trunc(b.select(nan, b.or_(trunc, c(0x40)), out), i16)
-
-        return types.uint16(types.float32, types.uint32), codegen
-
-    @intrinsic
-    def abs_bits(typingctx, x):
-        def codegen(context, b, signature, args):
-            return b.and_(b.bitcast(args[0], i32), c(0x7FFFFFFF))
-
-        return types.uint32(types.float32), codegen
-
-    def encode(mantissa_bits: int, signed: bool):
-        shift = 23 - mantissa_bits
-
-        def codegen(context, b, signature, args):
-            x, inv, rand = args
-            magnitude = b.bitcast(b.and_(b.bitcast(x, i32), c(0x7FFFFFFF)), f32)
-            r = b.fmul(magnitude, inv)
-            r = b.select(b.fcmp_ordered(">", r, cf(1.0)), cf(1.0), r)
-            u = b.bitcast(r, i32)
-            rand16 = b.and_(rand, c(0xFFFF))
-            normal = b.sub(b.lshr(b.add(u, b.shl(rand16, c(shift - 16))), c(shift)), c(112 << mantissa_bits))
-            small = b.select(b.fcmp_ordered("<", r, cf(2.0**-14)), r, cf(2.0**-14))  # only used below 2^-14
-            fixed = b.fptoui(b.fmul(small, cf(2.0 ** (14 + mantissa_bits + 16))), i32)
-            low = b.lshr(b.add(fixed, rand16), c(16))
-            if not signed:  # exp_avg_sq: a positive value never rounds to zero
-                positive = b.fcmp_ordered(">", x, cf(0.0))
-                low = b.select(b.and_(positive, b.icmp_unsigned("==", low, c(0))), c(1), low)
-            code = b.select(b.icmp_unsigned(">=", u, c(113 << 23)), normal, low)
-            if signed:
-                code = b.select(b.fcmp_ordered("<", x, cf(0.0)), b.neg(code), code)
-            return b.trunc(code, i8)
-
-        return codegen
-
-    @intrinsic
-    def encode_m8(typingctx, x, inv, rand):
-        return types.int8(types.float32, types.float32, types.uint32), encode(3, signed=True)
-
-    @intrinsic
-    def encode_v8(typingctx, x, inv, rand):
-        return types.uint8(types.float32, types.float32, types.uint32), encode(4, signed=False)
-
-    def decode(mantissa_bits: int, signed: bool):
-        def codegen(context, b, signature, args):
-            code, scale = args
-            if signed:
-                wide = b.sext(code, i32)
-                negative = b.icmp_signed("<", wide, c(0))
-                magnitude = b.select(negative, b.neg(wide), wide)
-            else:
-                magnitude = b.zext(code, i32)
-            bits = b.shl(b.add(magnitude, c(112 << mantissa_bits)), c(23 - mantissa_bits))
-            small = b.fmul(b.uitofp(magnitude, f32), cf(2.0 ** -(14 + mantissa_bits)))
-            r = b.select(b.icmp_unsigned(">=", magnitude, c(1 << mantissa_bits)), b.bitcast(bits, f32), small)
-            value = b.fmul(r, scale)
-            return b.select(negative, b.fneg(value), value) if signed else value
-
-        return codegen
-
-    @intrinsic
-    def decode_m8(typingctx, code, scale):
-        return types.float32(types.int8, types.float32), decode(3, signed=True)
-
-    @intrinsic
-    def decode_v8(typingctx, code, scale):
-        return types.float32(types.uint8, types.float32), decode(4, signed=False)
-
-    return NumbaTwins(hash32, high16, sr_bf16, abs_bits, encode_m8, encode_v8, decode_m8, decode_v8)
 
 
 def checkpoint_state_format(path: Path) -> str | None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from slide_core.engine.config import EngineConfig
-from slide_core.optimizer import AdamWConfig, Optimizer
+from slide_core.optim.adamw_config import AdamWConfig
+from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel
 from slide_hf.defaults import DEFAULT_SEQ_LEN
 from slide_hf.errors import UserError

@@ -1,0 +1,163 @@
+"""The numba twins of state_formats.py's moment codecs: scalar intrinsics the compact AdamW kernels
+inline (slide_core/optim/compact_adamw.py), each the torch twin operation for operation, so given the same
+fp32 moments they give the same codes (tested bit for bit). Importing this module imports no numba;
+:func:`numba_twins` does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from slide_core.optim.state_formats import _M1, _M2
+
+__all__ = ["NumbaTwins", "numba_twins"]
+
+
+# Written as LLVM IR, not as numba Python: numba widens every integer operation to 64 bits, and the hash's
+# 32-bit multiplies then run as 64-bit vector multiplies in half as many lanes (measured ~1.7x slower per
+# element than the 32-bit lanes below). Each intrinsic is its torch twin in state_formats.py, op for op.
+
+
+@dataclass(frozen=True)
+class NumbaTwins:
+    """The intrinsics (numba ``@intrinsic`` objects, callable from jitted code only).
+
+    - ``hash32(lo0, j, hi0, k0, k1) -> uint32``: :func:`element_bits` of index ``lo0 + j + 2^32 hi0``
+      (``lo0``/``hi0`` uint32 halves of a block's first index, ``j`` intp < 2^31).
+    - ``high16(h) -> uint32``: ``h >> 16`` (exp_avg_sq's random bits).
+    - ``sr_bf16(x, rand) -> uint16``: ``_sr_bf16_t`` of fp32 ``x`` with the low 16 bits of ``rand``.
+    - ``abs_bits(x) -> uint32``: the bits of ``|x|``; for non-negative floats their order is the values'
+      order, so a block maximum is an integer max (which vectorises; a float max reduction does not
+      without fast-math).
+    - ``encode_m8(x, inv, rand) -> int8`` / ``encode_v8(x, inv, rand) -> uint8``: ``_encode_int8_t`` of
+      ``x`` given ``inv`` = 1 / its block's scale (0 for an all-zero block).
+    - ``decode_m8(code, scale)`` / ``decode_v8(code, scale) -> float32``: ``_decode_int8_t``.
+    """
+
+    hash32: Any
+    high16: Any
+    sr_bf16: Any
+    abs_bits: Any
+    encode_m8: Any
+    encode_v8: Any
+    decode_m8: Any
+    decode_v8: Any
+
+
+@functools.cache
+def numba_twins() -> NumbaTwins:
+    """Build the intrinsics (imports numba and llvmlite)."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+    def c(value: int) -> ir.Constant:
+        return ir.Constant(i32, value)
+
+    def cf(value: float) -> ir.Constant:
+        return ir.Constant(f32, value)
+
+    def mix(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+        x = b.xor(x, b.lshr(x, c(16)))
+        x = b.mul(x, c(_M1))
+        x = b.xor(x, b.lshr(x, c(15)))
+        x = b.mul(x, c(_M2))
+        return b.xor(x, b.lshr(x, c(16)))
+
+    @intrinsic
+    def hash32(typingctx, lo0, j, hi0, k0, k1):
+        def codegen(context, b, signature, args):
+            lo0, j, hi0, k0, k1 = args
+            lo = b.add(lo0, b.trunc(j, i32))
+            hi = b.add(hi0, b.zext(b.icmp_unsigned("<", lo, lo0), i32))  # the carry into the high half
+            return mix(b, b.xor(b.xor(mix(b, b.xor(lo, k0)), hi), k1))
+
+        return types.uint32(types.uint32, types.intp, types.uint32, types.uint32, types.uint32), codegen
+
+    @intrinsic
+    def high16(typingctx, h):
+        return types.uint32(types.uint32), lambda context, b, signature, args: b.lshr(args[0], c(16))
+
+    @intrinsic
+    def sr_bf16(typingctx, x, rand):
+        def codegen(context, b, signature, args):
+            u = b.bitcast(args[0], i32)
+            trunc = b.lshr(u, c(16))
+            up = b.lshr(b.add(u, b.and_(args[1], c(0xFFFF))), c(16))
+            special = b.icmp_unsigned("==", b.and_(u, c(0x7F800000)), c(0x7F800000))
+            overflow = b.icmp_unsigned("==", b.and_(up, c(0x7F80)), c(0x7F80))
+            nan = b.icmp_unsigned(">", b.and_(u, c(0x7FFFFFFF)), c(0x7F800000))
+            out = b.select(b.or_(special, overflow), trunc, up)
+            return b.trunc(b.select(nan, b.or_(trunc, c(0x40)), out), i16)
+
+        return types.uint16(types.float32, types.uint32), codegen
+
+    @intrinsic
+    def abs_bits(typingctx, x):
+        def codegen(context, b, signature, args):
+            return b.and_(b.bitcast(args[0], i32), c(0x7FFFFFFF))
+
+        return types.uint32(types.float32), codegen
+
+    def encode(mantissa_bits: int, signed: bool):
+        shift = 23 - mantissa_bits
+
+        def codegen(context, b, signature, args):
+            x, inv, rand = args
+            magnitude = b.bitcast(b.and_(b.bitcast(x, i32), c(0x7FFFFFFF)), f32)
+            r = b.fmul(magnitude, inv)
+            r = b.select(b.fcmp_ordered(">", r, cf(1.0)), cf(1.0), r)
+            u = b.bitcast(r, i32)
+            rand16 = b.and_(rand, c(0xFFFF))
+            normal = b.sub(b.lshr(b.add(u, b.shl(rand16, c(shift - 16))), c(shift)), c(112 << mantissa_bits))
+            small = b.select(b.fcmp_ordered("<", r, cf(2.0**-14)), r, cf(2.0**-14))  # only used below 2^-14
+            fixed = b.fptoui(b.fmul(small, cf(2.0 ** (14 + mantissa_bits + 16))), i32)
+            low = b.lshr(b.add(fixed, rand16), c(16))
+            if not signed:  # exp_avg_sq: a positive value never rounds to zero
+                positive = b.fcmp_ordered(">", x, cf(0.0))
+                low = b.select(b.and_(positive, b.icmp_unsigned("==", low, c(0))), c(1), low)
+            code = b.select(b.icmp_unsigned(">=", u, c(113 << 23)), normal, low)
+            if signed:
+                code = b.select(b.fcmp_ordered("<", x, cf(0.0)), b.neg(code), code)
+            return b.trunc(code, i8)
+
+        return codegen
+
+    @intrinsic
+    def encode_m8(typingctx, x, inv, rand):
+        return types.int8(types.float32, types.float32, types.uint32), encode(3, signed=True)
+
+    @intrinsic
+    def encode_v8(typingctx, x, inv, rand):
+        return types.uint8(types.float32, types.float32, types.uint32), encode(4, signed=False)
+
+    def decode(mantissa_bits: int, signed: bool):
+        def codegen(context, b, signature, args):
+            code, scale = args
+            if signed:
+                wide = b.sext(code, i32)
+                negative = b.icmp_signed("<", wide, c(0))
+                magnitude = b.select(negative, b.neg(wide), wide)
+            else:
+                magnitude = b.zext(code, i32)
+            bits = b.shl(b.add(magnitude, c(112 << mantissa_bits)), c(23 - mantissa_bits))
+            small = b.fmul(b.uitofp(magnitude, f32), cf(2.0 ** -(14 + mantissa_bits)))
+            r = b.select(b.icmp_unsigned(">=", magnitude, c(1 << mantissa_bits)), b.bitcast(bits, f32), small)
+            value = b.fmul(r, scale)
+            return b.select(negative, b.fneg(value), value) if signed else value
+
+        return codegen
+
+    @intrinsic
+    def decode_m8(typingctx, code, scale):
+        return types.float32(types.int8, types.float32), decode(3, signed=True)
+
+    @intrinsic
+    def decode_v8(typingctx, code, scale):
+        return types.float32(types.uint8, types.float32), decode(4, signed=False)
+
+    return NumbaTwins(hash32, high16, sr_bf16, abs_bits, encode_m8, encode_v8, decode_m8, decode_v8)
