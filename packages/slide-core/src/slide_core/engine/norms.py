@@ -38,6 +38,16 @@ class UnitNorms:
         self.coeffs = device.empty(len(units), torch.float32)
         self.coeffs.fill_(1.0)
 
+    @staticmethod
+    def device_bytes_for(num_units: int) -> int:
+        """Device bytes: one fp32 squared norm and one fp32 coefficient per unit."""
+        return 2 * num_units * torch.float32.itemsize
+
+    @staticmethod
+    def host_bytes_for(num_units: int) -> int:
+        """Pinned host bytes: the host copy of every unit's fp32 squared norm."""
+        return num_units * torch.float32.itemsize
+
     def add(self, unit: Unit, grad: torch.Tensor, *, first: bool) -> torch.Tensor:
         """Compute stream: fold ``|grad|^2`` into the unit's device slot; return that 0-dim slot."""
         squared = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
