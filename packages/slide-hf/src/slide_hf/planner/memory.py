@@ -211,16 +211,21 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     return EngineBuffers(host, device)
 
 
-def _nvme_units(shape: ModelShape, inputs: PlanInputs) -> list[int]:
-    """Numels of the units whose m and v live on NVMe: the engine's rule (``slide_hf.offload``), blocks
-    first, and never a device-resident unit (its state is on the GPU)."""
+def _nvme_names(shape: ModelShape, inputs: PlanInputs) -> list[str]:
+    """The units whose m and v live on NVMe: the engine's rule (``slide_hf.offload``), blocks first, and
+    never a device-resident unit (its state is on the GPU)."""
     if inputs.offload_optimizer != "nvme":
         return []
-    ordered = [(f"block.{i}", n) for i, n in enumerate(shape.block_numels)]
-    ordered += [("embedding", shape.embedding_numel), ("head", shape.head_numel)]
+    ordered = [f"block.{i}" for i in range(shape.num_blocks)] + ["embedding", "head"]
     count = math.floor(inputs.nvme_fraction * len(ordered) + 0.5)
     resident = set(inputs.resident_units)
-    return [numel for name, numel in ordered[:count] if name not in resident]
+    return [name for name in ordered[:count] if name not in resident]
+
+
+def _nvme_units(shape: ModelShape, inputs: PlanInputs) -> list[int]:
+    """Numels of the units whose m and v live on NVMe (:func:`_nvme_names`)."""
+    numels = _named_numels(shape)
+    return [numels[name] for name in _nvme_names(shape, inputs)]
 
 
 def _accumulated_numels(shape: ModelShape, inputs: PlanInputs) -> list[int]:
@@ -333,25 +338,21 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
 
 
 def _h2d_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    """The upload's cast buffer (slide_core/engine/master_upload.py reports its size), when any unit streams."""
-    if _resident_numel(shape, inputs) >= shape.total_numel:
-        return 0
+    """The uploads' cast buffers (slide_core/engine/master_upload.py reports the size of one). Each host
+    pipeline that streams units keeps its own (slide_core/engine/unit_pipelines.py): the one of the units
+    whose state is in RAM, and the one of those whose state is on the tier (``OffloadedPipeline``)."""
+    resident, on_tier = set(inputs.resident_units), set(_nvme_names(shape, inputs))
+    streamed = [name for name in _named_numels(shape) if name not in resident]
+    uploads = int(any(name not in on_tier for name in streamed)) + int(bool(on_tier))
     source = 2 if inputs.master_format == "split" else 4  # the split master's bf16 plane, or the fp32 master
-    return MasterUpload.staging_bytes(inputs.transfer_chunk_numel, source, inputs.compute_dtype_bytes)
-
-
-def _resident_numel(shape: ModelShape, inputs: PlanInputs) -> int:
-    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
-    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
-    return sum(numel.get(name, 0) for name in inputs.resident_units)
+    return uploads * MasterUpload.staging_bytes(inputs.transfer_chunk_numel, source, inputs.compute_dtype_bytes)
 
 
 def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     """Device-resident units, priced by the engine's own rule (slide_core/engine/resident.py) with the
     state arrays the run's optimizer stores (bf16 or int8 moments take less than fp32 ones)."""
     accumulates = inputs.grad_accum > 1  # clipping sums a tied embedding in its slot too (resident.py)
-    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
-    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    numel = _named_numels(shape)
     arrays = inputs.device_optimizer().state_arrays
     return sum(
         resident_numel_bytes(numel[name], inputs.compute_dtype_bytes, accumulates=accumulates, state_arrays=arrays)
@@ -361,8 +362,7 @@ def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def _resident_max_numel(shape: ModelShape, inputs: PlanInputs) -> int:
-    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
-    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    numel = _named_numels(shape)
     return max((numel.get(name, 0) for name in inputs.resident_units), default=0)
 
 
@@ -373,7 +373,9 @@ def resident_scratch_bytes(inputs: PlanInputs, max_unit_numel: int) -> int:
     from the first update on, so it is priced as persistent."""
     if max_unit_numel <= 0:
         return 0
-    optimizer = inputs.device_optimizer().device_scratch_bytes(max_unit_numel, corrects=inputs.clipping)
+    chunk, clipping = inputs.transfer_chunk_numel, inputs.clipping
+    longest = ResidentPipeline.optimizer_range_numel(max_unit_numel, chunk, clipping=clipping)
+    optimizer = inputs.device_optimizer().device_scratch_bytes(longest, corrects=clipping)
     pipeline = ResidentPipeline.scratch_bytes(max_unit_numel, inputs.transfer_chunk_numel, clipping=inputs.clipping)
     return optimizer + pipeline
 
