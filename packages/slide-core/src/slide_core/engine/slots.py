@@ -80,7 +80,7 @@ class SlotWindow:
             )
             self.pools.dedicated[unit.name] = slot
         self._schedule: list[Visit] = []
-        self._uses: dict[int, list[int]] = {}
+        self._uses: dict[int, list[int]] = {}  # id(unit) -> its positions in the schedule, ascending
         self._position = 0
 
     @staticmethod
@@ -107,7 +107,7 @@ class SlotWindow:
         """New parameters arrive every step: forget residency, keep the events that guard memory."""
         self._schedule = schedule
         self._position = 0
-        self._uses: dict[int, list[int]] = {}  # id(unit) -> its positions in the schedule, ascending
+        self._uses = {}  # id(unit) -> its positions in the schedule, ascending
         for position, visit in enumerate(schedule):
             self._uses.setdefault(id(visit.unit), []).append(position)
         for slot in self.all_slots():
