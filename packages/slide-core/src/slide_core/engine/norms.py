@@ -14,6 +14,7 @@ from slide_core.device import Device
 from slide_core.unit import Unit
 
 from .clipping import CLIP_EPS
+from .config import EngineConfig
 
 __all__ = ["UnitNorms"]
 
@@ -37,6 +38,12 @@ class UnitNorms:
         self.on_host.zero_()
         self.coeffs = device.empty(len(units), torch.float32)
         self.coeffs.fill_(1.0)
+
+    @staticmethod
+    def wanted(config: EngineConfig) -> bool:
+        """Whether an engine of ``config`` keeps per-unit norms: for clipping, for the non-finite check
+        and for the reported norm (the planner prices them only then)."""
+        return config.clipping or config.skip_nonfinite or config.report_grad_norm
 
     @staticmethod
     def device_bytes_for(num_units: int) -> int:

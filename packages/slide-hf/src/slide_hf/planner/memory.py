@@ -174,7 +174,7 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     boundary = inputs.batch_size * inputs.seq_len * shape.activation_width  # one block's input, in elements
     stash_copies = shape.num_blocks if inputs.offload_activations == "ram" else 0
     tier_copies = TIER_STAGING_COPIES if inputs.offload_activations == "nvme" else 0
-    wants_norms = cfg.clipping or cfg.skip_nonfinite or cfg.report_grad_norm
+    wants_norms = UnitNorms.wanted(cfg)
     host = {
         # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies])
         "master_fp32": HostParameters.bytes_for(
