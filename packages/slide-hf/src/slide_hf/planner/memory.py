@@ -166,10 +166,9 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     numels = _named_numels(shape)
     resident = set(inputs.resident_units)
     host_units = [n for name, n in numels.items() if name not in resident]
-    on_nvme = _nvme_units(shape, inputs)
-    on_host_state = list(host_units)
-    for numel in on_nvme:  # the NVMe units are host-updated ones; their state ranges are never touched
-        on_host_state.remove(numel)
+    on_tier = set(_nvme_names(shape, inputs))  # host-updated units whose state ranges are never touched
+    on_nvme = [numels[name] for name in on_tier]
+    on_host_state = [n for name, n in numels.items() if name not in resident and name not in on_tier]
     arrays = _state_arrays(inputs)
     boundary = inputs.batch_size * inputs.seq_len * shape.activation_width  # one block's input, in elements
     stash_copies = shape.num_blocks if inputs.offload_activations == "ram" else 0
