@@ -23,7 +23,6 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -108,33 +107,25 @@ class _AllocationLog:
         finally:
             self._calls.side = None
 
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Start recording. Numba compiles a kernel with the numpy it finds then, so the optimizer's
+        kernels are compiled (``warmup``) before."""
 
-@pytest.fixture
-def allocation_log(monkeypatch: pytest.MonkeyPatch) -> Iterator[_AllocationLog]:
-    """A log that records once ``install()`` is called: numba compiles a kernel with the numpy it finds
-    then, so the optimizer's kernels are compiled (``warmup``) before."""
-    log = _AllocationLog()
-    log.install = lambda: _install(log, monkeypatch)  # type: ignore[attr-defined]
-    yield log
+        def wrap(allocate: Any) -> Any:
+            def allocating(*args: Any, **kwargs: Any) -> Any:
+                value = allocate(*args, **kwargs)
+                self.record(value)
+                return value
 
+            return allocating
 
-def _install(log: _AllocationLog, monkeypatch: pytest.MonkeyPatch) -> None:
-
-    def wrap(allocate: Any) -> Any:
-        def allocating(*args: Any, **kwargs: Any) -> Any:
-            value = allocate(*args, **kwargs)
-            log.record(value)
-            return value
-
-        return allocating
-
-    for name in _TORCH_ALLOCATORS:
-        monkeypatch.setattr(torch, name, wrap(getattr(torch, name)))
-    for name in _NUMPY_ALLOCATORS:
-        monkeypatch.setattr(np, name, wrap(getattr(np, name)))
-    empty, alloc_pinned = CPUDevice.empty, CPUDevice.alloc_pinned
-    monkeypatch.setattr(CPUDevice, "empty", lambda self, *a: log.device_call("device", empty, self, *a))
-    monkeypatch.setattr(CPUDevice, "alloc_pinned", lambda self, *a: log.device_call("host", alloc_pinned, self, *a))
+        for name in _TORCH_ALLOCATORS:
+            monkeypatch.setattr(torch, name, wrap(getattr(torch, name)))
+        for name in _NUMPY_ALLOCATORS:
+            monkeypatch.setattr(np, name, wrap(getattr(np, name)))
+        empty, pinned = CPUDevice.empty, CPUDevice.alloc_pinned
+        monkeypatch.setattr(CPUDevice, "empty", lambda device, *a: self.device_call("device", empty, device, *a))
+        monkeypatch.setattr(CPUDevice, "alloc_pinned", lambda device, *a: self.device_call("host", pinned, device, *a))
 
 
 def _buffer(site: _Site) -> str:
@@ -302,7 +293,7 @@ def _planned(inputs: PlanInputs) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("case", _CASES, ids=[case.id for case in _CASES])
-def test_plan_prices_every_buffer_the_engine_allocates(case, allocation_log):
+def test_plan_prices_every_buffer_the_engine_allocates(case, monkeypatch):
     if case.fused and not FusedAdamW.available():
         pytest.skip("the fused optimizers need numba")
     model = ToyModel(
@@ -314,7 +305,8 @@ def test_plan_prices_every_buffer_the_engine_allocates(case, allocation_log):
     warmup = getattr(optimizer, "warmup", None)
     if callable(warmup):
         warmup()
-    allocation_log.install()
+    allocation_log = _AllocationLog()
+    allocation_log.install(monkeypatch)
     inputs = _plan_inputs(model, case, optimizer)
     planned = _planned(inputs)
     live = _run(model, case, optimizer, allocation_log)
