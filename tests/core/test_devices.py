@@ -69,3 +69,12 @@ def test_auto_device(monkeypatch: pytest.MonkeyPatch, gpu: bool, hip: str | None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     monkeypatch.setattr(torch.version, "hip", hip)
     assert auto_device_name() == expected
+
+
+def test_a_device_without_a_policy_leaves_the_run_its_own_defaults() -> None:
+    """Device.preferred_* and doctor_facts default to no preference and nothing to say (a plugin with a
+    policy, slide-rocm's, overrides them: tests/rocm/test_device.py)."""
+    device = CPUDevice()
+    assert device.preferred_activation_tier() is None
+    assert device.preferred_attention() is None
+    assert CPUDevice.doctor_facts() == {}

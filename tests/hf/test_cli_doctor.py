@@ -85,7 +85,8 @@ def test_missing_or_broken_optional_packages_never_crash(slide, monkeypatch):
     report = json.loads(out)
     assert report["kernels"]["flash_attn"].startswith("no (")
     assert report["storage"]["kvikio"].startswith("no (")
-    assert "slide-io not installed" in report["storage"]["gds"]
+    assert report["storage"]["tiers"] == "error: OSError: metadata of slide.tiers is unreadable"
+    assert report["storage"]["gds"]  # a line saying why there is no answer, never a crash
     assert "slide-kernels unusable" in report["kernels"]["triton"]
     assert report["plugins"]["slide.devices"] == "error: OSError: metadata of slide.devices is unreadable"
 
@@ -122,3 +123,62 @@ def test_doctor_says_which_path_linear_attention_runs(slide, monkeypatch):
     status, out, _ = slide("doctor")
     assert status == 0
     assert "    cuda: torch path (SLIDE_LINEAR_ATTENTION=torch)" in out.splitlines()
+
+
+# -- plugins speak for themselves ------------------------------------------------------------------------
+def test_doctor_imports_no_plugin_distribution():
+    """slide-io and slide-rocm are reached through the plugin registry only (their doctor_facts)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(doctor.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {name for name in imported if name.split(".")[0] in ("slide_io", "slide_rocm")}
+
+
+def test_storage_asks_every_tier_plugin(monkeypatch):
+    from slide_core.tier import Tier
+
+    class Speaks(Tier):
+        name = "speaks"
+
+        @classmethod
+        def doctor_facts(cls) -> dict[str, str]:
+            return {"gds": "real, through a third-party tier", "speaks": "fine"}
+
+    def load(group, name, expected=None):
+        if name == "broken":
+            raise plugins.PluginError("slide.tiers plugin 'broken' (x:Y, from x) does not import (boom)")
+        return Speaks
+
+    monkeypatch.setattr(plugins, "available", lambda group: ["broken", "speaks"])
+    monkeypatch.setattr(plugins, "load", load)
+    storage = doctor.collect()["storage"]
+    assert storage["gds"] == "real, through a third-party tier" and storage["speaks"] == "fine"
+    assert storage["broken"].startswith("PluginError: slide.tiers plugin 'broken'")
+
+
+def test_storage_names_the_distribution_a_missing_gds_tier_needs(monkeypatch):
+    monkeypatch.setattr(plugins, "available", lambda group: [])
+    monkeypatch.setattr(plugins, "install_hint", lambda group, name: f"`{name}` needs slide-io: pip install slide-io")
+    assert doctor.collect()["storage"]["gds"] == "`gds` needs slide-io: pip install slide-io"
+
+
+def test_device_section_carries_the_device_plugins_facts(monkeypatch):
+    from slide_core.devices.cpu import CPUDevice
+
+    class Policied(CPUDevice):
+        @classmethod
+        def doctor_facts(cls) -> dict[str, str]:
+            return {"attention": "sdpa (AOTriton)"}
+
+    seen = []
+
+    def load(group, name, expected=None):
+        seen.append((group, name))
+        return Policied
+
+    monkeypatch.setattr(plugins, "load", load)
+    assert doctor._plugin_facts("slide.devices", "rocm") == {"attention": "sdpa (AOTriton)"}
+    assert seen == [("slide.devices", "rocm")]

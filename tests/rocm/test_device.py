@@ -10,7 +10,15 @@ from rocm_sim import H200, FakeGPU
 
 from slide_core import plugins
 from slide_core.devices.cuda import CUDADevice
-from slide_rocm import LaunchParams, PageableSourceError, ROCmDevice, ROCmPolicy, check_h2d_source
+from slide_rocm import (
+    ATTENTION_FLASH,
+    ATTENTION_SDPA,
+    LaunchParams,
+    PageableSourceError,
+    ROCmDevice,
+    ROCmPolicy,
+    check_h2d_source,
+)
 from slide_rocm.device import ROCM_MAX_NUM_WARPS, ROCmFacts, is_rocm_build
 from slide_rocm.launch import MAX_BLOCK_SIZE, launch_params_for
 
@@ -309,3 +317,20 @@ def test_an_uncapped_device_leaves_the_cap_alone(fake_cuda: FakeGPU) -> None:
     with CUDADevice():
         assert fake_cuda.memory_fraction == 0.3
     assert fake_cuda.memory_fraction == 0.3
+
+
+# -- the policy reaching a run ---------------------------------------------------------------------------
+def test_device_answers_its_policys_tier_and_attention(fake_hip: FakeGPU) -> None:
+    """What slide-hf asks before its own defaults (Device.preferred_*): the policy's choices, in the names a
+    run uses (a slide.tiers plugin, HF's attn_implementation)."""
+    plain = ROCmDevice()
+    assert plain.preferred_activation_tier() == "nvme"
+    assert plain.preferred_attention() == "sdpa"
+    flash = ROCmDevice(policy=ROCmPolicy(attention=ATTENTION_FLASH))
+    assert flash.preferred_attention() == "flash_attention_2"
+
+
+def test_doctor_facts_are_the_detected_policy(fake_hip: FakeGPU, no_flash_attn: None) -> None:
+    facts = ROCmDevice.doctor_facts()
+    assert facts == ROCmPolicy.detect().describe()
+    assert facts["attention"] == ATTENTION_SDPA and facts["backend"] == "rocm"

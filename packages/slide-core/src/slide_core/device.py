@@ -106,6 +106,28 @@ class Device(Lifecycle, ABC):
         """False for the host CPU: then 'device' and 'host' memory are the same memory."""
         return self.torch_device.type != "cpu"
 
+    # -- what a run defaults to here -------------------------------------------------------------------
+    # A device plugin carries a policy for its hardware (slide-rocm's ROCmPolicy); these are how that
+    # policy reaches a run: where the user chose nothing, slide-hf asks the device before its own rule.
+    def preferred_activation_tier(self) -> str | None:
+        """The ``slide.tiers`` plugin that should hold the block inputs a run sends to NVMe
+        (``--offload-activations nvme``) on this device, or None to leave it to the run's own rule
+        (GPUDirect Storage where it is real, else the POSIX ``nvme`` tier)."""
+        return None
+
+    def preferred_attention(self) -> str | None:
+        """The Hugging Face attention implementation (``"sdpa"``, ``"flash_attention_2"``, ...) this device
+        prefers for a layer that can run it, or None to leave it to the adapter's rule. A user's explicit
+        choice always wins, and a preference a layer cannot honour (a logit cap SDPA would drop) is
+        ignored for that layer."""
+        return None
+
+    @classmethod
+    def doctor_facts(cls) -> dict[str, str]:
+        """Lines ``slide doctor`` prints for this device plugin on this machine: its policy and why. Probes
+        only; never opens a device. The default says nothing."""
+        return {}
+
     # -- streams and events ----------------------------------------------------------------------------
     @abstractmethod
     def stream(self, role: StreamRole) -> contextlib.AbstractContextManager[Any]:

@@ -73,6 +73,15 @@ class HostParameters:
                     plane[base + start : base + end].zero_()
 
     # -- what the engine streams and steps -----------------------------------------------------------------
+    @staticmethod
+    def bytes_for(numel: int, master_format: MasterFormat) -> int:
+        """Host bytes of the planes of ``numel`` elements in ``master_format``: 4 per element in fp32; in
+        split, 2 (bf16) + 2 (low bits) + one tie bit. Units start on 64 elements, so a range of whole units
+        owns whole tie bytes and the bytes of several ranges add up. The planner prices the master from this."""
+        if master_format == "fp32":
+            return numel * torch.float32.itemsize
+        return numel * (torch.bfloat16.itemsize + torch.int16.itemsize) + tie_bytes(numel)
+
     @property
     def split(self) -> bool:
         """Whether the master is split (for pipelines that still stage a split master's restore themselves)."""

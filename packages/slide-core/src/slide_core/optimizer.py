@@ -99,6 +99,13 @@ class Optimizer(ABC):
         allocates on the device must say how much. The default: nothing."""
         return 0
 
+    def host_scratch_bytes(self, max_range_numel: int, *, corrects: bool = False, split_master: bool = False) -> int:
+        """Host bytes this optimizer keeps beyond its arguments to update host ranges of up to
+        ``max_range_numel`` elements (what :meth:`reserve` was given), with ``corrects`` to correct them too,
+        with ``split_master`` for :class:`~slide_core.split_master.SplitMaster` ranges. The planner prices
+        the host optimizer's scratch from exactly this. The default: nothing."""
+        return 0
+
     @property
     def corrects(self) -> bool:
         """Whether this optimizer implements :meth:`correct`, which gradient clipping needs."""

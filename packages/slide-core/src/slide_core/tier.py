@@ -58,6 +58,12 @@ class Tier(Lifecycle, ABC):
     ``--nvme-dir``, and plans the bytes as disk, not host RAM."""
 
     @classmethod
+    def doctor_facts(cls) -> dict[str, str]:
+        """Lines ``slide doctor`` prints about this tier plugin on this machine (whether its hardware path
+        is usable, and why). Probes only; never opens the tier. The default says nothing."""
+        return {}
+
+    @classmethod
     def for_run(cls, request: TierRequest) -> Tier:
         """A closed instance built from what a run offers; how a tier chosen by name gets its arguments.
 

@@ -68,10 +68,21 @@ def open_tier(tier_class: type[Tier], request: TierRequest, *, flag: str) -> Tie
 
 
 def open_activation_tier(directory: Path, device: Any) -> Tier:
-    """Where ``--offload-activations nvme`` puts block inputs: the GDS tier when this machine has real
-    GPUDirect Storage (the inputs then go from GPU memory to disk with no host staging, see Note [Direct
-    activation I/O] in slide_core/engine/activations.py), else the NVMe tier through pinned staging."""
+    """Where ``--offload-activations nvme`` puts block inputs: the tier the device prefers
+    (``Device.preferred_activation_tier``: slide-rocm's policy tier), else the GDS tier when this machine
+    has real GPUDirect Storage (the inputs then go from GPU memory to disk with no host staging, see Note
+    [Direct activation I/O] in slide_core/engine/activations.py), else the NVMe tier through pinned staging."""
     request = TierRequest(directory=directory, device=device)
+    preferred = device.preferred_activation_tier()
+    if preferred is not None:
+        try:
+            preferred_class = plugins.load("slide.tiers", preferred, expected=Tier)
+        except plugins.PluginError as error:
+            raise UserError(
+                f"{option('offload_activations', 'nvme')}: the {device.backend} device's policy asks for the "
+                f"{preferred} tier: {error}"
+            ) from None
+        return open_tier(preferred_class, request, flag=option("offload_activations"))
     if device.is_accelerator:
         try:
             gds_class = plugins.load("slide.tiers", "gds", expected=Tier)

@@ -35,6 +35,7 @@ from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import build_optimizer
 from slide_core.tier import Tier, TierRequest
 from slide_hf.defaults import DEFAULT_SEQ_LEN
+from slide_hf.device_defaults import apply_device_defaults
 from slide_hf.errors import UserError
 from slide_hf.offload import offloaded_units, open_activation_tier, open_tier, planning_kind, state_tier_class
 from slide_hf.spelling import option
@@ -172,6 +173,7 @@ def place_units(
         plan_with_placement,
     )
 
+    apply_device_defaults(model, device)  # before anything logs or plans the attention this run takes
     tier_class = state_tier_class(options.offload_optimizer)
     gpu_budget = device_gpu_budget(device)
     inputs = PlanInputs(

@@ -19,7 +19,7 @@ from slide_core.device import DeviceFacts, Event, StreamRole
 from slide_core.devices.cuda import CUDADevice
 from slide_rocm.hip import is_rocm_build
 from slide_rocm.launch import LaunchParams, launch_params_for, next_power_of_two
-from slide_rocm.policy import ROCmPolicy
+from slide_rocm.policy import HF_ATTENTION, ROCmPolicy
 from slide_rocm.transfer import PageableSourceError, StagingBuffer, check_h2d_source, format_bytes
 
 __all__ = ["ROCM_MAX_NUM_WARPS", "ROCmDevice", "ROCmFacts", "is_rocm_build"]
@@ -77,6 +77,22 @@ class ROCmDevice(CUDADevice):
                 gcn_arch_name=gcn_arch_name,
             )
         return self._facts
+
+    # -- what a run defaults to here (the policy reaching the run) -------------------------------------
+    def preferred_activation_tier(self) -> str:
+        """The policy's NVMe tier (``nvme``, or the experimental ``hipfile`` when chosen): never ``gds``,
+        which is NVIDIA-only."""
+        return self.policy.nvme_tier
+
+    def preferred_attention(self) -> str:
+        """The policy's attention as Hugging Face names it: ``flash_attention_2`` for the ROCm build of
+        flash-attn, else ``sdpa`` (AOTriton)."""
+        return HF_ATTENTION[self.policy.attention]
+
+    @classmethod
+    def doctor_facts(cls) -> dict[str, str]:
+        """The policy this machine would get (``ROCmPolicy.detect``), every choice with its reason."""
+        return dict(ROCmPolicy.detect().describe())
 
     def launch_params(self, row_numel: int) -> LaunchParams:
         """Triton ``num_warps``/``BLOCK_SIZE`` for a row of ``row_numel`` elements on this GPU."""

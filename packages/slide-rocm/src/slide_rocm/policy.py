@@ -18,12 +18,16 @@ __all__ = [
     "ATTENTION_FLASH",
     "ATTENTION_SDPA",
     "EXPERIMENTAL_TIERS",
+    "HF_ATTENTION",
     "NVME_TIERS",
     "ROCmPolicy",
 ]
 
 ATTENTION_FLASH = "flash-attn (ROCm build)"
 ATTENTION_SDPA = "sdpa (AOTriton)"
+
+HF_ATTENTION: dict[str, str] = {ATTENTION_FLASH: "flash_attention_2", ATTENTION_SDPA: "sdpa"}
+"""Each attention choice as Hugging Face's ``attn_implementation`` names it (what a run is given)."""
 
 NVME_TIERS: tuple[str, ...] = ("nvme", "hipfile")
 """Tiers that may hold NVMe-resident state on AMD. ``gds`` is absent on purpose: it is kvikio over cuFile,

@@ -16,6 +16,13 @@ from slide_core.device import Device, Event
 
 __all__ = ["ActivationStash", "TierActivationStash"]
 
+_DEVICE_BUFFERS = 2
+"""Device buffers the backward alternates between (Note [Activation buffer reuse])."""
+
+TIER_STAGING_COPIES = 2
+"""Pinned host block inputs a :class:`TierActivationStash` stages through (Note [Activation staging
+ordering]); none when its tier moves device memory itself."""
+
 
 class _BlockInputBuffers:
     """The buffers both stashes share: ``host_copies`` pinned host views of one block input and two
@@ -35,6 +42,19 @@ class _BlockInputBuffers:
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._host)
 
+    @staticmethod
+    def device_bytes_for(input_numel: int, dtype_bytes: int) -> int:
+        """Device bytes of the two buffers the backward alternates between (Note [Activation buffer
+        reuse]), for block inputs of ``input_numel`` elements."""
+        return _DEVICE_BUFFERS * input_numel * dtype_bytes
+
+    @staticmethod
+    def host_bytes_for(host_copies: int, input_numel: int, dtype_bytes: int) -> int:
+        """Pinned host bytes of ``host_copies`` block inputs of ``input_numel`` elements: every block's
+        for :class:`ActivationStash` (``num_blocks``), two staging ones for a :class:`TierActivationStash`
+        that does not move device memory itself, none for one that does."""
+        return host_copies * input_numel * dtype_bytes
+
     def ensure(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Allocate (once per shape) the pinned host slab and the two device buffers."""
         if self._shape == shape and self._dtype == dtype:
@@ -44,7 +64,7 @@ class _BlockInputBuffers:
         if self.host_copies:
             slab = self.device.alloc_pinned(numel * self.host_copies, dtype)
             self._host = [slab[i * numel : (i + 1) * numel].view(shape) for i in range(self.host_copies)]
-        self._device_buffers = [self.device.empty(numel, dtype).view(shape) for _ in range(2)]
+        self._device_buffers = [self.device.empty(numel, dtype).view(shape) for _ in range(_DEVICE_BUFFERS)]
         self._shape, self._dtype = shape, dtype
 
     def release(self, index: int, consumed: Event) -> None:
@@ -111,7 +131,7 @@ class TierActivationStash(_BlockInputBuffers):
     def __init__(self, device: Device, tier: Any, workers: Any, *, prefix: str = "act") -> None:
         super().__init__(device)
         self.direct = bool(getattr(tier, "moves_device_memory", False))
-        self.host_copies = 0 if self.direct else 2  # staging only: the tier holds the inputs
+        self.host_copies = 0 if self.direct else TIER_STAGING_COPIES  # staging only: the tier holds the inputs
         self.tier = tier
         self.workers = workers
         self.prefix = prefix

@@ -39,11 +39,21 @@ __all__ = ["GradRing", "GradStore"]
 class GradRing:
     def __init__(self, device: Device, slots: int, chunk_numel: int, dtype: torch.dtype) -> None:
         self.chunk_numel = chunk_numel
-        self._slab = device.alloc_pinned(slots * chunk_numel, dtype)
+        self._slab = device.alloc_pinned(self.slab_numel(slots, chunk_numel), dtype)
         self.chunks = [self._slab[i * chunk_numel : (i + 1) * chunk_numel] for i in range(slots)]
         self.free: queue.Queue[int] = queue.Queue()
         for index in range(slots):
             self.free.put(index)
+
+    @staticmethod
+    def slab_numel(slots: int, chunk_numel: int) -> int:
+        """Elements of the ring's one pinned slab: ``slots`` chunks of ``chunk_numel``."""
+        return slots * chunk_numel
+
+    @staticmethod
+    def slab_bytes(slots: int, chunk_numel: int, dtype_bytes: int) -> int:
+        """Pinned host bytes of a ring of ``slots`` chunks (what the planner prices)."""
+        return GradRing.slab_numel(slots, chunk_numel) * dtype_bytes
 
     def release(self, index: int) -> None:
         self.free.put(index)
@@ -73,7 +83,17 @@ class GradStore:
             lo, hi = (spans or {}).get(unit.name, (0, unit.layout.numel))
             self._ranges[unit.name] = (total, lo, hi)
             total += hi - lo
-        self._slab = device.alloc_pinned(max(total, 1), dtype)
+        self._slab = device.alloc_pinned(self.slab_numel([hi - lo for _, lo, hi in self._ranges.values()]), dtype)
+
+    @staticmethod
+    def slab_numel(span_numels: Sequence[int]) -> int:
+        """Elements of the store's one pinned slab: every stored span, back to back (at least one)."""
+        return max(sum(span_numels), 1)
+
+    @staticmethod
+    def slab_bytes(span_numels: Sequence[int], dtype_bytes: int) -> int:
+        """Pinned host bytes of a store of spans of ``span_numels`` elements (what the planner prices)."""
+        return GradStore.slab_numel(span_numels) * dtype_bytes
 
     def range(self, unit: Unit | str, lo: int, hi: int) -> torch.Tensor:
         """Where elements ``[lo, hi)`` of the unit's gradient (positions in its layout, alignment padding

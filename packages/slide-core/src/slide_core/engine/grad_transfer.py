@@ -84,10 +84,22 @@ class GradTransfer:
             streamed = [spans[unit.name] if spans else (0, unit.layout.numel) for unit in host_units]
             slots = config.ring_slots(sum(hi - lo for lo, hi in streamed))
             self.ring = GradRing(device, slots, config.transfer_chunk_numel, config.compute_dtype)
+
         self._consumed: dict[str, Future[None]] = {}  # d2h thread only, see Note [Grad store reuse]
         self.spans: Mapping[str, tuple[int, int]] = spans or {}
         self.last: Future[Event] | None = None
         """The step's last d2h job (what the end of a clipped step waits for)."""
+
+    @staticmethod
+    def host_bytes(config: EngineConfig, streamed_numels: Sequence[int]) -> int:
+        """Pinned host bytes of the gradients in flight, for host-updated units of which this process
+        streams ``streamed_numels`` elements each: the store of every one with clipping on, else the ring
+        (:meth:`EngineConfig.ring_slots` chunks). The planner prices ``grad_ring`` from this."""
+        dtype_bytes = config.compute_dtype.itemsize
+        if config.clipping:
+            return GradStore.slab_bytes(streamed_numels, dtype_bytes)
+        slots = config.ring_slots(sum(streamed_numels))
+        return GradRing.slab_bytes(slots, config.transfer_chunk_numel, dtype_bytes)
 
     def begin_step(self) -> None:
         self.last = None

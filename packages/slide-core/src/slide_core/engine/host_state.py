@@ -24,6 +24,8 @@ from slide_core.unit import SlideModel, Unit
 
 __all__ = ["HostState"]
 
+_ACCUMULATOR_DTYPE = torch.float32
+
 
 class HostState:
     """Optimizer state slabs (one per state array, in its dtype) and per-unit fp32 gradient accumulators."""
@@ -46,6 +48,20 @@ class HostState:
         self._fresh = [unit for unit in model.units if unit.name not in elsewhere]
         self._accum: dict[str, torch.Tensor] = {}
 
+    @staticmethod
+    def state_bytes(arrays: Sequence[StateArray], unit_numels: Sequence[int]) -> int:
+        """Host bytes of the state slabs' ranges that units of ``unit_numels`` elements touch: each
+        array as stored (a block array has one entry per block of each unit, every unit starting on a
+        block). The ranges of units whose state lives elsewhere are allocated but never touched, so they
+        cost no memory; the planner passes the host-updated units only."""
+        return sum(a.numel(numel) * a.dtype.itemsize for a in arrays for numel in unit_numels)
+
+    @staticmethod
+    def accumulator_bytes(unit_numels: Sequence[int]) -> int:
+        """Host bytes of the fp32 gradient accumulators of units of ``unit_numels`` elements: the
+        host-updated units that get more than one gradient contribution per step."""
+        return sum(_ACCUMULATOR_DTYPE.itemsize * numel for numel in unit_numels)
+
     @property
     def host_bytes(self) -> int:
         state = sum(t.numel() * t.element_size() for t in self.state_slabs.values())
@@ -65,7 +81,7 @@ class HostState:
         accumulation and no tied weights, none is ever needed; reused by every later step."""
         accum = self._accum.get(unit.name)
         if accum is None:
-            accum = torch.empty(unit.layout.numel, dtype=torch.float32)
+            accum = torch.empty(unit.layout.numel, dtype=_ACCUMULATOR_DTYPE)
             self._accum[unit.name] = accum
         return accum
 

@@ -14,6 +14,7 @@ from slide_core.device import Device
 from slide_core.unit import Unit
 
 from .clipping import CLIP_EPS
+from .config import EngineConfig
 
 __all__ = ["UnitNorms"]
 
@@ -37,6 +38,22 @@ class UnitNorms:
         self.on_host.zero_()
         self.coeffs = device.empty(len(units), torch.float32)
         self.coeffs.fill_(1.0)
+
+    @staticmethod
+    def wanted(config: EngineConfig) -> bool:
+        """Whether an engine of ``config`` keeps per-unit norms: for clipping, for the non-finite check
+        and for the reported norm (the planner prices them only then)."""
+        return config.clipping or config.skip_nonfinite or config.report_grad_norm
+
+    @staticmethod
+    def device_bytes_for(num_units: int) -> int:
+        """Device bytes: one fp32 squared norm and one fp32 coefficient per unit."""
+        return 2 * num_units * torch.float32.itemsize
+
+    @staticmethod
+    def host_bytes_for(num_units: int) -> int:
+        """Pinned host bytes: the host copy of every unit's fp32 squared norm."""
+        return num_units * torch.float32.itemsize
 
     def add(self, unit: Unit, grad: torch.Tensor, *, first: bool) -> torch.Tensor:
         """Compute stream: fold ``|grad|^2`` into the unit's device slot; return that 0-dim slot."""

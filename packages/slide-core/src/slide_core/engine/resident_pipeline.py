@@ -67,6 +67,13 @@ class ResidentPipeline:
         self._scaled = ScaledGrads()
 
     @staticmethod
+    def optimizer_range_numel(max_unit_numel: int, chunk_numel: int, *, clipping: bool) -> int:
+        """The longest range this pipeline hands its optimizer: a decay range of a unit, or with clipping
+        a piece of at most ``chunk_numel`` (``_step_scaled``). What ``Optimizer.device_scratch_bytes`` is
+        asked for."""
+        return min(max_unit_numel, chunk_numel) if clipping else max_unit_numel
+
+    @staticmethod
     def scratch_bytes(max_unit_numel: int, chunk_numel: int, *, clipping: bool) -> int:
         """Device bytes this pipeline itself allocates beyond the units' buffers (``ResidentUnits``) and
         the optimizer's scratch: with clipping, the fp32 ``coeff * grad`` of one piece (``ScaledGrads``)."""

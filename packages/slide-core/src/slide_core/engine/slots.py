@@ -14,6 +14,7 @@ Every wait is a stream-side wait (no host blocking) except the future that says 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -69,7 +70,7 @@ class SlotWindow:
         self.device = device
         self.pools = _Pools()
         block_numel = max((unit.layout.numel for unit in blocks), default=0)
-        for index in range(slots if blocks else 0):
+        for index in range(self.block_slot_count(blocks, slots)):
             self.pools.blocks.append(
                 ParamSlot(index, device.empty(block_numel, dtype), device.empty(block_numel, dtype))
             )
@@ -79,13 +80,25 @@ class SlotWindow:
             )
             self.pools.dedicated[unit.name] = slot
         self._schedule: list[Visit] = []
-        self._uses: dict[int, list[int]] = {}
+        self._uses: dict[int, list[int]] = {}  # id(unit) -> its positions in the schedule, ascending
         self._position = 0
+
+    @staticmethod
+    def block_slot_count(blocks: Sequence[Unit], slots: int) -> int:
+        """Block slots the window allocates: ``slots``, or none when every block is elsewhere."""
+        return slots if blocks else 0
+
+    @staticmethod
+    def slot_bytes(numel: int, dtype_bytes: int) -> int:
+        """Device bytes of one slot of ``numel`` elements: its parameters and its gradients, both in the
+        compute dtype. Block slots are all as large as the largest sliding block; the embedding and the
+        head, when they slide, have one slot each of their own numel. The planner prices slots from this."""
+        return 2 * numel * dtype_bytes
 
     @property
     def device_bytes(self) -> int:
         slots = [*self.pools.blocks, *self.pools.dedicated.values()]
-        return sum(s.params.numel() * s.params.element_size() * 2 for s in slots)
+        return sum(self.slot_bytes(s.params.numel(), s.params.element_size()) for s in slots)
 
     def all_slots(self) -> list[ParamSlot]:
         return [*self.pools.blocks, *self.pools.dedicated.values()]

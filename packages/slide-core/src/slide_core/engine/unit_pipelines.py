@@ -71,8 +71,7 @@ class UnitPipelines:
         self.residents = ResidentUnits(
             model, config.resident_units, device, host_params, views, optimizer.state_arrays, config.compute_dtype
         )
-        wants_norms = config.clipping or config.skip_nonfinite or config.report_grad_norm
-        self.norms = UnitNorms(device, model.units) if wants_norms else None
+        self.norms = UnitNorms(device, model.units) if UnitNorms.wanted(config) else None
         """Every unit's squared gradient norm of the step (Note [Gradient norm of every step])."""
         timeline = timer.timeline
         chunk_numel = config.transfer_chunk_numel

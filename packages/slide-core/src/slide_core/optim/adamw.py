@@ -73,6 +73,18 @@ class TorchAdamW(AdamWOptimizer):
             held += self._correction.scratch_bytes(chunk)
         return held if max_range_numel > 0 else 0
 
+    def host_scratch_bytes(self, max_range_numel: int, *, corrects: bool = False, split_master: bool = False) -> int:
+        """What :meth:`reserve` holds (the fp32 gradient of a whole range), the fused step count or the
+        unfused ``denom`` of one chunk, a split range's decoded chunk, and with ``corrects`` the
+        correction's pieces (``AdamWCorrection.host_scratch_bytes``)."""
+        if max_range_numel <= 0:
+            return 0
+        chunk = min(max_range_numel, self.chunk_numel)
+        held = 4 * max_range_numel + (4 if self.fused else 4 * chunk) + (4 * chunk if split_master else 0)
+        if corrects:
+            held += self._correction.host_scratch_bytes(chunk, split_master=split_master)
+        return held
+
     def reserve(self, max_range_numel: int, device: torch.device | str = "cpu") -> None:
         device = torch.device(device)
         held = self._scratch.get(device)

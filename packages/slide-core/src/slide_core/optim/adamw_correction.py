@@ -54,6 +54,17 @@ class AdamWCorrection:
         device (the scaled gradient and ``denom`` of one piece; device masters are fp32, so no decode)."""
         return 2 * 4 * min(max_range_numel, self.max_range_numel)
 
+    def host_scratch_bytes(self, max_range_numel: int, *, split_master: bool = False) -> int:
+        """Bytes a correction of host ranges up to ``max_range_numel`` keeps: nothing when numba's one-pass
+        kernel runs it (a host range's coefficient is a float), else :meth:`scratch_bytes` and a split
+        master piece decoded to fp32."""
+        from slide_core.optim.fused_adamw import _numba_available
+
+        if self.use_fused and _numba_available():
+            return 0
+        piece = min(max_range_numel, self.max_range_numel)
+        return self.scratch_bytes(max_range_numel) + (4 * piece if split_master else 0)
+
     def _buffers(self, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         held = self._scratch.get(device)
         if held is None or held.numel() < 2 * numel:

@@ -454,6 +454,23 @@ class CompactAdamW(AdamWOptimizer):
             held += 4 * chunk + self._correction.scratch_bytes(chunk)
         return held + self.codec.scratch_bytes(chunk)
 
+    def host_scratch_bytes(self, max_range_numel: int, *, corrects: bool = False, split_master: bool = False) -> int:
+        """The fused kernels: a split master's unpacked tie bits over the reserved range. The torch path:
+        one chunk's fp32 m and v and ``TorchAdamW``'s own scratch for a chunk. With ``corrects`` (always the
+        torch ops): one chunk's m and v (shared with the torch path's step), its applied gradient and
+        ``AdamWCorrection``'s pieces."""
+        if max_range_numel <= 0:
+            return 0
+        chunk = min(max_range_numel, self.chunk_numel)
+        if self.fused:
+            held = max_range_numel if split_master else 0
+        else:
+            held = 2 * 4 * chunk + self._fp32.host_scratch_bytes(chunk, split_master=split_master)
+        if corrects:
+            held += (2 * 4 * chunk if self.fused else 0) + 4 * chunk
+            held += self._correction.host_scratch_bytes(chunk, split_master=split_master)
+        return held
+
     def reserve(self, max_range_numel: int, device: torch.device | str = "cpu") -> None:
         """Remember the largest range: the torch path's fp32 moment scratch (and a correction's) is
         allocated for one chunk of it when first needed, never by the fused path."""

@@ -76,6 +76,16 @@ class FusedAdamW(AdamWOptimizer):
         """Whether numba imports here (the kernels are compiled on first use, not by this check)."""
         return _numba_available()
 
+    def host_scratch_bytes(self, max_range_numel: int, *, corrects: bool = False, split_master: bool = False) -> int:
+        """A split master's unpacked tie bits (one byte per element of the reserved range) and, with
+        ``corrects``, the torch-ops correction's pieces. bf16 and fp32 gradients need no fp32 scratch."""
+        if max_range_numel <= 0:
+            return 0
+        held = max_range_numel if split_master else 0
+        if corrects:
+            held += self._correction.host_scratch_bytes(max_range_numel, split_master=split_master)
+        return held
+
     def reserve(self, max_range_numel: int, device: torch.device | str = "cpu") -> None:
         """Remember the largest host range. The fp32 scratch is needed only for gradients that are neither
         bf16 nor fp32 (e.g. fp16), so it is allocated, at this size, the first time one arrives rather than

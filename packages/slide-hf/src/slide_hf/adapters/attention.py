@@ -19,6 +19,11 @@ on what is installed:
 4. ``eager`` for a capped layer anywhere else (the CPU): HF's reference path, exact, materialising the
    (S x S) scores, which the CPU can afford at the sequence lengths it trains.
 
+0. Before all of these, the device's own preference (``Device.preferred_attention``: slide-rocm's
+   policy says ``sdpa`` on AOTriton, or its build of flash-attn), where the layer can run it: never a
+   ``sdpa`` that would drop a logit cap, never a flash-attn that is absent, not on fp16/bf16, or too old
+   for the cap.
+
 The rule runs once per layer type (what a layer needs is a property of its type: only sliding layers
 have a window) for each (device type, dtype) an adapter meets, and the adapter caches the answer on
 itself (:meth:`~slide_hf.adapters.base.HFCausalLM.attention_for`). A choice the user made
@@ -86,6 +91,8 @@ class AttentionSupport:
     """... and new enough to apply a logit cap (>= 2.6)."""
     flex_attention: bool = True
     """torch has ``torch.nn.attention.flex_attention``."""
+    preferred: str | None = None
+    """The run's device's preference (``Device.preferred_attention``), tried first; None: none."""
 
     @classmethod
     def detect(cls, device_type: str, dtype: torch.dtype) -> AttentionSupport:
@@ -109,14 +116,28 @@ class AttentionSupport:
 def choose_attention(layer: LayerAttention, support: AttentionSupport) -> str:
     """HF's ``_attn_implementation`` for ``layer`` under ``support``; see the module docstring for why."""
     cuda = support.device_type == "cuda"
-    flash_fits = support.flash_attn and (layer.softcap is None or support.flash_attn_softcap)
-    if cuda and flash_fits and support.dtype in _HALF:
+    flash_fits = cuda and support.flash_attn and (layer.softcap is None or support.flash_attn_softcap)
+    flash_fits = flash_fits and support.dtype in _HALF
+    if support.preferred is not None and _runs(support.preferred, layer, support, flash_fits=flash_fits):
+        return support.preferred
+    if flash_fits:
         return FLASH
     if layer.softcap is None:
         return SDPA
     if cuda and support.flex_attention:
         return FLEX
     return EAGER
+
+
+def _runs(implementation: str, layer: LayerAttention, support: AttentionSupport, *, flash_fits: bool) -> bool:
+    """Whether ``implementation`` computes ``layer`` as the checkpoint does, and trains, here."""
+    if implementation == FLASH:
+        return flash_fits
+    if implementation == SDPA:
+        return layer.softcap is None
+    if implementation == FLEX:  # no backward on the CPU
+        return support.device_type == "cuda" and support.flex_attention
+    return implementation == EAGER
 
 
 def layer_attention(config: PreTrainedConfig, layer_type: str) -> LayerAttention:

@@ -15,6 +15,7 @@ unit layouts, checkpoint key mapping, side inputs (positions, rotary tables, mas
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -416,6 +417,14 @@ class HFCausalLM(SlideModel):
         for block in self.blocks:
             _repoint_config(block.root, self.config, self._layer_configs[block.attention_type])
         self._attention: dict[tuple[str, torch.dtype, str], str] = {}
+        self._device_attention: str | None = None
+
+    def prefer_attention(self, implementation: str | None) -> None:
+        """The run's device's preferred attention (``Device.preferred_attention``), tried before the
+        rule for every layer that can run it (a user's explicit choice still wins). Forgets the choices
+        made so far, so the next micro-batch and the next log follow it."""
+        self._device_attention = implementation
+        self._attention.clear()
 
     def attention_for(self, device_type: str, dtype: torch.dtype) -> dict[str, str]:
         """``{layer type: HF attention implementation}`` on ``device_type`` at compute ``dtype``.
@@ -448,9 +457,8 @@ class HFCausalLM(SlideModel):
         key = (device_type, dtype, layer_type)
         found = self._attention.get(key)
         if found is None:
-            found = self._requested_attention or choose_attention(
-                layer_attention(self.config, layer_type), self.attention_support(device_type, dtype)
-            )
+            support = dataclasses.replace(self.attention_support(device_type, dtype), preferred=self._device_attention)
+            found = self._requested_attention or choose_attention(layer_attention(self.config, layer_type), support)
             self._attention[key] = found
         return found
 

@@ -9,6 +9,11 @@ here (slide_hf/adapters/attention.py): for plain and for logit-capped (Gemma 2) 
 ``--model``, for each layer type of that model. ``kernels.linear_attention`` says, per device type, whether
 gated delta-net layers (Qwen3.5, Qwen3-Next) run flash-linear-attention or transformers' torch path, and
 why (slide_hf/adapters/linear_attention.py); on a GPU that takes a tiny check of fla's kernel there.
+
+Plugins speak for themselves: the device plugin ``--device auto`` picks and every ``slide.tiers`` plugin
+are found through the registry (slide_core/plugins.py) and asked for their ``doctor_facts()`` (slide-rocm's
+device answers with its policy, slide-io's gds tier with whether GPUDirect Storage is real here), so this
+command imports neither distribution and reports third-party plugins the same way.
 """
 
 from __future__ import annotations
@@ -142,19 +147,28 @@ def _device() -> dict[str, Any]:
     }
     if torch.version.hip:
         info["hip"] = torch.version.hip
-        info["rocm_policy"] = _guard(_rocm_policy)
     else:
         info["cuda"] = torch.version.cuda
         info["capability"] = f"{props.major}.{props.minor}"
+    facts = _guard(lambda: _plugin_facts("slide.devices", info["backend"]))
+    if facts:
+        info["policy"] = facts
     return info
 
 
-def _rocm_policy() -> dict[str, Any]:
+def _plugin_facts(group: str, name: str) -> dict[str, Any]:
+    """What the plugin ``name`` of ``group`` says about this machine (``doctor_facts``), or one line saying
+    why it could not be asked (not installed, does not import)."""
+    from slide_core import plugins
+    from slide_core.device import Device
+    from slide_core.tier import Tier
+
+    expected = Device if group == "slide.devices" else Tier
     try:
-        from slide_rocm.policy import ROCmPolicy
-    except ImportError:
-        return {"detail": "slide-rocm not installed (pip install slide-rocm)"}
-    return dict(ROCmPolicy.detect().describe())
+        plugin = plugins.load(group, name, expected=expected)
+    except plugins.PluginError as error:
+        return {"detail": _one_line(error)}
+    return dict(plugin.doctor_facts())
 
 
 def _host() -> dict[str, Any]:
@@ -225,14 +239,24 @@ def _attention(model: Any) -> dict[str, Any]:
 
 
 def _storage() -> dict[str, Any]:
+    """kvikio, and what every ``slide.tiers`` plugin says about itself here (slide-io's gds tier: whether
+    GPUDirect Storage is real). ``gds`` always has a line: the tier's, or why there is none."""
+    from slide_core import plugins
+
     info: dict[str, Any] = {"kvikio": _importable("kvikio")}
     try:
-        from slide_io import gds_status
-
-        line = gds_status()
-        info["gds"] = line.removeprefix("gds: ")
-    except ImportError:
-        info["gds"] = "slide-io not installed (pip install slide-io)"
+        names = plugins.available("slide.tiers")
+    except Exception as error:  # unreadable package metadata
+        info["tiers"] = f"error: {_one_line(error)}"
+        names = []
+    for name in names:
+        facts = _plugin_facts("slide.tiers", name)
+        detail = facts.pop("detail", None)
+        if detail is not None:
+            info[name] = detail
+        info.update(facts)
+    if "gds" not in info:
+        info["gds"] = plugins.install_hint("slide.tiers", "gds") or "no slide.tiers plugin reports on it"
     return info
 
 

@@ -1,12 +1,16 @@
 """Bytes: what a run holds in host RAM, on the GPU and on NVMe, as a function of its :class:`PlanInputs`.
 
-The host side mirrors, buffer by buffer, what the engine allocates (``slide_core.engine``): the fp32
-master slab (``HostParameters``), AdamW's m and v (``HostState.state_slabs``), fp32 gradient
-accumulators for units with more than one gradient contribution per step, the pinned gradient ring
-(``GradRing``), the pinned activation stash (``ActivationStash``) and the optimizer's fp32 cast scratch
-(``TorchAdamW.reserve``). Those are exact (tests compare them with a real engine); the process baseline,
-the NVMe staging sets and everything on the GPU
-beyond the preallocated slots are estimates from the model's shapes.
+Every buffer the engine allocates is priced by its owner (:func:`engine_buffers`): the master
+(``HostParameters.bytes_for``), the optimizer state and the gradient accumulators (``HostState``), the
+gradient ring or store (``GradTransfer.host_bytes``), the activation stash and its device buffers
+(``ActivationStash``), the optimizer's host and device scratch (``Optimizer.host_scratch_bytes``,
+``device_scratch_bytes``), the gradient norms (``UnitNorms``), the NVMe staging sets
+(``OffloadedState.staging_bytes``), the slots (``SlotWindow.slot_bytes``), the device-resident units
+(``resident_numel_bytes``), the resident pipeline's scratch and the upload's cast chunk
+(``MasterUpload.staging_bytes``). The planner supplies the model's shapes and the run's options, never its
+own formula for an engine buffer; ``tests/hf/test_planner_buffers.py`` checks each against what a real
+engine allocates, buffer by buffer. The process baseline and the GPU's transient workspace are estimates
+from the model's shapes.
 
 The GPU peak is the persistent part (parameter/gradient slots, the two activation buffers, the CUDA
 context, device-resident units and the scratch their updates hold, the latter as the optimizer and the
@@ -22,16 +26,35 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
+from slide_core.engine.activations import TIER_STAGING_COPIES, ActivationStash
+from slide_core.engine.config import EngineConfig
+from slide_core.engine.grad_transfer import GradTransfer
+from slide_core.engine.host_state import HostState
 from slide_core.engine.master_upload import MasterUpload
+from slide_core.engine.norms import UnitNorms
 from slide_core.engine.resident import resident_numel_bytes
 from slide_core.engine.resident_pipeline import ResidentPipeline
-from slide_core.optim.state_formats import state_bytes_per_param
+from slide_core.engine.slots import SlotWindow
+from slide_core.engine.state_offload import OffloadedState
+from slide_core.host_params import HostParameters
+from slide_core.optim.state_formats import StateArray, state_arrays
+from slide_core.optimizer import AdamWConfig, Optimizer
 from slide_hf.planner.inputs import _ENGINE_DEFAULTS, ModelShape, PlanInputs
 
-__all__ = ["CUDA_CONTEXT_BYTES", "ENGINE_HOST_BUFFERS", "GPU_RUNTIME_HOST_BYTES", "PROCESS_BASELINE_BYTES", "GiB"]
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "ENGINE_DEVICE_BUFFERS",
+    "ENGINE_HOST_BUFFERS",
+    "GPU_RUNTIME_HOST_BYTES",
+    "PROCESS_BASELINE_BYTES",
+    "EngineBuffers",
+    "GiB",
+    "engine_buffers",
+]
 
 GiB = 1 << 30
 
@@ -71,63 +94,158 @@ ENGINE_HOST_BUFFERS = (
     "grad_ring",
     "activation_stash",
     "optimizer_scratch",
+    "grad_norms",
 )
-"""Keys of ``Plan.host_breakdown`` that are buffers the engine itself allocates."""
+"""Keys of ``Plan.host_breakdown`` that are buffers the engine itself allocates in RAM (its NVMe staging,
+``nvme_staging``, is one too, kept apart as the planner always has)."""
+
+ENGINE_DEVICE_BUFFERS = (
+    "block_slots",
+    "embedding_slot",
+    "head_slot",
+    "resident_units",
+    "resident_scratch",
+    "h2d_staging",
+    "activation_buffers",
+    "grad_norms",
+)
+"""Keys of ``Plan.gpu_breakdown`` that are buffers the engine itself allocates on the device."""
+
+
+@dataclass(frozen=True)
+class EngineBuffers:
+    """Every buffer the engine allocates for one configuration, by name, as its owner reports it: ``host``
+    (RAM, including ``nvme_staging``) and ``device``. What :func:`_host_bytes` and :func:`_gpu_bytes` sum."""
+
+    host: dict[str, int]
+    device: dict[str, int]
+
+
+def _engine_config(inputs: PlanInputs) -> EngineConfig:
+    """The engine's config for what it sizes buffers from (the planner's own inputs, nothing else)."""
+    return dataclasses.replace(
+        _ENGINE_DEFAULTS,
+        compute_dtype=torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16,
+        transfer_chunk_numel=inputs.transfer_chunk_numel,
+        grad_ring_slots=inputs.grad_ring_slots,
+        max_grad_norm=1.0 if inputs.clipping else 0.0,
+    )
+
+
+def _named_numels(shape: ModelShape) -> dict[str, int]:
+    numel = {"embedding": shape.embedding_numel}
+    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    numel["head"] = shape.head_numel
+    return numel
+
+
+def _host_optimizer(inputs: PlanInputs) -> Optimizer:
+    """The run's optimizer, or the shipped one for ``optimizer_state`` whose host scratch is the largest
+    (the torch ops: the numba kernels keep less)."""
+    if inputs.optimizer is not None:
+        return inputs.optimizer
+    from slide_core.optim import TorchAdamW
+    from slide_core.optim.compact_adamw import CompactAdamW
+
+    config = AdamWConfig(state_format=inputs.optimizer_state)
+    return TorchAdamW(config) if inputs.optimizer_state == "fp32" else CompactAdamW(config, fused=False)
+
+
+def _state_arrays(inputs: PlanInputs) -> tuple[StateArray, ...]:
+    """How the run's optimizer stores its state (``Optimizer.state_arrays``)."""
+    return inputs.optimizer.state_arrays if inputs.optimizer is not None else state_arrays(inputs.optimizer_state)
+
+
+def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
+    """Every engine buffer of this configuration, each priced by the class that allocates it.
+
+    Which units are host-updated, on NVMe or resident, and which get an accumulator, are the run's
+    options applied to the model's units; the bytes each buffer takes are its owner's answer."""
+    cfg = _engine_config(inputs)
+    d = inputs.compute_dtype_bytes
+    numels = _named_numels(shape)
+    resident = set(inputs.resident_units)
+    host_units = [n for name, n in numels.items() if name not in resident]
+    on_tier = set(_nvme_names(shape, inputs))  # host-updated units whose state ranges are never touched
+    on_nvme = [numels[name] for name in on_tier]
+    on_host_state = [n for name, n in numels.items() if name not in resident and name not in on_tier]
+    arrays = _state_arrays(inputs)
+    boundary = inputs.batch_size * inputs.seq_len * shape.activation_width  # one block's input, in elements
+    stash_copies = shape.num_blocks if inputs.offload_activations == "ram" else 0
+    tier_copies = TIER_STAGING_COPIES if inputs.offload_activations == "nvme" else 0
+    wants_norms = UnitNorms.wanted(cfg)
+    host = {
+        # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies])
+        "master_fp32": HostParameters.bytes_for(
+            sum(host_units), "split" if inputs.master_format == "split" else "fp32"
+        ),
+        # device-resident and NVMe units keep m and v elsewhere; their host ranges are never touched
+        "optimizer_state": HostState.state_bytes(arrays, on_host_state),
+        "grad_accumulators": HostState.accumulator_bytes(_accumulated_numels(shape, inputs)),
+        "grad_ring": GradTransfer.host_bytes(cfg, host_units),
+        "activation_stash": ActivationStash.host_bytes_for(stash_copies, boundary, d),
+        "optimizer_scratch": _host_optimizer(inputs).host_scratch_bytes(
+            inputs.transfer_chunk_numel, corrects=inputs.clipping, split_master=inputs.master_format == "split"
+        )
+        if host_units
+        else 0,
+        "grad_norms": UnitNorms.host_bytes_for(len(numels)) if wants_norms else 0,
+        # Double buffers in front of NVMe: one unit's m and v (or one block input) read ahead while the
+        # previous one is in use.
+        "nvme_staging": (OffloadedState.staging_bytes(arrays, max(on_nvme)) if on_nvme else 0)
+        + ActivationStash.host_bytes_for(tier_copies, boundary, d),
+    }
+    sliding_blocks = [n for name, n in numels.items() if name.startswith("block.") and name not in resident]
+    block_slots = SlotWindow.block_slot_count(sliding_blocks, inputs.block_slots)
+    device = {
+        "block_slots": block_slots * SlotWindow.slot_bytes(max(sliding_blocks, default=0), d),
+        "embedding_slot": 0 if "embedding" in resident else SlotWindow.slot_bytes(shape.embedding_numel, d),
+        "head_slot": 0 if "head" in resident else SlotWindow.slot_bytes(shape.head_numel, d),
+        "resident_units": _resident_bytes(shape, inputs),
+        "resident_scratch": _resident_scratch_bytes(shape, inputs),
+        "h2d_staging": _h2d_staging_bytes(shape, inputs),
+        "activation_buffers": ActivationStash.device_bytes_for(boundary, d),
+        "grad_norms": UnitNorms.device_bytes_for(len(numels)) if wants_norms else 0,
+    }
+    return EngineBuffers(host, device)
+
+
+def _nvme_names(shape: ModelShape, inputs: PlanInputs) -> list[str]:
+    """The units whose m and v live on NVMe: the engine's rule (``slide_hf.offload``), blocks first, and
+    never a device-resident unit (its state is on the GPU)."""
+    if inputs.offload_optimizer != "nvme":
+        return []
+    ordered = [f"block.{i}" for i in range(shape.num_blocks)] + ["embedding", "head"]
+    count = math.floor(inputs.nvme_fraction * len(ordered) + 0.5)
+    resident = set(inputs.resident_units)
+    return [name for name in ordered[:count] if name not in resident]
 
 
 def _nvme_units(shape: ModelShape, inputs: PlanInputs) -> list[int]:
-    """Numels of the units whose m and v live on NVMe: the engine's rule (``slide_hf.offload``), blocks
-    first, and never a device-resident unit (its state is on the GPU)."""
-    if inputs.offload_optimizer != "nvme":
-        return []
-    ordered = [(f"block.{i}", n) for i, n in enumerate(shape.block_numels)]
-    ordered += [("embedding", shape.embedding_numel), ("head", shape.head_numel)]
-    count = math.floor(inputs.nvme_fraction * len(ordered) + 0.5)
+    """Numels of the units whose m and v live on NVMe (:func:`_nvme_names`)."""
+    numels = _named_numels(shape)
+    return [numels[name] for name in _nvme_names(shape, inputs)]
+
+
+def _accumulated_numels(shape: ModelShape, inputs: PlanInputs) -> list[int]:
+    """Numels of the host-updated units that get an fp32 host accumulator: those with > 1 gradient
+    contribution per step (every one with accumulation; the embedding when the head borrows it). A
+    device-resident unit accumulates on the device (``resident_numel_bytes``)."""
     resident = set(inputs.resident_units)
-    return [numel for name, numel in ordered[:count] if name not in resident]
-
-
-def _accumulated_numel(shape: ModelShape, grad_accum: int) -> int:
-    """Numel of the units that get an fp32 host accumulator: those with > 1 gradient contribution per
-    step (every unit with accumulation; the embedding when the head borrows it)."""
-    if grad_accum > 1:
-        return shape.total_numel
-    return shape.embedding_numel if shape.tied else 0
-
-
-def _master_bytes(numel: int, master_format: str) -> int:
-    return 4 * numel + (math.ceil(numel / 8) if master_format == "split" else 0)
+    if inputs.grad_accum > 1:
+        return [n for name, n in _named_numels(shape).items() if name not in resident]
+    return [shape.embedding_numel] if shape.tied and "embedding" not in resident else []
 
 
 def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
-    d = inputs.compute_dtype_bytes
-    state = state_bytes_per_param(inputs.optimizer_state)  # m and v: 8 in fp32, 4 in bf16, ~2.06 in int8
-    on_nvme = _nvme_units(shape, inputs)
-    boundary = inputs.batch_size * inputs.seq_len * shape.activation_width * d  # one block's input
-    host = {
-        # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies])
-        # 4 B/param in either format (a split master adds one tie bit: slide_core/split_master.py)
-        "master_fp32": _master_bytes(shape.total_numel - _resident_numel(shape, inputs), inputs.master_format),
-        # device-resident units keep m and v on the GPU; their host ranges are never touched
-        "optimizer_state": math.ceil(state * (shape.total_numel - sum(on_nvme) - _resident_numel(shape, inputs))),
-        "grad_accumulators": 4 * _accumulated_numel(shape, inputs.grad_accum),
-        "grad_ring": (
-            shape.total_numel * d if inputs.clipping else _ring_slots(shape, inputs) * inputs.transfer_chunk_numel * d
-        ),
-        "activation_stash": shape.num_blocks * boundary if inputs.offload_activations == "ram" else 0,
-        "optimizer_scratch": 4 * inputs.transfer_chunk_numel,
-        # Double buffers in front of NVMe: one unit's m and v (or one block input) read ahead while the
-        # previous one is in use.
-        "nvme_staging": math.ceil(2 * state * max(on_nvme, default=0))
-        + (2 * boundary if inputs.offload_activations == "nvme" else 0),
-        "process_baseline": PROCESS_BASELINE_BYTES,
-        "gpu_runtime_host": GPU_RUNTIME_HOST_BYTES if inputs.accelerator else 0,
-    }
+    host = dict(engine_buffers(shape, inputs).host)
+    host["process_baseline"] = PROCESS_BASELINE_BYTES
+    host["gpu_runtime_host"] = GPU_RUNTIME_HOST_BYTES if inputs.accelerator else 0
     return host
 
 
 def _disk_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    state = math.ceil(state_bytes_per_param(inputs.optimizer_state) * sum(_nvme_units(shape, inputs)))
+    state = HostState.state_bytes(_state_arrays(inputs), _nvme_units(shape, inputs))  # the tier keeps them as stored
     stash = 0
     if inputs.offload_activations == "nvme":
         stash = (
@@ -183,17 +301,9 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
     tokens = inputs.batch_size * inputs.seq_len
     h, kv, i, v = shape.hidden_size, shape.kv_dim, shape.intermediate_size, shape.vocab_size
     w = shape.activation_width  # what units pass each other: h unless the model widens it
-    slots = inputs.block_slots if shape.num_blocks else 0
     side_inputs = 3 * tokens * 8 + 2 * inputs.seq_len * shape.head_dim * d  # ids, labels, shifted; cos, sin
-    resident = set(inputs.resident_units)
     persistent = {
-        "block_slots": slots * 2 * shape.max_block_numel * d,
-        "embedding_slot": 0 if "embedding" in resident else 2 * shape.embedding_numel * d,
-        "head_slot": 0 if "head" in resident else 2 * shape.head_numel * d,
-        "resident_units": _resident_bytes(shape, inputs),
-        "resident_scratch": _resident_scratch_bytes(shape, inputs),
-        "h2d_staging": _h2d_staging_bytes(shape, inputs),
-        "activation_buffers": 2 * tokens * w * d,
+        **engine_buffers(shape, inputs).device,
         "model_extras": shape.extra_device_bytes + side_inputs,
         "cuda_context": CUDA_CONTEXT_BYTES,
     }
@@ -227,33 +337,21 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
 
 
 def _h2d_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    """The upload's cast buffer (slide_core/engine/master_upload.py reports its size), when any unit streams."""
-    if _resident_numel(shape, inputs) >= shape.total_numel:
-        return 0
+    """The uploads' cast buffers (slide_core/engine/master_upload.py reports the size of one). Each host
+    pipeline that streams units keeps its own (slide_core/engine/unit_pipelines.py): the one of the units
+    whose state is in RAM, and the one of those whose state is on the tier (``OffloadedPipeline``)."""
+    resident, on_tier = set(inputs.resident_units), set(_nvme_names(shape, inputs))
+    streamed = [name for name in _named_numels(shape) if name not in resident]
+    uploads = int(any(name not in on_tier for name in streamed)) + int(bool(on_tier))
     source = 2 if inputs.master_format == "split" else 4  # the split master's bf16 plane, or the fp32 master
-    return MasterUpload.staging_bytes(inputs.transfer_chunk_numel, source, inputs.compute_dtype_bytes)
-
-
-def _ring_slots(shape: ModelShape, inputs: PlanInputs) -> int:
-    """The engine's rule (``EngineConfig.ring_slots``) over the host-updated units."""
-    config = dataclasses.replace(
-        _ENGINE_DEFAULTS, grad_ring_slots=inputs.grad_ring_slots, transfer_chunk_numel=inputs.transfer_chunk_numel
-    )
-    return config.ring_slots(shape.total_numel - _resident_numel(shape, inputs))
-
-
-def _resident_numel(shape: ModelShape, inputs: PlanInputs) -> int:
-    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
-    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
-    return sum(numel.get(name, 0) for name in inputs.resident_units)
+    return uploads * MasterUpload.staging_bytes(inputs.transfer_chunk_numel, source, inputs.compute_dtype_bytes)
 
 
 def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     """Device-resident units, priced by the engine's own rule (slide_core/engine/resident.py) with the
     state arrays the run's optimizer stores (bf16 or int8 moments take less than fp32 ones)."""
     accumulates = inputs.grad_accum > 1  # clipping sums a tied embedding in its slot too (resident.py)
-    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
-    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    numel = _named_numels(shape)
     arrays = inputs.device_optimizer().state_arrays
     return sum(
         resident_numel_bytes(numel[name], inputs.compute_dtype_bytes, accumulates=accumulates, state_arrays=arrays)
@@ -263,8 +361,7 @@ def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def _resident_max_numel(shape: ModelShape, inputs: PlanInputs) -> int:
-    numel = {"embedding": shape.embedding_numel, "head": shape.head_numel}
-    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
+    numel = _named_numels(shape)
     return max((numel.get(name, 0) for name in inputs.resident_units), default=0)
 
 
@@ -275,7 +372,9 @@ def resident_scratch_bytes(inputs: PlanInputs, max_unit_numel: int) -> int:
     from the first update on, so it is priced as persistent."""
     if max_unit_numel <= 0:
         return 0
-    optimizer = inputs.device_optimizer().device_scratch_bytes(max_unit_numel, corrects=inputs.clipping)
+    chunk, clipping = inputs.transfer_chunk_numel, inputs.clipping
+    longest = ResidentPipeline.optimizer_range_numel(max_unit_numel, chunk, clipping=clipping)
+    optimizer = inputs.device_optimizer().device_scratch_bytes(longest, corrects=clipping)
     pipeline = ResidentPipeline.scratch_bytes(max_unit_numel, inputs.transfer_chunk_numel, clipping=inputs.clipping)
     return optimizer + pipeline
 

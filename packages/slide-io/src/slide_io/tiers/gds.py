@@ -35,7 +35,7 @@ from types import ModuleType
 import torch
 
 from slide_io._bytes import as_bytes
-from slide_io._kvikio import kvikio_mode, load_kvikio
+from slide_io._kvikio import gds_status, kvikio_mode, load_kvikio
 from slide_io.tiers.posix_nvme import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_IO_THREADS,
@@ -88,6 +88,11 @@ class GdsTier(PosixNvmeTier):
     def moves_device_memory(self) -> bool:  # type: ignore[override]
         """CUDA tensors go through kvikio, which stages them itself (real GDS: no staging at all)."""
         return self._via_kvikio
+
+    @classmethod
+    def doctor_facts(cls) -> dict[str, str]:
+        """``slide doctor``'s line on GPUDirect Storage here (:func:`slide_io.gds_status`)."""
+        return {"gds": gds_status().removeprefix("gds: ")}
 
     @staticmethod
     def real_gds_available() -> bool:
