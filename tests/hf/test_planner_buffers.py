@@ -146,6 +146,8 @@ def _buffer(site: _Site) -> str:
         return f"device/{key}"
     table = {
         "HostParameters": "master_fp32",
+        "Fp32MasterStore": "master_fp32",  # the master store allocates the planes HostParameters holds
+        "SplitMasterStore": "master_fp32",
         "HostState": "grad_accumulators" if function == "accumulator" else "optimizer_state",
         "GradRing": "grad_ring",
         "GradStore": "grad_ring",

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from slide_core.master_store import Allocator, MasterFormat, MasterRange, MasterStore, master_store
-from slide_core.split_master import SplitMaster
+from slide_core.split_master import SplitMaster, tie_bytes
 from slide_core.unit import SlideModel, Unit
 
 __all__ = ["HostParameters", "MasterFormat"]

@@ -32,7 +32,10 @@ from slide_core.unit import SlideModel, Unit
 
 from .config import EngineConfig
 
-__all__ = ["OffloadedState"]
+__all__ = ["STAGING_SETS", "OffloadedState"]
+
+STAGING_SETS = 2
+"""Staging sets in front of the tier: one unit's state read ahead while the previous one is updated."""
 
 
 @dataclass
@@ -64,7 +67,7 @@ class OffloadedState:
         units: Sequence[Unit],
         state_names: Sequence[str | StateArray],
         timeout_s: float,
-        sets: int = 2,
+        sets: int = STAGING_SETS,
     ) -> None:
         """``state_names``: the optimizer's state arrays (a bare name is one fp32 element per parameter)."""
         self.tier = tier
@@ -115,6 +118,12 @@ class OffloadedState:
 
     def __contains__(self, name: object) -> bool:
         return name in self.units
+
+    @staticmethod
+    def staging_bytes(arrays: Sequence[StateArray], largest_numel: int, sets: int = STAGING_SETS) -> int:
+        """Host bytes of the staging sets in front of the tier: ``sets`` times one unit of
+        ``largest_numel`` elements of every state array, as stored (the planner's ``nvme_staging``)."""
+        return sets * sum(a.numel(largest_numel) * a.dtype.itemsize for a in arrays)
 
     @property
     def host_bytes(self) -> int:

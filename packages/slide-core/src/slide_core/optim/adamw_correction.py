@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from slide_core.master_store import MasterRange, as_master_range
-from slide_core.optim._adamw_kernels import fused_correct
+from slide_core.optim._adamw_kernels import fused_correct, numba_available
 from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optimizer import Coefficient, Correction, scale_into
 
@@ -58,9 +58,7 @@ class AdamWCorrection:
         """Bytes a correction of host ranges up to ``max_range_numel`` keeps: nothing when numba's one-pass
         kernel runs it (a host range's coefficient is a float), else :meth:`scratch_bytes` and a split
         master piece decoded to fp32."""
-        from slide_core.optim.fused_adamw import _numba_available
-
-        if self.use_fused and _numba_available():
+        if self.use_fused and numba_available():
             return 0
         piece = min(max_range_numel, self.max_range_numel)
         return self.scratch_bytes(max_range_numel) + (4 * piece if split_master else 0)

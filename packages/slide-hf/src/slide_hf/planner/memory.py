@@ -41,8 +41,9 @@ from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.engine.slots import SlotWindow
 from slide_core.engine.state_offload import OffloadedState
 from slide_core.host_params import HostParameters
+from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optim.state_formats import StateArray, state_arrays
-from slide_core.optimizer import AdamWConfig, Optimizer
+from slide_core.optimizer import Optimizer
 from slide_hf.planner.inputs import _ENGINE_DEFAULTS, ModelShape, PlanInputs
 
 __all__ = [
