@@ -4,7 +4,7 @@ Every checkpoint carries the run's resolved options (``extra.config`` of its ``s
 run needs no flag repeated: :func:`slide_hf.options.resume_config` merges what the user passes now.
 
 A data-parallel checkpoint may be resumed by another number of processes (each reads its shards out of
-the old ranks', slide_core/sharded_checkpoint.py). What a resumed run keeps is then the global batch,
+the old ranks', slide_core/checkpoint/reader.py). What a resumed run keeps is then the global batch,
 ``--batch-size`` x processes: the saved per-process ``--batch-size`` is rescaled to this run's processes.
 """
 
