@@ -83,4 +83,4 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     """A contiguous host tensor's bytes, without a copy."""
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("checkpoint tensors must be contiguous host tensors")
-    return memoryview(tensor.view(torch.uint8).numpy())
+    return tensor.view(torch.uint8).numpy().data

@@ -81,7 +81,9 @@ def _files(
     folder: Path, state: dict[str, Any], legacy_rank: tuple[int, int] | None
 ) -> tuple[dict[str, ArrayInfo], dict[str, tuple[Part, ...]], dict[Path, int]]:
     """The arrays of one single-process folder: one file per array, whole unless ``legacy_rank``."""
-    arrays, parts, file_bytes = {}, {}, {}
+    arrays: dict[str, ArrayInfo] = {}
+    parts: dict[str, tuple[Part, ...]] = {}
+    file_bytes: dict[Path, int] = {}
     for filename, meta in state["files"].items():
         name = filename.removesuffix(".bin")
         dtype = dtype_named(meta["dtype"])

@@ -16,12 +16,13 @@ directly where a range covers a whole block).
 from __future__ import annotations
 
 import bisect
+import io
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -45,9 +46,9 @@ class _PartReader:
         self.manifest = found
         largest = max((nbytes for nbytes in found.file_bytes.values()), default=0)
         self.buffer = torch.empty(min(manifest.BLOCK_BYTES, largest), dtype=torch.uint8)
-        self.view = memoryview(self.buffer.numpy())
+        self.view = self.buffer.numpy().data
         self.verified: set[tuple[Path, int, int]] = set()
-        self.handles: dict[Path, BinaryIO] = {}
+        self.handles: dict[Path, io.BufferedReader] = {}
 
     def __enter__(self) -> _PartReader:
         return self
@@ -57,7 +58,7 @@ class _PartReader:
             handle.close()
         self.handles.clear()
 
-    def _handle(self, file: Path) -> BinaryIO:
+    def _handle(self, file: Path) -> io.BufferedReader:
         handle = self.handles.get(file)
         if handle is not None:
             return handle
@@ -106,7 +107,7 @@ class _PartReader:
                     deliver((cursor - start) // itemsize, data)
             cursor = stop
 
-    def _check(self, handle: BinaryIO, part: Part, array: str, block: int, out: memoryview) -> None:
+    def _check(self, handle: io.BufferedReader, part: Part, array: str, block: int, out: memoryview) -> None:
         """Read ``part``'s block ``block`` whole into ``out`` and compare its CRC32 with the manifest's."""
         block_start = part.offset + block * manifest.BLOCK_BYTES
         handle.seek(block_start)
