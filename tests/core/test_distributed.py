@@ -283,14 +283,17 @@ def _reshard_save(group: ProcessGroupContext | None, root: Path) -> list[tuple]:
     return rows
 
 
-def _reshard_resume(group: ProcessGroupContext | None, step_dir: Path) -> dict:
-    """Steps 3 and 4 of the resharding runs from ``step_dir``, whoever wrote it, and the final master."""
+def _reshard_resume(group: ProcessGroupContext | None, step_dir: Path, resave: Path | None = None) -> dict:
+    """Steps 3 and 4 of the resharding runs from ``step_dir``, whoever wrote it, and the final master.
+    ``resave``: first save what was restored there again, before any step (by every rank)."""
     rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
     with CPUDevice() as device, HostRamTier() as tier:
         engine, host = _reshard_engine(device, tier, group)
         with engine:
             state = engine.restore_checkpoint(step_dir)
             engine.restore_schedule_state(state["extra"])
+            if resave is not None:
+                save_checkpoint(resave, 2, engine.checkpoint_arrays(), {}, group)
             rows = [_as_row(engine.step(micro, lr=LR)) for micro in _reshard_batches(rank, world_size)[2:]]
         return {"results": rows, "master": host.slab.clone()}
 
@@ -313,7 +316,11 @@ def _rank_main(spec: dict) -> None:
             _reshard_save(group, Path(spec["reshard_save"]))
             return
         if spec.get("reshard_resume"):
-            resumed = {name: _reshard_resume(group, Path(path)) for name, path in spec["reshard_resume"].items()}
+            resave = Path(spec["resave"]) if spec.get("resave") else None
+            resumed = {
+                name: _reshard_resume(group, Path(path), None if resave is None else resave / name)
+                for name, path in spec["reshard_resume"].items()
+            }
             torch.save(resumed, out / f"resharded-rank{group.rank}.pt")
             return
         if spec.get("checkpoint"):
@@ -500,7 +507,8 @@ def test_checkpoints_of_the_older_layouts_resume(tmp_path: Path) -> None:
     """A checkpoint of one process as the code before the manifest format wrote it (one file per array)
     and one of 2 ranks (a manifest over rank folders), each written byte for byte by
     legacy_checkpoint_layouts.py from the arrays of a run's step 2, resume on 2 ranks and on one process
-    and continue with the uninterrupted run's losses, gradient norms and final weights."""
+    and continue with the uninterrupted run's losses, gradient norms and final weights. What the 2 ranks
+    restored, saved again by them and read back by one process, is the arrays written, bit for bit."""
     from legacy_checkpoint_layouts import write_data_parallel, write_single
 
     straight_master, straight = _reshard_straight()
@@ -516,7 +524,11 @@ def test_checkpoints_of_the_older_layouts_resume(tmp_path: Path) -> None:
         "legacy-one": write_single(tmp_path / "one" / "step-00000002", 2, arrays, state["extra"]),
         "legacy-two": write_data_parallel(tmp_path / "two" / "step-00000002", 2, arrays, state["extra"], numels, 2),
     }
-    spec = {"reshard_resume": {name: str(path) for name, path in legacy.items()}, "timeout_s": 30.0}
+    spec = {
+        "reshard_resume": {name: str(path) for name, path in legacy.items()},
+        "resave": str(tmp_path / "resaved"),
+        "timeout_s": 30.0,
+    }
     for rank, (code, err) in enumerate(wait_ranks(_launch(2, spec, tmp_path / "b"), LAUNCH_TIMEOUT_S)):
         assert code == 0, f"rank {rank} of 2 failed:\n{err[-3000:]}"
     resumed = {
@@ -531,6 +543,10 @@ def test_checkpoints_of_the_older_layouts_resume(tmp_path: Path) -> None:
             assert got[1] == pytest.approx(want[1], rel=RTOL), f"{where}: the loss of step {want[0]} differs"
             assert got[2] == pytest.approx(want[2], rel=RTOL), f"{where}: the norm of step {want[0]} differs"
         assert _rel(run["master"], straight_master) <= RTOL, f"{where}: the final weights differ"
+    for name in legacy:  # saved at 1 (or 2), loaded at 2, saved at 2, loaded at 1
+        back = {key: torch.empty_like(array) for key, array in arrays.items()}
+        load_checkpoint(tmp_path / "resaved" / name / "step-00000002", back)
+        assert all(torch.equal(back[key].view(torch.uint8), array.view(torch.uint8)) for key, array in arrays.items())
     one = resumed["legacy-one on one process"]  # one process, one process's checkpoint: bit for bit
     assert one["results"] == straight[2:] and torch.equal(one["master"], straight_master)
 

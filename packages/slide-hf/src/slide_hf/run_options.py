@@ -27,7 +27,7 @@ def saved_options(path: Path) -> tuple[dict[str, Any], str]:
     options = state["extra"].get("config")
     if not isinstance(options, dict):
         raise UserError(f"checkpoint {checkpoint} is corrupt: state.json has no run options (extra.config)")
-    saved_ranks = state["extra"].get("world_size", 1)
+    saved_ranks = state["world_size"]  # how many processes wrote it, whatever its format
     ranks = _env_world_size()
     batch_size = options.get("batch_size")
     if saved_ranks != ranks and isinstance(batch_size, int) and isinstance(saved_ranks, int) and saved_ranks > 0:
