@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from legacy_checkpoint_layouts import write_single
 
 from slide_core.checkpoint import (
     CheckpointCorrupt,
@@ -26,6 +27,10 @@ from slide_core.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from slide_core.checkpoint import manifest as manifest_module
+from slide_core.checkpoint.manifest import checksum
+
+SHARD = "shard-00000-of-00001.bin"
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -98,18 +103,16 @@ class _Blocks:
 
 
 def test_array_source_is_written_block_by_block_like_a_tensor(tmp_path: Path, monkeypatch) -> None:
-    from slide_core import checkpoint as module
-
-    monkeypatch.setattr(module, "_BLOCK_BYTES", 4096)  # several blocks at test sizes
+    monkeypatch.setattr(manifest_module, "BLOCK_BYTES", 4096)  # several blocks at test sizes
     data = torch.randn(2500)  # 10,000 bytes: blocks of 1024, 1024 and 452 elements
     source = _Blocks(data)
     as_source = save_checkpoint(tmp_path / "a", 1, {"exp_avg": source}, {})
     as_tensor = save_checkpoint(tmp_path / "b", 1, {"exp_avg": data}, {})
     assert source.reads == [(0, 1024), (1024, 1024), (2048, 452)]
-    assert (as_source / "exp_avg.bin").read_bytes() == (as_tensor / "exp_avg.bin").read_bytes()
-    state_a = json.loads((as_source / "state.json").read_text())["files"]
-    state_b = json.loads((as_tensor / "state.json").read_text())["files"]
-    assert state_a == state_b
+    assert (as_source / SHARD).read_bytes() == (as_tensor / SHARD).read_bytes()
+    state_a = json.loads((as_source / "state.json").read_text())["shards"]
+    state_b = json.loads((as_tensor / "state.json").read_text())["shards"]
+    assert state_a == state_b and len(state_a[0]["parts"]["exp_avg"]["crc32"]) == 3
     out = torch.empty(2500)
     load_checkpoint(as_source, {"exp_avg": out})
     assert torch.equal(out, data)
@@ -126,13 +129,18 @@ def _write_state(path: Path, state: dict) -> None:
 def test_a_valid_json_edit_of_state_json_fails_its_checksum(tmp_path: Path) -> None:
     saved = save_checkpoint(tmp_path, 4, _tensors(4), {"data": {"index": 8}})
     state = _state(saved)
-    assert state["format"] == 2 and state["checksum"].startswith("sha256:")
+    assert state["format"] == 3 and state["checksum"].startswith("sha256:")
     for edit in ({"step": 40}, {"step": -1}, {"extra": {"data": {"index": 9}}}):
         _write_state(saved, {**state, **edit})
         with pytest.raises(CheckpointCorrupt, match=r"state\.json fails its checksum"):
             read_state(saved)
     _write_state(saved, state)  # the untouched state still verifies, whitespace aside
     assert read_state(saved)["extra"] == {"data": {"index": 8}}
+
+
+def _resealed(state: dict) -> dict:
+    """``state`` with its checksum recomputed: what a deliberate edit would write."""
+    return {**state, "checksum": checksum(state)}
 
 
 @pytest.mark.parametrize(
@@ -142,6 +150,38 @@ def test_a_valid_json_edit_of_state_json_fails_its_checksum(tmp_path: Path) -> N
         (lambda s: s.update(step="4"), "field step must be an integer >= 0"),
         (lambda s: s.update(step=True), "field step must be an integer >= 0"),
         (lambda s: s.pop("step"), "field step must be an integer >= 0, got None"),
+        (lambda s: s.update(world_size=0), "field world_size must be an integer >= 1, got 0"),
+        (lambda s: s.update(arrays=[]), "field arrays must be an object"),
+        (lambda s: s["arrays"]["master"].update(numel=-1), "arrays.master.numel must be an integer >= 0"),
+        (lambda s: s["arrays"]["master"].update(dtype="float99"), "arrays.master.dtype must name a torch dtype"),
+        (lambda s: s.update(shards=[]), "field shards must list 1 shard(s)"),
+        (lambda s: s["shards"][0].update(file="../x.bin"), "shards[0].file must name a file of the checkpoint"),
+        (lambda s: s["shards"][0].update(bytes=7), "shards[0].bytes must be 80008 (the sum of its parts), got 7"),
+        (lambda s: s["shards"][0]["parts"]["exp_avg"].update(offset=4), "parts.exp_avg.offset must be 40004, got 4"),
+        (lambda s: s["shards"][0]["parts"]["master"].update(crc32=[]), "parts.master.crc32 must list 1 block"),
+        (
+            lambda s: s["shards"][0]["parts"]["master"].update(intervals=[[0, 20_000]]),
+            "parts.master.intervals must list ordered ranges",
+        ),
+        (lambda s: s.update(extra=[1]), "field extra must be an object"),
+        (lambda s: s.update(format=7), "field format is 7"),
+    ],
+)
+def test_malformed_fields_of_a_resealed_state_are_named(tmp_path: Path, edit, named: str) -> None:
+    """An edit that recomputes the checksum still gets every field checked, each named in the message."""
+    saved = save_checkpoint(tmp_path, 1, _tensors(1), {})
+    state = _state(saved)
+    edit(state)
+    _write_state(saved, _resealed(state))
+    with pytest.raises(CheckpointCorrupt, match=re.escape(named)) as raised:
+        load_checkpoint(saved, {name: torch.empty_like(t) for name, t in _tensors(1).items()})
+    assert raised.value.checkpoint == saved and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda s: s.update(step=-3), "field step must be an integer >= 0, got -3"),
         (lambda s: s.update(files=[]), "field files must be an object"),
         (lambda s: s["files"]["master.bin"].update(numel=-1), "files.master.bin.numel must be an integer >= 0"),
         (lambda s: s["files"]["master.bin"].update(dtype="float99"), "files.master.bin.dtype must name a torch dtype"),
@@ -149,12 +189,11 @@ def test_a_valid_json_edit_of_state_json_fails_its_checksum(tmp_path: Path) -> N
         (lambda s: s["files"]["master.bin"].update(crc32=[]), "files.master.bin.crc32 must list 1 block"),
         (lambda s: s["files"]["master.bin"].update(crc32=["x"]), "files.master.bin.crc32 must list 1 block"),
         (lambda s: s.update(extra=[1]), "field extra must be an object"),
-        (lambda s: s.update(format=7), "field format is 7"),
     ],
 )
-def test_malformed_fields_of_an_unchecksummed_state_are_named(tmp_path: Path, edit, named: str) -> None:
-    """A format-1 state (no checksum) still gets every field checked, each named in the message."""
-    saved = save_checkpoint(tmp_path, 1, _tensors(1), {})
+def test_malformed_fields_of_an_unchecksummed_legacy_state_are_named(tmp_path: Path, edit, named: str) -> None:
+    """A format-1 state (one file per array, no checksum) still gets every field checked."""
+    saved = write_single(tmp_path / "step-00000001", 1, _tensors(1), {})
     state = _state(saved)
     state.pop("checksum")
     state["format"] = 1
@@ -184,7 +223,7 @@ def test_undecodable_or_invalid_state_json_is_one_line(tmp_path: Path) -> None:
 
 
 def test_format_1_checkpoints_still_load_and_say_so(tmp_path: Path, caplog) -> None:
-    saved = save_checkpoint(tmp_path, 2, _tensors(2), {"step": 2})
+    saved = write_single(tmp_path / "step-00000002", 2, _tensors(2), {"step": 2})
     state = _state(saved)
     state.pop("checksum")
     state["format"] = 1
@@ -198,8 +237,8 @@ def test_format_1_checkpoints_still_load_and_say_so(tmp_path: Path, caplog) -> N
 
 def test_a_missing_file_is_named_missing(tmp_path: Path) -> None:
     saved = save_checkpoint(tmp_path, 1, _tensors(1), {})
-    (saved / "exp_avg.bin").unlink()
-    with pytest.raises(CheckpointCorrupt, match=r"exp_avg\.bin is missing") as raised:
+    (saved / SHARD).unlink()
+    with pytest.raises(CheckpointCorrupt, match=rf"\({SHARD} is missing\)") as raised:
         load_checkpoint(saved, {name: torch.empty_like(t) for name, t in _tensors(1).items()})
     assert "-1 bytes" not in str(raised.value)
 
@@ -221,13 +260,13 @@ def test_newest_intact_skips_every_corrupt_checkpoint(tmp_path: Path) -> None:
         save_checkpoint(tmp_path, step, _tensors(step), {})
     first, second, third = list_checkpoints(tmp_path)
     verify_checkpoint(third)
-    data = bytearray((third / "master.bin").read_bytes())
+    data = bytearray((third / SHARD).read_bytes())
     data[100] ^= 0x01
-    (third / "master.bin").write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorrupt, match=r"master\.bin fails its checksum in block 0"):
+    (third / SHARD).write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=rf"{SHARD} fails its checksum in block 0 of master"):
         verify_checkpoint(third)
     assert newest_intact(third) == second
-    (second / "exp_avg.bin").write_bytes(b"short")
+    (second / SHARD).write_bytes(b"short")
     assert newest_intact(third) == first
     (first / "state.json").write_text("{}")
     assert newest_intact(third) is None

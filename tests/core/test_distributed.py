@@ -27,13 +27,12 @@ import pytest
 import torch
 
 from slide_core import AdamWConfig, HostParameters
-from slide_core.checkpoint import save_checkpoint
+from slide_core.checkpoint import load_checkpoint, save_checkpoint
 from slide_core.devices.cpu import CPUDevice
 from slide_core.distributed import ProcessGroupContext, shard_span
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
 from slide_core.optim.compact_adamw import CompactAdamW
-from slide_core.sharded_checkpoint import save_sharded_checkpoint
 from slide_core.testing import ToyBlock, ToyConfig, ToyModel, launch_ranks, toy_batches, toy_init, wait_ranks
 from slide_core.tiers.host_ram import HostRamTier
 
@@ -241,7 +240,7 @@ def _checkpointed_run(case: Case, batches, group: ProcessGroupContext, out: Path
             engine.restore_schedule_state(state["extra"])
             resumed += steps(engine, batches[2:])
         resumed_master = host.slab.clone()
-    master_numel = state["files"]["master.bin"]["numel"]
+    master_numel = sum(hi - lo for lo, hi in state["shards"][0]["parts"]["master"]["intervals"])
     return {
         "straight": straight,
         "resumed": resumed,
@@ -273,28 +272,28 @@ def _reshard_batches(rank: int, world_size: int):
 
 def _reshard_save(group: ProcessGroupContext | None, root: Path) -> list[tuple]:
     """The first 2 steps of the resharding runs, then their checkpoint: every rank's shards under a
-    manifest (one process: a plain checkpoint)."""
+    manifest (one process: one shard of every unit whole)."""
     rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
     with CPUDevice() as device, HostRamTier() as tier:
         engine, _ = _reshard_engine(device, tier, group)
         with engine:
             rows = [_as_row(engine.step(micro, lr=LR)) for micro in _reshard_batches(rank, world_size)[:2]]
             arrays, state = engine.checkpoint_arrays(), engine.schedule_state()
-            if group is None:
-                save_checkpoint(root, 2, arrays, state)
-            else:
-                save_sharded_checkpoint(root, 2, arrays, state, group)
+            save_checkpoint(root, 2, arrays, state, group)
     return rows
 
 
-def _reshard_resume(group: ProcessGroupContext | None, step_dir: Path) -> dict:
-    """Steps 3 and 4 of the resharding runs from ``step_dir``, whoever wrote it, and the final master."""
+def _reshard_resume(group: ProcessGroupContext | None, step_dir: Path, resave: Path | None = None) -> dict:
+    """Steps 3 and 4 of the resharding runs from ``step_dir``, whoever wrote it, and the final master.
+    ``resave``: first save what was restored there again, before any step (by every rank)."""
     rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
     with CPUDevice() as device, HostRamTier() as tier:
         engine, host = _reshard_engine(device, tier, group)
         with engine:
             state = engine.restore_checkpoint(step_dir)
             engine.restore_schedule_state(state["extra"])
+            if resave is not None:
+                save_checkpoint(resave, 2, engine.checkpoint_arrays(), {}, group)
             rows = [_as_row(engine.step(micro, lr=LR)) for micro in _reshard_batches(rank, world_size)[2:]]
         return {"results": rows, "master": host.slab.clone()}
 
@@ -317,7 +316,11 @@ def _rank_main(spec: dict) -> None:
             _reshard_save(group, Path(spec["reshard_save"]))
             return
         if spec.get("reshard_resume"):
-            resumed = {name: _reshard_resume(group, Path(path)) for name, path in spec["reshard_resume"].items()}
+            resave = Path(spec["resave"]) if spec.get("resave") else None
+            resumed = {
+                name: _reshard_resume(group, Path(path), None if resave is None else resave / name)
+                for name, path in spec["reshard_resume"].items()
+            }
             torch.save(resumed, out / f"resharded-rank{group.rank}.pt")
             return
         if spec.get("checkpoint"):
@@ -476,7 +479,11 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
     ):
         assert code == 0, f"rank {rank} of 2 failed:\n{err[-3000:]}"
     by_two, by_one = tmp_path / "two" / "step-00000002", tmp_path / "one" / "step-00000002"
-    assert sorted(p.name for p in by_two.iterdir()) == ["rank-0", "rank-1", "state.json"]
+    assert sorted(p.name for p in by_two.iterdir()) == [
+        "shard-00000-of-00002.bin",
+        "shard-00001-of-00002.bin",
+        "state.json",
+    ]
     spec = {"reshard_resume": {"two": str(by_two), "one": str(by_one)}, "timeout_s": 30.0}
     for rank, (code, err) in enumerate(wait_ranks(_launch(3, spec, tmp_path / "b"), LAUNCH_TIMEOUT_S)):
         assert code == 0, f"rank {rank} of 3 failed:\n{err[-3000:]}"
@@ -493,6 +500,55 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
             assert got[2] == pytest.approx(want[2], rel=RTOL), f"{where}: the norm of step {want[0]} differs"
         assert _rel(run["master"], straight_master) <= RTOL, f"{where}: the final weights differ"
     assert all(row[2] > RESHARD_CASE.max_grad_norm for row in straight)  # every step clips
+
+
+@pytest.mark.slow
+def test_checkpoints_of_the_older_layouts_resume(tmp_path: Path) -> None:
+    """A checkpoint of one process as the code before the manifest format wrote it (one file per array)
+    and one of 2 ranks (a manifest over rank folders), each written byte for byte by
+    legacy_checkpoint_layouts.py from the arrays of a run's step 2, resume on 2 ranks and on one process
+    and continue with the uninterrupted run's losses, gradient norms and final weights. What the 2 ranks
+    restored, saved again by them and read back by one process, is the arrays written, bit for bit."""
+    from legacy_checkpoint_layouts import write_data_parallel, write_single
+
+    straight_master, straight = _reshard_straight()
+    saved = tmp_path / "now" / "step-00000002"
+    assert _reshard_save(None, tmp_path / "now") == straight[:2]
+    numels = [unit.layout.numel for unit in _model(RESHARD_CASE).units]
+    state = load_checkpoint(saved, {})
+    arrays = {
+        name: torch.empty(info["numel"], dtype=getattr(torch, info["dtype"])) for name, info in state["arrays"].items()
+    }
+    load_checkpoint(saved, arrays)
+    legacy = {
+        "legacy-one": write_single(tmp_path / "one" / "step-00000002", 2, arrays, state["extra"]),
+        "legacy-two": write_data_parallel(tmp_path / "two" / "step-00000002", 2, arrays, state["extra"], numels, 2),
+    }
+    spec = {
+        "reshard_resume": {name: str(path) for name, path in legacy.items()},
+        "resave": str(tmp_path / "resaved"),
+        "timeout_s": 30.0,
+    }
+    for rank, (code, err) in enumerate(wait_ranks(_launch(2, spec, tmp_path / "b"), LAUNCH_TIMEOUT_S)):
+        assert code == 0, f"rank {rank} of 2 failed:\n{err[-3000:]}"
+    resumed = {
+        f"{name} on 2 ranks, rank {rank}": run
+        for rank in range(2)
+        for name, run in torch.load(tmp_path / "b" / f"resharded-rank{rank}.pt").items()
+    }
+    resumed.update({f"{name} on one process": _reshard_resume(None, path) for name, path in legacy.items()})
+    for where, run in resumed.items():
+        for got, want in zip(run["results"], straight[2:], strict=True):
+            assert (got[0], got[3], got[4]) == (want[0], want[3], want[4]), where
+            assert got[1] == pytest.approx(want[1], rel=RTOL), f"{where}: the loss of step {want[0]} differs"
+            assert got[2] == pytest.approx(want[2], rel=RTOL), f"{where}: the norm of step {want[0]} differs"
+        assert _rel(run["master"], straight_master) <= RTOL, f"{where}: the final weights differ"
+    for name in legacy:  # saved at 1 (or 2), loaded at 2, saved at 2, loaded at 1
+        back = {key: torch.empty_like(array) for key, array in arrays.items()}
+        load_checkpoint(tmp_path / "resaved" / name / "step-00000002", back)
+        assert all(torch.equal(back[key].view(torch.uint8), array.view(torch.uint8)) for key, array in arrays.items())
+    one = resumed["legacy-one on one process"]  # one process, one process's checkpoint: bit for bit
+    assert one["results"] == straight[2:] and torch.equal(one["master"], straight_master)
 
 
 def _reshard_straight() -> tuple[torch.Tensor, list[tuple]]:

@@ -110,20 +110,21 @@ def test_a_corrupt_newest_checkpoint_names_the_newest_intact_one(tmp_path: Path,
     )
     capsys.readouterr()
     newest = run / "checkpoints" / "step-00000003"
-    data = bytearray((newest / "exp_avg.bin").read_bytes())
+    shard = newest / "shard-00000-of-00001.bin"
+    data = bytearray(shard.read_bytes())
     data[-1] ^= 0x10
-    (newest / "exp_avg.bin").write_bytes(bytes(data))
+    shard.write_bytes(bytes(data))
     intact = run / "checkpoints" / "step-00000002"
     assert main(["train", "--resume", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert f"checkpoint {newest} is corrupt (exp_avg.bin fails its checksum in block 0" in err[0]
+    assert f"checkpoint {newest} is corrupt (shard-00000-of-00001.bin fails its checksum in block 0" in err[0]
     assert f"the newest intact one is {intact}: resume from it with --resume {intact}" in err[0]
-    (newest / "master.bin").write_bytes(b"")  # `slide export` reads the master only: make that bad too
+    shard.write_bytes(b"")  # `slide export` reads the master only: make that bad too
     out = tmp_path / "out"
     assert main(["export", str(run), str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "master.bin is 0 bytes, expected" in err[0], err
+    assert len(err) == 1 and "shard-00000-of-00001.bin is 0 bytes, expected" in err[0], err
     assert f"the newest intact one is {intact}: export it with `slide export {intact} {out}`" in err[0]
     assert main(["export", str(intact), str(out)]) == 0
 
@@ -159,20 +160,20 @@ def _pruned_while_read(monkeypatch, victim: Path, *, at_once: bool) -> None:
     import shutil
     import threading
 
-    import slide_core.sharded_checkpoint as sharded
+    import slide_core.checkpoint as checkpoint
 
-    real = sharded.load_gathered
+    real = checkpoint.load_checkpoint
 
-    def load(path, tensors, numels):
+    def load(path, tensors, **options):
         if Path(path) == victim and victim.exists():
             if at_once:
                 shutil.rmtree(victim)
             else:
-                (victim / "master.bin").unlink()
+                (victim / "shard-00000-of-00001.bin").unlink()
                 threading.Timer(0.3, shutil.rmtree, (victim,)).start()
-        return real(path, tensors, numels)
+        return real(path, tensors, **options)
 
-    monkeypatch.setattr(sharded, "load_gathered", load)
+    monkeypatch.setattr(checkpoint, "load_checkpoint", load)
 
 
 @pytest.mark.parametrize("at_once", [False, True])
@@ -211,8 +212,8 @@ def test_a_named_checkpoint_pruned_while_read_is_one_line(three_checkpoints: Pat
 
 def test_a_damaged_checkpoint_of_an_idle_run_is_still_corrupt(three_checkpoints: Path, tmp_path: Path, capsys):
     newest = three_checkpoints / "checkpoints" / "step-00000003"
-    (newest / "master.bin").unlink()
+    (newest / "shard-00000-of-00001.bin").unlink()
     capsys.readouterr()
     assert main(["export", str(three_checkpoints), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"checkpoint {newest} is corrupt (master.bin is missing)" in err[0], err
+    assert len(err) == 1 and f"checkpoint {newest} is corrupt (shard-00000-of-00001.bin is missing)" in err[0], err

@@ -132,10 +132,10 @@ def test_slide_train_in_two_processes_matches_one_process(two_ranks: Path, tmp_p
     for step in (2, STEPS):
         checkpoint = dp / "checkpoints" / f"step-{step:08d}"
         manifest = read_state(checkpoint)
-        assert (manifest["step"], manifest["extra"]["world_size"]) == (step, 2)
-        shards = [read_state(checkpoint / f"rank-{rank}")["files"]["master.bin"]["numel"] for rank in range(2)]
-        whole = read_state(one / "checkpoints" / f"step-{step:08d}")["files"]["master.bin"]["numel"]
-        assert sum(shards) == whole and 0 < shards[1] <= shards[0]
+        assert (manifest["step"], manifest["world_size"]) == (step, 2)
+        shards = [sum(hi - lo for lo, hi in shard["parts"]["master"]["intervals"]) for shard in manifest["shards"]]
+        whole = read_state(one / "checkpoints" / f"step-{step:08d}")["arrays"]["master"]["numel"]
+        assert sum(shards) == whole == manifest["arrays"]["master"]["numel"] and 0 < shards[1] <= shards[0]
     assert (dp / "options.json").is_file() and (dp / "train.log").is_file()
     assert not list((dp / "checkpoints").glob(".tmp-*"))
 
@@ -144,7 +144,7 @@ def test_slide_train_in_two_processes_matches_one_process(two_ranks: Path, tmp_p
 def test_one_process_under_torchrun_runs_the_collective_path(tmp_path: Path) -> None:
     """torchrun with one process (its variables set, WORLD_SIZE=1) opens a group and runs the sharded path
     with one shard per unit (Note [One rank under torchrun]): the same losses and exported weights as the
-    plain single process, and data-parallel checkpoints (a manifest and one rank's shards)."""
+    plain single process, and the same checkpoint layout (a manifest and one shard of every unit whole)."""
     ((code, err),) = _slide_train(tmp_path / "plain", 2, 1)
     assert code == 0, err[-3000:]
     ((code, err),) = _slide_train(tmp_path / "launched", 2, 1, launched=True)
@@ -155,9 +155,9 @@ def test_one_process_under_torchrun_runs_the_collective_path(tmp_path: Path) -> 
     for name, tensor in want.items():
         assert float((got[name] - tensor).norm() / tensor.norm()) <= 1e-6, name
     checkpoint = launched / "checkpoints" / f"step-{STEPS:08d}"
-    assert read_state(checkpoint)["extra"]["world_size"] == 1
-    assert "master.bin" in read_state(checkpoint / "rank-0")["files"]
-    assert "master.bin" in read_state(plain / "checkpoints" / f"step-{STEPS:08d}")["files"]
+    plain_checkpoint = plain / "checkpoints" / f"step-{STEPS:08d}"
+    assert read_state(checkpoint)["world_size"] == read_state(plain_checkpoint)["world_size"] == 1
+    assert sorted(p.name for p in checkpoint.iterdir()) == sorted(p.name for p in plain_checkpoint.iterdir())
 
 
 @pytest.mark.gpu
@@ -206,7 +206,7 @@ def test_one_process_resumes_a_checkpoint_of_two(two_ranks: Path, tmp_path: Path
     want, got = _weights(two_ranks), _weights(alone)
     for name, tensor in want.items():
         assert float((got[name] - tensor).norm() / tensor.norm()) <= 1e-5, name
-    assert "master.bin" in read_state(alone / "checkpoints" / f"step-{STEPS:08d}")["files"]  # one process's
+    assert read_state(alone / "checkpoints" / f"step-{STEPS:08d}")["world_size"] == 1  # one process's
 
 
 @pytest.mark.slow
@@ -284,8 +284,11 @@ def test_sigterm_to_one_rank_checkpoints_every_rank(tmp_path: Path) -> None:
     (step_dir,) = (run / "checkpoints").glob("step-*")
     stopped_at = read_state(step_dir)["step"]
     assert 2 <= stopped_at < 400
-    assert sorted(p.name for p in step_dir.iterdir()) == ["rank-0", "rank-1", "state.json"]
-    assert all(read_state(step_dir / f"rank-{rank}")["step"] == stopped_at for rank in range(2))
+    assert sorted(p.name for p in step_dir.iterdir()) == [
+        "shard-00000-of-00002.bin",
+        "shard-00001-of-00002.bin",
+        "state.json",
+    ]
     ((code, err),) = wait_ranks(_start_train(1, "--resume", str(run), "--steps", str(stopped_at + 2)), LAUNCH_TIMEOUT_S)
     assert code == 0, err[-3000:]
     assert [record["step"] for record in map(json.loads, metrics.read_text().splitlines()) if "loss" in record][

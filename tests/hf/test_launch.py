@@ -125,7 +125,7 @@ def test_slide_train_launches_its_ranks(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = read_state(run / "checkpoints" / "step-00000002")
-    assert manifest["extra"]["world_size"] == 2
+    assert manifest["world_size"] == 2
     assert (run / "model" / "model.safetensors").is_file()
     # rank 0 alone reports the run: one summary and one progress line per step, not one per process;
     # the ranks share the host's cores (Note [Host cores per rank])

@@ -56,7 +56,7 @@ def test_a_compact_state_run_resumes_bit_identically(tmp_path: Path, state_forma
     saved = json.loads((tmp_path / "full/checkpoints/step-00000003/state.json").read_text())
     assert saved["extra"]["config"]["optimizer_state"] == state_format
     expected_dtype = {"bf16": "bfloat16", "int8": "int8"}[state_format]
-    assert saved["files"]["exp_avg.bin"]["dtype"] == expected_dtype  # stored compact
+    assert saved["arrays"]["exp_avg"]["dtype"] == expected_dtype  # stored compact
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "full/checkpoints/step-00000003", resumed_dir / "checkpoints/step-00000003")
@@ -83,7 +83,7 @@ def test_the_cli_resumes_with_the_saved_format_and_refuses_another(tmp_path: Pat
     assert main(["train", "--output", run, "--steps", "2", "--optimizer-state", "bf16", *common]) == 0
     assert main(["train", "--resume", run, "--steps", "4"]) == 0
     saved = json.loads((tmp_path / "run/checkpoints/step-00000004/state.json").read_text())
-    assert saved["files"]["exp_avg.bin"]["dtype"] == "bfloat16"
+    assert saved["arrays"]["exp_avg"]["dtype"] == "bfloat16"
     capsys.readouterr()
     assert main(["train", "--resume", run, "--steps", "6", "--optimizer-state", "int8"]) != 0
     err = capsys.readouterr().err.strip().splitlines()

@@ -199,6 +199,7 @@ def _checksum(state: dict) -> str:
 
 
 NEWEST = "run/checkpoints/step-00000002"
+SHARD = "shard-00000-of-00001.bin"
 
 
 def _state_edit(change: Callable[[dict], None], *, keep_checksum: bool = True) -> Callable[[World], None]:
@@ -232,7 +233,9 @@ def _nan_master(world: World) -> None:
 
     checkpoint = world.user / NEWEST
     state = read_state(checkpoint)
-    arrays = {name.removesuffix(".bin"): torch.empty(meta["numel"]) for name, meta in state["files"].items()}
+    arrays = {
+        name: torch.empty(info["numel"], dtype=getattr(torch, info["dtype"])) for name, info in state["arrays"].items()
+    }
     load_checkpoint(checkpoint, arrays)
     arrays["master"][3] = float("inf")
     save_checkpoint(checkpoint.parent, state["step"], arrays, state["extra"])
@@ -596,7 +599,10 @@ CASES: list[Case] = [
         setup=_state_edit(lambda s: s.update(step="2")),
     ),
     Case(
-        "state.json files missing", RESUME, "field files must be an object", setup=_state_edit(lambda s: s.pop("files"))
+        "state.json arrays missing",
+        RESUME,
+        "field arrays must be an object",
+        setup=_state_edit(lambda s: s.pop("arrays")),
     ),
     Case(
         "state.json extra missing", RESUME, "field extra must be an object", setup=_state_edit(lambda s: s.pop("extra"))
@@ -605,7 +611,7 @@ CASES: list[Case] = [
         "state.json crc list short",
         RESUME,
         "crc32 must list",
-        setup=_state_edit(lambda s: s["files"]["master.bin"].update(crc32=[])),
+        setup=_state_edit(lambda s: s["shards"][0]["parts"]["master"].update(crc32=[])),
     ),
     Case(
         "state.json data index beyond the data",
@@ -659,17 +665,18 @@ CASES: list[Case] = [
         "checkpoint master flipped: the intact one is named",
         RESUME,
         "the newest intact one is {run}/checkpoints/step-00000001: resume from it with --resume",
-        setup=_flip_byte(f"{NEWEST}/master.bin", 7, 0x42),
+        setup=_flip_byte(f"{NEWEST}/{SHARD}", 7, 0x42),
     ),
-    Case("checkpoint master missing", RESUME, "master.bin is missing", setup=_remove(f"{NEWEST}/master.bin")),
+    Case("checkpoint shard missing", RESUME, f"{SHARD} is missing", setup=_remove(f"{NEWEST}/{SHARD}")),
+    Case("checkpoint shard truncated", RESUME, f"{SHARD} is", setup=_truncate(f"{NEWEST}/{SHARD}")),
     Case(
-        "checkpoint optimizer state truncated", RESUME, "exp_avg_sq.bin is", setup=_truncate(f"{NEWEST}/exp_avg_sq.bin")
+        "checkpoint manifest truncated", RESUME, "state.json is not valid JSON", setup=_truncate(f"{NEWEST}/state.json")
     ),
     Case(
         "every checkpoint corrupt",
         RESUME,
         "no older intact checkpoint",
-        setup=_then(_truncate(f"{NEWEST}/master.bin"), _truncate("run/checkpoints/step-00000001/master.bin")),
+        setup=_then(_truncate(f"{NEWEST}/{SHARD}"), _truncate(f"run/checkpoints/step-00000001/{SHARD}")),
     ),
     # ---- slide export ----
     Case("export source missing", ("export", "{user}/none", "{tmp}/out"), "no checkpoint found"),
@@ -688,7 +695,7 @@ CASES: list[Case] = [
         "export of a corrupt checkpoint",
         (*EXPORT, "{tmp}/out"),
         "export it with `slide export",
-        setup=_flip_byte(f"{NEWEST}/master.bin", 7, 0x42),
+        setup=_flip_byte(f"{NEWEST}/{SHARD}", 7, 0x42),
     ),
     Case("export of NaN weights", (*EXPORT, "{tmp}/out"), "holds NaN or Inf values", setup=_nan_master),
     Case(

@@ -183,7 +183,9 @@ def test_nan_weights_are_never_exported(tmp_path: Path, capsys) -> None:
     capsys.readouterr()
     checkpoint = find_latest(run)
     state = read_state(checkpoint)
-    arrays = {name.removesuffix(".bin"): torch.empty(meta["numel"]) for name, meta in state["files"].items()}
+    arrays = {
+        name: torch.empty(info["numel"], dtype=getattr(torch, info["dtype"])) for name, info in state["arrays"].items()
+    }
     load_checkpoint(checkpoint, arrays)
     arrays["master"][5] = float("nan")  # inside the embedding, the first tensor of the model
     save_checkpoint(checkpoint.parent, state["step"], arrays, state["extra"])

@@ -82,11 +82,11 @@ def test_resume_after_4_of_8_steps_is_bit_identical(tmp_path: Path, max_grad_nor
 
 def test_corrupt_checkpoint_is_named(tmp_path: Path) -> None:
     train(_config(tmp_path / "run", steps=2, save_every=2))
-    master = tmp_path / "run/checkpoints/step-00000002/master.bin"
+    master = tmp_path / "run/checkpoints/step-00000002/shard-00000-of-00001.bin"
     data = bytearray(master.read_bytes())
     data[len(data) // 2] ^= 0xFF
     master.write_bytes(bytes(data))
-    with pytest.raises(UserError, match=r"master\.bin fails its checksum"):
+    with pytest.raises(UserError, match=r"shard-00000-of-00001\.bin fails its checksum in block 0 of exp_avg"):
         train(_config(tmp_path / "again", steps=4, resume=tmp_path / "run"))
     master.write_bytes(bytes(data[:100]))
     with pytest.raises(UserError, match="truncated"):
@@ -101,16 +101,16 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path: Path) -> 
         f"""
         import time
         from pathlib import Path
-        import slide_core.checkpoint as ckpt
+        import slide_core.checkpoint.writer as ckpt
         from slide_hf.recipe import TrainConfig, train
         original = ckpt._write_source  # every array streams (Engine.checkpoint_arrays)
         calls = []
-        def slow_write(path, *args):
-            calls.append(path)
-            if "step-00000004" in str(path):
+        def slow_write(handle, *args):
+            calls.append(handle.name)
+            if "step-00000004" in str(handle.name):
                 Path({str(tmp_path / "saving")!r}).touch()
                 time.sleep(60)  # killed here, mid-save
-            return original(path, *args)
+            return original(handle, *args)
         ckpt._write_source = slow_write
         train(TrainConfig(output=Path({str(output)!r}), device="cpu", dtype="float32", steps=6, seq_len=32,
                           batch_size=2, save_every=2, lr=3e-3))

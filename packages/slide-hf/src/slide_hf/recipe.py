@@ -19,7 +19,7 @@ the HF export.
 Launched by torchrun with several processes (``WORLD_SIZE`` > 1) the same recipe runs data parallel
 (docs/distributed.md): every rank trains on its rows of each step's global batch, rank 0 alone owns the
 run directory (the lock, options.json, train.log, metrics, trackers, progress and the export), and each
-rank writes its shards into the step's checkpoint (slide_core/sharded_checkpoint.py). With one process the
+rank writes its shard file into the step's checkpoint (slide_core/checkpoint). With one process the
 recipe takes exactly the single-process path.
 """
 
@@ -54,7 +54,6 @@ from slide_core.device import Device
 from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineError
 from slide_core.optim.state_formats import StateFormatMismatch
-from slide_core.sharded_checkpoint import save_sharded_checkpoint
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
 from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import RunStopped, UserError
@@ -704,10 +703,7 @@ class _Trainer:
         state["rng"] = torch.get_rng_state().tolist()
         state["engine"] = self.engine.schedule_state()
         try:
-            if self.group is None:
-                saved = save_checkpoint(self.checkpoints, step, arrays, state)
-            else:
-                saved = save_sharded_checkpoint(self.checkpoints, step, arrays, state, self.group)
+            saved = save_checkpoint(self.checkpoints, step, arrays, state, self.group)
         except CheckpointWriteError as error:
             raise UserError(error.strerror) from error
         if self.main:
@@ -935,9 +931,9 @@ def _resume(
     Its run state is validated before any array moves (slide_hf/resume.py); a checkpoint older than the
     run's newest sets the later ones aside, so the next ``--resume`` continues this line. With data
     parallel each rank reads its own shards out of the step directory, whatever the number of processes
-    that wrote it (slide_core/sharded_checkpoint.py): a run resumes on more or fewer ranks, or on one."""
+    that wrote it (slide_core/checkpoint/reader.py): a run resumes on more or fewer ranks, or on one."""
     point = resume_point(found, state, model=run_state["model"], data_size=len(batches.dataset))
-    saved_ranks = state["extra"].get("world_size", 1)
+    saved_ranks = state["world_size"]
     world_size = 1 if group is None else group.world_size
     if saved_ranks != world_size and (group is None or group.rank == 0):
         log.info(

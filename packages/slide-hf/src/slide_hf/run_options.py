@@ -4,7 +4,7 @@ Every checkpoint carries the run's resolved options (``extra.config`` of its ``s
 run needs no flag repeated: :func:`slide_hf.options.resume_config` merges what the user passes now.
 
 A data-parallel checkpoint may be resumed by another number of processes (each reads its shards out of
-the old ranks', slide_core/sharded_checkpoint.py). What a resumed run keeps is then the global batch,
+the old ranks', slide_core/checkpoint/reader.py). What a resumed run keeps is then the global batch,
 ``--batch-size`` x processes: the saved per-process ``--batch-size`` is rescaled to this run's processes.
 """
 
@@ -27,7 +27,7 @@ def saved_options(path: Path) -> tuple[dict[str, Any], str]:
     options = state["extra"].get("config")
     if not isinstance(options, dict):
         raise UserError(f"checkpoint {checkpoint} is corrupt: state.json has no run options (extra.config)")
-    saved_ranks = state["extra"].get("world_size", 1)
+    saved_ranks = state["world_size"]  # how many processes wrote it, whatever its format
     ranks = _env_world_size()
     batch_size = options.get("batch_size")
     if saved_ranks != ranks and isinstance(batch_size, int) and isinstance(saved_ranks, int) and saved_ranks > 0:

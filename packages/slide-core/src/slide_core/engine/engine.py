@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slide_core.checkpoint import load_checkpoint
 from slide_core.device import Device
 from slide_core.host_params import HostParameters
-from slide_core.optim.state_formats import QUANT_BLOCK, StateArray, checkpoint_arrays, refuse_other_state_format
+from slide_core.optim.state_formats import QUANT_BLOCK
 from slide_core.optimizer import Optimizer
 from slide_core.tier import Tier
 from slide_core.unit import SlideModel, Unit
 
+from . import checkpointing
 from .activations import ActivationStash, TierActivationStash
 from .clip_strategy import ClipPolicy
 from .config import EngineConfig
@@ -51,7 +51,7 @@ from .micro_batch import HostMicroBatch, MicroBatchLike, split_micro_batch
 from .resident import ResidentUnits
 from .slots import ParamSlot, SlotWindow, Visit
 from .state_offload import OffloadedState
-from .state_source import StateSink, StateSource
+from .state_source import StateSource
 from .timeline import ComputeTimer, Timeline, UnitTimes
 from .unit_pipelines import UnitPipelines
 from .workers import EngineError, Workers
@@ -246,54 +246,18 @@ class Engine(Evaluation):
             workers.wait(future, f"the update of {name}")
 
     def checkpoint_arrays(self) -> dict[str, StateSource]:
-        """The arrays of a checkpoint (``save_checkpoint``): one :class:`StateSource` for the fp32 master
-        and one per optimizer state, each reading every unit where its pipeline keeps it, so a save
-        touches no host memory for device-resident and offloaded units (see state_source.py). Waits for
-        every pending update first, and copies nothing back: resident masters stay off the host.
-
-        With data parallel each array is this rank's shard of every unit, in slab order (each rank
-        writes its own checkpoint; a resume takes it back at the same world size)."""
+        """The arrays of a checkpoint (``save_checkpoint``), this rank's part of every unit, read where
+        each unit keeps them (engine/checkpointing.py). Waits for every pending update first."""
         self.wait_idle()
-        spans = self._shard_spans()
-        by_name = self.pipelines.by_name
-        return {a.name: StateSource(a.name, self.model.units, by_name, spans, a) for a in self._arrays()}
+        return checkpointing.checkpoint_sources(self.model, self.optimizer, self.pipelines)
 
     def restore_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Resume from a checkpoint written from :meth:`checkpoint_arrays`: every unit's master and Adam
-        state is streamed to where the unit keeps it (host slabs, the GPU, the state tier), block by
-        verified block, so a resume needs no more host memory than training. Call it once the engine
-        is running and before its first step; returns the checkpoint's state (its ``extra``, ``step``).
-        Raises :class:`~slide_core.checkpoint.CheckpointCorrupt` naming a bad or mismatched file.
-
-        ``path`` may also be a data-parallel step directory (``save_sharded_checkpoint``: every rank's shards
-        under a manifest) of any world size: each rank then reads its own shards out of the old ranks'
-        files (``load_resharded``), so a run resumes on another number of ranks, or on one. A
-        single-process checkpoint resumes the same way on several ranks. With data parallel ``path`` can
-        still be this rank's own checkpoint (its shards, :meth:`checkpoint_arrays`) of a run of the same
-        world size."""
+        """Resume from checkpoint ``path``, written by any number of processes (engine/checkpointing.py),
+        once the engine is running and before its first step; returns the checkpoint's state. Raises
+        :class:`~slide_core.checkpoint.CheckpointCorrupt` naming a bad or mismatched file."""
         if self.step_count or self._workers is None:
             raise EngineError("restore_checkpoint needs a running engine that has not stepped yet")
-        from slide_core.sharded_checkpoint import load_resharded, sharded_layout  # it imports distributed.py
-
-        spans = self._shard_spans()
-        refuse_other_state_format(path, self.optimizer.state_format)
-        by_name = self.pipelines.by_name
-        sinks = {a.name: StateSink(a.name, self.model.units, by_name, spans, a) for a in self._arrays()}
-        layout = sharded_layout(path)
-        whole = layout.state["files"].get("master.bin", {}).get("numel") == self.host_params.numel
-        if layout.is_manifest or (spans is not None and whole):
-            rank, world_size = (0, 1) if self._group is None else (self._group.rank, self._group.world_size)
-            numels = [unit.layout.numel for unit in self.model.units]
-            return load_resharded(path, sinks, numels, rank, world_size)
-        return load_checkpoint(path, sinks)
-
-    def _arrays(self) -> tuple[StateArray, ...]:
-        """The checkpoint's arrays: the fp32 master, then the optimizer's state as it stores it."""
-        return checkpoint_arrays(self.optimizer.state_arrays)
-
-    def _shard_spans(self) -> dict[str, tuple[int, int]] | None:
-        """This rank's shard of every unit under data parallel (None in a single-process run)."""
-        return self.pipelines.spans
+        return checkpointing.restore(path, self.model, self.optimizer, self.pipelines)
 
     def schedule_state(self) -> dict[str, int | bool]:
         """What a bit-identical resume needs besides the checkpoint's arrays: the Adam step counter, the

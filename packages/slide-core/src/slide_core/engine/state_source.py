@@ -55,6 +55,8 @@ class _PlacedArray:
             for unit in self._units
         ]
         self._numel_of = {unit.name: length for unit, length in zip(self._units, self._lengths, strict=True)}
+        self.whole_numel, self.intervals = _placement(array, self._units, spans)
+        """The whole array's size and the ranges of it this array holds (a checkpoint ``Shard``)."""
         self._starts = []
         total = 0
         for length in self._lengths:
@@ -104,6 +106,18 @@ class StateSink(_PlacedArray):
             if filled == self._numel_of[unit.name]:
                 self._filling = None
                 pipeline.restored(unit, self.name, target)
+
+
+def _placement(
+    array: StateArray, units: Sequence[Unit], spans: Mapping[str, tuple[int, int]] | None
+) -> tuple[int, list[tuple[int, int]]]:
+    """``(entries of the whole array, the ranges [start, stop) of them that ``spans`` of each unit hold)``."""
+    intervals, start = [], 0
+    for unit in units:
+        held = slice(0, array.numel(unit.layout.numel)) if spans is None else array.range(*spans[unit.name])
+        intervals.append((start + held.start, start + held.stop))
+        start += array.numel(unit.layout.numel)
+    return start, intervals
 
 
 def _length(entries: slice[int, int, int | None]) -> int:

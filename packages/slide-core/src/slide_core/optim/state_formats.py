@@ -442,15 +442,15 @@ def _check_blocks(numel: int) -> None:
 
 def checkpoint_state_format(path: Path) -> str | None:
     """The optimizer state format a checkpoint directory was written with, read from the dtype of its
-    ``exp_avg`` file (None when it has none, e.g. a data-parallel manifest); every checkpoint records it
-    so, fp32 ones from before compact formats existed included."""
+    ``exp_avg`` array (None when it lists none, e.g. a data-parallel manifest of format 2); every
+    checkpoint records it so, fp32 ones from before compact formats existed included."""
     from slide_core.checkpoint import CheckpointCorrupt, read_state
 
     try:
-        files = read_state(path).get("files", {})
+        state = read_state(path)
     except CheckpointCorrupt:  # loading it names the fault
         return None
-    meta = files.get("exp_avg.bin") if isinstance(files, dict) else None
+    meta = state["arrays"].get("exp_avg") if "arrays" in state else state["files"].get("exp_avg.bin")
     if not isinstance(meta, dict):
         return None
     return _FORMAT_OF_DTYPE.get(str(meta.get("dtype")))

@@ -55,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from slide_core import HostParameters
-    from slide_core.checkpoint import CheckpointCorrupt, find_latest, list_checkpoints
-    from slide_core.sharded_checkpoint import load_gathered
+    from slide_core.checkpoint import CheckpointCorrupt, find_latest, list_checkpoints, load_checkpoint
     from slide_hf import build_model, load_config
     from slide_hf.errors import UserError
     from slide_hf.resume import corrupt_message
@@ -92,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     gone: set[Path] = set()
     while True:
         try:
-            state = load_gathered(checkpoint, {"master": host.slab}, numels)
+            state = load_checkpoint(checkpoint, {"master": host.slab}, unit_numels=numels)
             break
         except (CheckpointCorrupt, FileNotFoundError) as error:
             if not _vanished(checkpoint, run_dir):
