@@ -268,8 +268,8 @@ class TrainConfig:
     )
     offload_optimizer: str = option(
         "ram",
-        help="the tier for the Adam state of --nvme-fraction of the units, one of {choices} (default ram: host "
-        "RAM, nothing offloaded)",
+        help="the tier for the Adam state of --nvme-fraction of the units, one of {choices} (default ram); ram "
+        "keeps it in host RAM beside the master, nothing offloaded",
         commands=EVERY,
         plugins="slide.tiers",
         builtin=("ram",),
