@@ -108,7 +108,7 @@ def _direct_tier() -> type[Tier] | None:
     passed over: it is only a faster way to the same disk)."""
     for name in plugins.available("slide.tiers"):
         try:
-            candidate = plugins.load("slide.tiers", name, expected=Tier)
+            candidate: type[Tier] = plugins.load("slide.tiers", name, expected=Tier)
         except plugins.PluginError:
             continue
         if _is_direct(candidate):

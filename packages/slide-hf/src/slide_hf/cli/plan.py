@@ -50,7 +50,7 @@ EPILOG = textwrap.dedent(
 )
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     from slide_hf.options import add_options
 
     parser = subparsers.add_parser(
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     optimizer = _optimizer_class(cfg.optimizer)
     if cfg.optimizer_state != "fp32":  # compact moments are kept by CompactAdamW (slide_core's build_optimizer)
         optimizer = f"CompactAdamW ({'numba kernels' if optimizer == 'FusedAdamW' else 'torch ops'})"
-    gpu_cap, gpu_source = _gpu_budget(cfg.gpu_memory, cfg.device)
+    gpu_cap, gpu_source = _gpu_budget(None if cfg.gpu_memory is None else str(cfg.gpu_memory), cfg.device)
     if args.host_memory is not None:
         host_cap, host_source = parse_size(args.host_memory, what="--host-memory"), "allowed by --host-memory"
     else:
@@ -208,7 +208,7 @@ def _optimizer_class(name: str) -> str:
     if name == AUTO:
         name = auto_optimizer_name()
     try:
-        return plugins.load("slide.optimizers", name, expected=Optimizer).__name__
+        return str(plugins.load("slide.optimizers", name, expected=Optimizer).__name__)
     except plugins.PluginError as error:
         raise UserError(f"--optimizer {name}: {error}") from None
 

@@ -24,7 +24,7 @@ EPILOG = """examples:
 """
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from slide_hf.options import add_options
     from slide_hf.sizes import SIZE_RULE
 

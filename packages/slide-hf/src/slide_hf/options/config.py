@@ -8,6 +8,8 @@ are refused for every float, every integer has a range the code behind it can ho
 cross-option rules through :meth:`TrainConfig.validate`.
 """
 
+# ruff: noqa: RUF009 -- `option(...)` returns a dataclasses.field (slide_hf/options/schema.py), not a shared default
+
 from __future__ import annotations
 
 import math
@@ -97,14 +99,14 @@ class TrainConfig:
         metavar="SIZE",
     )
     output: Path | None = option(None, help="output directory (default runs/<timestamp>-<suffix>)")
-    overwrite: bool = option(
-        False, help="reuse a non-empty --output, replacing slide's files", action="store_true"
-    )
+    overwrite: bool = option(False, help="reuse a non-empty --output, replacing slide's files", action="store_true")
     device: str = option(
         "auto",
         help="compute device, one of {choices} (default auto: cuda, rocm on a HIP build of torch, else cpu)",
-        helps={"plan": "the device whose memory is the GPU budget without --gpu-memory, one of {choices} "
-               "(default auto, as slide train)"},
+        helps={
+            "plan": "the device whose memory is the GPU budget without --gpu-memory, one of {choices} "
+            "(default auto, as slide train)"
+        },
         commands=EVERY,
         plugins="slide.devices",
         builtin=("auto",),
@@ -127,9 +129,7 @@ class TrainConfig:
         commands=EVERY,
         rule=Rule("int", 2, 2**24),
     )
-    packing: bool = option(
-        True, help="one example per row (padded)", flag="--no-packing", action="store_false"
-    )
+    packing: bool = option(True, help="one example per row (padded)", flag="--no-packing", action="store_false")
     train_on_inputs: bool = option(False, help="loss on prompts and user turns too", action="store_true")
     chat_template: str | None = option(
         None, help="chat template file (.jinja) or a bundled name, instead of the tokenizer's"
@@ -158,9 +158,7 @@ class TrainConfig:
     lr: float | None = option(
         None, help="peak learning rate (default 1e-3 for presets, 2e-5 for checkpoints)", rule=Rule("float", 0)
     )
-    weight_decay: float = option(
-        0.0, help="AdamW weight decay on >= 2-dim params (default 0)", rule=Rule("float", 0)
-    )
+    weight_decay: float = option(0.0, help="AdamW weight decay on >= 2-dim params (default 0)", rule=Rule("float", 0))
     optimizer: str = option(
         "auto",
         help="host AdamW, one of {choices} (default auto: fused-adamw when numba runs here, else torch-adamw; "
@@ -183,8 +181,7 @@ class TrainConfig:
     adam_eps: float = option(1e-8, help="default {default}", rule=Rule("float", FP32_TINY, 1))
     lr_schedule: LrSchedule = option(
         LrSchedule.LINEAR,
-        help="default {default}; wsd: warmup, stable at --lr, then a decay over the last --decay-fraction of the "
-        "steps",
+        help="default {default}; wsd: warmup, stable at --lr, then a decay over the last --decay-fraction of the steps",
         choices=LrSchedule,
     )
     warmup_steps: int = option(0, help="linear warmup steps (default 0)", rule=Rule("int", 0, INT_MAX))
@@ -214,9 +211,7 @@ class TrainConfig:
     )
     seed: int = option(0, help="seed for init and shuffling (default 0)", rule=Rule("int", 0, INT_MAX))
     no_shuffle: bool = option(False, help="keep file order", action="store_true")
-    eval_data: Path | None = option(
-        None, help="held-out data in any --data format, evaluated every --eval-every steps"
-    )
+    eval_data: Path | None = option(None, help="held-out data in any --data format, evaluated every --eval-every steps")
     eval_fraction: float = option(
         0.0,
         help="hold out this fraction of --data's examples instead",
@@ -233,9 +228,7 @@ class TrainConfig:
         action="store_true",
     )
     metrics: Path | None = option(None, help="JSON Lines metrics file (default <output>/metrics.jsonl)")
-    report_to: tuple[str, ...] = option(
-        (), help=f"also log to these trackers, comma-separated: {', '.join(REPORTERS)}"
-    )
+    report_to: tuple[str, ...] = option((), help=f"also log to these trackers, comma-separated: {', '.join(REPORTERS)}")
     log_every: int = option(
         1,
         help="write a plain progress line every N steps when not on a terminal (default 1)",
@@ -389,9 +382,7 @@ def train_options() -> tuple[Declared, ...]:
 
 _TRAIN_OPTIONS = declared(TrainConfig)
 _BY_NAME = {item.name: item for item in _TRAIN_OPTIONS}
-RULES: dict[str, Rule] = {
-    item.name: rule for item in _TRAIN_OPTIONS if (rule := item.spec.value_rule()) is not None
-}
+RULES: dict[str, Rule] = {item.name: rule for item in _TRAIN_OPTIONS if (rule := item.spec.value_rule()) is not None}
 """Option name (underscored, as in TOML and the Python API) -> what one value accepts. ``None`` always
 passes where the field allows it (``steps``, ``epochs``, ``lr``: "choose for me")."""
 _PATH_FIELDS = frozenset({"tokenizer", "output", "eval_data", "metrics", "resume", "nvme_dir"})
@@ -446,8 +437,7 @@ def _normalise_data(cfg: TrainConfig) -> None:
             value = math.nan
         if not math.isfinite(value) or value <= 0:
             raise UserError(
-                f"{spelled('data_weights')} must be positive finite numbers, one per {spelled('data')}, "
-                f"got {weight!r}"
+                f"{spelled('data_weights')} must be positive finite numbers, one per {spelled('data')}, got {weight!r}"
             )
         parsed.append(value)
     if len(parsed) != len(paths):

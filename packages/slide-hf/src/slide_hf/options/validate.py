@@ -51,7 +51,9 @@ def _weight_decay(cfg: TrainConfig, world_size: int) -> None:
 
 def _one_eval_source(cfg: TrainConfig, world_size: int) -> None:
     if cfg.eval_data is not None and cfg.eval_fraction > 0:
-        raise UserError(f"{option('eval_data')} and {option('eval_fraction')} both choose the evaluation data; give one")
+        raise UserError(
+            f"{option('eval_data')} and {option('eval_fraction')} both choose the evaluation data; give one"
+        )
 
 
 def _best_needs_eval(cfg: TrainConfig, world_size: int) -> None:
