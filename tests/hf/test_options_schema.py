@@ -61,11 +61,12 @@ def _sample(item: Declared) -> Any:
     """A TOML value of the option's type (the default where TOML can hold it)."""
     if item.default is not None and not isinstance(item.default, tuple):
         return item.default.value if hasattr(item.default, "value") else item.default
-    members = typing.get_args(item.hint) or (item.hint,)
+    is_tuple = typing.get_origin(item.hint) is tuple
+    members = (item.hint,) if is_tuple else typing.get_args(item.hint) or (item.hint,)
     if any(typing.get_origin(m) is tuple for m in members):
         inner = typing.get_args(next(m for m in members if typing.get_origin(m) is tuple))[0]
         return [1.0] if inner is float else ["tensorboard"] if inner is str else ["a.jsonl"]
-    return 1 if int in members and str not in members else "x"
+    return 1 if (int in members or float in members) and str not in members else "x"
 
 
 @pytest.mark.parametrize("item", train_options(), ids=lambda item: item.name)
