@@ -118,7 +118,7 @@ def make_device(name: str, memory_limit_bytes: int | None = None, *, index: int 
         raise UserError(f"{option('device', name)}: {error}") from None
     where = {"index": index} if index else {}
     try:
-        device = device_class(memory_limit_bytes=memory_limit_bytes, **where)
+        device: Device = device_class(memory_limit_bytes=memory_limit_bytes, **where)
     except TypeError:
         if not where:
             raise
@@ -296,6 +296,6 @@ def flops_per_token(config: Any, params: int, seq_len: int) -> float:
 
     The engine's recompute forward is not counted, so TFLOPS compares fairly with a run that keeps its
     activations (`slide bench`'s plain PyTorch reference is credited the same work)."""
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0))
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0))
     return 6.0 * params + 12.0 * layers * hidden * seq_len

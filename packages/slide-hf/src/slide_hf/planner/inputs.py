@@ -156,7 +156,7 @@ def _attention_widths(config: Any, heads: int, default_head_dim: int) -> tuple[i
     """
     layers = getattr(config, "per_layer_config", None) if config is not None else None
     count = int(getattr(config, "num_hidden_layers", 0) or 0) if layers is not None else 0
-    views = [layers[i] for i in range(count)] if count else [config]
+    views = [layers[i] for i in range(count)] if count and layers is not None else [config]
     widths = []
     for view in views:
         head_dim = int(_first(view, ("head_dim",), default_head_dim))
