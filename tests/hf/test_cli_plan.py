@@ -67,7 +67,8 @@ def test_plan_seq_len_defaults_to_2048_or_the_models_context_length(slide):
 
 @pytest.mark.parametrize("dtype", [None, "bf16", "bfloat16"])
 def test_plan_split_master_in_bf16_either_spelling(slide, dtype):
-    """`--master split` plans in bf16, the default, whichever way the dtype is written; fp32 is one line."""
+    """`--master split` plans in bf16, the default, whichever way the dtype is written; fp32 is one line, the
+    same `slide train` prints (one rule, slide_hf/options/validate.py)."""
     spelled = () if dtype is None else ("--dtype", dtype)
     status, out, err = slide(
         "plan", "--model", "tiny-llama", "--seq-len", "128", "--master", "split", *spelled, "--json"
@@ -75,7 +76,7 @@ def test_plan_split_master_in_bf16_either_spelling(slide, dtype):
     assert status == 0, err
     assert json.loads(out)["master"] == "split"
     status, _, err = slide("plan", "--model", "tiny-llama", "--master", "split", "--dtype", "fp32")
-    assert status == 2 and err.strip().endswith("so it needs --dtype bf16, got fp32")
+    assert status == 2 and err.strip().endswith("so it needs --dtype bfloat16, got float32; use --master fp32 or auto")
 
 
 def test_plan_tiny_llama_json(slide):

@@ -66,11 +66,13 @@ def test_a_run_takes_its_devices_attention():
 
 def test_block_inputs_go_to_the_devices_tier(tmp_path):
     pytest.importorskip("slide_io")
+    from slide_core.tiers.host_ram import HostRamTier
+
     with _PolicyDevice(tier="nvme") as device:
-        tier = open_activation_tier(tmp_path, device)
+        tier = open_activation_tier(HostRamTier, tmp_path, device)  # the device's choice wins
         try:
             assert tier.name == "nvme"
         finally:
             tier.close()
         with _PolicyDevice(tier="no-such-tier") as other, pytest.raises(UserError, match="policy asks for"):
-            open_activation_tier(tmp_path, other)
+            open_activation_tier(HostRamTier, tmp_path, other)

@@ -23,7 +23,7 @@ from slide_hf.recipe import TrainSummary
 from slide_hf.recipe import train as run_training
 from slide_hf.spelling import keyword_spelling
 
-__all__ = ["train"]
+__all__ = ["train", "train_config"]
 
 Record = dict[str, Any]
 
@@ -65,6 +65,16 @@ def _train(
     on_eval: Callable[[Record], None] | None,
     options: dict[str, Any],
 ) -> TrainSummary:
+    return run_training(train_config(model, data, **options), on_step=on_step, on_eval=on_eval)
+
+
+def train_config(
+    model: str | Path = "tiny-llama", data: str | Path | Sequence[str | Path] | None = None, **options: Any
+) -> TrainConfig:
+    """The run's options as :func:`train` takes them (its keywords are :class:`TrainConfig`'s options,
+    slide_hf/options/config.py), checked by the same rules as `slide train`'s flags; ``resume=`` restores
+    the saved run's options first. Call it inside :func:`~slide_hf.spelling.keyword_spelling` for messages
+    that name keywords."""
     given: dict[str, Any] = {"model": str(model), **options}
     if data is not None:
         given["data"] = data
@@ -74,10 +84,8 @@ def _train(
         if model == "tiny-llama":
             given.pop("model")  # the default: take the saved run's model
         saved, source = saved_options(Path(given["resume"]))
-        cfg = resume_config(saved, given, source=source)
-    else:
-        try:
-            cfg = TrainConfig(**given)
-        except TypeError as error:
-            raise TypeError(f"slide_hf.train: {error}") from None
-    return run_training(cfg, on_step=on_step, on_eval=on_eval)
+        return resume_config(saved, given, source=source)
+    try:
+        return TrainConfig(**given)
+    except TypeError as error:
+        raise TypeError(f"slide_hf.train: {error}") from None

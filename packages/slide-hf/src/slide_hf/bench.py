@@ -56,10 +56,11 @@ class BenchConfig:
     block_slots: int = 2
     compare_plain: bool = False
     trace_dir: Path | None = None
-    device: str = "auto"  # a slide.devices plugin, as `slide train --device`
-    optimizer: str = "auto"  # a slide.optimizers plugin, as `slide train --optimizer`
-    optimizer_state: str = "fp32"  # as `slide train --optimizer-state`
-    master: str = "fp32"  # as `slide train --master`
+    # The engine's options below are named and mean what slide_hf/options declares for `slide train`.
+    device: str = "auto"
+    optimizer: str = "auto"
+    optimizer_state: str = "fp32"
+    master: str = "fp32"
     max_grad_norm: float = 0.0
     offload_optimizer: str = "ram"  # a slide.tiers plugin for the Adam state of nvme_fraction of the units
     nvme_dir: Path | None = None

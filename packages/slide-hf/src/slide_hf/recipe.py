@@ -59,7 +59,7 @@ from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.launch import host_cores_for_this_run, share_host_cores
-from slide_hf.options import TrainConfig, check_adamw, check_data_parallel, config_dict, data_sources, default_lr
+from slide_hf.options import TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.planner import output_disk as disk
 from slide_hf.progress import Progress
 from slide_hf.resume import (
@@ -77,7 +77,6 @@ from slide_hf.setup import (
     EngineParts,
     Placement,
     RunOptions,
-    check_nvme_dir,
     flops_per_token,
     make_device,
     make_optimizer,
@@ -139,7 +138,7 @@ def train(
     The output directory is this run's alone while it runs (slide_hf/run_dir.py): locked, refused when it
     holds another run unless resuming or ``overwrite``, and a resumed run defaults to its own directory."""
     group = _process_group(cfg)
-    check_data_parallel(cfg.optimizer_state, group.world_size)
+    cfg.validate(group.world_size)  # the options' rules for this many processes (slide_hf/options/validate.py)
     if group.is_distributed:  # before numba is imported: Note [Host cores per rank] in launch.py
         on_host = os.environ.get("LOCAL_WORLD_SIZE", "")
         ranks_on_host = int(on_host) if on_host.isdigit() and int(on_host) > 0 else group.world_size
@@ -180,7 +179,6 @@ def _train(
     # Resume: the checkpoint's run state (state.json only) before the data, whose schedule it continues.
     resumed = checkpoint_to_resume(cfg.resume) if cfg.resume is not None else None
     data = _setup_data_once(cfg, model, run_dir.path, group, resumed)
-    check_nvme_dir(options)  # before the device: a missing --nvme-dir is the user's to fix, not the machine's
     device = _setup_device(options, group)
     optimizer = _setup_optimizer(cfg, options)
     if main:
@@ -502,7 +500,7 @@ def _setup_engine(
     """The tiers (each tier that keeps files gets its own locked folder in --nvme-dir) and the engine."""
 
     def scratch() -> Path:
-        assert options.nvme_dir is not None  # check_nvme_dir refused a tier on disk without it
+        assert options.nvme_dir is not None  # the options' rules refused a tier on disk without it
         # Each rank its own folder: a rank clearing a killed run's scratch never meets another's new one.
         own = options.nvme_dir if group is None else options.nvme_dir / f"rank-{group.rank}"
         return run_dir.scratch(own)

@@ -12,7 +12,8 @@ too. Each choice a user names is an entry point, loaded through :mod:`slide_core
 - ``--optimizer NAME`` (``slide.optimizers``): ``auto`` is the fused one-pass AdamW when numba runs here,
   else torch's (:func:`slide_core.optim.build_optimizer`).
 
-Nothing here parses flags or prints; an error the user can fix is a one-line ``UserError`` naming the flag.
+Nothing here parses flags or prints; the options arrive checked (slide_hf/options), and an error the user can
+fix here (a plugin that does not load, a tier that cannot open) is a one-line ``UserError`` naming the option.
 """
 
 from __future__ import annotations
@@ -37,14 +38,20 @@ from slide_core.tier import Tier, TierRequest
 from slide_hf.defaults import DEFAULT_SEQ_LEN
 from slide_hf.device_defaults import apply_device_defaults
 from slide_hf.errors import UserError
-from slide_hf.offload import offloaded_units, open_activation_tier, open_tier, planning_kind, state_tier_class
+from slide_hf.offload import (
+    activation_tier_class,
+    offloaded_units,
+    open_activation_tier,
+    open_tier,
+    planning_kind,
+    state_tier_class,
+)
 from slide_hf.spelling import option
 
 __all__ = [
     "EngineParts",
     "Placement",
     "RunOptions",
-    "check_nvme_dir",
     "flops_per_token",
     "make_device",
     "make_optimizer",
@@ -57,7 +64,8 @@ log = logging.getLogger("slide.setup")
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What `slide train` and `slide bench` decide the same way, with their flag names."""
+    """What `slide train` and `slide bench` decide the same way, named as their options are (slide_hf/options),
+    already checked there: the engine-facing part of a run's options."""
 
     device: str = "auto"
     gpu_memory_bytes: int | None = None
@@ -111,7 +119,7 @@ def make_device(name: str, memory_limit_bytes: int | None = None, *, index: int 
         raise UserError(f"{option('device', name)}: {error}") from None
     where = {"index": index} if index else {}
     try:
-        device = device_class(memory_limit_bytes=memory_limit_bytes, **where)
+        device: Device = device_class(memory_limit_bytes=memory_limit_bytes, **where)
     except TypeError:
         if not where:
             raise
@@ -136,21 +144,6 @@ def make_optimizer(name: str, adam: AdamWConfig) -> Optimizer:
 
 
 # -- plan and placement ------------------------------------------------------------------------------------
-def check_nvme_dir(options: RunOptions) -> None:
-    """Refuse, before anything is built, a tier on disk without ``--nvme-dir`` (one line naming the flag)."""
-    kinds = (
-        (
-            option("offload_optimizer"),
-            options.offload_optimizer,
-            planning_kind(state_tier_class(options.offload_optimizer)),
-        ),
-        (option("offload_activations"), options.offload_activations, options.offload_activations),
-    )
-    for flag, name, kind in kinds:
-        if kind == "nvme" and options.nvme_dir is None:
-            raise UserError(f"{flag} {name} needs {option('nvme_dir', 'PATH')} (a directory on a fast local disk)")
-
-
 def place_units(
     model: Any,
     device: Device,
@@ -162,7 +155,7 @@ def place_units(
     """Check the run fits (host RAM, GPU budget) before anything is allocated, then choose the units that
     live on the GPU (``resident_bytes`` of them, else whatever the GPU budget leaves spare) and those whose
     Adam state goes to the ``--offload-optimizer`` tier. ``optimizer``: the run's, whose device replica's
-    scratch the plan prices (None: the shipped one for ``--optimizer-state``)."""
+    scratch the plan prices (None: the shipped one for ``options.optimizer_state``)."""
     from slide_core.engine.placement import choose_resident_units
     from slide_hf.planner import (
         PlanInputs,
@@ -188,7 +181,7 @@ def place_units(
         clipping=options.max_grad_norm > 0,
         offload_optimizer=planning_kind(tier_class),
         nvme_fraction=options.nvme_fraction,
-        offload_activations=options.offload_activations,
+        offload_activations=planning_kind(activation_tier_class(options.offload_activations)),
         optimizer_state=options.optimizer_state,
         optimizer=optimizer,
     )
@@ -279,8 +272,9 @@ def open_engine(
             where = f" ({options.nvme_dir})" if tier_class.on_disk else ""
             log.info("Adam state on the %s tier%s for %d units", state_tier.name, where, len(placement.offloaded))
         activation_tier = None
-        if options.offload_activations == "nvme":
-            activation_tier = open_activation_tier(scratch(), device)
+        on_disk = activation_tier_class(options.offload_activations)  # None: the engine's host stash
+        if on_disk is not None:
+            activation_tier = open_activation_tier(on_disk, scratch(), device)
             opened.callback(activation_tier.close)
             log.info("block inputs on the %s tier in %s", activation_tier.name, options.nvme_dir)
         engine = Engine(
@@ -304,6 +298,6 @@ def flops_per_token(config: Any, params: int, seq_len: int) -> float:
 
     The engine's recompute forward is not counted, so TFLOPS compares fairly with a run that keeps its
     activations (`slide bench`'s plain PyTorch reference is credited the same work)."""
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0))
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0))
     return 6.0 * params + 12.0 * layers * hidden * seq_len

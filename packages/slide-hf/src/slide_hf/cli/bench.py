@@ -11,10 +11,10 @@ import json
 import tempfile
 from pathlib import Path
 
-from slide_hf.defaults import DEFAULT_SEQ_LEN
 from slide_hf.errors import UserError
-from slide_hf.options import Rule, check_option, installed_names
+from slide_hf.options import Rule
 from slide_hf.sizes import SIZE_RULE, parse_size
+from slide_hf.spelling import option
 
 EPILOG = """examples:
   slide bench --model llama3.2-3b --batch-size 16 --seq-len 1024 --compare plain
@@ -24,7 +24,9 @@ EPILOG = """examples:
 """
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from slide_hf.options import add_options
+
     parser = commands.add_parser(
         "bench",
         help="timed training steps, optionally against plain PyTorch",
@@ -32,66 +34,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=EPILOG + "\n" + SIZE_RULE + "\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_options(parser, "bench")  # the options it shares with `slide train`, as slide_hf/options/config.py declares
     add = parser.add_argument
-    add("--model", default="llama3.2-3b", help="preset or HF model directory (default llama3.2-3b)")
-    add("--batch-size", type=int, default=16)
-    add(
-        "--seq-len",
-        type=int,
-        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's context length if shorter)",
-    )
-    add("--steps", type=int, default=6, help="timed steps including warmup (default 6)")
     add("--warmup", type=int, default=2, help="steps excluded from the median (default 2)")
-    add("--gpu-memory", help="GPU cap for the engine, e.g. 24 (GiB), 24GiB or 80GB (default: the whole card)")
     add("--resident-gib", type=float, help="GPU GiB for device-resident units (default: what the cap leaves)")
     add(
         "--no-grad-norm",
         action="store_true",
         help="do not report each step's gradient norm (as slide train with --grad-accum > 1 and no clipping)",
     )
-    add("--block-slots", type=int, default=2)
     add(
         "--layers",
         type=int,
         help="run only the model's first N decoder layers, with every shape unchanged: per-layer speed of a "
         "model whose whole state does not fit this host (default: all layers)",
     )
-    add(
-        "--device",
-        metavar="NAME",
-        default="auto",
-        help=f"compute device, one of {installed_names('device')} (default auto, as slide train)",
-    )
-    add(
-        "--optimizer",
-        metavar="NAME",
-        default="auto",
-        help=f"host AdamW, one of {installed_names('optimizer')} (default auto, as slide train; "
-        "torch and fused are short for torch-adamw and fused-adamw)",
-    )
-    add(
-        "--optimizer-state",
-        choices=("fp32", "bf16", "int8"),
-        default="fp32",
-        help="how AdamW keeps exp_avg and exp_avg_sq between steps: fp32 (exact, 8 B/param), bf16 (4 B/param) or "
-        "int8 (~2 B/param), stochastically rounded (default fp32)",
-    )
-    add(
-        "--master",
-        choices=("auto", "fp32", "split"),
-        default="fp32",
-        help="how the host stores the fp32 master: split (a bf16 plane the GPU copies as it is, half the host-to-device bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32 (default), or auto (split when it can run)",
-    )
-    add("--max-grad-norm", type=float, default=0.0, help="exact global clipping (default 0 = off)")
-    add(
-        "--offload-optimizer",
-        metavar="NAME",
-        default="ram",
-        help=f"the tier for the Adam m and v of --nvme-fraction of the units, one of "
-        f"{installed_names('offload_optimizer')} (default ram)",
-    )
-    add("--nvme-dir", type=Path, help="directory on NVMe for offloaded state")
-    add("--nvme-fraction", type=float, default=1.0, help="fraction of units whose state goes to NVMe (default 1.0)")
     add("--compare", choices=("plain",), help="also run plain PyTorch in the same invocation")
     add("--trace", type=Path, help="write trace.json (Chrome) and timeline.png of the last step here")
     add("--json", type=Path, help="also write the result to this file")
@@ -99,35 +56,36 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slide_hf.bench import BenchConfig, run_bench
-    from slide_hf.setup import check_nvme_dir
+    from slide_hf.options import TrainConfig, given_options
 
-    args.optimizer = OPTIMIZER_ALIASES.get(args.optimizer, args.optimizer)
+    # The options shared with `slide train`, by its rules; then the benchmark's own numbers.
+    options = TrainConfig.for_command("bench", **given_options(args, "bench"))
     _check_options(args)
-    if args.steps <= args.warmup:
-        raise UserError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    assert options.steps is not None  # bench declares a default
+    if options.steps <= args.warmup:
+        raise UserError(f"{option('steps')} ({options.steps}) must exceed --warmup ({args.warmup})")
     cfg = BenchConfig(
-        model=args.model,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        steps=args.steps,
+        model=options.model,
+        batch_size=options.batch_size,
+        seq_len=options.seq_len,
+        steps=options.steps,
         warmup=args.warmup,
-        gpu_memory_gib=None if args.gpu_memory is None else parse_size(args.gpu_memory, what="--gpu-memory") / 2**30,
+        gpu_memory_gib=None if options.gpu_memory is None else parse_size(str(options.gpu_memory)) / 2**30,
         report_grad_norm=not args.no_grad_norm,
         resident_gib=args.resident_gib,
-        block_slots=args.block_slots,
+        block_slots=options.block_slots,
         compare_plain=args.compare == "plain",
         trace_dir=args.trace,
-        device=args.device,
-        optimizer=args.optimizer,
-        optimizer_state=args.optimizer_state,
-        master=args.master,
-        max_grad_norm=args.max_grad_norm,
-        offload_optimizer=args.offload_optimizer,
-        nvme_dir=args.nvme_dir,
-        nvme_fraction=args.nvme_fraction,
+        device=options.device,
+        optimizer=options.optimizer,
+        optimizer_state=options.optimizer_state.value,
+        master=options.master.value,
+        max_grad_norm=options.max_grad_norm,
+        offload_optimizer=options.offload_optimizer,
+        nvme_dir=options.nvme_dir,
+        nvme_fraction=options.nvme_fraction,
         layers=args.layers,
     )
-    check_nvme_dir(cfg.run_options())
     # The outputs are checked before the benchmark, which takes minutes, rather than failing after it.
     if args.json is not None:
         _check_writable_file(args.json, "--json")
@@ -147,37 +105,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-OPTIMIZER_ALIASES = {"torch": "torch-adamw", "fused": "fused-adamw"}
-"""The names `slide bench --optimizer` took before optimizers were plugins."""
-
 _BENCH_RULES = {
-    "steps": ("--steps", Rule("int", 1, 10**6)),
-    "warmup": ("--warmup", Rule("int", 0, 10**6)),
-    "resident_gib": ("--resident-gib", Rule("float", 0, 2**20)),
-    "layers": ("--layers", Rule("int", 1, 10**6)),
+    "steps": Rule("int", 1, 10**6),
+    "warmup": Rule("int", 0, 10**6),
+    "resident_gib": Rule("float", 0, 2**20),
+    "layers": Rule("int", 1, 10**6),
 }
-"""Bench-only numbers (GiB as floats, step counts); the options shared with `slide train` use its rules, and
---gpu-memory the one size grammar (slide_hf.sizes)."""
+"""Bench-only numbers (GiB as floats, step counts, and timed steps a benchmark can take); the options shared
+with `slide train` use its rules (slide_hf/options), --gpu-memory the one size grammar (slide_hf.sizes)."""
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    for name in (
-        "batch_size",
-        "seq_len",
-        "block_slots",
-        "max_grad_norm",
-        "nvme_fraction",
-        "device",
-        "optimizer",
-        "offload_optimizer",
-    ):
-        check_option(name, getattr(args, name))
-    if args.gpu_memory is not None:
-        parse_size(args.gpu_memory, what="--gpu-memory")
-    for name, (flag, rule) in _BENCH_RULES.items():
+    for name, rule in _BENCH_RULES.items():
         value = getattr(args, name)
         if value is not None and not rule.accepts(value):
-            raise UserError(f"{flag} must be {rule.describe()}, got {value!r}")
+            raise UserError(f"{option(name)} must be {rule.describe()}, got {value!r}")
 
 
 def _check_writable_file(path: Path, flag: str) -> None:

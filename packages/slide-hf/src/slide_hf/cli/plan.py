@@ -14,9 +14,9 @@ import argparse
 import json
 import math
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slide_hf.defaults import DEFAULT_SEQ_LEN, model_positions, resolve_seq_len
+from slide_hf.defaults import model_positions, resolve_seq_len
 from slide_hf.errors import UserError
 from slide_hf.planner import (
     Plan,
@@ -30,12 +30,13 @@ from slide_hf.planner import (
 )
 from slide_hf.sizes import SIZE_RULE
 
+if TYPE_CHECKING:
+    from slide_hf.options import TrainConfig
+
 __all__ = ["add_parser", "run"]
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
-"""Short names, and the torch spellings ``slide train --dtype`` takes."""
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-"""The torch spelling of each short name."""
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+"""Bytes per element of each compute dtype (slide_hf.options.DType; its aliases are resolved before)."""
 
 EPILOG = textwrap.dedent(
     """\
@@ -49,8 +50,8 @@ EPILOG = textwrap.dedent(
 )
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from slide_hf.options import installed_names
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    from slide_hf.options import add_options
 
     parser = subparsers.add_parser(
         "plan",
@@ -59,125 +60,46 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=EPILOG + "\n" + SIZE_RULE + "\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", required=True, metavar="DIR|PRESET", help="HF model directory or preset name")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
-    parser.add_argument(
-        "--seq-len",
-        type=int,
-        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's context length if shorter)",
-    )
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    parser.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory budget (default: the visible GPU's)")
-    parser.add_argument("--host-memory", metavar="SIZE", help="host RAM budget (default: available RAM here)")
-    parser.add_argument(
-        "--device",
-        metavar="NAME",
-        default="auto",
-        help=f"the device whose memory is the GPU budget without --gpu-memory, one of {installed_names('device')} "
-        "(default auto, as slide train)",
-    )
-    parser.add_argument(
-        "--optimizer",
-        metavar="NAME",
-        default="auto",
-        help=f"host AdamW, one of {installed_names('optimizer')} (default auto, as slide train)",
-    )
-    parser.add_argument(
-        "--optimizer-state",
-        choices=("fp32", "bf16", "int8"),
-        default="fp32",
-        help="how AdamW keeps exp_avg and exp_avg_sq between steps: fp32 (exact, 8 B/param), bf16 (4 B/param) or "
-        "int8 (~2 B/param), stochastically rounded (default fp32)",
-    )
-    parser.add_argument(
-        "--master",
-        choices=("auto", "fp32", "split"),
-        default="fp32",
-        help="how the host stores the fp32 master: split (the GPU copies a bf16 plane, half the host-to-device "
-        "bytes; bf16 only), fp32 (default), or auto (split in bf16)",
-    )
-    parser.add_argument(
-        "--offload-optimizer",
-        metavar="NAME",
-        default="ram",
-        help=f"the tier for Adam m and v, one of {installed_names('offload_optimizer')} (default ram)",
-    )
-    parser.add_argument(
-        "--nvme-fraction",
-        type=float,
-        default=1.0,
-        help="with --offload-optimizer on a tier: fraction of units whose m, v go there (default 1)",
-    )
-    parser.add_argument(
-        "--offload-activations",
-        choices=("ram", "nvme"),
-        default="ram",
-        help="where the per-block activation stash lives (default ram)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=tuple(DTYPE_BYTES),
-        default="bf16",
-        help="compute dtype (default bf16)",
-        metavar="{bf16,fp16,fp32}",
-    )
-    parser.add_argument("--block-slots", type=int, default=2, help="GPU slots for blocks (default 2)")
-    parser.add_argument(
-        "--nproc-per-node", type=int, default=1, help="data parallel: ranks (GPUs) per host (default 1)"
-    )
-    parser.add_argument("--nnodes", type=int, default=1, help="data parallel: hosts (default 1)")
-    parser.add_argument(
-        "--intra-gbps", type=float, default=150.0, help="data parallel: GB/s per GPU within a host (default 150)"
-    )
-    parser.add_argument(
-        "--inter-gbps", type=float, default=25.0, help="data parallel: GB/s per GPU between hosts (default 25)"
-    )
-    parser.add_argument(
-        "--keep-checkpoints", type=int, default=2, help="checkpoints slide train keeps, for the disk (default 2)"
-    )
-    parser.add_argument(
-        "--save-best", action="store_true", help="slide train keeps the best checkpoint too, for the disk"
-    )
-    parser.add_argument(
-        "--save-dtype",
-        choices=("auto", "float32", "bfloat16"),
-        default="auto",
-        help="dtype of the exported model, for the disk (default auto: the model's)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--check", action="store_true", help="exit with status 2 when the plan does not fit")
+    add_options(parser, "plan")  # the options it shares with `slide train`, as slide_hf/options/config.py declares
+    add = parser.add_argument
+    add("--host-memory", metavar="SIZE", help="host RAM budget (default: available RAM here)")
+    add("--nnodes", type=int, default=1, help="data parallel: hosts (default 1)")
+    add("--intra-gbps", type=float, default=150.0, help="data parallel: GB/s per GPU within a host (default 150)")
+    add("--inter-gbps", type=float, default=25.0, help="data parallel: GB/s per GPU between hosts (default 25)")
+    add("--json", action="store_true", help="print one JSON object instead of a table")
+    add("--check", action="store_true", help="exit with status 2 when the plan does not fit")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    from slide_hf.offload import planning_kind, state_tier_class
+    from slide_hf.offload import activation_tier_class, planning_kind, state_tier_class
 
-    _check_options(args)  # option errors first: building takes seconds
-    offload_kind = planning_kind(state_tier_class(args.offload_optimizer))
-    optimizer = _optimizer_class(args.optimizer)
-    if args.optimizer_state != "fp32":  # compact moments are kept by CompactAdamW (slide_core's build_optimizer)
+    cfg = _options(args)  # option errors first: building takes seconds
+    offload_kind = planning_kind(state_tier_class(cfg.offload_optimizer))
+    optimizer = _optimizer_class(cfg.optimizer)
+    if cfg.optimizer_state != "fp32":  # compact moments are kept by CompactAdamW (slide_core's build_optimizer)
         optimizer = f"CompactAdamW ({'numba kernels' if optimizer == 'FusedAdamW' else 'torch ops'})"
-    gpu_cap, gpu_source = _gpu_budget(args.gpu_memory, args.device)
+    gpu_cap, gpu_source = _gpu_budget(None if cfg.gpu_memory is None else str(cfg.gpu_memory), cfg.device)
     if args.host_memory is not None:
         host_cap, host_source = parse_size(args.host_memory, what="--host-memory"), "allowed by --host-memory"
     else:
         host_cap, host_source = available_host_bytes(), "available"
-    model = _build(args.model)
-    seq_len = resolve_seq_len(args.seq_len, model.config)
+    model = _build(cfg.model)
+    seq_len = resolve_seq_len(cfg.seq_len, model.config)
     inputs = PlanInputs(
         model=model,
-        batch_size=args.batch_size,
+        batch_size=cfg.batch_size,
         seq_len=seq_len,
-        grad_accum=args.grad_accum,
-        compute_dtype_bytes=DTYPE_BYTES[args.dtype],
-        block_slots=args.block_slots,
+        grad_accum=cfg.grad_accum,
+        compute_dtype_bytes=DTYPE_BYTES[cfg.dtype],
+        block_slots=cfg.block_slots,
         gpu_memory_bytes=gpu_cap,
         host_memory_bytes=host_cap,
         offload_optimizer=offload_kind,
-        nvme_fraction=args.nvme_fraction,
-        offload_activations=args.offload_activations,
-        optimizer_state=args.optimizer_state,
-        master_format=_master_format(args.master, args.dtype),
+        nvme_fraction=cfg.nvme_fraction,
+        offload_activations=planning_kind(activation_tier_class(cfg.offload_activations)),
+        optimizer_state=cfg.optimizer_state,
+        master_format=_master_format(cfg),
         fused_loss=_fused_loss_available(),
     )
     plan = make_plan(inputs)
@@ -185,17 +107,17 @@ def run(args: argparse.Namespace) -> int:
     if gpu_cap is not None and plan.gpu_peak_bytes <= gpu_cap and not distributed:
         plan = plan_with_placement(inputs)  # spare GPU memory holds whole units (master + Adam state)
     dp = _data_parallel(plan, args) if distributed else None
-    outputs = _output_disk(model, args)
+    outputs = _output_disk(model, cfg)
     problem = _positions_problem(model, seq_len)
     try:
         check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source)
     except UserError as error:
         problem = problem or str(error)
     if args.json:
-        payload = {"model": args.model, "dtype": args.dtype, **plan.to_dict(), "fits": problem is None}
-        payload.update({"optimizer": optimizer, "optimizer_state": args.optimizer_state})
+        payload = {"model": cfg.model, "dtype": cfg.dtype.value, **plan.to_dict(), "fits": problem is None}
+        payload.update({"optimizer": optimizer, "optimizer_state": cfg.optimizer_state.value})
         payload.update({"master": inputs.master_format})
-        payload.update({"state_tier": args.offload_optimizer, "output_disk": outputs.to_dict()})
+        payload.update({"state_tier": cfg.offload_optimizer, "output_disk": outputs.to_dict()})
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
         if dp is not None:
             payload["data_parallel"] = dp.to_dict()
@@ -203,11 +125,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         text = render(
             plan,
-            model_name=args.model,
-            dtype=args.dtype,
+            model_name=cfg.model,
+            dtype=cfg.dtype.value,
             gpu_source=gpu_source,
             problem=problem,
-            optimizer=f"{optimizer}, {_state_words(args.optimizer_state)}Adam state on {args.offload_optimizer}, "
+            optimizer=f"{optimizer}, {_state_words(cfg.optimizer_state)}Adam state on {cfg.offload_optimizer}, "
             f"{inputs.master_format} master",
             outputs=outputs,
         )
@@ -229,24 +151,22 @@ def _data_parallel(plan: Plan, args: argparse.Namespace) -> Any:
     return plan_data_parallel(plan, args.nproc_per_node, args.nnodes, link)
 
 
-def _check_options(args: argparse.Namespace) -> None:
-    """The numbers `slide plan` shares with `slide train`, refused by the same rules (finite, in range)."""
-    from slide_hf.options import check_data_parallel, check_option
+def _options(args: argparse.Namespace) -> TrainConfig:
+    """The options `slide plan` shares with `slide train`, refused by the same rules (each value, then every
+    cross-option rule for the planned number of processes); then the plan's own numbers."""
+    from slide_hf.options import TrainConfig, given_options
 
-    for name in ("batch_size", "seq_len", "grad_accum", "nvme_fraction", "block_slots", "keep_checkpoints"):
-        check_option(name, getattr(args, name))
-    for name in ("device", "optimizer", "offload_optimizer"):
-        check_option(name, getattr(args, name))
     for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
-    check_data_parallel(args.optimizer_state, args.nproc_per_node * args.nnodes)
+    cfg = TrainConfig.for_command("plan", args.nproc_per_node * args.nnodes, **given_options(args, "plan"))
     for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):
         if not (math.isfinite(value) and value > 0):
             raise UserError(f"{flag} must be a finite number > 0, got {value}")
+    return cfg
 
 
-def _output_disk(model: Any, args: argparse.Namespace) -> Any:
+def _output_disk(model: Any, cfg: TrainConfig) -> Any:
     """The checkpoints and export of a `slide train` run of ``model`` with these options, priced by what
     writes them (slide_hf/planner/output_disk.py)."""
     import torch
@@ -255,28 +175,23 @@ def _output_disk(model: Any, args: argparse.Namespace) -> Any:
     from slide_hf.export import resolve_dtype
     from slide_hf.planner.output_disk import output_disk
 
-    export_dtype = resolve_dtype(None if args.save_dtype == "auto" else args.save_dtype, model.config)
+    export_dtype = resolve_dtype(None if cfg.save_dtype == "auto" else cfg.save_dtype.value, model.config)
     return output_disk(
         [unit.layout.numel for unit in model.units],
-        state_arrays(args.optimizer_state),
+        state_arrays(cfg.optimizer_state.value),
         params=sum(unit.layout.param_numel for unit in model.units),
         export_itemsize=torch.empty((), dtype=export_dtype).element_size(),
-        keep_checkpoints=args.keep_checkpoints,
-        save_best=args.save_best,
+        keep_checkpoints=cfg.keep_checkpoints,
+        save_best=cfg.save_best,
     )
 
 
-def _master_format(master: str, dtype: str) -> str:
+def _master_format(cfg: TrainConfig) -> str:
     """``--master`` as `slide train` resolves it: auto is split in bf16 (every shipped optimizer steps a
-    split master), fp32 otherwise; split in fp32 is refused in one line."""
-    bf16 = DTYPE_NAMES.get(dtype, dtype) == "bfloat16"  # either spelling (bf16, as this command's default)
-    if master == "split" and not bf16:
-        raise UserError(
-            f"--master split stores the bf16 copy the GPU computes with, so it needs --dtype bf16, got {dtype}"
-        )
-    if master == "auto":
-        return "split" if bf16 else "fp32"
-    return master
+    split master), fp32 otherwise (split in fp32 is refused by the options' rules)."""
+    if cfg.master == "auto":
+        return "split" if cfg.dtype == "bfloat16" else "fp32"
+    return cfg.master.value
 
 
 def _state_words(optimizer_state: str) -> str:
@@ -293,7 +208,7 @@ def _optimizer_class(name: str) -> str:
     if name == AUTO:
         name = auto_optimizer_name()
     try:
-        return plugins.load("slide.optimizers", name, expected=Optimizer).__name__
+        return str(plugins.load("slide.optimizers", name, expected=Optimizer).__name__)
     except plugins.PluginError as error:
         raise UserError(f"--optimizer {name}: {error}") from None
 

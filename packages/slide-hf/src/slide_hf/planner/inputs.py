@@ -18,6 +18,7 @@ from slide_core.unit import SlideModel
 from slide_hf.defaults import DEFAULT_SEQ_LEN
 from slide_hf.errors import UserError
 from slide_hf.planner.activations import BlockActivations
+from slide_hf.spelling import option
 
 __all__ = ["Bandwidths", "ModelShape", "Offload", "PlanInputs"]
 
@@ -156,7 +157,7 @@ def _attention_widths(config: Any, heads: int, default_head_dim: int) -> tuple[i
     """
     layers = getattr(config, "per_layer_config", None) if config is not None else None
     count = int(getattr(config, "num_hidden_layers", 0) or 0) if layers is not None else 0
-    views = [layers[i] for i in range(count)] if count else [config]
+    views = [layers[i] for i in range(count)] if count and layers is not None else [config]
     widths = []
     for view in views:
         head_dim = int(_first(view, ("head_dim",), default_head_dim))
@@ -219,7 +220,7 @@ class PlanInputs:
     clipping: bool = False
     """``--max-grad-norm > 0``: gradients land in a full-model pinned store (for the exact rollback)."""
     optimizer_state: str = "fp32"
-    """``--optimizer-state``: how the host keeps Adam's m and v (fp32, bf16 or int8), which sets their host
+    """How the host keeps Adam's m and v (fp32, bf16 or int8; the option of that name), which sets their host
     and NVMe bytes and the bytes the host optimizer moves per step."""
     optimizer: Optimizer | None = field(default=None, compare=False, repr=False)
     """The run's optimizer: its ``device_replica`` updates the resident units, and the scratch that replica
@@ -227,37 +228,27 @@ class PlanInputs:
     ``optimizer_state`` (:meth:`device_optimizer`)."""
 
     def __post_init__(self) -> None:
-        for name, flag in (
-            ("batch_size", "--batch-size"),
-            ("seq_len", "--seq-len"),
-            ("grad_accum", "--grad-accum"),
-            ("block_slots", "--block-slots"),
-            ("transfer_chunk_numel", "transfer_chunk_numel"),
-            ("grad_ring_slots", "grad_ring_slots"),
-        ):
+        from slide_hf.options import check_option
+
+        # The options a user gives, by their one rule each (slide_hf/options); the rules between options
+        # were applied where the options were built (TrainConfig.validate), before anything was resolved.
+        for name in ("batch_size", "seq_len", "grad_accum", "block_slots", "nvme_fraction", "optimizer_state"):
+            check_option(name, getattr(self, name))
+        for name in ("transfer_chunk_numel", "grad_ring_slots"):  # the engine's, not an option
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise UserError(f"{flag} must be a positive integer, got {value!r}")
+                raise UserError(f"{name} must be a positive integer, got {value!r}")
         if self.compute_dtype_bytes not in (2, 4):
-            raise UserError(f"compute dtype must be 2 (bf16/fp16) or 4 (fp32) bytes, got {self.compute_dtype_bytes}")
-        for name, flag in (
-            ("offload_optimizer", "--offload-optimizer"),
-            ("offload_activations", "--offload-activations"),
-        ):
+            raise UserError(f"compute dtype must be 2 (bf16) or 4 (fp32) bytes, got {self.compute_dtype_bytes}")
+        for name in ("offload_optimizer", "offload_activations"):  # how a tier's bytes are counted
             if getattr(self, name) not in ("ram", "nvme"):
-                raise UserError(f"{flag} must be 'ram' or 'nvme', got {getattr(self, name)!r}")
-        if self.optimizer_state not in ("fp32", "bf16", "int8"):
-            raise UserError(f"--optimizer-state must be fp32, bf16 or int8, got {self.optimizer_state!r}")
+                raise UserError(f"{option(name)} must be planned as 'ram' or 'nvme', got {getattr(self, name)!r}")
         if self.master_format not in ("fp32", "split"):
-            raise UserError(f"--master must resolve to fp32 or split, got {self.master_format!r}")
-        if self.master_format == "split" and self.compute_dtype_bytes != 2:
-            raise UserError("--master split stores the bf16 compute copy, so it needs --dtype bfloat16")
-        if not 0.0 <= self.nvme_fraction <= 1.0:
-            raise UserError(f"--nvme-fraction must be between 0 and 1, got {self.nvme_fraction}")
-        for name, flag in (("gpu_memory_bytes", "--gpu-memory"), ("host_memory_bytes", "--host-memory")):
+            raise UserError(f"{option('master')} must resolve to fp32 or split, got {self.master_format!r}")
+        for name in ("gpu_memory_bytes", "host_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise UserError(f"{flag} must be positive, got {value}")
+                raise UserError(f"{option(name.removesuffix('_bytes'))} must be positive, got {value}")
 
     @property
     def shape(self) -> ModelShape:

@@ -2,7 +2,7 @@
 
 One checkpoint is priced by the code that decides what a checkpoint holds (``checkpoint_arrays`` and
 ``checkpoint_bytes`` in slide_core's optim/state_formats.py, which the engine writes from): the fp32
-master and the optimizer's moments as ``--optimizer-state`` stores them, about 12 B/param in fp32. How
+master and the optimizer's moments as the ``optimizer_state`` option stores them, about 12 B/param in fp32. How
 many exist at once follows the retention rule of docs/checkpoints.md: the newest ``--keep-checkpoints``,
 the best one when ``--save-best`` keeps an older one, and the one being written (the previous ones stay
 until it is published). The export is every parameter once in the export dtype.

@@ -1,0 +1,463 @@
+"""The options of a training run: :class:`TrainConfig`, each field the one declaration of an option.
+
+Every way into `slide train` -- flags, a TOML file, the Python API, a resumed run's saved options -- ends in
+:class:`TrainConfig`, and `slide plan` and `slide bench` build one from the options they share with it. Its
+``__post_init__`` puts every value in its canonical spelling (``bf16`` is ``bfloat16``), checks each one
+against its rule (one line per option: ``--lr must be a finite number >= 0, got nan``; NaN and infinities
+are refused for every float, every integer has a range the code behind it can honour), then applies the
+cross-option rules through :meth:`TrainConfig.validate`.
+"""
+
+# ruff: noqa: RUF009 -- `option(...)` returns a dataclasses.field (slide_hf/options/schema.py), not a shared default
+
+from __future__ import annotations
+
+import math
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slide_hf.defaults import DEFAULT_SEQ_LEN, DEMO_SEQ_LEN
+from slide_hf.errors import UserError
+from slide_hf.options.rules import FP32_TINY, INT_MAX, Rule, positive_int
+from slide_hf.options.schema import (
+    DTYPE_ALIASES,
+    EVERY,
+    Command,
+    DecayShape,
+    Declared,
+    DType,
+    LrSchedule,
+    MasterFormat,
+    SaveDType,
+    StateFormat,
+    declared,
+    option,
+)
+from slide_hf.spelling import option as spelled
+
+__all__ = [
+    "OPTIMIZER_ALIASES",
+    "REPORTERS",
+    "RULES",
+    "Launch",
+    "TrainConfig",
+    "check_option",
+    "data_sources",
+    "default_lr",
+    "installed_names",
+    "train_options",
+]
+
+REPORTERS = ("tensorboard", "wandb", "mlflow")
+OPTIMIZER_ALIASES = {"torch": "torch-adamw", "fused": "fused-adamw"}
+"""The names `slide bench --optimizer` took before optimizers were plugins."""
+
+_TRAIN_PLAN: frozenset[Command] = frozenset({"train", "plan"})
+_TRAIN_BENCH: frozenset[Command] = frozenset({"train", "bench"})
+_COMMAND: ContextVar[Command] = ContextVar("slide_hf_options_command", default="train")
+"""The command a :class:`TrainConfig` is being built for (:meth:`TrainConfig.for_command`): it belongs to the
+call, as slide_hf/spelling.py's choice of spelling does, and is `slide train` outside it."""
+_MASTER_HELP = (
+    "how the host stores the fp32 master: split (a bf16 plane the GPU copies as it is, half the host-to-device "
+    "bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32 (default), or auto (split when it can run)"
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every `slide train` option, with the same names (underscores) as the flags, the TOML file and the
+    keywords of ``slide_hf.train``.
+
+    ``None`` where a field allows it means "choose for me": ``steps``/``epochs`` (one epoch, or the demo's),
+    ``lr``, and ``seq_len`` (2048, or the model's context length if shorter; see slide_hf/defaults.py)."""
+
+    model: str = option(
+        "tiny-llama",
+        help="HF model directory, Hub name (org/name) or preset (default {default})",
+        helps={"plan": "HF model directory or preset name"},
+        commands=EVERY,
+        defaults={"bench": "llama3.2-3b"},
+        required=frozenset({"plan"}),
+    )
+    tokenizer: Path | None = option(None, help="tokenizer directory, when the model directory has none")
+    data: Path | tuple[Path, ...] | None = option(
+        None,
+        help="JSON Lines (.jsonl, .jsonl.gz), .json, .parquet or a Hub dataset (default: bundled text); repeat it "
+        "to train on several sources (concatenated, or sampled by --data-weights)",
+        action="append",
+    )
+    data_weights: tuple[float, ...] | None = option(
+        None,
+        help="sampling proportions of the --data sources, one positive number each (e.g. 3,1): seeded, resumable",
+        metavar="W1,W2,...",
+    )
+    max_record_size: str | int | None = option(
+        None,
+        help="refuse a record (a JSON line or object) larger than this before parsing it (default 8MiB)",
+        metavar="SIZE",
+    )
+    output: Path | None = option(None, help="output directory (default runs/<timestamp>-<suffix>)")
+    overwrite: bool = option(False, help="reuse a non-empty --output, replacing slide's files", action="store_true")
+    device: str = option(
+        "auto",
+        help="compute device, one of {choices} (default auto: cuda, rocm on a HIP build of torch, else cpu)",
+        helps={
+            "plan": "the device whose memory is the GPU budget without --gpu-memory, one of {choices} "
+            "(default auto, as slide train)"
+        },
+        commands=EVERY,
+        plugins="slide.devices",
+        builtin=("auto",),
+    )
+    dtype: DType = option(
+        DType.BFLOAT16,
+        help="compute dtype (default {default}; bf16 and fp32 are accepted too)",
+        commands=_TRAIN_PLAN,
+        choices=DType,
+        aliases=DTYPE_ALIASES,
+    )
+    seq_len: int | None = option(
+        None,
+        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's context length if shorter; "
+        f"{DEMO_SEQ_LEN} on the bundled demo text)",
+        helps={
+            "plan": f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's context length if shorter)",
+            "bench": f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's context length if shorter)",
+        },
+        commands=EVERY,
+        rule=Rule("int", 2, 2**24),
+    )
+    packing: bool = option(True, help="one example per row (padded)", flag="--no-packing", action="store_false")
+    train_on_inputs: bool = option(False, help="loss on prompts and user turns too", action="store_true")
+    chat_template: str | None = option(
+        None, help="chat template file (.jinja) or a bundled name, instead of the tokenizer's"
+    )
+    batch_size: int = option(
+        4,
+        help="sequences per micro-batch (default {default})",
+        commands=EVERY,
+        defaults={"plan": 1, "bench": 16},
+        rule=positive_int(),
+    )
+    grad_accum: int = option(
+        1, help="micro-batches per optimizer step (default {default})", commands=_TRAIN_PLAN, rule=positive_int()
+    )
+    steps: int | None = option(
+        None,
+        help="optimizer steps (default: --epochs over the data)",
+        helps={"bench": "timed steps including warmup (default {default})"},
+        commands=_TRAIN_BENCH,
+        defaults={"bench": 6},
+        rule=positive_int(),
+    )
+    epochs: int | None = option(
+        None, help="passes over the data (default 1; 10 for the bundled demo text)", rule=positive_int(10**6)
+    )
+    lr: float | None = option(
+        None, help="peak learning rate (default 1e-3 for presets, 2e-5 for checkpoints)", rule=Rule("float", 0)
+    )
+    weight_decay: float = option(0.0, help="AdamW weight decay on >= 2-dim params (default 0)", rule=Rule("float", 0))
+    optimizer: str = option(
+        "auto",
+        help="host AdamW, one of {choices} (default auto: fused-adamw when numba runs here, else torch-adamw; "
+        "torch and fused are short for torch-adamw and fused-adamw)",
+        commands=EVERY,
+        plugins="slide.optimizers",
+        builtin=("auto",),
+        aliases=OPTIMIZER_ALIASES,
+    )
+    optimizer_state: StateFormat = option(
+        StateFormat.FP32,
+        help="how AdamW keeps exp_avg and exp_avg_sq between steps: fp32 (exact, 8 B/param), bf16 (4 B/param) or "
+        "int8 (~2 B/param), stochastically rounded (default {default})",
+        commands=EVERY,
+        choices=StateFormat,
+    )
+    master: MasterFormat = option(MasterFormat.FP32, help=_MASTER_HELP, commands=EVERY, choices=MasterFormat)
+    adam_beta1: float = option(0.9, help="default {default}", rule=Rule("float", 0, 1, high_open=True))
+    adam_beta2: float = option(0.999, help="default {default}", rule=Rule("float", 0, 1, high_open=True))
+    adam_eps: float = option(1e-8, help="default {default}", rule=Rule("float", FP32_TINY, 1))
+    lr_schedule: LrSchedule = option(
+        LrSchedule.LINEAR,
+        help="default {default}; wsd: warmup, stable at --lr, then a decay over the last --decay-fraction of the steps",
+        choices=LrSchedule,
+    )
+    warmup_steps: int = option(0, help="linear warmup steps (default 0)", rule=Rule("int", 0, INT_MAX))
+    min_lr_ratio: float = option(
+        0.0,
+        help="lr floor after warmup, as a fraction of --lr, in [0, 1) (default 0)",
+        rule=Rule("float", 0, 1, high_open=True),
+    )
+    decay_fraction: float = option(
+        0.1,
+        help="wsd: fraction of the steps that decay, in (0, 1] (default {default})",
+        rule=Rule("float", 0, 1, low_open=True),
+    )
+    decay_shape: DecayShape = option(
+        DecayShape.LINEAR, help="wsd: shape of the decay to the floor (default {default})", choices=DecayShape
+    )
+    allow_data_change: bool = option(
+        False,
+        help="with --resume: train on data that changed since the checkpoint, from the saved position",
+        action="store_true",
+    )
+    max_grad_norm: float = option(
+        0.0,
+        help="global gradient-norm clip, exact, 0 = off (default 0)",
+        commands=_TRAIN_BENCH,
+        rule=Rule("float", 0),
+    )
+    seed: int = option(0, help="seed for init and shuffling (default 0)", rule=Rule("int", 0, INT_MAX))
+    no_shuffle: bool = option(False, help="keep file order", action="store_true")
+    eval_data: Path | None = option(None, help="held-out data in any --data format, evaluated every --eval-every steps")
+    eval_fraction: float = option(
+        0.0,
+        help="hold out this fraction of --data's examples instead",
+        rule=Rule("float", 0, 1, high_open=True),
+    )
+    eval_every: int = option(
+        0, help="evaluate every N steps (default 0: only at the end)", rule=Rule("int", 0, INT_MAX)
+    )
+    save_best: bool = option(
+        False,
+        help="keep the checkpoint with the lowest eval loss",
+        helps={"plan": "slide train keeps the best checkpoint too, for the disk"},
+        commands=_TRAIN_PLAN,
+        action="store_true",
+    )
+    metrics: Path | None = option(None, help="JSON Lines metrics file (default <output>/metrics.jsonl)")
+    report_to: tuple[str, ...] = option((), help=f"also log to these trackers, comma-separated: {', '.join(REPORTERS)}")
+    log_every: int = option(
+        1,
+        help="write a plain progress line every N steps when not on a terminal (default 1)",
+        rule=positive_int(INT_MAX),
+    )
+    save_every: int = option(
+        0, help="checkpoint every N steps (default 0: only at the end)", rule=Rule("int", 0, INT_MAX)
+    )
+    keep_checkpoints: int = option(
+        2,
+        help="how many checkpoints to keep (default {default})",
+        helps={"plan": "checkpoints slide train keeps, for the disk (default {default})"},
+        commands=_TRAIN_PLAN,
+        rule=positive_int(10**6),
+    )
+    resume: Path | None = option(
+        None,
+        help="continue a run: its output directory or one of its checkpoints; the run's options come back with "
+        "it, and only steps, saving, evaluation, logging and placement may change",
+    )
+    gpu_memory: str | int | float | None = option(
+        None,
+        help="hard GPU memory cap, e.g. 24 (GiB), 24GiB or 80GB",
+        helps={
+            "plan": "GPU memory budget (default: the visible GPU's)",
+            "bench": "GPU cap for the engine, e.g. 24 (GiB), 24GiB or 80GB (default: the whole card)",
+        },
+        commands=EVERY,
+        metavar="SIZE",
+    )
+    offload_optimizer: str = option(
+        "ram",
+        help="the tier for the Adam state of --nvme-fraction of the units, one of {choices} (default ram); ram "
+        "keeps it in host RAM beside the master, nothing offloaded",
+        commands=EVERY,
+        plugins="slide.tiers",
+        builtin=("ram",),
+    )
+    nvme_dir: Path | None = option(None, help="directory on NVMe for offloaded state", commands=_TRAIN_BENCH)
+    nvme_fraction: float = option(
+        1.0,
+        help="fraction of units whose state goes to the --offload-optimizer tier (default {default})",
+        commands=EVERY,
+        rule=Rule("float", 0, 1),
+    )
+    offload_activations: str = option(
+        "ram",
+        help="the tier for the boundary activations, one of {choices}; a tier in memory keeps them in the "
+        "engine's pinned host stash (default ram)",
+        commands=_TRAIN_PLAN,
+        plugins="slide.tiers",
+        builtin=("ram",),
+    )
+    save_dtype: SaveDType = option(
+        SaveDType.AUTO,
+        help="dtype of the exported model (default {default}: the model's)",
+        commands=_TRAIN_PLAN,
+        choices=SaveDType,
+        aliases=DTYPE_ALIASES,
+    )
+    block_slots: int = option(
+        2, help="GPU slots for decoder blocks (default {default})", commands=EVERY, rule=Rule("int", 1, 64)
+    )
+
+    def __post_init__(self) -> None:
+        _normalise_data(self)
+        for name in sorted(_PATH_FIELDS):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if not value.strip():
+                    raise UserError(f"{spelled(name)} must not be empty")
+                object.__setattr__(self, name, Path(value))
+        for item in train_options():
+            value = item.normalised(getattr(self, item.name))
+            object.__setattr__(self, item.name, value)
+            check_option(item.name, value)
+        if isinstance(self.report_to, str):
+            object.__setattr__(self, "report_to", _split_reporters(self.report_to))
+        unknown = [name for name in self.report_to if name not in REPORTERS]
+        if unknown:
+            raise UserError(
+                f"{spelled('report_to')} must name {', '.join(REPORTERS)}; got {', '.join(map(repr, unknown))}"
+            )
+        from slide_hf.sizes import parse_size
+
+        for name in ("gpu_memory", "max_record_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or (value is not None and not isinstance(value, str | int | float)):
+                raise UserError(f"{spelled(name)} must be a size such as 24GiB, got {value!r}")
+            if value is not None:  # a plain number (a TOML 24) is GiB, as on the command line
+                object.__setattr__(self, name, str(value))
+                parse_size(str(value), what=spelled(name))
+        self.validate(1, _COMMAND.get())
+
+    @classmethod
+    def for_command(cls, command: Command, world_size: int = 1, **values: Any) -> TrainConfig:
+        """The options ``command`` (`slide plan`, `slide bench`) shares with `slide train`, checked by the
+        same rules, for a run of ``world_size`` processes; the cross-option rules over options ``command``
+        does not take (`slide plan`'s ``--save-best`` needs no evaluation data: it only sizes the disk) do
+        not apply."""
+        token = _COMMAND.set(command)
+        try:
+            cfg = cls(**values)
+        finally:
+            _COMMAND.reset(token)
+        cfg.validate(world_size, command)
+        return cfg
+
+    def validate(self, world_size: int = 1, command: Command = "train") -> None:
+        """Apply every cross-option rule (slide_hf/options/validate.py) for a run of ``world_size``
+        processes, as ``command`` takes the options. Construction applies them for one process; `slide
+        train` calls it again with the real number of processes, `slide plan` with the planned one."""
+        from slide_hf.options.validate import validate
+
+        validate(self, world_size, command)
+
+    @property
+    def evaluates(self) -> bool:
+        return self.eval_data is not None or self.eval_fraction > 0
+
+    @property
+    def max_record_bytes(self) -> int:
+        """``--max-record-size`` in bytes (default 8 MiB, docs/data.md)."""
+        from slide_hf.data.readers import DEFAULT_MAX_RECORD_BYTES
+        from slide_hf.sizes import parse_size
+
+        if self.max_record_size is None:
+            return DEFAULT_MAX_RECORD_BYTES
+        return parse_size(str(self.max_record_size), what=spelled("max_record_size"))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Options that say how many processes run, not what one of them does: not part of a run's saved
+    options, nor a ``slide_hf.train`` keyword (a notebook is one process)."""
+
+    nproc_per_node: int | None = option(
+        None,
+        help="data parallel on this host: run N processes, one per GPU, as torchrun would (docs/distributed.md)",
+        helps={"plan": "data parallel: ranks (GPUs) per host (default {default})"},
+        commands=frozenset({"train", "plan"}),
+        defaults={"plan": 1},
+        metavar="N",
+    )
+
+
+def train_options() -> tuple[Declared, ...]:
+    """The options of :class:`TrainConfig`: the TOML keys and the ``slide_hf.train`` keywords."""
+    return _TRAIN_OPTIONS
+
+
+_TRAIN_OPTIONS = declared(TrainConfig)
+_BY_NAME = {item.name: item for item in _TRAIN_OPTIONS}
+RULES: dict[str, Rule] = {item.name: rule for item in _TRAIN_OPTIONS if (rule := item.spec.value_rule()) is not None}
+"""Option name (underscored, as in TOML and the Python API) -> what one value accepts. ``None`` always
+passes where the field allows it (``steps``, ``epochs``, ``lr``: "choose for me")."""
+_PATH_FIELDS = frozenset({"tokenizer", "output", "eval_data", "metrics", "resume", "nvme_dir"})
+
+
+def installed_names(name: str) -> str:
+    """``"auto, cpu, cuda, rocm"``: what the plugin-backed option ``name`` accepts here, for help texts."""
+    try:
+        return ", ".join(RULES[name].names())
+    except Exception:  # unreadable metadata must not break every command's parser
+        return "see `slide doctor`"
+
+
+def check_option(name: str, value: Any, *, flag: str | None = None) -> None:
+    """Refuse ``value`` for option ``name`` in one line, unless its rule accepts it (an alias is resolved
+    first). ``flag`` is how the caller's user wrote the option; the default is :func:`spelled`'s."""
+    rule = RULES.get(name)
+    if rule is None:
+        return
+    item = _BY_NAME.get(name)
+    value = item.normalised(value) if item is not None else value
+    if value is None or rule.accepts(value):
+        return
+    shown = flag or spelled(name)
+    raise UserError(f"{shown} must be {rule.describe()}, got {value!r}{rule.out_of_range_word(value)}")
+
+
+def _normalise_data(cfg: TrainConfig) -> None:
+    """``data``: one source as a Path, several (a mixture) as a tuple of Paths; ``data_weights``: a tuple
+    of positive finite numbers, one per source (``"3,1"`` from the command line, a list from TOML)."""
+    data: Any = cfg.data
+    items = list(data) if isinstance(data, list | tuple) else ([] if data is None else [data])
+    for item in items:
+        if not isinstance(item, str | Path) or not str(item).strip():
+            raise UserError(f"{spelled('data')} must name a file, a datasets directory or a Hub dataset, got {item!r}")
+    if isinstance(data, list | tuple) and not items:
+        raise UserError(f"{spelled('data')} must name at least one source")
+    paths = tuple(Path(item) for item in items)
+    object.__setattr__(cfg, "data", None if not paths else paths[0] if len(paths) == 1 else paths)
+    weights: Any = cfg.data_weights
+    if weights is None:
+        return
+    if isinstance(weights, str):
+        weights = [part.strip() for part in weights.split(",")]
+    if not isinstance(weights, list | tuple):
+        weights = [weights]
+    parsed = []
+    for weight in weights:
+        try:
+            value = float(weight) if not isinstance(weight, bool) else math.nan
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise UserError(
+                f"{spelled('data_weights')} must be positive finite numbers, one per {spelled('data')}, got {weight!r}"
+            )
+        parsed.append(value)
+    if len(parsed) != len(paths):
+        raise UserError(
+            f"{spelled('data_weights')} gives {len(parsed)} weight(s) for {len(paths)} {spelled('data')} source(s)"
+        )
+    object.__setattr__(cfg, "data_weights", tuple(parsed))
+
+
+def data_sources(cfg: TrainConfig) -> tuple[Path, ...]:
+    """The run's ``--data`` sources (empty for the bundled text)."""
+    data = cfg.data
+    return data if isinstance(data, tuple) else () if data is None else (data,)
+
+
+def _split_reporters(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def default_lr(from_preset: bool) -> float:
+    """The peak lr when none is given: 1e-3 for a preset's random init, 2e-5 to fine-tune real weights.
+    The recipe resolves it once and saves the number, so a resume compares numbers, never ``None``."""
+    return 1e-3 if from_preset else 2e-5

@@ -1,0 +1,128 @@
+"""Every rule that relates several options, in one table, applied by :func:`validate`.
+
+`slide train` (before it launches processes, and in every rank), `slide plan`, `slide bench` and
+``slide_hf.train`` all call :func:`validate` (through :meth:`TrainConfig.validate`), so a combination is
+refused with the same line whichever way it came in. A rule applies to a command only when the command
+takes every option the rule reads: `slide plan` has no ``--nvme-dir`` (it plans the disk, it writes none),
+so the rule that a disk tier needs a directory is `slide train`'s and `slide bench`'s alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from slide_hf.errors import UserError
+from slide_hf.options.schema import Command
+from slide_hf.spelling import option
+
+if TYPE_CHECKING:
+    from slide_hf.options.config import TrainConfig
+
+__all__ = ["CROSS_RULES", "CrossRule", "check_adamw", "validate"]
+
+
+@dataclass(frozen=True)
+class CrossRule:
+    """A rule over ``options`` (their names), which raises one :class:`UserError` line naming them."""
+
+    options: tuple[str, ...]
+    check: Callable[[TrainConfig, int], None]
+
+
+def check_adamw(lr: float | None, weight_decay: float, *, default_lr: float | None = None) -> None:
+    """Refuse a weight decay that flips the weights' sign: AdamW scales each weight by ``1 - lr * wd`` per
+    step, so ``lr * wd`` must stay below 1 (past it every step negates and grows the weights, and the run
+    fails steps later with a message about the loss). ``default_lr`` is the lr used when ``lr`` is None."""
+    rate = lr if lr is not None else default_lr
+    if rate is None or weight_decay == 0 or rate * weight_decay < 1:
+        return
+    shown = f"{option('lr')} {rate:g}" if lr is not None else f"the default {option('lr')} {rate:g}"
+    raise UserError(
+        f"{option('weight_decay')} {weight_decay:g} with {shown} scales every weight by 1 - lr * wd = "
+        f"{1 - rate * weight_decay:g} per step; lr * wd must be below 1 (a weight decay is usually 0.0-0.1)"
+    )
+
+
+def _weight_decay(cfg: TrainConfig, world_size: int) -> None:
+    check_adamw(cfg.lr, cfg.weight_decay)
+
+
+def _one_eval_source(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.eval_data is not None and cfg.eval_fraction > 0:
+        raise UserError(
+            f"{option('eval_data')} and {option('eval_fraction')} both choose the evaluation data; give one"
+        )
+
+
+def _best_needs_eval(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.save_best and not cfg.evaluates:
+        raise UserError(
+            f"{option('save_best')} needs evaluation data: {option('eval_data', 'FILE')} or "
+            f"{option('eval_fraction', 'F')}"
+        )
+
+
+def _floor_needs_a_decay(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.min_lr_ratio > 0 and cfg.lr_schedule == "constant":
+        raise UserError(
+            f"{option('min_lr_ratio')} is the floor of a decay; {option('lr_schedule', 'constant')} has none "
+            "(use linear, cosine or wsd)"
+        )
+
+
+def _split_master_needs_bf16(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.master == "split" and cfg.dtype != "bfloat16":
+        raise UserError(
+            f"{option('master', 'split')} stores the bf16 copy the GPU computes with, so it needs "
+            f"{option('dtype', 'bfloat16')}, got {cfg.dtype.value}; use {option('master', 'fp32')} or auto"
+        )
+
+
+def _int8_state_is_one_process(cfg: TrainConfig, world_size: int) -> None:
+    """A rank's shard of a unit could split one of int8's 64-element blocks, whose scale is shared."""
+    if world_size > 1 and cfg.optimizer_state == "int8":
+        raise UserError(
+            f"{option('optimizer_state', 'int8')} does not run with data parallel ({world_size} processes) yet: a "
+            f"rank's shard could split one of its 64-element blocks; use {option('optimizer_state', 'bf16')} or fp32"
+        )
+
+
+def _disk_tier_needs_a_directory(name: str) -> Callable[[TrainConfig, int], None]:
+    """A tier that keeps files (``nvme``, ``gds``) needs ``--nvme-dir``: refused before anything is built."""
+
+    def check(cfg: TrainConfig, world_size: int) -> None:
+        from slide_hf.offload import planning_kind, tier_class
+
+        chosen = getattr(cfg, name)
+        if cfg.nvme_dir is None and planning_kind(tier_class(chosen, flag=option(name))) == "nvme":
+            raise UserError(
+                f"{option(name, chosen)} needs {option('nvme_dir', 'PATH')} (a directory on a fast local disk)"
+            )
+
+    return check
+
+
+CROSS_RULES: tuple[CrossRule, ...] = (
+    CrossRule(("lr", "weight_decay"), _weight_decay),
+    CrossRule(("eval_data", "eval_fraction"), _one_eval_source),
+    CrossRule(("save_best", "eval_data", "eval_fraction"), _best_needs_eval),
+    CrossRule(("min_lr_ratio", "lr_schedule"), _floor_needs_a_decay),
+    CrossRule(("master", "dtype"), _split_master_needs_bf16),
+    CrossRule(("optimizer_state",), _int8_state_is_one_process),
+    CrossRule(("offload_optimizer", "nvme_dir"), _disk_tier_needs_a_directory("offload_optimizer")),
+    CrossRule(("offload_activations", "nvme_dir"), _disk_tier_needs_a_directory("offload_activations")),
+)
+"""Every cross-option rule, in the order they are checked (the first that fails is the one line)."""
+
+
+def validate(cfg: TrainConfig, world_size: int = 1, command: Command = "train") -> None:
+    """Refuse, in one line, a combination of ``cfg``'s options that a run of ``world_size`` processes
+    cannot do; only the rules over options ``command`` takes apply."""
+    from slide_hf.options.config import train_options
+
+    taken = {item.name for item in train_options() if item.takes(command)}
+    for rule in CROSS_RULES:
+        if taken.issuperset(rule.options):
+            rule.check(cfg, world_size)
