@@ -433,7 +433,7 @@ def _setup_weights(
     """The fp32 master: HF weights, or a preset's seeded random init, stored as ``--master`` resolves for
     this dtype and optimizer. The engine pins what it streams and gives back what lives on the GPU. With
     data parallel a rank writes (and so holds) only its shards of the master (Note [Sharded master] in
-    slide_core's engine/sharded_pipeline.py); the final drain gathers it whole."""
+    slide_core's engine/host_pipeline.py); the final drain gathers it whole."""
     from slide_core.engine import choose_master_format
     from slide_hf import init_random, load_weights
 
