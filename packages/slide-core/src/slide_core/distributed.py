@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
@@ -252,7 +253,7 @@ class ProcessGroupContext:
         # would do underneath, spelled out so that it does not depend on the backend's support for it).
         for owner, (a, b) in enumerate(spans):
             if b > a:
-                self._run(what, lambda a=a, b=b, dst=owner: dist.reduce(flat[a:b], dst, group=group, async_op=True))
+                self._run(what, functools.partial(dist.reduce, flat[a:b], owner, group=group, async_op=True))
 
     @contextlib.contextmanager
     def sum_gradient(self, device: Device, flat: torch.Tensor, what: str) -> Iterator[StreamRole]:
@@ -292,9 +293,9 @@ class ProcessGroupContext:
             if source == 0 or b <= a:
                 continue
             if self.rank == 0:
-                self._run(what, lambda a=a, b=b, src=source: dist.irecv(flat[a:b], src, group=group))
+                self._run(what, functools.partial(dist.irecv, flat[a:b], source, group=group))
             elif self.rank == source:
-                self._run(what, lambda a=a, b=b: dist.isend(flat[a:b], 0, group=group))
+                self._run(what, functools.partial(dist.isend, flat[a:b], 0, group=group))
 
     def all_gather_host_(self, flat: torch.Tensor, what: str) -> None:
         """Main thread, host tensor: as :meth:`all_gather_`, through the gloo group."""
@@ -356,7 +357,7 @@ class ProcessGroupContext:
         # (every group spans all ranks, so a group rank is the global rank).
         for source, (a, b) in enumerate(spans):
             if b > a:
-                self._run(what, lambda a=a, b=b, src=source: dist.broadcast(flat[a:b], src, group=group, async_op=True))
+                self._run(what, functools.partial(dist.broadcast, flat[a:b], source, group=group, async_op=True))
 
     def _group(self, role: str) -> Any:
         if not self._open:

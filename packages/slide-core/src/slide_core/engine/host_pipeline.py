@@ -43,6 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from typing import cast
 
 import torch
 
@@ -197,7 +198,7 @@ class HostPipeline:
 
     def _step(self, unit: Unit, applied: AppliedRange, ctx: StepContext, *, grad_scale: float) -> None:
         lo, hi = applied.start, applied.end
-        master = self.host_params.master(unit)[lo:hi]
+        master = self._master(unit)[lo:hi]
         state = self.host_state.range(self._state(unit), lo, hi)
         if grad_scale == 1.0:  # the keyword only where it matters: optimizer plugins written before it still work
             self.optimizer.step(master, applied.grad, state, lr=ctx.lr, step=ctx.step, decay=applied.decay)
@@ -205,6 +206,11 @@ class HostPipeline:
             self.optimizer.step(
                 master, applied.grad, state, lr=ctx.lr, step=ctx.step, decay=applied.decay, grad_scale=grad_scale
             )
+
+    def _master(self, unit: Unit) -> torch.Tensor:
+        """The unit's master as the optimizer steps it: an fp32 range, or a split one where the optimizer
+        says it takes those (``Optimizer.split_master``, checked by ``check_master_format``)."""
+        return cast(torch.Tensor, self.host_params.master(unit))
 
     def _state(self, unit: Unit) -> dict[str, torch.Tensor]:
         """The unit's optimizer state to update in place."""
@@ -246,7 +252,7 @@ class HostPipeline:
     def correct(self, unit: Unit, ranges: list[AppliedRange], correction: Correction, ctx: StepContext) -> None:
         """Optimizer thread: correct the unit's speculative update, then release its next load."""
         began = time.perf_counter()
-        master = self.host_params.master(unit)
+        master = self._master(unit)
         states = self._state(unit)
         for applied in ranges:
             lo, hi = applied.start, applied.end

@@ -14,8 +14,6 @@ evaluation.py) walks the same forward loop, keeping no block input, then the hea
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from slide_core.device import Device
@@ -104,27 +102,26 @@ class MicroBatchWalk:
         """Embedding, then every block, without grad; ``keep_inputs``: each block's input goes to the stash
         for the backward's recompute. Returns the last block's output and the head's position."""
         model, device = self.model, self.device
-        x = self._compute(position, schedule, lambda p: model.embedding.forward(p, ids, inputs))
+        x = self._compute(position, schedule, ids, inputs)
         position += 1
-        for index, block in enumerate(model.blocks):
+        for index in range(len(model.blocks)):
             if keep_inputs:
                 if index == 0:
                     self.stash.ensure(tuple(x.shape), x.dtype)
                 self.stash.save(index, x, device.record_event("compute"))
-            x = self._compute(position, schedule, lambda p, b=block, h=x: b.forward(p, h, inputs))
+            x = self._compute(position, schedule, x, inputs)
             position += 1
         return x, position
 
     # -- visits --------------------------------------------------------------------------------------------
-    def _compute(
-        self, position: int, schedule: list[Visit], fn: Callable[[dict[str, torch.Tensor]], torch.Tensor]
-    ) -> torch.Tensor:
+    def _compute(self, position: int, schedule: list[Visit], x: torch.Tensor, inputs: object) -> torch.Tensor:
+        """The forward of the visit at ``position`` on ``x`` (token ids for the embedding), without grad."""
         visit = schedule[position]
         slot = self.loader.acquire(position, schedule, visit.unit)
         params = visit.unit.layout.views(slot.params)
         start = self.timer.start()
         with torch.no_grad():
-            out = fn(params)
+            out = visit.unit.forward(params, x, inputs)
         self.timer.stop(visit.unit.name, visit.phase, start)
         slot.compute_done = self.device.record_event("compute")
         return out

@@ -93,7 +93,11 @@ class ResidentUnits:
             numel = unit.layout.numel
             master = device.empty(numel, torch.float32)
             for lo in range(0, numel, _COPY_NUMEL):  # a split master decodes piece by piece on the host
-                master[lo : lo + _COPY_NUMEL].copy_(host_params.read(unit, lo, lo + _COPY_NUMEL))
+                piece = host_params.read(unit, lo, lo + _COPY_NUMEL)
+                device.copy_to_device(master[lo : lo + piece.numel()], piece, "compute")  # the device's policy
+                # note: CPU-GPU sync point (at the start only): the copy has read ``piece`` (a decoded
+                # temporary in the split format) before the next one.
+                device.synchronize()
             state = {}
             views = host_state[name]
             for array in (a if isinstance(a, StateArray) else StateArray(a) for a in state_names):
@@ -102,7 +106,7 @@ class ResidentUnits:
                 if views is None:
                     state[key].zero_()
                 else:
-                    state[key].copy_(views[key])
+                    device.copy_to_device(state[key], views[key], "compute")  # the host slab: kept alive
             params = device.empty(numel, compute_dtype)
             params.copy_(master)
             grads = device.empty(numel, compute_dtype)

@@ -176,7 +176,7 @@ class ResidentPipeline:
     def _pieces(self, unit: Unit) -> list[tuple[int, int, bool]]:
         """``[lo, hi)`` pieces of at most ``chunk_numel`` that never straddle the unit's decay boundary."""
         decay_numel, numel = unit.layout.decay_numel, unit.layout.numel
-        out = []
+        out: list[tuple[int, int, bool]] = []
         for start, end, decay in ((0, decay_numel, True), (decay_numel, numel, False)):
             out.extend((lo, min(end, lo + self.chunk_numel), decay) for lo in range(start, end, self.chunk_numel))
         return out

@@ -35,7 +35,8 @@ class ParamSlot:
     unit: Unit | None = None
     loaded: Future[Event] | None = None
     compute_done: Event | None = None
-    grads_free: Event | None = None
+    grads_free: Future[Event] | None = None
+    """The d2h job of the gradient buffer's last contents: done when the buffer may be written again."""
 
     @property
     def numel(self) -> int:
@@ -94,7 +95,7 @@ class SlotWindow:
         """New parameters arrive every step: forget residency, keep the events that guard memory."""
         self._schedule = schedule
         self._position = 0
-        self._uses: dict[int, list[int]] = {}  # id(unit) -> its positions in the schedule, ascending
+        self._uses = {}  # id(unit) -> its positions in the schedule, ascending
         for position, visit in enumerate(schedule):
             self._uses.setdefault(id(visit.unit), []).append(position)
         for slot in self.all_slots():

@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, TimeoutError
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,13 +39,13 @@ __all__ = ["OffloadedState"]
 class _StagingSet:
     tensors: dict[str, torch.Tensor]
     owner: str | None = None
-    reads: list[Future] = field(default_factory=list)
-    writes: list[Future] = field(default_factory=list)
+    reads: list[Future[Any]] = field(default_factory=list)
+    writes: list[Future[Any]] = field(default_factory=list)
     last_used: float = 0.0
     dirty: bool = False  # acquired (so possibly updated) since the last write-back
 
 
-def _wait(futures: list[Future], what: str, timeout_s: float) -> None:
+def _wait(futures: list[Future[Any]], what: str, timeout_s: float) -> None:
     for future in futures:
         try:
             future.result(timeout=timeout_s)
@@ -77,7 +78,7 @@ class OffloadedState:
             for _ in range(sets)
         ]
         self._written: set[str] = set()
-        self._pending_writes: dict[str, list[Future]] = {}
+        self._pending_writes: dict[str, list[Future[Any]]] = {}
         self._shards: dict[str, tuple[int, int]] = {}
 
     def keep_shards(self, spans: Mapping[str, tuple[int, int]]) -> None:
