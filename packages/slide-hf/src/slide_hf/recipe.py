@@ -147,8 +147,8 @@ def train(
     ranks_on_host = int(on_host) if on_host.isdigit() and int(on_host) > 0 else group.world_size
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
     # Before numba is imported: Note [Host cores per rank] in launch.py.
-    with host_cores_for_this_run(ranks_on_host) as share, group:
-        log.debug("host threads per rank: %d (%d ranks on this host)", share, ranks_on_host)
+    with host_cores_for_this_run(ranks_on_host), group:
+        log.info("host threads per rank: %s (%d ranks on this host)", os.environ["NUMBA_NUM_THREADS"], ranks_on_host)
         # Rank 0 holds the directory; the others write only their checkpoint shards in it, and only remove
         # their NVMe scratch folders at the end (closing an unlocked RunDir).
         run_dir = RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite)
