@@ -499,9 +499,9 @@ def _setup_engine(
 
     def scratch() -> Path:
         assert options.nvme_dir is not None  # check_nvme_dir refused a tier on disk without it
-        # Each rank its own folder (rank 0 the top one, where no other rank's folder matches the scratch
-        # prefix): a rank clearing a killed run's scratch never meets another's new one.
-        own = options.nvme_dir / f"rank-{group.rank}" if group.rank else options.nvme_dir
+        # Each of several ranks its own folder: a rank clearing a killed run's scratch never meets another's
+        # new one. A world of one has the folder to itself.
+        own = options.nvme_dir / f"rank-{group.rank}" if group.world_size > 1 else options.nvme_dir
         return run_dir.scratch(own)
 
     return open_engine(
