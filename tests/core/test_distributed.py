@@ -1,4 +1,4 @@
-"""Data parallel (slide_core/distributed.py, slide_core/engine/sharded_pipeline.py) on the CPU device with
+"""Data parallel (slide_core/distributed.py, slide_core/engine/host_pipeline.py) on the CPU device with
 gloo, in real processes: N ranks, each stepping on its rows of every step's global batch, against one
 process stepping on the whole batch, in fp32: per-step losses and gradient norms, skipped steps and the
 final weights, with and without clipping, with gradient accumulation and with a tied embedding, for 2
@@ -51,7 +51,7 @@ class Case:
     """The step whose gradients turn NaN on the last rank only (0: none)."""
     steps: int = 3
     resident: tuple[str, ...] = ()
-    """Device-resident units (sharded_resident.py)."""
+    """Device-resident units (resident_pipeline.py)."""
     offloaded: tuple[str, ...] = ()
     """Units whose Adam state lives on a tier (the ram-backed stand-in of NVMe)."""
     to_root: bool = False

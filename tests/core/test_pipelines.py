@@ -3,7 +3,7 @@ handed to a pipeline as a backward would hand them, and the updated master and o
 compared with ``torch.optim.AdamW`` on the same gradients (``clip_grad_norm_``'s coefficient applied by
 hand where a step clips).
 
-Covers slide_core/engine/{context,host_pipeline,offloaded_pipeline,resident_pipeline,clip_strategy}.py;
+Covers slide_core/engine/{context,host_pipeline,state_store,resident_pipeline,clip_strategy}.py;
 the orderings they rely on are Notes [Clip rollback ordering], [Deferred clipped steps], [Speculative
 non-finite guard] and [Tied gradient in the slot] in docs/design/engine.md.
 """
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from slide_core import AdamWConfig, HostParameters
+from slide_core.collectives import SingleProcess
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine.clip_strategy import ClipPolicy, DeferredClipping, NoClipping, SpeculativeClipping
 from slide_core.engine.clipping import CLIP_EPS
@@ -29,12 +30,13 @@ from slide_core.engine.grad_transfer import GradTransfer
 from slide_core.engine.host_pipeline import HostPipeline
 from slide_core.engine.host_state import HostState
 from slide_core.engine.norms import UnitNorms
-from slide_core.engine.offloaded_pipeline import OffloadedPipeline
 from slide_core.engine.pipeline import UnitPipeline
 from slide_core.engine.resident import ResidentUnits
 from slide_core.engine.resident_pipeline import ResidentPipeline
+from slide_core.engine.shards import UnitShards
 from slide_core.engine.slots import ParamSlot
 from slide_core.engine.state_offload import OffloadedState
+from slide_core.engine.state_store import TierStore
 from slide_core.engine.timeline import ComputeTimer, Timeline
 from slide_core.engine.workers import Workers
 from slide_core.optim import TorchAdamW
@@ -120,8 +122,9 @@ def _rig(
                 )  # fmt: skip
                 timer = ComputeTimer(device, timeline)
                 pipeline = ResidentPipeline(
-                    residents, optimizer.device_replica(), host, norms, timer, CHUNK, lean_host=False
-                )
+                    residents, optimizer.device_replica(), host, norms, timer, CHUNK, lean_host=False,
+                    shards=UnitShards(SingleProcess(), units),
+                )  # fmt: skip
                 slots = {unit.name: residents.slot(unit.name) for unit in units}
                 yield _Rig(model, device, host, host_state, workers, norms, units, pipeline, slots)
                 return
@@ -130,10 +133,11 @@ def _rig(
                 device=device, host_params=host, host_state=host_state, optimizer=optimizer, transfer=transfer,
                 workers=workers, norms=norms, timeline=timeline,
                 forward_position={unit.name: index for index, unit in enumerate(model.units)}, chunk_numel=CHUNK,
+                shards=UnitShards(SingleProcess(), units),
             )  # fmt: skip
             if kind == "offloaded":
                 offloaded = OffloadedState(tier, units, optimizer.state_names, 20.0)
-                pipeline = OffloadedPipeline(units, offloaded, **parts)
+                pipeline = HostPipeline(**parts, store=TierStore(units, offloaded, host_state))
             else:
                 pipeline = HostPipeline(**parts)
             slots = {}

@@ -1,4 +1,4 @@
-"""``HostParameters.keep_shards`` (Note [Sharded master] in slide_core/engine/sharded_pipeline.py): writes
+"""``HostParameters.keep_shards`` (Note [Sharded master] in slide_core/engine/host_pipeline.py): writes
 through ``write`` and ``editing`` land in the rank's shards only, in either master format (the rest keeps
 whatever the allocation held), and the pages outside them never become resident, so a rank's master
 costs it its shard's bytes."""

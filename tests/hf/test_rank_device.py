@@ -1,6 +1,6 @@
 """Each data-parallel rank computes on its own GPU: ``ProcessGroupContext.device_index`` names it, `slide train`
 builds the device there (slide_hf/setup.py ``make_device(..., index=)``), and the engine refuses a rank whose
-device is another GPU than its process group's. Checked without a GPU: the GPU count is stubbed."""
+device is another GPU than its process group's (``ProcessGroupContext.check_device``). Checked without a GPU: the GPU count is stubbed."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from slide_core.collectives import SingleProcess
 from slide_core.distributed import ProcessGroupContext
-from slide_core.engine.engine import _check_data_parallel
 from slide_hf import recipe, setup
 from slide_hf.errors import UserError
 
@@ -28,16 +28,19 @@ def test_the_rank_s_gpu_is_its_local_rank_among_the_visible_ones(monkeypatch, lo
     assert ProcessGroupContext(local_rank, 8, local_rank, backend="gloo").device_index == 0
 
 
-def test_the_engine_refuses_a_rank_on_another_gpu() -> None:
-    group = SimpleNamespace(backend="nccl", rank=1, device_index=1, is_open=True)
+def test_the_engine_refuses_a_rank_on_another_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    group = ProcessGroupContext(1, 8, 1, backend="nccl")
+    group._open = True  # as if its groups were made: the check is the engine's, before any collective
     elsewhere = SimpleNamespace(torch_device=torch.device("cuda", 0), is_accelerator=True)
     with pytest.raises(ValueError) as info:
-        _check_data_parallel(group, elsewhere, None)
+        group.check_device(elsewhere)
     assert str(info.value) == (
         "rank 1 computes on cuda:0, but its process group uses cuda:1 (its local rank's GPU); "
         "build the device with index=group.device_index"
     )
-    _check_data_parallel(group, SimpleNamespace(torch_device=torch.device("cuda", 1), is_accelerator=True), None)
+    group.check_device(SimpleNamespace(torch_device=torch.device("cuda", 1), is_accelerator=True))
+    SingleProcess().check_device(elsewhere)  # one process runs on any device
 
 
 class _IndexedDevice:
@@ -85,5 +88,5 @@ def test_slide_train_builds_each_rank_s_device_on_its_gpu(monkeypatch) -> None:
     options = SimpleNamespace(device="cuda", gpu_memory_bytes=None)
     recipe._setup_device(options, SimpleNamespace(backend="nccl", device_index=5))
     recipe._setup_device(options, SimpleNamespace(backend="gloo", device_index=0))
-    recipe._setup_device(options, None)
+    recipe._setup_device(options, SingleProcess())
     assert asked == [5, 0, 0]

@@ -2,16 +2,20 @@
 
 One process per GPU (``torchrun --nproc-per-node N ...``). Every rank slides the whole model through its
 own device; the engine shards each unit's flat parameter range across the ranks
-(:func:`shard_span`), and the sharded pipeline (engine/sharded_pipeline.py) moves gradients and
-parameters between the ranks through the collectives here. docs/distributed.md says what each rank holds.
+(:func:`~slide_core.collectives.shard_span`), and its unit pipelines move gradients and parameters
+between the ranks through the collectives here. docs/distributed.md says what each rank holds.
 
-:class:`ProcessGroupContext` owns the process groups of one run: it creates them in ``__enter__`` and
-destroys them in ``__exit__``. torch.distributed keeps one default group per process, so one context can
-be open per process at a time. Made with world size 1 and no launcher (no torchrun variables in the
-environment), it opens nothing and the engine takes its single-process path, so callers need no branch.
-A process that torchrun started alone (``--nproc-per-node 1``) does open its groups and runs the sharded
-path with one shard per unit: one GPU then runs the collectives (NCCL on CUDA) that N GPUs run, which is
-how that path is checked on a machine with one GPU (Note [One rank under torchrun]).
+:class:`ProcessGroupContext` owns the process groups of one run and implements
+:class:`~slide_core.collectives.Collectives`: it creates the groups in ``__enter__`` and destroys them in
+``__exit__``. torch.distributed keeps one default group per process, so one context can be open per
+process at a time. A process started without a launcher (no torchrun variables in the environment) is a
+world of one: :meth:`ProcessGroupContext.from_env` then returns a
+:class:`~slide_core.collectives.SingleProcess`, which opens nothing, so callers need no branch. A process
+that torchrun started alone (``--nproc-per-node 1``) does open its groups and runs every collective with
+one shard per unit: one GPU then runs the collectives (NCCL on CUDA) that N GPUs run, which is how that
+path is checked on a machine with one GPU (Note [One rank under torchrun]).
+
+Note [One rank under torchrun]).
 
 Note [One rank under torchrun]: at world size 1 every reduce-scatter and all-gather moves a shard that is the
 whole unit onto itself, so the losses equal the single-process path's (tested with gloo in
@@ -48,15 +52,22 @@ so no rank waits forever for one that is gone; the engine's worker threads carry
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
+import math
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from slide_core.collectives import SingleProcess, shard_span
 from slide_core.engine.workers import EngineError
+
+if TYPE_CHECKING:
+    from slide_core.device import Device, Event, StreamRole
 
 __all__ = ["DEFAULT_PHASE_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "CollectiveError", "ProcessGroupContext", "shard_span"]
 
@@ -72,18 +83,10 @@ class CollectiveError(EngineError):
     """A collective failed on this rank: another rank stopped, or did not answer in time."""
 
 
-def shard_span(numel: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rank ``rank``'s contiguous shard ``[lo, hi)`` of a flat range of ``numel`` elements: shards of
-    ``ceil(numel / world_size)`` elements, the last ones shorter (empty when ``numel < world_size``)."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
-    per_rank = -(-numel // world_size)
-    lo = min(numel, rank * per_rank)
-    return lo, min(numel, lo + per_rank)
-
-
 class ProcessGroupContext:
-    """The process groups of one data-parallel rank (see the module notes).
+    """The process groups of one data-parallel rank (see the module notes): the
+    :class:`~slide_core.collectives.Collectives` of a run of several processes, or of one that torchrun
+    started.
 
     ``backend`` is ``"nccl"`` for CUDA devices and ``"gloo"`` for the CPU device; host-side sums always
     go through a gloo group. The rendezvous reads ``MASTER_ADDR`` and ``MASTER_PORT`` from the
@@ -99,7 +102,6 @@ class ProcessGroupContext:
         backend: str = "gloo",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         phase_timeout_s: float = DEFAULT_PHASE_TIMEOUT_S,
-        collectives_at_one: bool = False,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of size {world_size}")
@@ -117,9 +119,9 @@ class ProcessGroupContext:
         self.backend = backend
         self.timeout_s = timeout_s
         self.phase_timeout_s = phase_timeout_s
-        self._collective = world_size > 1 or collectives_at_one
         self._groups: dict[str, Any] = {}
         self._open = False
+        self._last_sum: Event | None = None  # the last gradient sum's event on the d2h stream
 
     @classmethod
     def from_env(
@@ -129,16 +131,16 @@ class ProcessGroupContext:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         phase_timeout_s: float = DEFAULT_PHASE_TIMEOUT_S,
         environ: Mapping[str, str] | None = None,
-    ) -> ProcessGroupContext:
+    ) -> ProcessGroupContext | SingleProcess:
         """This process's place in the run, as torchrun describes it (``RANK``, ``WORLD_SIZE``,
-        ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): world size 1 when ``WORLD_SIZE`` is unset.
-        ``device_type`` (``"cpu"`` or ``"cuda"``) picks the backend. Raises ValueError naming a missing
-        or malformed variable."""
+        ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): a :class:`SingleProcess` when ``WORLD_SIZE`` is
+        unset and no launcher started this process. ``device_type`` (``"cpu"`` or ``"cuda"``) picks the
+        backend. Raises ValueError naming a missing or malformed variable."""
         env = os.environ if environ is None else environ
         world_size = _env_int(env, "WORLD_SIZE", default=1)
         launched = all(env.get(name) for name in _ENV_VARS)  # torchrun sets every one, also for one process
         if world_size == 1 and not launched:
-            return cls(timeout_s=timeout_s, phase_timeout_s=phase_timeout_s)
+            return SingleProcess()
         for name in _ENV_VARS:
             if not env.get(name):
                 raise ValueError(f"WORLD_SIZE is {world_size} but {name} is not set; launch with torchrun")
@@ -151,15 +153,11 @@ class ProcessGroupContext:
             backend=backend,
             timeout_s=timeout_s,
             phase_timeout_s=phase_timeout_s,
-            collectives_at_one=launched,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------------
-    @property
-    def is_distributed(self) -> bool:
-        """Whether the ranks exchange through collectives: more than one rank, or one rank that torchrun
-        started (Note [One rank under torchrun]); else nothing is opened and nothing is sharded."""
-        return self._collective
+    is_distributed = True
+    """Whether the ranks exchange through torch.distributed (:class:`SingleProcess` says False)."""
 
     @property
     def is_open(self) -> bool:
@@ -183,9 +181,6 @@ class ProcessGroupContext:
     def open(self) -> None:
         """Join the other ranks and create the groups (Note [One group per issuing thread])."""
         if self._open:
-            return
-        if not self.is_distributed:
-            self._open = True
             return
         if dist.is_initialized():
             raise RuntimeError("torch.distributed already has a process group in this process; open one context")
@@ -215,7 +210,7 @@ class ProcessGroupContext:
             return
         self._open = False
         self._groups = {}
-        if self.is_distributed and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
 
     # -- shards ----------------------------------------------------------------------------------------
@@ -226,6 +221,21 @@ class ProcessGroupContext:
     def spans(self, numel: int) -> list[tuple[int, int]]:
         """Every rank's shard, in rank order."""
         return [shard_span(numel, rank, self.world_size) for rank in range(self.world_size)]
+
+    def check_device(self, device: Device) -> None:
+        """Refuse, in one line, a device this rank's groups cannot run with."""
+        kind = device.torch_device.type
+        if self.backend == "nccl" and kind != "cuda":
+            raise ValueError(f"the nccl process group needs a cuda device, got {kind}")
+        if self.backend == "nccl" and device.torch_device.index != self.device_index:
+            raise ValueError(
+                f"rank {self.rank} computes on {device.torch_device}, but its process group uses "
+                f"cuda:{self.device_index} (its local rank's GPU); build the device with index=group.device_index"
+            )
+        if self.backend == "gloo" and device.is_accelerator:
+            raise ValueError(f"a {kind} device needs the nccl process group, got gloo")
+        if not self.is_open:
+            raise ValueError("open the process group first: `with ProcessGroupContext(...) as group:`")
 
     # -- collectives (each in place; ``what`` names it in errors) ---------------------------------------
     def reduce_scatter_(self, flat: torch.Tensor, what: str) -> None:
@@ -243,7 +253,25 @@ class ProcessGroupContext:
         # would do underneath, spelled out so that it does not depend on the backend's support for it).
         for owner, (a, b) in enumerate(spans):
             if b > a:
-                self._run(what, lambda a=a, b=b, dst=owner: dist.reduce(flat[a:b], dst, group=group, async_op=True))
+                self._run(what, functools.partial(dist.reduce, flat[a:b], owner, group=group, async_op=True))
+
+    @contextlib.contextmanager
+    def sum_gradient(self, device: Device, flat: torch.Tensor, what: str) -> Iterator[StreamRole]:
+        """Note [Sharded stream order]: the sum is ordered on the d2h stream after an event of the compute
+        that wrote the gradient, and so is what the caller issues inside (the shard's norm, the event its
+        d2h waits for): the compute stream never waits for a collective until :meth:`wait_gradient_sums`."""
+        written = device.record_event("compute")
+        with device.stream("d2h"):
+            device.wait_event("d2h", written)
+            self.reduce_scatter_(flat, what)
+            yield "d2h"
+            self._last_sum = device.record_event("d2h")
+
+    def wait_gradient_sums(self, device: Device) -> None:
+        """The compute stream waits for the last :meth:`sum_gradient` (before the step's one read)."""
+        if self._last_sum is not None:
+            device.wait_event("compute", self._last_sum)
+            self._last_sum = None
 
     def all_gather_(self, flat: torch.Tensor, what: str) -> None:
         """h2d thread, device tensor: every rank's shard of ``flat`` into every rank's ``flat``, ordered
@@ -252,7 +280,7 @@ class ProcessGroupContext:
 
     def all_gather_main_(self, flat: torch.Tensor, what: str) -> None:
         """Main thread, device tensor: as :meth:`all_gather_`, through the main thread's group (a
-        device-resident unit's parameters after its update, sharded_resident.py)."""
+        device-resident unit's parameters after its update, engine/resident_pipeline.py)."""
         self._gather(self._group("main"), flat, what)
 
     def gather_to_root_(self, flat: torch.Tensor, what: str, *, host: bool) -> None:
@@ -265,9 +293,9 @@ class ProcessGroupContext:
             if source == 0 or b <= a:
                 continue
             if self.rank == 0:
-                self._run(what, lambda a=a, b=b, src=source: dist.irecv(flat[a:b], src, group=group))
+                self._run(what, functools.partial(dist.irecv, flat[a:b], source, group=group))
             elif self.rank == source:
-                self._run(what, lambda a=a, b=b: dist.isend(flat[a:b], 0, group=group))
+                self._run(what, functools.partial(dist.isend, flat[a:b], 0, group=group))
 
     def all_gather_host_(self, flat: torch.Tensor, what: str) -> None:
         """Main thread, host tensor: as :meth:`all_gather_`, through the gloo group."""
@@ -283,12 +311,27 @@ class ProcessGroupContext:
         group = self._group("host")
         self._run(what, lambda: dist.all_reduce(tensor, group=group, async_op=True))
 
+    def sum_counts(self, counts: Sequence[int], what: str) -> list[int]:
+        """Main thread: integer counts summed over the ranks, through the gloo group."""
+        values = torch.tensor(counts, dtype=torch.int64)
+        self.all_reduce_host_(values, what)
+        return [int(value) for value in values.tolist()]
+
+    def sum_values(
+        self, values: MutableMapping[str, float], keys: Sequence[str], what: str, *, ready: Callable[[], None]
+    ) -> None:
+        """Main thread: ``values[key]`` of every key (NaN where absent) summed over the ranks in place, once
+        ``ready()`` has returned, through the gloo group."""
+        if not keys:
+            return
+        ready()
+        summed = torch.tensor([values.get(key, math.nan) for key in keys], dtype=torch.float64)
+        self.all_reduce_host_(summed, what)
+        values.update(zip(keys, summed.tolist(), strict=True))
+
     def broadcast_object(self, value: Any, what: str) -> Any:
         """Main thread: rank 0's ``value`` (any picklable object) on every rank, through the gloo group, for
-        a decision every rank must take alike (which units live on the device, for one). ``value`` as is
-        with world size 1."""
-        if not self.is_distributed:
-            return value
+        a decision every rank must take alike (which units live on the device, for one)."""
         holder = [value]
         group = self._group("host")
         self._run(what, lambda: dist.broadcast_object_list(holder, src=0, group=group))
@@ -298,9 +341,7 @@ class ProcessGroupContext:
         """Main thread: wait until every rank has come here (a sum of nothing through a gloo group, so it
         fails like any collective, Note [Collective failures]). ``slow``: the others may be minutes or hours
         behind, doing work on disks (Note [Waits on one rank's work]): wait up to ``phase_timeout_s``.
-        Nothing to wait for with world size 1."""
-        if not self.is_distributed:
-            return
+        """
         group = self._group("phases" if slow else "host")
         limit = self.phase_timeout_s if slow else self.timeout_s
         self._run(what, lambda: dist.all_reduce(torch.zeros(1), group=group, async_op=True), limit)
@@ -316,13 +357,11 @@ class ProcessGroupContext:
         # (every group spans all ranks, so a group rank is the global rank).
         for source, (a, b) in enumerate(spans):
             if b > a:
-                self._run(what, lambda a=a, b=b, src=source: dist.broadcast(flat[a:b], src, group=group, async_op=True))
+                self._run(what, functools.partial(dist.broadcast, flat[a:b], source, group=group, async_op=True))
 
     def _group(self, role: str) -> Any:
-        if not self._open or not self.is_distributed:
-            raise RuntimeError(
-                "the process groups are not open (use `with ProcessGroupContext(...)`) or world size is 1"
-            )
+        if not self._open:
+            raise RuntimeError("the process groups are not open (use `with ProcessGroupContext(...)`)")
         return self._groups[role]
 
     def _run(self, what: str, issue: Callable[[], Any], limit_s: float | None = None) -> None:

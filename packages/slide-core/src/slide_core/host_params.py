@@ -128,11 +128,11 @@ class HostParameters:
         """Data parallel: from now on :meth:`write` and :meth:`editing` (loading, random init, a resume)
         land only in this rank's shard ``[lo, hi)`` of each unit (``spans``, slide_core.distributed's
         ``shard_span``). The rest of every plane is never written, so its pages never become resident and
-        the master costs this rank 1/N of its bytes (Note [Sharded master] in engine/sharded_pipeline.py).
+        the master costs this rank 1/N of its bytes (Note [Sharded master] in engine/host_pipeline.py).
         Outside the shard the planes hold whatever their allocation held (zeros for fresh pages) until a
         drain gathers the whole master into them; the drain first calls ``keep_shards(None)``, after
-        which writes land everywhere again."""
-        self._shards = {} if spans is None else {name: spans[name] for name in self._offsets}
+        which writes land everywhere again. A unit ``spans`` does not name is kept whole."""
+        self._shards = {} if spans is None else {name: spans[name] for name in self._offsets if name in spans}
 
     # -- fp32 values, in either format -----------------------------------------------------------------
     def read(self, unit: Unit | str, start: int = 0, end: int | None = None) -> torch.Tensor:

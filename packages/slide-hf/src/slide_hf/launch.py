@@ -86,14 +86,14 @@ def share_host_cores(ranks_on_host: int, environ: MutableMapping[str, str]) -> i
 
 
 @contextlib.contextmanager
-def host_cores_for_this_run() -> Iterator[int]:
-    """One process's share of the host (:func:`share_host_cores` with one rank) while the block runs, then
+def host_cores_for_this_run(ranks_on_host: int = 1) -> Iterator[int]:
+    """One rank's share of the host (:func:`share_host_cores`) while the block runs, then
     the environment as it was: a run started from Python (a notebook, a test) must not leave the variables
     behind for the processes it starts later (Note [Host cores per rank]). numba reads them when first
     imported, so the share holds for this process's kernels from then on."""
     saved = {name: os.environ.get(name) for name in THREAD_VARIABLES}
     try:
-        yield share_host_cores(1, os.environ)
+        yield share_host_cores(ranks_on_host, os.environ)
     finally:
         for name, value in saved.items():
             if value is None:

@@ -19,8 +19,8 @@ the HF export.
 Launched by torchrun with several processes (``WORLD_SIZE`` > 1) the same recipe runs data parallel
 (docs/distributed.md): every rank trains on its rows of each step's global batch, rank 0 alone owns the
 run directory (the lock, options.json, train.log, metrics, trackers, progress and the export), and each
-rank writes its shard file into the step's checkpoint (slide_core/checkpoint). With one process the
-recipe takes exactly the single-process path.
+rank writes its shard file into the step's checkpoint (slide_core/checkpoint). One process is a world of
+one (slide_core/collectives.py): the same recipe, whose collectives then do nothing.
 """
 
 from __future__ import annotations
@@ -50,15 +50,17 @@ from slide_core.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from slide_core.collectives import SingleProcess
 from slide_core.device import Device
 from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineError
+from slide_core.engine.shards import UnitShards
 from slide_core.optim.state_formats import StateFormatMismatch
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
 from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
-from slide_hf.launch import host_cores_for_this_run, share_host_cores
+from slide_hf.launch import host_cores_for_this_run
 from slide_hf.options import TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.planner import output_disk as disk
 from slide_hf.progress import Progress
@@ -139,19 +141,15 @@ def train(
     holds another run unless resuming or ``overwrite``, and a resumed run defaults to its own directory."""
     group = _process_group(cfg)
     cfg.validate(group.world_size)  # the options' rules for this many processes (slide_hf/options/validate.py)
-    if group.is_distributed:  # before numba is imported: Note [Host cores per rank] in launch.py
-        on_host = os.environ.get("LOCAL_WORLD_SIZE", "")
-        ranks_on_host = int(on_host) if on_host.isdigit() and int(on_host) > 0 else group.world_size
-        share_host_cores(ranks_on_host, os.environ)
-        log.info("host threads per rank: %s (%d ranks on this host)", os.environ["NUMBA_NUM_THREADS"], ranks_on_host)
+    on_host = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks_on_host = int(on_host) if on_host.isdigit() and int(on_host) > 0 else group.world_size
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
-    if not group.is_distributed:
-        with host_cores_for_this_run(), RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite) as run_dir:
-            return _train(cfg, run_dir, on_step=on_step, on_eval=on_eval)
-    # Data parallel: rank 0 holds the directory; the others write only their checkpoint shards in it.
-    with group:
+    # Before numba is imported: Note [Host cores per rank] in launch.py.
+    with host_cores_for_this_run(ranks_on_host), group:
+        log.info("host threads per rank: %s (%d ranks on this host)", os.environ["NUMBA_NUM_THREADS"], ranks_on_host)
+        # Rank 0 holds the directory; the others write only their checkpoint shards in it, and only remove
+        # their NVMe scratch folders at the end (closing an unlocked RunDir).
         run_dir = RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite)
-        # The other ranks only remove their NVMe scratch folders at the end (closing an unlocked RunDir).
         with run_dir if group.rank == 0 else contextlib.closing(run_dir):
             group.barrier("the wait for rank 0 to claim the output directory")
             return _train(cfg, run_dir, on_step=on_step, on_eval=on_eval, group=group)
@@ -163,10 +161,10 @@ def _train(
     *,
     on_step: Callable[[dict[str, Any]], None] | None,
     on_eval: Callable[[dict[str, Any]], None] | None,
-    group: ProcessGroupContext | None = None,
+    group: RunGroup,
 ) -> TrainSummary:
-    """``group``: this rank of a data-parallel run (open); None for one process."""
-    main = group is None or group.rank == 0  # the rank that owns the run directory
+    """``group``: this rank's place in the run (open): a data-parallel rank, or a world of one."""
+    main = group.rank == 0  # the rank that owns the run directory
     torch.manual_seed(cfg.seed)
     model = _setup_model(cfg)
     if cfg.lr is None:  # resolved once and saved as a number, so a resume compares numbers
@@ -187,8 +185,8 @@ def _train(
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
         host = _setup_weights(cfg, model, optimizer, group)
-        if group is not None:  # each rank reads at its own pace (Note [Waits on one rank's work])
-            group.barrier("the wait for every rank to load the weights", slow=True)
+        # Each rank reads at its own pace (Note [Waits on one rank's work]).
+        group.barrier("the wait for every rank to load the weights", slow=True)
         flops = _log_run(cfg, model, data, device, optimizer, group)
         tokenizer_dir = run_dir.path / "tokenizer"
         if main:
@@ -199,9 +197,9 @@ def _train(
         with trainer.stop, parts as engine:
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
-            # host never holds both (Note [Resident host copies] in slide_core's engine). With data
-            # parallel the whole master is gathered on rank 0 alone, which exports it.
-            engine.close(keep_host_state=False, master_to_root=group is not None)
+            # host never holds both (Note [Resident host copies] in slide_core's engine). The whole master
+            # is gathered on rank 0 alone, which exports it.
+            engine.close(keep_host_state=False, master_to_root=True)
             # Export: an HF directory next to the run's other outputs, still under the signal handlers.
             save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
             final_step = max(first_step, data.total_steps)
@@ -232,8 +230,12 @@ def _train(
     return TrainSummary(len(losses), losses[0], losses[-1], run_dir.path, model_out, losses)
 
 
-def _process_group(cfg: TrainConfig) -> ProcessGroupContext:
-    """This process's place in the run, from torchrun's environment (world size 1 without it); a bad
+RunGroup = ProcessGroupContext | SingleProcess
+"""This process's place in a run: a data-parallel rank's process groups, or a world of one."""
+
+
+def _process_group(cfg: TrainConfig) -> RunGroup:
+    """This process's place in the run, from torchrun's environment (a world of one without it); a bad
     environment is one line (docs/distributed.md)."""
     device_type = "cpu" if cfg.device == "cpu" or not torch.cuda.is_available() else "cuda"
     try:
@@ -299,13 +301,11 @@ def _setup_data_once(
     cfg: TrainConfig,
     model: _Model,
     output: Path,
-    group: ProcessGroupContext | None,
+    group: RunGroup,
     resumed: tuple[Path, dict[str, Any]] | None = None,
 ) -> _Data:
-    """:func:`_setup_data`; with data parallel rank 0 prepares and caches the rows first and the other
-    ranks then read its cache, so no two processes write it."""
-    if group is None:
-        return _setup_data(cfg, model, output, None, resumed)
+    """:func:`_setup_data`; rank 0 prepares and caches the rows first and the other ranks then read its
+    cache, so no two processes write it."""
     if group.rank == 0:
         data = _setup_data(cfg, model, output, group, resumed)
     group.barrier("the wait for rank 0 to prepare the data", slow=True)
@@ -318,7 +318,7 @@ def _setup_data(
     cfg: TrainConfig,
     model: _Model,
     output: Path,
-    group: ProcessGroupContext | None = None,
+    group: RunGroup,
     resumed: tuple[Path, dict[str, Any]] | None = None,
 ) -> _Data:
     """Rows (prepared once, cached in the run directory), batches, the number of steps and the LR schedule.
@@ -339,7 +339,7 @@ def _setup_data(
     dataset, eval_set = _load_data(cfg, model.tokenizer, data_options, output / DATA_CACHE)
     if resumed is not None:
         check_same_data(*resumed, run_data_digests(cfg, dataset, eval_set), allow=cfg.allow_data_change)
-    sampling: dict[str, Any] = {} if group is None else {"rank": group.rank, "world_size": group.world_size}
+    sampling: dict[str, Any] = {"rank": group.rank, "world_size": group.world_size}
     sampling["weights"] = cfg.data_weights  # a mixture's sampling proportions (slide_hf/data/mixture.py)
     batches = Batches(dataset, cfg.batch_size, cfg.grad_accum, shuffle=not cfg.no_shuffle, seed=cfg.seed, **sampling)
     epochs = cfg.epochs or (DEMO_EPOCHS if cfg.data is None else 1)
@@ -381,10 +381,10 @@ def _output_disk(cfg: TrainConfig, model: _Model, optimizer: Optimizer) -> disk.
     )
 
 
-def _setup_device(options: RunOptions, group: ProcessGroupContext | None) -> Device:
+def _setup_device(options: RunOptions, group: RunGroup) -> Device:
     """The ``--device`` plugin (``auto``: cuda, rocm on a HIP build, else cpu), closed until the run starts;
     with data parallel over GPUs, this rank's GPU (``ProcessGroupContext.device_index``)."""
-    index = group.device_index if group is not None and group.backend == "nccl" else 0
+    index = group.device_index  # 0 without a GPU of its own
     return make_device(options.device, options.gpu_memory_bytes, index=index)
 
 
@@ -402,14 +402,12 @@ def _setup_optimizer(cfg: TrainConfig, options: RunOptions) -> Optimizer:
 
 
 def _setup_placement(
-    model: _Model, device: Device, options: RunOptions, group: ProcessGroupContext | None, optimizer: Optimizer
+    model: _Model, device: Device, options: RunOptions, group: RunGroup, optimizer: Optimizer
 ) -> Placement:
-    """Refuse what cannot fit before allocating anything; spend spare GPU memory on resident units. With
-    data parallel every rank takes rank 0's choice of resident and offloaded units: a resident unit's
-    collectives differ from a sliding one's, so the ranks must place alike."""
+    """Refuse what cannot fit before allocating anything; spend spare GPU memory on resident units. Every
+    rank takes rank 0's choice of resident and offloaded units: a resident unit's collectives differ from
+    a sliding one's, so the ranks must place alike."""
     placement = place_units(model.slide_model, device, options, optimizer=optimizer)
-    if group is None:
-        return placement
     resident, offloaded = group.broadcast_object((placement.resident, placement.offloaded), "rank 0's placement")
     return dataclasses.replace(placement, resident=resident, offloaded=offloaded)
 
@@ -424,13 +422,11 @@ def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
     )
 
 
-def _setup_weights(
-    cfg: TrainConfig, model: _Model, optimizer: Optimizer, group: ProcessGroupContext | None = None
-) -> HostParameters:
+def _setup_weights(cfg: TrainConfig, model: _Model, optimizer: Optimizer, group: RunGroup) -> HostParameters:
     """The fp32 master: HF weights, or a preset's seeded random init, stored as ``--master`` resolves for
     this dtype and optimizer. The engine pins what it streams and gives back what lives on the GPU. With
     data parallel a rank writes (and so holds) only its shards of the master (Note [Sharded master] in
-    slide_core's engine/sharded_pipeline.py); the final drain gathers it whole."""
+    slide_core's engine/host_pipeline.py); the final drain gathers it whole."""
     from slide_core.engine import choose_master_format
     from slide_hf import init_random, load_weights
 
@@ -440,8 +436,7 @@ def _setup_weights(
         raise UserError(f"{option('master', cfg.master)}: {error}") from None
     log.info("host master: %s", master_format)
     host = HostParameters(model.slide_model, master_format=master_format)
-    if group is not None:
-        host.keep_shards({unit.name: group.span(unit.layout.numel) for unit in model.slide_model.units})
+    host.keep_shards(UnitShards(group, model.slide_model.units).partial())  # none in a world of one
     if model.model_dir is None:
         init_random(model.slide_model, host, model.config, seed=cfg.seed)
     else:
@@ -458,10 +453,10 @@ def _log_run(
     data: _Data,
     device: Device,
     optimizer: Optimizer,
-    group: ProcessGroupContext | None = None,
+    group: RunGroup,
 ) -> float:
     """Derived quantities, printed once; returns the model FLOPs per token."""
-    world_size = 1 if group is None else group.world_size
+    world_size = group.world_size
     from slide_hf.adapters import attention_summary
 
     params = sum(unit.layout.param_numel for unit in model.slide_model.units)
@@ -495,14 +490,15 @@ def _setup_engine(
     options: RunOptions,
     placement: Placement,
     run_dir: RunDir,
-    group: ProcessGroupContext | None = None,
+    group: RunGroup,
 ) -> EngineParts:
     """The tiers (each tier that keeps files gets its own locked folder in --nvme-dir) and the engine."""
 
     def scratch() -> Path:
         assert options.nvme_dir is not None  # the options' rules refused a tier on disk without it
-        # Each rank its own folder: a rank clearing a killed run's scratch never meets another's new one.
-        own = options.nvme_dir if group is None else options.nvme_dir / f"rank-{group.rank}"
+        # Each of several ranks its own folder: a rank clearing a killed run's scratch never meets another's
+        # new one. A world of one has the folder to itself.
+        own = options.nvme_dir / f"rank-{group.rank}" if group.world_size > 1 else options.nvme_dir
         return run_dir.scratch(own)
 
     return open_engine(
@@ -530,15 +526,15 @@ class _Trainer:
         flops_per_token: float,
         on_step: Callable[[dict[str, Any]], None] | None,
         on_eval: Callable[[dict[str, Any]], None] | None,
-        group: ProcessGroupContext | None = None,
+        group: RunGroup,
     ) -> None:
         self.cfg, self.run_dir, self.output, self.data = cfg, run_dir, run_dir.path, data
         self.engine, self.device, self.run_log = engine, device, run_log
         self.group = group
-        self.main = group is None or group.rank == 0
+        self.main = group.rank == 0
         self.flops_per_token = flops_per_token
         self.on_step, self.on_eval = on_step, on_eval
-        self.stop = _StopRequests()
+        self.stop = _StopRequests(others=group.world_size - 1)
         self.checkpoints = self.output / "checkpoints"
         # What `slide export` needs to turn any checkpoint of this run into an HF directory.
         self.run_state = {
@@ -618,18 +614,17 @@ class _Trainer:
         return first_step
 
     def _stopping(self) -> bool:
-        """Whether the run stops after this step. With data parallel it is what the ranks agreed at the
-        step's sum (Note [Stop on every rank]), never a rank's own signal alone."""
-        return (self.stop.agreed if self.group is not None else self.stop.requested) is not None
+        """Whether the run stops after this step: what the ranks agreed (Note [Stop on every rank]), never
+        a rank's own signal alone while other ranks run."""
+        return self.stop.agreed is not None
 
     def _log_step(self, result: Any, micro_batches: list[Any]) -> None:
         times = self.engine.unit_times()
         real_tokens = _real_tokens(micro_batches, self.pad_id)
-        if self.group is not None:  # every rank's rows (the engine's counts already are), and its signals
-            counted = torch.tensor([real_tokens, *self.stop.local_flags()], dtype=torch.int64)
-            self.group.all_reduce_host_(counted, "the sum of the step's real tokens")
-            real_tokens = int(counted[0])
-            self.stop.agree(counted[1:].tolist())
+        # Every rank's rows (the engine's counts already are), and its signals.
+        counted = self.group.sum_counts([real_tokens, *self.stop.local_flags()], "the sum of the step's real tokens")
+        real_tokens = counted[0]
+        self.stop.agree(counted[1:])
         if self.run_log is None:
             return
         record = {
@@ -751,13 +746,10 @@ class _Evaluator:
 
     GROUP = 64
 
-    def __init__(self, engine: Engine, rows: Any, batch_size: int, group: ProcessGroupContext | None = None) -> None:
+    def __init__(self, engine: Engine, rows: Any, batch_size: int, group: RunGroup) -> None:
         self.engine, self.rows, self.batch_size, self.group = engine, rows, batch_size, group
 
     def _own_micro_batches(self) -> Iterator[Any]:
-        if self.group is None:
-            yield from eval_batches(self.rows, self.batch_size)
-            return
         rank, world_size = self.group.rank, self.group.world_size
         total = -(-len(self.rows) // self.batch_size)
         filler = None
@@ -779,10 +771,9 @@ class _Evaluator:
                 group = []
         if group:
             loss_sum, loss_tokens = self._add(group, loss_sum, loss_tokens)
-        if self.group is not None:
-            sums = torch.tensor([loss_sum, loss_tokens], dtype=torch.float64)
-            self.group.all_reduce_host_(sums, "the sum of the evaluation's losses")
-            loss_sum, loss_tokens = float(sums[0]), int(sums[1])
+        sums = {"loss_sum": loss_sum, "loss_tokens": float(loss_tokens)}
+        self.group.sum_values(sums, list(sums), "the sum of the evaluation's losses", ready=_nothing)
+        loss_sum, loss_tokens = sums["loss_sum"], int(sums["loss_tokens"])
         loss = loss_sum / loss_tokens if loss_tokens else math.nan
         return {
             "step": step,
@@ -798,6 +789,10 @@ class _Evaluator:
         except EngineError as error:
             raise UserError(str(error)) from error
         return loss_sum + result.loss_sum, loss_tokens + result.loss_tokens
+
+
+def _nothing() -> None:
+    """Nothing to wait for: the values to sum are complete."""
 
 
 def _checkpoint_path(checkpoints: Path, step: int) -> Path:
@@ -868,15 +863,17 @@ class _StopRequests:
     collective. So each rank adds its own requests (:meth:`local_flags`) to the host sum every step
     already makes (the step's real tokens, in ``_Trainer._log_step``), and every rank stops after the
     step in which any rank's signal was summed (:meth:`agree`): the same step everywhere, with no
-    collective of its own. A signal that comes after the sum is summed at the next step. Tested by
+    collective of its own. A signal that comes after the sum is summed at the next step. With no ``others``
+    (a world of one) there is no one to agree with: a signal is agreed as it comes. Tested by
     ``test_sigterm_to_one_rank_checkpoints_every_rank``."""
 
     SIGNALS = ("SIGINT", "SIGTERM")
 
-    def __init__(self) -> None:
+    def __init__(self, others: int = 0) -> None:
         self.requested: str | None = None
         self.agreed: str | None = None
-        """Data parallel: the signal some rank had seen by the last step's sum (Note [Stop on every rank])."""
+        """The signal some rank had seen by the last step's sum (Note [Stop on every rank])."""
+        self._alone = others == 0
         self._previous: dict[int, Any] = {}
 
     @property
@@ -901,6 +898,8 @@ class _StopRequests:
         if self.requested is not None:  # a second signal: stop now
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
+        if self._alone:
+            self.agreed = self.requested
 
     def __enter__(self) -> _StopRequests:
         if threading.current_thread() is threading.main_thread():
@@ -921,7 +920,7 @@ def _resume(
     batches: Batches,
     run_state: dict[str, Any],
     run_dir: RunDir,
-    group: ProcessGroupContext | None = None,
+    group: RunGroup,
 ) -> int:
     """Load checkpoint ``found`` (``state``: its verified state.json, from :func:`checkpoint_to_resume`)
     into the running engine; return the step to continue from.
@@ -932,8 +931,8 @@ def _resume(
     that wrote it (slide_core/checkpoint/reader.py): a run resumes on more or fewer ranks, or on one."""
     point = resume_point(found, state, model=run_state["model"], data_size=len(batches.dataset))
     saved_ranks = state["world_size"]
-    world_size = 1 if group is None else group.world_size
-    if saved_ranks != world_size and (group is None or group.rank == 0):
+    world_size = group.world_size
+    if saved_ranks != world_size and group.rank == 0:
         log.info(
             "resuming a checkpoint of %d process(es) on %d: each reads its shards from theirs", saved_ranks, world_size
         )
@@ -946,9 +945,9 @@ def _resume(
     engine.restore_schedule_state(point.engine)
     batches.position = DataPosition(point.epoch, point.index)
     torch.set_rng_state(point.rng)
-    if group is not None:  # every rank has read the checkpoint before rank 0 moves later ones aside
-        group.barrier(f"the wait for every rank to load {found.name}", slow=True)
-    if group is None or group.rank == 0:
+    # Every rank has read the checkpoint before rank 0 moves later ones aside.
+    group.barrier(f"the wait for every rank to load {found.name}", slow=True)
+    if group.rank == 0:
         run_dir.roll_back(found)
     log.info("resumed from %s at step %d", found, point.step)
     return point.step

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from slide_core import AdamWConfig, HostParameters, Optimizer, plugins
+from slide_core.collectives import Collectives
 from slide_core.device import Device
 from slide_core.devices import auto_device_name
-from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import build_optimizer
 from slide_core.tier import Tier, TierRequest
@@ -239,11 +239,11 @@ def open_engine(
     placement: Placement,
     *,
     scratch: Callable[[], Path],
-    process_group: ProcessGroupContext | None = None,
+    process_group: Collectives | None = None,
 ) -> EngineParts:
     """Open the tiers the placement needs (each in its own ``scratch()`` directory when it keeps files) and
     build the engine over them; the engine runs once the result is entered. ``process_group``: this
-    process's place in a data-parallel run (docs/distributed.md)."""
+    process's place in the run (docs/distributed.md; a world of one by default)."""
     config = EngineConfig(
         block_slots=options.block_slots,
         compute_dtype=options.compute_dtype,

@@ -99,7 +99,7 @@ class ActivationStash(_BlockInputBuffers):
             free = self._buffer_free[buffer]
             if free is not None:
                 device.wait_event("h2d", free)
-            self._device_buffers[buffer].copy_(self._host[index], non_blocking=True)
+            device.copy_to_device(self._device_buffers[buffer], self._host[index], "h2d")  # the device's policy
             self._loaded[index] = (buffer, device.record_event("h2d"))
 
     def load(self, index: int) -> torch.Tensor:
@@ -194,7 +194,7 @@ class TierActivationStash(_BlockInputBuffers):
         with device.stream("h2d"):
             if free is not None:
                 device.wait_event("h2d", free)
-            self._device_buffers[buffer].copy_(staging, non_blocking=True)
+            device.copy_to_device(self._device_buffers[buffer], staging, "h2d")  # the device's policy
             return device.record_event("h2d")
 
     def load(self, index: int) -> torch.Tensor:

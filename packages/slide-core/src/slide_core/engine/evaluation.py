@@ -21,12 +21,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from .micro_batch import HostMicroBatch, MicroBatchLike, split_micro_batch
-from .slots import ParamSlot, Visit
+from slide_core.device import Device
+from slide_core.unit import SlideModel
+
+from .micro_batch import MicroBatchLike, split_micro_batch
+from .micro_batch_walk import MicroBatchWalk
+from .slot_loader import SlotLoader
+from .slots import SlotWindow
+from .workers import Workers
 
 __all__ = ["EvalResult", "Evaluation"]
 
@@ -47,7 +54,19 @@ class EvalResult:
 
 
 class Evaluation:
-    """Mixin: the forward-only pass of :class:`~slide_core.engine.engine.Engine` (see the module docstring)."""
+    """Mixin: the forward-only pass of :class:`~slide_core.engine.engine.Engine` (see the module docstring),
+    through the step's own forward loop (:class:`MicroBatchWalk`)."""
+
+    model: SlideModel
+    device: Device
+    window: SlotWindow
+    loader: SlotLoader
+    walk: MicroBatchWalk
+    updated: dict[str, Future[None]]
+
+    @property
+    def workers(self) -> Workers:
+        raise NotImplementedError
 
     def evaluate(self, micro_batches: Sequence[MicroBatchLike]) -> EvalResult:
         """The model's loss over ``micro_batches`` (as :meth:`Engine.step` takes them) at the current
@@ -56,13 +75,13 @@ class Evaluation:
         if not micro_batches:
             raise ValueError("an evaluation needs at least one micro-batch")
         batches = [split_micro_batch(micro_batch, index) for index, micro_batch in enumerate(micro_batches)]
-        schedule = self._evaluation_schedule(len(batches))
+        schedule = self.walk.schedule(len(batches), training=False)
         self.window.start_step(schedule)
-        self._ready_after = dict(self.updated)  # the latest update of every unit, not a new step's
+        self.loader.ready_after = dict(self.updated)  # the latest update of every unit, not a new step's
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         position = 0
         for batch in batches:
-            position = self._evaluate_micro_batch(batch, loss_sum, schedule, position)
+            position = self.walk.evaluate(batch, loss_sum, schedule, position)
         workers.check()
         total = float(loss_sum)  # note: CPU-GPU sync point (once per evaluation, for the loss)
         return EvalResult(
@@ -70,46 +89,3 @@ class Evaluation:
             loss_tokens=sum(self.model.loss_token_count(batch.labels) for batch in batches),
             tokens=sum(int(batch.input_ids.numel()) for batch in batches),
         )
-
-    def _evaluation_schedule(self, micro_batches: int) -> list[Visit]:
-        model = self.model
-        schedule: list[Visit] = []
-        for mb in range(micro_batches):
-            schedule.append(Visit(model.embedding, "eval", mb))
-            schedule.extend(Visit(block, "eval", mb) for block in model.blocks)
-            schedule.append(Visit(model.head, "eval", mb))
-        return schedule
-
-    def _evaluate_micro_batch(
-        self, batch: HostMicroBatch, loss_sum: torch.Tensor, schedule: list[Visit], position: int
-    ) -> int:
-        model = self.model
-        ids, labels, positions = batch.to_device(self.device.torch_device)
-        inputs = model.prepare_inputs(ids, labels, self.dtype, position_ids=positions)
-        x = self._compute(position, schedule, lambda p: model.embedding.forward(p, ids, inputs), grad=False)
-        position += 1
-        for block in model.blocks:
-            x = self._compute(position, schedule, lambda p, b=block, h=x: b.forward(p, h, inputs), grad=False)
-            position += 1
-        self._evaluate_head(position, schedule, x, inputs, loss_sum)
-        return position + 1
-
-    def _evaluate_head(
-        self, position: int, schedule: list[Visit], x: torch.Tensor, inputs: object, loss_sum: torch.Tensor
-    ) -> None:
-        """The head's summed loss in no-grad mode (a fused loss then makes no gradients either)."""
-        head, embedding = self.model.head, self.model.embedding
-        slot = self._acquire(position, schedule, head)
-        params = head.layout.views(slot.params)
-        lender_slot: ParamSlot | None = None
-        if head.borrowed:
-            lender_slot = self._acquire(position, schedule, embedding, pinned={slot.index})
-            lender = embedding.layout.views(lender_slot.params)
-            params.update({mine: lender[theirs] for mine, theirs in head.borrowed.items()})
-        start = self.timer.start()
-        with torch.no_grad():
-            loss_sum.add_(head.forward(params, x, inputs).float())
-        self.timer.stop(head.name, "eval", start)
-        slot.compute_done = self.device.record_event("compute")
-        if lender_slot is not None:
-            lender_slot.compute_done = slot.compute_done

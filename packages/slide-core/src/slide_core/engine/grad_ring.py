@@ -11,7 +11,7 @@ Two layouts, chosen by ``EngineConfig.max_grad_norm``:
   the update. The device-to-host copy lands straight in the unit's range, so keeping the gradient costs
   no extra host copy, only memory: one compute-dtype element per host-updated parameter (2 bytes/param in
   bf16; 16 GB for an 8B model), instead of the ring's ``slots x chunk``. A data-parallel rank streams and
-  updates only its shard of each unit (sharded_pipeline.py), so its store holds only its shards: the
+  updates only its shard of each unit (host_pipeline.py), so its store holds only its shards: the
   ranks of one host together keep the step's gradient once, not once per rank.
 
 Note [Grad store reuse]: a unit's store range is written once per gradient contribution. Within a step

@@ -69,7 +69,7 @@ class GradTransfer:
         spans: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         """``spans``: the range ``[lo, hi)`` of each unit's gradient to stream (a data-parallel rank's
-        shard, see sharded_pipeline.py); the whole unit where absent."""
+        shard, see shards.py); the whole unit where absent."""
         self.device = device
         self.workers = workers
         self.timeline = timeline

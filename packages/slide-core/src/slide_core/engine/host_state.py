@@ -89,9 +89,10 @@ class HostState:
         """Zero the state of a fresh run's host-updated units (Adam starts from m = v = 0).
 
         ``spans``: only the range ``[lo, hi)`` of each unit (a data-parallel rank's shards, the only state
-        it ever updates), so the pages of the rest are never touched and cost the rank no memory."""
+        it ever updates), so the pages of the rest are never touched and cost the rank no memory; a unit
+        ``spans`` does not name is zeroed whole."""
         for unit in self._fresh:
-            lo, hi = spans[unit.name] if spans is not None else (0, unit.layout.numel)
+            lo, hi = (spans or {}).get(unit.name, (0, unit.layout.numel))
             for view in self.range(self.views(unit), lo, hi).values():
                 view.zero_()
         self._fresh = []

@@ -1,11 +1,12 @@
 """The per-unit seam of the schedule: what happens to a unit between its gradient and its next use.
 
-One :class:`UnitPipeline` per placement owns it: host_pipeline.py (master and optimizer state in host
-RAM), offloaded_pipeline.py (state on a storage tier), resident_pipeline.py (everything on the device). The
-engine only routes each unit's visits to its pipeline: ``slot``/``load`` when compute needs the unit,
-``writable_grads``/``contribute`` when its backward has produced a gradient, ``finish`` when a clipped
-step is decided. docs/design/engine.md draws the pipelines and says where a new placement, or a sharded
-(data-parallel) wrapper around any of them, plugs in.
+A :class:`UnitPipeline` is composed per placement (unit_pipelines.py): an updater, host_pipeline.py (the
+master in host RAM, the optimizer state in a store of state_store.py: host RAM or a tier) or
+resident_pipeline.py (everything on the device), working on this rank's shard of each unit (shards.py;
+the whole unit in one process). The engine only routes each unit's visits to its pipeline:
+``slot``/``load`` when compute needs the unit, ``writable_grads``/``contribute`` when its backward has
+produced a gradient, ``finish`` when a clipped step is decided. docs/design/engine.md draws the pipelines
+and says where a new updater or state store plugs in.
 """
 
 from __future__ import annotations
@@ -73,19 +74,23 @@ class UnitPipeline(Protocol):
         ...
 
     def state_array(self, unit: Unit, name: str) -> torch.Tensor:
-        """The unit's flat fp32 array ``name`` as it is now, for a checkpoint to read (pending updates done)."""
+        """This rank's shard of the unit's flat array ``name`` as it is now, for a checkpoint to read
+        (pending updates done)."""
         ...
 
     def restore_target(self, unit: Unit, name: str) -> torch.Tensor:
-        """Where a resume writes the unit's array ``name``; :meth:`restored` follows once it is whole."""
+        """Where a resume writes this rank's shard of the unit's array ``name``; :meth:`restored` follows
+        once it is whole."""
         ...
 
     def restored(self, unit: Unit, name: str, values: torch.Tensor) -> None:
-        """The unit's array ``name`` was written whole into ``values`` (from :meth:`restore_target`)."""
+        """The shard of the unit's array ``name`` was written whole into ``values`` (from
+        :meth:`restore_target`)."""
         ...
 
-    def sync_to_host(self, host_state: HostState | None) -> None:
-        """Bring the units' host masters current, and with ``host_state`` their optimizer state too."""
+    def sync_to_host(self, host_state: HostState | None, *, to_root: bool = False) -> None:
+        """Bring the units' host masters current and whole (gathered from the other ranks; with
+        ``to_root`` on rank 0 only), and with ``host_state`` their optimizer state too (this rank's shards)."""
         ...
 
     def flush(self) -> None:

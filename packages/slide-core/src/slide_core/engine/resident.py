@@ -93,7 +93,7 @@ class ResidentUnits:
             numel = unit.layout.numel
             master = device.empty(numel, torch.float32)
             for lo in range(0, numel, _COPY_NUMEL):  # a split master decodes piece by piece on the host
-                master[lo : lo + _COPY_NUMEL].copy_(host_params.read(unit, lo, lo + _COPY_NUMEL))
+                _upload(device, master[lo : lo + _COPY_NUMEL], host_params.read(unit, lo, lo + _COPY_NUMEL))
             state = {}
             views = host_state[name]
             for array in (a if isinstance(a, StateArray) else StateArray(a) for a in state_names):
@@ -102,7 +102,8 @@ class ResidentUnits:
                 if views is None:
                     state[key].zero_()
                 else:
-                    state[key].copy_(views[key])
+                    for lo in range(0, state[key].numel(), _COPY_NUMEL):
+                        _upload(device, state[key][lo : lo + _COPY_NUMEL], views[key][lo : lo + _COPY_NUMEL])
             params = device.empty(numel, compute_dtype)
             params.copy_(master)
             grads = device.empty(numel, compute_dtype)
@@ -141,3 +142,14 @@ class ResidentUnits:
             if host_state is not None:
                 for key, tensor in resident.state.items():
                     host_state[name][key].copy_(tensor)
+
+
+def _upload(device: Device, target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy a host piece of a unit into its device buffer through ``Device.copy_to_device``, so a device
+    plugin's transfer policy applies (slide_rocm refuses pageable sources): a piece that is not pinned
+    (a slab the OS may page, a split master's decoded copy) is pinned first. Engine start only. On the
+    CPU device it is a plain copy, with no allocation."""
+    if device.is_accelerator and not source.is_pinned():
+        source = source.pin_memory()
+    device.copy_to_device(target, source, "compute")
+    device.synchronize()  # note: CPU-GPU sync point (engine start only): ``source`` may be a temporary

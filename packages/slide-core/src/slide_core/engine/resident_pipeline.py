@@ -7,6 +7,18 @@ micro-batch per step a tied embedding's two contributions are summed in its slot
 accumulator (Note [Tied gradient in the slot]). The host copy of a master is current only after a drain,
 and its pages are given back to the OS in between when the slab is not pinned (Note [Resident host
 copies]).
+
+The pipeline works on this rank's shard ``[lo, hi)`` of each unit (shards.py): every rank keeps the whole
+layout on its device (the GPU holds what one process would), sums a unit's gradient locally as one process
+does, and once it is final sums it over the ranks into the shard (one reduce-scatter on the compute
+stream); the shard's squared norm, clip coefficient, update and correction touch ``[lo, hi)`` only, and the
+shard of the compute copy is refreshed from the master and the slot all-gathered, so every rank computes
+the next use with the whole, updated unit. A checkpoint holds the shard; a drain all-gathers the fp32
+master on the device before copying it to the host; at the start every compute copy is all-gathered once
+(the host master it came from may hold only this rank's shards, Note [Sharded master] in
+host_pipeline.py). In one process the shard is the unit and none of these collectives does anything.
+Every collective here is issued by the main thread in schedule order, the same on every rank (Note [One
+group per issuing thread] in slide_core/distributed.py).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from .host_state import HostState
 from .norms import UnitNorms
 from .pipeline import write_gradients
 from .resident import ResidentUnit, ResidentUnits
+from .shards import UnitShards
 from .slots import ParamSlot
 from .timeline import ComputeTimer
 
@@ -42,7 +55,8 @@ class ResidentPipeline:
     """Updates the device-resident units on the compute stream (main thread).
 
     ``optimizer`` is used from the main thread only (``Optimizer.device_replica`` of the host one);
-    ``lean_host``: the host slab is not pinned, so the pages of resident masters can be given back.
+    ``lean_host``: the host slab is not pinned, so the pages of resident masters can be given back;
+    ``shards``: this rank's shard of each unit.
     """
 
     def __init__(
@@ -55,6 +69,7 @@ class ResidentPipeline:
         chunk_numel: int,
         *,
         lean_host: bool,
+        shards: UnitShards,
     ) -> None:
         self.units = units
         self.optimizer = optimizer
@@ -65,6 +80,11 @@ class ResidentPipeline:
         self.lean_host = lean_host
         self._host_current = False
         self._scaled = ScaledGrads()
+        self.shards = shards
+        self.collectives = shards.collectives
+        self._entries = {array.name: array.range for array in optimizer.state_arrays}
+        for name, resident in units.units.items():  # the host master may hold only the shards (Note [Sharded master])
+            self.collectives.all_gather_main_(resident.slot.params, f"the all-gather of {name}'s parameters")
 
     @staticmethod
     def optimizer_range_numel(max_unit_numel: int, chunk_numel: int, *, clipping: bool) -> int:
@@ -112,16 +132,20 @@ class ResidentPipeline:
         in_slot = self._sums_in_slot(ctx)
         write_gradients(unit, slot.grads, grads, add=in_slot and not contribution.starts)
         start = self.timer.start()
-        final = self._final_gradient(self.units.units[unit.name], contribution, in_slot)
+        resident = self.units.units[unit.name]
+        final = self._final_gradient(resident, contribution, in_slot)
         if final is not None:
-            coeff = ctx.clip.device_coefficient(self.norms, unit, final)
+            self.collectives.reduce_scatter_(final, f"the reduce-scatter of {unit.name}'s gradient")
+            lo, hi = self.shards[unit.name]
+            shard = final[lo:hi]
+            coeff = ctx.clip.device_coefficient(self.norms, unit, shard)
             if coeff is None:  # final as applied
-                self._step(self.units.units[unit.name], final, ctx)
+                self._step(resident, final, ctx)
                 if self.norms is not None:  # the final gradient, which the optimizer step did not write
-                    self.norms.add(unit, final, first=True)
+                    self.norms.add(unit, shard, first=True)
                 ctx.updated[unit.name].set_result(None)
             else:
-                self._step_scaled(self.units.units[unit.name], final, coeff, ctx)
+                self._step_scaled(resident, final, coeff, ctx)
         self.timer.stop(unit.name, "update", start)
 
     def _final_gradient(self, resident: ResidentUnit, contribution: Contribution, in_slot: bool) -> torch.Tensor | None:
@@ -137,32 +161,36 @@ class ResidentPipeline:
         return accum if contribution.final else None
 
     def _step(self, resident: ResidentUnit, grad: torch.Tensor, ctx: StepContext) -> None:
-        """The unit's update, as it is: one optimizer call per decay range."""
+        """The update of the unit's shard, as it is: one optimizer call per decay range."""
         decay_numel, numel = resident.unit.layout.decay_numel, resident.unit.layout.numel
-        for start, end, decay in ((0, decay_numel, True), (decay_numel, numel, False)):
-            if end > start:
-                state = slice_state(self.optimizer.state_arrays, resident.state, start, end)
-                self.optimizer.step(
-                    resident.master[start:end], grad[start:end], state, lr=ctx.lr, step=ctx.step, decay=decay
-                )
-        resident.slot.params.copy_(resident.master)
+        ranges = ((0, decay_numel, True), (decay_numel, numel, False))
+        for start, end, decay in self.shards.cut(resident.unit.name, ranges):
+            state = slice_state(self.optimizer.state_arrays, resident.state, start, end)
+            self.optimizer.step(
+                resident.master[start:end], grad[start:end], state, lr=ctx.lr, step=ctx.step, decay=decay
+            )
+        self._publish(resident)
 
     def _step_scaled(self, resident: ResidentUnit, grad: torch.Tensor, coeff: torch.Tensor, ctx: StepContext) -> None:
-        """The unit's update with ``coeff * grad`` (``coeff`` on the device), in pieces so the fp32 scratch
-        stays small."""
-        for lo, hi, decay in self._pieces(resident.unit):
+        """The update of the unit's shard with ``coeff * grad`` (``coeff`` on the device), in pieces so the
+        fp32 scratch stays small."""
+        for lo, hi, decay in self._shard_pieces(resident.unit):
             state = slice_state(self.optimizer.state_arrays, resident.state, lo, hi)
             scaled = self._scaled(grad[lo:hi], coeff)
             self.optimizer.step(resident.master[lo:hi], scaled, state, lr=ctx.lr, step=ctx.step, decay=decay)
-        resident.slot.params.copy_(resident.master)
+        self._publish(resident)
 
     def _pieces(self, unit: Unit) -> list[tuple[int, int, bool]]:
         """``[lo, hi)`` pieces of at most ``chunk_numel`` that never straddle the unit's decay boundary."""
         decay_numel, numel = unit.layout.decay_numel, unit.layout.numel
-        out = []
+        out: list[tuple[int, int, bool]] = []
         for start, end, decay in ((0, decay_numel, True), (decay_numel, numel, False)):
             out.extend((lo, min(end, lo + self.chunk_numel), decay) for lo in range(start, end, self.chunk_numel))
         return out
+
+    def _shard_pieces(self, unit: Unit) -> list[tuple[int, int, bool]]:
+        """:meth:`_pieces` cut to this rank's shard."""
+        return self.shards.cut(unit.name, self._pieces(unit))
 
     # -- the end of a clipped step ---------------------------------------------------------------------
     def finish(self, unit: Unit, ctx: StepContext, correction: Correction) -> None:
@@ -175,7 +203,7 @@ class ResidentPipeline:
             assert grad is not None and self.norms is not None
             start = self.timer.start()
             applied = self.norms.coefficient(unit)
-            for lo, hi, decay in self._correction_pieces(unit):
+            for lo, hi, decay in self._shard_pieces(unit):
                 state = slice_state(self.optimizer.state_arrays, resident.state, lo, hi)
                 self.optimizer.correct(
                     resident.master[lo:hi],
@@ -192,26 +220,47 @@ class ResidentPipeline:
         ctx.updated[unit.name].set_result(None)
 
     # -- checkpoints, drains and the host copies -------------------------------------------------------
-    def _correction_pieces(self, unit: Unit) -> list[tuple[int, int, bool]]:
-        """The pieces a correction updates: the whole unit here, the rank's shard under data parallel."""
-        return self._pieces(unit)
-
     def _publish(self, resident: ResidentUnit) -> None:
-        """Bring the compute copy up to date with the master after a correction."""
-        resident.slot.params.copy_(resident.master)
+        """Bring the compute copy up to date with the master after an update: the shard from the master,
+        the rest from the other ranks."""
+        name = resident.unit.name
+        lo, hi = self.shards[name]
+        resident.slot.params[lo:hi].copy_(resident.master[lo:hi])
+        self.collectives.all_gather_main_(resident.slot.params, f"the all-gather of {name}'s parameters")
 
     def state_array(self, unit: Unit, name: str) -> torch.Tensor:
+        """This rank's shard of the unit's master or optimizer state."""
         resident = self.units.units[unit.name]
-        return resident.master if name == "master" else resident.state[name]
+        lo, hi = self.shards[unit.name]
+        if name == "master":
+            return resident.master[lo:hi]
+        entries = self._entries.get(name)
+        return resident.state[name][slice(lo, hi) if entries is None else entries(lo, hi)]
 
     def restore_target(self, unit: Unit, name: str) -> torch.Tensor:
         return self.state_array(unit, name)
 
     def restored(self, unit: Unit, name: str, values: torch.Tensor) -> None:
-        if name == "master":
-            self.units.slot(unit.name).params.copy_(values)  # the compute copy of the new master
+        if name == "master":  # every rank restores the same arrays in the same order: gather here
+            self._publish(self.units.units[unit.name])
 
-    def sync_to_host(self, host_state: HostState | None) -> None:
+    def sync_to_host(self, host_state: HostState | None, *, to_root: bool = False) -> None:
+        """Gather the fp32 masters on the device (each rank updated its shard only; nothing to gather in
+        one process), then copy them to the host; the optimizer state stays sharded. ``to_root``: to rank
+        0 only, and only rank 0 copies them whole to its host; the others copy their shards (Note
+        [Sharded master])."""
+        collectives = self.collectives
+        for name, resident in self.units.units.items():
+            what = f"the gather of {name}'s master"
+            if to_root:
+                collectives.gather_to_root_(resident.master, what, host=False)
+            else:
+                collectives.all_gather_main_(resident.master, what)
+        if to_root and collectives.rank != 0:
+            for name, resident in self.units.units.items():
+                lo, hi = self.shards[name]
+                self.host_params.write(name, resident.master[lo:hi], lo)
+            return
         views = None if host_state is None else {name: host_state.views(name) for name in self.units.units}
         self.units.sync_to_host(views)
         self._host_current = True  # until the next step (Note [Resident host copies])

@@ -36,7 +36,8 @@ class ParamSlot:
     unit: Unit | None = None
     loaded: Future[Event] | None = None
     compute_done: Event | None = None
-    grads_free: Event | None = None
+    grads_free: Future[Event] | None = None
+    """The d2h job of the gradient buffer's last contents: done when the buffer may be written again."""
 
     @property
     def numel(self) -> int:

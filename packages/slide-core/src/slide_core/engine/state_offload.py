@@ -87,8 +87,11 @@ class OffloadedState:
     def keep_shards(self, spans: Mapping[str, tuple[int, int]]) -> None:
         """Data parallel: keep only this rank's shard ``[lo, hi)`` of each unit on the tier (the rank updates
         nothing else), so the tier holds 1/N of the state. Staging stays one whole unit long, so the update
-        addresses it as in one process; reads and write-backs move the shard only. Call before any I/O."""
+        addresses it as in one process; reads and write-backs move the shard only. Call before any I/O.
+        A unit ``spans`` does not name is kept whole (``UnitShards.partial``: every unit in one process)."""
         for unit in self.units:
+            if unit not in spans:
+                continue
             lo, hi = spans[unit]
             for array in self.arrays.values():
                 if array.numel(hi - lo) != hi - lo:

@@ -1,18 +1,30 @@
-"""Every unit's pipeline, chosen by where the engine's config places the unit.
+"""Every unit's pipeline, composed from where the engine's config places the unit.
 
-A unit in ``resident_units`` gets the :class:`ResidentPipeline`, one in ``offloaded_units`` the
-:class:`OffloadedPipeline`, any other the :class:`HostPipeline`; the two host-side ones share the
-:class:`GradTransfer` (the d2h stage and its pinned ring or store). :class:`UnitPipelines` is built once per
-engine run and is the one place a new placement, or a wrapper around a pipeline (a sharded one for data
-parallel), is plugged in: see "Where things plug in" in docs/design/engine.md.
+A unit's pipeline is three independent parts:
+
+- the **updater**, where its update runs: on the host optimizer thread (:class:`HostPipeline`, the
+  gradient crosses PCIe) or on the device for a unit in ``resident_units`` (:class:`ResidentPipeline`);
+- for a host-updated unit, the **state store**, where its optimizer state lives between updates: the host
+  slabs (:class:`HostSlabs`, RAM or pinned) or a tier for a unit in ``offloaded_units``
+  (:class:`TierStore`);
+- the **shard**, the part ``[lo, hi)`` of the unit this rank updates, with the collectives that move the
+  rest (:class:`UnitShards`): the whole unit and collectives that do nothing in one process.
+
+The host-updated pipelines share the :class:`GradTransfer` (the d2h stage and its pinned ring or store).
+:class:`UnitPipelines` is built once per engine run and is the one place a new updater or store is
+plugged in: see "Where things plug in" in docs/design/engine.md.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from concurrent.futures import Future
 
-from slide_core.device import Device
+import torch
+
+from slide_core.collectives import Collectives
+from slide_core.device import Device, Event
 from slide_core.host_params import HostParameters
 from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel, Unit
@@ -23,28 +35,24 @@ from .grad_transfer import GradTransfer
 from .host_pipeline import HostPipeline
 from .host_state import HostState
 from .norms import UnitNorms
-from .offloaded_pipeline import OffloadedPipeline
 from .pipeline import UnitPipeline
 from .resident import ResidentUnits
 from .resident_pipeline import ResidentPipeline
-from .sharded_pipeline import ShardedPipeline
-from .sharded_resident import ShardedResidentPipeline
+from .shards import UnitShards
 from .slots import ParamSlot
 from .state_offload import OffloadedState
+from .state_store import HostSlabs, StateStore, TierStore
 from .timeline import ComputeTimer
 from .workers import Workers
-
-if TYPE_CHECKING:
-    from slide_core.distributed import ProcessGroupContext
 
 __all__ = ["UnitPipelines"]
 
 
 class UnitPipelines:
-    """The pipelines of one engine run, and which one owns each unit.
+    """The pipelines of one engine run, which one owns each unit, and the step's sums over the ranks.
 
     Building it copies device-resident units to the device, gives back their host pages and pins the
-    host-updated units' master ranges when the slab is not pinned (Note [Resident host copies]), and zeroes
+    host-updated units' master shards when the slab is not pinned (Note [Resident host copies]), and zeroes
     a fresh run's host optimizer state after that, so the two never add up in the host's peak.
     """
 
@@ -59,13 +67,14 @@ class UnitPipelines:
         workers: Workers,
         timer: ComputeTimer,
         offloaded: OffloadedState | None,
-        group: ProcessGroupContext | None = None,
+        collectives: Collectives,
     ) -> None:
-        """``group``: the ranks of a data-parallel run (world size > 1); every unit is then sharded across
-        them, whatever its placement: host-updated and tier-offloaded units by :class:`ShardedPipeline`
-        wrappers (sharded_pipeline.py), device-resident ones by :class:`ShardedResidentPipeline`."""
         resident = set(config.resident_units)
-        self.host_params = host_params
+        on_tier = set(offloaded.units) if offloaded is not None else set()
+        self.device, self.host_params, self.collectives = device, host_params, collectives
+        self.shards = UnitShards(collectives, model.units)
+        """This rank's shard ``[lo, hi)`` of every unit (every unit whole in one process)."""
+        self.spans = self.shards.spans
         lean_host = not host_params.is_pinned
         views = {name: host_state.views(name) if host_state.valid[name] else None for name in resident}
         self.residents = ResidentUnits(
@@ -73,66 +82,51 @@ class UnitPipelines:
         )
         self.norms = UnitNorms(device, model.units) if UnitNorms.wanted(config) else None
         """Every unit's squared gradient norm of the step (Note [Gradient norm of every step])."""
-        timeline = timer.timeline
         chunk_numel = config.transfer_chunk_numel
-        self.spans = {unit.name: group.span(unit.layout.numel) for unit in model.units} if group is not None else None
-        """This rank's shard ``[lo, hi)`` of every unit under data parallel (None in a single-process run)."""
-        parts = (self.residents, optimizer.device_replica(), host_params, self.norms, timer, chunk_numel)
-        if group is None:
-            self.resident = ResidentPipeline(*parts, lean_host=lean_host)
-        else:
-            assert self.spans is not None
-            self.resident = ShardedResidentPipeline(*parts, lean_host=lean_host, group=group, spans=self.spans)
+
+        # The updater on the device: resident units.
+        self.resident = ResidentPipeline(
+            self.residents, optimizer.device_replica(), host_params, self.norms, timer, chunk_numel,
+            lean_host=lean_host, shards=self._shards(collectives, model.units, resident),
+        )  # fmt: skip
         if lean_host:  # give pages back before pinning: a page-locked registration may keep nearby pages
             self.resident.release_host_masters()
             for is_host_updated, run in itertools.groupby(model.units, key=lambda unit: unit.name not in resident):
-                if not is_host_updated:
-                    continue
-                units = list(run)
-                if self.spans is None:  # one registration per contiguous run of the slab
-                    device.pin_host_range(host_params.h2d_span(units[0], units[-1]))
-                    continue
-                for unit in units:  # data parallel: the shards only (Note [Sharded master])
-                    lo, hi = self.spans[unit.name]
-                    device.pin_host_range(host_params.h2d_source(unit)[lo:hi])
+                if is_host_updated:
+                    _pin_shards(device, host_params, list(run), self.shards)
         host_units = [unit for unit in model.units if unit.name not in resident]
-        spans = None if self.spans is None else {unit.name: self.spans[unit.name] for unit in host_units}
-        host_state.zero_fresh(spans)
-        self.transfer = GradTransfer(device, workers, host_units, config, timeline, self.norms, spans)
-        host: dict[str, Any] = dict(
-            device=device, host_params=host_params, host_state=host_state, optimizer=optimizer,
-            transfer=self.transfer, workers=workers, norms=self.norms, timeline=timeline,
-            forward_position={unit.name: index for index, unit in enumerate(model.units)}, chunk_numel=chunk_numel,
-        )  # fmt: skip
-        self.host = HostPipeline(**host)
-        self.sharded: ShardedPipeline | None = None
-        """The data-parallel wrapper of the host pipeline, which then owns the host units (None in a
-        single-process run)."""
-        host_route: UnitPipeline = self.host
-        on_tier = [unit for unit in model.units if offloaded is not None and unit.name in offloaded]
-        if group is not None:
-            assert spans is not None
-            in_ram = [unit for unit in host_units if unit not in on_tier]
-            host_route = self.sharded = ShardedPipeline(self.host, group, in_ram, spans)
+        host_spans = {unit.name: self.shards[unit.name] for unit in host_units}
+        host_state.zero_fresh(host_spans)
+        self.transfer = GradTransfer(device, workers, host_units, config, timer.timeline, self.norms, host_spans)
+
+        # The updater on the host, once per state store: the host slabs, a tier.
+        def host_pipeline(names: set[str], store: StateStore) -> HostPipeline:
+            return HostPipeline(
+                device, host_params, host_state, optimizer, self.transfer, workers, self.norms, timer.timeline,
+                {unit.name: index for index, unit in enumerate(model.units)}, chunk_numel,
+                shards=self._shards(collectives, host_units, names), store=store,
+            )  # fmt: skip
+
+        self.host = host_pipeline({unit.name for unit in host_units} - on_tier, HostSlabs(host_state))
         self._of: dict[str, UnitPipeline] = dict.fromkeys(resident, self.resident)
-        self.distinct: list[UnitPipeline] = [self.resident, host_route]
+        self._of.update((unit.name, self.host) for unit in host_units)
+        self.distinct: list[UnitPipeline] = [self.resident, self.host]
         if offloaded is not None:
-            if group is not None:  # the tier keeps this rank's shards only
-                assert spans is not None
-                offloaded.keep_shards(spans)
-            offloaded_route: UnitPipeline = OffloadedPipeline(on_tier, offloaded, **host)
-            if group is not None:
-                assert spans is not None
-                offloaded_route = ShardedPipeline(offloaded_route, group, on_tier, spans)  # type: ignore[arg-type]
-            self.distinct.append(offloaded_route)
-            self._of.update(dict.fromkeys((unit.name for unit in on_tier), offloaded_route))
-        self.routes: list[tuple[Unit, UnitPipeline]] = [
-            (unit, self._of.setdefault(unit.name, host_route)) for unit in model.units
-        ]
+            tier_shards = self._shards(collectives, host_units, on_tier)
+            offloaded.keep_shards(tier_shards.partial())  # the tier keeps this rank's shards only
+            tier_units = [unit for unit in host_units if unit.name in on_tier]
+            tiered = host_pipeline(on_tier, TierStore(tier_units, offloaded, host_state))
+            self.distinct.append(tiered)
+            self._of.update(dict.fromkeys(on_tier, tiered))
+        self.routes: list[tuple[Unit, UnitPipeline]] = [(unit, self._of[unit.name]) for unit in model.units]
         """Every unit with its pipeline, in forward order."""
         self.fixed: dict[str, ParamSlot] = {name: self.residents.slot(name) for name in self.residents.units}
         """The units that always live in one device slot, never loaded by the window."""
         self.device_updated = frozenset(resident)
+
+    @staticmethod
+    def _shards(collectives: Collectives, units: Sequence[Unit], names: set[str]) -> UnitShards:
+        return UnitShards(collectives, [unit for unit in units if unit.name in names])
 
     def __getitem__(self, name: str) -> UnitPipeline:
         return self._of[name]
@@ -146,18 +140,73 @@ class UnitPipelines:
             pipeline.begin_step(ctx)
         self.transfer.begin_step()
 
-    def sync_to_host(self, host_state: HostState | None, *, to_root: bool = False) -> None:
-        """Every pipeline's host copies current; with data parallel the masters gathered on every rank,
-        or with ``to_root`` on rank 0 alone (every pipeline is a sharded one then)."""
-        if self.spans is None:
-            for pipeline in self.distinct:
-                pipeline.sync_to_host(host_state)
+    # -- the step's sums over the ranks (nothing in one process), main thread ------------------------------
+    def sum_counts(self, loss_tokens: int, tokens: int) -> tuple[int, int]:
+        """The step's token counts over every rank, before the first micro-batch: every rank's gradients
+        are divided by every rank's label tokens."""
+        loss_tokens, tokens = self.collectives.sum_counts((loss_tokens, tokens), "the sum of the step's token counts")
+        return loss_tokens, tokens
+
+    def sum_loss_and_norms(self, loss_sum: torch.Tensor) -> tuple[float, list[float] | None]:
+        """The step's summed loss and every unit's device-side squared gradient norm (Note [Gradient norm
+        of every step]), summed over the ranks in one all-reduce, then read in one go. note: CPU-GPU sync
+        point (the engine's one read per step, for the reported loss)."""
+        norms = self.norms
+        self.collectives.wait_gradient_sums(self.device)  # norms formed beside the sums (Note [Sharded stream order])
+        values = loss_sum.reshape(1) if norms is None else torch.cat((loss_sum.reshape(1), norms.on_device))
+        self.collectives.all_reduce_(values, "the all-reduce of the step's loss and gradient norms")
+        read = values.tolist()
+        return read[0], (read[1:] if norms is not None else None)
+
+    def sum_host_squares(self, ctx: StepContext, workers: Workers, last_d2h: Future[Event] | None) -> None:
+        """Sum the host-summed units' squared norms (``ctx.clip.host_sq``) over the ranks, in place, before
+        the clip strategy reads them: each rank summed only its shards. Before the sum, waits for the
+        step's last gradient transfer and then for every optimizer job queued by then (a barrier job),
+        which is when every host sum of the step is complete (Note [Clip rollback ordering])."""
+        host_sq = ctx.clip.host_sq
+        if host_sq is None:
             return
-        if not to_root or self.sharded is None or self.sharded.group.rank == 0:
+
+        def summed_on_host() -> None:
+            if last_d2h is not None:
+                workers.wait(last_d2h, "the gradient transfers of the step")
+            barrier = workers["optimizer"].submit(_nothing, priority=(ctx.step, 1))
+            workers.wait(barrier, "the host sums of the step's gradients")
+
+        names = [name for name in ctx.expected if ctx.summed_on_host(name)]
+        what = "the sum of the step's host-side gradient norms"
+        self.collectives.sum_values(host_sq, names, what, ready=summed_on_host)
+
+    # -- drains -------------------------------------------------------------------------------------------
+    def sync_to_host(self, host_state: HostState | None, *, to_root: bool = False) -> None:
+        """Every pipeline's host copies current: the masters gathered whole on every rank, or with
+        ``to_root`` on rank 0 alone (one process holds them whole already)."""
+        if not to_root or self.collectives.rank == 0:
             self.host_params.keep_shards(None)  # the gathers write every unit whole (Note [Sharded master])
         for pipeline in self.distinct:
-            pipeline.sync_to_host(host_state, to_root=to_root)  # type: ignore[call-arg]
+            pipeline.sync_to_host(host_state, to_root=to_root)
 
     def flush(self) -> None:
         for pipeline in self.distinct:
             pipeline.flush()
+
+
+def _pin_shards(device: Device, host_params: HostParameters, units: list[Unit], shards: UnitShards) -> None:
+    """Page-lock the master shards of a run of host-updated units, one registration per contiguous stretch
+    (the whole run in one process: each shard is its unit, and units lie in model order in the slab)."""
+    plane = host_params.h2d_span(units[0], units[-1])
+    base = host_params.offset(units[0])
+    stretches: list[list[int]] = []
+    for unit in units:
+        lo, hi = shards[unit.name]
+        start = host_params.offset(unit) - base
+        if stretches and lo == 0 and stretches[-1][2]:  # follows a shard that ran to its unit's end
+            stretches[-1][1:] = [start + hi, int(hi == unit.layout.numel)]
+        else:
+            stretches.append([start + lo, start + hi, int(hi == unit.layout.numel)])
+    for begin, end, _ in stretches:
+        device.pin_host_range(plane[begin:end])
+
+
+def _nothing() -> None:
+    """An optimizer-thread job that does nothing: when it is done, every job queued before it is."""

@@ -1,12 +1,12 @@
 """Data parallel on paper: per-GPU memory, per-host RAM and the step-time bound of N ranks on M hosts.
 
 Built on the single-process :class:`~slide_hf.planner.plan.Plan` of one rank (its per-rank batch), by what
-the sharded engine changes (slide_core/engine/sharded_pipeline.py, docs/distributed.md):
+the sharded engine changes (slide_core/engine/host_pipeline.py, docs/distributed.md):
 
 - GPU: unchanged. Every rank slides the whole model through the same slots and buffers.
 - Host, per rank: the fp32 master, the Adam state and the fp32 gradient accumulators 1/N (a rank loads,
   updates and writes only its shards, so the rest of those buffers is never touched: Note [Sharded
-  master] in slide_core/engine/sharded_pipeline.py), the pinned gradient ring or clipping store 1/N (the
+  master] in slide_core/engine/host_pipeline.py), the pinned gradient ring or clipping store 1/N (the
   ring holds the backlog of what the rank streams, its shards; the store, those shards), the rest as one process
   (activation stash, scratch, the process itself). Per host: that, times the ranks on the host. The
   final drain gathers the whole master on every rank for the export, which this does not count.
