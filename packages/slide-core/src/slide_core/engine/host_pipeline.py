@@ -13,7 +13,7 @@ unit (shards.py): the whole unit in one process, 1/N of it on each of N data-par
 - h2d thread (``load``): wait for the unit's last update (Note [Update futures]), copy the shard of the
   master in and all-gather the slot, so every rank computes with the whole, updated unit.
 - ``state_array`` / ``restore_target``: the shard of each unit, so a rank's checkpoint is its shards
-  (Engine.checkpoint_arrays), which sharded_checkpoint.py reads back at any world size.
+  (Engine.checkpoint_arrays), which slide_core/checkpoint reads back at any world size.
 
 The master is stored as ``HostParameters.master_format`` says: the optimizer steps
 ``HostParameters.master`` (an fp32 range or a split one) and the h2d copies ``h2d_source`` (the fp32 range,

@@ -33,7 +33,7 @@ __all__ = ["StateSink", "StateSource"]
 class _PlacedArray:
     """Array ``name`` (``"master"`` or an optimizer state) over ``units`` in slab order, each unit's range
     kept where the unit's pipeline keeps it. ``spans``: the part ``[lo, hi)`` of each unit the array holds
-    (a data-parallel rank's shards); every unit whole when None. ``array``: how the array is stored (its
+    (this rank's shard of it: the whole unit in a world of one). ``array``: how the array is stored (its
     dtype, and one entry per block of parameters for int8's scales); one fp32 element per parameter when
     None."""
 
@@ -42,7 +42,7 @@ class _PlacedArray:
         name: str,
         units: Sequence[Unit],
         pipelines: Mapping[str, UnitPipeline],
-        spans: Mapping[str, tuple[int, int]] | None = None,
+        spans: Mapping[str, tuple[int, int]],
         array: StateArray | None = None,
     ) -> None:
         array = array or StateArray(name)
@@ -50,10 +50,7 @@ class _PlacedArray:
         self.dtype = array.dtype
         self._units = list(units)
         self._pipelines = pipelines
-        self._lengths = [
-            array.numel(unit.layout.numel) if spans is None else _length(array.range(*spans[unit.name]))
-            for unit in self._units
-        ]
+        self._lengths = [_length(array.range(*spans[unit.name])) for unit in self._units]
         self._numel_of = {unit.name: length for unit, length in zip(self._units, self._lengths, strict=True)}
         self.whole_numel, self.intervals = _placement(array, self._units, spans)
         """The whole array's size and the ranges of it this array holds (a checkpoint ``Shard``)."""
@@ -109,12 +106,12 @@ class StateSink(_PlacedArray):
 
 
 def _placement(
-    array: StateArray, units: Sequence[Unit], spans: Mapping[str, tuple[int, int]] | None
+    array: StateArray, units: Sequence[Unit], spans: Mapping[str, tuple[int, int]]
 ) -> tuple[int, list[tuple[int, int]]]:
     """``(entries of the whole array, the ranges [start, stop) of them that ``spans`` of each unit hold)``."""
     intervals, start = [], 0
     for unit in units:
-        held = slice(0, array.numel(unit.layout.numel)) if spans is None else array.range(*spans[unit.name])
+        held = array.range(*spans[unit.name])
         intervals.append((start + held.start, start + held.stop))
         start += array.numel(unit.layout.numel)
     return start, intervals
