@@ -1,5 +1,6 @@
 """Suite-wide setup: Triton's interpreter on machines without a GPU, numba's compile before the first
-test, and throwaway plugin distributions.
+test, throwaway plugin distributions, slide-kernels' torch fallback on request (``torch_kernels``) and the
+`slide` command run in-process (``slide``).
 
 Triton reads TRITON_INTERPRET when a kernel is first defined, so it has to be set before the first import
 of slide_kernels anywhere in the session, which is why it happens here, at import. Without a GPU the
@@ -9,6 +10,7 @@ kernels for the GPU. Setting TRITON_INTERPRET yourself still wins.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -32,6 +34,49 @@ def _numba_compiled() -> None:
         return
     if FusedAdamW.available():
         FusedAdamW(AdamWConfig()).warmup()
+
+
+@contextlib.contextmanager
+def _kernels_backend(name: str) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLIDE_KERNELS_BACKEND", name)
+        yield
+
+
+@pytest.fixture
+def torch_kernels() -> Iterator[None]:
+    """slide-kernels' torch fallback for this test: the path a CPU user's run takes (no Triton interpreter
+    outside the tests), and ~15x faster than the interpreter this file turns on for the kernel tests. It is
+    set in the environment, so the processes a test launches (data-parallel ranks) take it too."""
+    with _kernels_backend("torch"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def torch_kernels_module() -> Iterator[None]:
+    """``torch_kernels`` for a module-scoped fixture (a run built once and shared by a module's tests)."""
+    with _kernels_backend("torch"):
+        yield
+
+
+Slide = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def slide(capsys: pytest.CaptureFixture[str], torch_kernels: None) -> Slide:
+    """``slide(*argv) -> (exit status, stdout, stderr)``: the `slide` command run in-process through
+    ``slide_hf.cli.main.main`` (no interpreter start, no second import of torch and transformers), on
+    slide-kernels' torch fallback as on a CPU user's machine. Every command's parser is built, as in a
+    real run: a command whose ``add_parser`` fails fails the test."""
+    pytest.importorskip("transformers")
+    from slide_hf.cli.main import main
+
+    def call(*argv: str | os.PathLike[str]) -> tuple[int, str, str]:
+        status = main([str(arg) for arg in argv])
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    return call
 
 
 InstallDistribution = Callable[[str, Mapping[str, str], Mapping[str, Mapping[str, str]]], Path]
