@@ -23,6 +23,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (Note [A module fixture is built once])
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Note [A module fixture is built once]: every xdist worker that runs a test builds that test's
+    module-scoped fixtures for itself, and some of them launch data-parallel ranks or train a run. Tests that
+    use one are put in one ``xdist_group`` per module, which ``--dist loadgroup`` (hatch.toml) sends to a
+    single worker; the other tests are spread one by one, as with ``--dist load``. Without xdist, nothing
+    changes."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        if any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _numba_compiled() -> None:
     """Compile FusedAdamW's kernels (or load them from numba's on-disk cache) once, before any test, so no
