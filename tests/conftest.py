@@ -10,7 +10,6 @@ kernels for the GPU. Setting TRITON_INTERPRET yourself still wins.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -53,26 +52,23 @@ def _numba_compiled() -> None:
         FusedAdamW(AdamWConfig()).warmup()
 
 
-@contextlib.contextmanager
-def _kernels_backend(name: str) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SLIDE_KERNELS_BACKEND", name)
-        yield
+_TORCH_KERNELS = ("SLIDE_KERNELS_BACKEND", "torch")
 
 
 @pytest.fixture
-def torch_kernels() -> Iterator[None]:
+def torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """slide-kernels' torch fallback for this test: the path a CPU user's run takes (no Triton interpreter
     outside the tests), and ~15x faster than the interpreter this file turns on for the kernel tests. It is
-    set in the environment, so the processes a test launches (data-parallel ranks) take it too."""
-    with _kernels_backend("torch"):
-        yield
+    set in the environment, so the processes a test launches (data-parallel ranks) take it too; through the
+    test's own ``monkeypatch``, so all of a test's patches are undone together, last first."""
+    monkeypatch.setenv(*_TORCH_KERNELS)
 
 
 @pytest.fixture(scope="module")
 def torch_kernels_module() -> Iterator[None]:
     """``torch_kernels`` for a module-scoped fixture (a run built once and shared by a module's tests)."""
-    with _kernels_backend("torch"):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(*_TORCH_KERNELS)
         yield
 
 
