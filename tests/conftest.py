@@ -1,5 +1,6 @@
 """Suite-wide setup: Triton's interpreter on machines without a GPU, numba's compile before the first
-test, and throwaway plugin distributions.
+test, throwaway plugin distributions, slide-kernels' torch fallback on request (``torch_kernels``) and the
+`slide` command run in-process (``slide``).
 
 Triton reads TRITON_INTERPRET when a kernel is first defined, so it has to be set before the first import
 of slide_kernels anywhere in the session, which is why it happens here, at import. Without a GPU the
@@ -21,6 +22,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (Note [A module fixture is built once])
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Note [A module fixture is built once]: every xdist worker that runs a test builds that test's
+    module-scoped fixtures for itself, and some of them launch data-parallel ranks or train a run. Tests that
+    use one are put in one ``xdist_group`` per module, which ``--dist loadgroup`` (hatch.toml) sends to a
+    single worker; the other tests are spread one by one, as with ``--dist load``. Without xdist, nothing
+    changes."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        if any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _numba_compiled() -> None:
     """Compile FusedAdamW's kernels (or load them from numba's on-disk cache) once, before any test, so no
@@ -32,6 +50,46 @@ def _numba_compiled() -> None:
         return
     if FusedAdamW.available():
         FusedAdamW(AdamWConfig()).warmup()
+
+
+_TORCH_KERNELS = ("SLIDE_KERNELS_BACKEND", "torch")
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """slide-kernels' torch fallback for this test: the path a CPU user's run takes (no Triton interpreter
+    outside the tests), and ~15x faster than the interpreter this file turns on for the kernel tests. It is
+    set in the environment, so the processes a test launches (data-parallel ranks) take it too; through the
+    test's own ``monkeypatch``, so all of a test's patches are undone together, last first."""
+    monkeypatch.setenv(*_TORCH_KERNELS)
+
+
+@pytest.fixture(scope="module")
+def torch_kernels_module() -> Iterator[None]:
+    """``torch_kernels`` for a module-scoped fixture (a run built once and shared by a module's tests)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(*_TORCH_KERNELS)
+        yield
+
+
+Slide = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def slide(capsys: pytest.CaptureFixture[str], torch_kernels: None) -> Slide:
+    """``slide(*argv) -> (exit status, stdout, stderr)``: the `slide` command run in-process through
+    ``slide_hf.cli.main.main`` (no interpreter start, no second import of torch and transformers), on
+    slide-kernels' torch fallback as on a CPU user's machine. Every command's parser is built, as in a
+    real run: a command whose ``add_parser`` fails fails the test."""
+    pytest.importorskip("transformers")
+    from slide_hf.cli.main import main
+
+    def call(*argv: str | os.PathLike[str]) -> tuple[int, str, str]:
+        status = main([str(arg) for arg in argv])
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    return call
 
 
 InstallDistribution = Callable[[str, Mapping[str, str], Mapping[str, Mapping[str, str]]], Path]

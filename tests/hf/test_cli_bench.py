@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from slide_hf.cli import main as cli
 
 TINY = ("--model", "test-llama", "--batch-size", "2", "--seq-len", "16", "--steps", "3", "--warmup", "1")
-
-
-@pytest.fixture
-def slide(capsys, monkeypatch):
-    """``slide(*argv) -> (exit status, stdout, stderr)``, in-process."""
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")  # the interpreter would only slow this down
-
-    def call(*argv: str | Path) -> tuple[int, str, str]:
-        status = cli.main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    return call
 
 
 def test_bench_prints_and_writes_one_result(slide, tmp_path) -> None:

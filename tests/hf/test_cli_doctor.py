@@ -2,40 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import sys
 
-import pytest
-
 from slide_core import plugins
 from slide_hf.cli import doctor
-from slide_hf.cli import main as cli
 
 SECTIONS = ("versions", "device", "host", "kernels", "storage", "plugins")
-
-
-@pytest.fixture
-def slide(capsys, monkeypatch):
-    """``slide(*argv) -> (exit status, stdout, stderr)``, leaving out commands still being written whose
-    ``add_parser`` cannot run yet."""
-
-    def usable(name: str) -> bool:
-        try:
-            importlib.import_module(f"slide_hf.cli.{name}").add_parser(argparse.ArgumentParser().add_subparsers())
-        except Exception:
-            return False
-        return True
-
-    monkeypatch.setattr(cli, "COMMANDS", tuple(name for name in cli.COMMANDS if usable(name)))
-
-    def call(*argv: str) -> tuple[int, str, str]:
-        status = cli.main(list(argv))
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    return call
 
 
 def test_doctor_text(slide):

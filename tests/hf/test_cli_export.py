@@ -9,10 +9,7 @@ import torch
 
 from slide_hf.cli.main import main
 
-
-@pytest.fixture(autouse=True)
-def _torch_loss(monkeypatch):
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")  # the CPU user's path, not the interpreter
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
 
 
 def test_export_a_mid_run_checkpoint(tmp_path: Path, capsys) -> None:

@@ -84,3 +84,15 @@ def test_a_collective_failure_is_one_line_not_a_bug(monkeypatch, capsys):
     assert err.strip() == (
         "slide train: error: rank 1 of 2: the all-reduce of the loss failed; another rank has probably stopped"
     )
+
+
+def test_a_command_whose_parser_cannot_be_built_fails_every_command(slide, monkeypatch):
+    """Every command's parser is built on each run, and the tests' ``slide`` fixture leaves none out: a
+    command whose ``add_parser`` breaks fails loudly, whichever command was asked for."""
+
+    def broken(commands):
+        raise RuntimeError("export's add_parser broke")
+
+    monkeypatch.setattr("slide_hf.cli.export.add_parser", broken)
+    with pytest.raises(RuntimeError, match="export's add_parser broke"):
+        slide("plan", "--help")

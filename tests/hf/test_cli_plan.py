@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 from collections.abc import Callable
 
 import pytest
 
-from slide_hf.cli import main as cli
 from slide_hf.cli import plan as plan_cli
 
 pytest.importorskip("transformers")
@@ -17,31 +14,10 @@ pytest.importorskip("transformers")
 Slide = Callable[..., tuple[int, str, str]]
 
 
-@pytest.fixture
-def slide(capsys, monkeypatch) -> Slide:
-    """``slide(*argv) -> (exit status, stdout, stderr)``.
-
-    Commands other than the one under test are being written concurrently; one whose ``add_parser``
-    cannot run yet is left out of the parser so it cannot fail these tests.
-    """
-
-    def usable(name: str) -> bool:
-        try:
-            importlib.import_module(f"slide_hf.cli.{name}").add_parser(argparse.ArgumentParser().add_subparsers())
-        except Exception:
-            return False
-        return True
-
-    monkeypatch.setattr(cli, "COMMANDS", tuple(name for name in cli.COMMANDS if usable(name)))
-    # slide-kernels is a dependency of slide-hf, but a dev checkout may lack it; plan as installed.
+@pytest.fixture(autouse=True)
+def _fused_loss_installed(monkeypatch) -> None:
+    """slide-kernels is a dependency of slide-hf, but a dev checkout may lack it; plan as installed."""
     monkeypatch.setattr(plan_cli, "_fused_loss_available", lambda: True)
-
-    def call(*argv: str) -> tuple[int, str, str]:
-        status = cli.main(list(argv))
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    return call
 
 
 def test_plan_tiny_llama_table(slide):

@@ -3,7 +3,6 @@ exactness against a plain transformers + torch AdamW loop."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
@@ -19,7 +18,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from slide_hf import PRESETS
-from slide_hf.cli import main as cli
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer
 
 Slide = Callable[..., tuple[int, str, str]]
@@ -29,34 +27,6 @@ TINY = ("--device", "cpu", "--dtype", "float32", "--steps", "2", "--seq-len", "3
 
 GRAD_NORM_PENDING = "--max-grad-norm is not available yet in this build; use --max-grad-norm 0"
 RECORD_KEYS = {"step", "loss", "lr", "tokens", "tokens_per_s", "step_time_s", "gpu_mem_peak_gb", "host_rss_gb"}
-
-
-@pytest.fixture
-def slide(capsys, monkeypatch) -> Slide:
-    """``slide(*argv) -> (exit status, stdout, stderr)``.
-
-    Commands other than `train` are being written concurrently; one whose ``add_parser`` cannot run yet is
-    left out of the parser so it cannot fail these tests.
-    """
-
-    def usable(name: str) -> bool:
-        try:
-            importlib.import_module(f"slide_hf.cli.{name}").add_parser(argparse.ArgumentParser().add_subparsers())
-        except Exception:
-            return False
-        return True
-
-    monkeypatch.setattr(cli, "COMMANDS", tuple(name for name in cli.COMMANDS if usable(name)))
-    # tests/conftest.py turns Triton's CPU interpreter on for the kernel tests; a real CPU run never has it
-    # and uses slide-kernels' torch fallback, which is also ~15x faster than the interpreter here.
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
-
-    def call(*argv: str | Path) -> tuple[int, str, str]:
-        status = cli.main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    return call
 
 
 def _run(slide: Slide, output: Path, *extra: str | Path, tiny: bool = True) -> list[dict]:

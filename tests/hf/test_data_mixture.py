@@ -14,10 +14,7 @@ import slide_hf
 from slide_hf.cli.main import main
 from slide_hf.data.mixture import mixture_counts, mixture_order
 
-
-@pytest.fixture(autouse=True)
-def _torch_kernels(monkeypatch):
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
 
 
 def _sources(tmp_path: Path) -> tuple[Path, Path]:

@@ -6,6 +6,7 @@ in 2 real gloo processes trains what one process does at the same global batch."
 from __future__ import annotations
 
 import json
+import runpy
 import signal
 import subprocess
 import sys
@@ -59,12 +60,14 @@ def test_too_few_rows_for_the_ranks() -> None:
         Batches(_numbered(12), batch_size=2, grad_accum=2, shuffle=True, seed=0, rank=3, world_size=3)
 
 
-def test_python_dash_m_slide_hf_is_the_cli() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "slide_hf", "train", "--no-such-flag"], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 2
-    assert done.stderr.startswith("slide: error: unrecognized arguments: --no-such-flag")
+def test_python_dash_m_slide_hf_is_the_cli(monkeypatch, capsys) -> None:
+    """``python -m slide_hf`` runs slide_hf/__main__.py as ``__main__``; runpy does what ``-m`` does, in this
+    process (a fresh interpreter would spend seconds importing torch to print one line)."""
+    monkeypatch.setattr(sys, "argv", ["slide_hf", "train", "--no-such-flag"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("slide_hf", run_name="__main__", alter_sys=True)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("slide: error: unrecognized arguments: --no-such-flag")
 
 
 # ---- `slide train` in real gloo processes ------------------------------------------------------------------

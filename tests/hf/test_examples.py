@@ -46,9 +46,8 @@ def test_example_parses_and_its_plan_fits(name, capsys):
     assert plan["gpu_peak_bytes"] <= int(cfg.gpu_memory.removesuffix("GiB")) * gib
 
 
-def test_resume_example_continues_a_run(tmp_path, monkeypatch, capsys):
+def test_resume_example_continues_a_run(tmp_path, monkeypatch, torch_kernels, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
     run = ["--device", "cpu", "--dtype", "float32", "--seq-len", "32", "--batch-size", "2", "--lr", "1e-3"]
     assert cli.main(["train", "--output", "runs/llama8b-chat", "--steps", "2", *run]) == 0
     options = _options(EXAMPLES / "resume.toml")

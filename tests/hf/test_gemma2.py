@@ -9,11 +9,9 @@ the caps would pass every comparison.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import logging
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -344,46 +342,28 @@ def test_flex_attention_masks_from_the_adapter_match_eager():
 # ---- slide train ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def slide(capsys, monkeypatch):
-    """``slide(*argv) -> (status, stdout + stderr)``, in-process; commands still being written whose
-    ``add_parser`` cannot run yet are left out of the parser."""
-    from slide_hf.cli import main as cli
-
-    def usable(name: str) -> bool:
-        try:
-            importlib.import_module(f"slide_hf.cli.{name}").add_parser(argparse.ArgumentParser().add_subparsers())
-        except Exception:
-            return False
-        return True
-
-    monkeypatch.setattr(cli, "COMMANDS", tuple(name for name in cli.COMMANDS if usable(name)))
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")  # no Triton interpreter in a real CPU run
-
-    def call(*argv: str | Path) -> tuple[int, str]:
-        status = cli.main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return status, out + err
-
-    return call
-
-
 def test_slide_train_tiny_gemma2_on_cpu(slide, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="slide")
-    status, text = slide("train", "--model", PRESET, "--steps", "2", "--device", "cpu", "--output", tmp_path / "run")
+    status, out, err = slide(
+        "train", "--model", PRESET, "--steps", "2", "--device", "cpu", "--output", tmp_path / "run"
+    )
+    text = out + err
     assert status == 0, text
     assert "attention: sliding_attention=eager, full_attention=eager" in caplog.messages
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 
 
 def test_slide_doctor_says_which_attention_runs(slide):
-    status, text = slide("doctor", "--model", PRESET)
+    status, out, err = slide("doctor", "--model", PRESET)
+    text = out + err
     assert status == 0, text
     assert "cpu: sliding_attention=eager, full_attention=eager" in text
-    status, text = slide("doctor")
+    status, out, err = slide("doctor")
+    text = out + err
     assert status == 0, text
     assert "cpu: sdpa; layers with a logit softcap (Gemma 2): eager" in text
-    status, text = slide("doctor", "--model", "no-such-model")
+    status, out, err = slide("doctor", "--model", "no-such-model")
+    text = out + err
     lines = text.strip().splitlines()
     assert status == 2 and len(lines) == 1, text
     assert lines[0].startswith("slide doctor: error: unknown model 'no-such-model'")

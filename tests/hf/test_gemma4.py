@@ -13,8 +13,6 @@ get a ``layer_scalar`` other than one, so a run that lost or trained that buffer
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import math
 from pathlib import Path
 from typing import Any
@@ -415,33 +413,10 @@ def test_export_refuses_split_tensors_that_do_not_tile() -> None:
 # ---- the CLI -----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def slide(capsys, monkeypatch):
-    """``slide(*argv) -> (status, stdout + stderr)``, in-process; commands whose ``add_parser`` cannot
-    run yet (being written elsewhere) are left out of the parser."""
-    from slide_hf.cli import main as cli
-
-    def usable(name: str) -> bool:
-        try:
-            importlib.import_module(f"slide_hf.cli.{name}").add_parser(argparse.ArgumentParser().add_subparsers())
-        except Exception:
-            return False
-        return True
-
-    monkeypatch.setattr(cli, "COMMANDS", tuple(name for name in cli.COMMANDS if usable(name)))
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
-
-    def call(*argv: str | Path) -> tuple[int, str]:
-        status = cli.main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return status, out + err
-
-    return call
-
-
 def test_slide_plan_refuses_an_encoder_config_in_one_line(slide, tmp_path: Path) -> None:
     PRESETS["test-gemma4"](use_bidirectional_attention="all").save_pretrained(tmp_path / "model")
-    status, text = slide("plan", "--model", tmp_path / "model", "--gpu-memory", "24GiB", "--host-memory", "64GiB")
+    status, out, err = slide("plan", "--model", tmp_path / "model", "--gpu-memory", "24GiB", "--host-memory", "64GiB")
+    text = out + err
     lines = text.strip().splitlines()
     assert status == 2 and len(lines) == 1, text
     assert "use_bidirectional_attention='all'" in lines[0] and "Traceback" not in text
@@ -449,7 +424,10 @@ def test_slide_plan_refuses_an_encoder_config_in_one_line(slide, tmp_path: Path)
 
 @pytest.mark.parametrize("preset", ["test-gemma4", "test-gemma4-ple"])
 def test_slide_train_on_cpu(slide, tmp_path: Path, preset: str) -> None:
-    status, text = slide("train", "--model", preset, "--steps", "2", "--device", "cpu", "--output", tmp_path / "run")
+    status, out, err = slide(
+        "train", "--model", preset, "--steps", "2", "--device", "cpu", "--output", tmp_path / "run"
+    )
+    text = out + err
     assert status == 0, text
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 

@@ -88,10 +88,9 @@ class _FakeApi:
 
 
 @pytest.fixture
-def trained_run(tmp_path, monkeypatch):
+def trained_run(tmp_path, torch_kernels):
     from slide_hf.cli.main import main
 
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
     run = tmp_path / "run"
     argv = ["train", "--device", "cpu", "--dtype", "float32", "--steps", "1", "--seq-len", "32", "--output", str(run)]
     assert main(argv) == 0

@@ -234,20 +234,17 @@ def test_models_without_delta_nets_have_no_linear_attention() -> None:
     assert build_model(PRESETS["test-llama"]()).linear_attention is None
 
 
-def test_slide_train_runs_the_torch_path_on_the_cpu(monkeypatch, capsys, caplog, tmp_path) -> None:
+def test_slide_train_runs_the_torch_path_on_the_cpu(monkeypatch, slide, caplog, tmp_path) -> None:
     """`slide train --device cpu` of a tiny Qwen3.5 learns on transformers' torch path, though transformers
     picked another kernel at import, and says so in one line."""
-    from slide_hf.cli import main as cli
-
     for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
         monkeypatch.setattr(modeling_qwen3_5, name, _picked_at_import(getattr(modeling_qwen3_5, name)))
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")  # slide-kernels' CPU fallback, not the interpreter
     argv = ["train", "--model", "test-qwen3.5", "--device", "cpu", "--dtype", "float32", "--steps", "4"]
     argv += ["--seq-len", "32", "--batch-size", "2", "--no-packing", "--lr", "3e-3", "--output", str(tmp_path / "run")]
     argv += ["--metrics", str(tmp_path / "metrics.jsonl")]
     with caplog.at_level(logging.INFO):
-        status = cli.main(argv)
-    assert status == 0, capsys.readouterr().err
+        status, _, err = slide(*argv)
+    assert status == 0, err
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("linear attention:")]
     assert lines == [
         "linear attention: torch path (flash-linear-attention's kernels run on CUDA only, not on the cpu device)"

@@ -25,11 +25,7 @@ from slide_hf.planner import ModelShape, PlanInputs, make_plan
 from slide_hf.planner.timing import h2d_bytes_per_param, host_bytes_per_param_step
 from slide_hf.recipe import train
 
-
-@pytest.fixture(autouse=True)
-def _torch_loss(monkeypatch):
-    """The CPU user's path (the Triton interpreter would make the end-to-end runs minutes long)."""
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
 
 
 def _same_master(split: HostParameters, fp32: HostParameters) -> None:

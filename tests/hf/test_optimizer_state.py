@@ -13,11 +13,7 @@ import torch
 from slide_hf.errors import UserError
 from slide_hf.recipe import TrainConfig, train
 
-
-@pytest.fixture(autouse=True)
-def _torch_loss(monkeypatch):
-    """The CPU fallback of the fused loss (the Triton interpreter would make these runs minutes long)."""
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
 
 
 def _config(output: Path, **overrides) -> TrainConfig:

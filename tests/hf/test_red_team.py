@@ -84,7 +84,7 @@ TINY = ("--device", "cpu", "--dtype", "float32", "--seq-len", "16", "--batch-siz
 
 
 @pytest.fixture(scope="module")
-def originals(tmp_path_factory) -> tuple[Path, Path]:
+def originals(tmp_path_factory, torch_kernels_module) -> tuple[Path, Path]:
     """A `test-llama` directory over the byte tokenizer's vocabulary, and a 2-step run trained from it."""
     from transformers import AutoModelForCausalLM
 
@@ -97,16 +97,13 @@ def originals(tmp_path_factory) -> tuple[Path, Path]:
     AutoModelForCausalLM.from_config(PRESETS["test-llama"](vocab_size=BYTE_VOCAB_SIZE)).save_pretrained(model)
     byte_tokenizer().save_pretrained(str(model))
     run = root / "run"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SLIDE_KERNELS_BACKEND", "torch")
-        args = ["train", "--output", str(run), "--model", str(model), *TINY, "--steps", "2", "--save-every", "1"]
-        assert main(args) == 0
+    args = ["train", "--output", str(run), "--model", str(model), *TINY, "--steps", "2", "--save-every", "1"]
+    assert main(args) == 0
     return model, run
 
 
 @pytest.fixture
-def world(tmp_path: Path, originals: tuple[Path, Path], monkeypatch) -> World:
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+def world(tmp_path: Path, originals: tuple[Path, Path], torch_kernels: None) -> World:
     world = World(tmp_path)
     world.user.mkdir()
     shutil.copytree(originals[0], world.model)

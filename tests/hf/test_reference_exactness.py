@@ -81,10 +81,7 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The run a user gets on a CPU: slide-kernels' torch path, not the Triton interpreter the kernel tests use.
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
 
 
 @dataclass

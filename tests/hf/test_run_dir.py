@@ -18,18 +18,14 @@ from slide_hf.run_dir import LOCK_FILE, RunDir, clean_if_idle, default_output, l
 TINY = ("--device", "cpu", "--dtype", "float32", "--seq-len", "16", "--batch-size", "2", "--steps", "2")
 
 
-@pytest.fixture(autouse=True)
-def _torch_loss(monkeypatch):
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")  # the CPU user's path, not the Triton interpreter
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
+def finished_run(tmp_path_factory, torch_kernels_module) -> Path:
     """A finished 2-step run (checkpoint, model, logs); tests copy it."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SLIDE_KERNELS_BACKEND", "torch")
-        assert main(["train", "--output", str(run), *TINY]) == 0
+    assert main(["train", "--output", str(run), *TINY]) == 0
     return run
 
 

@@ -17,8 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "state_fidelity.py"
 
 
 @pytest.fixture
-def fidelity(monkeypatch) -> Iterator[ModuleType]:
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")  # the fused loss's CPU path
+def fidelity(torch_kernels: None) -> Iterator[ModuleType]:
     spec = importlib.util.spec_from_file_location("slide_bench_state_fidelity", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

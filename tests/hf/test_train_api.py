@@ -18,9 +18,7 @@ from slide_hf.errors import UserError
 RUN = ["--device", "cpu", "--dtype", "float32", "--seq-len", "32", "--batch-size", "2", "--lr", "3e-3"]
 
 
-@pytest.fixture(autouse=True)
-def _torch_kernels(monkeypatch):
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
 
 
 def _losses(run: Path) -> list[float]:

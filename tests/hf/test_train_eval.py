@@ -36,9 +36,7 @@ DOCS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _torch_kernels(monkeypatch):
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
 
 
 def _jsonl(path: Path, texts: list[str]) -> Path:

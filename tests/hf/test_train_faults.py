@@ -12,11 +12,7 @@ import torch
 from slide_core.checkpoint import CheckpointCorrupt, find_latest, list_checkpoints
 from slide_hf.cli.main import main
 
-
-@pytest.fixture(autouse=True)
-def _torch_loss(monkeypatch):
-    """A CPU user's run takes the torch fallback of the fused loss (not the Triton interpreter)."""
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
 
 
 @pytest.mark.timeout(120)
@@ -77,12 +73,10 @@ def _one_line(capsys) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(tmp_path_factory, torch_kernels_module) -> Path:
     """The model of the uninterrupted run."""
     run = tmp_path_factory.mktemp("reference") / "run"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SLIDE_KERNELS_BACKEND", "torch")
-        assert main(["train", "--output", str(run), *RUN]) == 0
+    assert main(["train", "--output", str(run), *RUN]) == 0
     return run / "model"
 
 
@@ -230,7 +224,7 @@ def test_kill_9_at_random_times_then_recovery_gives_the_uninterrupted_model(tmp_
 
     seed = random.randrange(2**32)
     rng = random.Random(seed)
-    env = {**os.environ, "SLIDE_KERNELS_BACKEND": "torch"}
+    env = dict(os.environ)  # with torch_kernels' backend
     for attempt in range(3):
         run = tmp_path / f"run{attempt}"
         marker = tmp_path / f"exporting{attempt}"

@@ -18,12 +18,7 @@ import torch
 from slide_hf.errors import UserError
 from slide_hf.recipe import TrainConfig, train
 
-
-@pytest.fixture(autouse=True)
-def _torch_loss(monkeypatch):
-    """A CPU user's run takes the torch fallback of the fused loss; the Triton interpreter that the kernel
-    tests turn on would make these end-to-end runs minutes long."""
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
 
 
 def _config(output: Path, **overrides) -> TrainConfig:
@@ -116,7 +111,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path: Path) -> 
                           batch_size=2, save_every=2, lr=3e-3))
         """
     )
-    env = {**os.environ, "SLIDE_KERNELS_BACKEND": "torch"}
+    env = dict(os.environ)  # with torch_kernels' backend
     process = subprocess.Popen([sys.executable, "-c", script], env=env)
     deadline = time.monotonic() + 90
     while not (tmp_path / "saving").exists():

@@ -51,12 +51,7 @@ def test_nvme_tier_training_is_bit_identical_and_on_disk(tmp_path: Path) -> None
     assert not [f for f in tmp_path.rglob("*") if f.is_file()], "tier files left behind after close"
 
 
-@pytest.fixture
-def _torch_loss(monkeypatch):
-    monkeypatch.setenv("SLIDE_KERNELS_BACKEND", "torch")
-
-
-@pytest.mark.usefixtures("_torch_loss")
+@pytest.mark.usefixtures("torch_kernels")
 def test_slide_train_offload_optimizer_nvme_matches_ram(tmp_path: Path) -> None:
     from slide_hf.cli.main import main
 
