@@ -88,11 +88,6 @@ class Optimizer(ABC):
 
         return tuple(StateArray(name) for name in self.state_names)
 
-    @property
-    def state_format(self) -> str:
-        """How the moments are stored between steps (``fp32``, ``bf16`` or ``int8``), as the engine and
-        checkpoints name it; an optimizer's config stays its own (the engine never reads it)."""
-        return str(getattr(self.config, "state_format", "fp32"))
 
     def reserve(self, max_range_numel: int) -> None:  # noqa: B027 - optional hook
         """Preallocate scratch for ranges up to ``max_range_numel`` so ``step`` never allocates."""

@@ -248,9 +248,10 @@ def _process_group(cfg: TrainConfig) -> RunGroup:
 # -- setup, in the order _train runs it ----------------------------------------------------------------------
 def _run_options(cfg: TrainConfig) -> RunOptions:
     """The options `slide train` shares with `slide bench`, as slide_hf/setup.py takes them."""
+    assert cfg.seq_len is not None  # resolved before setup (slide_hf/defaults.py)
     return RunOptions(
         device=cfg.device,
-        gpu_memory_bytes=parse_size(cfg.gpu_memory, what="--gpu-memory") if cfg.gpu_memory else None,
+        gpu_memory_bytes=parse_size(str(cfg.gpu_memory), what="--gpu-memory") if cfg.gpu_memory else None,
         optimizer=cfg.optimizer,
         optimizer_state=cfg.optimizer_state,
         master=cfg.master,
@@ -456,6 +457,7 @@ def _log_run(
     group: RunGroup,
 ) -> float:
     """Derived quantities, printed once; returns the model FLOPs per token."""
+    assert cfg.seq_len is not None  # resolved before setup (slide_hf/defaults.py)
     world_size = group.world_size
     from slide_hf.adapters import attention_summary
 

@@ -85,8 +85,9 @@ class SlotWindow:
         self._position = 0
 
     @staticmethod
-    def block_slot_count(blocks: Sequence[Unit], slots: int) -> int:
-        """Block slots the window allocates: ``slots``, or none when every block is elsewhere."""
+    def block_slot_count(blocks: Sequence[object], slots: int) -> int:
+        """Block slots the window allocates: ``slots``, or none when every block is elsewhere (``blocks``:
+        the sliding blocks, as units or as their sizes)."""
         return slots if blocks else 0
 
     @staticmethod

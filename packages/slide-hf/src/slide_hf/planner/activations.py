@@ -169,7 +169,7 @@ class BlockActivations:
     """
 
     def __init__(self, model: SlideModel) -> None:
-        self._model = model
+        self._model: Any = model  # an adapter's model: :meth:`of` checked it has their methods
         kinds: dict[tuple[Any, ...], Unit] = {}
         for block in model.blocks:
             kinds.setdefault(_block_kind(block), block)
@@ -202,7 +202,7 @@ class BlockActivations:
         _register_planning_attention()
         configs = {}
         for block in self._representatives:
-            kind = block.attention_type
+            kind = getattr(block, "attention_type", None)
             if kind in engine and kind not in configs:
                 configs[kind] = model.attention_config(kind, meta.type, dtype)
         chosen = {kind: config._attn_implementation for kind, config in configs.items()}

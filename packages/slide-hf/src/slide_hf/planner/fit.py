@@ -122,7 +122,7 @@ COMPACT_STATES = ("bf16", "int8")
 def _compact_state_that_fits(inputs: PlanInputs, shape: ModelShape, available: int) -> str | None:
     """The first state format more compact than the run's with which the host side fits as it is (no more
     on NVMe), or None. Offered beside the exact fixes, never instead of them: it changes the math."""
-    formats = COMPACT_STATES
+    formats: tuple[str, ...] = COMPACT_STATES
     if inputs.optimizer_state in formats:
         formats = formats[formats.index(inputs.optimizer_state) + 1 :]
     for state in formats:
