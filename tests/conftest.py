@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,21 +23,40 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (Note [A module fixture is built once])
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Note [A module fixture is built once]: every xdist worker that runs a test builds that test's
-    module-scoped fixtures for itself, and some of them launch data-parallel ranks or train a run. Tests that
-    use one are put in one ``xdist_group`` per module, which ``--dist loadgroup`` (hatch.toml) sends to a
-    single worker; the other tests are spread one by one, as with ``--dist load``. Without xdist, nothing
-    changes."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        if any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: ignored where xdist is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Note [A module fixture is built once]: under ``--dist loadgroup`` (hatch.toml), a test module that
+    defines a module-scoped fixture is one unit of work, sent whole to one worker, which builds the fixture
+    once (some launch data-parallel ranks or train a run; with tests spread one by one, each worker would
+    build its own). Every other test is a unit of its own, as with ``--dist load``. xdist sends the largest
+    units first, so the single tests even out the end of the run.
+
+    xdist's own ``xdist_group`` marks still form groups. They do not reach the scheduler under pytest 9
+    (xdist 3.8 renames ``item._nodeid``, which a pytest 9 node no longer reads), so the modules are grouped
+    here, by reading their source, on the controller, which has no collected items to look at."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    root = config.rootpath
+
+    class ModuleFixtureScheduling(LoadGroupScheduling):
+        def __init__(self, config: pytest.Config, log: Any) -> None:
+            super().__init__(config, log)
+            self.shares_a_module_fixture: dict[str, bool] = {}
+
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            if scope != nodeid:  # an xdist_group mark
+                return scope
+            module = nodeid.split("::", 1)[0]
+            if module not in self.shares_a_module_fixture:
+                source = root / module
+                text = source.read_text(encoding="utf-8") if source.is_file() else ""
+                self.shares_a_module_fixture[module] = 'scope="module"' in text
+            return module if self.shares_a_module_fixture[module] else nodeid
+
+    return ModuleFixtureScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
