@@ -42,24 +42,77 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
-from slide_core.master_store import MasterRange, as_master_range
+from slide_core.master_store import MasterFormat, MasterRange, as_master_range
 from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.split_master import TIE_BLOCK, kernel_array
 
-__all__ = ["BLOCK", "fused_correct", "grad_array", "kernels", "numba_available", "step_scalars"]
+if TYPE_CHECKING:
+    from numba.core import types
+    from numba.core.typing.context import BaseContext
+    from numba.core.typing.templates import Signature
+
+    from slide_core.optim._moment_intrinsics import Typing
+
+__all__ = [
+    "BLOCK",
+    "Kernels",
+    "RangeKernel",
+    "fused_correct",
+    "grad_array",
+    "kernels",
+    "numba_available",
+    "step_scalars",
+]
 
 BLOCK = TIE_BLOCK
 """Elements per parallel work item: ~4k items per 16M range, plenty to balance 16 threads, and each
 item's five streams stay short enough for the hardware prefetchers to follow."""
 
 _compile_lock = threading.Lock()
+
+Fp32Array: TypeAlias = NDArray[np.float32]
+Uint16Array: TypeAlias = NDArray[np.uint16]
+"""bf16 values, or a split master's halves, as raw 16-bit words."""
+Uint8Array: TypeAlias = NDArray[np.uint8]
+GradArray: TypeAlias = NDArray[np.float32] | NDArray[np.uint16]
+"""A gradient as the kernels read it: fp32, or bf16 as raw 16-bit words (:func:`grad_array`)."""
+
+RangeKernel: TypeAlias = Callable[..., None]
+"""A compiled kernel over one range. Its leading operands are its master format's
+(``MasterRange.kernel_operands``), so a dispatch table of them types only the result."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What :func:`kernels` returns: the compiled kernels by master format, and numba's thread controls."""
+
+    step: Mapping[MasterFormat, RangeKernel]
+    """The update (``_adamw_py`` / ``_adamw_split_py``), by ``MasterRange.format``."""
+    correction: Mapping[MasterFormat, RangeKernel]
+    """Clipping's correction (``_correct_py`` / ``_correct_split_py``), by ``MasterRange.format``."""
+    set_num_threads: Callable[[int], None]
+    get_num_threads: Callable[[], int]
+    max_threads: int
+    """numba's thread pool size (``NUMBA_NUM_THREADS``), the most ``set_num_threads`` takes."""
+
+
+_Fn = TypeVar("_Fn", bound=Callable[..., object])
+
+
+def _as_stand_in(compiled: object, stand_in: _Fn) -> _Fn:
+    """A numba intrinsic typed as the pure-Python stand-in it replaces: jitted code calls it with the
+    stand-in's arguments, but numba's stub types an intrinsic's call with its definition's parameters
+    (the typing context first), which no annotation can turn into the call jitted code makes."""
+    return cast(_Fn, compiled)
 
 
 @functools.cache
@@ -79,16 +132,22 @@ def numba_available() -> bool:
 # pure-Python stand-ins that only document what the compiled versions do.
 
 
-def _fma32(a, b, c):  # pragma: no cover - replaced by an llvm.fma intrinsic
-    """fp32 ``a*b + c`` with one rounding."""
+def _fma32_py(a: np.float32, b: np.float32, c: np.float32) -> np.float32:  # pragma: no cover - replaced
+    """fp32 ``a*b + c`` with one rounding (replaced by an llvm.fma intrinsic)."""
     return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
 
 
-def _as_fp32(x):  # pragma: no cover - replaced by an intrinsic
+_fma32 = _fma32_py
+
+
+def _as_fp32_py(x: np.float32 | np.uint16) -> np.float32:  # pragma: no cover - replaced by an intrinsic
     """A gradient element as fp32: a bf16's raw uint16 bits are the top half of the fp32's (exact)."""
     if isinstance(x, np.uint16):
-        return np.array(np.uint32(x) << np.uint32(16)).view(np.float32)[()]
+        return np.float32(np.array(np.uint32(x) << np.uint32(16)).view(np.float32)[()])
     return np.float32(x)
+
+
+_as_fp32 = _as_fp32_py
 
 
 _prange = range
@@ -100,15 +159,16 @@ _prange = range
 # its block loop move the rare tie bits between the bitmask and one byte per element.
 
 
-def _decode_py(h, lo, tie):  # pragma: no cover - replaced by an intrinsic (i32 ops, one vector lane each)
+# ``_decode_py`` and ``_encode_py`` are replaced by intrinsics (i32 ops, one vector lane each).
+def _decode_py(h: np.uint16, lo: np.uint16, tie: np.uint8) -> np.float32:  # pragma: no cover - replaced
     """The fp32 whose upper 16 bits are ``h`` minus the rounding that went up (``lo > 0x8000``, or ``lo
     == 0x8000`` and ``tie``) and whose low 16 bits are ``lo``."""
     up = int(lo) > 0x8000 or (int(lo) == 0x8000 and int(tie) & 1 == 1)
     bits = (((int(h) - up) & 0xFFFF) << 16) | int(lo)
-    return np.array(np.uint32(bits)).view(np.float32)[()]
+    return np.float32(np.array(np.uint32(bits)).view(np.float32)[()])
 
 
-def _encode_py(x):  # pragma: no cover - replaced by an intrinsic (i32 ops, one vector lane each)
+def _encode_py(x: np.float32) -> tuple[np.uint16, np.uint16, np.uint8]:  # pragma: no cover - replaced
     """(hi, lo, tie) of one fp32: hi its bf16 round-to-nearest-even (torch's cast; a NaN becomes the
     quiet NaN 0x7FC0), lo its low 16 bits, tie 1 iff the rounding went up."""
     bits = int(np.array(np.float32(x)).view(np.uint32)[()])
@@ -121,7 +181,7 @@ _decode = _decode_py
 _encode = _encode_py
 
 
-def _load_master_py(h, lo, tie):
+def _load_master_py(h: np.uint16, lo: np.uint16, tie: np.uint8) -> np.float32:
     """One element of a split master as fp32 (``tie`` is looked at only when ``lo`` is 0x8000)."""
     return _decode(h, lo, tie)
 
@@ -129,7 +189,7 @@ def _load_master_py(h, lo, tie):
 _load_master = _load_master_py
 
 
-def _store_master_py(x):
+def _store_master_py(x: np.float32) -> tuple[np.uint16, np.uint16, np.uint8]:
     """One fp32 value as the split master's (hi, lo, tie) of it (``tie`` matters only when lo is 0x8000)."""
     return _encode(x)
 
@@ -137,7 +197,7 @@ def _store_master_py(x):
 _store_master = _store_master_py
 
 
-def _read_ties_py(lo, ties, first, flags):
+def _read_ties_py(lo: Uint16Array, ties: Uint8Array, first: int, flags: Uint8Array) -> None:
     """``flags[j]`` = tie bit ``first + j`` for the block's midpoint elements (``lo[j] == 0x8000``); the
     other flags are left undefined, and ``_load_master`` never looks at them. One vectorised scan of
     ``lo`` (which the block's loop then finds in L1); the bitmask is read only in the ~6% of blocks of
@@ -155,7 +215,7 @@ def _read_ties_py(lo, ties, first, flags):
 _read_ties = _read_ties_py
 
 
-def _write_ties_py(lo, ties, first, flags):
+def _write_ties_py(lo: Uint16Array, ties: Uint8Array, first: int, flags: Uint8Array) -> None:
     """Tie bit ``first + j`` = ``flags[j]`` for the block's midpoint elements (``lo[j] == 0x8000``); every
     other bit is left as it is. A scan of its own after the block's loop: counting midpoints inside that
     loop would put a 64-bit lane in it and halve its vector width."""
@@ -173,7 +233,18 @@ def _write_ties_py(lo, ties, first, flags):
 _write_ties = _write_ties_py
 
 
-def _adam_py(gi, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
+def _adam_py(
+    gi: np.float32,
+    mi: np.float32,
+    vi: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> tuple[np.float32, np.float32, np.float32]:
     """One element's AdamW moments and parameter step (the part after weight decay), in fp32."""
     base = gi if large else mi
     mi = _fma32(coeff, gi - mi, base)
@@ -185,7 +256,21 @@ def _adam_py(gi, mi, vi, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, ne
 _adam = _adam_py
 
 
-def _update_block_py(p, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
+def _update_block_py(
+    p: Fp32Array,
+    g: GradArray,
+    m: Fp32Array,
+    v: Fp32Array,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """Update one block in place: same-length slices, ``g`` fp32 or bf16-as-uint16, all math in fp32.
 
     The gradient applied is ``g * scale`` (fp32, one rounding; exact when ``scale`` is 1), the product
@@ -205,8 +290,24 @@ _update_block = _update_block_py
 
 
 def _update_block_split_py(
-    hi, lo, ties, first, flags, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
-):
+    hi: Uint16Array,
+    lo: Uint16Array,
+    ties: Uint8Array,
+    first: int,
+    flags: Uint8Array,
+    g: GradArray,
+    m: Fp32Array,
+    v: Fp32Array,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """``_update_block_py`` over a split master block (``hi``/``lo`` uint16 words, tie bit ``first + j``,
     ``flags`` one scratch byte per element): the same fp32 arithmetic between ``_load_master`` and
     ``_store_master``."""
@@ -227,8 +328,24 @@ _update_block_split = _update_block_split_py
 
 
 def _adamw_split_py(
-    hi, lo, ties, first, flags, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
-):
+    hi: Uint16Array,
+    lo: Uint16Array,
+    ties: Uint8Array,
+    first: int,
+    flags: Uint8Array,
+    g: GradArray,
+    m: Fp32Array,
+    v: Fp32Array,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """The whole split range, in blocks aligned to ``BLOCK`` in the tie numbering (so that no two threads
     write one tie byte): the first and last block may be shorter. ``flags``: one scratch byte per element."""
     n = hi.shape[0]
@@ -242,7 +359,21 @@ def _adamw_split_py(
         )  # fmt: skip
 
 
-def _adamw_py(p, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step):
+def _adamw_py(
+    p: Fp32Array,
+    g: GradArray,
+    m: Fp32Array,
+    v: Fp32Array,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """The whole range, block by block across numba's threads."""
     n = p.shape[0]
     for b in _prange((n + BLOCK - 1) // BLOCK):
@@ -254,9 +385,25 @@ def _adamw_py(p, g, m, v, scale, decay, coeff, large, beta2, one_minus_beta2, bc
 
 
 def _correct_element_py(
-    pi, gi, mi, vi, applied, redo, new_coeff, first, undo_decay, coeff, large, beta1, one_minus_beta1, beta2,
-    one_minus_beta2, bc2_sqrt, eps, neg_step,
-):  # fmt: skip
+    pi: np.float32,
+    gi: np.float32,
+    mi: np.float32,
+    vi: np.float32,
+    applied: np.float32,
+    redo: bool,
+    new_coeff: np.float32,
+    first: bool,
+    undo_decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta1: np.float32,
+    one_minus_beta1: np.float32,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> tuple[np.float32, np.float32, np.float32]:
     """Take back one element's AdamW update that applied ``applied * g`` and, with ``redo``, apply it
     again with ``new_coeff * g``: clipping's correction (slide_core/optim/adamw_correction.py), fp32 math
     mirroring ``AdamWCorrection``'s torch ops (the moments' reversal is exact up to rounding)."""
@@ -280,25 +427,25 @@ _correct_element = _correct_element_py
 
 
 def _correct_block_py(
-    p,
-    g,
-    m,
-    v,
-    applied,
-    redo,
-    new_coeff,
-    first,
-    undo_decay,
-    coeff,
-    large,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    bc2_sqrt,
-    eps,
-    neg_step,
-):
+    p: Fp32Array,
+    g: GradArray,
+    m: Fp32Array,
+    v: Fp32Array,
+    applied: np.float32,
+    redo: bool,
+    new_coeff: np.float32,
+    first: bool,
+    undo_decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta1: np.float32,
+    one_minus_beta1: np.float32,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """Clipping's correction of one block in one pass (``_correct_element_py``)."""
     for j in range(p.shape[0]):
         p[j], m[j], v[j] = _correct_element(
@@ -311,9 +458,29 @@ _correct_block = _correct_block_py
 
 
 def _correct_block_split_py(
-    hi, lo, ties, tie0, flags, g, m, v, applied, redo, new_coeff, first, undo_decay, coeff, large, beta1,
-    one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
-):  # fmt: skip
+    hi: Uint16Array,
+    lo: Uint16Array,
+    ties: Uint8Array,
+    tie0: int,
+    flags: Uint8Array,
+    g: GradArray,
+    m: Fp32Array,
+    v: Fp32Array,
+    applied: np.float32,
+    redo: bool,
+    new_coeff: np.float32,
+    first: bool,
+    undo_decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta1: np.float32,
+    one_minus_beta1: np.float32,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """``_correct_block_py`` over a split master block (tie bit ``tie0 + j``, ``flags`` scratch)."""
     _read_ties(lo, ties, tie0, flags)
     for j in range(hi.shape[0]):
@@ -331,25 +498,25 @@ _correct_block_split = _correct_block_split_py
 
 
 def _correct_py(
-    p,
-    g,
-    m,
-    v,
-    applied,
-    redo,
-    new_coeff,
-    first,
-    undo_decay,
-    coeff,
-    large,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    bc2_sqrt,
-    eps,
-    neg_step,
-):
+    p: Fp32Array,
+    g: GradArray,
+    m: Fp32Array,
+    v: Fp32Array,
+    applied: np.float32,
+    redo: bool,
+    new_coeff: np.float32,
+    first: bool,
+    undo_decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta1: np.float32,
+    one_minus_beta1: np.float32,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """The whole range, block by block across numba's threads."""
     n = p.shape[0]
     for b in _prange((n + BLOCK - 1) // BLOCK):
@@ -362,9 +529,29 @@ def _correct_py(
 
 
 def _correct_split_py(
-    hi, lo, ties, tie0, flags, g, m, v, applied, redo, new_coeff, first, undo_decay, coeff, large, beta1,
-    one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
-):  # fmt: skip
+    hi: Uint16Array,
+    lo: Uint16Array,
+    ties: Uint8Array,
+    tie0: int,
+    flags: Uint8Array,
+    g: GradArray,
+    m: Fp32Array,
+    v: Fp32Array,
+    applied: np.float32,
+    redo: bool,
+    new_coeff: np.float32,
+    first: bool,
+    undo_decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta1: np.float32,
+    one_minus_beta1: np.float32,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """The whole split range, in blocks aligned as ``_adamw_split_py``'s."""
     n = hi.shape[0]
     skip = tie0 % BLOCK
@@ -378,7 +565,7 @@ def _correct_split_py(
 
 
 @functools.cache
-def _kernels() -> Any:
+def _kernels() -> Kernels:
     """Import numba and build the kernel (compiled, or loaded from numba's disk cache, per grad dtype on
     first call).
 
@@ -390,16 +577,18 @@ def _kernels() -> Any:
     global _decode, _encode, _load_master, _store_master, _read_ties, _write_ties
     global _update_block_split, _correct_block_split
     import numba
-    from llvmlite import ir as llvm_ir
+    from llvmlite import ir as llvm_ir  # type: ignore[import-untyped]  # llvmlite ships no type information
     from numba.core import types
     from numba.extending import intrinsic
 
     @intrinsic
-    def fma32(typingctx, a, b, c):
+    def fma32(typingctx: BaseContext, a: types.Type, b: types.Type, c: types.Type) -> Typing:
         """A true fused multiply-add (``llvm.fma``), the single rounding torch's CPU kernels do."""
         sig = a(a, b, c)
 
-        def codegen(context, builder, signature, args):
+        def codegen(
+            context: Any, builder: llvm_ir.IRBuilder, signature: Signature, args: Sequence[llvm_ir.Value]
+        ) -> llvm_ir.Value:
             t = args[0].type
             fn = builder.module.declare_intrinsic("llvm.fma", [t], llvm_ir.FunctionType(t, [t, t, t]))
             return builder.call(fn, args)
@@ -407,14 +596,16 @@ def _kernels() -> Any:
         return sig, codegen
 
     @intrinsic
-    def as_fp32(typingctx, x):
+    def as_fp32(typingctx: BaseContext, x: types.Type) -> Typing:
         """uint16 (bf16 bits) -> zext, shl 16, bitcast to fp32 in registers; fp32 -> itself.
 
         numba has no scalar bitcast; doing it in LLVM IR keeps the bf16 path one vectorised loop with no
         staging buffer (the block-buffer alternative measured ~20% slower)."""
         if x == types.uint16:
 
-            def codegen(context, builder, signature, args):
+            def codegen(
+                context: Any, builder: llvm_ir.IRBuilder, signature: Signature, args: Sequence[llvm_ir.Value]
+            ) -> llvm_ir.Value:
                 bits = builder.shl(
                     builder.zext(args[0], llvm_ir.IntType(32)), llvm_ir.Constant(llvm_ir.IntType(32), 16)
                 )
@@ -427,17 +618,19 @@ def _kernels() -> Any:
 
     i8, i16, i32 = llvm_ir.IntType(8), llvm_ir.IntType(16), llvm_ir.IntType(32)
 
-    def const(t, value):
+    def const(t: llvm_ir.IntType, value: int) -> llvm_ir.Constant:
         return llvm_ir.Constant(t, value)
 
     @intrinsic
-    def decode(typingctx, h, lo, tie):
+    def decode(typingctx: BaseContext, h: types.Type, lo: types.Type, tie: types.Type) -> Typing:
         """Split master element -> fp32 in 32-bit integer ops (numba's own integer arithmetic widens to
         64 bits, which halves the vector lanes of the loop around it)."""
         if (h, lo, tie) != (types.uint16, types.uint16, types.uint8):
             return None
 
-        def codegen(context, builder, signature, args):
+        def codegen(
+            context: Any, builder: llvm_ir.IRBuilder, signature: Signature, args: Sequence[llvm_ir.Value]
+        ) -> llvm_ir.Value:
             h32, lo32 = builder.zext(args[0], i32), builder.zext(args[1], i32)
             tie1 = builder.icmp_unsigned("!=", builder.and_(args[2], const(i8, 1)), const(i8, 0))
             above = builder.icmp_unsigned(">", lo32, const(i32, 0x8000))
@@ -450,13 +643,17 @@ def _kernels() -> Any:
         return types.float32(h, lo, tie), codegen
 
     @intrinsic
-    def encode(typingctx, x):
+    def encode(typingctx: BaseContext, x: types.Type) -> Typing:
         """fp32 -> the split master's (hi, lo, tie), in 32-bit integer ops."""
         if x != types.float32:
             return None
-        result = types.Tuple((types.uint16, types.uint16, types.uint8))
+        # numba's types.Tuple is unannotated (a class whose __new__ picks the tuple kind).
+        tuple_type = cast("Callable[[tuple[types.Type, ...]], types.Type]", types.Tuple)
+        result = tuple_type((types.uint16, types.uint16, types.uint8))
 
-        def codegen(context, builder, signature, args):
+        def codegen(
+            context: Any, builder: llvm_ir.IRBuilder, signature: Signature, args: Sequence[llvm_ir.Value]
+        ) -> llvm_ir.Value:
             bits = builder.bitcast(args[0], i32)
             upper = builder.lshr(bits, const(i32, 16))
             rounded = builder.add(builder.add(bits, const(i32, 0x7FFF)), builder.and_(upper, const(i32, 1)))
@@ -468,8 +665,8 @@ def _kernels() -> Any:
 
         return result(x), codegen
 
-    _fma32, _as_fp32, _prange = fma32, as_fp32, numba.prange
-    _decode, _encode = decode, encode
+    _fma32, _as_fp32, _prange = _as_stand_in(fma32, _fma32_py), _as_stand_in(as_fp32, _as_fp32_py), numba.prange
+    _decode, _encode = _as_stand_in(decode, _decode_py), _as_stand_in(encode, _encode_py)
     inline = numba.njit(inline="always", fastmath=False, nogil=True)
     _adam = inline(_adam_py)
     _update_block = inline(_update_block_py)
@@ -481,21 +678,20 @@ def _kernels() -> Any:
     _correct_block_split = inline(_correct_block_split_py)
     kernel = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)
 
-    class Kernels:
-        adamw = kernel(_adamw_py)
-        correct = kernel(_correct_py)
-        adamw_split = kernel(_adamw_split_py)
-        correct_split = kernel(_correct_split_py)
-        step = MappingProxyType({"fp32": adamw, "split": adamw_split})  # by MasterRange.format
-        correction = MappingProxyType({"fp32": correct, "split": correct_split})
-        set_num_threads = staticmethod(numba.set_num_threads)
-        get_num_threads = staticmethod(numba.get_num_threads)
-        max_threads = numba.config.NUMBA_NUM_THREADS
+    step: dict[MasterFormat, RangeKernel] = {"fp32": kernel(_adamw_py), "split": kernel(_adamw_split_py)}
+    correction: dict[MasterFormat, RangeKernel] = {"fp32": kernel(_correct_py), "split": kernel(_correct_split_py)}
+    return Kernels(
+        step=MappingProxyType(step),
+        correction=MappingProxyType(correction),
+        set_num_threads=numba.set_num_threads,
+        get_num_threads=numba.get_num_threads,
+        # numba.config sets its NUMBA_* names from the environment at import (through globals()), which
+        # its type information cannot declare.
+        max_threads=vars(numba.config)["NUMBA_NUM_THREADS"],
+    )
 
-    return Kernels
 
-
-def kernels() -> Any:
+def kernels() -> Kernels:
     """The compiled kernels (compiled, or loaded from numba's cache, on first call; thread-safe)."""
     with _compile_lock:
         return _kernels()

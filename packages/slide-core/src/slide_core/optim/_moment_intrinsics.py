@@ -7,12 +7,40 @@ fp32 moments they give the same codes (tested bit for bit). Importing this modul
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
+
+import numpy as np
 
 from slide_core.optim.state_formats import _M1, _M2
 
-__all__ = ["NumbaTwins", "numba_twins"]
+if TYPE_CHECKING:
+    from numba.core import types
+    from numba.core.typing.context import BaseContext
+    from numba.core.typing.templates import Signature
+
+__all__ = ["Codegen", "NumbaTwins", "Typing", "numba_twins"]
+
+Codegen: TypeAlias = "Callable[[Any, Any, Signature, Sequence[Any]], Any]"
+"""An intrinsic's code generator: (numba's target context, an llvmlite ``IRBuilder``, the call's signature,
+its LLVM argument values) -> the LLVM result. Any where the callee is untyped: llvmlite ships no type
+information and numba's target context is unannotated."""
+
+Typing: TypeAlias = "tuple[Signature, Codegen] | None"
+"""What an ``@intrinsic`` definition returns for its argument types: the signature and code generator it
+lowers to, or None where it does not apply (numba then reports a typing error)."""
+
+# The intrinsics as jitted code calls them (numba's stub types an ``_Intrinsic``'s call with its definition's
+# parameters, the typing context included, so these are cast from it once, in ``numba_twins``).
+Hash32: TypeAlias = Callable[[np.uint32, int, np.uint32, np.uint32, np.uint32], np.uint32]
+High16: TypeAlias = Callable[[np.uint32], np.uint32]
+SrBf16: TypeAlias = Callable[[np.float32, np.uint32], np.uint16]
+AbsBits: TypeAlias = Callable[[np.float32], np.uint32]
+EncodeM8: TypeAlias = Callable[[np.float32, np.float32, np.uint32], np.int8]
+EncodeV8: TypeAlias = Callable[[np.float32, np.float32, np.uint32], np.uint8]
+DecodeM8: TypeAlias = Callable[[np.int8, np.float32], np.float32]
+DecodeV8: TypeAlias = Callable[[np.uint8, np.float32], np.float32]
 
 
 # Written as LLVM IR, not as numba Python: numba widens every integer operation to 64 bits, and the hash's
@@ -36,20 +64,20 @@ class NumbaTwins:
     - ``decode_m8(code, scale)`` / ``decode_v8(code, scale) -> float32``: ``_decode_int8_t``.
     """
 
-    hash32: Any
-    high16: Any
-    sr_bf16: Any
-    abs_bits: Any
-    encode_m8: Any
-    encode_v8: Any
-    decode_m8: Any
-    decode_v8: Any
+    hash32: Hash32
+    high16: High16
+    sr_bf16: SrBf16
+    abs_bits: AbsBits
+    encode_m8: EncodeM8
+    encode_v8: EncodeV8
+    decode_m8: DecodeM8
+    decode_v8: DecodeV8
 
 
 @functools.cache
 def numba_twins() -> NumbaTwins:
     """Build the intrinsics (imports numba and llvmlite)."""
-    from llvmlite import ir
+    from llvmlite import ir  # type: ignore[import-untyped]  # llvmlite ships no type information
     from numba.core import types
     from numba.extending import intrinsic
 
@@ -69,8 +97,10 @@ def numba_twins() -> NumbaTwins:
         return b.xor(x, b.lshr(x, c(16)))
 
     @intrinsic
-    def hash32(typingctx, lo0, j, hi0, k0, k1):
-        def codegen(context, b, signature, args):
+    def hash32(
+        typingctx: BaseContext, lo0: types.Type, j: types.Type, hi0: types.Type, k0: types.Type, k1: types.Type
+    ) -> Typing:
+        def codegen(context: Any, b: ir.IRBuilder, signature: Signature, args: Sequence[ir.Value]) -> ir.Value:
             lo0, j, hi0, k0, k1 = args
             lo = b.add(lo0, b.trunc(j, i32))
             hi = b.add(hi0, b.zext(b.icmp_unsigned("<", lo, lo0), i32))  # the carry into the high half
@@ -79,12 +109,15 @@ def numba_twins() -> NumbaTwins:
         return types.uint32(types.uint32, types.intp, types.uint32, types.uint32, types.uint32), codegen
 
     @intrinsic
-    def high16(typingctx, h):
-        return types.uint32(types.uint32), lambda context, b, signature, args: b.lshr(args[0], c(16))
+    def high16(typingctx: BaseContext, h: types.Type) -> Typing:
+        def codegen(context: Any, b: ir.IRBuilder, signature: Signature, args: Sequence[ir.Value]) -> ir.Value:
+            return b.lshr(args[0], c(16))
+
+        return types.uint32(types.uint32), codegen
 
     @intrinsic
-    def sr_bf16(typingctx, x, rand):
-        def codegen(context, b, signature, args):
+    def sr_bf16(typingctx: BaseContext, x: types.Type, rand: types.Type) -> Typing:
+        def codegen(context: Any, b: ir.IRBuilder, signature: Signature, args: Sequence[ir.Value]) -> ir.Value:
             u = b.bitcast(args[0], i32)
             trunc = b.lshr(u, c(16))
             up = b.lshr(b.add(u, b.and_(args[1], c(0xFFFF))), c(16))
@@ -97,16 +130,16 @@ def numba_twins() -> NumbaTwins:
         return types.uint16(types.float32, types.uint32), codegen
 
     @intrinsic
-    def abs_bits(typingctx, x):
-        def codegen(context, b, signature, args):
+    def abs_bits(typingctx: BaseContext, x: types.Type) -> Typing:
+        def codegen(context: Any, b: ir.IRBuilder, signature: Signature, args: Sequence[ir.Value]) -> ir.Value:
             return b.and_(b.bitcast(args[0], i32), c(0x7FFFFFFF))
 
         return types.uint32(types.float32), codegen
 
-    def encode(mantissa_bits: int, signed: bool):
+    def encode(mantissa_bits: int, signed: bool) -> Codegen:
         shift = 23 - mantissa_bits
 
-        def codegen(context, b, signature, args):
+        def codegen(context: Any, b: ir.IRBuilder, signature: Signature, args: Sequence[ir.Value]) -> ir.Value:
             x, inv, rand = args
             magnitude = b.bitcast(b.and_(b.bitcast(x, i32), c(0x7FFFFFFF)), f32)
             r = b.fmul(magnitude, inv)
@@ -128,15 +161,15 @@ def numba_twins() -> NumbaTwins:
         return codegen
 
     @intrinsic
-    def encode_m8(typingctx, x, inv, rand):
+    def encode_m8(typingctx: BaseContext, x: types.Type, inv: types.Type, rand: types.Type) -> Typing:
         return types.int8(types.float32, types.float32, types.uint32), encode(3, signed=True)
 
     @intrinsic
-    def encode_v8(typingctx, x, inv, rand):
+    def encode_v8(typingctx: BaseContext, x: types.Type, inv: types.Type, rand: types.Type) -> Typing:
         return types.uint8(types.float32, types.float32, types.uint32), encode(4, signed=False)
 
-    def decode(mantissa_bits: int, signed: bool):
-        def codegen(context, b, signature, args):
+    def decode(mantissa_bits: int, signed: bool) -> Codegen:
+        def codegen(context: Any, b: ir.IRBuilder, signature: Signature, args: Sequence[ir.Value]) -> ir.Value:
             code, scale = args
             if signed:
                 wide = b.sext(code, i32)
@@ -153,11 +186,21 @@ def numba_twins() -> NumbaTwins:
         return codegen
 
     @intrinsic
-    def decode_m8(typingctx, code, scale):
+    def decode_m8(typingctx: BaseContext, code: types.Type, scale: types.Type) -> Typing:
         return types.float32(types.int8, types.float32), decode(3, signed=True)
 
     @intrinsic
-    def decode_v8(typingctx, code, scale):
+    def decode_v8(typingctx: BaseContext, code: types.Type, scale: types.Type) -> Typing:
         return types.float32(types.uint8, types.float32), decode(4, signed=False)
 
-    return NumbaTwins(hash32, high16, sr_bf16, abs_bits, encode_m8, encode_v8, decode_m8, decode_v8)
+    # Jitted code calls an intrinsic without its typing context, which numba's stub cannot express.
+    return NumbaTwins(
+        cast(Hash32, hash32),
+        cast(High16, high16),
+        cast(SrBf16, sr_bf16),
+        cast(AbsBits, abs_bits),
+        cast(EncodeM8, encode_m8),
+        cast(EncodeV8, encode_v8),
+        cast(DecodeM8, decode_m8),
+        cast(DecodeV8, decode_v8),
+    )

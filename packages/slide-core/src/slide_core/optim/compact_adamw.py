@@ -36,16 +36,35 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
-from slide_core.master_store import MasterRange, as_master_range
+from slide_core.master_store import MasterFormat, MasterRange, as_master_range
 from slide_core.optim import _adamw_kernels, state_formats
-from slide_core.optim._moment_intrinsics import numba_twins
+from slide_core.optim._adamw_kernels import (
+    Fp32Array,
+    GradArray,
+    RangeKernel,
+    Uint8Array,
+    Uint16Array,
+    _as_stand_in,
+)
+from slide_core.optim._moment_intrinsics import (
+    AbsBits,
+    DecodeM8,
+    DecodeV8,
+    EncodeM8,
+    EncodeV8,
+    Hash32,
+    High16,
+    SrBf16,
+    numba_twins,
+)
 from slide_core.optim.adamw import CHUNK_NUMEL, TorchAdamW
 from slide_core.optim.adamw_base import AdamWOptimizer
 from slide_core.optim.adamw_config import AdamWConfig
@@ -65,12 +84,29 @@ from slide_core.optim.state_formats import (
 from slide_core.optimizer import Coefficient, Correction, scale_into
 from slide_core.split_master import SplitMaster, kernel_array
 
+if TYPE_CHECKING:
+    from numba.core import types
+    from numba.core.typing.context import BaseContext
+    from numba.core.typing.templates import Signature
+
+    from slide_core.optim._moment_intrinsics import Typing
+
 __all__ = ["CompactAdamW", "compact_bytes_per_param"]
 
 BLOCK = _adamw_kernels.BLOCK
 """Elements per parallel work item (64 int8 blocks), as in the fp32 kernel."""
 
 _compile_lock = threading.Lock()
+
+Int8Array: TypeAlias = NDArray[np.int8]
+"""int8 exp_avg codes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompactKernels:
+    """What :func:`_kernels` returns: the compiled update by (``MomentCodec.name``, ``MasterRange.format``)."""
+
+    step: Mapping[tuple[str, MasterFormat], RangeKernel]
 
 
 def compact_bytes_per_param(state_format: str) -> float:
@@ -88,19 +124,36 @@ _store_master = _adamw_kernels._store_master_py
 _read_ties = _adamw_kernels._read_ties_py
 _write_ties = _adamw_kernels._write_ties_py
 _prange = range
-_hash32: Any = None
-_high16: Any = None
-_sr_bf16: Any = None
-_abs_bits: Any = None
-_encode_m8: Any = None
-_encode_v8: Any = None
-_decode_m8: Any = None
-_decode_v8: Any = None
+# The intrinsics have no Python stand-ins (they exist as LLVM IR only): declared here, bound by ``_kernels``.
+_hash32: Hash32
+_high16: High16
+_sr_bf16: SrBf16
+_abs_bits: AbsBits
+_encode_m8: EncodeM8
+_encode_v8: EncodeV8
+_decode_m8: DecodeM8
+_decode_v8: DecodeV8
 
 
 def _bf16_block_py(
-    p, g, m, v, lo0, hi0, k0, k1, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
-):
+    p: Fp32Array,
+    g: GradArray,
+    m: Uint16Array,
+    v: Uint16Array,
+    lo0: np.uint32,
+    hi0: np.uint32,
+    k0: np.uint32,
+    k1: np.uint32,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """One work item (slices from index 0, so LLVM vectorises it; ``lo0``/``hi0``: its first slab index)."""
     for j in range(p.shape[0]):
         gi = _as_fp32(g[j]) * scale
@@ -117,8 +170,23 @@ _bf16_block = _bf16_block_py
 
 
 def _adamw_bf16_py(
-    p, g, m, v, index0, k0, k1, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
-):
+    p: Fp32Array,
+    g: GradArray,
+    m: Uint16Array,
+    v: Uint16Array,
+    index0: np.int64,
+    k0: np.uint32,
+    k1: np.uint32,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """bf16 moments (``m``, ``v``: uint16 bits): widen, update in fp32, round back stochastically."""
     n = p.shape[0]
     for b in _prange((n + BLOCK - 1) // BLOCK):
@@ -132,8 +200,24 @@ def _adamw_bf16_py(
 
 
 def _int8_block_py(
-    p, g, m, v, mt, vt, m_scale, v_scale, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
-):
+    p: Fp32Array,
+    g: GradArray,
+    m: Int8Array,
+    v: Uint8Array,
+    mt: Fp32Array,
+    vt: Fp32Array,
+    m_scale: np.float32,
+    v_scale: np.float32,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> tuple[np.uint32, np.uint32]:
     """Pass 1 over one 64-element block: decode, fp32 AdamW, master step; the new moments go to ``mt``/``vt``.
     Returns the bits of their largest magnitudes (integer maxima of non-negative floats' bits)."""
     m_max = np.uint32(0)
@@ -154,7 +238,18 @@ def _int8_block_py(
 _int8_block = _int8_block_py
 
 
-def _int8_encode_py(m, v, mt, vt, m_inv, v_inv, lo0, hi0, k0, k1):
+def _int8_encode_py(
+    m: Int8Array,
+    v: Uint8Array,
+    mt: Fp32Array,
+    vt: Fp32Array,
+    m_inv: np.float32,
+    v_inv: np.float32,
+    lo0: np.uint32,
+    hi0: np.uint32,
+    k0: np.uint32,
+    k1: np.uint32,
+) -> None:
     """Pass 2: the block's new moments as codes against its new scales."""
     for j in range(m.shape[0]):
         bits = _hash32(lo0, j, hi0, k0, k1)
@@ -166,25 +261,25 @@ _int8_encode = _int8_encode_py
 
 
 def _adamw_int8_py(
-    p,
-    g,
-    m,
-    v,
-    m_scale,
-    v_scale,
-    index0,
-    k0,
-    k1,
-    scale,
-    decay,
-    coeff,
-    large,
-    beta2,
-    one_minus_beta2,
-    bc2_sqrt,
-    eps,
-    neg_step,
-):
+    p: Fp32Array,
+    g: GradArray,
+    m: Int8Array,
+    v: Uint8Array,
+    m_scale: Fp32Array,
+    v_scale: Fp32Array,
+    index0: np.int64,
+    k0: np.uint32,
+    k1: np.uint32,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """int8 moments with one fp32 scale per 64-element block (``m`` int8, ``v`` uint8)."""
     n = p.shape[0]
     one = np.float32(1.0)
@@ -220,9 +315,28 @@ def _adamw_int8_py(
 
 
 def _bf16_split_block_py(
-    hi, lo, ties, first, flags, g, m, v, lo0, hi0, k0, k1, scale, decay, coeff, large, beta2, one_minus_beta2,
-    bc2_sqrt, eps, neg_step,
-):  # fmt: skip
+    hi: Uint16Array,
+    lo: Uint16Array,
+    ties: Uint8Array,
+    first: int,
+    flags: Uint8Array,
+    g: GradArray,
+    m: Uint16Array,
+    v: Uint16Array,
+    lo0: np.uint32,
+    hi0: np.uint32,
+    k0: np.uint32,
+    k1: np.uint32,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     """``_bf16_block_py`` over a split master block."""
     _read_ties(lo, ties, first, flags)
     for j in range(hi.shape[0]):
@@ -244,9 +358,27 @@ _bf16_split_block = _bf16_split_block_py
 
 
 def _adamw_bf16_split_py(
-    hi, lo, ties, first, flags, g, m, v, index0, k0, k1, scale, decay, coeff, large, beta2, one_minus_beta2,
-    bc2_sqrt, eps, neg_step,
-):  # fmt: skip
+    hi: Uint16Array,
+    lo: Uint16Array,
+    ties: Uint8Array,
+    first: int,
+    flags: Uint8Array,
+    g: GradArray,
+    m: Uint16Array,
+    v: Uint16Array,
+    index0: np.int64,
+    k0: np.uint32,
+    k1: np.uint32,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     n = hi.shape[0]
     skip = first % BLOCK
     for b in _prange((skip + n + BLOCK - 1) // BLOCK):
@@ -261,9 +393,26 @@ def _adamw_bf16_split_py(
 
 
 def _int8_split_block_py(
-    hi, lo, flags, g, m, v, mt, vt, m_scale, v_scale, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt,
-    eps, neg_step,
-):  # fmt: skip
+    hi: Uint16Array,
+    lo: Uint16Array,
+    flags: Uint8Array,
+    g: GradArray,
+    m: Int8Array,
+    v: Uint8Array,
+    mt: Fp32Array,
+    vt: Fp32Array,
+    m_scale: np.float32,
+    v_scale: np.float32,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> tuple[np.uint32, np.uint32]:
     """``_int8_block_py`` over a split master block (its tie flags already read into ``flags``)."""
     m_max = np.uint32(0)
     v_max = np.uint32(0)
@@ -287,9 +436,29 @@ _int8_split_block = _int8_split_block_py
 
 
 def _adamw_int8_split_py(
-    hi, lo, ties, first, flags, g, m, v, m_scale, v_scale, index0, k0, k1, scale, decay, coeff, large, beta2,
-    one_minus_beta2, bc2_sqrt, eps, neg_step,
-):  # fmt: skip
+    hi: Uint16Array,
+    lo: Uint16Array,
+    ties: Uint8Array,
+    first: int,
+    flags: Uint8Array,
+    g: GradArray,
+    m: Int8Array,
+    v: Uint8Array,
+    m_scale: Fp32Array,
+    v_scale: Fp32Array,
+    index0: np.int64,
+    k0: np.uint32,
+    k1: np.uint32,
+    scale: np.float32,
+    decay: np.float32,
+    coeff: np.float32,
+    large: bool,
+    beta2: np.float32,
+    one_minus_beta2: np.float32,
+    bc2_sqrt: np.float32,
+    eps: np.float32,
+    neg_step: np.float32,
+) -> None:
     n = hi.shape[0]
     skip = first % BLOCK
     one = np.float32(1.0)
@@ -320,63 +489,60 @@ def _adamw_int8_split_py(
         _write_ties(lo[s:e], ties, first + s, flags[s:e])
 
 
-def _bits_f32(u):  # pragma: no cover - replaced by an intrinsic
+def _bits_f32_py(u: np.uint64) -> np.float32:  # pragma: no cover - replaced by an intrinsic
     """The low 32 bits of a uint64 as fp32."""
-    return np.array(np.uint32(u)).view(np.float32)[()]
+    return np.float32(np.array(np.uint32(u)).view(np.float32)[()])
+
+
+_bits_f32 = _bits_f32_py
 
 
 @functools.cache
-def _kernels() -> Any:
+def _kernels() -> CompactKernels:
     """Compile (or load from numba's cache) the compact-state kernels; numba is imported only here."""
     global _adam, _as_fp32, _prange, _bits_f32, _bf16_block, _int8_block, _int8_encode
     global _load_master, _store_master, _read_ties, _write_ties, _bf16_split_block, _int8_split_block
     global _hash32, _high16, _sr_bf16, _abs_bits, _encode_m8, _encode_v8, _decode_m8, _decode_v8
     import numba
-    from llvmlite import ir as llvm_ir
+    from llvmlite import ir as llvm_ir  # type: ignore[import-untyped]  # llvmlite ships no type information
     from numba.core import types
     from numba.extending import intrinsic
 
     _adamw_kernels.kernels()  # binds _adamw_kernels' jitted element helpers first
 
     @intrinsic
-    def bits_f32(typingctx, u):
+    def bits_f32(typingctx: BaseContext, u: types.Type) -> Typing:
         """The low 32 bits of a uint64 as fp32."""
         if u != types.uint64:
             return None
 
-        def codegen(context, builder, signature, args):
+        def codegen(
+            context: Any, builder: llvm_ir.IRBuilder, signature: Signature, args: Sequence[llvm_ir.Value]
+        ) -> llvm_ir.Value:
             return builder.bitcast(builder.trunc(args[0], llvm_ir.IntType(32)), llvm_ir.FloatType())
 
         return types.float32(u), codegen
 
-    def inline(fn: Any) -> Any:
-        return numba.njit(inline="always", fastmath=False, nogil=True)(fn)
+    inline = numba.njit(inline="always", fastmath=False, nogil=True)
 
     _adam, _as_fp32, _prange = _adamw_kernels._adam, _adamw_kernels._as_fp32, numba.prange
     t = numba_twins()
     _hash32, _high16, _sr_bf16, _abs_bits = t.hash32, t.high16, t.sr_bf16, t.abs_bits
     _encode_m8, _encode_v8, _decode_m8, _decode_v8 = t.encode_m8, t.encode_v8, t.decode_m8, t.decode_v8
-    _bits_f32 = bits_f32
+    _bits_f32 = _as_stand_in(bits_f32, _bits_f32_py)
     _bf16_block, _int8_block, _int8_encode = inline(_bf16_block_py), inline(_int8_block_py), inline(_int8_encode_py)
     _load_master, _store_master = _adamw_kernels._load_master, _adamw_kernels._store_master
     _read_ties, _write_ties = _adamw_kernels._read_ties, _adamw_kernels._write_ties
     _bf16_split_block, _int8_split_block = inline(_bf16_split_block_py), inline(_int8_split_block_py)
 
-    class Kernels:
-        bf16 = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_bf16_py)
-        int8 = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_int8_py)
-        bf16_split = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_bf16_split_py)
-        int8_split = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)(_adamw_int8_split_py)
-        step = MappingProxyType(  # by (MomentCodec.name, MasterRange.format)
-            {
-                ("bf16", "fp32"): bf16,
-                ("int8", "fp32"): int8,
-                ("bf16", "split"): bf16_split,
-                ("int8", "split"): int8_split,
-            }
-        )
-
-    return Kernels
+    kernel = numba.njit(parallel=True, fastmath=False, nogil=True, cache=True)
+    step: dict[tuple[str, MasterFormat], RangeKernel] = {  # by (MomentCodec.name, MasterRange.format)
+        ("bf16", "fp32"): kernel(_adamw_bf16_py),
+        ("int8", "fp32"): kernel(_adamw_int8_py),
+        ("bf16", "split"): kernel(_adamw_bf16_split_py),
+        ("int8", "split"): kernel(_adamw_int8_split_py),
+    }
+    return CompactKernels(step=MappingProxyType(step))
 
 
 class CompactAdamW(AdamWOptimizer):
