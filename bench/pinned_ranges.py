@@ -41,6 +41,7 @@ def main() -> None:
         ("aligned, 1 GiB, pages before released first", 2 * GIB, 1 * GIB, (0, 2 * GIB + 1000)),
         ("aligned, 1 GiB, pages before released after", 2 * GIB, 1 * GIB, "after"),
     ]
+    two_ranges(chunk, target)
     for name, offset_bytes, size_bytes, release in cases:
         with CUDADevice(0) as device:
             slab = torch.empty((offset_bytes + size_bytes) // 4 + chunk, dtype=torch.float32)
@@ -57,6 +58,26 @@ def main() -> None:
             print(f"{name}: pinned {part.is_pinned()}, first chunk {first:.1f} GB/s, middle chunk {middle:.1f} GB/s")
             del part
         del slab
+
+
+def two_ranges(chunk: int, target: torch.Tensor) -> None:
+    """The engine's layout when resident units sit between streamed ones (Gemma 3: a streamed embedding,
+    two resident blocks, six streamed blocks): two registrations in one slab around given-back pages."""
+    sizes = (3.75 * GIB, 1.75 * GIB, 5 * GIB)
+    with CUDADevice(0) as device:
+        slab = torch.empty(int(sum(sizes)) // 4, dtype=torch.float32)
+        slab.uniform_()
+        first_end, gap_end = int(sizes[0]) // 4 + 19200, int(sizes[0] + sizes[1]) // 4 + 50304
+        first, gap, second = slab[:first_end], slab[first_end:gap_end], slab[gap_end:]
+        release_pages(gap)
+        device.pin_host_range(first)
+        device.pin_host_range(second)
+        for name, part in (("first", first), ("second", second)):
+            print(
+                f"two registrations, {name} range: first chunk {rate(part[:chunk], target):.1f} GB/s, "
+                f"middle {rate(part[part.numel() // 2 : part.numel() // 2 + chunk], target):.1f} GB/s"
+            )
+    del slab
 
 
 if __name__ == "__main__":
