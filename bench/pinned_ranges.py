@@ -60,21 +60,22 @@ def main() -> None:
         del slab
 
 
-def two_ranges(chunk: int, target: torch.Tensor) -> None:
+def two_ranges(chunk: int, target: torch.Tensor, *, release: bool = True, gap_bytes: float = 1.75 * GIB) -> None:
     """The engine's layout when resident units sit between streamed ones (Gemma 3: a streamed embedding,
     two resident blocks, six streamed blocks): two registrations in one slab around given-back pages."""
-    sizes = (3.75 * GIB, 1.75 * GIB, 5 * GIB)
+    sizes = (3.75 * GIB, gap_bytes, 5 * GIB)
     with CUDADevice(0) as device:
         slab = torch.empty(int(sum(sizes)) // 4, dtype=torch.float32)
         slab.uniform_()
         first_end, gap_end = int(sizes[0]) // 4 + 19200, int(sizes[0] + sizes[1]) // 4 + 50304
         first, gap, second = slab[:first_end], slab[first_end:gap_end], slab[gap_end:]
-        release_pages(gap)
+        if release:
+            release_pages(gap)
         device.pin_host_range(first)
         device.pin_host_range(second)
         for name, part in (("first", first), ("second", second)):
             print(
-                f"two registrations, {name} range: first chunk {rate(part[:chunk], target):.1f} GB/s, "
+                f"two registrations (gap {gap_bytes / GIB:.2f} GiB, released {release}), {name} range: first chunk {rate(part[:chunk], target):.1f} GB/s, "
                 f"middle {rate(part[part.numel() // 2 : part.numel() // 2 + chunk], target):.1f} GB/s"
             )
     del slab
