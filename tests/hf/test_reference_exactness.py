@@ -58,9 +58,11 @@ TOL = 2e-4
 """Per tensor, as a fraction of its own update from the float64 run. What limits it is fp32 resolution on
 the smallest updates (a norm weight near 1 moving by 2e-3 over the run is resolved to about 1e-4) and the
 last few noise-driven elements; a wrong gradient or optimizer state shows up as 1e-2 or more."""
-NOISE_FACTOR = 2.0
+NOISE_FACTOR = 4.0
 """Where transformers' own fp32 run is farther than ``TOL`` from float64, ours may be this many times as
-far (observed: 0.6x to 1.2x where it applies: Gemma 4, OLMo 3's embedding)."""
+far (observed: 0.6x to 1.2x for Gemma 4; OLMo 3's embedding 1.2x on one CPU and 3.0x on another, the
+same code: its rows of tokens seen once take noise-driven steps whose size depends on the host's
+summation order). A wrong gradient or state is 1e-2 of an update or more, far past 4x of fp32's noise."""
 
 
 @dataclass(frozen=True)
