@@ -114,5 +114,5 @@ def test_the_planner_prices_each_format() -> None:
     assert plans["bf16"].disk_bytes * 2 == plans["fp32"].disk_bytes
     # bf16 updates faster than fp32; int8 saves memory but is bound by its arithmetic (planner/timing.py)
     assert plans["bf16"].update_s < plans["fp32"].update_s < plans["int8"].update_s
-    with pytest.raises(UserError, match="--optimizer-state must be one of fp32, bf16, int8, got .fp8."):
+    with pytest.raises(UserError, match=r"--optimizer-state must be one of fp32, bf16, int8, got .fp8."):
         PlanInputs(shape, optimizer_state="fp8")
