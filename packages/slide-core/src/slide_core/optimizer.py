@@ -88,7 +88,6 @@ class Optimizer(ABC):
 
         return tuple(StateArray(name) for name in self.state_names)
 
-
     def reserve(self, max_range_numel: int) -> None:  # noqa: B027 - optional hook
         """Preallocate scratch for ranges up to ``max_range_numel`` so ``step`` never allocates."""
 
