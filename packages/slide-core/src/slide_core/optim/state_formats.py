@@ -292,9 +292,11 @@ class MomentCodec(ABC):
         """Host bytes per parameter of the two moments (int8: codes plus the block scales)."""
         return sum(a.dtype.itemsize / a.per_entry for a in self.arrays())
 
-    @abstractmethod
     def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
-        """Widen one range's stored moments into fp32 ``out_m`` / ``out_v``."""
+        """Widen one range's stored moments into fp32 ``out_m`` / ``out_v`` (a plain copy, exact for fp32
+        and bf16; int8 scales its codes)."""
+        out_m.copy_(state["exp_avg"])
+        out_v.copy_(state["exp_avg_sq"])
 
     @abstractmethod
     def encode(
@@ -327,10 +329,6 @@ class Fp32Moments(MomentCodec):
         m, v = names
         return (StateArray(m), StateArray(v))
 
-    def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
-        out_m.copy_(state["exp_avg"])
-        out_v.copy_(state["exp_avg_sq"])
-
     def encode(
         self,
         m: torch.Tensor,
@@ -355,10 +353,6 @@ class Bf16Moments(MomentCodec):
     def arrays(self, names: Sequence[str] = ("exp_avg", "exp_avg_sq")) -> tuple[StateArray, ...]:
         m, v = names
         return (StateArray(m, torch.bfloat16), StateArray(v, torch.bfloat16))
-
-    def decode(self, state: Mapping[str, torch.Tensor], out_m: torch.Tensor, out_v: torch.Tensor) -> None:
-        out_m.copy_(state["exp_avg"])
-        out_v.copy_(state["exp_avg_sq"])
 
     def encode(
         self,
