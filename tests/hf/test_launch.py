@@ -155,11 +155,57 @@ def test_the_launch_reports_the_rank_that_stopped_first_for_its_own_reason() -> 
     assert first_cause(killed)[0] == 1
 
 
+_RANK_THAT_FAILS = """
+import os, signal, sys
+from slide_hf.launch import failure_outlives_peers
+distributed, fails = sys.argv[1] == "1", sys.argv[2] == "1"
+try:
+    with failure_outlives_peers(distributed):
+        if fails:
+            raise FileNotFoundError("its own reason")
+except FileNotFoundError:
+    pass
+os.kill(os.getpid(), signal.SIGTERM)  # the launcher stopping the others, while this rank is on its way out
+sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize(
+    ("distributed", "fails", "launched", "returncode"),
+    [
+        (True, True, True, 2),  # a launched rank leaving on its own failure keeps its status
+        (True, False, True, -15),  # a rank that did not fail stays stoppable
+        (False, True, True, -15),  # a world of one: nothing to outlive
+        (True, True, False, -15),  # not started by torch's launcher
+    ],
+)
+def test_a_failing_rank_is_not_turned_into_one_killed_by_the_launcher(
+    distributed: bool, fails: bool, launched: bool, returncode: int
+) -> None:
+    """Note [A failing rank keeps its status]: the SIGTERM the launcher sends every rank when another
+    exits does not replace the status of a rank already leaving with its own failure."""
+    env = {key: value for key, value in os.environ.items() if key != "TORCHELASTIC_RUN_ID"}
+    if launched:
+        env["TORCHELASTIC_RUN_ID"] = "test"
+    command = [sys.executable, "-c", _RANK_THAT_FAILS, str(int(distributed)), str(int(fails))]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == returncode, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_a_failing_rank_ends_the_launch_in_one_line(tmp_path: Path) -> None:
     """Each rank says what stopped it (rank 0: the missing file; rank 1: that rank 0 stopped, not a bug);
-    the launcher ends with one line naming the rank and exits with its status; no traceback."""
+    the launcher ends with one line naming the rank and exits with its status; no traceback.
+
+    Rank 0 is made slow to exit (2 s in an ``atexit``), so the launcher always stops it while it is on its
+    way out: the race of Note [A failing rank keeps its status], every time rather than under load."""
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    slow_exit = tmp_path / "slow_exit"
+    slow_exit.mkdir()
+    (slow_exit / "sitecustomize.py").write_text(
+        "import atexit, os, time\nif os.environ.get('RANK') == '0':\n    atexit.register(time.sleep, 2)\n"
+    )
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(slow_exit), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "slide_hf", "train", "--model", "tiny-llama", "--device", "cpu", "--steps", "1"]
     command += ["--nproc-per-node", "2", "--data", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "run")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)

@@ -27,6 +27,15 @@ is still free. A single process gets the same treatment (slide_hf/recipe.py, sli
 more, :data:`RESERVED_CORES` stay out of the share: the optimizer is bound by host memory bandwidth, which
 8 of 16 threads already saturate, while a main thread starved of a core launches the GPU's kernels late
 and stretches every block's compute.
+
+Note [A failing rank keeps its status]: a rank that stops for its own reason (a missing data file) closes
+its connections as it leaves its process groups; the other ranks' next collective fails at once and they
+exit with :data:`PEER_STOPPED_STATUS`; torch's launcher, seeing the first of them exit, SIGTERMs every rank
+still running, including the failing one, which may still be on its way out (printing its error, the
+interpreter's shutdown). Killed there, it is reported as "killed by SIGTERM" and its own status is lost,
+so the launch would end naming the wrong cause. A launched rank that leaves its groups on an exception
+therefore ignores SIGTERM from then on (:func:`failure_outlives_peers`): it is already exiting, and the
+launcher's SIGKILL after the shutdown timeout still bounds the wait.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -47,6 +57,7 @@ __all__ = [
     "SHUTDOWN_GRACE_S",
     "THREAD_VARIABLES",
     "check_gpus_for_ranks",
+    "failure_outlives_peers",
     "first_cause",
     "host_cores_for_this_run",
     "launch_environment",
@@ -202,6 +213,22 @@ def main(argv: Sequence[str]) -> int:
         print(f"slide train: stopped by {_signal_name(error.sigval)}", file=sys.stderr)
         return 128 + int(error.sigval)
     return 0
+
+
+@contextlib.contextmanager
+def failure_outlives_peers(distributed: bool, environ: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Around the work of a rank that torch's launcher started (``TORCHELASTIC_RUN_ID`` set) in a world of
+    several: when the work raises, SIGTERM is ignored from then on, before the rank's groups close, so the
+    rank exits with its own status (Note [A failing rank keeps its status]). Nothing changes on success,
+    in a single process, or off the main thread (where no signal handler can be set)."""
+    env = os.environ if environ is None else environ
+    try:
+        yield
+    except BaseException:
+        launched = distributed and bool(env.get("TORCHELASTIC_RUN_ID"))
+        if launched and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise
 
 
 def first_cause(failures: Mapping[int, Any]) -> tuple[int, Any]:

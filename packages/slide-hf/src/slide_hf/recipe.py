@@ -60,7 +60,7 @@ from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load
 from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
-from slide_hf.launch import host_cores_for_this_run
+from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run
 from slide_hf.options import TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.planner import output_disk as disk
 from slide_hf.progress import Progress
@@ -145,7 +145,8 @@ def train(
     ranks_on_host = int(on_host) if on_host.isdigit() and int(on_host) > 0 else group.world_size
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
     # Before numba is imported: Note [Host cores per rank] in launch.py.
-    with host_cores_for_this_run(ranks_on_host), group:
+    # Inside the group: a failure here ignores the launcher's SIGTERM before the group's connections close.
+    with host_cores_for_this_run(ranks_on_host), group, failure_outlives_peers(group.is_distributed):
         log.info("host threads per rank: %s (%d ranks on this host)", os.environ["NUMBA_NUM_THREADS"], ranks_on_host)
         # Rank 0 holds the directory; the others write only their checkpoint shards in it, and only remove
         # their NVMe scratch folders at the end (closing an unlocked RunDir).
