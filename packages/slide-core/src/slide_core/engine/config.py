@@ -68,6 +68,10 @@ class EngineConfig:
     resident_units: tuple[str, ...] = ()
     offloaded_units: tuple[str, ...] = ()
     """Units whose Adam state lives on the engine's ``state_tier`` (NVMe), see state_offload.py."""
+    streamed_units: tuple[str, ...] = ()
+    """Units updated on the device as they stream through it (streamed_pipeline.py): master and optimizer
+    state stay in host RAM, travel to the device for the unit's backward and back after its update; the
+    gradient never crosses PCIe and the host optimizer does no work for them."""
     max_grad_norm: float = 0.0
     skip_nonfinite: bool = True
     max_consecutive_nonfinite: int = 3
@@ -95,6 +99,10 @@ class EngineConfig:
             )
         if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0.0):
             raise ValueError(f"max_grad_norm must be a finite number >= 0 (0 = off), got {self.max_grad_norm}")
+        for other, what in ((self.resident_units, "resident_units"), (self.offloaded_units, "offloaded_units")):
+            both = sorted(set(self.streamed_units) & set(other))
+            if both:
+                raise ValueError(f"streamed_units and {what} must not share units, both name {', '.join(both)}")
         if self.max_consecutive_nonfinite < 1:
             raise ValueError(f"max_consecutive_nonfinite must be >= 1, got {self.max_consecutive_nonfinite}")
 
