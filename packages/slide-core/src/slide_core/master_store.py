@@ -105,10 +105,16 @@ class MasterRange(Protocol):
 
 @dataclass(frozen=True)
 class Fp32Master:
-    """A range of an fp32 master: the tensor itself, with :class:`MasterRange`'s methods."""
+    """A range of an fp32 master: the tensor itself, with :class:`MasterRange`'s methods.
+
+    ``origin``: the master position of the tensor's storage element 0, so that :attr:`index0` is the
+    range's position in the master (the hash index of compact state) also for a copy of a host range in
+    another buffer: a GPU-streamed update works on a device copy of the unit and must round its moments
+    as the host would (engine/streamed_pipeline.py)."""
 
     format: ClassVar[MasterFormat] = "fp32"
     tensor: torch.Tensor
+    origin: int = 0
 
     def numel(self) -> int:
         return self.tensor.numel()
@@ -123,10 +129,10 @@ class Fp32Master:
 
     @property
     def index0(self) -> int:
-        return int(self.tensor.storage_offset())
+        return self.origin + int(self.tensor.storage_offset())
 
     def __getitem__(self, index: slice) -> Fp32Master:
-        return Fp32Master(self.tensor[index])
+        return Fp32Master(self.tensor[index], self.origin)
 
     def values(self) -> torch.Tensor:
         return self.tensor

@@ -165,11 +165,15 @@ def kernel_array(t: torch.Tensor, name: str) -> np.ndarray:
     return t.detach().numpy()
 
 
-def decode(hi: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, offset: int, out: torch.Tensor) -> None:
+def decode(
+    hi: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, offset: int, out: torch.Tensor, *, sync_free: bool = False
+) -> None:
     """``out`` (fp32) = the values the planes hold; element ``j`` reads tie bit ``offset + j``.
 
     Runs on any device, piece by piece; ``ties`` lives with ``hi``. Every non-NaN fp32 pattern comes back
-    bit for bit; a NaN comes back as a NaN.
+    bit for bit; a NaN comes back as a NaN. ``sync_free``: always read the tie bits rather than first ask
+    whether any element needs them (that question is a device sync on a GPU, which a stream that must not
+    block its thread cannot afford; the answer is the same either way).
     """
     n = hi.numel()
     if lo.numel() != n or out.numel() != n or out.dtype != torch.float32:
@@ -180,7 +184,7 @@ def decode(hi: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, offset: int, 
         low = lo[start:stop]
         up = low < 0  # unsigned lo >= 0x8000
         midpoint = low == MIDPOINT
-        if bool(midpoint.any()):  # note: a device sync when the planes live on a GPU (a copy, not a step)
+        if sync_free or bool(midpoint.any()):  # note: a device sync on a GPU unless sync_free
             up &= ~midpoint | _read_bits(ties, offset + start, stop - start)
         halves[start:stop, 0].copy_(low)
         torch.sub(hi[start:stop].view(torch.int16), up.to(torch.int16), out=halves[start:stop, 1])

@@ -49,6 +49,8 @@ KEEP = Correction("keep")
 class NoClipping(ClipStrategy):
     """``max_grad_norm = 0``: final gradients are applied as they are."""
 
+    final_as_applied = True
+
     def unit_norm(self, unit: Unit, squared: float, contribution: Contribution, step: int) -> None:
         if not math.isfinite(squared):
             raise EngineError(

@@ -90,7 +90,8 @@ class StepContext:
     updated: Mapping[str, Future[None]]
     """Each unit's 'updated' future of this step: resolved once its update of the step is final."""
     device_updated: frozenset[str]
-    """Units updated on the device (resident): their final gradient and its norm stay there."""
+    """Units updated on the device this step (resident ones, and streamed ones whose update stands as
+    applied): their final gradient and its norm stay there."""
 
     def contribution(self, unit: Unit, micro_batch: int, share: int = 0) -> Contribution:
         """The contribution ``unit`` gets in ``micro_batch``: its ``share``-th of that micro-batch (a tied
@@ -120,6 +121,9 @@ class ClipStrategy(ABC):
     the end of a clipped step (empty without clipping)."""
 
     deferred: bool = False
+    final_as_applied: bool = False
+    """Whether every update of the step stands as it is applied (no decision at the step's end can take it
+    back or rescale it): only then may a streamed unit be updated on the device (streamed_pipeline.py)."""
     releases_at_last_chunk: bool = True
     """Whether a host unit is done with its optimizer state once its last chunk is applied (not when its
     update is held for the step's decision)."""

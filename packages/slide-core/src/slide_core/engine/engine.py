@@ -325,15 +325,9 @@ class Engine(Evaluation):
         expected = {unit.name: micro_batches for unit in model.units}
         if model.head.borrowed:  # the head's share of the embedding's gradient, then the embedding's own
             expected[model.embedding.name] += micro_batches
-        ctx = StepContext(
-            self.step_count,
-            lr,
-            micro_batches,
-            expected,
-            self.clip_policy.for_step(),
-            self.updated,
-            self.pipelines.device_updated,
-        )
+        clip = self.clip_policy.for_step()
+        on_device = self.pipelines.updated_on_device(clip, expected)
+        ctx = StepContext(self.step_count, lr, micro_batches, expected, clip, self.updated, on_device)
         self.pipelines.begin_step(ctx)
         return ctx
 

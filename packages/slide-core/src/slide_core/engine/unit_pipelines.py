@@ -3,7 +3,9 @@
 A unit's pipeline is three independent parts:
 
 - the **updater**, where its update runs: on the host optimizer thread (:class:`HostPipeline`, the
-  gradient crosses PCIe) or on the device for a unit in ``resident_units`` (:class:`ResidentPipeline`);
+  gradient crosses PCIe), on the device for a unit in ``resident_units`` (:class:`ResidentPipeline`), or
+  on the device as the unit streams through it for a unit in ``streamed_units`` (:class:`StreamedPipeline`:
+  master and state cross PCIe instead of the gradient);
 - for a host-updated unit, the **state store**, where its optimizer state lives between updates: the host
   slabs (:class:`HostSlabs`, RAM or pinned) or a tier for a unit in ``offloaded_units``
   (:class:`TierStore`);
@@ -18,7 +20,7 @@ plugged in: see "Where things plug in" in docs/design/engine.md.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -30,7 +32,7 @@ from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel, Unit
 
 from .config import EngineConfig
-from .context import StepContext
+from .context import ClipStrategy, StepContext
 from .grad_transfer import GradTransfer
 from .host_pipeline import HostPipeline
 from .host_state import HostState
@@ -42,6 +44,7 @@ from .shards import UnitShards
 from .slots import ParamSlot
 from .state_offload import OffloadedState
 from .state_store import HostSlabs, StateStore, TierStore
+from .streamed_pipeline import StreamedPipeline
 from .timeline import ComputeTimer
 from .workers import Workers
 
@@ -69,7 +72,7 @@ class UnitPipelines:
         offloaded: OffloadedState | None,
         collectives: Collectives,
     ) -> None:
-        resident = set(config.resident_units)
+        resident, streamed = set(config.resident_units), set(config.streamed_units)
         on_tier = set(offloaded.units) if offloaded is not None else set()
         self.device, self.host_params, self.collectives = device, host_params, collectives
         self.shards = UnitShards(collectives, model.units)
@@ -83,10 +86,11 @@ class UnitPipelines:
         self.norms = UnitNorms(device, model.units) if UnitNorms.wanted(config) else None
         """Every unit's squared gradient norm of the step (Note [Gradient norm of every step])."""
         chunk_numel = config.transfer_chunk_numel
+        device_optimizer = optimizer.device_replica()  # main thread: resident and streamed updates
 
         # The updater on the device: resident units.
         self.resident = ResidentPipeline(
-            self.residents, optimizer.device_replica(), host_params, self.norms, timer, chunk_numel,
+            self.residents, device_optimizer, host_params, self.norms, timer, chunk_numel,
             lean_host=lean_host, shards=self._shards(collectives, model.units, resident),
         )  # fmt: skip
         if lean_host:  # give pages back before pinning: a page-locked registration may keep nearby pages
@@ -107,10 +111,21 @@ class UnitPipelines:
                 shards=self._shards(collectives, host_units, names), store=store,
             )  # fmt: skip
 
-        self.host = host_pipeline({unit.name for unit in host_units} - on_tier, HostSlabs(host_state))
+        self.host = host_pipeline({unit.name for unit in host_units} - on_tier - streamed, HostSlabs(host_state))
         self._of: dict[str, UnitPipeline] = dict.fromkeys(resident, self.resident)
         self._of.update((unit.name, self.host) for unit in host_units)
         self.distinct: list[UnitPipeline] = [self.resident, self.host]
+
+        # The updater on the device for units that stream: their state in the host slabs.
+        self.streamed = StreamedPipeline(
+            device, host_params, host_state, optimizer, device_optimizer, self.transfer, workers, self.norms, timer,
+            {unit.name: index for index, unit in enumerate(model.units)}, chunk_numel,
+            shards=self._shards(collectives, host_units, streamed),
+        )  # fmt: skip
+        if streamed:
+            self.streamed.pin_host_ranges()
+            self.distinct.append(self.streamed)
+            self._of.update(dict.fromkeys(streamed, self.streamed))
         if offloaded is not None:
             tier_shards = self._shards(collectives, host_units, on_tier)
             offloaded.keep_shards(tier_shards.partial())  # the tier keeps this rank's shards only
@@ -123,6 +138,7 @@ class UnitPipelines:
         self.fixed: dict[str, ParamSlot] = {name: self.residents.slot(name) for name in self.residents.units}
         """The units that always live in one device slot, never loaded by the window."""
         self.device_updated = frozenset(resident)
+        """The units that live on the device (the window never slides them)."""
 
     @staticmethod
     def _shards(collectives: Collectives, units: Sequence[Unit], names: set[str]) -> UnitShards:
@@ -134,6 +150,15 @@ class UnitPipelines:
     @property
     def by_name(self) -> dict[str, UnitPipeline]:
         return self._of
+
+    def updated_on_device(self, clip: ClipStrategy, expected: Mapping[str, int]) -> frozenset[str]:
+        """The units a step with ``clip`` and ``expected`` contributions updates on the device: the
+        resident ones, and the streamed ones whose update stands as applied (Note [When a streamed unit is
+        updated on the host] in streamed_pipeline.py)."""
+        streamed = self.streamed.shards.spans
+        return self.device_updated | {
+            name for name in streamed if self.streamed.updates_on_device(clip, expected[name])
+        }
 
     def begin_step(self, ctx: StepContext) -> None:
         for pipeline in self.distinct:

@@ -1,0 +1,281 @@
+"""GPU-streamed units: the master and the optimizer state live in host RAM, as for a host-updated unit,
+but the update runs on the device. The unit's master and moments travel to the device for its backward,
+its final gradient is applied there right after the backward produced it, and master and moments go
+back to host RAM. The gradient never crosses PCIe and the host optimizer does no work for the unit.
+
+Why: the host's AdamW moves about 26 bytes of host memory per parameter per step and runs at the host's
+memory bandwidth, while the GPU waits (Note [The host-memory wall] in docs/design/engine.md). Streaming
+moves 12 to 16 bytes per parameter each way over PCIe instead (fp32 master and moments; less with a split
+master or compact moments) and puts the arithmetic where there is plenty of it.
+
+- main thread, ``begin_step`` and ``contribute``: queue on the h2d thread the upload of the master shard
+  and state of the first streamed unit in backward order into a staging set (update_staging.py), and at
+  each streamed unit's gradient the upload of the next one, so that it arrives while the backward
+  computes it; an upload waits for the unit's previous update (Note [Update futures]) and for the
+  write-back that last read its set;
+- main thread, ``contribute``: the gradient is written in the slot, summed over the ranks into the shard
+  (one reduce-scatter on the compute stream; nothing in one process), its squared norm folded on the
+  device; the compute stream waits for the upload, the device optimizer (``Optimizer.device_replica``)
+  steps the staged shard, a split master is encoded back on the device, and the d2h stream writes master
+  and state back into the host slabs; a d2h-thread job resolves the unit's 'updated' future once they
+  have landed, which is what the unit's next load waits for (Note [Update futures]);
+- h2d thread, ``load``: as a host-updated unit (host_pipeline.py).
+
+Note [Streamed updates are the host's arithmetic]: the staged master is an fp32 range that keeps the
+host slab's positions (``Fp32Master.origin``), so compact moments are rounded with the same hash stream
+whichever placement updates them, and a split master is decoded and encoded exactly: a unit's masters and
+moments after a step are those of the same torch ops on the host (bit for bit on the CPU device, tested
+in tests/core/test_streamed_pipeline.py; the numba host kernels agree with the torch ops to an ulp of
+the master and exactly in the moments, tests/core/test_compact_state.py).
+
+Note [When a streamed unit is updated on the host]: the device update needs the unit's whole final
+gradient in its slot at once and an update that stands as applied. A step with several contributions to
+the unit (gradient accumulation, a tied embedding's two shares) or with clipping (whose step decision may
+take an update back with the gradient, which a staging set does not keep) sends the gradient to the host
+optimizer instead, exactly as a host-updated unit does (this class is a :class:`HostPipeline`): the same
+result, at the host's speed. ``ctx.device_updated`` names the streamed units updated on the device in a
+step (:meth:`StreamedPipeline.updates_on_device`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from slide_core.device import Device, Event
+from slide_core.host_params import HostParameters
+from slide_core.master_store import Fp32Master
+from slide_core.optim.state_formats import StateArray, slice_state
+from slide_core.optimizer import Optimizer
+from slide_core.split_master import decode, encode
+from slide_core.unit import Unit
+
+from .context import ClipStrategy, Contribution, ContributionKind, StepContext
+from .grad_transfer import GradTransfer
+from .host_pipeline import HostPipeline
+from .host_state import HostState
+from .norms import UnitNorms
+from .pipeline import write_gradients
+from .shards import UnitShards
+from .slots import ParamSlot
+from .state_store import HostSlabs
+from .timeline import ComputeTimer
+from .update_staging import StagingSet, UpdateStaging
+from .workers import Workers
+
+__all__ = ["StreamedPipeline"]
+
+
+class StreamedPipeline(HostPipeline):
+    """The units updated on the device as they stream (``shards`` names them), their master and state in
+    the host slabs. ``device_optimizer`` runs on the main thread (the resident pipeline's replica)."""
+
+    def __init__(
+        self,
+        device: Device,
+        host_params: HostParameters,
+        host_state: HostState,
+        optimizer: Optimizer,
+        device_optimizer: Optimizer,
+        transfer: GradTransfer,
+        workers: Workers,
+        norms: UnitNorms | None,
+        timer: ComputeTimer,
+        forward_position: Mapping[str, int],
+        chunk_numel: int,
+        *,
+        shards: UnitShards,
+    ) -> None:
+        super().__init__(
+            device, host_params, host_state, optimizer, transfer, workers, norms, timer.timeline, forward_position,
+            chunk_numel, shards=shards, store=HostSlabs(host_state),
+        )  # fmt: skip
+        self.device_optimizer = device_optimizer
+        self.timer = timer
+        self.arrays = optimizer.state_arrays
+        max_numel = max((hi - lo for lo, hi in shards.spans.values()), default=0)
+        self.staging = UpdateStaging(device, max_numel, self.arrays, split=host_params.split)
+        self.backward_order = sorted(shards.spans, key=lambda name: -forward_position[name])
+        """The streamed units in the order their final gradients arrive (the reverse of the forward)."""
+        self._staged: dict[str, tuple[StagingSet, Future[Event]]] = {}
+        self._write_backs: list[Future[None]] = []
+        self._previous: Mapping[str, Future[None]] = {}  # the previous step's 'updated' futures
+        self._current: Mapping[str, Future[None]] = {}
+
+    @staticmethod
+    def device_bytes(max_shard_numel: int, state_arrays: Sequence[StateArray], *, split: bool) -> int:
+        """Device bytes this pipeline allocates: its staging sets (:meth:`UpdateStaging.bytes_for`)."""
+        return UpdateStaging.bytes_for(max_shard_numel, state_arrays, split=split)
+
+    def pin_host_ranges(self) -> None:
+        """Page-lock what the streamed units move besides the plane their loads read (pinned with the
+        host-updated masters): a split master's other planes and every state slab, one span from the
+        first streamed unit to the last per allocation (Note [One registration per allocation])."""
+        if not self.backward_order:
+            return
+        host_params, device = self.host_params, self.device
+        first, last = self.backward_order[-1], self.backward_order[0]
+        start, end = host_params.offset(first), host_params.extent(last)[1]
+        h2d_plane = host_params.store.h2d_plane
+        for plane in host_params.planes.values():
+            if plane.data_ptr() == h2d_plane.data_ptr():
+                continue
+            span = plane[start // 8 : -(-end // 8)] if plane.dtype == torch.uint8 else plane[start:end]
+            device.pin_host_range(span)
+        for array in self.arrays:
+            device.pin_host_range(self.host_state.state_slabs[array.name][array.range(start, end)])
+
+    # -- which steps update on the device ----------------------------------------------------------------
+    @staticmethod
+    def updates_on_device(clip: ClipStrategy, contributions: int) -> bool:
+        """Whether a unit with ``contributions`` gradient contributions in a step with ``clip`` is updated
+        on the device (Note [When a streamed unit is updated on the host])."""
+        return clip.final_as_applied and contributions == 1
+
+    def _on_device(self, ctx: StepContext, name: str) -> bool:
+        return self.updates_on_device(ctx.clip, ctx.expected[name])
+
+    def begin_step(self, ctx: StepContext) -> None:
+        super().begin_step(ctx)
+        self._previous, self._current = self._current, ctx.updated
+        self.staging.reset()
+        self._staged.clear()
+        self._write_backs = [future for future in self._write_backs if not future.done()]
+        self._stage_after(None, ctx)
+
+    # -- the upload, queued by the main thread, run by the h2d thread ------------------------------------
+    def _stage_after(self, name: str | None, ctx: StepContext) -> None:
+        """Queue the upload of the streamed unit updated on the device after ``name`` in backward order
+        (None: the first)."""
+        order = self.backward_order
+        for later in order[order.index(name) + 1 :] if name is not None else order:
+            if self._on_device(ctx, later):
+                self._stage(later)
+                return
+
+    def _stage(self, name: str) -> None:
+        if name in self._staged:
+            return
+        staged = self.staging.take()
+        previous = self._previous.get(name)
+        uploaded = self.workers["h2d"].submit(self._upload, name, staged, previous, staged.free_after)
+        self._staged[name] = (staged, uploaded)
+
+    def _upload(self, name: str, staged: StagingSet, previous: Future[None] | None, free_after: Event | None) -> Event:
+        """h2d thread: once the unit's previous update is done, its master shard and state into ``staged``
+        (after the write-back that last read it), a split master decoded there; returns the event the
+        update waits for."""
+        if previous is not None:
+            self.workers.wait(previous, f"the update of {name} before streaming it")
+        device, host_params = self.device, self.host_params
+        lo, hi = self.shards[name]
+        n, base = hi - lo, host_params.offset(name)
+        with device.stream("h2d"):
+            if free_after is not None:
+                device.wait_event("h2d", free_after)
+            if host_params.split:
+                planes = host_params.planes
+                first_bit = base + lo
+                first_byte, end_byte = first_bit // 8, -(-(base + hi) // 8)
+                device.copy_to_device(staged.planes["hi"][:n], planes["hi"][base + lo : base + hi])
+                device.copy_to_device(staged.planes["lo"][:n], planes["lo"][base + lo : base + hi])
+                ties = staged.planes["ties"][: end_byte - first_byte]
+                device.copy_to_device(ties, planes["ties"][first_byte:end_byte])
+                hi_plane, lo_plane = staged.planes["hi"][:n], staged.planes["lo"][:n]
+                decode(hi_plane, lo_plane, ties, first_bit % 8, staged.master[:n], sync_free=True)
+            else:
+                device.copy_to_device(staged.master[:n], host_params.flat(name)[lo:hi])
+            for array, host in self._host_state_of(name).items():
+                device.copy_to_device(staged.state[array][: host.numel()], host)
+            return device.record_event("h2d")
+
+    def _host_state_of(self, name: str) -> dict[str, torch.Tensor]:
+        lo, hi = self.shards[name]
+        return self.host_state.range(self.host_state.views(name), lo, hi)
+
+    # -- the update, main thread (compute stream) --------------------------------------------------------
+    def contribute(
+        self,
+        unit: Unit,
+        slot: ParamSlot,
+        grads: Mapping[str, torch.Tensor | None],
+        contribution: Contribution,
+        ctx: StepContext,
+    ) -> None:
+        if not self._on_device(ctx, unit.name):
+            super().contribute(unit, slot, grads, contribution, ctx)
+            return
+        assert contribution.kind is ContributionKind.ONLY
+        self._stage(unit.name)  # queued at the previous streamed unit's gradient (or the step's start)
+        self._stage_after(unit.name, ctx)  # the next one arrives while the backward computes it
+        self._wait_grads_free(unit, slot)
+        write_gradients(unit, slot.grads, grads, add=False)
+        start = self.timer.start()
+        final = slot.grads[: unit.layout.numel]
+        self.collectives.reduce_scatter_(final, f"the reduce-scatter of {unit.name}'s gradient")
+        lo, hi = self.shards[unit.name]
+        if self.norms is not None:
+            self.norms.add(unit, final[lo:hi], first=True)
+        staged, uploaded = self._staged.pop(unit.name)
+        device = self.device
+        device.wait_event("compute", self.workers.wait(uploaded, f"the upload of {unit.name}'s master and state"))
+        self._step_on_device(unit, staged, final, ctx)
+        updated = device.record_event("compute")
+        staged.free_after = self._write_back(unit.name, staged, updated)
+        slot.grads_free = None  # read by the compute stream only: stream order frees it
+        self.timer.stop(unit.name, "update", start)
+        landed = self.workers["d2h"].submit(_resolve_when_done, staged.free_after, ctx.updated[unit.name])
+        self._write_backs.append(landed)
+
+    def _step_on_device(self, unit: Unit, staged: StagingSet, grad: torch.Tensor, ctx: StepContext) -> None:
+        """The update of the staged shard, one optimizer call per decay range, on positions of the host
+        slab (Note [Streamed updates are the host's arithmetic])."""
+        lo, hi = self.shards[unit.name]
+        master_view = staged.master[: hi - lo]
+        master = Fp32Master(master_view, self.host_params.offset(unit) + lo - master_view.storage_offset())
+        decay_numel, numel = unit.layout.decay_numel, unit.layout.numel
+        for start, end, decay in self.shards.cut(unit.name, ((0, decay_numel, True), (decay_numel, numel, False))):
+            state = slice_state(self.arrays, staged.state, start - lo, end - lo)
+            self.device_optimizer.step(
+                master[start - lo : end - lo], grad[start:end], state, lr=ctx.lr, step=ctx.step, decay=decay
+            )
+
+    def _write_back(self, name: str, staged: StagingSet, updated: Event) -> Event:
+        """Main thread: a split master encoded on the compute stream, then master and state copied back to
+        the host slabs on the d2h stream; returns the copies' end."""
+        device, host_params = self.device, self.host_params
+        lo, hi = self.shards[name]
+        n, base = hi - lo, host_params.offset(name)
+        if host_params.split:
+            first_byte, end_byte = (base + lo) // 8, -(-(base + hi) // 8)
+            ties = staged.planes["ties"][: end_byte - first_byte]
+            encode(staged.master[:n], staged.planes["hi"][:n], staged.planes["lo"][:n], ties, (base + lo) % 8)
+            updated = device.record_event("compute")
+            planes = host_params.planes
+            copies = [
+                (planes["hi"][base + lo : base + hi], staged.planes["hi"][:n]),
+                (planes["lo"][base + lo : base + hi], staged.planes["lo"][:n]),
+                (planes["ties"][first_byte:end_byte], ties),
+            ]
+        else:
+            copies = [(host_params.flat(name)[lo:hi], staged.master[:n])]
+        copies += [(host, staged.state[array][: host.numel()]) for array, host in self._host_state_of(name).items()]
+        with device.stream("d2h"):
+            device.wait_event("d2h", updated)
+            for target, source in copies:
+                target.copy_(source, non_blocking=True)
+            return device.record_event("d2h")
+
+    def flush(self) -> None:
+        for future in self._write_backs:
+            self.workers.wait(future, "the write-back of a streamed unit's master and state")
+        self._write_backs = []
+        super().flush()
+
+
+def _resolve_when_done(landed: Event, updated: Future[None]) -> None:
+    """d2h thread: once the write-back has landed in host RAM, the unit's next load may read it."""
+    landed.synchronize()
+    updated.set_result(None)

@@ -1,0 +1,94 @@
+"""The device buffers a GPU-streamed update works in (streamed_pipeline.py): a few staging sets, each big
+enough for the largest streamed unit's shard, holding its fp32 master (and, for a split master, the
+planes it came in) and its optimizer state as stored.
+
+Why sets and not one buffer per unit: a streamed unit's master and moments live in host RAM and visit the
+device only for the unit's update. Two sets are enough to overlap the upload of the next unit in
+backward order with the update and write-back of the current one; each set is reused once the
+write-back that last read it is done (an event on the d2h stream, so no thread waits for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from slide_core.device import Device, Event
+from slide_core.optim.state_formats import StateArray
+from slide_core.split_master import tie_bytes
+
+__all__ = ["StagingSet", "UpdateStaging"]
+
+STAGING_SETS = 2
+"""One set being updated and written back while the next unit's master and moments arrive."""
+
+
+@dataclass
+class StagingSet:
+    """One unit shard's worth of device buffers."""
+
+    master: torch.Tensor
+    """fp32 values of the shard (decoded from the split planes when the host master is split)."""
+    planes: dict[str, torch.Tensor]
+    """A split master's ``hi``, ``lo`` and ``ties`` as they crossed PCIe (empty for an fp32 master)."""
+    state: dict[str, torch.Tensor]
+    """Each optimizer state array as stored (fp32 moments, bf16 words, int8 codes and scales)."""
+    free_after: Event | None = field(default=None)
+    """The end of the write-back that last read this set: the next upload into it waits for it."""
+
+
+class UpdateStaging:
+    """The staging sets of one engine run, handed out round-robin in upload order."""
+
+    def __init__(
+        self,
+        device: Device,
+        max_numel: int,
+        state_arrays: Sequence[StateArray],
+        *,
+        split: bool,
+        sets: int = STAGING_SETS,
+    ) -> None:
+        self.sets = [_new_set(device, max_numel, state_arrays, split=split) for _ in range(sets if max_numel else 0)]
+        self._next = 0
+
+    @staticmethod
+    def bytes_for(max_numel: int, state_arrays: Sequence[StateArray], *, split: bool, sets: int = STAGING_SETS) -> int:
+        """Device bytes of the sets for shards of up to ``max_numel`` elements: the fp32 master, a split
+        master's planes (2 + 2 bytes and a tie bit per element, plus an edge byte), each state array as
+        stored. What the planner prices."""
+        if max_numel <= 0:
+            return 0
+        per_set = 4 * max_numel + sum(a.numel(max_numel) * a.dtype.itemsize for a in state_arrays)
+        if split:
+            per_set += 4 * max_numel + _tie_capacity(max_numel)
+        return sets * per_set
+
+    def take(self) -> StagingSet:
+        """The next set in turn (its ``free_after`` says when it may be written)."""
+        staged = self.sets[self._next]
+        self._next = (self._next + 1) % len(self.sets)
+        return staged
+
+    def reset(self) -> None:
+        """Start the next step's uploads from the first set (every set is free between steps)."""
+        self._next = 0
+
+
+def _tie_capacity(numel: int) -> int:
+    """Tie bytes covering ``numel`` bits that may start anywhere in their first byte."""
+    return tie_bytes(numel) + 1
+
+
+def _new_set(device: Device, numel: int, arrays: Sequence[StateArray], *, split: bool) -> StagingSet:
+    planes: dict[str, torch.Tensor] = {}
+    if split:
+        planes = {
+            "hi": device.empty(numel, torch.bfloat16),
+            "lo": device.empty(numel, torch.int16),
+            "ties": device.empty(_tie_capacity(numel), torch.uint8),
+        }
+    state = {a.name: device.empty(a.numel(numel), a.dtype) for a in arrays}
+    return StagingSet(device.empty(numel, torch.float32), planes, state)

@@ -1,0 +1,144 @@
+"""GPU-streamed updates (slide_core/engine/streamed_pipeline.py) on the CPU device: the same math as plain
+torch AdamW, and the same bits as the host placement with the same optimizer ops."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from test_engine import _assert_close, _reference_run
+
+from slide_core import AdamWConfig, HostParameters, LRSchedule
+from slide_core.devices.cpu import CPUDevice
+from slide_core.engine import Engine, EngineConfig
+from slide_core.engine.streamed_pipeline import StreamedPipeline
+from slide_core.engine.update_staging import UpdateStaging
+from slide_core.optim import TorchAdamW
+from slide_core.optim.compact_adamw import CompactAdamW
+from slide_core.optim.state_formats import state_arrays
+from slide_core.testing import ToyConfig, ToyModel, load_init, toy_batches, toy_init
+
+BLOCKS = ("layers.0", "layers.1", "layers.2")
+
+
+def _run(model, init, batches, optimizer, config: EngineConfig, *, master_format: str = "fp32"):
+    """Losses, the host master's planes and every unit's host optimizer state after ``batches``."""
+    on_device: set[str] = set()
+    device_step = StreamedPipeline._step_on_device
+
+    def recording_step(pipeline, unit, *args, **kwargs):
+        on_device.add(unit.name)
+        return device_step(pipeline, unit, *args, **kwargs)
+
+    with CPUDevice() as device, mock.patch.object(StreamedPipeline, "_step_on_device", recording_step):
+        host = HostParameters(model, device.alloc_pinned, master_format=master_format)
+        load_init(host, init)
+        with Engine(model, device, host, optimizer, config) as engine:
+            losses = [engine.step(micro, lr=3e-3).loss for micro in batches]
+            engine.drain(with_state=True)
+            state = {u.name: {k: v.clone() for k, v in engine.host_state.views(u).items()} for u in model.units}
+            views = {u.name: {k: v.clone() for k, v in host.read_views(u).items()} for u in model.units}
+        planes = {name: plane.clone() for name, plane in host.planes.items()}
+    return losses, planes, state, views, on_device
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize(
+    "streamed", [BLOCKS, ("embed", "layers.1", "head"), ("embed", "layers.0", "layers.1", "layers.2", "head")]
+)
+def test_streamed_units_match_plain_adamw(tied: bool, accum: int, streamed: tuple[str, ...]) -> None:
+    """Every placement of streamed units (a tied embedding and accumulation update on the host: Note [When
+    a streamed unit is updated on the host]) against torch.optim.AdamW, fp32, <= 1e-5."""
+    if tied and "head" in streamed:
+        streamed = tuple(name for name in streamed if name != "head") or BLOCKS
+    cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=13)
+    batches = toy_batches(cfg, steps=3, accum=accum, seed=4)
+    adam = AdamWConfig(weight_decay=0.1)
+    schedule = LRSchedule(3e-3, "constant")
+    config = EngineConfig(
+        compute_dtype=torch.float32, transfer_chunk_numel=1024, block_slots=2, streamed_units=streamed
+    )
+    losses, _, _, views, _ = _run(model, init, batches, TorchAdamW(adam), config)
+    _assert_close((losses, views), _reference_run(model, init, batches, adam, schedule))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
+
+
+@pytest.mark.parametrize(
+    ("state_format", "master_format"),
+    [("fp32", "fp32"), ("bf16", "fp32"), ("int8", "fp32"), ("fp32", "split"), ("bf16", "split"), ("int8", "split")],
+)
+def test_streamed_and_host_placements_give_the_same_bits(state_format: str, master_format: str) -> None:
+    """Note [Streamed updates are the host's arithmetic]: with the same optimizer ops on both sides (the
+    torch path), masters and moments after several steps are bit for bit those of the host placement,
+    compact moments included (rounded on the host slab's positions) and a split master included (decoded
+    and encoded on the device); one resident unit beside them, and one unit left on the host."""
+    cfg = ToyConfig(tie_embeddings=False, num_layers=4, hidden_size=64, intermediate_size=128)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=5)
+    batches = toy_batches(cfg, steps=4, accum=1, seed=9)
+    adam = AdamWConfig(weight_decay=0.1, state_format=state_format)
+    dtype = torch.bfloat16 if master_format == "split" else torch.float32
+
+    def optimizer():
+        return TorchAdamW(adam) if state_format == "fp32" else CompactAdamW(adam, fused=False)
+
+    base = dict(compute_dtype=dtype, transfer_chunk_numel=4096, resident_units=("layers.3",))
+    host = _run(model, init, batches, optimizer(), EngineConfig(**base), master_format=master_format)
+    streamed_names = ("embed", "layers.0", "layers.2", "head")
+    streamed = _run(
+        model, init, batches, optimizer(), EngineConfig(**base, streamed_units=streamed_names),
+        master_format=master_format,
+    )  # fmt: skip
+    assert streamed[4] >= set(streamed_names)  # the device path ran
+    assert streamed[0] == host[0]
+    for name, plane in host[1].items():
+        assert torch.equal(_bits(streamed[1][name]), _bits(plane)), name
+    for unit, arrays in host[2].items():
+        for name, tensor in arrays.items():
+            assert torch.equal(_bits(streamed[2][unit][name]), _bits(tensor)), (unit, name)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_clipping_sends_streamed_units_to_the_host(accum: int) -> None:
+    """With clipping every streamed unit takes the host's path, whose decisions can take an update back:
+    the same bits as a run without streamed units, and none of them updated on the device."""
+    cfg = ToyConfig(tie_embeddings=True, num_layers=3)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=21)
+    batches = toy_batches(cfg, steps=3, accum=accum, seed=8)
+    adam = AdamWConfig(weight_decay=0.1)
+    base = dict(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=0.05)
+    host = _run(model, init, batches, TorchAdamW(adam), EngineConfig(**base))
+    streamed = _run(model, init, batches, TorchAdamW(adam), EngineConfig(**base, streamed_units=BLOCKS))
+    assert not streamed[4] & set(BLOCKS)
+    assert streamed[0] == host[0]
+    assert torch.equal(streamed[1]["master"], host[1]["master"])
+
+
+def test_staging_is_two_sets_of_the_largest_shard() -> None:
+    """What the planner prices is what the staging allocates."""
+    arrays = state_arrays("int8")
+    with CPUDevice() as device:
+        for split in (False, True):
+            staging = UpdateStaging(device, 10_000, arrays, split=split)
+            held = sum(
+                t.numel() * t.element_size()
+                for staged in staging.sets
+                for t in (staged.master, *staged.planes.values(), *staged.state.values())
+            )
+            assert held == UpdateStaging.bytes_for(10_000, arrays, split=split)
+            assert len(staging.sets) == 2
+
+
+def test_streamed_units_must_not_be_resident_or_offloaded() -> None:
+    with pytest.raises(ValueError, match="streamed_units and resident_units must not share units, both name embed"):
+        EngineConfig(streamed_units=("embed",), resident_units=("embed",))
+    with pytest.raises(ValueError, match="offloaded_units"):
+        EngineConfig(streamed_units=("layers.0",), offloaded_units=("layers.0",))
