@@ -234,7 +234,7 @@ class StreamedPipeline(HostPipeline):
         slab (Note [Streamed updates are the host's arithmetic])."""
         lo, hi = self.shards[unit.name]
         master_view = staged.master[: hi - lo]
-        master = Fp32Master(master_view, self.host_params.offset(unit) + lo - master_view.storage_offset())
+        master = Fp32Master(master_view, self.host_params.offset(unit) + lo - int(master_view.storage_offset()))
         decay_numel, numel = unit.layout.decay_numel, unit.layout.numel
         for start, end, decay in self.shards.cut(unit.name, ((0, decay_numel, True), (decay_numel, numel, False))):
             state = slice_state(self.arrays, staged.state, start - lo, end - lo)
