@@ -54,6 +54,8 @@ class Case:
     """Device-resident units (resident_pipeline.py)."""
     offloaded: tuple[str, ...] = ()
     """Units whose Adam state lives on a tier (the ram-backed stand-in of NVMe)."""
+    streamed: tuple[str, ...] = ()
+    """Units updated on the device as they stream (streamed_pipeline.py)."""
     to_root: bool = False
     """The engine closes with ``master_to_root``: only rank 0's master is gathered whole."""
     state_format: str = "fp32"
@@ -76,6 +78,7 @@ class Case:
             timeout_s=60.0,
             resident_units=self.resident,
             offloaded_units=self.offloaded,
+            streamed_units=self.streamed,
         )
 
 
@@ -96,6 +99,9 @@ CASES = {
     "bf16-state": Case(state_format="bf16"),
     "bf16-state-nvme-accum-clips": Case(state_format="bf16", accum=2, max_grad_norm=0.05, offloaded=("layers.1",)),
     "bf16-state-resident-clips": Case(state_format="bf16", max_grad_norm=0.05, resident=("embed",), master_rtol=1e-3),
+    "streamed": Case(streamed=("layers.0", "layers.2", "head"), resident=("embed",)),  # shards updated on the device
+    "bf16-state-streamed-nvme": Case(state_format="bf16", streamed=("layers.0", "head"), offloaded=("layers.2",)),
+    "streamed-accum": Case(accum=2, streamed=("layers.1", "head")),  # several contributions: the host's path
 }
 CHECKPOINT_CASES = {"clips-4": Case(max_grad_norm=0.05, steps=4)}
 RESHARD_CASE = Case(accum=2, max_grad_norm=0.05, steps=4, resident=("embed",), offloaded=("layers.1",))

@@ -35,6 +35,7 @@ def _engine_losses(
     *,
     pinned_slab: bool = True,
     max_grad_norm: float = 0.0,
+    streamed: tuple[str, ...] = (),
 ) -> list[float]:
     """``pinned_slab=False``: the slab `slide train` uses, which the engine pins in part and whose resident
     ranges it gives back (Note [Resident host copies])."""
@@ -52,6 +53,7 @@ def _engine_losses(
             transfer_chunk_numel=4096,
             resident_units=resident,
             max_grad_norm=max_grad_norm,
+            streamed_units=streamed,
         )
         with Engine(model, device, host, TorchAdamW(AdamWConfig(weight_decay=0.01)), config) as engine:
             return [engine.step(micro, lr).loss for micro in batches]
@@ -117,6 +119,23 @@ def test_bf16_on_gpu_tracks_plain_bf16(resident: tuple[str, ...], pinned_slab: b
     got = _engine_losses(cfg, init, batches, torch.bfloat16, 1e-3, resident, pinned_slab=pinned_slab)
     want = _plain_losses(cfg, init, batches, torch.bfloat16, 1e-3, "cuda")
     assert got[0] == pytest.approx(want[0], rel=1e-2)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a == pytest.approx(b, rel=3e-2), f"step {step + 1}: engine {a:.4f} vs plain {b:.4f}"
+    assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize("pinned_slab", [True, False])
+def test_streamed_updates_on_gpu_track_plain_bf16(pinned_slab: bool) -> None:
+    """GPU-streamed units (streamed_pipeline.py) beside a resident one and host-updated ones, on the slab
+    `slide train` uses (pinned in part by the engine) and on a pinned one: bf16 tracks plain bf16."""
+    cfg = ToyConfig(vocab_size=512, hidden_size=256, num_heads=8, intermediate_size=688, num_layers=6)
+    init = _init(cfg)
+    batches = _batches(cfg, 12)
+    streamed = ("layers.1", "layers.2", "layers.4", "head")
+    got = _engine_losses(
+        cfg, init, batches, torch.bfloat16, 1e-3, ("layers.0",), pinned_slab=pinned_slab, streamed=streamed
+    )
+    want = _plain_losses(cfg, init, batches, torch.bfloat16, 1e-3, "cuda")
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a == pytest.approx(b, rel=3e-2), f"step {step + 1}: engine {a:.4f} vs plain {b:.4f}"
     assert got[-1] < got[0]

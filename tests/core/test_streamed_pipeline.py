@@ -142,3 +142,39 @@ def test_streamed_units_must_not_be_resident_or_offloaded() -> None:
         EngineConfig(streamed_units=("embed",), resident_units=("embed",))
     with pytest.raises(ValueError, match="offloaded_units"):
         EngineConfig(streamed_units=("layers.0",), offloaded_units=("layers.0",))
+
+
+def test_pins_of_the_streamed_state_are_given_back_before_the_state_is_dropped() -> None:
+    """The state slabs' streamed span is pinned once per allocation and unpinned before ``host_state.drop``
+    (an export must not hold the Adam state registered, hence allocated, beside the masters)."""
+
+    class RecordingDevice(CPUDevice):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pinned: list[torch.Tensor] = []
+            self.unpinned: list[torch.Tensor] = []
+
+        def pin_host_range(self, tensor: torch.Tensor) -> None:
+            self.pinned.append(tensor)
+
+        def unpin_host_range(self, tensor: torch.Tensor) -> None:
+            self.unpinned.append(tensor)
+
+    cfg = ToyConfig(num_layers=3)
+    model = ToyModel(cfg)
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, streamed_units=("layers.0", "head"))
+    with RecordingDevice() as device:
+        host = HostParameters(model, device.alloc_pinned)
+        load_init(host, toy_init(model))
+        engine = Engine(model, device, host, TorchAdamW(AdamWConfig()), config)
+        with engine:
+            engine.step(toy_batches(cfg, steps=1, accum=1)[0], lr=1e-3)
+            slabs = engine.host_state.state_slabs
+            start, end = host.offset("layers.0"), host.extent("head")[1]
+            state_pins = [
+                t for t in device.pinned if any(t.data_ptr() == s.data_ptr() + 4 * start for s in slabs.values())
+            ]
+            assert len(state_pins) == len(slabs) == 2  # one span per slab: exp_avg, exp_avg_sq
+            assert all(t.numel() == end - start for t in state_pins)
+            engine.close(keep_host_state=False)
+        assert [id(t) for t in device.unpinned] == [id(t) for t in state_pins]

@@ -172,6 +172,11 @@ class Device(Lifecycle, ABC):
         """Page-lock the memory under an existing host tensor (e.g. part of a larger slab) until ``close``,
         so copies from it run at full speed. Host devices need nothing. Already-pinned memory is left alone."""
 
+    def unpin_host_range(self, tensor: torch.Tensor) -> None:
+        """Undo :meth:`pin_host_range` for exactly that tensor before ``close`` (the device keeps a
+        reference to what it pinned, so memory its owner frees stays allocated until then). Host devices
+        need nothing; a tensor this device did not pin is left alone."""
+
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat device tensor, counted against the memory cap."""
         return torch.empty(numel, dtype=dtype, device=self.torch_device)

@@ -146,6 +146,13 @@ class CUDADevice(Device):
             raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed with status {int(status)}")
         self._registered.append(tensor)
 
+    def unpin_host_range(self, tensor: torch.Tensor) -> None:
+        for index, registered in enumerate(self._registered):
+            if registered is tensor:
+                torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+                del self._registered[index]
+                return
+
     def memory_allocated_bytes(self) -> int:
         return int(torch.cuda.memory_allocated(self.index))
 

@@ -191,6 +191,7 @@ class Engine(Evaluation):
         try:
             if drain and not keep_host_state:
                 self._wait_for_updates()
+                self.pipelines.unpin_host_state()
                 self.host_state.drop()
             if drain:
                 self.drain(master_to_root=master_to_root)

@@ -103,6 +103,7 @@ class StreamedPipeline(HostPipeline):
         self._write_backs: list[Future[None]] = []
         self._previous: Mapping[str, Future[None]] = {}  # the previous step's 'updated' futures
         self._current: Mapping[str, Future[None]] = {}
+        self._pinned: list[torch.Tensor] = []
 
     @staticmethod
     def device_bytes(max_shard_numel: int, state_arrays: Sequence[StateArray], *, split: bool) -> int:
@@ -115,7 +116,7 @@ class StreamedPipeline(HostPipeline):
         first streamed unit to the last per allocation (Note [One registration per allocation])."""
         if not self.backward_order:
             return
-        host_params, device = self.host_params, self.device
+        host_params = self.host_params
         first, last = self.backward_order[-1], self.backward_order[0]
         start, end = host_params.offset(first), host_params.extent(last)[1]
         h2d_plane = host_params.store.h2d_plane
@@ -123,9 +124,18 @@ class StreamedPipeline(HostPipeline):
             if plane.data_ptr() == h2d_plane.data_ptr():
                 continue
             span = plane[start // 8 : -(-end // 8)] if plane.dtype == torch.uint8 else plane[start:end]
-            device.pin_host_range(span)
+            self._pinned.append(span)
         for array in self.arrays:
-            device.pin_host_range(self.host_state.state_slabs[array.name][array.range(start, end)])
+            self._pinned.append(self.host_state.state_slabs[array.name][array.range(start, end)])
+        for span in self._pinned:
+            self.device.pin_host_range(span)
+
+    def unpin_host_ranges(self) -> None:
+        """Give back what :meth:`pin_host_ranges` pinned, so that dropping the host state (before an
+        export) frees its memory rather than leaving it registered until the device closes."""
+        for span in self._pinned:
+            self.device.unpin_host_range(span)
+        self._pinned = []
 
     # -- which steps update on the device ----------------------------------------------------------------
     @staticmethod

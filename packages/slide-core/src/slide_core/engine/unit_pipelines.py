@@ -215,6 +215,10 @@ class UnitPipelines:
         for pipeline in self.distinct:
             pipeline.flush()
 
+    def unpin_host_state(self) -> None:
+        """Before the host optimizer state is dropped: give back the pins on it (streamed units)."""
+        self.streamed.unpin_host_ranges()
+
 
 def _pin_shards(device: Device, host_params: HostParameters, units: list[Unit], shards: UnitShards) -> None:
     """Page-lock the master shards of a run of host-updated units, one registration per contiguous stretch
