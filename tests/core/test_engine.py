@@ -292,10 +292,11 @@ def test_checkpoint_arrays_read_state_where_it_lives(tmp_path) -> None:
     assert loaded["exp_avg"].abs().sum() > 0  # real moments, not the zeros of never-written host pages
 
 
-def test_restore_checkpoint_streams_to_where_units_live(tmp_path) -> None:
+@pytest.mark.parametrize("streamed", [(), ("layers.2", "head")])
+def test_restore_checkpoint_streams_to_where_units_live(tmp_path, streamed: tuple[str, ...]) -> None:
     """``Engine.restore_checkpoint`` writes each unit's master and Adam state where the unit lives (the
-    device, the state tier, the host slabs) without bringing resident masters back to the host, and the
-    resumed run continues bit for bit."""
+    device, the state tier, the host slabs, from which streamed units are updated on the device) without
+    bringing resident masters back to the host, and the resumed run continues bit for bit."""
     from slide_core.checkpoint import save_checkpoint
     from slide_core.tiers.host_ram import HostRamTier
 
@@ -307,6 +308,7 @@ def test_restore_checkpoint_streams_to_where_units_live(tmp_path) -> None:
         transfer_chunk_numel=1024,
         resident_units=("embed", "layers.1"),
         offloaded_units=("layers.0", "layers.3"),
+        streamed_units=streamed,
     )
     elsewhere = ("embed", "layers.1", "layers.0", "layers.3")
 
