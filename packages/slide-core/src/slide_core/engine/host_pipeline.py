@@ -287,23 +287,22 @@ class HostPipeline:
         return self.store.read(unit, name)[self._entries_of(name, lo, hi)]
 
     def restore_target(self, unit: Unit, name: str) -> torch.Tensor:
-        """This rank's shard of where the array goes: a host range, or the store's target of the whole unit
-        (a tier's staging), which :meth:`restored` then hands back to the store whole."""
+        """This rank's shard of where the array goes: the master's fp32 values (the slab's own range, or a
+        split master's decoded copy, which :meth:`restored` stores), or the store's target of the whole
+        unit (a tier's staging), which :meth:`restored` then hands back to the store whole."""
         lo, hi = self.shards[unit.name]
-        if name == "master" and self.host_params.split:
-            return torch.empty(hi - lo, dtype=torch.float32)  # encoded by ``restored``
-        whole = self.host_params.read(unit) if name == "master" else self.store.restore_target(unit, name)
+        if name == "master":
+            return self.host_params.read(unit, lo, hi)
+        whole = self.store.restore_target(unit, name)
         self._restoring[(unit.name, name)] = whole
         return whole[self._entries_of(name, lo, hi)]
 
     def restored(self, unit: Unit, name: str, values: torch.Tensor) -> None:
         """The shard is written; the next load all-gathers the restored shards."""
-        if name == "master" and self.host_params.split:
+        if name == "master":  # stored in the master's format (written in place already in fp32)
             self.host_params.write(unit, values, self.shards[unit.name][0])
             return
-        whole = self._restoring.pop((unit.name, name))
-        if name != "master":  # the fp32 master was written in place
-            self.store.restored(unit, name, whole)
+        self.store.restored(unit, name, self._restoring.pop((unit.name, name)))
 
     def sync_to_host(self, host_state: HostState | None, *, to_root: bool = False) -> None:
         """Make the host master whole again where other ranks updated part of it (a host all-gather per
@@ -312,27 +311,17 @@ class HostPipeline:
         whole (the others keep their shards, Note [Sharded master]), for a run that exports from rank 0."""
         host_params, collectives = self.host_params, self.collectives
         root = not to_root or collectives.rank == 0
-        for name, (lo, hi) in self.shards.partial().items():
+        for name in self.shards.partial():
+            # The fp32 values: the slab's own range, or a split master decoded (its ranks' tie bits, whose
+            # shards need not start on a byte, are then re-encoded rather than merged).
+            values = host_params.read(name)
             what = f"the gather of {name}'s master"
-            if not host_params.split:
-                if to_root:
-                    collectives.gather_to_root_(host_params.flat(name), what, host=True)
-                else:
-                    collectives.all_gather_host_(host_params.flat(name), what)
-                continue
-            # A split master is gathered decoded (one unit's fp32 at a time), so the ranks' tie bits, whose
-            # shards need not start on a byte, are re-encoded rather than merged.
-            values = host_params.read(name) if root else host_params.read(name, lo, hi)
-            if not root:
-                whole = torch.empty(self.shards.numel(name), dtype=torch.float32)  # only [lo, hi) is sent
-                whole[lo:hi].copy_(values)
-                collectives.gather_to_root_(whole, what, host=True)
-                continue
             if to_root:
                 collectives.gather_to_root_(values, what, host=True)
             else:
                 collectives.all_gather_host_(values, what)
-            host_params.write(name, values)
+            if root:
+                host_params.write(name, values)
         self.store.sync_to_host(host_state)
 
     def flush(self) -> None:
