@@ -25,8 +25,8 @@ from typing import Any, Literal
 from slide_hf.options.rules import Rule
 
 __all__ = [
-    "COMMANDS",
     "AS_DECLARED",
+    "COMMANDS",
     "EVERY",
     "RUNS",
     "TRAIN",
