@@ -1,6 +1,6 @@
 """How an option is declared: once, as a field of a config dataclass, with a :class:`Spec` in its metadata.
 
-A field ``optimizer_state: StateFormat = option(StateFormat.FP32, help=..., commands=EVERY)`` is the whole
+A field ``optimizer_state: StateFormat = option(StateFormat.FP32, help=..., commands=RUNS)`` is the whole
 declaration of ``--optimizer-state``: its name (the same attribute in TOML, in ``slide_hf.train(...)`` and
 on :class:`~slide_hf.options.TrainConfig`), its type and choices, its default (per command where the
 commands differ), its help, which of `slide train`, `slide plan`, `slide bench` and `slide data` take it,
