@@ -17,7 +17,7 @@ import math
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slide_hf.defaults import DEFAULT_SEQ_LEN, DEMO_SEQ_LEN
 from slide_hf.errors import UserError
@@ -40,6 +40,9 @@ from slide_hf.options.schema import (
     option,
 )
 from slide_hf.spelling import option as spelled
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "OPTIMIZER_ALIASES",
@@ -77,7 +80,7 @@ def _size_bytes(size: str | None) -> int | None:
     return None if size is None else parse_size(size)
 
 
-def _torch_dtype(dtype: DType) -> Any:
+def _torch_dtype(dtype: DType) -> torch.dtype:
     """``--dtype`` as the engine computes in: the torch dtype of the same name (torch is imported only
     when a run is set up, never for a command's --help)."""
     import torch
