@@ -51,15 +51,15 @@ def main() -> None:
     from slide_core import AdamWConfig, HostParameters
     from slide_core.engine import choose_master_format
     from slide_hf import build_model, init_random, resolve_model
+    from slide_hf.options import TrainConfig
     from slide_hf.setup import make_device, make_optimizer, open_engine, place_units
     from slide_hf.truncate import truncate_layers
 
     config, _ = resolve_model(args.model)
     if args.layers:
         config = truncate_layers(config, args.layers)
-    cfg = BenchConfig(
-        model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, gpu_memory_gib=args.gpu_memory
-    )
+    run = {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "gpu_memory": args.gpu_memory}
+    cfg = BenchConfig(TrainConfig.for_command("bench", **run))
     options = cfg.run_options()
     model = build_model(config)
     device = make_device(options.device, options.gpu_memory_bytes)
@@ -100,7 +100,7 @@ def main() -> None:
         alloc = {"alloc": device.alloc_pinned} if args.pinned_slab else {}
         host = HostParameters(model, master_format=master_format, **alloc)
         init_random(model, host, config, seed=0)
-        batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, args.steps)
+        batches = _batches(config.vocab_size, options.batch_size, options.seq_len, args.steps)
         with open_engine(model, device, host, optimizer, options, placement, scratch=_scratch(cfg)) as engine:
             for unit in model.units:
                 if unit.name not in placement.resident:

@@ -1,14 +1,17 @@
-"""slide_hf/options: each option declared once reaches every parser, the TOML file and the Python API it claims,
-and each cross-option rule fires with the same line whichever way the options came in."""
+"""slide_hf/options: each option declared once reaches every parser, the TOML file, the Python API and the engine's
+options it claims, and each cross-option rule fires with the same line whichever way the options came in."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from slide_core import plugins
 from slide_hf.api import train_config
@@ -23,10 +26,13 @@ from slide_hf.options import (
     DType,
     Launch,
     TrainConfig,
+    command_options,
+    engine_options,
     toml_options,
     train_options,
 )
 from slide_hf.options.schema import declared
+from slide_hf.setup import RunOptions
 from slide_hf.spelling import keyword_spelling
 
 EVERY_OPTION = (*declared(TrainConfig), *declared(Launch))
@@ -182,3 +188,123 @@ def test_every_rule_reads_declared_options():
     names = {item.name for item in train_options()}
     for rule in CROSS_RULES:
         assert set(rule.options) <= names, rule
+
+
+# ---- the engine's options and `slide bench`'s: generated from the declarations -------------------------------
+
+DERIVED_RUN_FIELDS = {"report_grad_norm"}
+"""RunOptions fields that are no option: the run derives them (or `slide bench --no-grad-norm` chooses)."""
+BENCH_READS = {"model", "steps"}
+"""Options `slide bench` takes that the engine does not read: the benchmark reads them itself."""
+
+ENGINE_SAMPLES: dict[str, Any] = {
+    "device": "cpu",
+    "gpu_memory": "3GiB",
+    "optimizer": "torch",
+    "optimizer_state": "bf16",
+    "master": "auto",
+    "offload_optimizer": "nvme",
+    "nvme_dir": "scratch",
+    "nvme_fraction": 0.5,
+    "offload_activations": "nvme",
+    "block_slots": 3,
+    "dtype": "float32",
+    "batch_size": 3,
+    "seq_len": 64,
+    "grad_accum": 2,
+    "max_grad_norm": 0.5,
+}
+"""A value other than the default for every option the engine reads (valid together)."""
+ENGINE_EXPECTED: dict[str, Any] = {
+    "gpu_memory_bytes": 3 << 30,
+    "optimizer": "torch-adamw",
+    "nvme_dir": Path("scratch"),
+    "compute_dtype": torch.float32,
+}
+"""The engine's value where it is not the sample itself: converted, or resolved to its canonical spelling."""
+
+
+def test_every_option_the_engine_reads_is_a_run_options_field_and_nothing_else_is():
+    run_fields = {field.name for field in dataclasses.fields(RunOptions)}
+    engine_names = [item.engine_name for item in engine_options()]
+    assert len(engine_names) == len(set(engine_names))  # no two options land on one field
+    assert run_fields == set(engine_names) | DERIVED_RUN_FIELDS
+    # An option named as a RunOptions field is one the engine reads: declared with engine=, not copied by hand.
+    assert not {item.name for item in train_options() if item.engine_name is None} & run_fields
+
+
+def test_run_options_carry_every_declared_engine_option_converted_as_declared():
+    assert set(ENGINE_SAMPLES) == {item.name for item in engine_options()}  # a new engine option needs a sample
+    options = RunOptions.from_config(train_config(**ENGINE_SAMPLES))
+    defaults = RunOptions.from_config(train_config(seq_len=32))
+    for item in engine_options():
+        assert item.engine_name is not None
+        expected = ENGINE_EXPECTED.get(item.engine_name, ENGINE_SAMPLES[item.name])
+        assert getattr(options, item.engine_name) == expected, item.name
+        assert getattr(defaults, item.engine_name) != expected, item.name  # the sample is not the default
+
+
+def test_run_options_report_the_grad_norm_only_where_it_costs_nothing_unless_told():
+    assert RunOptions.from_config(train_config(seq_len=64)).report_grad_norm
+    assert not RunOptions.from_config(train_config(seq_len=64, grad_accum=2)).report_grad_norm
+    assert RunOptions.from_config(train_config(seq_len=64, grad_accum=2, max_grad_norm=1.0)).report_grad_norm
+    assert not RunOptions.from_config(train_config(seq_len=64), report_grad_norm=False).report_grad_norm
+
+
+def test_run_options_refuse_a_seq_len_not_yet_resolved():
+    with pytest.raises(ValueError, match="seq_len resolved first"):
+        RunOptions.from_config(train_config())
+
+
+def test_bench_carries_every_option_it_takes_to_the_benchmark_and_its_engine(monkeypatch, tmp_path):
+    import slide_hf.bench
+    from slide_hf.cli import bench
+
+    taken = command_options("bench")
+    assert {item.name for item in taken if item.engine_name is None} == BENCH_READS
+    samples = {"model": "tiny-llama", "steps": 5, **ENGINE_SAMPLES, "nvme_dir": tmp_path}
+    argv = [arg for item in taken for arg in (item.flag, str(samples[item.name]))]
+    ran: list[Any] = []
+    monkeypatch.setattr(slide_hf.bench, "run_bench", lambda cfg: ran.append(cfg) or {})
+    assert bench.run(_parser("bench").parse_args(argv)) == 0
+    (cfg,) = ran
+    engine = cfg.run_options()
+    for item in taken:
+        expected = item.normalised(samples[item.name])
+        assert getattr(cfg.options, item.name) == (Path(expected) if item.name == "nvme_dir" else expected)
+        if item.engine_name is not None:
+            assert getattr(engine, item.engine_name) == item.engine_value(getattr(cfg.options, item.name))
+
+
+# ---- `slide data`: its shared options are the schema's -----------------------------------------------------
+
+DATA_OWN_FLAGS = {"-h", "--help", "--show", "--json"}
+"""What `slide data` alone takes: how much to show, and in which format."""
+
+
+def test_slide_data_takes_the_declared_data_options_and_only_its_own_besides():
+    parser = _parser("data")
+    declared_flags = {item.flag for item in command_options("data")}
+    assert declared_flags >= {"--model", "--data", "--seq-len", "--no-packing", "--chat-template"}
+    assert set(parser._option_string_actions) == declared_flags | DATA_OWN_FLAGS
+    for item in command_options("data"):
+        assert parser._option_string_actions[item.flag].help == item.help_for("data")
+
+
+def test_slide_data_help_lists_the_declared_options(capsys):
+    assert cli.main(["data", "--help"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())  # help text wraps lines
+    for item in command_options("data"):
+        assert item.flag in shown
+        assert " ".join(item.help_for("data").split()) in shown, item.name
+
+
+def test_slide_data_checks_its_options_by_the_schemas_rules(capsys):
+    assert _cli_error(capsys, ["data", "--seq-len", "1"]) == str(_refusal(seq_len=1))
+    assert _cli_error(capsys, ["data", "--data-weights", "1"]).startswith("--data-weights gives 1 weight(s)")
+
+
+def _refusal(**options: Any) -> UserError:
+    with pytest.raises(UserError) as refused:
+        train_config(**options)
+    return refused.value

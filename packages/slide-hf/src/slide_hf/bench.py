@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any, cast
 import psutil
 import torch
 
-from slide_hf.defaults import DEFAULT_SEQ_LEN, resolve_seq_len
+from slide_hf.defaults import resolve_seq_len
 from slide_hf.errors import UserError
+from slide_hf.options import TrainConfig
 from slide_hf.planner.timing import h2d_bytes_per_param, host_bytes_per_param_step
 from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimizer, open_engine, place_units
 
@@ -46,47 +47,23 @@ __all__ = ["BenchConfig", "describe_unit", "run_bench", "write_trace"]
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: str = "llama3.2-3b"
-    batch_size: int = 16
-    seq_len: int | None = None  # None: slide_hf.defaults.resolve_seq_len, resolved by run_bench
-    steps: int = 6
+    """A benchmark: the run it times, as `slide train` would run it, and how it is timed and reported.
+
+    ``options`` are the options `slide bench` shares with `slide train`, checked by the same rules
+    (``TrainConfig.for_command("bench", ...)``, slide_hf/options); the engine takes them through
+    :meth:`RunOptions.from_config`, as `slide train`'s recipe does, so no option is copied here by hand."""
+
+    options: TrainConfig
     warmup: int = 2
-    gpu_memory_gib: float | None = None
     resident_gib: float | None = None  # None: whatever the GPU budget leaves (as `slide train` does)
-    block_slots: int = 2
     compare_plain: bool = False
     trace_dir: Path | None = None
-    # The engine's options below are named and mean what slide_hf/options declares for `slide train`.
-    device: str = "auto"
-    optimizer: str = "auto"
-    optimizer_state: str = "fp32"
-    master: str = "fp32"
-    max_grad_norm: float = 0.0
-    offload_optimizer: str = "ram"  # a slide.tiers plugin for the Adam state of nvme_fraction of the units
-    nvme_dir: Path | None = None
-    nvme_fraction: float = 1.0
     report_grad_norm: bool = True
     layers: int | None = None  # the model's first `layers` decoder layers only (slide_hf/truncate.py)
 
     def run_options(self) -> RunOptions:
-        """The engine options a `slide train` run with the same flags would use (one micro-batch, bf16)."""
-        return RunOptions(
-            device=self.device,
-            gpu_memory_bytes=int(self.gpu_memory_gib * 2**30) if self.gpu_memory_gib else None,
-            optimizer=self.optimizer,
-            optimizer_state=self.optimizer_state,
-            master=self.master,
-            offload_optimizer=self.offload_optimizer,
-            nvme_dir=self.nvme_dir,
-            nvme_fraction=self.nvme_fraction,
-            block_slots=self.block_slots,
-            compute_dtype=torch.bfloat16,
-            batch_size=self.batch_size,
-            # None only before run_bench resolves it against the model (the CLI's --nvme-dir check).
-            seq_len=self.seq_len or DEFAULT_SEQ_LEN,
-            max_grad_norm=self.max_grad_norm,
-            report_grad_norm=self.report_grad_norm,
-        )
+        """The engine options a `slide train` run with the same flags would use (``seq_len`` resolved)."""
+        return RunOptions.from_config(self.options, report_grad_norm=self.report_grad_norm)
 
 
 class PeakRss:
@@ -147,7 +124,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from slide_hf import build_model, init_random
     from slide_hf.adapters import attention_summary
 
-    assert cfg.seq_len is not None  # resolved by run_bench
+    assert cfg.options.seq_len is not None and cfg.options.steps is not None  # resolved by run_bench; declared
     model = build_model(config)
     params = sum(u.layout.param_numel for u in model.units)
     options = cfg.run_options()
@@ -160,7 +137,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     # The delta rule delta-net layers run here, decided (a check on the GPU) and logged before the engine.
     owner = getattr(model, "linear_attention", None)
     linear = owner.path_for(device.torch_device, options.compute_dtype) if owner is not None else None
-    batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.steps)
+    batches = _batches(config.vocab_size, cfg.options.batch_size, cfg.options.seq_len, cfg.options.steps)
     times, losses, spans, norms = [], [], [], []
     per_unit: dict[str, list[dict[str, float]]] = {}
     with PeakRss() as rss, device:
@@ -202,7 +179,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     unit_facts = {unit.name: describe_unit(unit) for unit in model.units}
     steady = times[cfg.warmup :] or times
     step_s = statistics.median(steady)
-    tokens = cfg.batch_size * cfg.seq_len
+    tokens = cfg.options.batch_size * cfg.options.seq_len
     units = {}
     for name, records in per_unit.items():
         keys = sorted({k for r in records for k in r})
@@ -225,7 +202,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     binding = max(bounds, key=bounds.__getitem__)
     block_overlaps = [u["overlap"] for n, u in units.items() if n.startswith("block") and u["overlap"]]
     median_overlap = statistics.median(block_overlaps) if block_overlaps else None
-    flops = flops_per_token(config, params, cfg.seq_len)
+    flops = flops_per_token(config, params, cfg.options.seq_len)
     result = {
         "params": params,
         "resident_units": list(resident),
@@ -236,7 +213,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "host_bytes_per_param_step": {
             fmt: host_bytes_per_param_step(fmt, options.optimizer_state, 2) for fmt in ("fp32", "split")
         },
-        "max_grad_norm": cfg.max_grad_norm,
+        "max_grad_norm": cfg.options.max_grad_norm,
         "grad_norms": [None if r is None else round(r, 4) for r in norms],
         "setup_s": round(setup_s, 1),
         "step_s": round(step_s, 4),
@@ -253,7 +230,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "binding_limit": binding,
         "physical_bound_tokens_per_s": round(tokens / (max(bounds.values()) / 1e3), 1),
         "median_block_overlap": median_overlap,
-        "critical_batch_size": round(cfg.batch_size / median_overlap, 1) if median_overlap else None,
+        "critical_batch_size": round(cfg.options.batch_size / median_overlap, 1) if median_overlap else None,
         "losses": [round(x, 4) for x in losses],
         "attention": attention_summary(model, device.torch_device.type, torch.bfloat16),
         "linear_attention": linear.describe() if linear is not None else None,
@@ -288,9 +265,9 @@ def _scratch(cfg: BenchConfig) -> Any:
     """Tiers that keep files put them in --nvme-dir itself (each in its own folder, removed at close)."""
 
     def directory() -> Path:
-        if cfg.nvme_dir is None:
-            raise UserError(f"--offload-optimizer {cfg.offload_optimizer} needs --nvme-dir PATH")
-        return cfg.nvme_dir
+        if cfg.options.nvme_dir is None:
+            raise UserError(f"--offload-optimizer {cfg.options.offload_optimizer} needs --nvme-dir PATH")
+        return cfg.options.nvme_dir
 
     return directory
 
@@ -298,7 +275,7 @@ def _scratch(cfg: BenchConfig) -> Any:
 def run_plain(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    assert cfg.seq_len is not None  # resolved by run_bench
+    assert cfg.options.seq_len is not None and cfg.options.steps is not None  # resolved by run_bench; declared
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(
@@ -308,7 +285,7 @@ def run_plain(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     model.config.use_cache = False
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    batches = _batches(config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.steps)
+    batches = _batches(config.vocab_size, cfg.options.batch_size, cfg.options.seq_len, cfg.options.steps)
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for micro in batches:
@@ -325,11 +302,11 @@ def run_plain(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
     step_s = statistics.median(times[cfg.warmup :] or times)
-    tokens = cfg.batch_size * cfg.seq_len
+    tokens = cfg.options.batch_size * cfg.options.seq_len
     result = {
         "step_s": round(step_s, 4),
         "tokens_per_s": round(tokens / step_s, 1),
-        "tflops": round(flops_per_token(config, params, cfg.seq_len) * tokens / step_s / 1e12, 1),
+        "tflops": round(flops_per_token(config, params, cfg.options.seq_len) * tokens / step_s / 1e12, 1),
         "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "losses": [round(x, 4) for x in losses],
     }
@@ -408,20 +385,22 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 def _run_bench(cfg: BenchConfig) -> dict[str, Any]:
     from slide_hf import resolve_model
 
-    config, _ = resolve_model(cfg.model)
-    cfg = dataclasses.replace(cfg, seq_len=resolve_seq_len(cfg.seq_len, config))
+    config, _ = resolve_model(cfg.options.model)
+    seq_len = resolve_seq_len(cfg.options.seq_len, config)
+    cfg = dataclasses.replace(cfg, options=dataclasses.replace(cfg.options, seq_len=seq_len))
     total_layers = config.num_hidden_layers
     if cfg.layers is not None:
         from slide_hf.truncate import truncate_layers
 
         config = truncate_layers(config, cfg.layers)
+    gpu_memory = cfg.run_options().gpu_memory_bytes
     result: dict[str, Any] = {
-        "model": cfg.model,
+        "model": cfg.options.model,
         "layers": {"run": config.num_hidden_layers, "of": total_layers},
-        "batch_size": cfg.batch_size,
-        "seq_len": cfg.seq_len,
+        "batch_size": cfg.options.batch_size,
+        "seq_len": cfg.options.seq_len,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        "gpu_memory_gib": cfg.gpu_memory_gib,
+        "gpu_memory_gib": None if gpu_memory is None else gpu_memory / 2**30,
         "slide": run_engine(cfg, config),
     }
     if cfg.compare_plain:

@@ -85,7 +85,6 @@ from slide_hf.setup import (
     open_engine,
     place_units,
 )
-from slide_hf.sizes import parse_size
 from slide_hf.spelling import option, train_call
 from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
 
@@ -174,7 +173,7 @@ def _train(
         cfg = dataclasses.replace(cfg, lr=resolved)
     # The default row length depends on the model (its context length) and the data (the demo's own).
     cfg = dataclasses.replace(cfg, seq_len=resolve_seq_len(cfg.seq_len, model.config, bundled_text=cfg.data is None))
-    options = _run_options(cfg)
+    options = RunOptions.from_config(cfg)  # the options the engine reads (slide_hf/options/engine.py)
     # Resume: the checkpoint's run state (state.json only) before the data, whose schedule it continues.
     resumed = checkpoint_to_resume(cfg.resume) if cfg.resume is not None else None
     data = _setup_data_once(cfg, model, run_dir.path, group, resumed)
@@ -247,32 +246,6 @@ def _process_group(cfg: TrainConfig) -> RunGroup:
 
 
 # -- setup, in the order _train runs it ----------------------------------------------------------------------
-def _run_options(cfg: TrainConfig) -> RunOptions:
-    """The options `slide train` shares with `slide bench`, as slide_hf/setup.py takes them."""
-    assert cfg.seq_len is not None  # resolved before setup (slide_hf/defaults.py)
-    return RunOptions(
-        device=cfg.device,
-        gpu_memory_bytes=parse_size(str(cfg.gpu_memory), what="--gpu-memory") if cfg.gpu_memory else None,
-        optimizer=cfg.optimizer,
-        optimizer_state=cfg.optimizer_state,
-        master=cfg.master,
-        offload_optimizer=cfg.offload_optimizer,
-        nvme_dir=cfg.nvme_dir,
-        nvme_fraction=cfg.nvme_fraction,
-        offload_activations=cfg.offload_activations,
-        block_slots=cfg.block_slots,
-        compute_dtype=DTYPES[cfg.dtype],
-        batch_size=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        grad_accum=cfg.grad_accum,
-        max_grad_norm=cfg.max_grad_norm,
-        # With several micro-batches the final gradient exists only on the host, and its norm would make
-        # every step wait for the whole host update (see EngineConfig.report_grad_norm); clipping needs
-        # the norm anyway.
-        report_grad_norm=cfg.grad_accum == 1 or cfg.max_grad_norm > 0,
-    )
-
-
 def _setup_model(cfg: TrainConfig) -> _Model:
     """A model directory, a Hub id (cached first) or a preset: its config, tokenizer and units."""
     from slide_hf import build_model, resolve_model

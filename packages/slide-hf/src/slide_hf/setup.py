@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,6 @@ from slide_core.devices import auto_device_name
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import build_optimizer
 from slide_core.tier import Tier, TierRequest
-from slide_hf.defaults import DEFAULT_SEQ_LEN
 from slide_hf.device_defaults import apply_device_defaults
 from slide_hf.errors import UserError
 from slide_hf.offload import (
@@ -46,6 +46,7 @@ from slide_hf.offload import (
     planning_kind,
     state_tier_class,
 )
+from slide_hf.options import TrainConfig, engine_values
 from slide_hf.spelling import option
 
 __all__ = [
@@ -64,25 +65,45 @@ log = logging.getLogger("slide.setup")
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What `slide train` and `slide bench` decide the same way, named as their options are (slide_hf/options),
-    already checked there: the engine-facing part of a run's options."""
+    """What `slide train` and `slide bench` decide the same way: the engine-facing part of a run's options,
+    typed as this module reads them.
 
-    device: str = "auto"
-    gpu_memory_bytes: int | None = None
-    optimizer: str = "auto"
-    optimizer_state: str = "fp32"
-    master: str = "auto"
-    offload_optimizer: str = "ram"
-    nvme_dir: Path | None = None
-    nvme_fraction: float = 1.0
-    offload_activations: str = "ram"
-    block_slots: int = 2
-    compute_dtype: torch.dtype = torch.bfloat16
-    batch_size: int = 1
-    seq_len: int = DEFAULT_SEQ_LEN
-    grad_accum: int = 1
-    max_grad_norm: float = 0.0
-    report_grad_norm: bool = True
+    Built only by :meth:`from_config`, from the options a :class:`~slide_hf.options.TrainConfig` declares
+    with ``engine=`` (slide_hf/options/config.py), under the names and with the conversions declared there;
+    each field here is one of those, but ``report_grad_norm``, which the run derives."""
+
+    device: str
+    gpu_memory_bytes: int | None
+    optimizer: str
+    optimizer_state: str
+    master: str
+    offload_optimizer: str
+    nvme_dir: Path | None
+    nvme_fraction: float
+    offload_activations: str
+    block_slots: int
+    compute_dtype: torch.dtype
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    max_grad_norm: float
+    report_grad_norm: bool
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, *, report_grad_norm: bool | None = None) -> RunOptions:
+        """The engine's options of the run ``cfg`` describes (its ``seq_len`` resolved, slide_hf/defaults.py).
+
+        ``report_grad_norm``: whether each step reports the gradient norm; by default only where it costs
+        nothing: with several micro-batches the final gradient exists only on the host, and its norm would
+        make every step wait for the whole host update (see EngineConfig.report_grad_norm); clipping needs
+        the norm anyway."""
+        if report_grad_norm is None:
+            report_grad_norm = cfg.grad_accum == 1 or cfg.max_grad_norm > 0
+        values = {**engine_values(cfg), "report_grad_norm": report_grad_norm}
+        unresolved = sorted(name for name in _REQUIRED_FIELDS if values.get(name) is None)
+        if unresolved:
+            raise ValueError(f"RunOptions needs {', '.join(unresolved)} resolved first (slide_hf/defaults.py)")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -96,6 +117,12 @@ class Placement:
     """The tier class for the Adam state of ``offloaded``; None: host RAM."""
     offloaded: tuple[str, ...] = ()
     """Units whose Adam state is on ``state_tier`` (chosen once the model's units are known)."""
+
+
+_REQUIRED_FIELDS = frozenset(
+    name for name, hint in typing.get_type_hints(RunOptions).items() if type(None) not in typing.get_args(hint)
+)
+"""The fields that take no ``None``: an option's ``None`` there is a choice the run resolves first (``seq_len``)."""
 
 
 # -- device ------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from slide_hf.errors import UserError
 from slide_hf.options import Rule
-from slide_hf.sizes import SIZE_RULE, parse_size
+from slide_hf.sizes import SIZE_RULE
 from slide_hf.spelling import option
 
 EPILOG = """examples:
@@ -65,25 +65,12 @@ def run(args: argparse.Namespace) -> int:
     if options.steps <= args.warmup:
         raise UserError(f"{option('steps')} ({options.steps}) must exceed --warmup ({args.warmup})")
     cfg = BenchConfig(
-        model=options.model,
-        batch_size=options.batch_size,
-        seq_len=options.seq_len,
-        steps=options.steps,
+        options,
         warmup=args.warmup,
-        gpu_memory_gib=None if options.gpu_memory is None else parse_size(str(options.gpu_memory)) / 2**30,
-        report_grad_norm=not args.no_grad_norm,
         resident_gib=args.resident_gib,
-        block_slots=options.block_slots,
         compare_plain=args.compare == "plain",
         trace_dir=args.trace,
-        device=options.device,
-        optimizer=options.optimizer,
-        optimizer_state=options.optimizer_state.value,
-        master=options.master.value,
-        max_grad_norm=options.max_grad_norm,
-        offload_optimizer=options.offload_optimizer,
-        nvme_dir=options.nvme_dir,
-        nvme_fraction=options.nvme_fraction,
+        report_grad_norm=not args.no_grad_norm,
         layers=args.layers,
     )
     # The outputs are checked before the benchmark, which takes minutes, rather than failing after it.

@@ -15,7 +15,10 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from slide_hf.options import TrainConfig
 
 __all__ = ["add_parser", "run"]
 
@@ -35,11 +38,8 @@ _OPEN, _CLOSE = "[[", "]]"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from slide_hf.data import BUNDLED_TEMPLATES
-    from slide_hf.defaults import DEFAULT_SEQ_LEN, DEMO_SEQ_LEN
-    from slide_hf.options import TrainConfig
+    from slide_hf.options import add_options
 
-    defaults = TrainConfig()
     parser = commands.add_parser(
         "data",
         help="show which tokens of a data file carry loss, and the packed rows' statistics",
@@ -47,48 +47,28 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_options(parser, "data")  # the options it shares with `slide train`, as slide_hf/options/config.py declares
     add = parser.add_argument
-    add("--model", default=defaults.model, help=f"HF model directory, Hub id or preset (default {defaults.model})")
-    add(
-        "--data",
-        action="append",
-        help="data file, datasets directory or Hub dataset (default: the bundled English text); repeat for several",
-    )
-    add("--data-weights", metavar="W1,W2,...", help="sampling proportions of the --data sources, as slide train")
-    add("--max-record-size", metavar="SIZE", help="refuse a record larger than this before parsing it (default 8MiB)")
-    add("--tokenizer", type=Path, help="tokenizer directory (default: the model's; the byte tokenizer for presets)")
-    add(
-        "--seq-len",
-        type=int,
-        help=f"tokens per row (default {DEFAULT_SEQ_LEN}, or the model's context length if shorter; "
-        f"{DEMO_SEQ_LEN} on the bundled demo text), as slide train",
-    )
     add("--show", type=int, default=3, metavar="K", help="examples to show before the summary (default 3)")
     add("--json", action="store_true", help='one JSON object per shown example, then {"summary": {...}}')
-    add("--no-packing", action="store_true", help="one example per row, as slide train --no-packing")
-    add("--train-on-inputs", action="store_true", help="loss on every token, not only replies and completions")
-    add(
-        "--chat-template",
-        metavar="FILE|NAME",
-        help=f"chat template file, or a bundled one ({', '.join(BUNDLED_TEMPLATES)})",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
     from slide_hf.data import DataOptions, load_dataset, preview
     from slide_hf.defaults import model_positions, resolve_seq_len
     from slide_hf.errors import UserError
-    from slide_hf.options import TrainConfig
+    from slide_hf.options import TrainConfig, given_options
 
     if args.show < 0:
         raise UserError(f"--show must be >= 0, got {args.show}")
-    given = TrainConfig(data=args.data, data_weights=args.data_weights, max_record_size=args.max_record_size)
-    tokenizer, config = _tokenizer_and_config(args)
+    # The options shared with `slide train`, by its rules: the data reaches the pipeline as training reads it.
+    given = TrainConfig.for_command("data", **given_options(args, "data"))
+    tokenizer, config = _tokenizer_and_config(given)
     options = DataOptions(
-        seq_len=resolve_seq_len(args.seq_len, config, bundled_text=args.data is None),
-        packing=not args.no_packing,
-        train_on_inputs=args.train_on_inputs,
-        chat_template=args.chat_template,
+        seq_len=resolve_seq_len(given.seq_len, config, bundled_text=given.data is None),
+        packing=given.packing,
+        train_on_inputs=given.train_on_inputs,
+        chat_template=given.chat_template,
         max_positions=model_positions(config),
         vocab_size=config.vocab_size,
         max_record_bytes=given.max_record_bytes,
@@ -133,7 +113,7 @@ def _shares(dataset: Any, weights: tuple[float, ...] | None) -> list[dict[str, A
     return shares
 
 
-def _tokenizer_and_config(args: argparse.Namespace) -> tuple[Any, Any]:
+def _tokenizer_and_config(cfg: TrainConfig) -> tuple[Any, Any]:
     """The tokenizer and model config exactly as `slide train` resolves them for ``--model``/``--tokenizer``."""
     from slide_hf import resolve_model
     from slide_hf.errors import UserError
@@ -141,15 +121,15 @@ def _tokenizer_and_config(args: argparse.Namespace) -> tuple[Any, Any]:
     from slide_hf.presets import PRESETS
     from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
 
-    source: str | Path = args.model
-    if args.model not in PRESETS and is_hub_id(args.model):
-        source = resolve_hub_model(args.model)
-    overrides = {"vocab_size": BYTE_VOCAB_SIZE} if args.model == "tiny-llama" else {}
+    source: str | Path = cfg.model
+    if cfg.model not in PRESETS and is_hub_id(cfg.model):
+        source = resolve_hub_model(cfg.model)
+    overrides = {"vocab_size": BYTE_VOCAB_SIZE} if cfg.model == "tiny-llama" else {}
     try:
         config, model_dir = resolve_model(source, **overrides)
     except ValueError as error:
         raise UserError(str(error)) from error
-    tokenizer = load_tokenizer(model_dir, args.tokenizer)
+    tokenizer = load_tokenizer(model_dir, cfg.tokenizer)
     if len(tokenizer) > config.vocab_size:
         raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}")
     return tokenizer, config

@@ -1,10 +1,11 @@
-"""The options of a run, declared once: one schema for `slide train`, `slide plan`, `slide bench`, the TOML
-file and ``slide_hf.train``.
+"""The options of a run, declared once: one schema for `slide train`, `slide plan`, `slide bench`, `slide data`,
+the TOML file, ``slide_hf.train`` and the engine's options.
 
 - :mod:`.schema`: how an option is declared (a dataclass field with a :class:`Spec`) and its enums;
 - :mod:`.config`: :class:`TrainConfig`, whose fields are the declarations, and the one-value checks;
 - :mod:`.validate`: every rule that relates several options, behind :meth:`TrainConfig.validate`;
 - :mod:`.arguments`: each command's flags, generated from the declarations;
+- :mod:`.engine`: the options the engine reads (slide_hf.setup.RunOptions), generated from the declarations;
 - :mod:`.toml`: the ``--config`` file's keys;
 - :mod:`.resume`: the options saved with a run, and those of a run that resumes it.
 """
@@ -24,6 +25,7 @@ from slide_hf.options.config import (
     installed_names,
     train_options,
 )
+from slide_hf.options.engine import engine_options, engine_values
 from slide_hf.options.resume import MACHINE_OPTIONS, RESUME_SAFE_OPTIONS, config_dict, resume_config
 from slide_hf.options.rules import Rule
 from slide_hf.options.schema import (
@@ -32,6 +34,7 @@ from slide_hf.options.schema import (
     DecayShape,
     Declared,
     DType,
+    EngineField,
     LrSchedule,
     MasterFormat,
     SaveDType,
@@ -53,6 +56,7 @@ __all__ = [
     "DType",
     "DecayShape",
     "Declared",
+    "EngineField",
     "Launch",
     "LrSchedule",
     "MasterFormat",
@@ -68,6 +72,8 @@ __all__ = [
     "config_dict",
     "data_sources",
     "default_lr",
+    "engine_options",
+    "engine_values",
     "given_options",
     "installed_names",
     "resume_config",

@@ -1,4 +1,4 @@
-"""The flags of `slide train`, `slide plan` and `slide bench`, generated from the declared options.
+"""The flags of `slide train`, `slide plan`, `slide bench` and `slide data`, generated from the declared options.
 
 Each command's parser gets every option whose declaration names the command (slide_hf/options/config.py),
 with the flag, help, default and metavar the declaration gives. `slide train` leaves every default unset

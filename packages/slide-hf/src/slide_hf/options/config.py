@@ -1,7 +1,8 @@
 """The options of a training run: :class:`TrainConfig`, each field the one declaration of an option.
 
 Every way into `slide train` -- flags, a TOML file, the Python API, a resumed run's saved options -- ends in
-:class:`TrainConfig`, and `slide plan` and `slide bench` build one from the options they share with it. Its
+:class:`TrainConfig`, and `slide plan`, `slide bench` and `slide data` build one from the options they share
+with it; the engine's options (slide_hf/setup.py's ``RunOptions``) are generated from it (``engine=``). Its
 ``__post_init__`` puts every value in its canonical spelling (``bf16`` is ``bfloat16``), checks each one
 against its rule (one line per option: ``--lr must be a finite number >= 0, got nan``; NaN and infinities
 are refused for every float, every integer has a range the code behind it can honour), then applies the
@@ -16,18 +17,21 @@ import math
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slide_hf.defaults import DEFAULT_SEQ_LEN, DEMO_SEQ_LEN
 from slide_hf.errors import UserError
 from slide_hf.options.rules import FP32_TINY, INT_MAX, Rule, positive_int
 from slide_hf.options.schema import (
+    AS_DECLARED,
     DTYPE_ALIASES,
     EVERY,
+    RUNS,
     Command,
     DecayShape,
     Declared,
     DType,
+    EngineField,
     LrSchedule,
     MasterFormat,
     SaveDType,
@@ -36,6 +40,9 @@ from slide_hf.options.schema import (
     option,
 )
 from slide_hf.spelling import option as spelled
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "OPTIMIZER_ALIASES",
@@ -56,6 +63,7 @@ OPTIMIZER_ALIASES = {"torch": "torch-adamw", "fused": "fused-adamw"}
 
 _TRAIN_PLAN: frozenset[Command] = frozenset({"train", "plan"})
 _TRAIN_BENCH: frozenset[Command] = frozenset({"train", "bench"})
+_TRAIN_DATA: frozenset[Command] = frozenset({"train", "data"})
 _COMMAND: ContextVar[Command] = ContextVar("slide_hf_options_command", default="train")
 """The command a :class:`TrainConfig` is being built for (:meth:`TrainConfig.for_command`): it belongs to the
 call, as slide_hf/spelling.py's choice of spelling does, and is `slide train` outside it."""
@@ -63,6 +71,21 @@ _MASTER_HELP = (
     "how the host stores the fp32 master: split (a bf16 plane the GPU copies as it is, half the host-to-device "
     "bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32 (default), or auto (split when it can run)"
 )
+
+
+def _size_bytes(size: str | None) -> int | None:
+    """``--gpu-memory`` (checked, kept as its text: ``24``, ``24GiB``) in bytes, as the device caps it."""
+    from slide_hf.sizes import parse_size
+
+    return None if size is None else parse_size(size)
+
+
+def _torch_dtype(dtype: DType) -> torch.dtype:
+    """``--dtype`` as the engine computes in: the torch dtype of the same name (torch is imported only
+    when a run is set up, never for a command's --help)."""
+    import torch
+
+    return getattr(torch, dtype.value)
 
 
 @dataclass(frozen=True)
@@ -81,21 +104,26 @@ class TrainConfig:
         defaults={"bench": "llama3.2-3b"},
         required=frozenset({"plan"}),
     )
-    tokenizer: Path | None = option(None, help="tokenizer directory, when the model directory has none")
+    tokenizer: Path | None = option(
+        None, help="tokenizer directory, when the model directory has none", commands=_TRAIN_DATA
+    )
     data: Path | tuple[Path, ...] | None = option(
         None,
         help="JSON Lines (.jsonl, .jsonl.gz), .json, .parquet or a Hub dataset (default: bundled text); repeat it "
         "to train on several sources (concatenated, or sampled by --data-weights)",
+        commands=_TRAIN_DATA,
         action="append",
     )
     data_weights: tuple[float, ...] | None = option(
         None,
         help="sampling proportions of the --data sources, one positive number each (e.g. 3,1): seeded, resumable",
+        commands=_TRAIN_DATA,
         metavar="W1,W2,...",
     )
     max_record_size: str | int | None = option(
         None,
         help="refuse a record (a JSON line or object) larger than this before parsing it (default 8MiB)",
+        commands=_TRAIN_DATA,
         metavar="SIZE",
     )
     output: Path | None = option(None, help="output directory (default runs/<timestamp>-<suffix>)")
@@ -107,8 +135,9 @@ class TrainConfig:
             "plan": "the device whose memory is the GPU budget without --gpu-memory, one of {choices} "
             "(default auto, as slide train)"
         },
-        commands=EVERY,
+        commands=RUNS,
         plugins="slide.devices",
+        engine=AS_DECLARED,
         builtin=("auto",),
     )
     dtype: DType = option(
@@ -117,6 +146,7 @@ class TrainConfig:
         commands=_TRAIN_PLAN,
         choices=DType,
         aliases=DTYPE_ALIASES,
+        engine=EngineField("compute_dtype", _torch_dtype),
     )
     seq_len: int | None = option(
         None,
@@ -128,21 +158,34 @@ class TrainConfig:
         },
         commands=EVERY,
         rule=Rule("int", 2, 2**24),
+        engine=AS_DECLARED,
     )
-    packing: bool = option(True, help="one example per row (padded)", flag="--no-packing", action="store_false")
-    train_on_inputs: bool = option(False, help="loss on prompts and user turns too", action="store_true")
+    packing: bool = option(
+        True, help="one example per row (padded)", commands=_TRAIN_DATA, flag="--no-packing", action="store_false"
+    )
+    train_on_inputs: bool = option(
+        False, help="loss on prompts and user turns too", commands=_TRAIN_DATA, action="store_true"
+    )
     chat_template: str | None = option(
-        None, help="chat template file (.jinja) or a bundled name, instead of the tokenizer's"
+        None,
+        help="chat template file (.jinja) or a bundled name, instead of the tokenizer's",
+        commands=_TRAIN_DATA,
+        metavar="FILE|NAME",
     )
     batch_size: int = option(
         4,
         help="sequences per micro-batch (default {default})",
-        commands=EVERY,
+        commands=RUNS,
         defaults={"plan": 1, "bench": 16},
         rule=positive_int(),
+        engine=AS_DECLARED,
     )
     grad_accum: int = option(
-        1, help="micro-batches per optimizer step (default {default})", commands=_TRAIN_PLAN, rule=positive_int()
+        1,
+        help="micro-batches per optimizer step (default {default})",
+        commands=_TRAIN_PLAN,
+        rule=positive_int(),
+        engine=AS_DECLARED,
     )
     steps: int | None = option(
         None,
@@ -163,19 +206,23 @@ class TrainConfig:
         "auto",
         help="host AdamW, one of {choices} (default auto: fused-adamw when numba runs here, else torch-adamw; "
         "torch and fused are short for torch-adamw and fused-adamw)",
-        commands=EVERY,
+        commands=RUNS,
         plugins="slide.optimizers",
         builtin=("auto",),
         aliases=OPTIMIZER_ALIASES,
+        engine=AS_DECLARED,
     )
     optimizer_state: StateFormat = option(
         StateFormat.FP32,
         help="how AdamW keeps exp_avg and exp_avg_sq between steps: fp32 (exact, 8 B/param), bf16 (4 B/param) or "
         "int8 (~2 B/param), stochastically rounded (default {default})",
-        commands=EVERY,
+        commands=RUNS,
         choices=StateFormat,
+        engine=AS_DECLARED,
     )
-    master: MasterFormat = option(MasterFormat.FP32, help=_MASTER_HELP, commands=EVERY, choices=MasterFormat)
+    master: MasterFormat = option(
+        MasterFormat.FP32, help=_MASTER_HELP, commands=RUNS, choices=MasterFormat, engine=AS_DECLARED
+    )
     adam_beta1: float = option(0.9, help="default {default}", rule=Rule("float", 0, 1, high_open=True))
     adam_beta2: float = option(0.999, help="default {default}", rule=Rule("float", 0, 1, high_open=True))
     adam_eps: float = option(1e-8, help="default {default}", rule=Rule("float", FP32_TINY, 1))
@@ -208,6 +255,7 @@ class TrainConfig:
         help="global gradient-norm clip, exact, 0 = off (default 0)",
         commands=_TRAIN_BENCH,
         rule=Rule("float", 0),
+        engine=AS_DECLARED,
     )
     seed: int = option(0, help="seed for init and shuffling (default 0)", rule=Rule("int", 0, INT_MAX))
     no_shuffle: bool = option(False, help="keep file order", action="store_true")
@@ -256,23 +304,28 @@ class TrainConfig:
             "plan": "GPU memory budget (default: the visible GPU's)",
             "bench": "GPU cap for the engine, e.g. 24 (GiB), 24GiB or 80GB (default: the whole card)",
         },
-        commands=EVERY,
+        commands=RUNS,
         metavar="SIZE",
+        engine=EngineField("gpu_memory_bytes", _size_bytes),
     )
     offload_optimizer: str = option(
         "ram",
         help="the tier for the Adam state of --nvme-fraction of the units, one of {choices} (default ram); ram "
         "keeps it in host RAM beside the master, nothing offloaded",
-        commands=EVERY,
+        commands=RUNS,
         plugins="slide.tiers",
         builtin=("ram",),
+        engine=AS_DECLARED,
     )
-    nvme_dir: Path | None = option(None, help="directory on NVMe for offloaded state", commands=_TRAIN_BENCH)
+    nvme_dir: Path | None = option(
+        None, help="directory on NVMe for offloaded state", commands=_TRAIN_BENCH, engine=AS_DECLARED
+    )
     nvme_fraction: float = option(
         1.0,
         help="fraction of units whose state goes to the --offload-optimizer tier (default {default})",
-        commands=EVERY,
+        commands=RUNS,
         rule=Rule("float", 0, 1),
+        engine=AS_DECLARED,
     )
     offload_activations: str = option(
         "ram",
@@ -281,6 +334,7 @@ class TrainConfig:
         commands=_TRAIN_PLAN,
         plugins="slide.tiers",
         builtin=("ram",),
+        engine=AS_DECLARED,
     )
     save_dtype: SaveDType = option(
         SaveDType.AUTO,
@@ -290,7 +344,11 @@ class TrainConfig:
         aliases=DTYPE_ALIASES,
     )
     block_slots: int = option(
-        2, help="GPU slots for decoder blocks (default {default})", commands=EVERY, rule=Rule("int", 1, 64)
+        2,
+        help="GPU slots for decoder blocks (default {default})",
+        commands=RUNS,
+        rule=Rule("int", 1, 64),
+        engine=AS_DECLARED,
     )
 
     def __post_init__(self) -> None:
@@ -325,7 +383,7 @@ class TrainConfig:
 
     @classmethod
     def for_command(cls, command: Command, world_size: int = 1, **values: Any) -> TrainConfig:
-        """The options ``command`` (`slide plan`, `slide bench`) shares with `slide train`, checked by the
+        """The options ``command`` (`slide plan`, `slide bench`, `slide data`) shares with `slide train`, checked by the
         same rules, for a run of ``world_size`` processes; the cross-option rules over options ``command``
         does not take (`slide plan`'s ``--save-best`` needs no evaluation data: it only sizes the disk) do
         not apply."""

@@ -1,12 +1,14 @@
 """How an option is declared: once, as a field of a config dataclass, with a :class:`Spec` in its metadata.
 
-A field ``optimizer_state: StateFormat = option(StateFormat.FP32, help=..., commands=EVERY)`` is the whole
+A field ``optimizer_state: StateFormat = option(StateFormat.FP32, help=..., commands=RUNS)`` is the whole
 declaration of ``--optimizer-state``: its name (the same attribute in TOML, in ``slide_hf.train(...)`` and
 on :class:`~slide_hf.options.TrainConfig`), its type and choices, its default (per command where the
-commands differ), its help, and which of `slide train`, `slide plan` and `slide bench` take it. The flag
-is derived from the name (dashes for underscores); the parsers (:mod:`slide_hf.options.arguments`), the
-TOML loader (:mod:`slide_hf.options.toml`) and the validation (:mod:`slide_hf.options.validate`) walk
-these declarations, so no command spells an option again.
+commands differ), its help, which of `slide train`, `slide plan`, `slide bench` and `slide data` take it,
+and whether the engine reads it (``engine=``: :class:`~slide_hf.setup.RunOptions` then carries it, converted
+as declared there). The flag is derived from the name (dashes for underscores); the parsers
+(:mod:`slide_hf.options.arguments`), the TOML loader (:mod:`slide_hf.options.toml`), the validation
+(:mod:`slide_hf.options.validate`) and the engine's options (:mod:`slide_hf.options.engine`) walk these
+declarations, so no command spells an option again.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from typing import Any, Literal
 from slide_hf.options.rules import Rule
 
 __all__ = [
+    "AS_DECLARED",
     "COMMANDS",
     "EVERY",
+    "RUNS",
     "TRAIN",
     "Command",
     "DType",
     "DecayShape",
     "Declared",
+    "EngineField",
     "LrSchedule",
     "MasterFormat",
     "SaveDType",
@@ -39,9 +44,11 @@ __all__ = [
     "option",
 ]
 
-Command = Literal["train", "plan", "bench"]
-COMMANDS: tuple[Command, ...] = ("train", "plan", "bench")
+Command = Literal["train", "plan", "bench", "data"]
+COMMANDS: tuple[Command, ...] = ("train", "plan", "bench", "data")
 TRAIN: frozenset[Command] = frozenset({"train"})
+RUNS: frozenset[Command] = frozenset({"train", "plan", "bench"})
+"""The commands that run, plan or time a run: `slide data` only reads data, so it takes the data options alone."""
 EVERY: frozenset[Command] = frozenset(COMMANDS)
 
 _SPEC = "slide_hf.option"
@@ -94,6 +101,21 @@ class DecayShape(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class EngineField:
+    """How the engine's options (:class:`~slide_hf.setup.RunOptions`, what `slide train` and `slide bench`
+    set up the same way) take an option: as the field ``name`` (the option's own when ``None``), its value
+    passed through ``convert`` (``--gpu-memory 24GiB`` is ``gpu_memory_bytes``, a number of bytes). The value
+    arrives checked, so a conversion cannot fail on it."""
+
+    name: str | None = None
+    convert: Callable[[Any], Any] | None = None
+
+
+AS_DECLARED = EngineField()
+"""The engine takes the option under its own name and as the run holds it."""
+
+
+@dataclass(frozen=True)
 class Spec:
     """Everything about an option besides its name, type and default (the dataclass field's).
 
@@ -105,6 +127,8 @@ class Spec:
     - ``aliases``: other spellings users have written, mapped to the canonical value.
     - ``defaults``, ``helps``, ``required``: where a command differs from `slide train`.
     - ``flag``, ``action``, ``metavar``: how argparse shows it, when not ``--name VALUE``.
+    - ``engine``: the engine reads it (:mod:`slide_hf.options.engine`); ``None``: only the recipe around the
+      engine does (data, schedule, saving), or only a planning command.
     """
 
     help: str
@@ -120,6 +144,7 @@ class Spec:
     flag: str | None = None
     action: Literal["store_true", "store_false", "append"] | None = None
     metavar: str | None = None
+    engine: EngineField | None = None
 
     def value_rule(self) -> Rule | None:
         """The rule one value must pass: the choices, the installed plugins, or the numeric range."""
@@ -152,6 +177,18 @@ class Declared:
 
     def takes(self, command: Command) -> bool:
         return command in self.spec.commands
+
+    @property
+    def engine_name(self) -> str | None:
+        """The engine's name for the option (:class:`EngineField`), ``None`` where the engine does not read it."""
+        if self.spec.engine is None:
+            return None
+        return self.spec.engine.name or self.name
+
+    def engine_value(self, value: Any) -> Any:
+        """``value`` (checked, canonical) as the engine takes it."""
+        convert = self.spec.engine.convert if self.spec.engine is not None else None
+        return value if convert is None else convert(value)
 
     def default_for(self, command: Command) -> Any:
         return self.spec.defaults.get(command, self.default)
