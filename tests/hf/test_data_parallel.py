@@ -226,8 +226,7 @@ def test_two_processes_offload_to_nvme(two_ranks: Path, tmp_path: Path) -> None:
     want, got = _weights(two_ranks), _weights(run)
     for name, tensor in want.items():
         assert float((got[name] - tensor).norm() / tensor.norm()) <= 1e-5, name
-    assert sorted(p.name for p in nvme.iterdir()) == ["rank-0", "rank-1"]
-    assert not [p for folder in nvme.iterdir() for p in folder.iterdir()]  # the scratch folders are gone
+    assert not list(nvme.iterdir())  # every rank's scratch folder is gone
 
 
 @pytest.mark.slow

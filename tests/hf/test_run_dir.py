@@ -152,16 +152,19 @@ def test_stale_temp_dirs_go_only_when_no_run_holds_the_directory(tmp_path: Path,
 
 
 def test_nvme_scratch_of_killed_runs_is_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    """A killed run's folder (its lock file free) is removed; a live run's (locked) and one another process
+    has just created and not locked yet (no lock file) are left alone."""
     nvme = tmp_path / "nvme"
-    dead, live = nvme / "slide-nvme-run-dead", nvme / "slide-nvme-run-live"
-    for folder in (dead, live):
+    dead, live, fresh = (nvme / f"slide-nvme-run-{name}" for name in ("dead", "live", "fresh"))
+    for folder in (dead, live, fresh):
         (folder / "slide-nvme-abcdefgh").mkdir(parents=True)
         (folder / "slide-nvme-abcdefgh" / "state.bin").write_bytes(b"x" * 100)
+    (dead / ".slide.lock").write_text("12345\n")  # what a killed run leaves: its lock file, unlocked
     with locked(live, "scratch"):
         args = [*TINY, "--offload-optimizer", "nvme", "--nvme-dir", str(nvme), "--offload-activations", "nvme"]
         assert main(["train", "--output", str(tmp_path / "run"), *args]) == 0
-        assert not dead.exists() and live.exists()
-        assert sorted(p.name for p in nvme.iterdir()) == [live.name]  # the run removed its own scratch too
+        assert not dead.exists() and live.exists() and fresh.exists()
+        assert sorted(p.name for p in nvme.iterdir()) == [fresh.name, live.name]  # the run removed its own too
 
 
 def test_run_of_names_the_run_of_any_checkpoint(tmp_path: Path, finished_run: Path) -> None:

@@ -472,10 +472,7 @@ def _setup_engine(
 
     def scratch() -> Path:
         assert options.nvme_dir is not None  # the options' rules refused a tier on disk without it
-        # Each of several ranks its own folder: a rank clearing a killed run's scratch never meets another's
-        # new one. A world of one has the folder to itself.
-        own = options.nvme_dir / f"rank-{group.rank}" if group.world_size > 1 else options.nvme_dir
-        return run_dir.scratch(own)
+        return run_dir.scratch(options.nvme_dir)  # each rank its own locked folder (RunDir.scratch)
 
     return open_engine(
         model.slide_model, device, host, optimizer, options, placement, scratch=scratch, process_group=group

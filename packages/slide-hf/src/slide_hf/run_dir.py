@@ -283,14 +283,18 @@ class RunDir:
     def scratch(self, nvme_dir: Path) -> Path:
         """A private folder under ``nvme_dir`` for this run's NVMe tiers, locked like the output directory
         and removed when the run ends. Folders that killed runs left there are removed first (their locks
-        are free); those of live runs are locked and left alone."""
+        are free); those of live runs are locked and left alone.
+
+        A folder without its lock file is one another process (another run, or another rank of this one)
+        has just created and not yet locked: it is left alone, so no process removes a folder between its
+        creation and its lock. (One left by a process killed in that instant is empty, and stays.)"""
         if nvme_dir.exists() and not nvme_dir.is_dir():
             raise UserError(f"{option('nvme_dir', nvme_dir)} is a file, not a directory")
         try:
             nvme_dir.mkdir(parents=True, exist_ok=True)
             for old in nvme_dir.glob(f"{_SCRATCH_PREFIX}*"):
                 lock = _Lock(old)
-                if old.is_dir() and lock.acquire():
+                if old.is_dir() and lock.file.exists() and lock.acquire():
                     log.debug("removing %s, left by a run that was killed", old)
                     shutil.rmtree(old, ignore_errors=True)
                     lock.release()
