@@ -4,9 +4,12 @@ Built on the single-process :class:`~slide_hf.planner.plan.Plan` of one rank (it
 the sharded engine changes (slide_core/engine/host_pipeline.py, docs/distributed.md):
 
 - GPU: unchanged. Every rank slides the whole model through the same slots and buffers.
-- Host, per rank: the fp32 master, the Adam state and the fp32 gradient accumulators 1/N (a rank loads,
-  updates and writes only its shards, so the rest of those buffers is never touched: Note [Sharded
-  master] in slide_core/engine/host_pipeline.py), the pinned gradient ring or clipping store 1/N (the
+- Host, per rank: the Adam state and the fp32 gradient accumulators 1/N (a rank loads, updates and
+  writes only its shards, so the rest of those buffers is never touched: Note [Sharded master] in
+  slide_core/engine/host_pipeline.py); the master 1/N too, but for the plane the host-to-device copy
+  reads (the fp32 slab, a split master's bf16 plane), which the rank page-locks in one span from its
+  first shard to its last, the other ranks' shards between them included (Note [One registration per
+  allocation] in slide_core/engine/host_span.py); the pinned gradient ring or clipping store 1/N (the
   ring holds the backlog of what the rank streams, its shards; the store, those shards), the rest as one process
   (activation stash, scratch, the process itself). Per host: that, times the ranks on the host. The
   final drain gathers the whole master on every rank for the export, which this does not count.
@@ -30,6 +33,7 @@ from typing import Any
 
 from slide_hf.errors import UserError
 from slide_hf.planner.inputs import ModelShape, PlanInputs
+from slide_hf.planner.memory import master_bytes
 from slide_hf.planner.plan import Plan
 from slide_hf.planner.timing import _block_loads, h2d_bytes_per_param
 from slide_hf.sizes import format_bytes
@@ -114,9 +118,10 @@ class DataParallelPlan:
         }
 
 
-_SHARDED_HOST = ("master_fp32", "optimizer_state", "grad_accumulators", "grad_ring")
+_SHARDED_HOST = ("optimizer_state", "grad_accumulators", "grad_ring")
 """Host buffers of which a rank writes (and so holds) only its 1/N share while it trains (``grad_ring``
-is the clipping store where clipping is on: the rank's shards of the step's gradient)."""
+is the clipping store where clipping is on: the rank's shards of the step's gradient). The master is
+priced per rank by its owner's rule (``master_bytes``): 1/N but for the page-locked span."""
 
 
 def plan_data_parallel(
@@ -130,6 +135,7 @@ def plan_data_parallel(
     world = nproc_per_node * nnodes
     inputs, shape = rank.inputs, rank.shape
     breakdown = {key: (value // world if key in _SHARDED_HOST else value) for key, value in rank.host_breakdown.items()}
+    breakdown["master_fp32"] = master_bytes(shape, inputs, world)
     per_rank = sum(breakdown.values())
     params_h2d, stash, grads = _pcie_parts(shape, inputs)
     bw = inputs.bandwidths
@@ -194,7 +200,7 @@ def render_data_parallel(dp: DataParallelPlan) -> str:
     rows = [
         ("data parallel", f"{dp.world_size} ranks ({dp.nproc_per_node} per host x {dp.nnodes} {hosts})", ""),
         ("  GPU peak", format_bytes(dp.gpu_peak_bytes), "per GPU, as one process"),
-        ("  host per rank", format_bytes(dp.host_per_rank_bytes), "fp32 master and Adam state 1/N"),
+        ("  host per rank", format_bytes(dp.host_per_rank_bytes), "Adam state 1/N, the master's pinned span whole"),
         ("  host per host", format_bytes(dp.host_per_host_bytes), f"{dp.nproc_per_node} ranks"),
         (
             "  step time",

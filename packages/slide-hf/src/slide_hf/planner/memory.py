@@ -30,9 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from slide_core.collectives import shard_span
 from slide_core.engine.activations import TIER_STAGING_COPIES, ActivationStash
 from slide_core.engine.config import EngineConfig
 from slide_core.engine.grad_transfer import GradTransfer
+from slide_core.engine.host_span import pinned_span
 from slide_core.engine.host_state import HostState
 from slide_core.engine.master_upload import MasterUpload
 from slide_core.engine.norms import UnitNorms
@@ -55,6 +57,8 @@ __all__ = [
     "EngineBuffers",
     "GiB",
     "engine_buffers",
+    "master_bytes",
+    "pinned_master_numel",
 ]
 
 GiB = 1 << 30
@@ -176,10 +180,9 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     tier_copies = TIER_STAGING_COPIES if inputs.offload_activations == "nvme" else 0
     wants_norms = UnitNorms.wanted(cfg)
     host = {
-        # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies])
-        "master_fp32": HostParameters.bytes_for(
-            sum(host_units), "split" if inputs.master_format == "split" else "fp32"
-        ),
+        # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies]),
+        # but for those inside the page-locked span (Note [One registration per allocation])
+        "master_fp32": master_bytes(shape, inputs),
         # device-resident and NVMe units keep m and v elsewhere; their host ranges are never touched
         "optimizer_state": HostState.state_bytes(arrays, on_host_state),
         "grad_accumulators": HostState.accumulator_bytes(_accumulated_numels(shape, inputs)),
@@ -209,6 +212,37 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         "grad_norms": UnitNorms.device_bytes_for(len(numels)) if wants_norms else 0,
     }
     return EngineBuffers(host, device)
+
+
+def master_bytes(shape: ModelShape, inputs: PlanInputs, world_size: int = 1) -> int:
+    """The host master one of ``world_size`` ranks holds while it trains (the largest over the ranks):
+    every plane of its shards of the host-updated units (Note [Sharded master] in slide_core's
+    engine/host_pipeline.py), and in the plane the host-to-device copy reads, the whole span the engine
+    page-locks (:func:`pinned_master_numel`), resident units and other ranks' shards inside it included."""
+    master_format = "split" if inputs.master_format == "split" else "fp32"
+    resident = set(inputs.resident_units)
+    host_numel = sum(n for name, n in _named_numels(shape).items() if name not in resident)
+    copied_plane = HostParameters.h2d_bytes_for(host_numel, master_format)
+    other_planes = (
+        HostParameters.bytes_for(host_numel, master_format) - copied_plane
+    )  # a split master's low and tie bits
+    pinned = max(pinned_master_numel(shape, inputs, rank, world_size) for rank in range(world_size))
+    return other_planes // world_size + HostParameters.h2d_bytes_for(pinned, master_format)
+
+
+def pinned_master_numel(shape: ModelShape, inputs: PlanInputs, rank: int = 0, world_size: int = 1) -> int:
+    """Elements of the span of the copied plane that rank ``rank`` of ``world_size`` page-locks, by the
+    engine's rule (``slide_core.engine.host_span.pinned_span``): from the first element of its shard of the
+    first host-updated unit to the last of its shard of the last, units laid out in model order."""
+    resident = set(inputs.resident_units)
+    shards, offset = [], 0
+    for name, numel in _named_numels(shape).items():
+        if name not in resident:
+            lo, hi = shard_span(numel, rank, world_size)
+            shards.append((offset + lo, offset + hi))
+        offset += numel
+    span = pinned_span(shards)
+    return 0 if span is None else span[1] - span[0]
 
 
 def _nvme_names(shape: ModelShape, inputs: PlanInputs) -> list[str]:
