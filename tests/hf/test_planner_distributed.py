@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from slide_core.collectives import shard_span
 from slide_core.testing import ToyConfig, ToyModel
 from slide_hf.errors import UserError
 from slide_hf.planner import Bandwidths, ModelShape, PlanInputs, make_plan
@@ -30,9 +31,17 @@ def test_scaling_by_hand(per_node: int, nodes: int, accum: int) -> None:
     world = per_node * nodes
     n, d = shape.total_numel, 2  # bf16 compute
 
-    # Host: the master, the Adam state, accumulators and gradient ring 1/N, the rest as one process.
+    # Host: the Adam state, accumulators and gradient ring 1/N, the rest as one process; the fp32 master is
+    # one page-locked span from the rank's shard of the embedding to its shard of the head (Note [One
+    # registration per allocation]): all of it but what lies before the first shard and after the last.
     host = rank.host_breakdown
-    assert dp.host_rank_breakdown["master_fp32"] == host["master_fp32"] // world
+    spans = [
+        n
+        - shard_span(shape.embedding_numel, r, world)[0]
+        - (shape.head_numel - shard_span(shape.head_numel, r, world)[1])
+        for r in range(world)
+    ]
+    assert dp.host_rank_breakdown["master_fp32"] == 4 * max(spans) > host["master_fp32"] // world
     assert dp.host_rank_breakdown["optimizer_state"] == 8 * n // world
     assert dp.host_rank_breakdown["grad_accumulators"] == (4 * n if accum > 1 else 0) // world
     assert dp.host_rank_breakdown["grad_ring"] == host["grad_ring"] // world
