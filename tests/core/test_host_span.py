@@ -1,0 +1,164 @@
+"""slide_core/engine/host_span.py: an unpinned master is page-locked in one registration per allocation,
+from the rank's first host-updated byte to its last (Note [One registration per allocation]), and the
+resident units' pages inside that span are kept while those outside it are given back.
+
+The device is the CPU one with ``pin_host_range`` recorded; a rank of two is a one-process world whose
+shards are a rank's (what building the engine asks of its collectives)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from slide_core import AdamWConfig, HostParameters
+from slide_core.collectives import SingleProcess, shard_span
+from slide_core.devices.cpu import CPUDevice
+from slide_core.engine import Engine, EngineConfig
+from slide_core.engine.host_span import outside, pinned_span
+from slide_core.optim import TorchAdamW
+from slide_core.testing import ToyConfig, ToyModel, load_init, toy_batches, toy_init
+
+_CFG = ToyConfig(vocab_size=2048, hidden_size=128, num_heads=4, intermediate_size=256, num_layers=4)
+_PAGES = slice(4096, -4096)  # whole pages of a unit's range, whatever the slab's alignment (elements of <= 4 B)
+
+
+class _RecordingDevice(CPUDevice):
+    """The CPU device, recording every range it is asked to page-lock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned: list[torch.Tensor] = []
+
+    def pin_host_range(self, tensor: torch.Tensor) -> None:
+        self.pinned.append(tensor)
+
+
+class _RankOfTwo(SingleProcess):
+    """Rank ``rank`` of a world of two, for the shards an engine is built with; its collectives do nothing."""
+
+    world_size = 2
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def span(self, numel: int) -> tuple[int, int]:
+        return shard_span(numel, self.rank, self.world_size)
+
+
+@contextlib.contextmanager
+def _engine(
+    resident: tuple[str, ...], master_format: str = "fp32", group: SingleProcess | None = None
+) -> Iterator[tuple[_RecordingDevice, HostParameters, dict[str, torch.Tensor], Engine]]:
+    """An engine over an unpinned master loaded with a seeded init; also yields every unit's copied plane
+    as loaded, before the engine gave any page back."""
+    model = ToyModel(_CFG)
+    dtype = torch.bfloat16 if master_format == "split" else torch.float32
+    config = EngineConfig(
+        compute_dtype=dtype, master_format=master_format, transfer_chunk_numel=4096, resident_units=resident
+    )
+    with _RecordingDevice() as device, group or SingleProcess() as collectives:
+        host = HostParameters(model, master_format=master_format)
+        load_init(host, toy_init(model, seed=3))
+        loaded = {unit.name: host.h2d_source(unit).clone() for unit in model.units}
+        with Engine(model, device, host, TorchAdamW(AdamWConfig()), config, process_group=collectives) as engine:
+            yield device, host, loaded, engine
+
+
+def _assert_one_span(device: _RecordingDevice, host: HostParameters, start: int, end: int) -> None:
+    """One registration, of the copied plane's elements ``[start, end)``."""
+    assert len(device.pinned) == 1, f"{len(device.pinned)} registrations in one allocation"
+    (pinned,) = device.pinned
+    want = host.h2d_span(start, end)
+    assert (pinned.data_ptr(), pinned.numel(), pinned.dtype) == (want.data_ptr(), want.numel(), want.dtype)
+    assert pinned.untyped_storage().data_ptr() == host.store.h2d_plane.untyped_storage().data_ptr()
+
+
+def _given_back(tensor: torch.Tensor) -> bool:
+    return not tensor[_PAGES].any()
+
+
+def test_resident_blocks_between_streamed_units_are_kept_inside_the_one_span() -> None:
+    """Gemma 3's default placement: a streamed embedding, resident blocks 0-1, then streamed blocks and
+    head: one span from the embedding to the head, and the resident blocks' pages inside it stay, through
+    a drain and the release at the next step."""
+    with _engine(("layers.0", "layers.1")) as (device, host, loaded, engine):
+        _assert_one_span(device, host, host.offset("embed"), host.extent("head")[1])
+        for name in ("layers.0", "layers.1"):
+            assert torch.equal(host.h2d_source(name), loaded[name]), f"{name}'s locked pages were given back"
+        batches = toy_batches(_CFG, steps=2, accum=1, seed=5)
+        engine.step(batches[0], lr=1e-3)
+        engine.drain()
+        drained = host.flat("layers.0").clone()
+        assert torch.equal(drained, engine.residents.units["layers.0"].master)
+        engine.step(batches[1], lr=1e-3)  # the release after a drain keeps them too
+        assert torch.equal(host.flat("layers.0"), drained)
+        assert len(device.pinned) == 1
+
+
+def test_resident_units_at_both_ends_are_given_back() -> None:
+    with _engine(("embed", "layers.0", "head")) as (device, host, _, engine):
+        _assert_one_span(device, host, host.offset("layers.1"), host.extent("layers.3")[1])
+        for name in ("embed", "layers.0", "head"):
+            assert _given_back(host.flat(name)), f"{name} lies outside the span and was not given back"
+        engine.step(toy_batches(_CFG, steps=1, accum=1, seed=5)[0], lr=1e-3)
+        engine.drain()
+        assert torch.equal(host.flat("head"), engine.residents.units["head"].master)
+        engine.step(toy_batches(_CFG, steps=1, accum=1, seed=6)[0], lr=1e-3)
+        assert _given_back(host.flat("head"))
+
+
+def test_a_split_master_registers_its_bf16_plane_only() -> None:
+    """Only the plane the copy reads is registered; a resident unit inside the span keeps its bf16 pages
+    and gives back its low bits, which never cross PCIe."""
+    with _engine(("layers.1",), master_format="split") as (device, host, loaded, _):
+        _assert_one_span(device, host, host.offset("embed"), host.extent("head")[1])
+        assert torch.equal(host.h2d_source("layers.1"), loaded["layers.1"])
+        start, end = host.extent("layers.1")
+        assert _given_back(host.store.planes["lo"][start:end])
+        assert host.store.planes["lo"][slice(*host.extent("layers.2"))].any()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_ranks_register_one_span_from_their_first_shard_to_their_last(rank: int) -> None:
+    """Data parallel: a rank's shards of consecutive units are not contiguous (the other rank's lie
+    between them), and still make one registration per allocation, with the resident block inside it."""
+    model = ToyModel(_CFG)
+    first = shard_span(model.embedding.layout.numel, rank, 2)[0]
+    last = shard_span(model.head.layout.numel, rank, 2)[1]
+    with _engine(("layers.1",), group=_RankOfTwo(rank)) as (device, host, loaded, _):
+        _assert_one_span(device, host, host.offset("embed") + first, host.offset("head") + last)
+        assert torch.equal(host.h2d_source("layers.1"), loaded["layers.1"])
+
+
+def test_no_span_when_every_unit_is_resident() -> None:
+    resident = ("embed", *(f"layers.{i}" for i in range(_CFG.num_layers)), "head")
+    with _engine(resident) as (device, host, _, _):
+        assert device.pinned == []
+        assert all(_given_back(host.flat(name)) for name in resident)
+
+
+def test_pinned_span_runs_from_the_first_shard_to_the_last() -> None:
+    assert pinned_span([(10, 20), (40, 45), (0, 0), (30, 35)]) == (10, 45)
+    assert pinned_span([(5, 5)]) is None
+    assert pinned_span([]) is None
+
+
+def test_outside_cuts_the_kept_memory_out() -> None:
+    plane = torch.arange(100, dtype=torch.float32)
+    other = torch.zeros(100)
+
+    def cut(tensor: torch.Tensor, kept: torch.Tensor | None) -> list[list[float]]:
+        return [part.tolist() for part in outside(tensor, kept)]
+
+    assert cut(plane[10:20], None) == [plane[10:20].tolist()]
+    assert cut(plane[10:20], other[10:20]) == [plane[10:20].tolist()]  # another allocation
+    assert cut(plane[10:20], plane[20:30]) == [plane[10:20].tolist()]  # next to it
+    assert cut(plane[10:20], plane[5:25]) == []
+    assert cut(plane[10:20], plane[12:15]) == [plane[10:12].tolist(), plane[15:20].tolist()]
+    assert cut(plane[10:20], plane[15:40]) == [plane[10:15].tolist()]
+    bytes_ = plane.view(torch.uint8)  # a kept range that ends inside an element keeps that element
+    assert cut(plane[10:20], bytes_[40:62]) == [plane[16:20].tolist()]
