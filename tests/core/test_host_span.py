@@ -51,14 +51,21 @@ class _RankOfTwo(SingleProcess):
 
 @contextlib.contextmanager
 def _engine(
-    resident: tuple[str, ...], master_format: str = "fp32", group: SingleProcess | None = None
+    resident: tuple[str, ...],
+    master_format: str = "fp32",
+    group: SingleProcess | None = None,
+    streamed: tuple[str, ...] = (),
 ) -> Iterator[tuple[_RecordingDevice, HostParameters, dict[str, torch.Tensor], Engine]]:
     """An engine over an unpinned master loaded with a seeded init; also yields every unit's copied plane
     as loaded, before the engine gave any page back."""
     model = ToyModel(_CFG)
     dtype = torch.bfloat16 if master_format == "split" else torch.float32
     config = EngineConfig(
-        compute_dtype=dtype, master_format=master_format, transfer_chunk_numel=4096, resident_units=resident
+        compute_dtype=dtype,
+        master_format=master_format,
+        transfer_chunk_numel=4096,
+        resident_units=resident,
+        streamed_units=streamed,
     )
     with _RecordingDevice() as device, group or SingleProcess() as collectives:
         host = HostParameters(model, master_format=master_format)
@@ -69,12 +76,13 @@ def _engine(
 
 
 def _assert_one_span(device: _RecordingDevice, host: HostParameters, start: int, end: int) -> None:
-    """One registration, of the copied plane's elements ``[start, end)``."""
-    assert len(device.pinned) == 1, f"{len(device.pinned)} registrations in one allocation"
-    (pinned,) = device.pinned
+    """One registration per allocation, and the copied plane's is its elements ``[start, end)``."""
+    allocations = [tensor.untyped_storage().data_ptr() for tensor in device.pinned]
+    assert len(allocations) == len(set(allocations)), "two registrations in one allocation"
+    h2d_plane = host.store.h2d_plane.untyped_storage().data_ptr()
+    (pinned,) = [tensor for tensor in device.pinned if tensor.untyped_storage().data_ptr() == h2d_plane]
     want = host.h2d_span(start, end)
     assert (pinned.data_ptr(), pinned.numel(), pinned.dtype) == (want.data_ptr(), want.numel(), want.dtype)
-    assert pinned.untyped_storage().data_ptr() == host.store.h2d_plane.untyped_storage().data_ptr()
 
 
 def _given_back(tensor: torch.Tensor) -> bool:
@@ -96,7 +104,7 @@ def test_resident_blocks_between_streamed_units_are_kept_inside_the_one_span() -
         assert torch.equal(drained, engine.residents.units["layers.0"].master)
         engine.step(batches[1], lr=1e-3)  # the release after a drain keeps them too
         assert torch.equal(host.flat("layers.0"), drained)
-        assert len(device.pinned) == 1
+        assert len(device.pinned) == 1  # no plane but the copied one, no second range of it
 
 
 def test_resident_units_at_both_ends_are_given_back() -> None:
@@ -116,10 +124,27 @@ def test_a_split_master_registers_its_bf16_plane_only() -> None:
     and gives back its low bits, which never cross PCIe."""
     with _engine(("layers.1",), master_format="split") as (device, host, loaded, _):
         _assert_one_span(device, host, host.offset("embed"), host.extent("head")[1])
+        assert len(device.pinned) == 1
         assert torch.equal(host.h2d_source("layers.1"), loaded["layers.1"])
         start, end = host.extent("layers.1")
         assert _given_back(host.store.planes["lo"][start:end])
         assert host.store.planes["lo"][slice(*host.extent("layers.2"))].any()
+
+
+def test_a_resident_unit_between_streamed_units_keeps_their_pinned_planes() -> None:
+    """Units updated on the device as they stream also page-lock a split master's other planes, from the
+    first streamed unit to the last: a resident unit between them keeps its pages in those spans too,
+    after a drain wrote them and the next step's release."""
+    streamed = ("layers.0", "layers.2")
+    with _engine(("layers.1",), master_format="split", streamed=streamed) as (device, host, _, engine):
+        _assert_one_span(device, host, host.offset("embed"), host.extent("head")[1])
+        engine.step(toy_batches(_CFG, steps=1, accum=1, seed=5)[0], lr=1e-3)
+        engine.drain()
+        low_bits = host.store.planes["lo"][slice(*host.extent("layers.1"))]
+        drained = low_bits.clone()
+        assert drained[_PAGES].any()
+        engine.step(toy_batches(_CFG, steps=1, accum=1, seed=6)[0], lr=1e-3)
+        assert torch.equal(low_bits, drained), "pages under a streamed span were given back"
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -151,10 +176,10 @@ def test_outside_cuts_the_kept_memory_out() -> None:
     plane = torch.arange(100, dtype=torch.float32)
     other = torch.zeros(100)
 
-    def cut(tensor: torch.Tensor, kept: torch.Tensor | None) -> list[list[float]]:
+    def cut(tensor: torch.Tensor, *kept: torch.Tensor) -> list[list[float]]:
         return [part.tolist() for part in outside(tensor, kept)]
 
-    assert cut(plane[10:20], None) == [plane[10:20].tolist()]
+    assert cut(plane[10:20]) == [plane[10:20].tolist()]
     assert cut(plane[10:20], other[10:20]) == [plane[10:20].tolist()]  # another allocation
     assert cut(plane[10:20], plane[20:30]) == [plane[10:20].tolist()]  # next to it
     assert cut(plane[10:20], plane[5:25]) == []
@@ -162,3 +187,4 @@ def test_outside_cuts_the_kept_memory_out() -> None:
     assert cut(plane[10:20], plane[15:40]) == [plane[10:15].tolist()]
     bytes_ = plane.view(torch.uint8)  # a kept range that ends inside an element keeps that element
     assert cut(plane[10:20], bytes_[40:62]) == [plane[16:20].tolist()]
+    assert cut(plane[10:20], plane[12:13], plane[14:16], plane[18:30]) == [[10.0, 11.0], [13.0], [16.0, 17.0]]

@@ -42,12 +42,19 @@ def pinned_span(shards: Iterable[tuple[int, int]]) -> tuple[int, int] | None:
     return min(start for start, _ in spans), max(end for _, end in spans)
 
 
-def outside(tensor: torch.Tensor, kept: torch.Tensor | None) -> list[torch.Tensor]:
-    """The parts of the flat host tensor ``tensor`` whose memory is not under ``kept`` (a flat tensor too):
-    what may be given back to the OS while ``kept`` stays page-locked. The tensor whole when the two do not
-    overlap (another plane, another range); nothing when ``kept`` covers it."""
-    if kept is None or tensor.numel() == 0 or kept.numel() == 0:
-        return [tensor]
+def outside(tensor: torch.Tensor, kept: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The parts of the flat host tensor ``tensor`` whose memory is under none of ``kept`` (flat tensors
+    too): what may be given back to the OS while ``kept`` stays page-locked. The tensor whole when none
+    overlaps it (another plane, another range); nothing when they cover it."""
+    parts = [tensor]
+    for span in kept:
+        parts = [piece for part in parts for piece in _outside_one(part, span)]
+    return parts
+
+
+def _outside_one(tensor: torch.Tensor, kept: torch.Tensor) -> list[torch.Tensor]:
+    if tensor.numel() == 0 or kept.numel() == 0:
+        return [tensor] if tensor.numel() else []
     itemsize = tensor.element_size()
     start = tensor.data_ptr()
     end = start + tensor.numel() * itemsize

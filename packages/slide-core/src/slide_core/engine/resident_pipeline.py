@@ -79,9 +79,9 @@ class ResidentPipeline:
         self.timer = timer
         self.chunk_numel = chunk_numel  # bounds the fp32 scratch of scaled gradients and of corrections
         self.lean_host = lean_host
-        self.kept_host: torch.Tensor | None = None
-        """The page-locked span of the host master (Note [One registration per allocation]): resident pages
-        under it are never given back."""
+        self.kept_host: list[torch.Tensor] = []
+        """The page-locked spans of the host master (Note [One registration per allocation]): resident pages
+        under them are never given back."""
         self._host_current = False
         self._scaled = ScaledGrads()
         self.shards = shards
@@ -272,11 +272,11 @@ class ResidentPipeline:
     def flush(self) -> None:
         pass  # stream order: the device is synchronized by the engine's wait_idle
 
-    def keep_host_pages(self, pinned: torch.Tensor | None) -> None:
-        """From now on, :meth:`release_host_masters` leaves the pages under ``pinned`` (the span the engine
+    def keep_host_pages(self, *pinned: torch.Tensor | None) -> None:
+        """From now on, :meth:`release_host_masters` leaves the pages under ``pinned`` (spans the engine
         page-locks, Note [One registration per allocation] in host_span.py) resident: a locked page cannot be
-        given back, and a resident unit's range inside the span stays with it."""
-        self.kept_host = pinned
+        given back, and a resident unit's range inside a span stays with it."""
+        self.kept_host.extend(span for span in pinned if span is not None)
 
     def release_host_masters(self) -> None:
         """Note [Resident host copies]: give the pages of the resident units' host masters back to the OS

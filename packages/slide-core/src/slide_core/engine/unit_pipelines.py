@@ -120,7 +120,7 @@ class UnitPipelines:
             shards=self._shards(collectives, host_units, streamed),
         )  # fmt: skip
         if streamed:
-            self.streamed.pin_host_ranges()
+            self.resident.keep_host_pages(*self.streamed.pin_host_ranges())
             self.distinct.append(self.streamed)
             self._of.update(dict.fromkeys(streamed, self.streamed))
         if offloaded is not None:
