@@ -1,7 +1,7 @@
 """Bytes: what a run holds in host RAM, on the GPU and on NVMe, as a function of its :class:`PlanInputs`.
 
 Every buffer the engine allocates is priced by its owner (:func:`engine_buffers`): the master
-(``HostParameters.bytes_for``), the optimizer state and the gradient accumulators (``HostState``), the
+(``HostParameters.bytes_for``, with the page-locked span of :func:`master_bytes`), the optimizer state and the gradient accumulators (``HostState``), the
 gradient ring or store (``GradTransfer.host_bytes``), the activation stash and its device buffers
 (``ActivationStash``), the optimizer's host and device scratch (``Optimizer.host_scratch_bytes``,
 ``device_scratch_bytes``), the gradient norms (``UnitNorms``), the NVMe staging sets
