@@ -42,7 +42,7 @@ from slide_core.engine.resident import resident_numel_bytes
 from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.engine.slots import SlotWindow
 from slide_core.engine.state_offload import OffloadedState
-from slide_core.host_params import HostParameters
+from slide_core.host_params import HostParameters, MasterFormat
 from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optim.state_formats import StateArray, state_arrays
 from slide_core.optimizer import Optimizer
@@ -219,7 +219,7 @@ def master_bytes(shape: ModelShape, inputs: PlanInputs, world_size: int = 1) -> 
     every plane of its shards of the host-updated units (Note [Sharded master] in slide_core's
     engine/host_pipeline.py), and in the plane the host-to-device copy reads, the whole span the engine
     page-locks (:func:`pinned_master_numel`), resident units and other ranks' shards inside it included."""
-    master_format = "split" if inputs.master_format == "split" else "fp32"
+    master_format: MasterFormat = "split" if inputs.master_format == "split" else "fp32"
     resident = set(inputs.resident_units)
     host_numel = sum(n for name, n in _named_numels(shape).items() if name not in resident)
     copied_plane = HostParameters.h2d_bytes_for(host_numel, master_format)
