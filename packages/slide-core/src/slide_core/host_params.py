@@ -119,7 +119,7 @@ class HostParameters:
 
     def h2d_span(self, start: int, end: int) -> torch.Tensor:
         """The plane :meth:`h2d_source` reads, over elements ``[start, end)`` (units are laid out in model
-        order): the one range the engine page-locks (Note [One registration per allocation] in
+        order): a range the engine page-locks (Note [One registration per allocation] in
         slide_core/engine/host_span.py)."""
         return self.store.h2d_plane[start:end]
 

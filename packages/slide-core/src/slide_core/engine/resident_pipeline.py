@@ -272,11 +272,11 @@ class ResidentPipeline:
     def flush(self) -> None:
         pass  # stream order: the device is synchronized by the engine's wait_idle
 
-    def keep_host_pages(self, *pinned: torch.Tensor | None) -> None:
+    def keep_host_pages(self, *pinned: torch.Tensor) -> None:
         """From now on, :meth:`release_host_masters` leaves the pages under ``pinned`` (spans the engine
         page-locks, Note [One registration per allocation] in host_span.py) resident: a locked page cannot be
         given back, and a resident unit's range inside a span stays with it."""
-        self.kept_host.extend(span for span in pinned if span is not None)
+        self.kept_host.extend(pinned)
 
     def release_host_masters(self) -> None:
         """Note [Resident host copies]: give the pages of the resident units' host masters back to the OS

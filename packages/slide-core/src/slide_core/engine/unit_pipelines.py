@@ -34,7 +34,7 @@ from .config import EngineConfig
 from .context import ClipStrategy, StepContext
 from .grad_transfer import GradTransfer
 from .host_pipeline import HostPipeline
-from .host_span import pinned_span
+from .host_span import pinned_spans
 from .host_state import HostState
 from .norms import UnitNorms
 from .pipeline import UnitPipeline
@@ -225,21 +225,24 @@ def _pin_shards(
     shards: UnitShards,
     resident_pipeline: ResidentPipeline,
 ) -> None:
-    """Page-lock the copied plane from this rank's first host-updated byte to its last in one registration
-    (Note [One registration per allocation] in host_span.py). The resident units' pages outside that span
-    are given back first, since a page-locked registration may keep nearby pages; those inside it stay
-    locked, and the resident pipeline keeps them at every later release too."""
-    extents = []
+    """Page-lock this rank's shards of the copied plane, one registration per span of
+    :func:`~.host_span.pinned_spans` (Note [One registration per allocation] in host_span.py): its shards
+    joined where contiguous or where only resident units lie between them. The resident units' pages
+    outside the spans are given back first, since a page-locked registration may keep nearby pages; those
+    inside them stay locked, and the resident pipeline keeps them at every later release too."""
+    extents, bridges = [], []
     for unit in units:
-        if unit.name not in resident:
+        start, end = host_params.extent(unit)
+        if unit.name in resident:
+            bridges.append((start, end))
+        else:
             lo, hi = shards[unit.name]
-            extents.append((host_params.offset(unit) + lo, host_params.offset(unit) + hi))
-    span = pinned_span(extents)
-    pinned = None if span is None else host_params.h2d_span(*span)
-    resident_pipeline.keep_host_pages(pinned)
+            extents.append((start + lo, start + hi))
+    pinned = [host_params.h2d_span(start, end) for start, end in pinned_spans(extents, bridges)]
+    resident_pipeline.keep_host_pages(*pinned)
     resident_pipeline.release_host_masters()
-    if pinned is not None:
-        device.pin_host_range(pinned)
+    for span in pinned:
+        device.pin_host_range(span)
 
 
 def _nothing() -> None:

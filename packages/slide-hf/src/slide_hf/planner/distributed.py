@@ -4,12 +4,11 @@ Built on the single-process :class:`~slide_hf.planner.plan.Plan` of one rank (it
 the sharded engine changes (slide_core/engine/host_pipeline.py, docs/distributed.md):
 
 - GPU: unchanged. Every rank slides the whole model through the same slots and buffers.
-- Host, per rank: the Adam state and the fp32 gradient accumulators 1/N (a rank loads, updates and
-  writes only its shards, so the rest of those buffers is never touched: Note [Sharded master] in
-  slide_core/engine/host_pipeline.py); the master 1/N too, but for the plane the host-to-device copy
-  reads (the fp32 slab, a split master's bf16 plane), which the rank page-locks in one span from its
-  first shard to its last, the other ranks' shards between them included (Note [One registration per
-  allocation] in slide_core/engine/host_span.py); the pinned gradient ring or clipping store 1/N (the
+- Host, per rank: the fp32 master, the Adam state and the fp32 gradient accumulators 1/N (a rank loads,
+  updates and writes only its shards, so the rest of those buffers is never touched: Note [Sharded
+  master] in slide_core/engine/host_pipeline.py; the master's page-locked spans hold its shards only, one
+  span per contiguous stretch of them: Note [One registration per allocation] in
+  slide_core/engine/host_span.py), the pinned gradient ring or clipping store 1/N (the
   ring holds the backlog of what the rank streams, its shards; the store, those shards), the rest as one process
   (activation stash, scratch, the process itself). Per host: that, times the ranks on the host. The
   final drain gathers the whole master on every rank for the export, which this does not count.
@@ -120,8 +119,10 @@ class DataParallelPlan:
 
 _SHARDED_HOST = ("optimizer_state", "grad_accumulators", "grad_ring")
 """Host buffers of which a rank writes (and so holds) only its 1/N share while it trains (``grad_ring``
-is the clipping store where clipping is on: the rank's shards of the step's gradient). The master is
-priced per rank by its owner's rule (``master_bytes``): 1/N but for the page-locked span."""
+is the clipping store where clipping is on: the rank's shards of the step's gradient). The master, 1/N
+too, is priced per rank by its owner's rule (``master_bytes``, the largest rank's shards), not as one
+process's figure over N: that counts the resident units inside its page-locked span, and with two ranks
+or more a resident unit always has other ranks' shards beside it, so no rank's span keeps it."""
 
 
 def plan_data_parallel(
@@ -200,7 +201,7 @@ def render_data_parallel(dp: DataParallelPlan) -> str:
     rows = [
         ("data parallel", f"{dp.world_size} ranks ({dp.nproc_per_node} per host x {dp.nnodes} {hosts})", ""),
         ("  GPU peak", format_bytes(dp.gpu_peak_bytes), "per GPU, as one process"),
-        ("  host per rank", format_bytes(dp.host_per_rank_bytes), "Adam state 1/N, the master's pinned span whole"),
+        ("  host per rank", format_bytes(dp.host_per_rank_bytes), "fp32 master and Adam state 1/N"),
         ("  host per host", format_bytes(dp.host_per_host_bytes), f"{dp.nproc_per_node} ranks"),
         (
             "  step time",

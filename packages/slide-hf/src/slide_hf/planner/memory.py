@@ -1,16 +1,16 @@
 """Bytes: what a run holds in host RAM, on the GPU and on NVMe, as a function of its :class:`PlanInputs`.
 
 Every buffer the engine allocates is priced by its owner (:func:`engine_buffers`): the master
-(``HostParameters.bytes_for``, with the page-locked span of :func:`master_bytes`), the optimizer state and the gradient accumulators (``HostState``), the
-gradient ring or store (``GradTransfer.host_bytes``), the activation stash and its device buffers
-(``ActivationStash``), the optimizer's host and device scratch (``Optimizer.host_scratch_bytes``,
-``device_scratch_bytes``), the gradient norms (``UnitNorms``), the NVMe staging sets
-(``OffloadedState.staging_bytes``), the slots (``SlotWindow.slot_bytes``), the device-resident units
-(``resident_numel_bytes``), the resident pipeline's scratch and the upload's cast chunk
-(``MasterUpload.staging_bytes``). The planner supplies the model's shapes and the run's options, never its
-own formula for an engine buffer; ``tests/hf/test_planner_buffers.py`` checks each against what a real
-engine allocates, buffer by buffer. The process baseline and the GPU's transient workspace are estimates
-from the model's shapes.
+(``HostParameters.bytes_for``, with the page-locked spans of :func:`master_bytes`), the optimizer state and
+the gradient accumulators (``HostState``), the gradient ring or store (``GradTransfer.host_bytes``), the
+activation stash and its device buffers (``ActivationStash``), the optimizer's host and device scratch
+(``Optimizer.host_scratch_bytes``, ``device_scratch_bytes``), the gradient norms (``UnitNorms``), the NVMe
+staging sets (``OffloadedState.staging_bytes``), the slots (``SlotWindow.slot_bytes``), the device-resident
+units (``resident_numel_bytes``), the resident pipeline's scratch and the upload's cast chunk
+(``MasterUpload.staging_bytes``). The planner supplies the model's shapes and the run's options, never its own
+formula for an engine buffer; ``tests/hf/test_planner_buffers.py`` checks each against what a real engine
+allocates, buffer by buffer. The process baseline and the GPU's transient workspace are estimates from the
+model's shapes.
 
 The GPU peak is the persistent part (parameter/gradient slots, the two activation buffers, the CUDA
 context, device-resident units and the scratch their updates hold, the latter as the optimizer and the
@@ -34,7 +34,7 @@ from slide_core.collectives import shard_span
 from slide_core.engine.activations import TIER_STAGING_COPIES, ActivationStash
 from slide_core.engine.config import EngineConfig
 from slide_core.engine.grad_transfer import GradTransfer
-from slide_core.engine.host_span import pinned_span
+from slide_core.engine.host_span import pinned_spans
 from slide_core.engine.host_state import HostState
 from slide_core.engine.master_upload import MasterUpload
 from slide_core.engine.norms import UnitNorms
@@ -181,7 +181,7 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     wants_norms = UnitNorms.wanted(cfg)
     host = {
         # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies]),
-        # but for those inside the page-locked span (Note [One registration per allocation])
+        # but for those inside a page-locked span (Note [One registration per allocation])
         "master_fp32": master_bytes(shape, inputs),
         # device-resident and NVMe units keep m and v elsewhere; their host ranges are never touched
         "optimizer_state": HostState.state_bytes(arrays, on_host_state),
@@ -217,8 +217,8 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
 def master_bytes(shape: ModelShape, inputs: PlanInputs, world_size: int = 1) -> int:
     """The host master one of ``world_size`` ranks holds while it trains (the largest over the ranks):
     every plane of its shards of the host-updated units (Note [Sharded master] in slide_core's
-    engine/host_pipeline.py), and in the plane the host-to-device copy reads, the whole span the engine
-    page-locks (:func:`pinned_master_numel`), resident units and other ranks' shards inside it included."""
+    engine/host_pipeline.py), and in the plane the host-to-device copy reads, the spans the engine
+    page-locks (:func:`pinned_master_numel`), with the resident units inside them."""
     master_format: MasterFormat = "split" if inputs.master_format == "split" else "fp32"
     resident = set(inputs.resident_units)
     host_numel = sum(n for name, n in _named_numels(shape).items() if name not in resident)
@@ -231,18 +231,20 @@ def master_bytes(shape: ModelShape, inputs: PlanInputs, world_size: int = 1) -> 
 
 
 def pinned_master_numel(shape: ModelShape, inputs: PlanInputs, rank: int = 0, world_size: int = 1) -> int:
-    """Elements of the span of the copied plane that rank ``rank`` of ``world_size`` page-locks, by the
-    engine's rule (``slide_core.engine.host_span.pinned_span``): from the first element of its shard of the
-    first host-updated unit to the last of its shard of the last, units laid out in model order."""
+    """Elements of the copied plane that rank ``rank`` of ``world_size`` page-locks, by the engine's rule
+    (``slide_core.engine.host_span.pinned_spans``, units laid out in model order): its shards of the
+    host-updated units, and the resident units between two of them with nothing else in the gap (in one
+    process, every resident unit between the first host-updated unit and the last)."""
     resident = set(inputs.resident_units)
-    shards, offset = [], 0
+    extents, bridges, offset = [], [], 0
     for name, numel in _named_numels(shape).items():
-        if name not in resident:
+        if name in resident:
+            bridges.append((offset, offset + numel))
+        else:
             lo, hi = shard_span(numel, rank, world_size)
-            shards.append((offset + lo, offset + hi))
+            extents.append((offset + lo, offset + hi))
         offset += numel
-    span = pinned_span(shards)
-    return 0 if span is None else span[1] - span[0]
+    return sum(end - start for start, end in pinned_spans(extents, bridges))
 
 
 def _nvme_names(shape: ModelShape, inputs: PlanInputs) -> list[str]:
