@@ -1,6 +1,7 @@
-"""slide_core/engine/host_span.py: an unpinned master is page-locked in one registration per allocation,
-from the rank's first host-updated byte to its last (Note [One registration per allocation]), and the
-resident units' pages inside that span are kept while those outside it are given back.
+"""slide_core/engine/host_span.py: an unpinned master is page-locked over this rank's host-updated shards,
+joined into one span where they are contiguous or where only resident units lie between them (Note [One
+registration per allocation]): one span in one process, one per stretch of a rank's shards under data
+parallelism. The resident units' pages inside a span are kept while those outside are given back.
 
 The device is the CPU one with ``pin_host_range`` recorded; a rank of two is a one-process world whose
 shards are a rank's (what building the engine asks of its collectives)."""
@@ -17,7 +18,7 @@ from slide_core import AdamWConfig, HostParameters
 from slide_core.collectives import SingleProcess, shard_span
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
-from slide_core.engine.host_span import outside, pinned_span
+from slide_core.engine.host_span import outside, pinned_spans
 from slide_core.optim import TorchAdamW
 from slide_core.testing import ToyConfig, ToyModel, load_init, toy_batches, toy_init
 
@@ -75,14 +76,19 @@ def _engine(
             yield device, host, loaded, engine
 
 
+def _assert_spans(device: _RecordingDevice, host: HostParameters, *spans: tuple[int, int]) -> None:
+    """The copied plane is registered over exactly its elements ``spans``, in that order."""
+    h2d_plane = host.store.h2d_plane.untyped_storage().data_ptr()
+    pinned = [tensor for tensor in device.pinned if tensor.untyped_storage().data_ptr() == h2d_plane]
+    wanted = [host.h2d_span(start, end) for start, end in spans]
+    assert [(t.data_ptr(), t.numel(), t.dtype) for t in pinned] == [(t.data_ptr(), t.numel(), t.dtype) for t in wanted]
+
+
 def _assert_one_span(device: _RecordingDevice, host: HostParameters, start: int, end: int) -> None:
     """One registration per allocation, and the copied plane's is its elements ``[start, end)``."""
     allocations = [tensor.untyped_storage().data_ptr() for tensor in device.pinned]
     assert len(allocations) == len(set(allocations)), "two registrations in one allocation"
-    h2d_plane = host.store.h2d_plane.untyped_storage().data_ptr()
-    (pinned,) = [tensor for tensor in device.pinned if tensor.untyped_storage().data_ptr() == h2d_plane]
-    want = host.h2d_span(start, end)
-    assert (pinned.data_ptr(), pinned.numel(), pinned.dtype) == (want.data_ptr(), want.numel(), want.dtype)
+    _assert_spans(device, host, (start, end))
 
 
 def _given_back(tensor: torch.Tensor) -> bool:
@@ -148,15 +154,24 @@ def test_a_resident_unit_between_streamed_units_keeps_their_pinned_planes() -> N
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_two_ranks_register_one_span_from_their_first_shard_to_their_last(rank: int) -> None:
-    """Data parallel: a rank's shards of consecutive units are not contiguous (the other rank's lie
-    between them), and still make one registration per allocation, with the resident block inside it."""
+def test_two_ranks_register_one_span_per_stretch_of_their_shards(rank: int) -> None:
+    """Data parallel: a rank's shards of consecutive units have the other rank's between them, so each
+    is its own span, never one span over the other rank's shards; the resident block between two of them
+    lies beside the other rank's shards too, so it is not bridged and its pages are given back."""
     model = ToyModel(_CFG)
-    first = shard_span(model.embedding.layout.numel, rank, 2)[0]
-    last = shard_span(model.head.layout.numel, rank, 2)[1]
     with _engine(("layers.1",), group=_RankOfTwo(rank)) as (device, host, loaded, _):
-        _assert_one_span(device, host, host.offset("embed") + first, host.offset("head") + last)
-        assert torch.equal(host.h2d_source("layers.1"), loaded["layers.1"])
+        shards = []
+        for unit in model.units:
+            if unit.name != "layers.1":
+                lo, hi = shard_span(unit.layout.numel, rank, 2)
+                shards.append((host.offset(unit) + lo, host.offset(unit) + hi))
+        assert len(shards) == 5
+        _assert_spans(device, host, *shards)
+        assert _given_back(host.flat("layers.1"))
+        for unit in model.units:  # the other rank's shards are never page-locked
+            lo, hi = shard_span(unit.layout.numel, 1 - rank, 2)
+            other = host.h2d_span(host.offset(unit) + lo, host.offset(unit) + hi)
+            assert outside(other, device.pinned) == [other], f"{unit.name}: the other rank's shard is locked"
 
 
 def test_no_span_when_every_unit_is_resident() -> None:
@@ -166,10 +181,34 @@ def test_no_span_when_every_unit_is_resident() -> None:
         assert all(_given_back(host.flat(name)) for name in resident)
 
 
-def test_pinned_span_runs_from_the_first_shard_to_the_last() -> None:
-    assert pinned_span([(10, 20), (40, 45), (0, 0), (30, 35)]) == (10, 45)
-    assert pinned_span([(5, 5)]) is None
-    assert pinned_span([]) is None
+def test_pinned_spans_join_contiguous_extents_and_gaps_that_resident_units_fill() -> None:
+    # in any order; contiguous extents join, empty ones are dropped
+    assert pinned_spans([(30, 40), (10, 20), (20, 30), (50, 50)], []) == [(10, 40)]
+    assert pinned_spans([(10, 20), (30, 40)], []) == [(10, 20), (30, 40)]
+    # a gap wholly inside the resident units' ranges, one or several touching ones, is bridged
+    assert pinned_spans([(10, 20), (30, 40)], [(20, 30)]) == [(10, 40)]
+    assert pinned_spans([(10, 20), (30, 40)], [(15, 25), (25, 35)]) == [(10, 40)]
+    # a gap with anything else in it is not: one process's resident unit beside another rank's shard
+    assert pinned_spans([(10, 20), (30, 40)], [(20, 29)]) == [(10, 20), (30, 40)]
+    assert pinned_spans([(10, 20), (30, 40)], [(20, 25), (26, 30)]) == [(10, 20), (30, 40)]
+    assert pinned_spans([(5, 5)], [(0, 10)]) == []
+    assert pinned_spans([], []) == []
+
+
+def test_a_resident_unit_between_two_stretches_of_a_rank_is_bridged_only_when_the_gap_is_resident() -> None:
+    """Units a = [0, 100), resident r = [100, 150), b = [150, 250) under two ranks: rank 1's shard of a
+    runs to r, but its shard of b starts after rank 0's, so nothing is bridged; a rank whose shard of b
+    started at b (as rank 0's of a unit does) would be joined across r whole."""
+    units = {"a": (0, 100), "b": (150, 250)}
+    resident = [(100, 150)]
+
+    def extents(rank: int) -> list[tuple[int, int]]:
+        return [(start + lo, start + hi) for start, end in units.values() for lo, hi in [shard_span(end - start, rank, 2)]]
+
+    assert pinned_spans(extents(0), resident) == [(0, 50), (150, 200)]
+    assert pinned_spans(extents(1), resident) == [(50, 100), (200, 250)]
+    assert pinned_spans([(50, 100), (150, 200)], resident) == [(50, 200)]
+    assert pinned_spans([(50, 100), (150, 200)], [(100, 140)]) == [(50, 100), (150, 200)]
 
 
 def test_outside_cuts_the_kept_memory_out() -> None:
