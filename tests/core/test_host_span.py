@@ -203,7 +203,9 @@ def test_a_resident_unit_between_two_stretches_of_a_rank_is_bridged_only_when_th
     resident = [(100, 150)]
 
     def extents(rank: int) -> list[tuple[int, int]]:
-        return [(start + lo, start + hi) for start, end in units.values() for lo, hi in [shard_span(end - start, rank, 2)]]
+        return [
+            (start + lo, start + hi) for start, end in units.values() for lo, hi in [shard_span(end - start, rank, 2)]
+        ]
 
     assert pinned_spans(extents(0), resident) == [(0, 50), (150, 200)]
     assert pinned_spans(extents(1), resident) == [(50, 100), (200, 250)]

@@ -194,6 +194,7 @@ _CASES = [
     ),
     _Case("fp32-resident-blocks-accum-clip", resident=("block.1", "head"), grad_accum=2, clipping=True),
     _Case("split-resident-inside-the-span", torch.bfloat16, master_format="split", resident=("block.1",)),
+    _Case("fp32-resident-at-an-end-and-inside", resident=("embedding", "block.1")),
     _Case("split-ring-pinned", torch.bfloat16, master_format="split", tied=True, pinned_master=True),
     _Case("fused-split-clip", torch.bfloat16, fused=True, master_format="split", clipping=True, tied=True),
     _Case("int8-fused-accum", torch.bfloat16, "int8", fused=True, grad_accum=2),
