@@ -159,7 +159,7 @@ def test_two_ranks_register_one_span_per_stretch_of_their_shards(rank: int) -> N
     is its own span, never one span over the other rank's shards; the resident block between two of them
     lies beside the other rank's shards too, so it is not bridged and its pages are given back."""
     model = ToyModel(_CFG)
-    with _engine(("layers.1",), group=_RankOfTwo(rank)) as (device, host, loaded, _):
+    with _engine(("layers.1",), group=_RankOfTwo(rank)) as (device, host, _, _):
         shards = []
         for unit in model.units:
             if unit.name != "layers.1":
