@@ -282,7 +282,7 @@ def _run(model: ToyModel, case: _Case, optimizer: Optimizer, log: _AllocationLog
                 if unit.name in elsewhere:
                     views = engine.host_state.views(unit)
                     live["host/optimizer_state"] -= sum(v.numel() * v.element_size() for v in views.values())
-                if unit.name in resident and not case.pinned_master:  # pages given back, but the page-locked span's
+                if unit.name in resident and not case.pinned_master:  # pages given back, but the page-locked spans'
                     kept = engine.pipelines.resident.kept_host
                     given_back = [part for r in host.unit_ranges(unit) for part in outside(r, kept)]
                     live["host/master_fp32"] -= sum(r.numel() * r.element_size() for r in given_back)

@@ -85,7 +85,7 @@ class HostParameters:
     @staticmethod
     def h2d_bytes_for(numel: int, master_format: MasterFormat) -> int:
         """Host bytes of ``numel`` elements of the plane the host-to-device copy reads (:meth:`h2d_source`):
-        4 per element in fp32, 2 (the bf16 plane) in split. The planner prices the page-locked span from
+        4 per element in fp32, 2 (the bf16 plane) in split. The planner prices the page-locked spans from
         this (Note [One registration per allocation] in slide_core/engine/host_span.py)."""
         return numel * (torch.float32.itemsize if master_format == "fp32" else torch.bfloat16.itemsize)
 

@@ -284,7 +284,7 @@ class ResidentPipeline:
         :attr:`kept_host`."""
         if self.lean_host:
             for name in self.units.units:
-                # every plane of the master's format, less the part the page-locked span holds
+                # every plane of the master's format, less the parts the page-locked spans hold
                 ranges = [part for r in self.host_params.unit_ranges(name) for part in outside(r, self.kept_host)]
                 nbytes = sum(r.numel() * r.element_size() for r in ranges)
                 if sum(release_pages(r) for r in ranges) == 0 and nbytes >= 1 << 22:
