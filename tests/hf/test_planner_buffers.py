@@ -12,7 +12,8 @@ temporaries once escaped every plan.
 On the CPU device the "device" and the host are one memory, so the owner decides which side of the plan a
 buffer belongs to. Ranges the engine allocates but never touches (the host master and optimizer state of
 units kept elsewhere) cost no memory: the plan prices what is touched, so those ranges, measured on the
-engine's own tensors, are taken off.
+engine's own tensors, are taken off; a resident unit's master inside the span the engine page-locks is
+kept (Note [One registration per allocation]), so the plan prices it and it stays.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import slide_core
 from slide_core import AdamWConfig, HostParameters
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
+from slide_core.engine.host_span import outside
 from slide_core.optim import TorchAdamW
 from slide_core.optim.compact_adamw import CompactAdamW
 from slide_core.optim.fused_adamw import FusedAdamW
@@ -191,6 +193,8 @@ _CASES = [
         resident=("embedding",),
     ),
     _Case("fp32-resident-blocks-accum-clip", resident=("block.1", "head"), grad_accum=2, clipping=True),
+    _Case("split-resident-inside-the-span", torch.bfloat16, master_format="split", resident=("block.1",)),
+    _Case("fp32-resident-at-an-end-and-inside", resident=("embedding", "block.1")),
     _Case("split-ring-pinned", torch.bfloat16, master_format="split", tied=True, pinned_master=True),
     _Case("fused-split-clip", torch.bfloat16, fused=True, master_format="split", clipping=True, tied=True),
     _Case("int8-fused-accum", torch.bfloat16, "int8", fused=True, grad_accum=2),
@@ -278,8 +282,10 @@ def _run(model: ToyModel, case: _Case, optimizer: Optimizer, log: _AllocationLog
                 if unit.name in elsewhere:
                     views = engine.host_state.views(unit)
                     live["host/optimizer_state"] -= sum(v.numel() * v.element_size() for v in views.values())
-                if unit.name in resident and not case.pinned_master:  # pages given back
-                    live["host/master_fp32"] -= sum(r.numel() * r.element_size() for r in host.unit_ranges(unit))
+                if unit.name in resident and not case.pinned_master:  # pages given back, but the page-locked spans'
+                    kept = engine.pipelines.resident.kept_host
+                    given_back = [part for r in host.unit_ranges(unit) for part in outside(r, kept)]
+                    live["host/master_fp32"] -= sum(r.numel() * r.element_size() for r in given_back)
     return dict(live)
 
 

@@ -6,11 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from slide_core import AdamWConfig, HostParameters
+from slide_core.collectives import SingleProcess, shard_span
+from slide_core.devices.cpu import CPUDevice
+from slide_core.engine import Engine, EngineConfig
+from slide_core.optim import TorchAdamW
 from slide_core.testing import ToyConfig, ToyModel
 from slide_hf.errors import UserError
 from slide_hf.planner import Bandwidths, ModelShape, PlanInputs, make_plan
 from slide_hf.planner.distributed import Interconnect, plan_data_parallel
+from slide_hf.planner.memory import pinned_master_numel
 
 BW = Bandwidths(h2d_gbps=50.0, d2h_gbps=40.0, cpu_adam_gparams=2.0, host_mem_gbps=100.0, gpu_tflops=400.0)
 
@@ -30,9 +37,14 @@ def test_scaling_by_hand(per_node: int, nodes: int, accum: int) -> None:
     world = per_node * nodes
     n, d = shape.total_numel, 2  # bf16 compute
 
-    # Host: the master, the Adam state, accumulators and gradient ring 1/N, the rest as one process.
+    # Host: the master, the Adam state, accumulators and gradient ring 1/N, the rest as one process. The
+    # master is the largest rank's shards (rank 0's: shards of ceil(numel / N)), page-locked stretch by
+    # stretch (Note [One registration per allocation]), never a span over the other ranks' shards.
     host = rank.host_breakdown
-    assert dp.host_rank_breakdown["master_fp32"] == host["master_fp32"] // world
+    numels = [shape.embedding_numel, *shape.block_numels, shape.head_numel]
+    shards = 4 * sum(-(-numel // world) for numel in numels)
+    assert dp.host_rank_breakdown["master_fp32"] == shards
+    assert host["master_fp32"] // world <= shards < host["master_fp32"] // world + 4 * len(numels)
     assert dp.host_rank_breakdown["optimizer_state"] == 8 * n // world
     assert dp.host_rank_breakdown["grad_accumulators"] == (4 * n if accum > 1 else 0) // world
     assert dp.host_rank_breakdown["grad_ring"] == host["grad_ring"] // world
@@ -63,6 +75,60 @@ def test_scaling_by_hand(per_node: int, nodes: int, accum: int) -> None:
     limits = [dp.compute_s, dp.pcie_s, dp.update_s, dp.disk_s, dp.interconnect_s]
     assert dp.step_time_s == max(limits) and dp.compute_s == rank.compute_s
     assert dp.tokens_per_step == world * 2 * 128 * accum
+
+
+class _Rank(SingleProcess):
+    """Rank ``rank`` of ``world_size``, for the shards an engine is built with; its collectives do nothing."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__()
+        self.rank, self.world_size = rank, world_size
+
+    def span(self, numel: int) -> tuple[int, int]:
+        return shard_span(numel, self.rank, self.world_size)
+
+
+class _RecordingDevice(CPUDevice):
+    """The CPU device, recording every range it is asked to page-lock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned: list[torch.Tensor] = []
+
+    def pin_host_range(self, tensor: torch.Tensor) -> None:
+        self.pinned.append(tensor)
+
+
+@pytest.mark.parametrize("master_format", ["fp32", "split"])
+@pytest.mark.parametrize(("rank", "world"), [(0, 1), (0, 2), (1, 2), (2, 3)])
+@pytest.mark.parametrize("resident", [("block.1",), ("embedding", "block.2")])
+def test_the_pinned_master_is_what_the_engine_page_locks(
+    rank: int, world: int, resident: tuple[str, ...], master_format: str
+) -> None:
+    """Plan == engine, rank by rank: the elements of the copied plane the planner prices as page-locked
+    are those the engine registers, resident units inside a span included (one process) or not (ranks)."""
+    cfg = ToyConfig(vocab_size=512, hidden_size=64, num_heads=4, intermediate_size=128, num_layers=3)
+    model = ToyModel(cfg)
+    names = {"embedding": "embed", "block.1": "layers.1", "block.2": "layers.2"}
+    on_device = tuple(names[name] for name in resident)
+    dtype = torch.bfloat16 if master_format == "split" else torch.float32
+    config = EngineConfig(compute_dtype=dtype, master_format=master_format, resident_units=on_device)
+    host_units = [unit for unit in model.units if unit.name not in on_device]
+    with _RecordingDevice() as device, _Rank(rank, world) as collectives:
+        host = HostParameters(model, master_format=master_format)
+        with Engine(model, device, host, TorchAdamW(AdamWConfig()), config, process_group=collectives):
+            h2d_plane = host.store.h2d_plane.untyped_storage().data_ptr()
+            pinned = [t for t in device.pinned if t.untyped_storage().data_ptr() == h2d_plane]
+            first, last = host.offset(host_units[0]), host.extent(host_units[-1])[1]
+    locked = sum(t.numel() for t in pinned)
+    if world == 1:  # one span, the resident units between the first host-updated unit and the last included
+        assert len(pinned) == 1 and locked == last - first
+    else:  # one span per shard (none is contiguous with the next): no resident unit, no other rank's shard
+        assert len(pinned) == len(host_units)
+        assert locked == sum(hi - lo for unit in host_units for lo, hi in [shard_span(unit.layout.numel, rank, world)])
+    shape = ModelShape.of(model)
+    inputs = PlanInputs(shape, resident_units=resident, master_format=master_format)
+    assert pinned_master_numel(shape, inputs, rank, world) == locked
 
 
 def test_the_clipping_store_is_sharded() -> None:

@@ -82,6 +82,13 @@ class HostParameters:
             return numel * torch.float32.itemsize
         return numel * (torch.bfloat16.itemsize + torch.int16.itemsize) + tie_bytes(numel)
 
+    @staticmethod
+    def h2d_bytes_for(numel: int, master_format: MasterFormat) -> int:
+        """Host bytes of ``numel`` elements of the plane the host-to-device copy reads (:meth:`h2d_source`):
+        4 per element in fp32, 2 (the bf16 plane) in split. The planner prices the page-locked spans from
+        this (Note [One registration per allocation] in slide_core/engine/host_span.py)."""
+        return numel * (torch.float32.itemsize if master_format == "fp32" else torch.bfloat16.itemsize)
+
     @property
     def split(self) -> bool:
         """Whether the master is split (for pipelines that still stage a split master's restore themselves)."""
@@ -110,10 +117,11 @@ class HostParameters:
         start, end = self.extent(unit)
         return self.store.h2d_plane[start:end]
 
-    def h2d_span(self, first: Unit | str, last: Unit | str) -> torch.Tensor:
-        """:meth:`h2d_source` from ``first``'s range to the end of ``last``'s (units are laid out in model
-        order): the one range to pin for a run of streamed units."""
-        return self.store.h2d_plane[self.offset(first) : self.extent(last)[1]]
+    def h2d_span(self, start: int, end: int) -> torch.Tensor:
+        """The plane :meth:`h2d_source` reads, over elements ``[start, end)`` (units are laid out in model
+        order): a range the engine page-locks (Note [One registration per allocation] in
+        slide_core/engine/host_span.py)."""
+        return self.store.h2d_plane[start:end]
 
     def unit_ranges(self, unit: Unit | str) -> list[torch.Tensor]:
         """The unit's range of every plane (what to give back to the OS while the unit lives elsewhere)."""

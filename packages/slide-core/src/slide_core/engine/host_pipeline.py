@@ -28,14 +28,15 @@ compute stream is at the end of the step, before the loss and the norms are read
 compute stream (``Collectives.sum_gradient``). On the CPU device streams are no-ops and every collective
 blocks the host thread that issues it.
 
-Note [Sharded master]: a rank never reads its host master outside its shards before a drain: a load
-copies ``[lo, hi)`` up and the all-gather fills the rest, the update writes ``[lo, hi)``, a checkpoint reads
+Note [Sharded master]: a rank never reads its host master outside its shards before a drain: a load copies
+``[lo, hi)`` up and the all-gather fills the rest, the update writes ``[lo, hi)``, a checkpoint reads
 ``[lo, hi)``, and a device-resident unit's compute copy is all-gathered once at the start
-(resident_pipeline.py). So a master loaded with ``HostParameters.keep_shards`` (only the shards written),
-and pinned shard by shard (``UnitPipelines``), costs each rank 1/N of its bytes: the other pages are never
-touched. The drain (:meth:`HostPipeline.sync_to_host`) gathers the whole master on every rank, for an
-export. Tested by ``test_ranks_match_one_process_at_the_global_batch`` (every rank loads its shards only)
-and ``test_a_sharded_master_costs_its_shard`` (tests/core/test_sharded_master.py).
+(resident_pipeline.py). So a master loaded with ``HostParameters.keep_shards`` (only the shards written), and
+page-locked stretch by stretch of its shards (``UnitPipelines``, Note [One registration per allocation] in
+host_span.py: never across another rank's shards), costs each rank 1/N of its bytes: the other pages are never
+touched. The drain (:meth:`HostPipeline.sync_to_host`) gathers the whole master on every rank, for an export.
+Tested by ``test_ranks_match_one_process_at_the_global_batch`` (every rank loads its shards only) and
+``test_a_sharded_master_costs_its_shard`` (tests/core/test_sharded_master.py).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from slide_core.unit import Unit
 
 from .clipping import ScaledGrads
 from .context import Contribution, ContributionKind, StepContext
+from .host_span import outside
 from .host_state import HostState
 from .norms import UnitNorms
 from .pipeline import write_gradients
@@ -78,6 +79,9 @@ class ResidentPipeline:
         self.timer = timer
         self.chunk_numel = chunk_numel  # bounds the fp32 scratch of scaled gradients and of corrections
         self.lean_host = lean_host
+        self.kept_host: list[torch.Tensor] = []
+        """The page-locked spans of the host master (Note [One registration per allocation]): resident pages
+        under them are never given back."""
         self._host_current = False
         self._scaled = ScaledGrads()
         self.shards = shards
@@ -268,12 +272,20 @@ class ResidentPipeline:
     def flush(self) -> None:
         pass  # stream order: the device is synchronized by the engine's wait_idle
 
+    def keep_host_pages(self, *pinned: torch.Tensor) -> None:
+        """From now on, :meth:`release_host_masters` leaves the pages under ``pinned`` (spans the engine
+        page-locks, Note [One registration per allocation] in host_span.py) resident: a locked page cannot be
+        given back, and a resident unit's range inside a span stays with it."""
+        self.kept_host.extend(pinned)
+
     def release_host_masters(self) -> None:
         """Note [Resident host copies]: give the pages of the resident units' host masters back to the OS
-        when the slab is not pinned (their values live on the device)."""
+        when the slab is not pinned (their values live on the device), except those under
+        :attr:`kept_host`."""
         if self.lean_host:
             for name in self.units.units:
-                ranges = self.host_params.unit_ranges(name)  # every plane of the master's format
+                # every plane of the master's format, less the parts the page-locked spans hold
+                ranges = [part for r in self.host_params.unit_ranges(name) for part in outside(r, self.kept_host)]
                 nbytes = sum(r.numel() * r.element_size() for r in ranges)
                 if sum(release_pages(r) for r in ranges) == 0 and nbytes >= 1 << 22:
                     log.warning(

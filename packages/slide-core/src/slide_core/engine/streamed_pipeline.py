@@ -110,12 +110,13 @@ class StreamedPipeline(HostPipeline):
         """Device bytes this pipeline allocates: its staging sets (:meth:`UpdateStaging.bytes_for`)."""
         return UpdateStaging.bytes_for(max_shard_numel, state_arrays, split=split)
 
-    def pin_host_ranges(self) -> None:
+    def pin_host_ranges(self) -> list[torch.Tensor]:
         """Page-lock what the streamed units move besides the plane their loads read (pinned with the
         host-updated masters): a split master's other planes and every state slab, one span from the
-        first streamed unit to the last per allocation (Note [One registration per allocation])."""
+        first streamed unit to the last per allocation (Note [One registration per allocation]). Returns
+        the master's spans, whose pages a resident unit inside them keeps."""
         if not self.backward_order:
-            return
+            return []
         host_params = self.host_params
         first, last = self.backward_order[-1], self.backward_order[0]
         start, end = host_params.offset(first), host_params.extent(last)[1]
@@ -125,10 +126,12 @@ class StreamedPipeline(HostPipeline):
                 continue
             span = plane[start // 8 : -(-end // 8)] if plane.dtype == torch.uint8 else plane[start:end]
             self._pinned.append(span)
+        master_spans = list(self._pinned)
         for array in self.arrays:
             self._pinned.append(self.host_state.state_slabs[array.name][array.range(start, end)])
         for span in self._pinned:
             self.device.pin_host_range(span)
+        return master_spans
 
     def unpin_host_ranges(self) -> None:
         """Give back what :meth:`pin_host_ranges` pinned, so that dropping the host state (before an

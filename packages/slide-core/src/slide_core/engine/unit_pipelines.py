@@ -19,7 +19,6 @@ plugged in: see "Where things plug in" in docs/design/engine.md.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 
@@ -35,6 +34,7 @@ from .config import EngineConfig
 from .context import ClipStrategy, StepContext
 from .grad_transfer import GradTransfer
 from .host_pipeline import HostPipeline
+from .host_span import pinned_spans
 from .host_state import HostState
 from .norms import UnitNorms
 from .pipeline import UnitPipeline
@@ -93,11 +93,8 @@ class UnitPipelines:
             self.residents, device_optimizer, host_params, self.norms, timer, chunk_numel,
             lean_host=lean_host, shards=self._shards(collectives, model.units, resident),
         )  # fmt: skip
-        if lean_host:  # give pages back before pinning: a page-locked registration may keep nearby pages
-            self.resident.release_host_masters()
-            for is_host_updated, run in itertools.groupby(model.units, key=lambda unit: unit.name not in resident):
-                if is_host_updated:
-                    _pin_shards(device, host_params, list(run), self.shards)
+        if lean_host:
+            _pin_shards(device, host_params, model.units, resident, self.shards, self.resident)
         host_units = [unit for unit in model.units if unit.name not in resident]
         host_spans = {unit.name: self.shards[unit.name] for unit in host_units}
         host_state.zero_fresh(host_spans)
@@ -123,7 +120,7 @@ class UnitPipelines:
             shards=self._shards(collectives, host_units, streamed),
         )  # fmt: skip
         if streamed:
-            self.streamed.pin_host_ranges()
+            self.resident.keep_host_pages(*self.streamed.pin_host_ranges())
             self.distinct.append(self.streamed)
             self._of.update(dict.fromkeys(streamed, self.streamed))
         if offloaded is not None:
@@ -220,21 +217,32 @@ class UnitPipelines:
         self.streamed.unpin_host_ranges()
 
 
-def _pin_shards(device: Device, host_params: HostParameters, units: list[Unit], shards: UnitShards) -> None:
-    """Page-lock the master shards of a run of host-updated units, one registration per contiguous stretch
-    (the whole run in one process: each shard is its unit, and units lie in model order in the slab)."""
-    plane = host_params.h2d_span(units[0], units[-1])
-    base = host_params.offset(units[0])
-    stretches: list[list[int]] = []
+def _pin_shards(
+    device: Device,
+    host_params: HostParameters,
+    units: Sequence[Unit],
+    resident: set[str],
+    shards: UnitShards,
+    resident_pipeline: ResidentPipeline,
+) -> None:
+    """Page-lock this rank's shards of the copied plane, one registration per span of
+    :func:`~.host_span.pinned_spans` (Note [One registration per allocation] in host_span.py): its shards
+    joined where contiguous or where only resident units lie between them. The resident units' pages
+    outside the spans are given back first, since a page-locked registration may keep nearby pages; those
+    inside them stay locked, and the resident pipeline keeps them at every later release too."""
+    extents, bridges = [], []
     for unit in units:
-        lo, hi = shards[unit.name]
-        start = host_params.offset(unit) - base
-        if stretches and lo == 0 and stretches[-1][2]:  # follows a shard that ran to its unit's end
-            stretches[-1][1:] = [start + hi, int(hi == unit.layout.numel)]
+        start, end = host_params.extent(unit)
+        if unit.name in resident:
+            bridges.append((start, end))
         else:
-            stretches.append([start + lo, start + hi, int(hi == unit.layout.numel)])
-    for begin, end, _ in stretches:
-        device.pin_host_range(plane[begin:end])
+            lo, hi = shards[unit.name]
+            extents.append((start + lo, start + hi))
+    pinned = [host_params.h2d_span(start, end) for start, end in pinned_spans(extents, bridges)]
+    resident_pipeline.keep_host_pages(*pinned)
+    resident_pipeline.release_host_masters()
+    for span in pinned:
+        device.pin_host_range(span)
 
 
 def _nothing() -> None:

@@ -6,7 +6,9 @@ the sharded engine changes (slide_core/engine/host_pipeline.py, docs/distributed
 - GPU: unchanged. Every rank slides the whole model through the same slots and buffers.
 - Host, per rank: the fp32 master, the Adam state and the fp32 gradient accumulators 1/N (a rank loads,
   updates and writes only its shards, so the rest of those buffers is never touched: Note [Sharded
-  master] in slide_core/engine/host_pipeline.py), the pinned gradient ring or clipping store 1/N (the
+  master] in slide_core/engine/host_pipeline.py; the master's page-locked spans hold its shards only, one
+  span per contiguous stretch of them: Note [One registration per allocation] in
+  slide_core/engine/host_span.py), the pinned gradient ring or clipping store 1/N (the
   ring holds the backlog of what the rank streams, its shards; the store, those shards), the rest as one process
   (activation stash, scratch, the process itself). Per host: that, times the ranks on the host. The
   final drain gathers the whole master on every rank for the export, which this does not count.
@@ -30,6 +32,7 @@ from typing import Any
 
 from slide_hf.errors import UserError
 from slide_hf.planner.inputs import ModelShape, PlanInputs
+from slide_hf.planner.memory import master_bytes
 from slide_hf.planner.plan import Plan
 from slide_hf.planner.timing import _block_loads, h2d_bytes_per_param
 from slide_hf.sizes import format_bytes
@@ -114,9 +117,12 @@ class DataParallelPlan:
         }
 
 
-_SHARDED_HOST = ("master_fp32", "optimizer_state", "grad_accumulators", "grad_ring")
+_SHARDED_HOST = ("optimizer_state", "grad_accumulators", "grad_ring")
 """Host buffers of which a rank writes (and so holds) only its 1/N share while it trains (``grad_ring``
-is the clipping store where clipping is on: the rank's shards of the step's gradient)."""
+is the clipping store where clipping is on: the rank's shards of the step's gradient). The master, 1/N
+too, is priced per rank by its owner's rule (``master_bytes``, the largest rank's shards), not as one
+process's figure over N: that counts the resident units inside its page-locked span, and with two ranks
+or more a resident unit always has other ranks' shards beside it, so no rank's span keeps it."""
 
 
 def plan_data_parallel(
@@ -130,6 +136,7 @@ def plan_data_parallel(
     world = nproc_per_node * nnodes
     inputs, shape = rank.inputs, rank.shape
     breakdown = {key: (value // world if key in _SHARDED_HOST else value) for key, value in rank.host_breakdown.items()}
+    breakdown["master_fp32"] = master_bytes(shape, inputs, world)
     per_rank = sum(breakdown.values())
     params_h2d, stash, grads = _pcie_parts(shape, inputs)
     bw = inputs.bandwidths

@@ -1,16 +1,16 @@
 """Bytes: what a run holds in host RAM, on the GPU and on NVMe, as a function of its :class:`PlanInputs`.
 
 Every buffer the engine allocates is priced by its owner (:func:`engine_buffers`): the master
-(``HostParameters.bytes_for``), the optimizer state and the gradient accumulators (``HostState``), the
-gradient ring or store (``GradTransfer.host_bytes``), the activation stash and its device buffers
-(``ActivationStash``), the optimizer's host and device scratch (``Optimizer.host_scratch_bytes``,
-``device_scratch_bytes``), the gradient norms (``UnitNorms``), the NVMe staging sets
-(``OffloadedState.staging_bytes``), the slots (``SlotWindow.slot_bytes``), the device-resident units
-(``resident_numel_bytes``), the resident pipeline's scratch and the upload's cast chunk
-(``MasterUpload.staging_bytes``). The planner supplies the model's shapes and the run's options, never its
-own formula for an engine buffer; ``tests/hf/test_planner_buffers.py`` checks each against what a real
-engine allocates, buffer by buffer. The process baseline and the GPU's transient workspace are estimates
-from the model's shapes.
+(``HostParameters.bytes_for``, with the page-locked spans of :func:`master_bytes`), the optimizer state and
+the gradient accumulators (``HostState``), the gradient ring or store (``GradTransfer.host_bytes``), the
+activation stash and its device buffers (``ActivationStash``), the optimizer's host and device scratch
+(``Optimizer.host_scratch_bytes``, ``device_scratch_bytes``), the gradient norms (``UnitNorms``), the NVMe
+staging sets (``OffloadedState.staging_bytes``), the slots (``SlotWindow.slot_bytes``), the device-resident
+units (``resident_numel_bytes``), the resident pipeline's scratch and the upload's cast chunk
+(``MasterUpload.staging_bytes``). The planner supplies the model's shapes and the run's options, never its own
+formula for an engine buffer; ``tests/hf/test_planner_buffers.py`` checks each against what a real engine
+allocates, buffer by buffer. The process baseline and the GPU's transient workspace are estimates from the
+model's shapes.
 
 The GPU peak is the persistent part (parameter/gradient slots, the two activation buffers, the CUDA
 context, device-resident units and the scratch their updates hold, the latter as the optimizer and the
@@ -30,9 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from slide_core.collectives import shard_span
 from slide_core.engine.activations import TIER_STAGING_COPIES, ActivationStash
 from slide_core.engine.config import EngineConfig
 from slide_core.engine.grad_transfer import GradTransfer
+from slide_core.engine.host_span import pinned_spans
 from slide_core.engine.host_state import HostState
 from slide_core.engine.master_upload import MasterUpload
 from slide_core.engine.norms import UnitNorms
@@ -40,7 +42,7 @@ from slide_core.engine.resident import resident_numel_bytes
 from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.engine.slots import SlotWindow
 from slide_core.engine.state_offload import OffloadedState
-from slide_core.host_params import HostParameters
+from slide_core.host_params import HostParameters, MasterFormat
 from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optim.state_formats import StateArray, state_arrays
 from slide_core.optimizer import Optimizer
@@ -55,6 +57,8 @@ __all__ = [
     "EngineBuffers",
     "GiB",
     "engine_buffers",
+    "master_bytes",
+    "pinned_master_numel",
 ]
 
 GiB = 1 << 30
@@ -176,10 +180,9 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     tier_copies = TIER_STAGING_COPIES if inputs.offload_activations == "nvme" else 0
     wants_norms = UnitNorms.wanted(cfg)
     host = {
-        # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies])
-        "master_fp32": HostParameters.bytes_for(
-            sum(host_units), "split" if inputs.master_format == "split" else "fp32"
-        ),
+        # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies]),
+        # but for those inside a page-locked span (Note [One registration per allocation])
+        "master_fp32": master_bytes(shape, inputs),
         # device-resident and NVMe units keep m and v elsewhere; their host ranges are never touched
         "optimizer_state": HostState.state_bytes(arrays, on_host_state),
         "grad_accumulators": HostState.accumulator_bytes(_accumulated_numels(shape, inputs)),
@@ -209,6 +212,39 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         "grad_norms": UnitNorms.device_bytes_for(len(numels)) if wants_norms else 0,
     }
     return EngineBuffers(host, device)
+
+
+def master_bytes(shape: ModelShape, inputs: PlanInputs, world_size: int = 1) -> int:
+    """The host master one of ``world_size`` ranks holds while it trains (the largest over the ranks):
+    every plane of its shards of the host-updated units (Note [Sharded master] in slide_core's
+    engine/host_pipeline.py), and in the plane the host-to-device copy reads, the spans the engine
+    page-locks (:func:`pinned_master_numel`), with the resident units inside them."""
+    master_format: MasterFormat = "split" if inputs.master_format == "split" else "fp32"
+    resident = set(inputs.resident_units)
+    host_numel = sum(n for name, n in _named_numels(shape).items() if name not in resident)
+    copied_plane = HostParameters.h2d_bytes_for(host_numel, master_format)
+    other_planes = (
+        HostParameters.bytes_for(host_numel, master_format) - copied_plane
+    )  # a split master's low and tie bits
+    pinned = max(pinned_master_numel(shape, inputs, rank, world_size) for rank in range(world_size))
+    return other_planes // world_size + HostParameters.h2d_bytes_for(pinned, master_format)
+
+
+def pinned_master_numel(shape: ModelShape, inputs: PlanInputs, rank: int = 0, world_size: int = 1) -> int:
+    """Elements of the copied plane that rank ``rank`` of ``world_size`` page-locks, by the engine's rule
+    (``slide_core.engine.host_span.pinned_spans``, units laid out in model order): its shards of the
+    host-updated units, and the resident units between two of them with nothing else in the gap (in one
+    process, every resident unit between the first host-updated unit and the last)."""
+    resident = set(inputs.resident_units)
+    extents, bridges, offset = [], [], 0
+    for name, numel in _named_numels(shape).items():
+        if name in resident:
+            bridges.append((offset, offset + numel))
+        else:
+            lo, hi = shard_span(numel, rank, world_size)
+            extents.append((offset + lo, offset + hi))
+        offset += numel
+    return sum(end - start for start, end in pinned_spans(extents, bridges))
 
 
 def _nvme_names(shape: ModelShape, inputs: PlanInputs) -> list[str]:
