@@ -39,7 +39,7 @@ step (:meth:`StreamedPipeline.updates_on_device`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -55,6 +55,7 @@ from slide_core.unit import Unit
 from .context import ClipStrategy, Contribution, ContributionKind, StepContext
 from .grad_transfer import GradTransfer
 from .host_pipeline import HostPipeline
+from .host_span import pinned_spans
 from .host_state import HostState
 from .norms import UnitNorms
 from .pipeline import write_gradients
@@ -110,25 +111,29 @@ class StreamedPipeline(HostPipeline):
         """Device bytes this pipeline allocates: its staging sets (:meth:`UpdateStaging.bytes_for`)."""
         return UpdateStaging.bytes_for(max_shard_numel, state_arrays, split=split)
 
-    def pin_host_ranges(self) -> list[torch.Tensor]:
+    def pin_host_ranges(self, others: Iterable[tuple[int, int]]) -> list[torch.Tensor]:
         """Page-lock what the streamed units move besides the plane their loads read (pinned with the
-        host-updated masters): a split master's other planes and every state slab, one span from the
-        first streamed unit to the last per allocation (Note [One registration per allocation]). Returns
-        the master's spans, whose pages a resident unit inside them keeps."""
-        if not self.backward_order:
-            return []
+        host-updated masters): a split master's other planes and every state slab, over this rank's
+        shards of the streamed units joined across ``others`` (this rank's shards of every other unit,
+        in master elements), one span per stretch: one span in one process (Note [One registration per
+        allocation] in host_span.py). The pages of a resident unit inside a span stay locked (its master's
+        low planes are kept by the resident pipeline; its state range holds zeros until a drain), as for
+        the master. Returns the master's spans."""
         host_params = self.host_params
-        first, last = self.backward_order[-1], self.backward_order[0]
-        start, end = host_params.offset(first), host_params.extent(last)[1]
+        extents = [
+            (host_params.offset(name) + lo, host_params.offset(name) + hi)
+            for name, (lo, hi) in self.shards.spans.items()
+        ]
         h2d_plane = host_params.store.h2d_plane
-        for plane in host_params.planes.values():
-            if plane.data_ptr() == h2d_plane.data_ptr():
-                continue
-            span = plane[start // 8 : -(-end // 8)] if plane.dtype == torch.uint8 else plane[start:end]
-            self._pinned.append(span)
-        master_spans = list(self._pinned)
-        for array in self.arrays:
-            self._pinned.append(self.host_state.state_slabs[array.name][array.range(start, end)])
+        master_spans: list[torch.Tensor] = []
+        for start, end in pinned_spans(extents, others):
+            for plane in host_params.planes.values():
+                if plane.data_ptr() != h2d_plane.data_ptr():
+                    ties = plane.dtype == torch.uint8  # one bit per element
+                    master_spans.append(plane[start // 8 : -(-end // 8)] if ties else plane[start:end])
+            for array in self.arrays:
+                self._pinned.append(self.host_state.state_slabs[array.name][array.range(start, end)])
+        self._pinned += master_spans
         for span in self._pinned:
             self.device.pin_host_range(span)
         return master_spans

@@ -120,7 +120,13 @@ class UnitPipelines:
             shards=self._shards(collectives, host_units, streamed),
         )  # fmt: skip
         if streamed:
-            self.resident.keep_host_pages(*self.streamed.pin_host_ranges())
+            others = [unit for unit in model.units if unit.name not in streamed]
+            elsewhere = [
+                (host_params.offset(u) + lo, host_params.offset(u) + hi)
+                for u in others
+                for lo, hi in [self.shards[u.name]]
+            ]
+            self.resident.keep_host_pages(*self.streamed.pin_host_ranges(elsewhere))
             self.distinct.append(self.streamed)
             self._of.update(dict.fromkeys(streamed, self.streamed))
         if offloaded is not None:
