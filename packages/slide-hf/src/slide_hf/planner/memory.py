@@ -106,6 +106,7 @@ ENGINE_DEVICE_BUFFERS = (
     "head_slot",
     "resident_units",
     "resident_scratch",
+    "streamed_staging",
     "h2d_staging",
     "activation_buffers",
     "grad_norms",
@@ -167,6 +168,8 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     numels = _named_numels(shape)
     resident = set(inputs.resident_units)
     host_units = [n for name, n in numels.items() if name not in resident]
+    # Units whose gradient comes to the host: not resident, not updated on the GPU as they stream.
+    host_updated = [n for name, n in numels.items() if name not in resident and name not in inputs.streamed_units]
     on_tier = set(_nvme_names(shape, inputs))  # host-updated units whose state ranges are never touched
     on_nvme = [numels[name] for name in on_tier]
     on_host_state = [n for name, n in numels.items() if name not in resident and name not in on_tier]
@@ -183,7 +186,7 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         # device-resident and NVMe units keep m and v elsewhere; their host ranges are never touched
         "optimizer_state": HostState.state_bytes(arrays, on_host_state),
         "grad_accumulators": HostState.accumulator_bytes(_accumulated_numels(shape, inputs)),
-        "grad_ring": GradTransfer.host_bytes(cfg, host_units),
+        "grad_ring": GradTransfer.host_bytes(cfg, host_updated),
         "activation_stash": ActivationStash.host_bytes_for(stash_copies, boundary, d),
         "optimizer_scratch": _host_optimizer(inputs).host_scratch_bytes(
             inputs.transfer_chunk_numel, corrects=inputs.clipping, split_master=inputs.master_format == "split"
@@ -204,6 +207,7 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         "head_slot": 0 if "head" in resident else SlotWindow.slot_bytes(shape.head_numel, d),
         "resident_units": _resident_bytes(shape, inputs),
         "resident_scratch": _resident_scratch_bytes(shape, inputs),
+        "streamed_staging": streamed_staging_bytes(shape, inputs),
         "h2d_staging": _h2d_staging_bytes(shape, inputs),
         "activation_buffers": ActivationStash.device_bytes_for(boundary, d),
         "grad_norms": UnitNorms.device_bytes_for(len(numels)) if wants_norms else 0,
@@ -359,6 +363,18 @@ def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
         for name in inputs.resident_units
         if name in numel
     )
+
+
+def streamed_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+    """GPU bytes of the GPU-streamed updates (``EngineConfig.streamed_units``): two staging sets, each one
+    unit's fp32 master and moments as the optimizer stores them (one in flight while the other is updated),
+    and the device optimizer's scratch for its ranges, all sized by the largest streamed unit
+    (``UnitCost.stream_device_bytes``)."""
+    if not inputs.streamed_units:
+        return 0
+    from slide_hf.planner.unit_costs import unit_costs
+
+    return max(cost.stream_device_bytes for cost in unit_costs(shape, inputs) if cost.name in inputs.streamed_units)
 
 
 def _resident_max_numel(shape: ModelShape, inputs: PlanInputs) -> int:
