@@ -270,7 +270,6 @@ def _gpu_rates(sizes: MeasureSizes) -> dict[str, float | None]:
     d2h_s = _median_s(lambda: host.copy_(on_device, non_blocking=True), sizes.reps, sync)
     other = torch.rand(n, device=device)
     copy_s = _median_s(lambda: on_device.copy_(other), sizes.reps, sync)
-    del host, other
     side = sizes.gpu_matmul
     x = torch.randn(side, side, device=device, dtype=torch.bfloat16)
     y = torch.randn(side, side, device=device, dtype=torch.bfloat16)

@@ -54,6 +54,16 @@ def _adam_bytes_per_param(optimizer_state: str) -> float:
     return 8 + 2 * state_bytes_per_param(optimizer_state)
 
 
+def _block_loads(shape: ModelShape, inputs: PlanInputs) -> int:
+    """Block weight loads per step: every block in both passes of every micro-batch, less the
+    ``block_slots`` still in a slot where the schedule turns around."""
+    blocks = shape.num_blocks
+    if not blocks:
+        return 0
+    resident = min(inputs.block_slots, blocks)
+    return inputs.grad_accum * 2 * blocks - (2 * inputs.grad_accum - 1) * resident
+
+
 def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     d = inputs.compute_dtype_bytes
     accum = inputs.grad_accum

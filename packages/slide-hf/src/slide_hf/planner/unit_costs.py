@@ -60,14 +60,12 @@ class UnitCost:
 
 def _named_loads(shape: ModelShape, inputs: PlanInputs) -> dict[str, float]:
     """Weight loads per step of each unit: the embedding and head once; a block the mean of the blocks'
-    loads (every block in both passes of every micro-batch, less those still in a slot where the schedule
-    turns around: ``accum x 2L - (2 accum - 1) x slots`` over the L blocks)."""
+    loads (``timing._block_loads`` over the blocks)."""
+    from slide_hf.planner.timing import _block_loads
+
     blocks = shape.num_blocks
     loads = {"embedding": 1.0}
-    if blocks:
-        kept = min(inputs.block_slots, blocks)
-        per_block = (inputs.grad_accum * 2 * blocks - (2 * inputs.grad_accum - 1) * kept) / blocks
-        loads.update({f"block.{i}": per_block for i in range(blocks)})
+    loads.update({f"block.{i}": _block_loads(shape, inputs) / blocks for i in range(blocks)})
     loads["head"] = 1.0
     return loads
 
@@ -146,7 +144,9 @@ def placement_of(name: str, inputs: PlanInputs) -> str:
     return "streamed" if name in inputs.streamed_units else "host"
 
 
-def resource_times(fixed: Mapping[str, float], costs: Sequence[UnitCost], placements: Mapping[str, str]) -> dict[str, float]:
+def resource_times(
+    fixed: Mapping[str, float], costs: Sequence[UnitCost], placements: Mapping[str, str]
+) -> dict[str, float]:
     """Each resource's seconds per step: ``fixed`` plus every unit's term for its placement (``host``
     where ``placements`` does not name it)."""
     totals = {resource: fixed.get(resource, 0.0) for resource in RESOURCES}
