@@ -67,6 +67,7 @@ class BenchConfig:
     nvme_fraction: float = 1.0
     report_grad_norm: bool = True
     layers: int | None = None  # the model's first `layers` decoder layers only (slide_hf/truncate.py)
+    update_placement: str = "auto"
 
     def run_options(self) -> RunOptions:
         """The engine options a `slide train` run with the same flags would use (one micro-batch, bf16)."""
@@ -86,6 +87,7 @@ class BenchConfig:
             seq_len=self.seq_len or DEFAULT_SEQ_LEN,
             max_grad_norm=self.max_grad_norm,
             report_grad_norm=self.report_grad_norm,
+            update_placement=self.update_placement,
         )
 
 

@@ -266,6 +266,7 @@ def _run_options(cfg: TrainConfig) -> RunOptions:
         seq_len=cfg.seq_len,
         grad_accum=cfg.grad_accum,
         max_grad_norm=cfg.max_grad_norm,
+        update_placement=cfg.update_placement.value,
         # With several micro-batches the final gradient exists only on the host, and its norm would make
         # every step wait for the whole host update (see EngineConfig.report_grad_norm); clipping needs
         # the norm anyway.
@@ -410,8 +411,9 @@ def _setup_placement(
     rank takes rank 0's choice of resident and offloaded units: a resident unit's collectives differ from
     a sliding one's, so the ranks must place alike."""
     placement = place_units(model.slide_model, device, options, optimizer=optimizer)
-    resident, offloaded = group.broadcast_object((placement.resident, placement.offloaded), "rank 0's placement")
-    return dataclasses.replace(placement, resident=resident, offloaded=offloaded)
+    chosen = (placement.resident, placement.offloaded, placement.streamed)
+    resident, offloaded, streamed = group.broadcast_object(chosen, "rank 0's placement")
+    return dataclasses.replace(placement, resident=resident, offloaded=offloaded, streamed=streamed)
 
 
 def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:

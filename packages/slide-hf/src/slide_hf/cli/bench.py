@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         nvme_dir=options.nvme_dir,
         nvme_fraction=options.nvme_fraction,
         layers=args.layers,
+        update_placement=options.update_placement.value,
     )
     # The outputs are checked before the benchmark, which takes minutes, rather than failing after it.
     if args.json is not None:

@@ -32,6 +32,7 @@ from slide_hf.options.schema import (
     MasterFormat,
     SaveDType,
     StateFormat,
+    UpdatePlacement,
     declared,
     option,
 )
@@ -291,6 +292,14 @@ class TrainConfig:
     )
     block_slots: int = option(
         2, help="GPU slots for decoder blocks (default {default})", commands=EVERY, rule=Rule("int", 1, 64)
+    )
+    update_placement: UpdatePlacement = option(
+        UpdatePlacement.AUTO,
+        help="where the AdamW update of units not resident on the GPU runs: host, gpu (master and moments stream "
+        "to the GPU with the unit; not with --max-grad-norm) or auto (default: per unit, from this machine's rates "
+        "that `slide doctor` measures; host with --max-grad-norm or on the CPU device)",
+        commands=EVERY,
+        choices=UpdatePlacement,
     )
 
     def __post_init__(self) -> None:
