@@ -204,7 +204,7 @@ def measure_rates(sizes: MeasureSizes = MeasureSizes(), identity: HostIdentity |
     )
 
 
-def _median_s(fn: Callable[[], None], reps: int, sync: Callable[[], None] = lambda: None) -> float:
+def _median_s(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None) -> float:
     """Median wall time of ``fn`` over ``reps`` runs after one untimed run. ``sync`` waits for the device
     (a CPU-GPU sync point, on purpose: the work must be done before the clock is read)."""
     fn()

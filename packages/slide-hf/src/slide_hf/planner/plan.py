@@ -164,6 +164,12 @@ def make_plan(inputs: PlanInputs) -> Plan:
 
     step_time = max(compute, pcie, update, disk). overlap = T_bwd / (T_d2h + T_update), with T_bwd the
     recompute + backward of the blocks plus the head (6 N_b + 6 L S d + 6 V H per token).
+
+    Those are the sums over host-updated units. A device-resident unit moves nothing over PCIe and adds its
+    update to the GPU (its bytes over ``gpu_mem_gbps``); a GPU-streamed one sends master and moments both
+    ways instead of its gradient, and adds its update to the GPU and its DMA to host memory
+    (slide_hf/planner/unit_costs.py). ``Plan.resource_s`` has each resource's time: GPU compute, PCIe h2d and
+    d2h, host memory, CPU, NVMe.
     """
     shape = inputs.shape
     gpu, phases = _gpu_bytes(shape, inputs)
