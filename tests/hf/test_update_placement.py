@@ -154,3 +154,59 @@ def test_resident_and_streamed_units_leave_the_host_resources():
 def test_an_unknown_mode_is_one_line():
     with pytest.raises(UserError, match="must be one of auto, host, gpu"):
         plan_with_placement(_inputs(), "device")
+
+
+# ---- the option ------------------------------------------------------------------------------------------
+def test_the_option_defaults_to_auto_and_refuses_other_names():
+    from slide_hf.options import MACHINE_OPTIONS, TrainConfig
+
+    assert TrainConfig().update_placement == "auto"
+    assert TrainConfig(update_placement="gpu").update_placement == "gpu"
+    with pytest.raises(UserError, match=r"^--update-placement must be one of auto, host, gpu, got 'cpu'$"):
+        TrainConfig(update_placement="cpu")
+    assert "update_placement" in MACHINE_OPTIONS  # where updates run, not what they compute: a resume may change it
+
+
+def test_gpu_updates_with_clipping_are_refused_in_one_line():
+    from slide_hf.options import TrainConfig
+
+    with pytest.raises(UserError) as refused:
+        TrainConfig(update_placement="gpu", max_grad_norm=1.0)
+    assert str(refused.value) == (
+        "--update-placement gpu does not run with --max-grad-norm 1.0 yet; use --update-placement auto or host "
+        "(auto updates on the host with clipping on)"
+    )
+    for placement in ("auto", "host"):  # these place no streamed unit with clipping on
+        assert TrainConfig(update_placement=placement, max_grad_norm=1.0).max_grad_norm == 1.0
+
+
+def test_train_and_bench_take_the_option_and_refuse_gpu_with_clipping(slide, tmp_path):
+    status, _, err = slide("train", "--update-placement", "gpu", "--max-grad-norm", "1", "--output", tmp_path / "r")
+    assert status == 2 and err.count("\n") == 1 and "--update-placement gpu does not run with" in err
+    status, _, err = slide("bench", "--update-placement", "gpu", "--max-grad-norm", "1")
+    assert status == 2 and "--update-placement gpu does not run with" in err
+
+
+def test_a_run_on_the_cpu_device_places_no_streamed_unit():
+    """auto is host on the CPU device (no PCIe to relieve): what the engine is given is today's placement."""
+    from slide_core.devices.cpu import CPUDevice
+    from slide_hf.setup import RunOptions, place_units
+
+    placement = place_units(_toy(), CPUDevice(), RunOptions(device="cpu", batch_size=1, seq_len=64))
+    assert placement.streamed == () and placement.plan.inputs.streamed_units == ()
+    with pytest.raises(UserError, match="needs a GPU device"):
+        place_units(_toy(), CPUDevice(), RunOptions(device="cpu", batch_size=1, seq_len=64, update_placement="gpu"))
+
+
+# ---- slide bench: measured against predicted ---------------------------------------------------------------
+def test_bench_sets_each_measured_bound_beside_the_plans_resource():
+    from slide_hf.bench import measured_against_predicted
+
+    resources = {"gpu compute": 0.5, "pcie h2d": 0.2, "pcie d2h": 0.4, "host memory": 0.3, "cpu": 0.6, "nvme": 0.0}
+    rows = measured_against_predicted(resources, 0.6, {"gpu compute": 600.0, "pcie": 200.0}, 0.9)
+    assert rows["step"] == {"measured_s": 0.9, "predicted_s": 0.6, "ratio": 1.5}
+    assert rows["gpu compute"] == {"measured_s": 0.6, "predicted_s": 0.5, "ratio": 1.2}
+    assert rows["pcie"] == {"measured_s": 0.2, "predicted_s": 0.4, "ratio": 0.5}  # the larger direction
+    assert "host optimizer" not in rows  # not measured, not reported
+    rows = measured_against_predicted({**resources, "cpu": 0.0, "host memory": 0.0}, 0.6, {"host optimizer": 5.0}, 1)
+    assert rows["host optimizer"]["ratio"] is None
