@@ -140,6 +140,13 @@ def test_host_moves_nothing_and_resident_units_are_chosen_first():
     assert auto.step_time_s <= host.step_time_s
 
 
+def test_auto_keeps_todays_residents_when_streaming_does_not_pay():
+    """No GPU memory is held back for streaming that streams nothing."""
+    inputs = PlanInputs(_toy(), batch_size=1, seq_len=64, gpu_memory_bytes=8 * GiB, bandwidths=GPU_BOUND)
+    auto, host = plan_with_placement(inputs, "auto"), plan_with_placement(inputs, "host")
+    assert auto.inputs.resident_units == host.inputs.resident_units and auto.inputs.streamed_units == ()
+
+
 def test_resident_and_streamed_units_leave_the_host_resources():
     inputs = _inputs()
     every = tuple(cost.name for cost in unit_costs(inputs.shape, inputs))

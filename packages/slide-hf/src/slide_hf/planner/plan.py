@@ -258,7 +258,7 @@ def plan_with_placement(inputs: PlanInputs, update_placement: str = "host") -> P
     then the first blocks); without a GPU budget, or for a :class:`ModelShape`, there are none. Their greedy
     takes all the spare memory it can use, so ``auto`` weighs two plans: residents in all of it, then
     streaming in what is left; and residents in the spare memory less what streaming the largest block
-    takes, then streaming in that. The faster wins (a tie keeps the first, today's residents).
+    takes, then streaming in that (when it streams any unit). The faster wins (a tie keeps the first).
     """
     if update_placement not in UPDATE_PLACEMENTS:
         raise UserError(
@@ -274,7 +274,9 @@ def plan_with_placement(inputs: PlanInputs, update_placement: str = "host") -> P
     costs = [c for c in unit_costs(plan.shape, inputs) if c.can_stream and c.name.startswith("block.")]
     if costs and not isinstance(inputs.model, ModelShape):
         reserve = max(c.stream_device_bytes for c in costs)
-        candidates.append(_with_streamed(make_plan(_with_resident(inputs, reserve_bytes=reserve))))
+        reserved = _with_streamed(make_plan(_with_resident(inputs, reserve_bytes=reserve)))
+        if reserved.inputs.streamed_units:  # memory held back for streaming that streams nothing is wasted
+            candidates.append(reserved)
     return min(candidates, key=lambda p: p.step_time_s)
 
 
