@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from slide_hf.planner.unit_costs import RESOURCES, UnitCost
+from slide_hf.planner.unit_costs import RESOURCES, UnitCost, resource_times
 
 __all__ = ["choose_streamed_units", "step_resources"]
 
@@ -23,11 +23,7 @@ _EPSILON = 1e-9
 def step_resources(fixed: Mapping[str, float], units: Sequence[UnitCost], streamed: set[str]) -> dict[str, float]:
     """Seconds per step of each resource when the units in ``streamed`` are GPU-streamed and the rest of
     ``units`` host-updated; ``fixed`` holds everything else (compute, the stash, resident units)."""
-    totals = {resource: fixed.get(resource, 0.0) for resource in RESOURCES}
-    for unit in units:
-        for resource, seconds in (unit.streamed if unit.name in streamed else unit.host).items():
-            totals[resource] += seconds
-    return totals
+    return resource_times(fixed, units, {unit.name: "streamed" for unit in units if unit.name in streamed})
 
 
 def choose_streamed_units(
