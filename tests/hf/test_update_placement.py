@@ -121,6 +121,32 @@ def test_streamed_staging_is_two_sets_of_master_and_moments_as_stored():
     assert cost.stream_device_bytes == 2 * (4 + 2 + 2) * cost.numel + scratch
 
 
+def test_a_split_master_stages_its_planes_too():
+    inputs = _inputs(master_format="split")
+    fp32 = {c.name: c.stream_device_bytes for c in unit_costs(inputs.shape, _inputs())}
+    for cost in unit_costs(inputs.shape, inputs):  # hi and lo (2 + 2 B) and the tie bits, in both sets
+        assert cost.stream_device_bytes - fp32[cost.name] >= 2 * 4 * cost.numel
+
+
+def test_units_with_several_gradient_contributions_are_not_offered_for_streaming():
+    """The engine updates them on the host even when streamed (Note [When a streamed unit is updated on
+    the host]), so streaming them would only cost memory."""
+    accumulating = _inputs(grad_accum=2)
+    costs = unit_costs(accumulating.shape, accumulating)
+    assert not any(c.can_stream for c in costs) and all(c.streamed == c.host for c in costs)
+    assert plan_with_placement(accumulating, "auto").inputs.streamed_units == ()
+    tied = PlanInputs(
+        ModelShape.of(
+            ToyModel(ToyConfig(vocab_size=4096, hidden_size=256, num_heads=4, num_layers=2, tie_embeddings=True))
+        ),
+        seq_len=64,
+        gpu_memory_bytes=8 * GiB,
+        bandwidths=HOST_BOUND,
+    )
+    offered = {c.name for c in unit_costs(tied.shape, tied) if c.can_stream}
+    assert offered == {"block.0", "block.1", "head"}
+
+
 def test_gpu_is_refused_in_one_line_with_clipping_on_the_cpu_device_or_past_the_budget():
     with pytest.raises(UserError, match=r"^--update-placement gpu does not run with gradient clipping"):
         plan_with_placement(_inputs(clipping=True), "gpu")

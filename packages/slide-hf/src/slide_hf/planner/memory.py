@@ -168,8 +168,6 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     numels = _named_numels(shape)
     resident = set(inputs.resident_units)
     host_units = [n for name, n in numels.items() if name not in resident]
-    # Units whose gradient comes to the host: not resident, not updated on the GPU as they stream.
-    host_updated = [n for name, n in numels.items() if name not in resident and name not in inputs.streamed_units]
     on_tier = set(_nvme_names(shape, inputs))  # host-updated units whose state ranges are never touched
     on_nvme = [numels[name] for name in on_tier]
     on_host_state = [n for name, n in numels.items() if name not in resident and name not in on_tier]
@@ -186,7 +184,7 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         # device-resident and NVMe units keep m and v elsewhere; their host ranges are never touched
         "optimizer_state": HostState.state_bytes(arrays, on_host_state),
         "grad_accumulators": HostState.accumulator_bytes(_accumulated_numels(shape, inputs)),
-        "grad_ring": GradTransfer.host_bytes(cfg, host_updated),
+        "grad_ring": GradTransfer.host_bytes(cfg, host_units),
         "activation_stash": ActivationStash.host_bytes_for(stash_copies, boundary, d),
         "optimizer_scratch": _host_optimizer(inputs).host_scratch_bytes(
             inputs.transfer_chunk_numel, corrects=inputs.clipping, split_master=inputs.master_format == "split"
@@ -366,10 +364,12 @@ def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def streamed_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    """GPU bytes of the GPU-streamed updates (``EngineConfig.streamed_units``): two staging sets, each one
-    unit's fp32 master and moments as the optimizer stores them (one in flight while the other is updated),
-    and the device optimizer's scratch for its ranges, all sized by the largest streamed unit
-    (``UnitCost.stream_device_bytes``)."""
+    """GPU bytes of the GPU-streamed updates (``EngineConfig.streamed_units``): the staging sets of
+    ``StreamedPipeline.device_bytes`` (two, each one unit's fp32 master, a split master's planes and the
+    moments as stored) and the device optimizer's scratch for its ranges, both sized by the largest
+    streamed unit (``UnitCost.stream_device_bytes``). The grad ring keeps pricing streamed units: the engine
+    sizes it for every unit that is not resident (a streamed unit's gradient goes to the host in a step
+    that accumulates it or clips)."""
     if not inputs.streamed_units:
         return 0
     from slide_hf.planner.unit_costs import unit_costs

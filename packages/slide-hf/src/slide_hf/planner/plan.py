@@ -20,6 +20,7 @@ from slide_hf.planner.memory import (
     _gpu_peak,
     _host_bytes,
     _host_peak,
+    _nvme_names,
     resident_scratch_bytes,
 )
 from slide_hf.planner.timing import _times
@@ -333,10 +334,12 @@ def _refuse_gpu_updates(inputs: PlanInputs) -> None:
 
 
 def _all_streamed(inputs: PlanInputs) -> Plan:
-    """Residents in the spare memory less the staging of the largest unit, every other unit streamed; one
-    line when that does not fit the GPU budget."""
+    """Residents in the spare memory less the staging of the largest unit, every other unit whose moments
+    are in host RAM streamed (one the engine updates on the host anyway, with several gradient contributions
+    per step, included: it is what was asked); one line when that does not fit the GPU budget."""
     shape = inputs.shape
-    streamable = [c for c in unit_costs(shape, inputs) if c.can_stream]
+    on_nvme = set(_nvme_names(shape, inputs))
+    streamable = [c for c in unit_costs(shape, inputs) if c.name not in on_nvme]
     reserve = max((c.stream_device_bytes for c in streamable), default=0)
     placed = _with_resident(inputs, reserve_bytes=reserve)
     names = tuple(c.name for c in streamable if c.name not in placed.resident_units)

@@ -11,7 +11,10 @@ one term per unit that depends on where the unit is updated:
 - ``streamed``: the weights load as for ``host``; the fp32 master (4 B/param, split or not) and the moments
   as stored travel h2d for the unit's backward and back d2h after its update, which runs on the GPU (its
   memory bandwidth); on the host only the DMA touches them (read once, written once); the gradient never
-  leaves the GPU and the CPU does nothing.
+  leaves the GPU and the CPU does nothing (slide_core/engine/streamed_pipeline.py). A unit with several
+  gradient contributions per step (gradient accumulation, a tied embedding) is updated on the host even
+  when streamed (Note [When a streamed unit is updated on the host] there): its streamed terms are its host
+  terms, and it is not offered for streaming (``UnitCost.can_stream``).
 - ``resident``: only the GPU update.
 
 :func:`unit_costs` gives those terms and :func:`fixed_times` the fixed part; :func:`resource_times` sums them
@@ -44,7 +47,8 @@ class UnitCost:
     ``stream_device_bytes``: GPU bytes the streamed updates hold when this is the largest streamed unit:
     two staging sets (one unit's fp32 master and moments in flight while the previous one is updated) and
     the device optimizer's scratch for its ranges. ``can_stream``: False for a unit whose moments live on
-    NVMe (the engine streams only units whose state is in host RAM)."""
+    NVMe (the engine streams only units whose state is in host RAM), and for one the engine would update on
+    the host anyway (several gradient contributions per step)."""
 
     name: str
     numel: int
@@ -72,6 +76,7 @@ def _named_loads(shape: ModelShape, inputs: PlanInputs) -> dict[str, float]:
 
 def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
     """Every unit's terms, in forward order (embedding, blocks, head)."""
+    from slide_core.engine.streamed_pipeline import StreamedPipeline
     from slide_hf.planner.memory import _named_numels, _nvme_names, _state_arrays
     from slide_hf.planner.timing import _adam_bytes_per_param, h2d_bytes_per_param
 
@@ -105,18 +110,19 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
             "pcie d2h": travelling / d2h,
             "host memory": 2 * travelling / host_mem,
         }
-        staging = 4 * n + sum(a.numel(n) * a.dtype.itemsize for a in arrays)
+        on_device = contributions == 1  # else the engine sends the gradient to the host optimizer
+        staging = StreamedPipeline.device_bytes(n, arrays, split=inputs.master_format == "split")
         longest = ResidentPipeline.optimizer_range_numel(n, inputs.transfer_chunk_numel, clipping=False)
-        device_bytes = 2 * staging + device_optimizer.device_scratch_bytes(longest)
+        device_bytes = staging + device_optimizer.device_scratch_bytes(longest)
         costs.append(
             UnitCost(
                 name=name,
                 numel=n,
                 host=host,
-                streamed=streamed,
+                streamed=streamed if on_device else host,
                 resident={"gpu compute": gpu_update},
                 stream_device_bytes=device_bytes,
-                can_stream=name not in on_nvme,
+                can_stream=name not in on_nvme and on_device,
             )
         )
     return tuple(costs)
