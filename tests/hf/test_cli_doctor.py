@@ -5,10 +5,22 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from slide_core import plugins
 from slide_hf.cli import doctor
+from slide_hf.machine_rates import MeasureSizes, load_cached
 
-SECTIONS = ("versions", "device", "host", "kernels", "storage", "plugins")
+SECTIONS = ("versions", "device", "host", "kernels", "storage", "plugins", "machine_rates")
+
+TINY = MeasureSizes(host_numel=1 << 14, adam_numel=1 << 12, reps=1, optimizer="torch-adamw", state_formats=("fp32",))
+
+
+@pytest.fixture(autouse=True)
+def _tiny_measurements_in_a_private_cache(monkeypatch, tmp_path):
+    """`slide doctor` measures this machine's rates and caches them: on tiny arrays, in this test's directory."""
+    monkeypatch.setattr(doctor, "MEASURE_SIZES", TINY)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 def test_doctor_text(slide):
@@ -155,3 +167,29 @@ def test_device_section_carries_the_device_plugins_facts(monkeypatch):
     monkeypatch.setattr(plugins, "load", load)
     assert doctor._plugin_facts("slide.devices", "rocm") == {"attention": "sdpa (AOTriton)"}
     assert seen == [("slide.devices", "rocm")]
+
+
+def test_doctor_measures_the_machine_rates_and_caches_them(slide, tmp_path):
+    status, out, err = slide("doctor", "--json")
+    assert status == 0, err
+    rates = json.loads(out)["machine_rates"]
+    assert "error" not in rates, rates
+    assert rates["host_triad_gbps"] > 0 and rates["cache"].startswith(str(tmp_path / "cache" / "slide"))
+    assert rates["cpu_adam"]["fp32"].endswith("GB/s)")
+    cached = load_cached()
+    assert cached is not None and cached.measured_at == rates["measured_at"]
+    status, out, _ = slide("doctor")
+    assert status == 0 and "machine_rates:" in out and "host_triad_gbps:" in out
+    assert load_cached().measured_at >= cached.measured_at  # measured again
+
+
+def test_doctor_measures_again_over_a_broken_cache(slide, tmp_path):
+    from slide_hf.machine_rates import HostIdentity, cache_path
+
+    path = cache_path(HostIdentity.here())
+    path.parent.mkdir(parents=True)
+    path.write_text("{broken")
+    assert load_cached() is None
+    status, _, err = slide("doctor", "--json")
+    assert status == 0, err
+    assert load_cached() is not None

@@ -195,3 +195,54 @@ def test_plan_prices_the_checkpoints_and_the_export(slide):
     status, out, _ = slide("plan", "--model", "tiny-llama", "--save-dtype", "bfloat16")
     assert status == 0 and "output disk" in out and "3 at once" in out
     assert json.loads(slide(*base, "--save-dtype", "bfloat16")[1])["output_disk"]["export_bytes"] == params * 2
+
+
+def test_plan_prints_the_update_placement_and_each_resources_time(slide, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no measurement cached: the documented defaults
+    status, out, err = slide("plan", "--model", "tiny-llama", "--seq-len", "128", "--gpu-memory", "4GiB")
+    assert status == 0, err
+    assert "update placement" in out and " resident, " in out and " streamed, " in out and " host " in out
+    for resource in ("gpu compute", "pcie h2d", "pcie d2h", "host memory", "cpu", "nvme"):
+        assert f"\n  {resource}" in out
+    assert "documented defaults" in out
+    status, out, err = slide(
+        "plan", "--model", "tiny-llama", "--seq-len", "128", "--gpu-memory", "4GiB", "--update-placement", "gpu"
+    )
+    assert status == 0, err
+    assert "0 host (units by where their update runs)" in out and "streamed staging" in out
+
+
+def test_render_lists_the_streamed_units():
+    from slide_core.testing import ToyConfig, ToyModel
+    from slide_hf.planner import ModelShape, PlanInputs, plan_with_placement
+
+    model = ToyModel(ToyConfig(vocab_size=4096, hidden_size=256, num_heads=4, intermediate_size=768, num_layers=3))
+    plan = plan_with_placement(PlanInputs(ModelShape.of(model), seq_len=64, gpu_memory_bytes=8 << 30), "gpu")
+    text = plan_cli.render(
+        plan, model_name="toy", dtype="bfloat16", gpu_source="", problem=None, update_placement="gpu", rates_source="x"
+    )
+    assert "0 resident, 5 streamed, 0 host" in text
+    assert "GPU-streamed" in text and "embedding, block.0-2, head" in text
+
+
+def test_plan_json_has_the_placement_and_the_resources(slide, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = ("plan", "--model", "tiny-llama", "--seq-len", "128", "--gpu-memory", "4GiB", "--json")
+    status, out, err = slide(*argv, "--update-placement", "gpu")
+    assert status == 0, err
+    plan = json.loads(out)
+    assert plan["update_placement"] == "gpu" and plan["rates_source"].startswith("documented defaults")
+    placed = plan["placement"]
+    assert placed["host"] == [] and placed["streamed"] == plan["inputs"]["streamed_units"]
+    assert sorted(placed["resident"] + placed["streamed"]) == sorted(
+        ["embedding", "head", *(f"block.{i}" for i in range(len(placed["resident"]) + len(placed["streamed"]) - 2))]
+    )
+    assert plan["step_time_s"] == pytest.approx(max(plan["resource_s"].values()))
+    status, out, err = slide(*argv, "--update-placement", "host")
+    assert status == 0, err
+    assert json.loads(out)["placement"]["streamed"] == []
+
+
+def test_unit_names_shows_runs_of_blocks_as_ranges():
+    names = ("embedding", "block.0", "block.1", "block.2", "block.5", "block.7", "block.8", "head")
+    assert plan_cli.unit_names(names) == "embedding, block.0-2, block.5, block.7-8, head"

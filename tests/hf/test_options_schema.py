@@ -213,9 +213,11 @@ ENGINE_SAMPLES: dict[str, Any] = {
     "seq_len": 64,
     "grad_accum": 2,
     "max_grad_norm": 0.5,
+    "update_placement": "auto",
 }
 """A value other than the default for every option the engine reads (valid together)."""
 ENGINE_EXPECTED: dict[str, Any] = {
+    "update_placement": "auto",
     "gpu_memory_bytes": 3 << 30,
     "optimizer": "torch-adamw",
     "nvme_dir": Path("scratch"),

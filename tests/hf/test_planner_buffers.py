@@ -49,6 +49,9 @@ _DEVICE_MODULES = (os.path.join(_CORE, "device.py"), os.path.join(_CORE, "device
 _RESIDENT_UPDATE = ("ResidentPipeline", "ResidentUnits", "ScaledGrads")
 """Owners whose allocations are the device's: the resident units and their update (its optimizer replica
 allocates through plain torch calls, which on the CPU device look like the host's)."""
+_STREAMED_UPDATE = ("StreamedPipeline", "UpdateStaging")
+"""Owners whose allocations are the GPU-streamed updates' (their staging sets, and the optimizer replica's
+scratch when it steps a staged unit): the plan's ``streamed_staging``."""
 
 _TORCH_ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like")
 _NUMPY_ALLOCATORS = ("empty", "zeros")
@@ -59,6 +62,7 @@ class _Site:
     side: str  # "host" or "device"
     owner: str  # class name of the allocating object
     function: str
+    streamed: bool = False  # allocated on behalf of a GPU-streamed update
 
 
 class _AllocationLog:
@@ -72,7 +76,7 @@ class _AllocationLog:
     def _site(self) -> _Site | None:
         frame = sys._getframe(2)
         owner = function = None
-        resident = False
+        resident = streamed = False
         while frame is not None:
             path = frame.f_code.co_filename
             if path.startswith(_CORE) and not path.startswith(_DEVICE_MODULES):
@@ -82,11 +86,12 @@ class _AllocationLog:
                     if owner is None:
                         owner, function = name, frame.f_code.co_name
                     resident = resident or name in _RESIDENT_UPDATE
+                    streamed = streamed or name in _STREAMED_UPDATE
             frame = frame.f_back
         if owner is None:
             return None
-        side = getattr(self._calls, "side", None) or ("device" if resident else "host")
-        return _Site(side, owner, function or "")
+        side = getattr(self._calls, "side", None) or ("device" if resident or streamed else "host")
+        return _Site(side, owner, function or "", streamed and side == "device")
 
     def record(self, value: Any) -> None:
         site = self._site()
@@ -135,6 +140,8 @@ def _buffer(site: _Site) -> str:
     owner, function = site.owner, site.function
     if owner == "HostRamTier":
         return "disk"
+    if site.streamed:
+        return "device/streamed_staging"
     if site.side == "device":
         table = {
             "SlotWindow": "slots",
@@ -176,6 +183,7 @@ class _Case:
     grad_accum: int = 1
     tied: bool = False
     resident: tuple[str, ...] = ()  # planner names: embedding, block.<i>, head
+    streamed: tuple[str, ...] = ()  # planner names of the GPU-streamed units
     state_on_tier: float = 0.0  # nvme_fraction with --offload-optimizer nvme
     activations_on_tier: bool = False
     pinned_master: bool = False
@@ -199,6 +207,8 @@ _CASES = [
     _Case("fused-split-clip", torch.bfloat16, fused=True, master_format="split", clipping=True, tied=True),
     _Case("int8-fused-accum", torch.bfloat16, "int8", fused=True, grad_accum=2),
     _Case("tiers", torch.bfloat16, "bf16", state_on_tier=0.5, activations_on_tier=True, clipping=True),
+    _Case("streamed-split-bf16", torch.bfloat16, "bf16", master_format="split", streamed=("block.0", "head")),
+    _Case("streamed-fp32-resident", resident=("embedding",), streamed=("block.1", "block.2")),
 ]
 
 _TOY_NAMES = {"embedding": "embed", "head": "head", **{f"block.{i}": f"layers.{i}" for i in range(3)}}
@@ -224,6 +234,7 @@ def _plan_inputs(model: ToyModel, case: _Case, optimizer: Optimizer) -> PlanInpu
         transfer_chunk_numel=_CHUNK,
         grad_ring_slots=4,
         resident_units=case.resident,
+        streamed_units=case.streamed,
         master_format=case.master_format,
         clipping=case.clipping,
         optimizer_state=case.optimizer_state,
@@ -254,6 +265,7 @@ def _run(model: ToyModel, case: _Case, optimizer: Optimizer, log: _AllocationLog
         grad_ring_slots=4,
         resident_units=resident,
         offloaded_units=_offloaded(model, case),
+        streamed_units=tuple(_TOY_NAMES[name] for name in case.streamed),
         max_grad_norm=1e-3 if case.clipping else 0.0,  # small: every step clips, so corrections run
     )
     generator = torch.Generator().manual_seed(0)
@@ -322,6 +334,22 @@ def test_plan_prices_every_buffer_the_engine_allocates(case, monkeypatch):
     # buffers cannot see (tests/hf/test_planner.py measures that peak with AllocationCounter); what it keeps
     # must fit in it.
     assert live.pop("device/resident_scratch", 0) <= planned.pop("device/resident_scratch")
+    # The streamed updates' staging sets (what StreamedPipeline reports) are allocated, and the plan covers
+    # them and the optimizer replica's scratch, which it prices at its peak as the resident one's.
+    staged = live.pop("device/streamed_staging", 0)
+    assert staged <= planned.pop("device/streamed_staging")
+    if case.streamed:
+        from slide_core.engine.streamed_pipeline import StreamedPipeline
+
+        numels = dict(
+            zip(("embedding", *(f"block.{i}" for i in range(3)), "head"), inputs.shape.unit_numels, strict=True)
+        )
+        largest = max(numels[name] for name in case.streamed)
+        assert (
+            staged
+            >= StreamedPipeline.device_bytes(largest, optimizer.state_arrays, split=case.master_format == "split")
+            > 0
+        )
     engine_side = {name: nbytes for name, nbytes in live.items() if nbytes}
     plan_side = {name: nbytes for name, nbytes in planned.items() if nbytes}
     assert engine_side == plan_side

@@ -10,7 +10,9 @@ token ids (never zeros). Reported numbers:
 - the physical bound of the run: the largest of the summed per-unit compute, the PCIe time (bytes moved
   over the PCIe bandwidth measured in the same run) and the host optimizer time; and which one binds;
 - the critical batch, the batch size at which the median block's overlap reaches 1 (overlap grows linearly with
-  tokens per step, since T_bwd does and T_d2h + T_update do not).
+  tokens per step, since T_bwd does and T_d2h + T_update do not);
+- measured against predicted (:func:`measured_against_predicted`): the step and each bound beside the plan's
+  time for it, the plan using this machine's cached rates when `slide doctor` measured them.
 The plain reference is the HF model entirely on the GPU: fp32 weights, bf16 autocast, gradient
 checkpointing, fused GPU AdamW, the same batch and sequence length, and the attention the engine runs
 (chosen per layer type and device, slide_hf/adapters/attention.py: SDPA, or flex for Gemma 2's capped
@@ -42,7 +44,7 @@ from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimi
 if TYPE_CHECKING:
     from slide_hf.adapters.base import HFCausalLM
 
-__all__ = ["BenchConfig", "describe_unit", "run_bench", "write_trace"]
+__all__ = ["BenchConfig", "describe_unit", "measured_against_predicted", "run_bench", "write_trace"]
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,9 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "physical_bound_tokens_per_s": round(tokens / (max(bounds.values()) / 1e3), 1),
         "median_block_overlap": median_overlap,
         "critical_batch_size": round(cfg.options.batch_size / median_overlap, 1) if median_overlap else None,
+        "update_placement": cfg.options.update_placement.value,
+        "streamed_units": list(placement.streamed),
+        "measured_against_predicted": measured_against_predicted(plan.resource_s, plan.step_time_s, bounds, step_s),
         "losses": [round(x, 4) for x in losses],
         "attention": attention_summary(model, device.torch_device.type, torch.bfloat16),
         "linear_attention": linear.describe() if linear is not None else None,
@@ -239,6 +244,33 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     if cfg.trace_dir is not None:
         result["trace"] = write_trace(spans, cfg.trace_dir)
     return result
+
+
+_PREDICTED_BOUNDS = {
+    "gpu compute": ("gpu compute",),
+    "pcie": ("pcie h2d", "pcie d2h"),
+    "host optimizer": ("cpu", "host memory"),
+}
+"""Which of the plan's resources (slide_hf/planner/unit_costs.py) each of the benchmark's bounds is: the larger
+of them, as the engine runs them concurrently."""
+
+
+def measured_against_predicted(
+    resource_s: dict[str, float], step_time_s: float, bounds_ms: dict[str, float], step_s: float
+) -> dict[str, dict[str, float | None]]:
+    """The measured step and each measured bound (``bounds_ms``: gpu compute, pcie, host optimizer) beside
+    what the plan predicted for it (``resource_s``, ``step_time_s``), with their ratio (measured /
+    predicted; None where the plan predicts nothing)."""
+
+    def row(measured_s: float, predicted_s: float) -> dict[str, float | None]:
+        ratio = round(measured_s / predicted_s, 2) if predicted_s > 0 else None
+        return {"measured_s": round(measured_s, 4), "predicted_s": round(predicted_s, 4), "ratio": ratio}
+
+    rows = {"step": row(step_s, step_time_s)}
+    for bound, resources in _PREDICTED_BOUNDS.items():
+        if bound in bounds_ms:
+            rows[bound] = row(bounds_ms[bound] / 1e3, max(resource_s.get(r, 0.0) for r in resources))
+    return rows
 
 
 def describe_unit(unit: Any) -> dict[str, Any]:

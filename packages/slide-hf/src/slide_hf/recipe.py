@@ -383,8 +383,9 @@ def _setup_placement(
     rank takes rank 0's choice of resident and offloaded units: a resident unit's collectives differ from
     a sliding one's, so the ranks must place alike."""
     placement = place_units(model.slide_model, device, options, optimizer=optimizer)
-    resident, offloaded = group.broadcast_object((placement.resident, placement.offloaded), "rank 0's placement")
-    return dataclasses.replace(placement, resident=resident, offloaded=offloaded)
+    chosen = (placement.resident, placement.offloaded, placement.streamed)
+    resident, offloaded, streamed = group.broadcast_object(chosen, "rank 0's placement")
+    return dataclasses.replace(placement, resident=resident, offloaded=offloaded, streamed=streamed)
 
 
 def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:

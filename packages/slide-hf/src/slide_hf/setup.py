@@ -87,6 +87,7 @@ class RunOptions:
     seq_len: int
     grad_accum: int
     max_grad_norm: float
+    update_placement: str
     report_grad_norm: bool
 
     @classmethod
@@ -117,6 +118,8 @@ class Placement:
     """The tier class for the Adam state of ``offloaded``; None: host RAM."""
     offloaded: tuple[str, ...] = ()
     """Units whose Adam state is on ``state_tier`` (chosen once the model's units are known)."""
+    streamed: tuple[str, ...] = ()
+    """Units updated on the GPU as they stream through it (``--update-placement``)."""
 
 
 _REQUIRED_FIELDS = frozenset(
@@ -181,10 +184,14 @@ def place_units(
 ) -> Placement:
     """Check the run fits (host RAM, GPU budget) before anything is allocated, then choose the units that
     live on the GPU (``resident_bytes`` of them, else whatever the GPU budget leaves spare) and those whose
-    Adam state goes to the ``--offload-optimizer`` tier. ``optimizer``: the run's, whose device replica's
-    scratch the plan prices (None: the shipped one for ``options.optimizer_state``)."""
+    Adam state goes to the ``--offload-optimizer`` tier, then, by ``--update-placement``, those updated on the
+    GPU as they stream (slide_hf/planner/plan.py; ``auto`` plans with this machine's measured rates when
+    `slide doctor` has cached them). ``optimizer``: the run's, whose device replica's scratch the plan prices
+    (None: the shipped one for ``options.optimizer_state``)."""
     from slide_core.engine.placement import choose_resident_units
+    from slide_hf.machine_rates import planning_bandwidths
     from slide_hf.planner import (
+        Bandwidths,
         PlanInputs,
         available_host_bytes,
         check_fits,
@@ -211,10 +218,11 @@ def place_units(
         offload_activations=planning_kind(activation_tier_class(options.offload_activations)),
         optimizer_state=options.optimizer_state,
         optimizer=optimizer,
+        bandwidths=planning_bandwidths()[0] if device.is_accelerator else Bandwidths(),
     )
     check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
     if resident_bytes is None:
-        plan = plan_with_placement(inputs)
+        plan = plan_with_placement(inputs, str(options.update_placement))
     else:
         chosen = choose_resident_units(
             model,
@@ -224,9 +232,9 @@ def place_units(
             state_arrays=inputs.device_optimizer().state_arrays,
         )
         plan = make_plan(dataclasses.replace(inputs, resident_units=chosen))
-    resident = plan.inputs.resident_units
+    resident, streamed = plan.inputs.resident_units, plan.inputs.streamed_units
     offloaded = offloaded_units(model, options.nvme_fraction, resident) if tier_class is not None else ()
-    return Placement(plan, resident, tier_class, offloaded)
+    return Placement(plan, resident, tier_class, offloaded, streamed)
 
 
 # -- engine ------------------------------------------------------------------------------------------------
@@ -277,6 +285,7 @@ def open_engine(
         master_format=options.master,
         resident_units=placement.resident,
         offloaded_units=placement.offloaded,
+        streamed_units=placement.streamed,
         max_grad_norm=options.max_grad_norm,
         report_grad_norm=options.report_grad_norm,
     )
@@ -284,6 +293,8 @@ def open_engine(
     log.info("plan: GPU peak %.2f GiB, host peak %.2f GiB", plan.gpu_peak_bytes / 2**30, plan.host_peak_bytes / 2**30)
     if placement.resident:
         log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(placement.resident))
+    if placement.streamed:
+        log.info("units updated on the GPU as they stream: %s", ", ".join(placement.streamed))
     with contextlib.ExitStack() as opened:
         state_tier = None
         if placement.offloaded and placement.state_tier is not None:

@@ -10,6 +10,10 @@ here (slide_hf/adapters/attention.py): for plain and for logit-capped (Gemma 2) 
 gated delta-net layers (Qwen3.5, Qwen3-Next) run flash-linear-attention or transformers' torch path, and
 why (slide_hf/adapters/linear_attention.py); on a GPU that takes a tiny check of fla's kernel there.
 
+``machine_rates`` measures this machine's host memory bandwidth, PCIe each way, the host AdamW per state format
+and the GPU, and caches them for planning (slide_hf/machine_rates.py): `slide plan`, and `slide train`'s
+``--update-placement auto``, read that cache. Each run of the command measures again (a few seconds).
+
 Plugins speak for themselves: the device plugin ``--device auto`` picks and every ``slide.tiers`` plugin
 are found through the registry (slide_core/plugins.py) and asked for their ``doctor_facts()`` (slide-rocm's
 device answers with its policy, slide-io's gds tier with whether GPUDirect Storage is real here), so this
@@ -29,6 +33,8 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
+from slide_hf.machine_rates import MeasureSizes
+
 __all__ = ["add_parser", "collect", "render", "run"]
 
 DISTRIBUTIONS = (
@@ -44,6 +50,9 @@ DISTRIBUTIONS = (
     "slide-io",
     "slide-rocm",
 )
+
+MEASURE_SIZES = MeasureSizes()
+"""How much each rate measurement moves (the defaults leave the caches; tests shrink them)."""
 
 EPILOG = textwrap.dedent(
     """\
@@ -74,7 +83,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     model = _model(args.model) if args.model else None
-    report = collect(model)
+    report = collect(model, measure=MEASURE_SIZES)
     print(json.dumps(report) if args.json else render(report))
     return 0
 
@@ -92,10 +101,11 @@ def _model(name: str) -> Any:
         raise UserError(str(error)) from None
 
 
-def collect(model: Any = None) -> dict[str, Any]:
+def collect(model: Any = None, measure: MeasureSizes | None = None) -> dict[str, Any]:
     """The whole report as plain data (strings, numbers, lists, dicts); ``model`` (an adapter's model)
-    adds its per-layer-type attention."""
-    return {
+    adds its per-layer-type attention; ``measure`` measures this machine's rates at those sizes and
+    replaces their cache (without it the report has no ``machine_rates``)."""
+    report = {
         "versions": _guard(_versions),
         "device": _guard(_device),
         "host": _guard(_host),
@@ -103,6 +113,30 @@ def collect(model: Any = None) -> dict[str, Any]:
         "storage": _guard(_storage),
         "plugins": _guard(_plugins),
     }
+    if measure is not None:
+        report["machine_rates"] = _guard(lambda: _machine_rates(measure))
+    return report
+
+
+def _machine_rates(sizes: MeasureSizes) -> dict[str, Any]:
+    """Measure the rates planning divides by, cache them, and say what they are and where they went."""
+    from slide_hf.machine_rates import refresh_cached
+
+    rates, path = refresh_cached(sizes)
+    info: dict[str, Any] = {
+        "cache": str(path),
+        "measured_at": rates.measured_at,
+        "host_copy_gbps": round(rates.host_copy_gbps, 1),
+        "host_triad_gbps": round(rates.host_triad_gbps, 1),
+        "cpu_adam": {
+            state: f"{gparams:.3g} Gparam/s ({rates.cpu_adam_gbps(state):.3g} GB/s)"
+            for state, gparams in rates.cpu_adam_gparams.items()
+        },
+    }
+    for name in ("h2d_gbps", "d2h_gbps", "gpu_mem_gbps", "gpu_tflops"):
+        value = getattr(rates, name)
+        info[name] = "n/a (no CUDA GPU)" if value is None else round(value, 1)
+    return info
 
 
 def _guard(probe: Callable[[], dict[str, Any]]) -> dict[str, Any]:

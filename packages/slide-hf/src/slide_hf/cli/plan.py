@@ -6,6 +6,11 @@ on (none for the CPU device); without ``--host-memory`` the host budget is this 
 ``--device``, ``--offload-optimizer`` and ``--optimizer`` take the names `slide train` takes (the installed
 entry points); a tier that keeps files is planned as disk, any other as host RAM. A configuration that
 does not fit is still reported (exit 0), with the fix to try; ``--check`` turns that into exit status 2.
+
+Step times divide by this machine's rates as `slide doctor` measured and cached them, else by the documented
+defaults (slide_hf/machine_rates.py); the plan says which. ``--update-placement`` places units as `slide train`
+would (host-updated, updated on the GPU as they stream, or resident), and the plan lists how many of each and
+each resource's time per step (the step takes the largest).
 """
 
 from __future__ import annotations
@@ -86,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
         host_cap, host_source = available_host_bytes(), "available"
     model = _build(cfg.model)
     seq_len = resolve_seq_len(cfg.seq_len, model.config)
+    from slide_hf.machine_rates import planning_bandwidths
+
+    bandwidths, rates_source = planning_bandwidths()
     inputs = PlanInputs(
         model=model,
         batch_size=cfg.batch_size,
@@ -101,11 +109,14 @@ def run(args: argparse.Namespace) -> int:
         optimizer_state=cfg.optimizer_state,
         master_format=_master_format(cfg),
         fused_loss=_fused_loss_available(),
+        bandwidths=bandwidths,
     )
     plan = make_plan(inputs)
     distributed = args.nproc_per_node * args.nnodes > 1
-    if gpu_cap is not None and plan.gpu_peak_bytes <= gpu_cap and not distributed:
-        plan = plan_with_placement(inputs)  # spare GPU memory holds whole units (master + Adam state)
+    placement = cfg.update_placement.value
+    if (gpu_cap is None or plan.gpu_peak_bytes <= gpu_cap) and not distributed:
+        # spare GPU memory holds whole units (master + Adam state), then the updates streamed to the GPU
+        plan = plan_with_placement(inputs, placement)
     dp = _data_parallel(plan, args) if distributed else None
     outputs = _output_disk(model, cfg)
     problem = _positions_problem(model, seq_len)
@@ -119,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         payload.update({"master": inputs.master_format})
         payload.update({"state_tier": cfg.offload_optimizer, "output_disk": outputs.to_dict()})
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
+        payload.update({"update_placement": placement, "rates_source": rates_source})
+        payload["placement"] = {where: list(names) for where, names in plan.placement_counts().items()}
         if dp is not None:
             payload["data_parallel"] = dp.to_dict()
         print(json.dumps(payload, sort_keys=False))
@@ -132,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
             optimizer=f"{optimizer}, {_state_words(cfg.optimizer_state)}Adam state on {cfg.offload_optimizer}, "
             f"{inputs.master_format} master",
             outputs=outputs,
+            update_placement=placement,
+            rates_source=rates_source,
         )
         print(text)
         if dp is not None:
@@ -263,9 +278,12 @@ def render(
     problem: str | None,
     optimizer: str | None = None,
     outputs: Any = None,
+    update_placement: str | None = None,
+    rates_source: str | None = None,
 ) -> str:
     """The human-readable table; ``optimizer`` says which host optimizer and state tier were planned,
-    ``outputs`` (an ``OutputDisk``) what the run's checkpoints and export take."""
+    ``outputs`` (an ``OutputDisk``) what the run's checkpoints and export take, ``update_placement`` the
+    ``--update-placement`` the units were placed by and ``rates_source`` where the step time's rates came from."""
     i = plan.inputs
     lines = [
         f"{model_name}: {plan.params / 1e9:.2f} B params, batch {i.batch_size} x seq {i.seq_len} x accum "
@@ -277,6 +295,12 @@ def render(
     lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v)) for k, v in plan.gpu_breakdown.items()]
     resident = ", ".join(i.resident_units) if i.resident_units else "none (no spare GPU memory, or no --gpu-memory)"
     lines.append(_row("on the GPU", resident, "units whose master and Adam state live on the GPU"))
+    placed = plan.placement_counts()
+    if update_placement is not None:
+        counts = ", ".join(f"{len(names)} {where}" for where, names in placed.items())
+        lines.append(_row("update placement", update_placement, f"{counts} (units by where their update runs)"))
+        if placed["streamed"]:
+            lines.append(_row("  GPU-streamed", "", unit_names(placed["streamed"])))
     lines.append(_row("host peak", format_bytes(plan.host_peak_bytes)))
     lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v)) for k, v in plan.host_breakdown.items() if v]
     lines.append(_row("disk", format_bytes(plan.disk_bytes), "NVMe: offloaded Adam state and activations"))
@@ -301,6 +325,9 @@ def render(
             f"update {plan.update_s:.3g} s, nvme {plan.disk_s:.3g} s; {plan.tokens_per_s:,.0f} tokens/s",
         )
     )
+    lines += [_row(f"  {name}", f"{seconds:.3g} s") for name, seconds in plan.resource_s.items()]
+    if rates_source is not None:
+        lines.append(_row("  rates", "", rates_source))
     overlap_note = (
         "larger batches raise overlap" if plan.overlap < 1 else "gradient transfer and update hide behind backward"
     )
@@ -326,3 +353,26 @@ def _max_batch(plan: Plan, gpu_source: str) -> str:
 def _row(label: str, value: str, note: str = "") -> str:
     text = f"{label:<22}{value:>12}"
     return f"{text}   {note}" if note else text
+
+
+def unit_names(names: tuple[str, ...]) -> str:
+    """``embedding, block.0-11, head``: unit names with runs of consecutive blocks as one range."""
+    parts: list[str] = []
+    run: list[int] = []
+
+    def close() -> None:
+        if run:
+            parts.append(f"block.{run[0]}" if len(run) == 1 else f"block.{run[0]}-{run[-1]}")
+            run.clear()
+
+    for name in names:
+        index = name.removeprefix("block.")
+        if name.startswith("block.") and index.isdigit():
+            if run and int(index) != run[-1] + 1:
+                close()
+            run.append(int(index))
+            continue
+        close()
+        parts.append(name)
+    close()
+    return ", ".join(parts)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from contextvars import ContextVar
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from slide_hf.options.schema import (
     MasterFormat,
     SaveDType,
     StateFormat,
+    UpdatePlacement,
     declared,
     option,
 )
@@ -78,6 +80,11 @@ def _size_bytes(size: str | None) -> int | None:
     from slide_hf.sizes import parse_size
 
     return None if size is None else parse_size(size)
+
+
+def _enum_value(choice: Enum) -> str:
+    """An enum option as the engine's setup reads it: its value."""
+    return str(choice.value)
 
 
 def _torch_dtype(dtype: DType) -> torch.dtype:
@@ -349,6 +356,15 @@ class TrainConfig:
         commands=RUNS,
         rule=Rule("int", 1, 64),
         engine=AS_DECLARED,
+    )
+    update_placement: UpdatePlacement = option(
+        UpdatePlacement.HOST,
+        help="where the AdamW update of units not resident on the GPU runs: host (default), gpu (master and "
+        "moments stream to the GPU with the unit; not with --max-grad-norm) or auto (per unit, from this "
+        "machine's rates that `slide doctor` measures; host with --max-grad-norm or on the CPU device)",
+        commands=RUNS,
+        choices=UpdatePlacement,
+        engine=EngineField("update_placement", _enum_value),
     )
 
     def __post_init__(self) -> None:

@@ -81,6 +81,7 @@ MACHINE_OPTIONS = frozenset(
         "offload_activations",
         "block_slots",
         "master",
+        "update_placement",
     }
 )
 """Options that say where the run executes. A resumed run may change them (it may land on another machine);

@@ -40,6 +40,7 @@ __all__ = [
     "SaveDType",
     "Spec",
     "StateFormat",
+    "UpdatePlacement",
     "declared",
     "option",
 ]
@@ -86,6 +87,14 @@ class MasterFormat(enum.StrEnum):
     AUTO = "auto"
     FP32 = "fp32"
     SPLIT = "split"
+
+
+class UpdatePlacement(enum.StrEnum):
+    """Where the AdamW update of a unit that is not device-resident runs (slide_hf/planner/plan.py)."""
+
+    AUTO = "auto"
+    HOST = "host"
+    GPU = "gpu"
 
 
 class LrSchedule(enum.StrEnum):

@@ -89,6 +89,15 @@ def _int8_state_is_one_process(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
+def _gpu_updates_without_clipping(cfg: TrainConfig, world_size: int) -> None:
+    """The engine streams no unit with clipping on (its rollback keeps every gradient on the host)."""
+    if cfg.update_placement == "gpu" and cfg.max_grad_norm > 0:
+        raise UserError(
+            f"{option('update_placement', 'gpu')} does not run with {option('max_grad_norm', cfg.max_grad_norm)} yet; "
+            f"use {option('update_placement', 'auto')} or host (auto updates on the host with clipping on)"
+        )
+
+
 def _disk_tier_needs_a_directory(name: str) -> Callable[[TrainConfig, int], None]:
     """A tier that keeps files (``nvme``, ``gds``) needs ``--nvme-dir``: refused before anything is built."""
 
@@ -111,6 +120,7 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule(("min_lr_ratio", "lr_schedule"), _floor_needs_a_decay),
     CrossRule(("master", "dtype"), _split_master_needs_bf16),
     CrossRule(("optimizer_state",), _int8_state_is_one_process),
+    CrossRule(("update_placement", "max_grad_norm"), _gpu_updates_without_clipping),
     CrossRule(("offload_optimizer", "nvme_dir"), _disk_tier_needs_a_directory("offload_optimizer")),
     CrossRule(("offload_activations", "nvme_dir"), _disk_tier_needs_a_directory("offload_activations")),
 )

@@ -25,6 +25,14 @@ __all__ = ["Bandwidths", "ModelShape", "Offload", "PlanInputs"]
 Offload = Literal["ram", "nvme"]
 
 
+STATE_SPEED = {"fp32": 1.0, "bf16": 1.15, "int8": 0.73}
+"""Host AdamW updates per second with a compact state, relative to fp32 state, where none is measured:
+bench/cpu_adam.py on the H200 machine's host (16 threads, 100M parameters): fp32 4.25, bf16 4.88, int8 3.09
+Gparam/s. bf16 moves 18 bytes instead of 26 but hashes and rounds every element; int8 (two passes per
+64-element block) is bound by its arithmetic there (44 GB/s effective against the triad's 77), so it saves
+memory, not time."""
+
+
 @dataclass(frozen=True)
 class Bandwidths:
     """Throughputs the step-time estimate divides by (GB/s are 1e9 bytes/s).
@@ -38,6 +46,13 @@ class Bandwidths:
     - ``host_mem_gbps``: host memory bandwidth available to the optimizer and gradient accumulation.
     - ``gpu_tflops``: *achieved* dense compute-dtype throughput (not the datasheet peak).
     - ``disk_gbps``: sustained NVMe throughput for offloaded optimizer state and activations.
+    - ``gpu_mem_gbps``: GPU memory bandwidth, which bounds an AdamW update on the GPU (resident and
+      GPU-streamed units); the default is a conservative HBM figure (an H100 PCIe card's copy rate).
+    - ``cpu_adam_state_gparams``: measured ``(state format, Gparam/s)`` pairs (slide_hf/machine_rates.py);
+      a format without one runs at ``cpu_adam_gparams`` times its relative speed (:meth:`cpu_adam_rate`).
+
+    ``slide doctor`` measures all but the disk on this machine and caches them; planning reads that cache
+    (:func:`slide_hf.machine_rates.planning_bandwidths`) and otherwise uses these defaults.
     """
 
     h2d_gbps: float = 25.0
@@ -46,12 +61,27 @@ class Bandwidths:
     host_mem_gbps: float = 60.0
     gpu_tflops: float = 300.0
     disk_gbps: float = 2.0
+    gpu_mem_gbps: float = 1500.0
+    cpu_adam_state_gparams: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
+            if item.name == "cpu_adam_state_gparams":
+                continue
             value = getattr(self, item.name)
             if not value > 0:
                 raise UserError(f"bandwidth {item.name} must be > 0, got {value}")
+        for state, value in self.cpu_adam_state_gparams:
+            if not value > 0:
+                raise UserError(f"bandwidth cpu_adam_gparams for {state} state must be > 0, got {value}")
+
+    def cpu_adam_rate(self, optimizer_state: str) -> float:
+        """Host AdamW updates per second (1e9 params/s) with ``optimizer_state`` moments: measured, or
+        ``cpu_adam_gparams`` scaled by the format's speed relative to fp32 (``STATE_SPEED``)."""
+        measured = dict(self.cpu_adam_state_gparams)
+        if optimizer_state in measured:
+            return measured[optimizer_state]
+        return self.cpu_adam_gparams * STATE_SPEED[optimizer_state]
 
     @classmethod
     def measured_h200(cls) -> Bandwidths:
@@ -214,6 +244,9 @@ class PlanInputs:
     grad_ring_slots: int = _ENGINE_DEFAULTS.grad_ring_slots
     resident_units: tuple[str, ...] = ()
     """Units whose master and Adam state live on the GPU (``EngineConfig.resident_units``)."""
+    streamed_units: tuple[str, ...] = ()
+    """Units updated on the GPU as they stream through it (``EngineConfig.streamed_units``): master and
+    moments cross PCIe with the unit instead of the gradient, and the host optimizer does nothing for them."""
     master_format: str = "fp32"
     """``--master`` as it resolves: ``fp32`` (the h2d reads 4 B/param and casts on the GPU) or ``split``
     (2 B/param, the bf16 plane as it is; the host holds 4 B/param + 1 tie bit; bf16 compute only)."""

@@ -110,6 +110,7 @@ ENGINE_DEVICE_BUFFERS = (
     "head_slot",
     "resident_units",
     "resident_scratch",
+    "streamed_staging",
     "h2d_staging",
     "activation_buffers",
     "grad_norms",
@@ -207,6 +208,7 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         "head_slot": 0 if "head" in resident else SlotWindow.slot_bytes(shape.head_numel, d),
         "resident_units": _resident_bytes(shape, inputs),
         "resident_scratch": _resident_scratch_bytes(shape, inputs),
+        "streamed_staging": streamed_staging_bytes(shape, inputs),
         "h2d_staging": _h2d_staging_bytes(shape, inputs),
         "activation_buffers": ActivationStash.device_bytes_for(boundary, d),
         "grad_norms": UnitNorms.device_bytes_for(len(numels)) if wants_norms else 0,
@@ -395,6 +397,20 @@ def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
         for name in inputs.resident_units
         if name in numel
     )
+
+
+def streamed_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+    """GPU bytes of the GPU-streamed updates (``EngineConfig.streamed_units``): the staging sets of
+    ``StreamedPipeline.device_bytes`` (two, each one unit's fp32 master, a split master's planes and the
+    moments as stored) and the device optimizer's scratch for its ranges, both sized by the largest
+    streamed unit (``UnitCost.stream_device_bytes``). The grad ring keeps pricing streamed units: the engine
+    sizes it for every unit that is not resident (a streamed unit's gradient goes to the host in a step
+    that accumulates it or clips)."""
+    if not inputs.streamed_units:
+        return 0
+    from slide_hf.planner.unit_costs import unit_costs
+
+    return max(cost.stream_device_bytes for cost in unit_costs(shape, inputs) if cost.name in inputs.streamed_units)
 
 
 def _resident_max_numel(shape: ModelShape, inputs: PlanInputs) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from slide_hf.errors import UserError
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import (
     ENGINE_HOST_BUFFERS,
@@ -19,11 +20,16 @@ from slide_hf.planner.memory import (
     _gpu_peak,
     _host_bytes,
     _host_peak,
+    _nvme_names,
     resident_scratch_bytes,
 )
 from slide_hf.planner.timing import _times
+from slide_hf.planner.unit_costs import fixed_times, unit_costs
+from slide_hf.planner.update_placement import choose_streamed_units
+from slide_hf.sizes import format_bytes
+from slide_hf.spelling import option
 
-__all__ = ["GPU_MARGIN_BYTES", "Plan", "largest_batch", "make_plan", "plan_with_placement"]
+__all__ = ["GPU_MARGIN_BYTES", "UPDATE_PLACEMENTS", "Plan", "largest_batch", "make_plan", "plan_with_placement"]
 
 GPU_MARGIN_BYTES = 1 << 30
 """GPU memory left unplanned for allocator fragmentation and library workspaces..."""
@@ -69,6 +75,21 @@ class Plan:
     overlap: float
     binding: str
     critical_batch_size: int | None
+    resource_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per step of each resource (slide_hf/planner/unit_costs.py ``RESOURCES``); ``step_time_s`` is the
+    largest. ``compute_s`` is its GPU compute, ``pcie_s`` the larger PCIe direction, ``update_s`` the larger of
+    host memory and CPU, ``disk_s`` NVMe."""
+
+    def placement_counts(self) -> dict[str, tuple[str, ...]]:
+        """The units updated in each place: ``resident``, ``streamed`` (on the GPU as they stream) and ``host``."""
+        i = self.inputs
+        names = ("embedding", *(f"block.{n}" for n in range(self.shape.num_blocks)), "head")
+        placed = {*i.resident_units, *i.streamed_units}
+        return {
+            "resident": tuple(n for n in names if n in i.resident_units),
+            "streamed": tuple(n for n in names if n in i.streamed_units),
+            "host": tuple(n for n in names if n not in placed),
+        }
 
     @property
     def engine_host_bytes(self) -> int:
@@ -97,6 +118,7 @@ class Plan:
                 "bandwidths": dataclasses.asdict(i.bandwidths),
                 "fused_loss": i.fused_loss,
                 "resident_units": list(i.resident_units),
+                "streamed_units": list(i.streamed_units),
             },
             "params": self.params,
             "tokens_per_step": self.tokens_per_step,
@@ -119,6 +141,7 @@ class Plan:
             "overlap": self.overlap,
             "binding": self.binding,
             "critical_batch_size": self.critical_batch_size,
+            "resource_s": dict(self.resource_s),
         }
 
 
@@ -142,6 +165,12 @@ def make_plan(inputs: PlanInputs) -> Plan:
 
     step_time = max(compute, pcie, update, disk). overlap = T_bwd / (T_d2h + T_update), with T_bwd the
     recompute + backward of the blocks plus the head (6 N_b + 6 L S d + 6 V H per token).
+
+    Those are the sums over host-updated units. A device-resident unit moves nothing over PCIe and adds its
+    update to the GPU (its bytes over ``gpu_mem_gbps``); a GPU-streamed one sends master and moments both
+    ways instead of its gradient, and adds its update to the GPU and its DMA to host memory
+    (slide_hf/planner/unit_costs.py). ``Plan.resource_s`` has each resource's time: GPU compute, PCIe h2d and
+    d2h, host memory, CPU, NVMe.
     """
     shape = inputs.shape
     gpu, phases = _gpu_bytes(shape, inputs)
@@ -210,25 +239,117 @@ def _max_batch(shape: ModelShape, inputs: PlanInputs) -> tuple[int | None, str |
     return largest_batch(inputs, gpu_cap=inputs.gpu_memory_bytes, host_cap=inputs.host_memory_bytes, shape=shape)
 
 
-def plan_with_placement(inputs: PlanInputs) -> Plan:
-    """The plan after spending the GPU budget's spare memory on device-resident units.
+UPDATE_PLACEMENTS = ("auto", "host", "gpu")
+"""Where the updates of units that are not device-resident run (``--update-placement``)."""
 
-    Without a GPU budget nothing is placed. The units are chosen by
-    :func:`slide_core.engine.placement.choose_resident_units` (embedding, head, then the first blocks).
+
+def plan_with_placement(inputs: PlanInputs, update_placement: str = "host") -> Plan:
+    """The plan after placing units: device-resident ones in the GPU budget's spare memory first, then, by
+    ``update_placement``, the units updated on the GPU as they stream (``PlanInputs.streamed_units``):
+
+    - ``host``: none; every unit that is not resident is updated on the host.
+    - ``gpu``: every unit that is not resident and keeps its moments in host RAM. Refused in one line with
+      gradient clipping (the engine streams no unit then), on the CPU device, or when the staging does not
+      fit the GPU budget.
+    - ``auto``: the units :func:`~slide_hf.planner.update_placement.choose_streamed_units` picks from their
+      costs (slide_hf/planner/unit_costs.py) within the spare GPU memory. None with clipping, on the CPU
+      device (no PCIe to relieve) or without a GPU budget (nothing to fit the staging in).
+
+    Resident units are chosen by :func:`slide_core.engine.placement.choose_resident_units` (embedding, head,
+    then the first blocks); without a GPU budget, or for a :class:`ModelShape`, there are none. Their greedy
+    takes all the spare memory it can use, so ``auto`` weighs two plans: residents in all of it, then
+    streaming in what is left; and residents in the spare memory less what streaming the largest block
+    takes, then streaming in that (when it streams any unit). The faster wins (a tie keeps the first).
     """
+    if update_placement not in UPDATE_PLACEMENTS:
+        raise UserError(
+            f"{option('update_placement')} must be one of {', '.join(UPDATE_PLACEMENTS)}, got {update_placement!r}"
+        )
+    if update_placement == "gpu":
+        _refuse_gpu_updates(inputs)
+        return _all_streamed(inputs)
+    plan = make_plan(_with_resident(inputs, reserve_bytes=0))
+    if update_placement == "host" or inputs.clipping or not inputs.accelerator or inputs.gpu_memory_bytes is None:
+        return plan
+    candidates = [_with_streamed(plan)]
+    costs = [c for c in unit_costs(plan.shape, inputs) if c.can_stream and c.name.startswith("block.")]
+    if costs and not isinstance(inputs.model, ModelShape):
+        reserve = max(c.stream_device_bytes for c in costs)
+        reserved = _with_streamed(make_plan(_with_resident(inputs, reserve_bytes=reserve)))
+        if reserved.inputs.streamed_units:  # memory held back for streaming that streams nothing is wasted
+            candidates.append(reserved)
+    return min(candidates, key=lambda p: p.step_time_s)
+
+
+def _spare_bytes(plan: Plan) -> int:
+    """GPU bytes the budget leaves beside ``plan``'s peak and the margin (0 without a budget)."""
+    budget = plan.inputs.gpu_memory_bytes
+    if budget is None:
+        return 0
+    return max(0, budget - plan.gpu_peak_bytes - GPU_MARGIN_BYTES - int(GPU_MARGIN_FRACTION * budget))
+
+
+def _with_resident(inputs: PlanInputs, *, reserve_bytes: int) -> PlanInputs:
+    """``inputs`` with the resident units the spare GPU memory less ``reserve_bytes`` holds."""
     import torch
 
     from slide_core.engine.placement import choose_resident_units
 
-    base = make_plan(inputs)
     if inputs.gpu_memory_bytes is None or isinstance(inputs.model, ModelShape):
-        return base
-    margin = GPU_MARGIN_BYTES + int(GPU_MARGIN_FRACTION * inputs.gpu_memory_bytes)
+        return inputs
+    base = make_plan(inputs)
     # Resident units bring their update's scratch (at most that of the largest unit's ranges) along.
     scratch = resident_scratch_bytes(inputs, max(base.shape.unit_numels, default=0))
-    spare = max(0, inputs.gpu_memory_bytes - base.gpu_peak_bytes - margin - scratch)
+    spare = max(0, _spare_bytes(base) - scratch - reserve_bytes)
     dtype = torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16
     accumulates = inputs.grad_accum > 1  # clipping sums a tied embedding in its slot too (resident.py)
     arrays = inputs.device_optimizer().state_arrays
     resident = choose_resident_units(inputs.model, spare, dtype, accumulates=accumulates, state_arrays=arrays)
-    return make_plan(dataclasses.replace(inputs, resident_units=resident)) if resident else base
+    return dataclasses.replace(inputs, resident_units=resident)
+
+
+def _with_streamed(plan: Plan) -> Plan:
+    """``plan`` with the units :func:`choose_streamed_units` moves to the GPU within its spare memory."""
+    inputs = plan.inputs
+    resident = set(inputs.resident_units)
+    costs = unit_costs(plan.shape, inputs)
+    fixed = fixed_times(plan.shape, inputs, plan.flops_per_step / (inputs.bandwidths.gpu_tflops * 1e12), plan.disk_s)
+    for cost in costs:  # resident units are placed already: their terms are fixed
+        if cost.name in resident:
+            for resource, seconds in cost.resident.items():
+                fixed[resource] += seconds
+    movable = [cost for cost in costs if cost.name not in resident]
+    streamed = choose_streamed_units(fixed, movable, _spare_bytes(plan))
+    return make_plan(dataclasses.replace(inputs, streamed_units=streamed)) if streamed else plan
+
+
+def _refuse_gpu_updates(inputs: PlanInputs) -> None:
+    if inputs.clipping:
+        raise UserError(
+            f"{option('update_placement', 'gpu')} does not run with gradient clipping ({option('max_grad_norm')} > 0) "
+            f"yet; use {option('update_placement', 'auto')} or host"
+        )
+    if not inputs.accelerator:
+        raise UserError(f"{option('update_placement', 'gpu')} needs a GPU device; the CPU device updates on the host")
+
+
+def _all_streamed(inputs: PlanInputs) -> Plan:
+    """Residents in the spare memory less the staging of the largest unit, every other unit whose moments
+    are in host RAM streamed (one the engine updates on the host anyway, with several gradient contributions
+    per step, included: it is what was asked); one line when that does not fit the GPU budget."""
+    shape = inputs.shape
+    on_nvme = set(_nvme_names(shape, inputs))
+    streamable = [c for c in unit_costs(shape, inputs) if c.name not in on_nvme]
+    reserve = max((c.stream_device_bytes for c in streamable), default=0)
+    placed = _with_resident(inputs, reserve_bytes=reserve)
+    names = tuple(c.name for c in streamable if c.name not in placed.resident_units)
+    plan = make_plan(dataclasses.replace(placed, streamed_units=names))
+    budget = inputs.gpu_memory_bytes
+    if budget is not None and plan.gpu_peak_bytes > budget:
+        staging = plan.gpu_breakdown.get("streamed_staging", 0)
+        raise UserError(
+            f"{option('update_placement', 'gpu')} needs {format_bytes(plan.gpu_peak_bytes)} of GPU memory "
+            f"({format_bytes(staging)} of it to stage the streamed units), {format_bytes(budget)} in the budget; "
+            f"use {option('update_placement', 'auto')} or host"
+        )
+    return plan

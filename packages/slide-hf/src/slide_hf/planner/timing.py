@@ -14,6 +14,7 @@ from typing import Any
 from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import _nvme_units
+from slide_hf.planner.unit_costs import fixed_times, placement_of, resource_times, unit_costs
 
 __all__: list[str] = []
 
@@ -44,13 +45,6 @@ _ADAM_BYTES_PER_PARAM = 32
 and the gradient cast into the fp32 scratch and read back (8 B)."""
 
 
-_STATE_SPEED = {"fp32": 1.0, "bf16": 1.15, "int8": 0.73}
-"""Host AdamW updates per second with a compact state, relative to fp32 state: bench/cpu_adam.py on the
-H200 machine's host (16 threads, 100M parameters): fp32 4.25, bf16 4.88, int8 3.09 Gparam/s. bf16 moves 18
-bytes instead of 26 but hashes and rounds every element; int8 (two passes per 64-element block) is bound
-by its arithmetic there (44 GB/s effective against the triad's 77), so it saves memory, not time."""
-
-
 def _adam_bytes_per_param(optimizer_state: str) -> float:
     """Host bytes one AdamW update moves per parameter besides reading the gradient: fp32 state as
     ``_ADAM_BYTES_PER_PARAM``; compact state in the fused kernel, which reads the gradient as it is (no
@@ -61,6 +55,8 @@ def _adam_bytes_per_param(optimizer_state: str) -> float:
 
 
 def _block_loads(shape: ModelShape, inputs: PlanInputs) -> int:
+    """Block weight loads per step: every block in both passes of every micro-batch, less the
+    ``block_slots`` still in a slot where the schedule turns around."""
     blocks = shape.num_blocks
     if not blocks:
         return 0
@@ -69,7 +65,6 @@ def _block_loads(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
-    bw = inputs.bandwidths
     d = inputs.compute_dtype_bytes
     accum = inputs.grad_accum
     seq = inputs.seq_len
@@ -80,46 +75,42 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     flops_per_token = 8 * shape.block_params + 6 * head_matrix + 8 * layers * seq * attn_dim
     bwd_flops_per_token = 6 * shape.block_params + 6 * head_matrix + 6 * layers * seq * attn_dim
     flops = float(tokens * flops_per_token)
-    gpu_rate = bw.gpu_tflops * 1e12
+    gpu_rate = inputs.bandwidths.gpu_tflops * 1e12
     compute_s = flops / gpu_rate
     backward_s = tokens * bwd_flops_per_token / gpu_rate
 
-    stash = layers * inputs.batch_size * seq * shape.activation_width * d  # per micro-batch
-    stash_pcie = stash * accum
-    mean_block = sum(shape.block_numels) / layers if layers else 0.0
-    loads = shape.embedding_numel + shape.head_numel + _block_loads(shape, inputs) * mean_block
-    h2d_bytes = h2d_bytes_per_param(inputs.master_format) * loads + stash_pcie
-    grad_numel = shape.total_numel + (shape.embedding_numel if shape.tied else 0)
-    d2h_grad_bytes = accum * grad_numel * d
-    d2h_s = d2h_grad_bytes / (bw.d2h_gbps * 1e9)
-    pcie_s = max(h2d_bytes / (bw.h2d_gbps * 1e9), (d2h_grad_bytes + stash_pcie) / (bw.d2h_gbps * 1e9))
-
-    contributions = accum * grad_numel  # gradient chunks the optimizer thread receives, in elements
-    accum_traffic = (contributions - shape.total_numel) * (8 + d) if contributions > shape.total_numel else 0
-    adam_bytes = _adam_bytes_per_param(inputs.optimizer_state)
-    host_traffic = shape.total_numel * (adam_bytes + d) + accum_traffic
-    adam_rate = bw.cpu_adam_gparams * 1e9 * _STATE_SPEED[inputs.optimizer_state]
-    update_s = max(shape.total_numel / adam_rate, host_traffic / (bw.host_mem_gbps * 1e9))
-
     disk_traffic = 2 * state_bytes_per_param(inputs.optimizer_state) * sum(_nvme_units(shape, inputs))
     if inputs.offload_activations == "nvme":
-        disk_traffic += 2 * stash * accum
-    disk_s = disk_traffic / (bw.disk_gbps * 1e9)
+        disk_traffic += 2 * layers * inputs.batch_size * seq * shape.activation_width * d * accum
+    disk_s = disk_traffic / (inputs.bandwidths.disk_gbps * 1e9)
 
-    limits = {"gpu compute": compute_s, "pcie": pcie_s, "host memory bandwidth": update_s, "nvme": disk_s}
+    costs = unit_costs(shape, inputs)
+    placements = {cost.name: placement_of(cost.name, inputs) for cost in costs}
+    resources = resource_times(fixed_times(shape, inputs, compute_s, disk_s), costs, placements)
+    pcie_s = max(resources["pcie h2d"], resources["pcie d2h"])
+    update_s = max(resources["cpu"], resources["host memory"])
+    limits = {
+        "gpu compute": resources["gpu compute"],
+        "pcie": pcie_s,
+        "host memory bandwidth": update_s,
+        "nvme": resources["nvme"],
+    }
     binding = max(limits, key=limits.__getitem__)
+    # What the backward must hide: the host-updated units' gradients going out and their updates.
+    d2h_s = sum(cost.host["pcie d2h"] for cost in costs if placements[cost.name] == "host")
     hide = d2h_s + update_s
     overlap = backward_s / hide if hide > 0 else math.inf
     per_sample_bwd = backward_s / inputs.batch_size
     critical = math.ceil(hide / per_sample_bwd - 1e-9) if per_sample_bwd > 0 else None
     return {
         "flops_per_step": flops,
-        "compute_s": compute_s,
+        "compute_s": resources["gpu compute"],
         "pcie_s": pcie_s,
         "update_s": update_s,
-        "disk_s": disk_s,
+        "disk_s": resources["nvme"],
         "step_time_s": max(limits.values()),
         "overlap": overlap,
         "binding": binding,
         "critical_batch_size": max(1, critical) if critical is not None else None,
+        "resource_s": resources,
     }

@@ -1,0 +1,162 @@
+"""Seconds per step that each unit adds to each resource, for each place its update can run.
+
+A step's resources run concurrently (GPU compute, PCIe in each direction, host memory, the host CPU's
+optimizer, NVMe), so the step takes as long as the busiest one (slide_hf/planner/timing.py). Each resource's
+time is a fixed part (the GPU's forward and backward, the activation stash crossing PCIe, NVMe traffic) plus
+one term per unit that depends on where the unit is updated:
+
+- ``host``: the weights load h2d from the host master (``loads`` per step); the gradient goes d2h once per
+  contribution (micro-batch; the tied embedding twice); the host optimizer reads and writes master and
+  moments and sums the contributions (host memory) at its measured rate (CPU).
+- ``streamed``: the weights load as for ``host``; the fp32 master (4 B/param, split or not) and the moments
+  as stored travel h2d for the unit's backward and back d2h after its update, which runs on the GPU (its
+  memory bandwidth); on the host only the DMA touches them (read once, written once); the gradient never
+  leaves the GPU and the CPU does nothing (slide_core/engine/streamed_pipeline.py). A unit with several
+  gradient contributions per step (gradient accumulation, a tied embedding) is updated on the host even
+  when streamed (Note [When a streamed unit is updated on the host] there): its streamed terms are its host
+  terms, and it is not offered for streaming (``UnitCost.can_stream``).
+- ``resident``: only the GPU update.
+
+:func:`unit_costs` gives those terms and :func:`fixed_times` the fixed part; :func:`resource_times` sums them
+for a placement. The host terms sum to the formulas :func:`slide_hf.planner.make_plan` documents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from slide_core.engine.resident_pipeline import ResidentPipeline
+from slide_core.optim.state_formats import state_bytes_per_param
+from slide_hf.planner.inputs import ModelShape, PlanInputs
+
+__all__ = ["RESOURCES", "UnitCost", "fixed_times", "resource_times", "unit_costs"]
+
+RESOURCES = ("gpu compute", "pcie h2d", "pcie d2h", "host memory", "cpu", "nvme")
+"""The resources a step's time is the largest of, in the order plans print them."""
+
+STREAMED_MASTER_BYTES = 4
+"""Bytes per parameter of the master a streamed unit sends each way: fp32, or a split master's two planes."""
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """What one unit adds to each resource (seconds per step) when updated on the host, GPU-streamed or
+    resident, and the GPU memory streaming it needs.
+
+    ``stream_device_bytes``: GPU bytes the streamed updates hold when this is the largest streamed unit:
+    two staging sets (one unit's fp32 master and moments in flight while the previous one is updated) and
+    the device optimizer's scratch for its ranges. ``can_stream``: False for a unit whose moments live on
+    NVMe (the engine streams only units whose state is in host RAM), and for one the engine would update on
+    the host anyway (several gradient contributions per step)."""
+
+    name: str
+    numel: int
+    host: Mapping[str, float]
+    streamed: Mapping[str, float]
+    resident: Mapping[str, float]
+    stream_device_bytes: int
+    can_stream: bool = True
+
+    def times(self, placement: str) -> Mapping[str, float]:
+        return {"host": self.host, "streamed": self.streamed, "resident": self.resident}[placement]
+
+
+def _named_loads(shape: ModelShape, inputs: PlanInputs) -> dict[str, float]:
+    """Weight loads per step of each unit: the embedding and head once; a block the mean of the blocks'
+    loads (``timing._block_loads`` over the blocks)."""
+    from slide_hf.planner.timing import _block_loads
+
+    blocks = shape.num_blocks
+    loads = {"embedding": 1.0}
+    loads.update({f"block.{i}": _block_loads(shape, inputs) / blocks for i in range(blocks)})
+    loads["head"] = 1.0
+    return loads
+
+
+def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
+    """Every unit's terms, in forward order (embedding, blocks, head)."""
+    from slide_core.engine.streamed_pipeline import StreamedPipeline
+    from slide_hf.planner.memory import _named_numels, _nvme_names, _state_arrays
+    from slide_hf.planner.timing import _adam_bytes_per_param, h2d_bytes_per_param
+
+    bw = inputs.bandwidths
+    d = inputs.compute_dtype_bytes
+    load_bytes = h2d_bytes_per_param(inputs.master_format)
+    state_bytes = state_bytes_per_param(inputs.optimizer_state)
+    adam_bytes = _adam_bytes_per_param(inputs.optimizer_state)
+    adam_rate = bw.cpu_adam_rate(inputs.optimizer_state) * 1e9
+    h2d, d2h, host_mem, gpu_mem = (x * 1e9 for x in (bw.h2d_gbps, bw.d2h_gbps, bw.host_mem_gbps, bw.gpu_mem_gbps))
+    on_nvme = set(_nvme_names(shape, inputs))
+    arrays = _state_arrays(inputs)
+    device_optimizer = inputs.device_optimizer()
+    loads = _named_loads(shape, inputs)
+    costs = []
+    for name, n in _named_numels(shape).items():
+        contributions = inputs.grad_accum * (2 if name == "embedding" and shape.tied else 1)
+        weights_h2d = loads[name] * n * load_bytes / h2d
+        travelling = n * (STREAMED_MASTER_BYTES + state_bytes)  # master and moments, one way
+        # The GPU update reads the summed gradient, master and moments, writes them and the compute copy.
+        gpu_update = n * (d + 8 + 2 * state_bytes + d) / gpu_mem
+        host = {
+            "pcie h2d": weights_h2d,
+            "pcie d2h": contributions * n * d / d2h,
+            "host memory": (n * (adam_bytes + d) + (contributions - 1) * n * (8 + d)) / host_mem,
+            "cpu": n / adam_rate,
+        }
+        streamed = {
+            "gpu compute": gpu_update,
+            "pcie h2d": weights_h2d + travelling / h2d,
+            "pcie d2h": travelling / d2h,
+            "host memory": 2 * travelling / host_mem,
+        }
+        on_device = contributions == 1  # else the engine sends the gradient to the host optimizer
+        staging = StreamedPipeline.device_bytes(n, arrays, split=inputs.master_format == "split")
+        longest = ResidentPipeline.optimizer_range_numel(n, inputs.transfer_chunk_numel, clipping=False)
+        device_bytes = staging + device_optimizer.device_scratch_bytes(longest)
+        costs.append(
+            UnitCost(
+                name=name,
+                numel=n,
+                host=host,
+                streamed=streamed if on_device else host,
+                resident={"gpu compute": gpu_update},
+                stream_device_bytes=device_bytes,
+                can_stream=name not in on_nvme and on_device,
+            )
+        )
+    return tuple(costs)
+
+
+def fixed_times(shape: ModelShape, inputs: PlanInputs, compute_s: float, disk_s: float) -> dict[str, float]:
+    """The part of each resource no unit's placement changes: the GPU's forward and backward
+    (``compute_s``), the activation stash out and back in, NVMe traffic (``disk_s``)."""
+    bw = inputs.bandwidths
+    stash = shape.num_blocks * inputs.batch_size * inputs.seq_len * shape.activation_width * inputs.compute_dtype_bytes
+    stash_bytes = stash * inputs.grad_accum
+    return {
+        "gpu compute": compute_s,
+        "pcie h2d": stash_bytes / (bw.h2d_gbps * 1e9),
+        "pcie d2h": stash_bytes / (bw.d2h_gbps * 1e9),
+        "host memory": 0.0,
+        "cpu": 0.0,
+        "nvme": disk_s,
+    }
+
+
+def placement_of(name: str, inputs: PlanInputs) -> str:
+    if name in inputs.resident_units:
+        return "resident"
+    return "streamed" if name in inputs.streamed_units else "host"
+
+
+def resource_times(
+    fixed: Mapping[str, float], costs: Sequence[UnitCost], placements: Mapping[str, str]
+) -> dict[str, float]:
+    """Each resource's seconds per step: ``fixed`` plus every unit's term for its placement (``host``
+    where ``placements`` does not name it)."""
+    totals = {resource: fixed.get(resource, 0.0) for resource in RESOURCES}
+    for cost in costs:
+        for resource, seconds in cost.times(placements.get(cost.name, "host")).items():
+            totals[resource] += seconds
+    return totals

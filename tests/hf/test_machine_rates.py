@@ -1,0 +1,115 @@
+"""This machine's measured rates: measuring (on tiny arrays), the per-machine cache, and what planning reads."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from slide_hf.machine_rates import (
+    HostIdentity,
+    MachineRates,
+    MeasureSizes,
+    cache_path,
+    load_cached,
+    measure_rates,
+    planning_bandwidths,
+    refresh_cached,
+)
+from slide_hf.planner import Bandwidths
+
+TINY = MeasureSizes(
+    host_numel=1 << 14, adam_numel=1 << 12, reps=1, optimizer="torch-adamw", state_formats=("fp32", "bf16")
+)
+HERE = HostIdentity("box", "Some CPU", "none")
+
+
+@pytest.fixture
+def environ(tmp_path):
+    return {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+
+def _rates(**changes) -> MachineRates:
+    values = {
+        "identity": HERE,
+        "measured_at": "2026-01-01T00:00:00+00:00",
+        "host_copy_gbps": 20.0,
+        "host_triad_gbps": 30.0,
+        "cpu_adam_gparams": {"fp32": 2.0, "bf16": 2.5},
+        **changes,
+    }
+    return MachineRates(**values)
+
+
+def test_measuring_gives_positive_rates_for_every_state_format_asked():
+    rates = measure_rates(TINY, HERE)
+    assert rates.identity == HERE
+    assert rates.host_copy_gbps > 0 and rates.host_triad_gbps > 0
+    assert set(rates.cpu_adam_gparams) == {"fp32", "bf16"} and min(rates.cpu_adam_gparams.values()) > 0
+    assert rates.cpu_adam_gbps("fp32") == pytest.approx(26 * rates.cpu_adam_gparams["fp32"])
+    assert rates.cpu_adam_gbps("bf16") == pytest.approx(18 * rates.cpu_adam_gparams["bf16"])
+
+
+def test_the_cache_is_written_read_and_refreshed(environ, monkeypatch):
+    assert load_cached(HERE, environ) is None
+    first, path = refresh_cached(TINY, HERE, environ)
+    assert path == cache_path(HERE, environ) and path.parent.name == "slide"
+    assert path.parent.parent.name == "cache"  # under XDG_CACHE_HOME
+    assert load_cached(HERE, environ) == first
+    later = _rates(measured_at="2026-02-02T00:00:00+00:00")
+    monkeypatch.setattr("slide_hf.machine_rates.measure_rates", lambda sizes, identity: later)
+    assert refresh_cached(TINY, HERE, environ)[0] == later
+    assert load_cached(HERE, environ) == later
+    assert list(path.parent.iterdir()) == [path]  # no temporary file left
+
+
+def test_the_cache_defaults_to_the_home_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_path(HERE, {}).parent == tmp_path / ".cache" / "slide"
+
+
+def test_each_machine_has_its_own_cache(environ):
+    other = HostIdentity("box", "Some CPU", "NVIDIA H200")
+    assert cache_path(other, environ) != cache_path(HERE, environ)
+    path = cache_path(other, environ)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(_rates().to_json()))  # HERE's rates under the other's name
+    assert load_cached(other, environ) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", json.dumps({"version": 99}), json.dumps({**_rates().to_json(), "host_triad_gbps": -1.0}), "[]"],
+)
+def test_a_broken_cache_is_one_line_and_measured_again(environ, caplog, text):
+    path = cache_path(HERE, environ)
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with caplog.at_level(logging.WARNING, logger="slide.machine_rates"):
+        assert load_cached(HERE, environ) is None
+    [record] = caplog.records
+    assert "\n" not in record.getMessage() and "`slide doctor` measures again" in record.getMessage()
+    rates, _ = refresh_cached(TINY, HERE, environ)
+    assert load_cached(HERE, environ) == rates
+
+
+def test_planning_reads_the_cache_or_says_it_uses_the_defaults(environ):
+    bandwidths, source = planning_bandwidths(identity=HERE, environ=environ)
+    assert bandwidths == Bandwidths() and source.startswith("documented defaults")
+    rates = _rates(h2d_gbps=40.0, d2h_gbps=30.0, gpu_mem_gbps=3000.0, gpu_tflops=500.0)
+    path = cache_path(HERE, environ)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(rates.to_json()))
+    bandwidths, source = planning_bandwidths(identity=HERE, environ=environ)
+    assert source.startswith("measured here 2026-01-01")
+    assert (bandwidths.h2d_gbps, bandwidths.d2h_gbps, bandwidths.host_mem_gbps) == (40.0, 30.0, 30.0)
+    assert (bandwidths.gpu_mem_gbps, bandwidths.gpu_tflops) == (3000.0, 500.0)
+    assert bandwidths.cpu_adam_rate("bf16") == 2.5 and bandwidths.cpu_adam_rate("fp32") == 2.0
+    assert bandwidths.cpu_adam_rate("int8") == pytest.approx(2.0 * 0.73)  # not measured: relative to fp32
+    assert bandwidths.disk_gbps == Bandwidths().disk_gbps  # never measured
+
+
+def test_rates_without_a_gpu_keep_the_defaults_gpu_rates():
+    bandwidths = _rates().bandwidths()
+    assert bandwidths.h2d_gbps == Bandwidths().h2d_gbps and bandwidths.gpu_tflops == Bandwidths().gpu_tflops
