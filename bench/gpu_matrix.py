@@ -61,6 +61,7 @@ class Row:
     needs_fla: bool = False
     clip: float | None = None  # a --max-grad-norm this small fires on every step
     nvme: bool = False  # gets --nvme-dir
+    needs_gpu: bool = False  # GPU-streamed updates: the CPU device refuses --update-placement gpu
 
 
 def rows() -> list[Row]:
@@ -77,6 +78,15 @@ def rows() -> list[Row]:
         Row("master split", "bench", args=("--master", "split"), **llama),
         Row("master split, state bf16", "bench", args=("--master", "split", "--optimizer-state", "bf16"), **llama),
         Row("clipping fires", "bench", clip=1e-3, **llama),
+        Row("update gpu", "bench", args=("--update-placement", "gpu"), needs_gpu=True, **llama),
+        Row(
+            "update gpu, master split, state bf16",
+            "bench",
+            args=("--update-placement", "gpu", "--master", "split", "--optimizer-state", "bf16"),
+            needs_gpu=True,
+            **llama,
+        ),
+        Row("update auto", "bench", args=("--update-placement", "auto"), **llama),
         Row(
             "state half on NVMe",
             "bench",
@@ -90,6 +100,7 @@ def rows() -> list[Row]:
         Row("train: activations on NVMe", "train", args=("--offload-activations", "nvme"), nvme=True, **tiny),
         Row("train: packing + evaluation", "train", args=("--eval-fraction", "0.25", "--eval-every", "2"), **tiny),
         Row("train: torchrun, 1 process", "torchrun", **tiny),
+        Row("train: update gpu", "train", args=("--update-placement", "gpu"), needs_gpu=True, **tiny),
     ]
     families = [
         Row("qwen3.5 (torch linear attention)", "bench", "qwen3.5-9b", "test-qwen3.5", layers=4),
@@ -168,6 +179,9 @@ def run_row(row: Row, s: Settings) -> Outcome:
     argv = row_argv(row, s, workdir)
     outcome = Outcome(row, argv)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if row.needs_gpu and s.device == "cpu":
+        outcome.skipped = "the update runs on the GPU (the CPU device refuses --update-placement gpu)"
+        return outcome
     if row.needs_fla:
         if s.fla_site is None:
             outcome.skipped = "no --fla-site given (flash-linear-attention not carried)"

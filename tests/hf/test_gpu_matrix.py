@@ -84,8 +84,8 @@ def test_every_row_runs_in_the_cpu_quick_mode(tmp_path: Path) -> None:
     names = [row["name"] for row in report["rows"]]
     assert names == [row.name for row in _matrix().rows()]
     for row in report["rows"]:
-        if row["skipped"]:
-            assert "+fla" in row["name"]  # flash-linear-attention is not installed here
+        if row["skipped"]:  # flash-linear-attention is not installed here; the CPU device has no GPU to update on
+            assert "+fla" in row["name"] or "update gpu" in row["name"], row
             continue
         assert row["ok"], row
         assert row["losses"] and all(isinstance(x, float) for x in row["losses"])
