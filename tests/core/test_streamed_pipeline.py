@@ -71,32 +71,46 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("state_format", "master_format"),
-    [("fp32", "fp32"), ("bf16", "fp32"), ("int8", "fp32"), ("fp32", "split"), ("bf16", "split"), ("int8", "split")],
+    ("state_format", "master_format", "accum", "clip"),
+    [
+        ("fp32", "fp32", 1, 0.0),
+        ("bf16", "fp32", 1, 0.0),
+        ("int8", "fp32", 1, 0.0),
+        ("fp32", "split", 1, 0.0),
+        ("bf16", "split", 1, 0.0),
+        ("int8", "split", 1, 0.0),
+        ("bf16", "split", 2, 0.0),  # accumulation: the host's path (Note [When a streamed unit is ...])
+        ("int8", "fp32", 1, 0.05),  # clipping: the host's path, speculative then deferred steps
+        ("fp32", "split", 2, 0.05),
+    ],
 )
-def test_streamed_and_host_placements_give_the_same_bits(state_format: str, master_format: str) -> None:
+def test_streamed_and_host_placements_give_the_same_bits(
+    state_format: str, master_format: str, accum: int, clip: float
+) -> None:
     """Note [Streamed updates are the host's arithmetic]: with the same optimizer ops on both sides (the
     torch path), masters and moments after several steps are bit for bit those of the host placement,
     compact moments included (rounded on the host slab's positions) and a split master included (decoded
-    and encoded on the device); one resident unit beside them, and one unit left on the host."""
+    and encoded on the device); one resident unit beside them, and one unit left on the host. With
+    accumulation or clipping the streamed units take the host's path, with the same result."""
     cfg = ToyConfig(tie_embeddings=False, num_layers=4, hidden_size=64, intermediate_size=128)
     model = ToyModel(cfg)
     init = toy_init(model, seed=5)
-    batches = toy_batches(cfg, steps=4, accum=1, seed=9)
+    batches = toy_batches(cfg, steps=4, accum=accum, seed=9)
     adam = AdamWConfig(weight_decay=0.1, state_format=state_format)
     dtype = torch.bfloat16 if master_format == "split" else torch.float32
 
     def optimizer():
         return TorchAdamW(adam) if state_format == "fp32" else CompactAdamW(adam, fused=False)
 
-    base = dict(compute_dtype=dtype, transfer_chunk_numel=4096, resident_units=("layers.3",))
+    base = dict(compute_dtype=dtype, transfer_chunk_numel=4096, resident_units=("layers.3",), max_grad_norm=clip)
     host = _run(model, init, batches, optimizer(), EngineConfig(**base), master_format=master_format)
     streamed_names = ("embed", "layers.0", "layers.2", "head")
     streamed = _run(
         model, init, batches, optimizer(), EngineConfig(**base, streamed_units=streamed_names),
         master_format=master_format,
     )  # fmt: skip
-    assert streamed[4] >= set(streamed_names)  # the device path ran
+    on_device = accum == 1 and clip == 0.0
+    assert streamed[4] == (set(streamed_names) if on_device else set())  # the device path ran only then
     assert streamed[0] == host[0]
     for name, plane in host[1].items():
         assert torch.equal(_bits(streamed[1][name]), _bits(plane)), name
