@@ -23,6 +23,30 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _share_cores_with_the_other_workers() -> None:
+    """Note [One core per test worker]: under pytest-xdist (``hatch test``: one worker per core), each
+    worker's torch would start one OpenMP thread per core of the machine, so N workers run N times as many
+    threads as there are cores. torch's small CPU ops then wait at every parallel region for a thread whose
+    core another worker holds (on a busy 2-core machine, an RMSNorm of 64 x 4096 took ten times as long with two threads as with one). Each worker takes
+    its share of the cores for torch's own ops (``OMP_NUM_THREADS`` where it is unset, which the `slide`
+    processes a test starts inherit). numba's ``NUMBA_NUM_THREADS`` is left alone: `slide train` sets it
+    for each rank (Note [Host cores per rank] in slide_hf/launch.py) and a test checks the share it
+    sets."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    share = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
+
+
+_share_cores_with_the_other_workers()
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: ignored where xdist is not installed
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Note [A module fixture is built once]: under ``--dist loadgroup`` (hatch.toml), a test module that

@@ -37,7 +37,7 @@ from transformers.masking_utils import (
 
 from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
 from slide_hf.adapters.attention import AttentionSupport, choose_attention, layer_attention, requested_attention
-from slide_hf.adapters.fused_modules import fuse_modules
+from slide_hf.adapters.fused_modules import NormForm, fuse_modules
 from slide_hf.adapters.linear_attention import LinearAttention
 from slide_hf.errors import UserError
 
@@ -320,8 +320,9 @@ class HFCausalLM(SlideModel):
             self.embedding = self.make_embedding_unit()
             self.blocks = [self.make_block_unit(i) for i in range(self.config.num_hidden_layers)]
             self.head = self.make_head_unit()
+        norm_forms: dict[type, NormForm | None] = {}
         for unit in (*self.blocks, self.head):
-            unit.fused_modules = fuse_modules(unit.root, self.config)
+            unit.fused_modules = fuse_modules(unit.root, self.config, norm_forms)
         unknown = {b.attention_type for b in self.blocks} - set(_MASK_BUILDERS)
         if unknown:
             raise ValueError(f"{self.config.model_type}: unsupported attention layer types {sorted(unknown)}")

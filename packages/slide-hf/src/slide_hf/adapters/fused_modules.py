@@ -206,9 +206,13 @@ def _is_gated_mlp(module: nn.Module, activation: str) -> bool:
     return projections and type(module).__name__.endswith("MLP") and type(act) is type(ACT2FN[activation])
 
 
-def fuse_modules(root: nn.Module, config: Any) -> list[str]:
+def fuse_modules(root: nn.Module, config: Any, forms: dict[type, NormForm | None] | None = None) -> list[str]:
     """Rebind the RMSNorms and dense gated MLPs under ``root`` to slide-kernels' fused ops (see the module
-    docstring); return the names of the rebound submodules. Nothing is rebound without slide-kernels."""
+    docstring); return the names of the rebound submodules. Nothing is rebound without slide-kernels.
+
+    ``forms`` holds the norm forms already read, by class: a model passes one dict for all of its blocks,
+    so each norm class's code is run once per model, not once per block (the form is the class's code,
+    the same in every block; a released model's 40-odd blocks would otherwise each rerun the check)."""
     try:
         import slide_kernels  # noqa: F401
     except ImportError:
@@ -216,7 +220,7 @@ def fuse_modules(root: nn.Module, config: Any) -> list[str]:
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     glu = _GLU_ACTIVATIONS.get(str(activation))
     rebound = []
-    forms: dict[type, NormForm | None] = {}  # one check per norm class within this call
+    forms = {} if forms is None else forms  # one check per norm class
     for name, module in root.named_modules():
         if _is_rms_norm(module):
             if type(module) not in forms:
