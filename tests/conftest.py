@@ -96,6 +96,29 @@ def _numba_compiled() -> None:
         FusedAdamW(AdamWConfig()).warmup()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _machine_rates_in_a_private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The machine rates `slide doctor` caches (slide_hf/machine_rates.py) go to this session's directory
+    unless a test names one (``XDG_CACHE_HOME``): a test must neither write the user's cache nor plan with
+    rates an earlier test measured there."""
+    try:
+        from slide_hf import machine_rates
+    except ImportError:  # a checkout without slide-hf
+        yield
+        return
+    private = tmp_path_factory.mktemp("cache")
+    user_cache_dir = machine_rates.cache_dir
+
+    def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+        if environ is not None:  # a test of the rule itself
+            return user_cache_dir(environ)
+        return Path(os.environ.get("XDG_CACHE_HOME") or private) / "slide"
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(machine_rates, "cache_dir", cache_dir)
+        yield
+
+
 _TORCH_KERNELS = ("SLIDE_KERNELS_BACKEND", "torch")
 
 
@@ -120,13 +143,21 @@ Slide = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def slide(capsys: pytest.CaptureFixture[str], torch_kernels: None) -> Slide:
+def slide(capsys: pytest.CaptureFixture[str], torch_kernels: None, monkeypatch: pytest.MonkeyPatch) -> Slide:
     """``slide(*argv) -> (exit status, stdout, stderr)``: the `slide` command run in-process through
     ``slide_hf.cli.main.main`` (no interpreter start, no second import of torch and transformers), on
     slide-kernels' torch fallback as on a CPU user's machine. Every command's parser is built, as in a
-    real run: a command whose ``add_parser`` fails fails the test."""
+    real run: a command whose ``add_parser`` fails fails the test. `slide doctor` measures the machine's
+    rates on tiny arrays (what it prints is what is tested, not the rates)."""
     pytest.importorskip("transformers")
+    from slide_hf.cli import doctor
     from slide_hf.cli.main import main
+    from slide_hf.machine_rates import MeasureSizes
+
+    tiny = MeasureSizes(
+        host_numel=1 << 14, adam_numel=1 << 12, reps=1, optimizer="torch-adamw", state_formats=("fp32",)
+    )
+    monkeypatch.setattr(doctor, "MEASURE_SIZES", tiny)
 
     def call(*argv: str | os.PathLike[str]) -> tuple[int, str, str]:
         status = main([str(arg) for arg in argv])
