@@ -158,9 +158,9 @@ def test_the_launch_reports_the_rank_that_stopped_first_for_its_own_reason() -> 
 _RANK_THAT_FAILS = """
 import os, signal, sys
 from slide_hf.launch import failure_outlives_peers
-distributed, fails = sys.argv[1] == "1", sys.argv[2] == "1"
+fails = sys.argv[1] == "1"
 try:
-    with failure_outlives_peers(distributed):
+    with failure_outlives_peers():
         if fails:
             raise FileNotFoundError("its own reason")
 except FileNotFoundError:
@@ -171,23 +171,22 @@ sys.exit(2)
 
 
 @pytest.mark.parametrize(
-    ("distributed", "fails", "launched", "returncode"),
+    ("fails", "launched", "returncode"),
     [
-        (True, True, True, 2),  # a launched rank leaving on its own failure keeps its status
-        (True, False, True, -15),  # a rank that did not fail stays stoppable
-        (False, True, True, -15),  # a world of one: nothing to outlive
-        (True, True, False, -15),  # not started by torch's launcher
+        (True, True, 2),  # a launched rank leaving on its own failure keeps its status
+        (False, True, -15),  # a rank that did not fail stays stoppable
+        (True, False, -15),  # not started by torch's launcher
     ],
 )
 def test_a_failing_rank_is_not_turned_into_one_killed_by_the_launcher(
-    distributed: bool, fails: bool, launched: bool, returncode: int
+    fails: bool, launched: bool, returncode: int
 ) -> None:
     """Note [A failing rank keeps its status]: the SIGTERM the launcher sends every rank when another
     exits does not replace the status of a rank already leaving with its own failure."""
     env = {key: value for key, value in os.environ.items() if key != "TORCHELASTIC_RUN_ID"}
     if launched:
         env["TORCHELASTIC_RUN_ID"] = "test"
-    command = [sys.executable, "-c", _RANK_THAT_FAILS, str(int(distributed)), str(int(fails))]
+    command = [sys.executable, "-c", _RANK_THAT_FAILS, str(int(fails))]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == returncode, done.stderr[-2000:]
 

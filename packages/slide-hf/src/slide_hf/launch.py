@@ -216,17 +216,17 @@ def main(argv: Sequence[str]) -> int:
 
 
 @contextlib.contextmanager
-def failure_outlives_peers(distributed: bool, environ: Mapping[str, str] | None = None) -> Iterator[None]:
-    """Around the work of a rank that torch's launcher started (``TORCHELASTIC_RUN_ID`` set) in a world of
-    several: when the work raises, SIGTERM is ignored from then on, before the rank's groups close, so the
-    rank exits with its own status (Note [A failing rank keeps its status]). Nothing changes on success,
-    in a single process, or off the main thread (where no signal handler can be set)."""
+def failure_outlives_peers(environ: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Around the work of a rank that torch's launcher started (``TORCHELASTIC_RUN_ID`` set): when the work
+    raises, SIGTERM is ignored from then on, before the rank's groups close, so the rank exits with its own
+    status (Note [A failing rank keeps its status]). Nothing changes on success, in a process no launcher
+    started, or off the main thread (where no signal handler can be set). A launch of one process has no
+    peers to outlive, and its exit is the same either way."""
     env = os.environ if environ is None else environ
     try:
         yield
     except BaseException:
-        launched = distributed and bool(env.get("TORCHELASTIC_RUN_ID"))
-        if launched and threading.current_thread() is threading.main_thread():
+        if env.get("TORCHELASTIC_RUN_ID") and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise
 

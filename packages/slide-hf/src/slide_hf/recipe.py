@@ -145,7 +145,7 @@ def train(
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
     # Before numba is imported: Note [Host cores per rank] in launch.py.
     # Inside the group: a failure here ignores the launcher's SIGTERM before the group's connections close.
-    with host_cores_for_this_run(ranks_on_host), group, failure_outlives_peers(group.is_distributed):
+    with host_cores_for_this_run(ranks_on_host), group, failure_outlives_peers():
         log.info("host threads per rank: %s (%d ranks on this host)", os.environ["NUMBA_NUM_THREADS"], ranks_on_host)
         # Rank 0 holds the directory; the others write only their checkpoint shards in it, and only remove
         # their NVMe scratch folders at the end (closing an unlocked RunDir).
