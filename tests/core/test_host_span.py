@@ -16,25 +16,13 @@ import torch
 
 from slide_core import AdamWConfig, HostParameters
 from slide_core.collectives import SingleProcess, shard_span
-from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
 from slide_core.engine.host_span import outside, pinned_spans
 from slide_core.optim import TorchAdamW
-from slide_core.testing import ToyConfig, ToyModel, load_init, toy_batches, toy_init
+from slide_core.testing import PinRecordingDevice, ToyConfig, ToyModel, load_init, toy_batches, toy_init
 
 _CFG = ToyConfig(vocab_size=2048, hidden_size=128, num_heads=4, intermediate_size=256, num_layers=4)
 _PAGES = slice(4096, -4096)  # whole pages of a unit's range, whatever the slab's alignment (elements of <= 4 B)
-
-
-class _RecordingDevice(CPUDevice):
-    """The CPU device, recording every range it is asked to page-lock."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pinned: list[torch.Tensor] = []
-
-    def pin_host_range(self, tensor: torch.Tensor) -> None:
-        self.pinned.append(tensor)
 
 
 class _RankOfTwo(SingleProcess):
@@ -56,7 +44,7 @@ def _engine(
     master_format: str = "fp32",
     group: SingleProcess | None = None,
     streamed: tuple[str, ...] = (),
-) -> Iterator[tuple[_RecordingDevice, HostParameters, dict[str, torch.Tensor], Engine]]:
+) -> Iterator[tuple[PinRecordingDevice, HostParameters, dict[str, torch.Tensor], Engine]]:
     """An engine over an unpinned master loaded with a seeded init; also yields every unit's copied plane
     as loaded, before the engine gave any page back."""
     model = ToyModel(_CFG)
@@ -68,7 +56,7 @@ def _engine(
         resident_units=resident,
         streamed_units=streamed,
     )
-    with _RecordingDevice() as device, group or SingleProcess() as collectives:
+    with PinRecordingDevice() as device, group or SingleProcess() as collectives:
         host = HostParameters(model, master_format=master_format)
         load_init(host, toy_init(model, seed=3))
         loaded = {unit.name: host.h2d_source(unit).clone() for unit in model.units}
@@ -76,7 +64,7 @@ def _engine(
             yield device, host, loaded, engine
 
 
-def _assert_spans(device: _RecordingDevice, host: HostParameters, *spans: tuple[int, int]) -> None:
+def _assert_spans(device: PinRecordingDevice, host: HostParameters, *spans: tuple[int, int]) -> None:
     """The copied plane is registered over exactly its elements ``spans``, in that order."""
     h2d_plane = host.store.h2d_plane.untyped_storage().data_ptr()
     pinned = [tensor for tensor in device.pinned if tensor.untyped_storage().data_ptr() == h2d_plane]
@@ -84,7 +72,7 @@ def _assert_spans(device: _RecordingDevice, host: HostParameters, *spans: tuple[
     assert [(t.data_ptr(), t.numel(), t.dtype) for t in pinned] == [(t.data_ptr(), t.numel(), t.dtype) for t in wanted]
 
 
-def _assert_one_span(device: _RecordingDevice, host: HostParameters, start: int, end: int) -> None:
+def _assert_one_span(device: PinRecordingDevice, host: HostParameters, start: int, end: int) -> None:
     """One registration per allocation, and the copied plane's is its elements ``[start, end)``."""
     allocations = [tensor.untyped_storage().data_ptr() for tensor in device.pinned]
     assert len(allocations) == len(set(allocations)), "two registrations in one allocation"

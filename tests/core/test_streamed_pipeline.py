@@ -17,7 +17,7 @@ from slide_core.engine.update_staging import UpdateStaging
 from slide_core.optim import TorchAdamW
 from slide_core.optim.compact_adamw import CompactAdamW
 from slide_core.optim.state_formats import state_arrays
-from slide_core.testing import ToyConfig, ToyModel, load_init, toy_batches, toy_init
+from slide_core.testing import PinRecordingDevice, ToyConfig, ToyModel, load_init, toy_batches, toy_init
 
 BLOCKS = ("layers.0", "layers.1", "layers.2")
 
@@ -162,22 +162,10 @@ def test_pins_of_the_streamed_state_are_given_back_before_the_state_is_dropped()
     """The state slabs' streamed span is pinned once per allocation and unpinned before ``host_state.drop``
     (an export must not hold the Adam state registered, hence allocated, beside the masters)."""
 
-    class RecordingDevice(CPUDevice):
-        def __init__(self) -> None:
-            super().__init__()
-            self.pinned: list[torch.Tensor] = []
-            self.unpinned: list[torch.Tensor] = []
-
-        def pin_host_range(self, tensor: torch.Tensor) -> None:
-            self.pinned.append(tensor)
-
-        def unpin_host_range(self, tensor: torch.Tensor) -> None:
-            self.unpinned.append(tensor)
-
     cfg = ToyConfig(num_layers=3)
     model = ToyModel(cfg)
     config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, streamed_units=("layers.0", "head"))
-    with RecordingDevice() as device:
+    with PinRecordingDevice() as device:
         host = HostParameters(model, device.alloc_pinned)
         load_init(host, toy_init(model))
         engine = Engine(model, device, host, TorchAdamW(AdamWConfig()), config)

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from slide_core.devices.cpu import CPUDevice
 from slide_core.host_params import HostParameters
 from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
 
 __all__ = [
+    "PinRecordingDevice",
     "ToyConfig",
     "ToyModel",
     "document_mask",
@@ -266,3 +268,19 @@ def wait_ranks(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[tup
                 proc.kill()
                 proc.communicate()
     return finished
+
+
+class PinRecordingDevice(CPUDevice):
+    """The CPU device, recording every host range it is asked to page-lock and to unlock (the CPU device
+    itself needs neither), so tests can check what a GPU run would register."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned: list[torch.Tensor] = []
+        self.unpinned: list[torch.Tensor] = []
+
+    def pin_host_range(self, tensor: torch.Tensor) -> None:
+        self.pinned.append(tensor)
+
+    def unpin_host_range(self, tensor: torch.Tensor) -> None:
+        self.unpinned.append(tensor)
