@@ -146,8 +146,10 @@ def _grads(n: int, steps: int, dtype: torch.dtype, seed: int = 1) -> list[torch.
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("state_format", ["bf16", "int8"])
 def test_kernel_matches_the_torch_path(state_format: str, grad_dtype: torch.dtype) -> None:
-    """The numba kernel and the torch ops round the same fp32 moments with the same hash: the stored
-    moments are bit-identical, the master equal to the kernel's sqrt (~1 ulp of an update)."""
+    """The numba kernel and the torch ops (``torch._fused_adamw_`` on the widened moments) do the same fp32
+    arithmetic and round the same moments with the same hash: masters and stored moments bit-identical,
+    so a unit's state is the same whichever side updated it (Note [Streamed updates are the host's
+    arithmetic])."""
     n = 64 * 123
     config = AdamWConfig(weight_decay=0.1, state_format=state_format, state_seed=3)
     slab = torch.randn(n + 256, generator=torch.Generator().manual_seed(2)) * 0.02
@@ -162,7 +164,7 @@ def test_kernel_matches_the_torch_path(state_format: str, grad_dtype: torch.dtyp
     (master_k, state_k), (master_t, state_t) = results
     for name in state_k:
         assert torch.equal(_bits(state_k[name]), _bits(state_t[name])), name
-    torch.testing.assert_close(master_k, master_t, rtol=1e-6, atol=1e-9)
+    assert torch.equal(_bits(master_k), _bits(master_t))
 
 
 @needs_numba
@@ -308,7 +310,8 @@ def test_device_scratch_bytes_is_what_the_torch_path_allocates(state_format: str
     assert stepped == optimizer.device_scratch_bytes(numel)
     assert counter.peak_bytes == optimizer.device_scratch_bytes(numel, corrects=True)
     chunk = min(numel, CHUNK)
-    assert optimizer.device_scratch_bytes(numel) == 16 * chunk + codec_scratch_bytes(state_format, chunk)
+    fp32_step = TorchAdamW(AdamWConfig()).device_scratch_bytes(chunk)  # an fp32 gradient chunk, a step count
+    assert optimizer.device_scratch_bytes(numel) == 8 * chunk + fp32_step + codec_scratch_bytes(state_format, chunk)
 
 
 def test_codec_scratch_bytes_is_what_encode_and_decode_allocate() -> None:

@@ -14,8 +14,9 @@ from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
 from slide_core.engine.streamed_pipeline import StreamedPipeline
 from slide_core.engine.update_staging import UpdateStaging
-from slide_core.optim import TorchAdamW
+from slide_core.optim import TorchAdamW, build_optimizer
 from slide_core.optim.compact_adamw import CompactAdamW
+from slide_core.optim.fused_adamw import FusedAdamW
 from slide_core.optim.state_formats import state_arrays
 from slide_core.testing import PinRecordingDevice, ToyConfig, ToyModel, load_init, toy_batches, toy_init
 
@@ -180,3 +181,35 @@ def test_pins_of_the_streamed_state_are_given_back_before_the_state_is_dropped()
             assert all(t.numel() == end - start for t in state_pins)
             engine.close(keep_host_state=False)
         assert [id(t) for t in device.unpinned] == [id(t) for t in state_pins]
+
+
+@pytest.mark.skipif(not FusedAdamW.available(), reason="needs numba")
+@pytest.mark.parametrize(
+    ("state_format", "master_format"),
+    [("fp32", "fp32"), ("bf16", "fp32"), ("int8", "fp32"), ("fp32", "split"), ("bf16", "split")],
+)
+def test_a_runs_optimizer_gives_the_same_bits_in_either_placement(state_format: str, master_format: str) -> None:
+    """The optimizer `slide train` builds: numba kernels for host-updated units, its device replica (torch's
+    fused AdamW on widened moments) for streamed ones. Both do the same fp32 arithmetic, so after several
+    steps masters and moments are bit for bit the host placement's."""
+    cfg = ToyConfig(tie_embeddings=False, num_layers=4, hidden_size=64, intermediate_size=128)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=5)
+    batches = toy_batches(cfg, steps=4, accum=1, seed=9)
+    adam = AdamWConfig(weight_decay=0.1, state_format=state_format)
+    dtype = torch.bfloat16 if master_format == "split" else torch.float32
+    base = dict(compute_dtype=dtype, transfer_chunk_numel=4096, resident_units=("layers.3",))
+    host = _run(model, init, batches, build_optimizer("auto", adam), EngineConfig(**base), master_format=master_format)
+    streamed_names = ("embed", "layers.0", "layers.2", "head")
+    config = EngineConfig(**base, streamed_units=streamed_names)
+    streamed = _run(model, init, batches, build_optimizer("auto", adam), config, master_format=master_format)
+    assert streamed[4] == set(streamed_names)
+    assert streamed[0] == host[0]
+    for name, plane in host[1].items():  # a tie bit means something only at a midpoint (split_master.py)
+        assert name == "ties" or torch.equal(_bits(streamed[1][name]), _bits(plane)), name
+    for unit, views in host[3].items():
+        for name, view in views.items():
+            assert torch.equal(_bits(streamed[3][unit][name]), _bits(view)), (unit, name)
+    for unit, arrays in host[2].items():
+        for name, tensor in arrays.items():
+            assert torch.equal(_bits(streamed[2][unit][name]), _bits(tensor)), (unit, name)

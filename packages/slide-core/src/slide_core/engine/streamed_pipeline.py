@@ -24,9 +24,10 @@ master or compact moments) and puts the arithmetic where there is plenty of it.
 Note [Streamed updates are the host's arithmetic]: the staged master is an fp32 range that keeps the
 host slab's positions (``Fp32Master.origin``), so compact moments are rounded with the same hash stream
 whichever placement updates them, and a split master is decoded and encoded exactly: a unit's masters and
-moments after a step are those of the same torch ops on the host (bit for bit on the CPU device, tested
-in tests/core/test_streamed_pipeline.py; the numba host kernels agree with the torch ops to an ulp of
-the master and exactly in the moments, tests/core/test_compact_state.py).
+moments after a step are those of the host placement, bit for bit on the CPU device with the optimizer a
+run builds (numba on the host, torch's fused AdamW in the device replica: the same fp32 arithmetic,
+tests/core/test_streamed_pipeline.py and test_compact_state.py). On a GPU, torch's CUDA kernel may fuse a
+multiply and an add into one rounding: a few ulp of the master after a step (tests/core/test_streamed_gpu.py).
 
 Note [When a streamed unit is updated on the host]: the device update needs the unit's whole final
 gradient in its slot at once and an update that stands as applied. A step with several contributions to

@@ -11,7 +11,9 @@ Two paths give the same codes from the same fp32 moments:
   master 8 + moments 2 x 4 (bf16) = 18, or 2 x 2 + 2 x 8/64 (int8) = ~14.25.
 - **torch** (any device, and the host without numba): a chunk of at most ``chunk_numel`` elements at a
   time (``adamw.CHUNK_NUMEL``, a multiple of the int8 block), decode it into an fp32 scratch, run
-  ``TorchAdamW``'s single-tensor ops on it, encode it in place with the torch twins of the same hash and
+  ``TorchAdamW``'s step on it (``torch._fused_adamw_`` where the build has it: on the host the same fp32
+  arithmetic as the numba kernel, so a unit's master is the same bits whichever side updated it; the
+  single-tensor ops order the update differently and would not be), encode it in place with the torch twins of the same hash and
   rounding, each element hashed at its own index (the range's first plus its position), so the codes are
   bit for bit the unchunked ones and the fused kernels'. It is what device-resident units use
   (``device_replica``): a resident embedding of 394M parameters is updated with a few chunks of scratch
@@ -583,7 +585,7 @@ class CompactAdamW(AdamWOptimizer):
         self.arrays: tuple[StateArray, ...] = self.codec.arrays()
         self.state_names = tuple(a.name for a in self.arrays)
         fp32_config = dataclasses.replace(config, state_format="fp32")
-        self._fp32 = TorchAdamW(fp32_config, fused=False, chunk_numel=chunk_numel)
+        self._fp32 = TorchAdamW(fp32_config, chunk_numel=chunk_numel)
         self._threads = FusedAdamW(fp32_config, threads=threads)
         self._moments: dict[torch.device, torch.Tensor] = {}  # one chunk's fp32 m and v, per device
         self._grads: dict[torch.device, torch.Tensor] = {}  # one chunk's fp32 applied gradient (corrections)
