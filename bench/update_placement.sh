@@ -6,10 +6,12 @@
 # Steps:
 #   doctor      slide doctor: measures and caches this machine's rates (auto and the predictions read them)
 #   checks      GPU tests of the streamed update and of the engine (~2 min)
+#   streamed-tests  only tests/core/test_streamed_gpu.py
 #   gemma3      bench/diagnose_blocks.py on Gemma 3's streamed blocks (expect every block at 12-14 ms)
-#   8b-host 8b-gpu 8b-auto     llama3.1-8b --gpu-memory 24 in each placement (~2 min each)
-#   3b          llama3.2-3b --gpu-memory 12, auto placement, against plain PyTorch in the same run
-#   14b-int8-host 14b-bf16-auto  qwen2.5-14b --gpu-memory 24, RAM only
+#   8b-PLACEMENT[-split][-bf16|-int8]   llama3.1-8b --gpu-memory 24, update placement host|gpu|auto, with
+#               --master split and --optimizer-state bf16|int8 when named (~1 min each)
+#   3b-PLACEMENT[-split][-bf16|-int8]   llama3.2-3b --gpu-memory 12, against plain PyTorch in the same run
+#   14b-PLACEMENT[-split][-bf16|-int8]  qwen2.5-14b --gpu-memory 24, RAM only (--resident-gib 0 with host)
 # --budget-s: no step starts after that many seconds, and each is cut at the budget's end (default 580).
 # Each bench step writes OUT_DIR/<step>.json (slide bench's JSON: tok/s, bounds, measured against predicted).
 set -uo pipefail
@@ -30,26 +32,34 @@ run() {
   echo "   rc=$? in $((SECONDS - t0)) s"; tail -5 "$out/$name.log"
 }
 bench() { local name=$1; shift; run "$name" python3 bench/e2e.py --batch-size 16 --seq-len 1024 --json "$out/$name.json" "$@"; }
-b8() { bench "8b-$1" --model llama3.1-8b --gpu-memory 24 --steps 5 --warmup 1 --update-placement "$1"; }
+variant() {  # 8b-auto-split-bf16 -> the bench options of that run
+  local step=$1 model placement opts=()
+  IFS=- read -r model placement rest <<< "$step"
+  case $model in
+    8b) opts=(--model llama3.1-8b --gpu-memory 24 --steps 5 --warmup 1) ;;
+    3b) opts=(--model llama3.2-3b --gpu-memory 12 --steps 8 --warmup 2 --compare plain) ;;
+    14b) opts=(--model qwen2.5-14b --gpu-memory 24 --steps 4 --warmup 1)
+         [ "$placement" = host ] && opts+=(--resident-gib 0) ;;
+  esac
+  opts+=(--update-placement "$placement")
+  [[ -$rest- == *-split-* ]] && opts+=(--master split)
+  [[ -$rest- == *-bf16-* ]] && opts+=(--optimizer-state bf16)
+  [[ -$rest- == *-int8-* ]] && opts+=(--optimizer-state int8)
+  bench "$step" "${opts[@]}"
+}
 
 for step in "$@"; do
   case $step in
     doctor) run doctor python3 -c "import sys; from slide_hf.cli.main import main; sys.exit(main(['doctor']))" ;;
     checks) run checks python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_engine_gpu.py \
               tests/core/test_split_master_gpu.py tests/core/test_streamed_gpu.py ;;
+    streamed-tests) run streamed-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_streamed_gpu.py ;;
     gemma3) run gemma3 python3 bench/diagnose_blocks.py --model gemma3-12b --layers 8 --no-sync --steps 2 ;;
-    8b-host) b8 host ;;
-    8b-gpu) b8 gpu ;;
-    8b-auto) b8 auto ;;
-    3b) bench 3b --model llama3.2-3b --gpu-memory 12 --steps 8 --update-placement auto --compare plain ;;
-    14b-int8-host) bench "$step" --model qwen2.5-14b --gpu-memory 24 --resident-gib 0 --optimizer-state int8 \
-                     --steps 4 --warmup 1 --update-placement host ;;
-    14b-bf16-auto) bench "$step" --model qwen2.5-14b --gpu-memory 24 --optimizer-state bf16 --master split \
-                     --steps 4 --warmup 1 --update-placement auto ;;
+    8b-*|3b-*|14b-*) variant "$step" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
-python3 - "$out" <<'PY'
+python3 - "$out" <<'PY' | tee "$out/summary.txt"
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     r = json.loads(f.read_text()); s = r.get("slide", r)
