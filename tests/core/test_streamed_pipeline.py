@@ -213,3 +213,37 @@ def test_a_runs_optimizer_gives_the_same_bits_in_either_placement(state_format: 
     for unit, arrays in host[2].items():
         for name, tensor in arrays.items():
             assert torch.equal(_bits(streamed[2][unit][name]), _bits(tensor)), (unit, name)
+
+
+def test_backward_loads_read_the_staged_master() -> None:
+    """Note [The backward reads the staged master]: every block loaded again for its backward is served
+    from its staging set (its master crosses once for the backward and the update); the rest read the
+    host. The results are those of plain AdamW (the tests above, which take the same path)."""
+    served: list[tuple[str, bool]] = []
+    load = StreamedPipeline.load
+
+    def recording_load(pipeline, unit, *args):
+        served.append((unit.name, unit.name in pipeline._load_from))
+        return load(pipeline, unit, *args)
+
+    cfg = ToyConfig(tie_embeddings=False, num_layers=6, hidden_size=64, intermediate_size=128)
+    model = ToyModel(cfg)
+    names = ("embed", *(f"layers.{i}" for i in range(6)), "head")
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=4096, block_slots=2, streamed_units=names)
+    with mock.patch.object(StreamedPipeline, "load", recording_load):
+        _run(
+            model,
+            toy_init(model, seed=5),
+            toy_batches(cfg, steps=2, accum=1, seed=9),
+            TorchAdamW(AdamWConfig()),
+            config,
+        )
+    per_step = len(served) // 2
+    assert served[:per_step] == served[per_step:]
+    loads: dict[str, list[bool]] = {}
+    for name, from_staging in served[:per_step]:
+        loads.setdefault(name, []).append(from_staging)
+    twice = {name for name, flags in loads.items() if len(flags) == 2}
+    assert {"layers.0", "layers.1", "layers.2"} <= twice
+    for name, flags in loads.items():
+        assert flags == ([False, True] if name in twice else [False]), name

@@ -112,6 +112,9 @@ class HostPipeline:
     def slot(self, unit: Unit) -> ParamSlot | None:
         return None
 
+    def before_load(self, unit: Unit) -> None:
+        pass
+
     def load(self, unit: Unit, slot: ParamSlot, ready: Future[None], reuse_after: Event | None) -> Event:
         """h2d thread: wait for the unit's last update, then copy the shard of its master (or of its bf16
         plane) into the slot and all-gather the slot (Note [Sharded stream order])."""

@@ -40,6 +40,11 @@ class UnitPipeline(Protocol):
         """The device slot ``unit`` always lives in, or None when the engine's window loads it."""
         ...
 
+    def before_load(self, unit: Unit) -> None:
+        """Main thread, just before the unit's :meth:`load` is queued on the h2d thread: what must reach
+        that thread ahead of the load is queued here."""
+        ...
+
     def load(self, unit: Unit, slot: ParamSlot, ready: Future[None], reuse_after: Event | None) -> Event:
         """h2d thread: once ``ready`` (the unit's last update) is done, bring its parameters into ``slot``
         after ``reuse_after`` (the compute that last read the slot); return the event compute waits for."""

@@ -107,6 +107,9 @@ class ResidentPipeline:
     def slot(self, unit: Unit) -> ParamSlot | None:
         return self.units.slot(unit.name)
 
+    def before_load(self, unit: Unit) -> None:
+        raise AssertionError(f"{unit.name} lives on the device and is never loaded")
+
     def load(self, unit: Unit, slot: ParamSlot, ready: Future[None], reuse_after: Event | None) -> Event:
         raise AssertionError(f"{unit.name} lives on the device and is never loaded")
 

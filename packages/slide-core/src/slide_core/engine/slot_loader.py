@@ -81,5 +81,8 @@ class SlotLoader:
 
     def _load(self, slot: ParamSlot, unit: Unit) -> None:
         slot.unit = unit
-        load = self.pipelines[unit.name].load
-        slot.loaded = self.workers["h2d"].submit(load, unit, slot, self.ready_after[unit.name], slot.compute_done)
+        pipeline = self.pipelines[unit.name]
+        pipeline.before_load(unit)
+        slot.loaded = self.workers["h2d"].submit(
+            pipeline.load, unit, slot, self.ready_after[unit.name], slot.compute_done
+        )

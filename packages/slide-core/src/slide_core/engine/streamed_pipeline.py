@@ -29,6 +29,16 @@ run builds (numba on the host, torch's fused AdamW in the device replica: the sa
 tests/core/test_streamed_pipeline.py and test_compact_state.py). On a GPU, torch's CUDA kernel may fuse a
 multiply and an add into one rounding: a few ulp of the master after a step (tests/core/test_streamed_gpu.py).
 
+Note [The backward reads the staged master]: a block is loaded twice a step, for its forward and for its
+backward, and a streamed unit's update needs its master on the device right after the backward. So its
+master and state are staged when the backward load is queued (:meth:`StreamedPipeline.before_load`), and
+the load casts the staged master into the slot on the device: the unit's master crosses PCIe once for the
+backward and the update together (fp32: 4 of the 20 bytes per parameter of a load, a master and fp32
+moments). A staging set is taken only if one stays for every unit updated before it that has none yet,
+since a set is given back only by its unit's update; otherwise the load reads the host, and the unit is
+staged when the update before it is queued. A unit loaded once (kept in its slot from the forward) is
+staged that way too.
+
 Note [When a streamed unit is updated on the host]: the device update needs the unit's whole final
 gradient in its slot at once and an update that stands as applied. A step with several contributions to
 the unit (gradient accumulation, a tied embedding's two shares) or with clipping (whose step decision may
@@ -102,6 +112,10 @@ class StreamedPipeline(HostPipeline):
         self.backward_order = sorted(shards.spans, key=lambda name: -forward_position[name])
         """The streamed units in the order their final gradients arrive (the reverse of the forward)."""
         self._staged: dict[str, tuple[StagingSet, Future[Event]]] = {}
+        self._loads: dict[str, int] = {}  # loads queued per unit this step: the second is the backward's
+        self._load_from: dict[str, StagingSet] = {}  # backward loads to serve from the staged master
+        self._contributed: set[str] = set()
+        self._ctx: StepContext | None = None
         self._write_backs: list[Future[None]] = []
         self._previous: Mapping[str, Future[None]] = {}  # the previous step's 'updated' futures
         self._current: Mapping[str, Future[None]] = {}
@@ -161,17 +175,47 @@ class StreamedPipeline(HostPipeline):
         self._previous, self._current = self._current, ctx.updated
         self.staging.reset()
         self._staged.clear()
+        self._loads.clear()
+        self._load_from.clear()
+        self._contributed.clear()
+        self._ctx = ctx
         self._write_backs = [future for future in self._write_backs if not future.done()]
         self._stage_after(None, ctx)
 
     # -- the upload, queued by the main thread, run by the h2d thread ------------------------------------
+    def before_load(self, unit: Unit) -> None:
+        """Main thread: a streamed unit's second load of a step is its backward's. When its update runs on
+        the device, its master and state are staged first, and the load casts the staged master into
+        the slot instead of reading the host again (Note [The backward reads the staged master])."""
+        name, ctx = unit.name, self._ctx
+        seen = self._loads.get(name, 0)
+        self._loads[name] = seen + 1
+        if ctx is None or seen == 0 or not self._on_device(ctx, name) or not self._can_stage(name, ctx):
+            return
+        self._stage(name)
+        self._load_from[name] = self._staged[name][0]
+
+    def _can_stage(self, name: str, ctx: StepContext) -> bool:
+        """Whether ``name`` may take a staging set now and still leave one for every unit whose update
+        comes before it and that has none yet (they release theirs only by being updated)."""
+        if name in self._staged:
+            return True
+        position = self.backward_order.index(name)
+        waiting = sum(
+            1
+            for earlier in self.backward_order[:position]
+            if earlier not in self._contributed and earlier not in self._staged and self._on_device(ctx, earlier)
+        )
+        return self.staging.free() > waiting
+
     def _stage_after(self, name: str | None, ctx: StepContext) -> None:
         """Queue the upload of the streamed unit updated on the device after ``name`` in backward order
         (None: the first)."""
         order = self.backward_order
         for later in order[order.index(name) + 1 :] if name is not None else order:
             if self._on_device(ctx, later):
-                self._stage(later)
+                if self._can_stage(later, ctx):
+                    self._stage(later)
                 return
 
     def _stage(self, name: str) -> None:
@@ -210,6 +254,27 @@ class StreamedPipeline(HostPipeline):
                 device.copy_to_device(staged.state[array][: host.numel()], host)
             return device.record_event("h2d")
 
+    def load(self, unit: Unit, slot: ParamSlot, ready: Future[None], reuse_after: Event | None) -> Event:
+        """h2d thread: a backward load :meth:`before_load` staged reads the staged master (its upload ran
+        just before on this thread and stream); any other load reads the host (host_pipeline.py)."""
+        staged = self._load_from.pop(unit.name, None)
+        if staged is None:
+            return super().load(unit, slot, ready, reuse_after)
+        self.workers.wait(ready, f"the update of {unit.name} before loading it")
+        device = self.device
+        lo, hi = self.shards[unit.name]
+        target = slot.params[: unit.layout.numel]
+        source = staged.planes["hi"] if self.host_params.split else staged.master
+        with device.stream("h2d"):
+            if reuse_after is not None:
+                device.wait_event("h2d", reuse_after)
+            start = device.record_event("h2d", timing=self.timeline.enabled)
+            target[lo:hi].copy_(source[: hi - lo])  # the host load's cast, on the device (Note [Casting uploads])
+            self.collectives.all_gather_(target, f"the all-gather of {unit.name}'s parameters")
+            end = device.record_event("h2d", timing=self.timeline.enabled)
+        self.timeline.device_span(unit.name, "h2d", start, end)
+        return end
+
     def _host_state_of(self, name: str) -> dict[str, torch.Tensor]:
         lo, hi = self.shards[name]
         return self.host_state.range(self.host_state.views(name), lo, hi)
@@ -227,8 +292,7 @@ class StreamedPipeline(HostPipeline):
             super().contribute(unit, slot, grads, contribution, ctx)
             return
         assert contribution.kind is ContributionKind.ONLY
-        self._stage(unit.name)  # queued at the previous streamed unit's gradient (or the step's start)
-        self._stage_after(unit.name, ctx)  # the next one arrives while the backward computes it
+        self._stage(unit.name)  # queued with its backward load, or at the previous streamed unit's gradient
         self._wait_grads_free(unit, slot)
         write_gradients(unit, slot.grads, grads, add=False)
         start = self.timer.start()
@@ -242,11 +306,14 @@ class StreamedPipeline(HostPipeline):
         device.wait_event("compute", self.workers.wait(uploaded, f"the upload of {unit.name}'s master and state"))
         self._step_on_device(unit, staged, final, ctx)
         updated = device.record_event("compute")
-        staged.free_after = self._write_back(unit.name, staged, updated)
+        written = self._write_back(unit.name, staged, updated)
+        self.staging.release(staged, written)
+        self._contributed.add(unit.name)
         slot.grads_free = None  # read by the compute stream only: stream order frees it
         self.timer.stop(unit.name, "update", start)
-        landed = self.workers["d2h"].submit(_resolve_when_done, staged.free_after, ctx.updated[unit.name])
+        landed = self.workers["d2h"].submit(_resolve_when_done, written, ctx.updated[unit.name])
         self._write_backs.append(landed)
+        self._stage_after(unit.name, ctx)  # the next one arrives while the backward computes it
 
     def _step_on_device(self, unit: Unit, staged: StagingSet, grad: torch.Tensor, ctx: StepContext) -> None:
         """The update of the staged shard, one optimizer call per decay range, on positions of the host

@@ -37,6 +37,8 @@ class StagingSet:
     """Each optimizer state array as stored (fp32 moments, bf16 words, int8 codes and scales)."""
     free_after: Event | None = field(default=None)
     """The end of the write-back that last read this set: the next upload into it waits for it."""
+    held: bool = False
+    """Taken for a unit whose update has not been queued yet: not to be handed out again."""
 
 
 class UpdateStaging:
@@ -66,15 +68,31 @@ class UpdateStaging:
             per_set += 4 * max_numel + _tie_capacity(max_numel)
         return sets * per_set
 
+    def free(self) -> int:
+        """Sets not held by a unit waiting for its update."""
+        return sum(not staged.held for staged in self.sets)
+
     def take(self) -> StagingSet:
-        """The next set in turn (its ``free_after`` says when it may be written)."""
-        staged = self.sets[self._next]
-        self._next = (self._next + 1) % len(self.sets)
-        return staged
+        """A set no unit holds, taken in turn (its ``free_after`` says when it may be written); held until
+        :meth:`release` once the unit's update and write-back are queued."""
+        for _ in range(len(self.sets)):
+            staged = self.sets[self._next]
+            self._next = (self._next + 1) % len(self.sets)
+            if not staged.held:
+                staged.held = True
+                return staged
+        raise AssertionError("every staging set is held: more units staged than sets")
+
+    @staticmethod
+    def release(staged: StagingSet, free_after: Event) -> None:
+        """The unit's write-back is queued: the set may be written again after ``free_after``."""
+        staged.free_after, staged.held = free_after, False
 
     def reset(self) -> None:
         """Start the next step's uploads from the first set (every set is free between steps)."""
         self._next = 0
+        for staged in self.sets:
+            staged.held = False
 
 
 def _tie_capacity(numel: int) -> int:

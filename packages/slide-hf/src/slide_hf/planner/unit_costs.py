@@ -8,8 +8,9 @@ one term per unit that depends on where the unit is updated:
 - ``host``: the weights load h2d from the host master (``loads`` per step); the gradient goes d2h once per
   contribution (micro-batch; the tied embedding twice); the host optimizer reads and writes master and
   moments and sums the contributions (host memory) at its measured rate (CPU).
-- ``streamed``: the weights load as for ``host``; the fp32 master (4 B/param, split or not) and the moments
-  as stored travel h2d for the unit's backward and back d2h after its update, which runs on the GPU (its
+- ``streamed``: the weights load for the forward as for ``host``; the fp32 master (4 B/param, split or not)
+  and the moments as stored travel h2d for the unit's backward, which reads its weights from that master
+  instead of loading them again (Note [The backward reads the staged master]), and back d2h after its update, which runs on the GPU (its
   memory bandwidth); on the host only the DMA touches them (read once, written once); the gradient never
   leaves the GPU and the CPU does nothing (slide_core/engine/streamed_pipeline.py). A unit with several
   gradient contributions per step (gradient accumulation, a tied embedding) is updated on the host even
@@ -106,7 +107,7 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
         }
         streamed = {
             "gpu compute": gpu_update,
-            "pcie h2d": weights_h2d + travelling / h2d,
+            "pcie h2d": min(loads[name], 1.0) * n * load_bytes / h2d + travelling / h2d,
             "pcie d2h": travelling / d2h,
             "host memory": 2 * travelling / host_mem,
         }
