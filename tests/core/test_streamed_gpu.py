@@ -1,11 +1,11 @@
-"""GPU-streamed updates on a CUDA GPU with the optimizer a run builds (numba on the host, torch's fused
-AdamW on the device), each state format and master format, against the host placement of the same run.
+"""GPU-streamed updates on a CUDA GPU with the optimizer a run builds, each state format and master format,
+against the host placement of the same run: the losses of several steps track each other.
 
-On the CPU device the two placements agree bit for bit (tests/core/test_streamed_pipeline.py). On a GPU,
-torch's CUDA kernel may contract a multiply and an add into one rounding, so after one step a master may
-differ from the host's in its last bits and a compact moment may, rarely, round to the neighbouring code;
-this checks that the difference is of that size and nothing more (no misplaced range, no wrong offset in
-the rounding's hash), and that the losses of several steps track each other."""
+Why not bits, as on the CPU device (tests/core/test_streamed_pipeline.py): CUDA's attention and embedding
+backward sum with atomic adds in an order that differs run to run, so two runs of one placement already
+differ in the last bits of some gradients, and Adam's first step turns a gradient near zero into a whole
+step of either sign. The update itself is checked bit for bit against the host kernel on the GPU in
+tests/kernels/test_compact_adamw.py."""
 
 from __future__ import annotations
 
@@ -55,30 +55,6 @@ def _run(state_format: str, master_format: str, streamed: tuple[str, ...], steps
 
 
 FORMATS = [("fp32", "fp32"), ("bf16", "fp32"), ("int8", "fp32"), ("fp32", "split"), ("bf16", "split")]
-
-
-@pytest.mark.parametrize(("state_format", "master_format"), FORMATS)
-def test_one_streamed_step_is_the_host_step_to_the_last_bits(state_format: str, master_format: str) -> None:
-    host = _run(state_format, master_format, (), steps=1)
-    streamed = _run(state_format, master_format, STREAMED, steps=1)
-    for name in STREAMED:
-        got, want = streamed[1][name], host[1][name]
-        if name == "embed":
-            # CUDA sums an embedding's gradient with atomic adds, in an order that differs run to run: a
-            # gradient near zero then differs in more than its last bits, and Adam's first step (about
-            # lr * sign(g)) with it. Bounded by a small share of one step of lr = 3e-3.
-            assert (got - want).abs().max().item() < 3e-5, "embed: the master differs by more than 1% of a step"
-            continue
-        ulps = (got.view(torch.int32) - want.view(torch.int32)).abs().max().item()
-        assert ulps <= 4, f"{name}: the master differs by {ulps} ulp"
-        for array, tensor in host[2][name].items():
-            mine = streamed[2][name][array]
-            if tensor.dtype.is_floating_point and tensor.element_size() == 4:
-                same = torch.isclose(mine, tensor, rtol=1e-6, atol=0.0)
-            else:  # bf16 bits or int8 codes: the stochastic rounding of two values an ulp apart
-                same = mine == tensor
-            share = 1.0 - same.float().mean().item()
-            assert share < 1e-3, f"{name}.{array}: {share:.3%} of the moments differ"
 
 
 @pytest.mark.parametrize(("state_format", "master_format"), FORMATS)

@@ -168,9 +168,21 @@ def make_device(name: str, memory_limit_bytes: int | None = None, *, index: int 
 def make_optimizer(name: str, adam: AdamWConfig) -> Optimizer:
     """The ``slide.optimizers`` plugin ``name`` (or ``auto``) built with ``adam``, kernels compiled."""
     try:
-        return build_optimizer(name, adam)
+        optimizer = build_optimizer(name, adam)
     except plugins.PluginError as error:
         raise UserError(f"{option('optimizer', name)}: {error}") from None
+    _attach_device_kernels(optimizer)
+    return optimizer
+
+
+def _attach_device_kernels(optimizer: Optimizer) -> None:
+    """Give the compact optimizer the one-pass Triton step for its device ranges (GPU-resident and
+    GPU-streamed units): its torch path makes some thirty passes over memory per chunk."""
+    from slide_core.optim.compact_adamw import CompactAdamW
+    from slide_kernels.ops.compact_adamw import adamw_bf16_moments
+
+    if isinstance(optimizer, CompactAdamW) and optimizer.device_kernel is None:
+        optimizer.device_kernel = adamw_bf16_moments
 
 
 # -- plan and placement ------------------------------------------------------------------------------------

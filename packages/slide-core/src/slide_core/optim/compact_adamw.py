@@ -40,7 +40,7 @@ import functools
 import threading
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 import torch
@@ -547,6 +547,23 @@ def _kernels() -> CompactKernels:
     return CompactKernels(step=MappingProxyType(step))
 
 
+class DeviceKernel(Protocol):
+    """A one-pass compact AdamW step of one device range (see :attr:`CompactAdamW.device_kernel`)."""
+
+    def __call__(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        *,
+        scalars: tuple[Any, ...],
+        grad_scale: float,
+        index0: int,
+        key: tuple[int, int],
+    ) -> bool: ...
+
+
 class CompactAdamW(AdamWOptimizer):
     """AdamW (decoupled weight decay on ranges flagged ``decay``) with moments stored by ``codec`` (bf16 or
     int8; by default the codec ``config.state_format`` names), rounded stochastically with seed
@@ -568,8 +585,13 @@ class CompactAdamW(AdamWOptimizer):
         threads: int | None = None,
         fused: bool | None = None,
         chunk_numel: int = CHUNK_NUMEL,
+        device_kernel: DeviceKernel | None = None,
     ) -> None:
         super().__init__(config, correction_piece_numel=min(chunk_numel, DEFAULT_PIECE_NUMEL))
+        self.device_kernel = device_kernel
+        """A one-pass step for ranges off the host (slide_kernels.ops.compact_adamw.adamw_bf16_moments, which
+        the `slide` commands attach when slide-kernels and Triton are installed); None, or a range it
+        declines: the torch path."""
         self.codec = moment_codec(config.state_format) if codec is None else codec
         if isinstance(self.codec, Fp32Moments):
             raise ValueError(f"CompactAdamW stores bf16 or int8 moments, not {self.codec.name!r}")
@@ -607,7 +629,9 @@ class CompactAdamW(AdamWOptimizer):
 
     def device_replica(self) -> CompactAdamW:
         """Device ranges run the torch ops (numba runs on the host only)."""
-        return CompactAdamW(self.config, codec=self.codec, fused=False, chunk_numel=self.chunk_numel)
+        return CompactAdamW(
+            self.config, codec=self.codec, fused=False, chunk_numel=self.chunk_numel, device_kernel=self.device_kernel
+        )
 
     def device_scratch_bytes(self, max_range_numel: int, *, corrects: bool = False) -> int:
         """The torch path's peak on a device, one chunk's worth: fp32 m and v, ``TorchAdamW``'s gradient and
@@ -712,6 +736,8 @@ class CompactAdamW(AdamWOptimizer):
         if self.fused and master.device.type == "cpu":
             self._fused_step(master, grad, state, key, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
             return
+        if self._stepped_by_kernel(master, grad, state, key, lr=lr, step=step, decay=decay, grad_scale=grad_scale):
+            return
         index0 = master.index0
         for lo in self._chunks(n):
             hi = min(n, lo + self.chunk_numel)
@@ -721,6 +747,27 @@ class CompactAdamW(AdamWOptimizer):
             moments = {"exp_avg": m, "exp_avg_sq": v}
             self._fp32.step(master[lo:hi], grad[lo:hi], moments, lr=lr, step=step, decay=decay, grad_scale=grad_scale)
             self.codec.encode(m, v, codes, index0=index0 + lo, key=key)
+
+    def _stepped_by_kernel(
+        self,
+        master: MasterRange,
+        grad: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        key: tuple[int, int],
+        *,
+        lr: float,
+        step: int,
+        decay: bool,
+        grad_scale: float,
+    ) -> bool:
+        """Whether :attr:`device_kernel` took the step of this device range (an fp32 master)."""
+        if self.device_kernel is None or master.device.type == "cpu" or master.format != "fp32":
+            return False
+        m, v = (state[a.name] for a in self.arrays[:2])
+        scalars = _adamw_kernels.step_scalars(self.config, lr, step, decay)
+        return self.device_kernel(
+            master.values(), grad, m, v, scalars=scalars, grad_scale=grad_scale, index0=master.index0, key=key
+        )
 
     def _fused_step(
         self,
