@@ -179,10 +179,10 @@ def _attach_device_kernels(optimizer: Optimizer) -> None:
     """Give the compact optimizer the one-pass Triton step for its device ranges (GPU-resident and
     GPU-streamed units): its torch path makes some thirty passes over memory per chunk."""
     from slide_core.optim.compact_adamw import CompactAdamW
-    from slide_kernels.ops.compact_adamw import adamw_bf16_moments
+    from slide_kernels.ops.compact_adamw import adamw_compact_moments
 
     if isinstance(optimizer, CompactAdamW) and optimizer.device_kernel is None:
-        optimizer.device_kernel = adamw_bf16_moments
+        optimizer.device_kernel = adamw_compact_moments
 
 
 # -- plan and placement ------------------------------------------------------------------------------------

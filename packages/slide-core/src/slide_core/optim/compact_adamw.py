@@ -554,8 +554,7 @@ class DeviceKernel(Protocol):
         self,
         master: torch.Tensor,
         grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
         *,
         scalars: tuple[Any, ...],
         grad_scale: float,
@@ -589,7 +588,7 @@ class CompactAdamW(AdamWOptimizer):
     ) -> None:
         super().__init__(config, correction_piece_numel=min(chunk_numel, DEFAULT_PIECE_NUMEL))
         self.device_kernel = device_kernel
-        """A one-pass step for ranges off the host (slide_kernels.ops.compact_adamw.adamw_bf16_moments, which
+        """A one-pass step for ranges off the host (slide_kernels.ops.compact_adamw.adamw_compact_moments, which
         the `slide` commands attach when slide-kernels and Triton are installed); None, or a range it
         declines: the torch path."""
         self.codec = moment_codec(config.state_format) if codec is None else codec
@@ -763,10 +762,9 @@ class CompactAdamW(AdamWOptimizer):
         """Whether :attr:`device_kernel` took the step of this device range (an fp32 master)."""
         if self.device_kernel is None or master.device.type == "cpu" or master.format != "fp32":
             return False
-        m, v = (state[a.name] for a in self.arrays[:2])
         scalars = _adamw_kernels.step_scalars(self.config, lr, step, decay)
         return self.device_kernel(
-            master.values(), grad, m, v, scalars=scalars, grad_scale=grad_scale, index0=master.index0, key=key
+            master.values(), grad, state, scalars=scalars, grad_scale=grad_scale, index0=master.index0, key=key
         )
 
     def _fused_step(

@@ -1,11 +1,13 @@
-"""AdamW with bf16 moments in one pass over device memory: the update of a GPU-resident or GPU-streamed unit.
+"""AdamW with compact moments (bf16, or int8 codes with a scale per 64 elements) in one pass over device
+memory: the update of a GPU-resident or GPU-streamed unit.
 
 Why: the compact optimizer's torch path (slide_core/optim/compact_adamw.py) widens a chunk of moments into
 fp32 scratch, steps it with torch's fused AdamW, then rounds it back with the position-keyed hash spelled
 in int64 torch ops: some thirty passes over memory per chunk. On an H200 that took ~110 ms for one
 218M-parameter block of Llama-3.1-8B, against ~4 ms for fp32 moments, and made bf16 state slower than
-fp32 on the GPU. This kernel reads the gradient, the fp32 master and the two bf16 moments once and
-writes master and moments once (14 bytes per parameter with a bf16 gradient).
+fp32 on the GPU. These kernels read the gradient, the fp32 master and the two moments once and write
+master and moments once (14 bytes per parameter with a bf16 gradient and bf16 moments, about 14.25 with int8:
+the codes and the block scales read and written).
 
 The arithmetic is the host kernel's, op for op (``_adam`` in slide_core/optim/_adamw_kernels.py): the
 lerp as one fused multiply-add from the end torch's lerp starts from, the second moment as one fused
@@ -19,15 +21,22 @@ moments are the host's whichever side updates it. The scalars are
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 
 from slide_kernels._backend import tl, triton, use_triton
 
-__all__ = ["BLOCK", "adamw_bf16_moments"]
+__all__ = ["BLOCK", "INT8_BLOCKS", "adamw_compact_moments"]
 
 BLOCK = 1024
-"""Elements per program."""
+"""Elements per program (bf16 moments)."""
+
+QUANT_BLOCK = 64
+"""Elements per int8 scale (slide_core.optim.state_formats.QUANT_BLOCK)."""
+
+INT8_BLOCKS = 16
+"""Scale blocks per program (int8 moments): 1024 elements."""
 
 
 @triton.jit
@@ -102,7 +111,145 @@ def _adamw_bf16_kernel(
     tl.store(v_ptr + offs, v_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
 
 
-def adamw_bf16_moments(
+@triton.jit
+def _decode_fp8(mag, scale, MANTISSA: tl.constexpr, TINY: tl.constexpr):
+    """An 8-bit float code's magnitude times its block's scale (state_formats._decode_int8_t)."""
+    normal = ((mag + (112 << MANTISSA)) << (23 - MANTISSA)).to(tl.uint32).to(tl.float32, bitcast=True)
+    tiny = mag.to(tl.float32) * TINY  # 2 ** -(14 + MANTISSA): the subnormal grid
+    return tl.where(mag >= (1 << MANTISSA), normal, tiny) * scale
+
+
+@triton.jit
+def _encode_fp8(x, inv, rand16, MANTISSA: tl.constexpr, FIXED: tl.constexpr, KEEP_POSITIVE: tl.constexpr):
+    """|x| / scale as an 8-bit float code's magnitude (int32 lanes), rounded stochastically by ``rand16``
+    (state_formats._encode_int8_t): the normal range by adding the random bits under the kept mantissa,
+    the subnormal grid by a fixed-point rounding."""
+    r = tl.minimum(tl.abs(x) * inv, 1.0)
+    u = r.to(tl.uint32, bitcast=True)
+    normal = ((u + (rand16 << (7 - MANTISSA))) >> (23 - MANTISSA)).to(tl.int32) - (112 << MANTISSA)
+    fixed = (r * FIXED).to(tl.int64)  # FIXED = 2 ** (30 + MANTISSA): subnormal grid steps x 2 ** 16
+    low = ((fixed + rand16.to(tl.int64)) >> 16).to(tl.int32)
+    if KEEP_POSITIVE:
+        low = tl.where((x > 0) & (low == 0), 1, low)
+    return tl.where(u >= (113 << 23), normal, low)
+
+
+@triton.jit
+def _adamw_int8_kernel(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    ms_ptr,
+    vs_ptr,
+    n_blocks,
+    index0,
+    k0,
+    k1,
+    scale,
+    decay,
+    coeff,
+    beta2,
+    one_minus_beta2,
+    bc2_sqrt,
+    eps,
+    neg_step,
+    LARGE: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    block_mask = blocks < n_blocks
+    offs = blocks[:, None] * 64 + tl.arange(0, 64)[None, :]
+    mask = block_mask[:, None] & (tl.arange(0, 64)[None, :] < 64)
+    m_scale = tl.load(ms_ptr + blocks, mask=block_mask, other=0.0)
+    v_scale = tl.load(vs_ptr + blocks, mask=block_mask, other=0.0)
+    m_code = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32)
+    v_code = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32)
+    m_mag = _decode_fp8(tl.abs(m_code), m_scale[:, None], 3, 7.62939453125e-06)  # 2 ** -17
+    m = tl.where(m_code < 0, -m_mag, m_mag)
+    v = _decode_fp8(v_code, v_scale[:, None], 4, 3.814697265625e-06)  # 2 ** -18
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    m = tl.fma(coeff, g - m, g if LARGE else m)
+    v = tl.fma(one_minus_beta2 * g, g, v * beta2)
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p * decay + tl.div_rn(neg_step * m, denom)
+    tl.store(p_ptr + offs, p, mask=mask)
+    m_max = tl.max(tl.abs(m), axis=1)
+    v_max = tl.max(tl.abs(v), axis=1)
+    m_inv = tl.where(m_max > 0, tl.div_rn(tl.full(m_max.shape, 1.0, tl.float32), m_max), 0.0)
+    v_inv = tl.where(v_max > 0, tl.div_rn(tl.full(v_max.shape, 1.0, tl.float32), v_max), 0.0)
+    index = index0 + offs
+    lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    hi = (index >> 32).to(tl.uint32)
+    bits = _mix32(_mix32(lo ^ k0.to(tl.uint32)) ^ hi ^ k1.to(tl.uint32))
+    m_mag = _encode_fp8(m, m_inv[:, None], bits & 0xFFFF, 3, 8589934592.0, False)  # 2 ** 33
+    v_mag = _encode_fp8(v, v_inv[:, None], bits >> 16, 4, 17179869184.0, True)  # 2 ** 34
+    tl.store(m_ptr + offs, tl.where(m < 0, -m_mag, m_mag).to(tl.int8), mask=mask)
+    tl.store(v_ptr + offs, v_mag.to(tl.uint8), mask=mask)
+    tl.store(ms_ptr + blocks, m_max, mask=block_mask)
+    tl.store(vs_ptr + blocks, v_max, mask=block_mask)
+
+
+def adamw_compact_moments(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    *,
+    scalars: tuple,
+    grad_scale: float,
+    index0: int,
+    key: tuple[int, int],
+) -> bool:
+    """Step ``master`` (fp32) with ``grad`` (bf16 or fp32) and the compact moments in ``state`` (bf16
+    ``exp_avg``/``exp_avg_sq``, or int8/uint8 codes with their ``*_scale`` arrays) in place; ``scalars``:
+    ``step_scalars(config, lr, step, decay)``; ``index0``: the master position of ``master[0]``; ``key``:
+    the step's ``stream_key``. Returns False, touching nothing, where Triton cannot run on these tensors or
+    the state is in neither format (the caller then takes the torch path)."""
+    if not use_triton(master) or master.dtype != torch.float32 or grad.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    if m.dtype == torch.bfloat16 and v.dtype == torch.bfloat16:
+        return _bf16(master, grad, m, v, scalars=scalars, grad_scale=grad_scale, index0=index0, key=key)
+    if m.dtype == torch.int8 and v.dtype == torch.uint8:
+        scales = (state["exp_avg_scale"], state["exp_avg_sq_scale"])
+        return _int8(master, grad, m, v, *scales, scalars=scalars, grad_scale=grad_scale, index0=index0, key=key)
+    return False
+
+
+def _int8(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    m_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    scalars: tuple,
+    grad_scale: float,
+    index0: int,
+    key: tuple[int, int],
+) -> bool:
+    n = master.numel()
+    tensors = (master, grad, m, v, m_scale, v_scale)
+    if n % QUANT_BLOCK or not all(t.is_contiguous() for t in tensors) or {grad.numel(), m.numel(), v.numel()} != {n}:
+        return False
+    if m_scale.numel() != n // QUANT_BLOCK or v_scale.numel() != n // QUANT_BLOCK:
+        return False
+    if n == 0:
+        return True
+    decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step = scalars
+    n_blocks = n // QUANT_BLOCK
+    with torch.cuda.device(master.device) if master.is_cuda else contextlib.nullcontext():
+        _adamw_int8_kernel[(triton.cdiv(n_blocks, INT8_BLOCKS),)](
+            master, grad, m, v, m_scale, v_scale, n_blocks, index0, key[0], key[1],
+            float(grad_scale), float(decay), float(coeff), float(beta2), float(one_minus_beta2), float(bc2_sqrt),
+            float(eps), float(neg_step), LARGE=bool(large), BLOCKS=INT8_BLOCKS, enable_fp_fusion=False,
+        )  # fmt: skip
+    return True
+
+
+def _bf16(
     master: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -113,15 +260,7 @@ def adamw_bf16_moments(
     index0: int,
     key: tuple[int, int],
 ) -> bool:
-    """Step ``master`` (fp32) with ``grad`` (bf16 or fp32) and the bf16 moments in place; ``scalars``:
-    ``step_scalars(config, lr, step, decay)``; ``index0``: the master position of ``master[0]``; ``key``:
-    the step's ``stream_key``. Returns False, touching nothing, where Triton cannot run on these tensors
-    (the caller then takes the torch path)."""
     tensors = (master, grad, exp_avg, exp_avg_sq)
-    if not use_triton(master) or master.dtype != torch.float32 or grad.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    if exp_avg.dtype != torch.bfloat16 or exp_avg_sq.dtype != torch.bfloat16:
-        return False
     if not all(t.is_contiguous() for t in tensors) or len({t.numel() for t in tensors}) != 1:
         return False
     n = master.numel()
