@@ -31,6 +31,8 @@ CASES = {
     "nvme-state": (True, 2, {"offloaded_units": ("embed", "layers.0", "layers.2")}, True, False),
     "activations-tier": (False, 2, {}, False, True),
     "everything": (True, 2, {"resident_units": ("layers.1",), "offloaded_units": ("embed", "head")}, True, True),
+    # GPU-streamed updates (the device path on the CPU device): staged backward loads, never an evaluation's
+    "streamed": (False, 2, {"streamed_units": ("embed", "layers.0", "layers.1", "head")}, False, False),
 }
 
 
@@ -130,7 +132,7 @@ def _train(case: str, evaluate_between: bool, **more):
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.05])
-@pytest.mark.parametrize("case", ["untied-slots1", "resident", "nvme-state", "everything"])
+@pytest.mark.parametrize("case", ["untied-slots1", "resident", "nvme-state", "everything", "streamed"])
 def test_evaluate_between_steps_changes_nothing(case: str, max_grad_norm: float) -> None:
     """Steps with an evaluation after each give the same bits as steps without: losses, norms, weights,
     Adam state and the schedule state (with max_grad_norm 0.05 every step clips, so every step after the

@@ -59,7 +59,7 @@ from slide_core.device import Device, Event
 from slide_core.host_params import HostParameters
 from slide_core.master_store import Fp32Master
 from slide_core.optim.state_formats import StateArray, slice_state
-from slide_core.optimizer import Optimizer
+from slide_core.optimizer import Correction, Optimizer
 from slide_core.split_master import decode, encode
 from slide_core.unit import Unit
 
@@ -194,6 +194,12 @@ class StreamedPipeline(HostPipeline):
             return
         self._stage(name)
         self._load_from[name] = self._staged[name][0]
+
+    def finish(self, unit: Unit, ctx: StepContext, correction: Correction) -> None:
+        """The step's loads are all queued by now: a later load (an evaluation's, between steps) reads the
+        host after the unit's latest update rather than staging it against the previous one."""
+        self._ctx = None
+        super().finish(unit, ctx, correction)
 
     def _can_stage(self, name: str, ctx: StepContext) -> bool:
         """Whether ``name`` may take a staging set now and still leave one for every unit whose update
