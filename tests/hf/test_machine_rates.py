@@ -113,3 +113,34 @@ def test_planning_reads_the_cache_or_says_it_uses_the_defaults(environ):
 def test_rates_without_a_gpu_keep_the_defaults_gpu_rates():
     bandwidths = _rates().bandwidths()
     assert bandwidths.h2d_gbps == Bandwidths().h2d_gbps and bandwidths.gpu_tflops == Bandwidths().gpu_tflops
+
+
+def test_a_split_master_is_measured_for_every_state_format_the_optimizer_takes_it():
+    rates = measure_rates(TINY, HERE)
+    assert set(rates.cpu_adam_split_gparams) == {"fp32", "bf16"} and min(rates.cpu_adam_split_gparams.values()) > 0
+    bandwidths = rates.bandwidths()
+    assert bandwidths.cpu_adam_rate("bf16", "split") == rates.cpu_adam_split_gparams["bf16"]
+    assert rates.pcie_duplex_gbps is None  # no CUDA GPU here
+
+
+def test_planning_reads_the_split_master_and_duplex_rates_or_their_defaults():
+    from slide_hf.planner.inputs import DUPLEX_SPEED, SPLIT_MASTER_SPEED
+
+    measured = _rates(h2d_gbps=40.0, d2h_gbps=30.0, cpu_adam_split_gparams={"bf16": 1.5}, pcie_duplex_gbps=50.0)
+    bandwidths = MachineRates.from_json(json.loads(json.dumps(measured.to_json()))).bandwidths()
+    assert bandwidths.cpu_adam_rate("bf16", "split") == 1.5 and bandwidths.duplex_gbps == 50.0
+    assert bandwidths.cpu_adam_rate("fp32", "split") == pytest.approx(2.0 * SPLIT_MASTER_SPEED)
+    unmeasured = _rates(h2d_gbps=40.0, d2h_gbps=30.0).bandwidths()
+    assert unmeasured.duplex_gbps == pytest.approx(DUPLEX_SPEED * 30.0)
+    assert unmeasured.cpu_adam_rate("bf16", "split") == pytest.approx(2.5 * SPLIT_MASTER_SPEED)
+
+
+def test_a_version_1_cache_still_loads_without_the_rates_it_lacks(environ):
+    old = _rates(h2d_gbps=40.0).to_json()
+    old = {key: value for key, value in old.items() if key not in ("cpu_adam_split_gparams", "pcie_duplex_gbps")}
+    path = cache_path(HERE, environ)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**old, "version": 1}))
+    rates = load_cached(HERE, environ)
+    assert rates is not None and rates.h2d_gbps == 40.0
+    assert rates.cpu_adam_split_gparams == {} and rates.pcie_duplex_gbps is None

@@ -32,6 +32,7 @@ from slide_hf.planner import (
     make_plan,
     parse_size,
 )
+from slide_hf.planner.unit_costs import HOST_ADAM_IN_STEP
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -249,9 +250,9 @@ def test_binding_limit_follows_the_slowest_pipeline():
 
 def test_update_time_and_pcie_bytes():
     shape = ModelShape.of(_toy())
-    bw = Bandwidths(h2d_gbps=1.0, d2h_gbps=1000.0, cpu_adam_gparams=0.001, host_mem_gbps=1e6)
+    bw = Bandwidths(h2d_gbps=1.0, d2h_gbps=1000.0, cpu_adam_gparams=0.001, host_mem_gbps=1e6, pcie_duplex_gbps=1e6)
     plan = make_plan(PlanInputs(shape, batch_size=1, seq_len=8, block_slots=2, bandwidths=bw))
-    assert plan.update_s == pytest.approx(shape.total_numel / 1e6)
+    assert plan.update_s == pytest.approx(shape.total_numel / (1e6 * HOST_ADAM_IN_STEP))
     loads = shape.embedding_numel + shape.head_numel + (2 * 4 - 2) * shape.max_block_numel
     stash = 4 * 1 * 8 * 512 * 2
     assert plan.pcie_s == pytest.approx((4 * loads + stash) / 1e9)

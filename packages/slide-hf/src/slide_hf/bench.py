@@ -248,7 +248,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
 
 _PREDICTED_BOUNDS = {
     "gpu compute": ("gpu compute",),
-    "pcie": ("pcie h2d", "pcie d2h"),
+    "pcie": ("pcie h2d", "pcie d2h", "pcie duplex"),
     "host optimizer": ("cpu", "host memory"),
 }
 """Which of the plan's resources (slide_hf/planner/unit_costs.py) each of the benchmark's bounds is: the larger

@@ -1,4 +1,5 @@
-"""This machine's measured rates: host memory, PCIe each way, the host AdamW per state format, the GPU.
+"""This machine's measured rates: host memory, PCIe each way and both at once, the host AdamW per state and
+master format, the GPU.
 
 The planner's step time divides bytes and FLOPs by rates (:class:`slide_hf.planner.Bandwidths`), and the
 choice of where each unit is updated (host or GPU-streamed, slide_hf/planner/update_placement.py) is only as
@@ -10,7 +11,8 @@ file per :class:`HostIdentity`: a home directory shared by several machines keep
 Planning never measures (it runs in seconds, on any machine): it reads this machine's cache, or, without
 one, uses the documented defaults of :class:`~slide_hf.planner.Bandwidths`, and says which
 (:func:`planning_bandwidths`). A cache file that cannot be read is one logged line and counts as absent;
-`slide doctor` then measures again and rewrites it.
+`slide doctor` then measures again and rewrites it. A version 1 file (written before the split-master and
+duplex rates were measured) still loads, without them: planning uses their documented defaults.
 
 Every measurement runs on random data (never zeros: a zero page can be shared, and a compressing memory
 path would flatter it), over arrays large enough to leave the caches (:class:`MeasureSizes`).
@@ -49,7 +51,9 @@ __all__ = [
 log = logging.getLogger("slide.machine_rates")
 
 STATE_FORMATS = ("fp32", "bf16", "int8")
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+"""Version 2 added ``cpu_adam_split_gparams`` and ``pcie_duplex_gbps``; a version 1 file loads without them."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,10 @@ class MachineRates:
       over fp32 arrays, with torch's threads; the triad is the host memory bandwidth the planner uses.
     - ``cpu_adam_gparams``: host AdamW updates per second per state format, in 1e9 parameters/s, from a
       bf16 gradient as the engine hands it over (:meth:`cpu_adam_gbps` gives the bytes).
+    - ``cpu_adam_split_gparams``: the same with a split master (slide_core/split_master.py), which the
+      kernel decodes and encodes on every update; empty where the optimizer takes no split master.
     - ``h2d_gbps``, ``d2h_gbps``: pinned host memory to and from the GPU.
+    - ``pcie_duplex_gbps``: h2d and d2h bytes together per second while both copy at once (two streams).
     - ``gpu_mem_gbps``: a device-to-device copy (what a GPU-side AdamW update is bound by).
     - ``gpu_tflops``: a bf16 matmul's rate: an upper bound on what training achieves.
     """
@@ -125,6 +132,8 @@ class MachineRates:
     d2h_gbps: float | None = None
     gpu_mem_gbps: float | None = None
     gpu_tflops: float | None = None
+    cpu_adam_split_gparams: Mapping[str, float] = field(default_factory=dict)
+    pcie_duplex_gbps: float | None = None
 
     def cpu_adam_gbps(self, state_format: str) -> float:
         """The host AdamW's memory traffic in GB/s with ``state_format``: the fused step's bytes per
@@ -143,7 +152,8 @@ class MachineRates:
         if "fp32" in self.cpu_adam_gparams:
             changes["cpu_adam_gparams"] = self.cpu_adam_gparams["fp32"]
         changes["cpu_adam_state_gparams"] = tuple(sorted(self.cpu_adam_gparams.items()))
-        for name in ("h2d_gbps", "d2h_gbps", "gpu_mem_gbps", "gpu_tflops"):
+        changes["cpu_adam_split_state_gparams"] = tuple(sorted(self.cpu_adam_split_gparams.items()))
+        for name in _OPTIONAL_RATES:
             value = getattr(self, name)
             if value is not None:
                 changes[name] = value
@@ -152,19 +162,24 @@ class MachineRates:
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["cpu_adam_gparams"] = dict(self.cpu_adam_gparams)
+        data["cpu_adam_split_gparams"] = dict(self.cpu_adam_split_gparams)
         return {"version": _CACHE_VERSION, **data}
 
     @classmethod
     def from_json(cls, data: Any) -> MachineRates:
-        """Read :meth:`to_json`'s output back; anything else raises ``ValueError`` naming what is wrong."""
-        if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
-            raise ValueError(f"not a version {_CACHE_VERSION} rates file")
+        """Read :meth:`to_json`'s output back (or a version 1 file's, without the rates it lacks); anything
+        else raises ``ValueError`` naming what is wrong."""
+        if not isinstance(data, dict) or data.get("version") not in _READABLE_VERSIONS:
+            raise ValueError(f"not a version {' or '.join(map(str, _READABLE_VERSIONS))} rates file")
         try:
             identity = HostIdentity(**data["identity"])
             adam = {str(k): _positive(v, f"cpu_adam_gparams.{k}") for k, v in dict(data["cpu_adam_gparams"]).items()}
+            split = {
+                str(k): _positive(v, f"cpu_adam_split_gparams.{k}")
+                for k, v in dict(data.get("cpu_adam_split_gparams") or {}).items()
+            }
             optional = {
-                name: None if data.get(name) is None else _positive(data[name], name)
-                for name in ("h2d_gbps", "d2h_gbps", "gpu_mem_gbps", "gpu_tflops")
+                name: None if data.get(name) is None else _positive(data[name], name) for name in _OPTIONAL_RATES
             }
             return cls(
                 identity=identity,
@@ -172,10 +187,15 @@ class MachineRates:
                 host_copy_gbps=_positive(data["host_copy_gbps"], "host_copy_gbps"),
                 host_triad_gbps=_positive(data["host_triad_gbps"], "host_triad_gbps"),
                 cpu_adam_gparams=adam,
+                cpu_adam_split_gparams=split,
                 **optional,
             )
         except (KeyError, TypeError) as error:
             raise ValueError(f"missing or malformed field: {error}") from None
+
+
+_OPTIONAL_RATES = ("h2d_gbps", "d2h_gbps", "gpu_mem_gbps", "gpu_tflops", "pcie_duplex_gbps")
+"""The rates measured only with a CUDA GPU (None without one)."""
 
 
 def _positive(value: Any, name: str) -> float:
@@ -191,7 +211,10 @@ def measure_rates(sizes: MeasureSizes = MeasureSizes(), identity: HostIdentity |
     identity = identity or HostIdentity.here()
     copy_gbps, triad_gbps = _host_memory_gbps(sizes)
     adam = {fmt: _cpu_adam_gparams(fmt, sizes) for fmt in sizes.state_formats}
-    gpu: dict[str, float | None] = {"h2d_gbps": None, "d2h_gbps": None, "gpu_mem_gbps": None, "gpu_tflops": None}
+    split: dict[str, float] = {}
+    if _takes_split_master(sizes.optimizer):
+        split = {fmt: _cpu_adam_gparams(fmt, sizes, master_format="split") for fmt in sizes.state_formats}
+    gpu: dict[str, float | None] = dict.fromkeys(_OPTIONAL_RATES)
     if torch.cuda.is_available():
         gpu = _gpu_rates(sizes)
     return MachineRates(
@@ -200,6 +223,7 @@ def measure_rates(sizes: MeasureSizes = MeasureSizes(), identity: HostIdentity |
         host_copy_gbps=copy_gbps,
         host_triad_gbps=triad_gbps,
         cpu_adam_gparams=adam,
+        cpu_adam_split_gparams=split,
         **gpu,
     )
 
@@ -229,12 +253,22 @@ def _host_memory_gbps(sizes: MeasureSizes) -> tuple[float, float]:
     return 8 * n / copy_s / 1e9, 12 * n / triad_s / 1e9
 
 
-def _cpu_adam_gparams(state_format: str, sizes: MeasureSizes) -> float:
+def _takes_split_master(name: str) -> bool:
+    """Whether the ``name`` optimizer plugin steps a split master range (``Optimizer.split_master``)."""
+    from slide_core import AdamWConfig
+    from slide_core.optim import build_optimizer
+
+    return bool(getattr(build_optimizer(name, AdamWConfig()), "split_master", False))
+
+
+def _cpu_adam_gparams(state_format: str, sizes: MeasureSizes, master_format: str = "fp32") -> float:
     """Parameters per second (1e9) of the ``sizes.optimizer`` plugin stepping one range with
-    ``state_format`` moments from a bf16 gradient, as the engine calls it."""
+    ``state_format`` moments from a bf16 gradient, as the engine calls it; with ``master_format`` "split",
+    on a split master range (bf16 plane, int16 low plane and tie bits) holding the same values."""
     from slide_core import AdamWConfig
     from slide_core.optim import build_optimizer
     from slide_core.optim.state_formats import encode_moments, state_arrays, stream_key
+    from slide_core.split_master import SplitMaster, tie_bytes
 
     n = sizes.adam_numel
     generator = torch.Generator().manual_seed(1)
@@ -248,18 +282,26 @@ def _cpu_adam_gparams(state_format: str, sizes: MeasureSizes) -> float:
     else:
         state = {a.name: torch.empty(a.numel(n), dtype=a.dtype) for a in state_arrays(state_format)}
         encode_moments(state_format, m, v, state, index0=0, key=stream_key(0, 0))
+    target: torch.Tensor | SplitMaster = master
+    if master_format == "split":
+        target = SplitMaster(
+            torch.empty(n, dtype=torch.bfloat16),
+            torch.empty(n, dtype=torch.int16),
+            torch.zeros(tie_bytes(n), dtype=torch.uint8),
+        )
+        target.encode_(master)
     optimizer.reserve(n)
     count = [0]
 
     def step() -> None:
         count[0] += 1
-        optimizer.step(master, grad, state, lr=1e-4, step=count[0], decay=True)
+        optimizer.step(target, grad, state, lr=1e-4, step=count[0], decay=True)
 
     return n / _median_s(step, sizes.reps) / 1e9
 
 
 def _gpu_rates(sizes: MeasureSizes) -> dict[str, float | None]:
-    """Pinned h2d and d2h, a device copy and a bf16 matmul on GPU 0."""
+    """Pinned h2d and d2h, each alone and both at once, a device copy and a bf16 matmul on GPU 0."""
     device = torch.device("cuda", 0)
     sync = torch.cuda.synchronize
     n = sizes.pcie_numel
@@ -268,6 +310,7 @@ def _gpu_rates(sizes: MeasureSizes) -> dict[str, float | None]:
     on_device = torch.empty(n, dtype=torch.float32, device=device)
     h2d_s = _median_s(lambda: on_device.copy_(host, non_blocking=True), sizes.reps, sync)
     d2h_s = _median_s(lambda: host.copy_(on_device, non_blocking=True), sizes.reps, sync)
+    duplex_s = _duplex_s(sizes, host, on_device)
     other = torch.rand(n, device=device)
     copy_s = _median_s(lambda: on_device.copy_(other), sizes.reps, sync)
     side = sizes.gpu_matmul
@@ -277,9 +320,33 @@ def _gpu_rates(sizes: MeasureSizes) -> dict[str, float | None]:
     return {
         "h2d_gbps": 4 * n / h2d_s / 1e9,
         "d2h_gbps": 4 * n / d2h_s / 1e9,
+        "pcie_duplex_gbps": 8 * n / duplex_s / 1e9,  # n fp32 elements each way
         "gpu_mem_gbps": 8 * n / copy_s / 1e9,  # read and write
         "gpu_tflops": 2 * side**3 / matmul_s / 1e12,
     }
+
+
+def _duplex_s(sizes: MeasureSizes, host: torch.Tensor, on_device: torch.Tensor) -> float:
+    """Seconds for an h2d copy of ``host`` into ``on_device`` and a d2h copy of another buffer of their
+    size, issued at once on two CUDA streams: what GPU-streamed units do (master and moments coming in for
+    one unit while another's go back)."""
+    device = on_device.device
+    source = torch.rand(on_device.numel(), device=device)
+    back = torch.empty(on_device.numel(), dtype=on_device.dtype, pin_memory=True)
+    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    current = torch.cuda.current_stream(device)
+
+    def both() -> None:
+        for stream in streams:
+            stream.wait_stream(current)
+        with torch.cuda.stream(streams[0]):
+            on_device.copy_(host, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            back.copy_(source, non_blocking=True)
+        for stream in streams:
+            current.wait_stream(stream)
+
+    return _median_s(both, sizes.reps, torch.cuda.synchronize)
 
 
 # -- the cache ---------------------------------------------------------------------------------------------

@@ -132,8 +132,12 @@ def _machine_rates(sizes: MeasureSizes) -> dict[str, Any]:
             state: f"{gparams:.3g} Gparam/s ({rates.cpu_adam_gbps(state):.3g} GB/s)"
             for state, gparams in rates.cpu_adam_gparams.items()
         },
+        "cpu_adam_split_master": {
+            state: f"{gparams:.3g} Gparam/s" for state, gparams in rates.cpu_adam_split_gparams.items()
+        }
+        or "n/a (the optimizer takes no split master)",
     }
-    for name in ("h2d_gbps", "d2h_gbps", "gpu_mem_gbps", "gpu_tflops"):
+    for name in ("h2d_gbps", "d2h_gbps", "pcie_duplex_gbps", "gpu_mem_gbps", "gpu_tflops"):
         value = getattr(rates, name)
         info[name] = "n/a (no CUDA GPU)" if value is None else round(value, 1)
     return info

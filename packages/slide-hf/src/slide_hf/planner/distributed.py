@@ -14,7 +14,8 @@ the sharded engine changes (slide_core/engine/host_pipeline.py, docs/distributed
   final drain gathers the whole master on every rank for the export, which this does not count.
 - PCIe, per GPU: each load copies only the rank's shard of the master up (the all-gather fills the rest),
   and only the reduced shard of each gradient comes down, so the parameter and gradient bytes are 1/N of
-  one process's; the activation stash crosses as in one process.
+  one process's; the activation stash crosses as in one process. Each direction at its rate, and both
+  together at the duplex rate (``Bandwidths.duplex_gbps``), as in one process.
 - Host optimizer, per host: its ranks update ``ranks_per_host / N`` of the parameters, so one process's
   update time divided by the number of hosts.
 - Interconnect, per GPU: every gradient contribution is reduce-scattered and every load all-gathered in
@@ -143,6 +144,7 @@ def plan_data_parallel(
     pcie_s = max(
         (params_h2d / world + stash) / (bw.h2d_gbps * 1e9),
         (grads / world + stash) / (bw.d2h_gbps * 1e9),
+        (params_h2d / world + grads / world + 2 * stash) / (bw.duplex_gbps * 1e9),  # both at once
     )
     d = inputs.compute_dtype_bytes
     params_loaded = params_h2d / h2d_bytes_per_param(inputs.master_format)

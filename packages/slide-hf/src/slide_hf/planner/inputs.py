@@ -32,6 +32,18 @@ Gparam/s. bf16 moves 18 bytes instead of 26 but hashes and rounds every element;
 64-element block) is bound by its arithmetic there (44 GB/s effective against the triad's 77), so it saves
 memory, not time."""
 
+SPLIT_MASTER_SPEED = 0.875
+"""Host AdamW updates per second with a split master (slide_core/split_master.py: the kernel decodes the bf16
+and int16 planes and the tie bit, and encodes them again), relative to an fp32 master with the same state,
+where ``slide doctor`` measured none. Measured on an H200 (16 cores, 128 GiB), llama3.1-8b, batch 16 x 1024,
+in the engine: 3.5 Gparam/s with a split master and bf16 state against 4.0 Gparam/s with an fp32 master and
+fp32 state (the fused kernel's fp32 and bf16 state rates are within 1% of each other there): 3.5 / 4.0."""
+
+DUPLEX_SPEED = 1.2
+"""Both PCIe directions together, relative to the slower direction alone, where ``slide doctor`` measured no
+duplex rate. Measured on an H200 (16 cores, 128 GiB, PCIe 5): llama3.1-8b with every unit GPU-streamed moved
+~128 GB h2d and ~96 GB d2h per step in 3.40 s, ~66 GB/s for the two together against 55 GB/s each way alone."""
+
 
 @dataclass(frozen=True)
 class Bandwidths:
@@ -50,6 +62,11 @@ class Bandwidths:
       GPU-streamed units); the default is a conservative HBM figure (an H100 PCIe card's copy rate).
     - ``cpu_adam_state_gparams``: measured ``(state format, Gparam/s)`` pairs (slide_hf/machine_rates.py);
       a format without one runs at ``cpu_adam_gparams`` times its relative speed (:meth:`cpu_adam_rate`).
+    - ``cpu_adam_split_state_gparams``: the same with a split master; a format without one runs at its
+      fp32-master rate times ``SPLIT_MASTER_SPEED``.
+    - ``pcie_duplex_gbps``: h2d and d2h bytes together per second while both directions copy at once (each
+      direction alone is faster than half of it, together slower than the sum); None: ``DUPLEX_SPEED``
+      times the slower direction (:attr:`duplex_gbps`).
 
     ``slide doctor`` measures all but the disk on this machine and caches them; planning reads that cache
     (:func:`slide_hf.machine_rates.planning_bandwidths`) and otherwise uses these defaults.
@@ -63,25 +80,46 @@ class Bandwidths:
     disk_gbps: float = 2.0
     gpu_mem_gbps: float = 1500.0
     cpu_adam_state_gparams: tuple[tuple[str, float], ...] = ()
+    cpu_adam_split_state_gparams: tuple[tuple[str, float], ...] = ()
+    pcie_duplex_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
-            if item.name == "cpu_adam_state_gparams":
+            if item.name in ("cpu_adam_state_gparams", "cpu_adam_split_state_gparams", "pcie_duplex_gbps"):
                 continue
             value = getattr(self, item.name)
             if not value > 0:
                 raise UserError(f"bandwidth {item.name} must be > 0, got {value}")
-        for state, value in self.cpu_adam_state_gparams:
-            if not value > 0:
-                raise UserError(f"bandwidth cpu_adam_gparams for {state} state must be > 0, got {value}")
+        for master, pairs in (("fp32", self.cpu_adam_state_gparams), ("split", self.cpu_adam_split_state_gparams)):
+            for state, value in pairs:
+                if not value > 0:
+                    raise UserError(
+                        f"bandwidth cpu_adam_gparams for {state} state, {master} master must be > 0, got {value}"
+                    )
+        if self.pcie_duplex_gbps is not None and not self.pcie_duplex_gbps > 0:
+            raise UserError(f"bandwidth pcie_duplex_gbps must be > 0, got {self.pcie_duplex_gbps}")
 
-    def cpu_adam_rate(self, optimizer_state: str) -> float:
-        """Host AdamW updates per second (1e9 params/s) with ``optimizer_state`` moments: measured, or
-        ``cpu_adam_gparams`` scaled by the format's speed relative to fp32 (``STATE_SPEED``)."""
+    def cpu_adam_rate(self, optimizer_state: str, master_format: str = "fp32") -> float:
+        """Host AdamW updates per second (1e9 params/s) with ``optimizer_state`` moments and a
+        ``master_format`` master: measured, or, for an fp32 master, ``cpu_adam_gparams`` scaled by the
+        format's speed relative to fp32 (``STATE_SPEED``); for a split master, the fp32-master rate times
+        ``SPLIT_MASTER_SPEED``."""
+        if master_format == "split":
+            split = dict(self.cpu_adam_split_state_gparams)
+            if optimizer_state in split:
+                return split[optimizer_state]
+            return self.cpu_adam_rate(optimizer_state) * SPLIT_MASTER_SPEED
         measured = dict(self.cpu_adam_state_gparams)
         if optimizer_state in measured:
             return measured[optimizer_state]
         return self.cpu_adam_gparams * STATE_SPEED[optimizer_state]
+
+    @property
+    def duplex_gbps(self) -> float:
+        """GB/s of h2d and d2h together while both run: measured, or ``DUPLEX_SPEED`` times the slower one."""
+        if self.pcie_duplex_gbps is not None:
+            return self.pcie_duplex_gbps
+        return DUPLEX_SPEED * min(self.h2d_gbps, self.d2h_gbps)
 
     @classmethod
     def measured_h200(cls) -> Bandwidths:

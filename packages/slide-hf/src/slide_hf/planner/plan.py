@@ -155,12 +155,14 @@ def make_plan(inputs: PlanInputs) -> Plan:
       backward: 2 + 2 + 4 = 8 FLOPs per parameter per token (6 without recompute). The head runs once
       with grad (6 V H). Attention: QK^T and AV are 4 S d per token per layer forward, halved by the
       causal mask, times the same four passes: 8 L S d.
-    - pcie = max(h2d, d2h) (the directions are independent). h2d: 4 B/param per load from an fp32
+    - pcie = max(h2d, d2h, (h2d + d2h bytes) / duplex rate): each direction at its own rate, and both
+      together at the lower rate they reach at once (``Bandwidths.duplex_gbps``). h2d: 4 B/param per load from an fp32
       master, 2 from a split one (``h2d_bytes_per_param``); the embedding and head load once per step; blocks load once in each
       forward and backward, minus the ``block_slots`` still resident where the schedule turns around:
       accum x 2L - (2 accum - 1) x slots. d2h: every unit's gradient in the compute dtype per micro-batch
       (the embedding twice when the head is tied). Both add the activation stash (out and back in).
-    - update = max(params / cpu_adam rate, (AdamW + accumulation bytes) / host memory bandwidth).
+    - update = max(params / (cpu_adam rate for the state and master formats x ``HOST_ADAM_IN_STEP``),
+      (AdamW + accumulation bytes) / host memory bandwidth) (Note [The host optimizer inside a step]).
     - disk = bytes moved to and from NVMe (m and v read and written; stash written and read) / disk_gbps.
 
     step_time = max(compute, pcie, update, disk). overlap = T_bwd / (T_d2h + T_update), with T_bwd the
@@ -169,8 +171,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     Those are the sums over host-updated units. A device-resident unit moves nothing over PCIe and adds its
     update to the GPU (its bytes over ``gpu_mem_gbps``); a GPU-streamed one sends master and moments both
     ways instead of its gradient, and adds its update to the GPU and its DMA to host memory
-    (slide_hf/planner/unit_costs.py). ``Plan.resource_s`` has each resource's time: GPU compute, PCIe h2d and
-    d2h, host memory, CPU, NVMe.
+    (slide_hf/planner/unit_costs.py). ``Plan.resource_s`` has each resource's time: GPU compute, PCIe h2d,
+    d2h and duplex, host memory, CPU, NVMe.
     """
     shape = inputs.shape
     gpu, phases = _gpu_bytes(shape, inputs)

@@ -1,7 +1,7 @@
 """Seconds per step that each unit adds to each resource, for each place its update can run.
 
-A step's resources run concurrently (GPU compute, PCIe in each direction, host memory, the host CPU's
-optimizer, NVMe), so the step takes as long as the busiest one (slide_hf/planner/timing.py). Each resource's
+A step's resources run concurrently (GPU compute, PCIe in each direction and both together, host memory, the
+host CPU's optimizer, NVMe), so the step takes as long as the busiest one (slide_hf/planner/timing.py). Each resource's
 time is a fixed part (the GPU's forward and backward, the activation stash crossing PCIe, NVMe traffic) plus
 one term per unit that depends on where the unit is updated:
 
@@ -20,6 +20,11 @@ one term per unit that depends on where the unit is updated:
 
 :func:`unit_costs` gives those terms and :func:`fixed_times` the fixed part; :func:`resource_times` sums them
 for a placement. The host terms sum to the formulas :func:`slide_hf.planner.make_plan` documents.
+
+PCIe has three resources: each direction alone at its measured rate, and ``pcie duplex``, the bytes of both
+directions at the rate they reach together (``Bandwidths.duplex_gbps``), which is less than the sum of the
+two: a step moving much both ways (GPU-streamed units) is bound by the duplex term, one moving mostly h2d
+(host-updated units) by the h2d term.
 """
 
 from __future__ import annotations
@@ -33,11 +38,30 @@ from slide_hf.planner.inputs import ModelShape, PlanInputs
 
 __all__ = ["RESOURCES", "UnitCost", "fixed_times", "resource_times", "unit_costs"]
 
-RESOURCES = ("gpu compute", "pcie h2d", "pcie d2h", "host memory", "cpu", "nvme")
+RESOURCES = ("gpu compute", "pcie h2d", "pcie d2h", "pcie duplex", "host memory", "cpu", "nvme")
 """The resources a step's time is the largest of, in the order plans print them."""
 
 STREAMED_MASTER_BYTES = 4
 """Bytes per parameter of the master a streamed unit sends each way: fp32, or a split master's two planes."""
+
+HOST_ADAM_IN_STEP = 0.62
+"""The host AdamW's rate inside a training step, relative to ``slide doctor``'s measurement of it alone.
+
+Note [The host optimizer inside a step]: in a step the host optimizer shares memory bandwidth with the DMA
+(weight loads read the master, gradients land) and its cores with the engine's copy and bookkeeping threads,
+and it idles at the step's start until the first gradient arrives; the doctor times it alone on a warm range.
+Measured on an H200 (16 cores, 128 GiB), llama3.1-8b, batch 16 x 1024, --gpu-memory 24, host placement, the
+doctor's rates 5.81 (fp32 state) and 5.76 (bf16 state) Gparam/s with an fp32 master:
+
+- fp32 master, fp32 state, 7.29e9 host-updated params: the optimizer busy 1.87 s (3.9 Gparam/s, 0.67 of the
+  doctor's), the step 2.15 s (0.58);
+- split master, bf16 state, 6.76e9 params: busy 2.02 s (3.35 Gparam/s; 0.66 of 5.76 x ``SPLIT_MASTER_SPEED``
+  = 5.04), the step 2.28 s (0.59).
+
+The plan's step is its busiest resource and has no term for the optimizer's idle start, so the factor sits
+between the two: 0.62 puts both runs' host optimizer within 10% of its busy time and of the step (fp32
+2.02 s, split 2.16 s). The host memory term binds in neither (fp32: 26 B/param over the 112 GB/s triad,
+1.69 s; the fused kernel alone moved 151 GB/s): it bounds machines whose memory is slow for their cores."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +110,10 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
     load_bytes = h2d_bytes_per_param(inputs.master_format)
     state_bytes = state_bytes_per_param(inputs.optimizer_state)
     adam_bytes = _adam_bytes_per_param(inputs.optimizer_state)
-    adam_rate = bw.cpu_adam_rate(inputs.optimizer_state) * 1e9
-    h2d, d2h, host_mem, gpu_mem = (x * 1e9 for x in (bw.h2d_gbps, bw.d2h_gbps, bw.host_mem_gbps, bw.gpu_mem_gbps))
+    adam_rate = bw.cpu_adam_rate(inputs.optimizer_state, inputs.master_format) * HOST_ADAM_IN_STEP * 1e9
+    h2d, d2h, duplex, host_mem, gpu_mem = (
+        x * 1e9 for x in (bw.h2d_gbps, bw.d2h_gbps, bw.duplex_gbps, bw.host_mem_gbps, bw.gpu_mem_gbps)
+    )
     on_nvme = set(_nvme_names(shape, inputs))
     arrays = _state_arrays(inputs)
     device_optimizer = inputs.device_optimizer()
@@ -95,20 +121,23 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
     costs = []
     for name, n in _named_numels(shape).items():
         contributions = inputs.grad_accum * (2 if name == "embedding" and shape.tied else 1)
-        weights_h2d = loads[name] * n * load_bytes / h2d
         travelling = n * (STREAMED_MASTER_BYTES + state_bytes)  # master and moments, one way
         # The GPU update reads the summed gradient, master and moments, writes them and the compute copy.
         gpu_update = n * (d + 8 + 2 * state_bytes + d) / gpu_mem
+        host_h2d, host_d2h = loads[name] * n * load_bytes, contributions * n * d  # bytes
+        streamed_h2d, streamed_d2h = min(loads[name], 1.0) * n * load_bytes + travelling, travelling
         host = {
-            "pcie h2d": weights_h2d,
-            "pcie d2h": contributions * n * d / d2h,
+            "pcie h2d": host_h2d / h2d,
+            "pcie d2h": host_d2h / d2h,
+            "pcie duplex": (host_h2d + host_d2h) / duplex,
             "host memory": (n * (adam_bytes + d) + (contributions - 1) * n * (8 + d)) / host_mem,
             "cpu": n / adam_rate,
         }
         streamed = {
             "gpu compute": gpu_update,
-            "pcie h2d": min(loads[name], 1.0) * n * load_bytes / h2d + travelling / h2d,
-            "pcie d2h": travelling / d2h,
+            "pcie h2d": streamed_h2d / h2d,
+            "pcie d2h": streamed_d2h / d2h,
+            "pcie duplex": (streamed_h2d + streamed_d2h) / duplex,
             "host memory": 2 * travelling / host_mem,
         }
         on_device = contributions == 1  # else the engine sends the gradient to the host optimizer
@@ -139,6 +168,7 @@ def fixed_times(shape: ModelShape, inputs: PlanInputs, compute_s: float, disk_s:
         "gpu compute": compute_s,
         "pcie h2d": stash_bytes / (bw.h2d_gbps * 1e9),
         "pcie d2h": stash_bytes / (bw.d2h_gbps * 1e9),
+        "pcie duplex": 2 * stash_bytes / (bw.duplex_gbps * 1e9),
         "host memory": 0.0,
         "cpu": 0.0,
         "nvme": disk_s,
