@@ -13,6 +13,7 @@ get a ``layer_scalar`` other than one, so a run that lost or trained that buffer
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,11 @@ from slide_hf.model import checkpoint_entries, param_count
 PRESETS_UNDER_TEST = ["test-gemma4", "test-gemma4-moe", "test-gemma4-ple"]
 STEPS = 3
 RTOL = 1e-5
+PLE_RTOL = 1e-4
+"""The PLE preset's weights against HF in float64: a few 1e-5 of the weights apart at fp32 (the docstring of
+test_engine_trains_like_hf says why)."""
+NOISE_FACTOR = 4.0
+"""Where HF's own fp32 run is farther than the bound from float64, ours may be this many times as far."""
 LR = 3e-3
 
 RELEASED = {  # google/gemma-4-*: text decoder (layers, hidden, heads, kv heads sliding/full, experts, params)
@@ -130,35 +136,56 @@ def test_engine_trains_like_hf(preset: str, tmp_path: Path, monkeypatch: pytest.
 
     With per-layer inputs each block multiplies the embeddings by its own rows of HF's projection, a GEMM
     that rounds differently from HF's one over all rows (ulps; the float64 test below shows the math is
-    HF's); Adam turns those ulps on near-zero gradient entries into weight differences of a few 1e-5 of
-    the weights, far below one step (``LR``): that preset's weights are held to 1e-4 and ``LR / 10``."""
+    HF's). Adam turns those ulps on near-zero gradient entries into weight differences, and three steps at
+    ``LR`` amplify them by an amount that depends on the CPU's GEMM kernels: with AVX2 kernels HF's own
+    fp32 run ends 3.7e-4 from its float64 twin at step 3 while ours ends 5e-6 from it, so fp32 against
+    fp32 fails though ours is the closer. That preset is therefore judged against HF in float64, as
+    tests/hf/test_reference_exactness.py judges every family (Note [Conditioning of the comparison]
+    there): each loss and weight tensor within the fp32 bound, and each weight within ``LR / 10``, or
+    within ``NOISE_FACTOR`` times HF fp32's own distance from float64."""
     from slide_hf.adapters import base
 
     monkeypatch.setattr(base, "_fused_linear_cross_entropy", lambda: None)  # HF's loss math in the head
     hf = _saved_reference(preset, tmp_path, helpers)
     batches = helpers.accumulation_batches(hf.config.vocab_size, STEPS)
     adam = AdamWConfig(weight_decay=0.1)
+    per_layer = bool(getattr(hf.config, "hidden_size_per_layer_input", 0))
+    reference = copy.deepcopy(hf).double() if per_layer else None  # the judge of the PLE preset
     expected = helpers.hf_adamw_losses(hf, batches, lr=LR, weight_decay=adam.weight_decay)
+    if reference is not None:
+        expected64 = helpers.hf_adamw_losses(reference, batches, lr=LR, weight_decay=adam.weight_decay)
 
     with CPUDevice() as device:
         model, host = _ours(tmp_path, device.alloc_pinned)
         engine_config = EngineConfig(block_slots=2, compute_dtype=torch.float32, transfer_chunk_numel=4096)
         with Engine(model, device, host, TorchAdamW(adam), engine_config) as engine:
             got = [engine.step(micro, LR).loss for micro in batches]
-        assert got == pytest.approx(expected, rel=RTOL)
+        if reference is None:
+            assert got == pytest.approx(expected, rel=RTOL)
+        else:
+            for step, (ours, hf32, ref) in enumerate(zip(got, expected, expected64, strict=True), 1):
+                bound = max(RTOL, NOISE_FACTOR * abs(hf32 - ref) / abs(ref))
+                assert abs(ours - ref) <= bound * abs(ref), f"step {step}: loss {ours} against {ref} in float64"
 
         state = hf.state_dict()
+        state64 = reference.state_dict() if reference is not None else None
         views = {unit.name: host.views(unit) for unit in model.units}
-        rtol = 1e-4 if model.stream.per_layer else RTOL
         for entry in checkpoint_entries(model):
-            want = state[entry.key][entry.source].float()
             have = entry.target(views[entry.unit.name])
+            fp32 = state[entry.key][entry.source].float()
             if entry.param == "layer_scalar":
-                assert torch.equal(have, want), entry.key
+                assert torch.equal(have, fp32), entry.key
                 continue
-            err = (have - want).norm() / want.norm().clamp_min(1e-12)
-            assert err <= rtol, f"{entry.key}: final weights differ ({err:.2e})"
-            assert (have - want).abs().max() <= LR / 10, entry.key
+            want = fp32 if state64 is None else state64[entry.key][entry.source]
+            bound, largest = RTOL, LR / 10
+            if state64 is not None:
+                hf_err = (fp32.double() - want).norm() / want.norm().clamp_min(1e-12)
+                bound = max(PLE_RTOL, NOISE_FACTOR * hf_err.item())
+                largest = max(largest, NOISE_FACTOR * (fp32.double() - want).abs().max().item())
+            diff = have.to(want.dtype) - want
+            err = diff.norm() / want.norm().clamp_min(1e-12)
+            assert err <= bound, f"{entry.key}: final weights differ ({err:.2e}, bound {bound:.2e})"
+            assert diff.abs().max() <= largest, f"{entry.key}: a weight differs by {diff.abs().max():.2e}"
 
 
 def test_split_tensors_and_shared_kv_are_hf_in_float64(
