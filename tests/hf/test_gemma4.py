@@ -179,9 +179,9 @@ def test_engine_trains_like_hf(preset: str, tmp_path: Path, monkeypatch: pytest.
             want = fp32 if state64 is None else state64[entry.key][entry.source]
             bound, largest = RTOL, LR / 10
             if state64 is not None:
-                hf_err = (fp32.double() - want).norm() / want.norm().clamp_min(1e-12)
-                bound = max(PLE_RTOL, NOISE_FACTOR * hf_err.item())
-                largest = max(largest, NOISE_FACTOR * (fp32.double() - want).abs().max().item())
+                hf_diff = fp32.double() - want
+                bound = max(PLE_RTOL, NOISE_FACTOR * (hf_diff.norm() / want.norm().clamp_min(1e-12)).item())
+                largest = max(largest, NOISE_FACTOR * hf_diff.abs().max().item())
             diff = have.to(want.dtype) - want
             err = diff.norm() / want.norm().clamp_min(1e-12)
             assert err <= bound, f"{entry.key}: final weights differ ({err:.2e}, bound {bound:.2e})"
