@@ -6,7 +6,7 @@
 # Steps:
 #   doctor      slide doctor: measures and caches this machine's rates (auto and the predictions read them)
 #   checks      GPU tests of the streamed update and of the engine (~2 min)
-#   kernel-tests    the bf16-moment AdamW kernel against the host kernel, and the streamed-update tests
+#   kernel-tests    the compact-moment AdamW and split-master codec kernels, and the streamed-update tests
 #   streamed-tests  only tests/core/test_streamed_gpu.py
 #   gemma3      bench/diagnose_blocks.py on Gemma 3's streamed blocks (expect every block at 12-14 ms)
 #   8b-PLACEMENT[-split][-bf16|-int8]   llama3.1-8b --gpu-memory 24, update placement host|gpu|auto, with
@@ -54,7 +54,7 @@ for step in "$@"; do
     doctor) run doctor python3 -c "import sys; from slide_hf.cli.main import main; sys.exit(main(['doctor']))" ;;
     checks) run checks python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_engine_gpu.py \
               tests/core/test_split_master_gpu.py tests/core/test_streamed_gpu.py ;;
-    kernel-tests) run kernel-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_compact_adamw.py \
+    kernel-tests) run kernel-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_compact_adamw.py tests/kernels/test_split_master.py \
                     tests/core/test_streamed_gpu.py ;;
     streamed-tests) run streamed-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_streamed_gpu.py ;;
     gemma3) run gemma3 python3 bench/diagnose_blocks.py --model gemma3-12b --layers 8 --no-sync --steps 2 ;;

@@ -25,8 +25,9 @@ pytestmark = [
 STREAMED = ("embed", "layers.0", "layers.2", "head")
 
 
-def _run(state_format: str, master_format: str, streamed: tuple[str, ...], steps: int):
-    """Losses, each unit's fp32 master and host optimizer state after ``steps`` steps on the GPU."""
+def _run(state_format: str, master_format: str, streamed: tuple[str, ...], steps: int, codec: str = "torch"):
+    """Losses, each unit's fp32 master and host optimizer state after ``steps`` steps on the GPU; ``codec``:
+    the split master's device codec (``Optimizer.split_codec``), torch's or slide_kernels' (a run's)."""
     from slide_core.devices.cuda import CUDADevice
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -46,7 +47,12 @@ def _run(state_format: str, master_format: str, streamed: tuple[str, ...], steps
     with CUDADevice() as device:
         host = HostParameters(model, master_format=master_format)
         load_init(host, init)
-        with Engine(model, device, host, build_optimizer("auto", adam), config) as engine:
+        optimizer = build_optimizer("auto", adam)
+        if codec == "triton":
+            from slide_kernels.ops.split_master import TritonSplitCodec
+
+            optimizer.split_codec = TritonSplitCodec()
+        with Engine(model, device, host, optimizer, config) as engine:
             losses = [engine.step(micro, lr=3e-3).loss for micro in batches]
             engine.drain(with_state=True)
             masters = {u.name: torch.cat([v.flatten() for v in host.read_views(u).values()]) for u in model.units}
@@ -63,3 +69,14 @@ def test_streamed_and_host_losses_track_over_steps(state_format: str, master_for
     streamed = _run(state_format, master_format, STREAMED, steps=6)
     assert streamed[0] == pytest.approx(host[0], rel=1e-3)
     assert streamed[0][-1] < streamed[0][0]
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "bf16"])
+def test_the_one_launch_codec_streams_as_the_torch_one(state_format: str) -> None:
+    """A split master streamed with slide_kernels' codec (what a `slide` run attaches) against torch's:
+    the same losses, and masters within the 4 steps taken (CUDA's atomic sums differ run to run; the codec itself is checked bit for bit in tests/kernels/test_split_master.py)."""
+    reference = _run(state_format, "split", STREAMED, steps=4, codec="torch")
+    ours = _run(state_format, "split", STREAMED, steps=4, codec="triton")
+    assert ours[0] == pytest.approx(reference[0], rel=1e-3)
+    for name, master in ours[1].items():
+        torch.testing.assert_close(master, reference[1][name], rtol=0, atol=4 * 3e-3, msg=name)  # 4 steps of lr 3e-3

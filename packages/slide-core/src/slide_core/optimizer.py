@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
+from slide_core.split_master import TORCH_SPLIT_CODEC, SplitCodec
+
 if TYPE_CHECKING:
     from slide_core.master_store import MasterRange
     from slide_core.optim.state_formats import StateArray
@@ -68,6 +70,13 @@ class Optimizer(ABC):
     """Whether :meth:`step` and :meth:`correct` also take a :class:`~slide_core.split_master.SplitMaster`
     where an fp32 master range would be, leaving its decoded values exactly as the fp32 range's. The
     engine stores the master split only for an optimizer that says so."""
+
+    split_codec: SplitCodec = TORCH_SPLIT_CODEC
+    """How the engine decodes a split master's range on the device before this optimizer steps it there,
+    and encodes it back after (a GPU-streamed unit's staged master, streamed_pipeline.py): the host
+    kernels decode and encode in registers, but a device step of an fp32 range needs the values first.
+    slide_core's torch functions by default; the `slide` commands give it slide_kernels' one-launch
+    codec, since the torch one issues thousands of launches per block from the engine's threads."""
 
     config: Any
 

@@ -31,12 +31,23 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 import torch
 
-__all__ = ["MIDPOINT", "TIE_BLOCK", "SplitMaster", "decode", "encode", "kernel_array", "tie_bytes"]
+__all__ = [
+    "MIDPOINT",
+    "TIE_BLOCK",
+    "TORCH_SPLIT_CODEC",
+    "SplitCodec",
+    "SplitMaster",
+    "TorchSplitCodec",
+    "decode",
+    "encode",
+    "kernel_array",
+    "tie_bytes",
+]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("the split master reads fp32 patterns as (low, high) int16 pairs: little-endian only")
@@ -205,6 +216,40 @@ def encode(values: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, ties: torch
         lo[start:stop].copy_(halves[start:stop, 0])
         went_up = (halves[start:stop, 0] == MIDPOINT) & (rounded.view(torch.int16) != halves[start:stop, 1])
         _write_bits(ties, offset + start, went_up)
+
+
+class SplitCodec(Protocol):
+    """Decodes and encodes whole device ranges of a split master, with :func:`decode`'s and :func:`encode`'s
+    contract: ``decode`` never syncs the host, and after ``encode`` the midpoint elements' tie bits are
+    set (what other bits of the covered bytes hold may differ between codecs: no decode reads them).
+    ``name`` says which one runs (logs, benchmarks)."""
+
+    name: str
+
+    def decode(self, hi: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, offset: int, out: torch.Tensor) -> None:
+        """``out`` (fp32) = the values the planes hold; element ``j`` reads tie bit ``offset + j``."""
+        ...
+
+    def encode(self, values: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, offset: int) -> None:
+        """Store fp32 ``values`` in the planes (tie bit ``offset + j`` for element ``j``)."""
+        ...
+
+
+class TorchSplitCodec:
+    """:func:`decode` and :func:`encode`: any device, in pieces of :data:`_PIECE_NUMEL` elements (about
+    fifteen launches a piece on a GPU; slide_kernels.ops.split_master does a range in one)."""
+
+    name = "torch"
+
+    def decode(self, hi: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, offset: int, out: torch.Tensor) -> None:
+        decode(hi, lo, ties, offset, out, sync_free=True)
+
+    def encode(self, values: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, offset: int) -> None:
+        encode(values, hi, lo, ties, offset)
+
+
+TORCH_SPLIT_CODEC: SplitCodec = TorchSplitCodec()
+"""The codec an optimizer has until one is given (``Optimizer.split_codec``); it holds no state."""
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:

@@ -177,12 +177,17 @@ def make_optimizer(name: str, adam: AdamWConfig) -> Optimizer:
 
 def _attach_device_kernels(optimizer: Optimizer) -> None:
     """Give the compact optimizer the one-pass Triton step for its device ranges (GPU-resident and
-    GPU-streamed units): its torch path makes some thirty passes over memory per chunk."""
+    GPU-streamed units): its torch path makes some thirty passes over memory per chunk. Give every
+    optimizer that takes a split master the one-launch codec for the staged masters of GPU-streamed units
+    (``Optimizer.split_codec``): the torch one issues thousands of launches per block."""
     from slide_core.optim.compact_adamw import CompactAdamW
     from slide_kernels.ops.compact_adamw import adamw_compact_moments
+    from slide_kernels.ops.split_master import TritonSplitCodec
 
     if isinstance(optimizer, CompactAdamW) and optimizer.device_kernel is None:
         optimizer.device_kernel = adamw_compact_moments
+    if optimizer.split_master:
+        optimizer.split_codec = TritonSplitCodec()
 
 
 # -- plan and placement ------------------------------------------------------------------------------------

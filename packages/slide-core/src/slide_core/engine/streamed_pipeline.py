@@ -60,7 +60,6 @@ from slide_core.host_params import HostParameters
 from slide_core.master_store import Fp32Master
 from slide_core.optim.state_formats import StateArray, slice_state
 from slide_core.optimizer import Correction, Optimizer
-from slide_core.split_master import decode, encode
 from slide_core.unit import Unit
 
 from .context import ClipStrategy, Contribution, ContributionKind, StepContext
@@ -105,6 +104,9 @@ class StreamedPipeline(HostPipeline):
             chunk_numel, shards=shards, store=HostSlabs(host_state),
         )  # fmt: skip
         self.device_optimizer = device_optimizer
+        self.codec = optimizer.split_codec
+        """Decodes a staged split master on the h2d stream and encodes it on the compute stream
+        (``Optimizer.split_codec``): one launch each with slide_kernels', thousands with torch's."""
         self.timer = timer
         self.arrays = optimizer.state_arrays
         max_numel = max((hi - lo for lo, hi in shards.spans.values()), default=0)
@@ -253,7 +255,7 @@ class StreamedPipeline(HostPipeline):
                 ties = staged.planes["ties"][: end_byte - first_byte]
                 device.copy_to_device(ties, planes["ties"][first_byte:end_byte])
                 hi_plane, lo_plane = staged.planes["hi"][:n], staged.planes["lo"][:n]
-                decode(hi_plane, lo_plane, ties, first_bit % 8, staged.master[:n], sync_free=True)
+                self.codec.decode(hi_plane, lo_plane, ties, first_bit % 8, staged.master[:n])
             else:
                 device.copy_to_device(staged.master[:n], host_params.flat(name)[lo:hi])
             for array, host in self._host_state_of(name).items():
@@ -343,7 +345,9 @@ class StreamedPipeline(HostPipeline):
         if host_params.split:
             first_byte, end_byte = (base + lo) // 8, -(-(base + hi) // 8)
             ties = staged.planes["ties"][: end_byte - first_byte]
-            encode(staged.master[:n], staged.planes["hi"][:n], staged.planes["lo"][:n], ties, (base + lo) % 8)
+            self.codec.encode(
+                staged.master[:n], staged.planes["hi"][:n], staged.planes["lo"][:n], ties, (base + lo) % 8
+            )
             updated = device.record_event("compute")
             planes = host_params.planes
             copies = [
