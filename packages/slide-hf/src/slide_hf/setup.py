@@ -237,7 +237,10 @@ def place_units(
         optimizer=optimizer,
         bandwidths=planning_bandwidths()[0] if device.is_accelerator else Bandwidths(),
     )
-    check_fits(make_plan(inputs), host_available=available_host_bytes(), gpu_available=gpu_budget)
+    host_available = available_host_bytes()
+    # The host side is checked on the placed plan: GPU-streamed units need no gradient ring on the host
+    # (Note [The ring is sized for the host's units]), so a run that fits only once placed is not refused.
+    check_fits(make_plan(inputs), host_available=None, gpu_available=gpu_budget)
     if resident_bytes is None:
         plan = plan_with_placement(inputs, str(options.update_placement))
     else:
@@ -249,6 +252,7 @@ def place_units(
             state_arrays=inputs.device_optimizer().state_arrays,
         )
         plan = make_plan(dataclasses.replace(inputs, resident_units=chosen))
+    check_fits(plan, host_available=host_available, gpu_available=None)
     resident, streamed = plan.inputs.resident_units, plan.inputs.streamed_units
     offloaded = offloaded_units(model, options.nvme_fraction, resident) if tier_class is not None else ()
     return Placement(plan, resident, tier_class, offloaded, streamed)

@@ -10,12 +10,20 @@ earlier units waited. With the pinned clipping store (no ring to throttle the d2
 idle for the whole backward: every host update ran after it. A ring chunk is handed over before the next
 one is taken, so a ring of one chunk cannot deadlock. Tested by
 ``test_a_ring_of_one_chunk_neither_deadlocks_nor_changes_the_math``.
+
+Note [The ring is sized for the host's units]: the ring holds the backlog the host optimizer carries
+(``EngineConfig.grad_ring_fraction`` of what it updates). A GPU-streamed unit sends its gradient here only
+in a step that accumulates it over micro-batches (with clipping on, every gradient goes to the store,
+which keeps pricing every unit), and such a step updates it at the host's speed anyway, so the ring is
+sized for the host-updated units alone: a ring smaller than a backlog only makes the backward wait for
+free chunks. With most of a 14B model streamed that is some 11 GiB of pinned RAM less (0.5 x 2 bytes per
+streamed parameter). Tested by ``test_streamed_units_leave_the_ring_to_the_host_units``.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -67,9 +75,11 @@ class GradTransfer:
         timeline: Timeline,
         norms: UnitNorms | None,
         spans: Mapping[str, tuple[int, int]] | None = None,
+        gpu_updated: Collection[str] = (),
     ) -> None:
         """``spans``: the range ``[lo, hi)`` of each unit's gradient to stream (a data-parallel rank's
-        shard, see shards.py); the whole unit where absent."""
+        shard, see shards.py); the whole unit where absent. ``gpu_updated``: the units of ``host_units``
+        that are GPU-streamed (Note [The ring is sized for the host's units])."""
         self.device = device
         self.workers = workers
         self.timeline = timeline
@@ -81,7 +91,8 @@ class GradTransfer:
             self.store = GradStore(device, host_units, config.compute_dtype, spans)
         else:
             # The backlog a ring holds is of what this process streams: with data parallel, its shards.
-            streamed = [spans[unit.name] if spans else (0, unit.layout.numel) for unit in host_units]
+            every_step = [unit for unit in host_units if unit.name not in gpu_updated]
+            streamed = [spans[unit.name] if spans else (0, unit.layout.numel) for unit in every_step]
             slots = config.ring_slots(sum(hi - lo for lo, hi in streamed))
             self.ring = GradRing(device, slots, config.transfer_chunk_numel, config.compute_dtype)
 
@@ -91,13 +102,15 @@ class GradTransfer:
         """The step's last d2h job (what the end of a clipped step waits for)."""
 
     @staticmethod
-    def host_bytes(config: EngineConfig, streamed_numels: Sequence[int]) -> int:
+    def host_bytes(config: EngineConfig, streamed_numels: Sequence[int], gpu_updated_numels: Sequence[int] = ()) -> int:
         """Pinned host bytes of the gradients in flight, for host-updated units of which this process
-        streams ``streamed_numels`` elements each: the store of every one with clipping on, else the ring
-        (:meth:`EngineConfig.ring_slots` chunks). The planner prices ``grad_ring`` from this."""
+        streams ``streamed_numels`` elements each and GPU-streamed units of ``gpu_updated_numels``: the
+        store of every one with clipping on, else the ring (:meth:`EngineConfig.ring_slots` chunks) for
+        the host-updated ones (Note [The ring is sized for the host's units]). The planner prices
+        ``grad_ring`` from this."""
         dtype_bytes = config.compute_dtype.itemsize
         if config.clipping:
-            return GradStore.slab_bytes(streamed_numels, dtype_bytes)
+            return GradStore.slab_bytes([*streamed_numels, *gpu_updated_numels], dtype_bytes)
         slots = config.ring_slots(sum(streamed_numels))
         return GradRing.slab_bytes(slots, config.transfer_chunk_numel, dtype_bytes)
 

@@ -98,7 +98,9 @@ class UnitPipelines:
         host_units = [unit for unit in model.units if unit.name not in resident]
         host_spans = {unit.name: self.shards[unit.name] for unit in host_units}
         host_state.zero_fresh(host_spans)
-        self.transfer = GradTransfer(device, workers, host_units, config, timer.timeline, self.norms, host_spans)
+        self.transfer = GradTransfer(
+            device, workers, host_units, config, timer.timeline, self.norms, host_spans, gpu_updated=streamed
+        )
 
         # The updater on the host, once per state store: the host slabs, a tier.
         def host_pipeline(names: set[str], store: StateStore) -> HostPipeline:

@@ -172,6 +172,7 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     numels = _named_numels(shape)
     resident = set(inputs.resident_units)
     host_units = [n for name, n in numels.items() if name not in resident]
+    streamed = set(inputs.streamed_units)
     on_tier = set(_nvme_names(shape, inputs))  # host-updated units whose state ranges are never touched
     on_nvme = [numels[name] for name in on_tier]
     on_host_state = [n for name, n in numels.items() if name not in resident and name not in on_tier]
@@ -187,7 +188,11 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         # device-resident and NVMe units keep m and v elsewhere; their host ranges are never touched
         "optimizer_state": HostState.state_bytes(arrays, on_host_state),
         "grad_accumulators": HostState.accumulator_bytes(_accumulated_numels(shape, inputs)),
-        "grad_ring": GradTransfer.host_bytes(cfg, host_units),
+        "grad_ring": GradTransfer.host_bytes(
+            cfg,
+            [n for name, n in numels.items() if name not in resident and name not in streamed],
+            [n for name, n in numels.items() if name not in resident and name in streamed],
+        ),
         "activation_stash": ActivationStash.host_bytes_for(stash_copies, boundary, d),
         "optimizer_scratch": _host_optimizer(inputs).host_scratch_bytes(
             inputs.transfer_chunk_numel, corrects=inputs.clipping, split_master=inputs.master_format == "split"
@@ -403,9 +408,9 @@ def streamed_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     """GPU bytes of the GPU-streamed updates (``EngineConfig.streamed_units``): the staging sets of
     ``StreamedPipeline.device_bytes`` (two, each one unit's fp32 master, a split master's planes and the
     moments as stored) and the device optimizer's scratch for its ranges, both sized by the largest
-    streamed unit (``UnitCost.stream_device_bytes``). The grad ring keeps pricing streamed units: the engine
-    sizes it for every unit that is not resident (a streamed unit's gradient goes to the host in a step
-    that accumulates it or clips)."""
+    streamed unit (``UnitCost.stream_device_bytes``). The grad ring prices the host-updated units alone,
+    as the engine sizes it (Note [The ring is sized for the host's units] in grad_transfer.py); the
+    clipping store still prices every unit that is not resident."""
     if not inputs.streamed_units:
         return 0
     from slide_hf.planner.unit_costs import unit_costs
