@@ -54,7 +54,7 @@ for step in "$@"; do
     doctor) run doctor python3 -c "import sys; from slide_hf.cli.main import main; sys.exit(main(['doctor']))" ;;
     checks) run checks python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_engine_gpu.py \
               tests/core/test_split_master_gpu.py tests/core/test_streamed_gpu.py ;;
-    kernel-tests) run kernel-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_compact_adamw.py tests/kernels/test_split_master.py \
+    kernel-tests) run kernel-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_compact_adamw.py tests/kernels/test_split_master_kernels.py \
                     tests/core/test_streamed_gpu.py ;;
     streamed-tests) run streamed-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_streamed_gpu.py ;;
     gemma3) run gemma3 python3 bench/diagnose_blocks.py --model gemma3-12b --layers 8 --no-sync --steps 2 ;;

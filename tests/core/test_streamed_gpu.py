@@ -74,7 +74,7 @@ def test_streamed_and_host_losses_track_over_steps(state_format: str, master_for
 @pytest.mark.parametrize("state_format", ["fp32", "bf16"])
 def test_the_one_launch_codec_streams_as_the_torch_one(state_format: str) -> None:
     """A split master streamed with slide_kernels' codec (what a `slide` run attaches) against torch's:
-    the same losses, and masters within the 4 steps taken (CUDA's atomic sums differ run to run; the codec itself is checked bit for bit in tests/kernels/test_split_master.py)."""
+    the same losses, and masters within the 4 steps taken (CUDA's atomic sums differ run to run; the codec itself is checked bit for bit in tests/kernels/test_split_master_kernels.py)."""
     reference = _run(state_format, "split", STREAMED, steps=4, codec="torch")
     ours = _run(state_format, "split", STREAMED, steps=4, codec="triton")
     assert ours[0] == pytest.approx(reference[0], rel=1e-3)

@@ -120,6 +120,43 @@ def test_streamed_and_host_placements_give_the_same_bits(
             assert torch.equal(_bits(streamed[2][unit][name]), _bits(tensor)), (unit, name)
 
 
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8"])
+def test_the_one_launch_codec_streams_the_host_kernels_bits(state_format: str) -> None:
+    """A run's optimizer (the numba kernels on the host) with the codec a `slide` run gives it
+    (slide_kernels.ops.split_master, in Triton's interpreter here): a split master streamed through the
+    device ends bit for bit where the host placement's does, tie bytes included (both keep the bits of
+    elements that are not midpoints), and so do the moments."""
+    from slide_kernels._backend import kernels_available
+    from slide_kernels.ops.split_master import TritonSplitCodec
+
+    if not kernels_available("cpu"):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    cfg = ToyConfig(tie_embeddings=False, num_layers=3, hidden_size=64, intermediate_size=128)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=7)
+    batches = toy_batches(cfg, steps=3, accum=1, seed=2)
+    adam = AdamWConfig(weight_decay=0.1, state_format=state_format)
+
+    def optimizer():
+        built = build_optimizer("auto", adam)
+        built.split_codec = TritonSplitCodec()
+        return built
+
+    base = dict(compute_dtype=torch.bfloat16, transfer_chunk_numel=4096)
+    host = _run(model, init, batches, optimizer(), EngineConfig(**base), master_format="split")
+    streamed_names = ("embed", "layers.0", "layers.1", "head")
+    streamed = _run(
+        model, init, batches, optimizer(), EngineConfig(**base, streamed_units=streamed_names), master_format="split"
+    )
+    assert streamed[4] == set(streamed_names)
+    assert streamed[0] == host[0]
+    for name, plane in host[1].items():
+        assert torch.equal(_bits(streamed[1][name]), _bits(plane)), name
+    for unit, arrays in host[2].items():
+        for name, tensor in arrays.items():
+            assert torch.equal(_bits(streamed[2][unit][name]), _bits(tensor)), (unit, name)
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_clipping_sends_streamed_units_to_the_host(accum: int) -> None:
     """With clipping every streamed unit takes the host's path, whose decisions can take an update back:
@@ -137,19 +174,21 @@ def test_clipping_sends_streamed_units_to_the_host(accum: int) -> None:
     assert torch.equal(streamed[1]["master"], host[1]["master"])
 
 
-def test_staging_is_two_sets_of_the_largest_shard() -> None:
-    """What the planner prices is what the staging allocates."""
+def test_staging_is_three_sets_of_the_largest_shard() -> None:
+    """What the planner prices is what the staging allocates: three sets (Note [Three staging sets]), a
+    split master's planes in each and one fp32 buffer its updates decode into."""
     arrays = state_arrays("int8")
     with CPUDevice() as device:
         for split in (False, True):
             staging = UpdateStaging(device, 10_000, arrays, split=split)
-            held = sum(
-                t.numel() * t.element_size()
-                for staged in staging.sets
-                for t in (staged.master, *staged.planes.values(), *staged.state.values())
-            )
+            tensors = [t for staged in staging.sets for t in (*staged.planes.values(), *staged.state.values())]
+            tensors += [staged.master for staged in staging.sets if staged.master is not None]
+            tensors += [staging.values] if staging.values is not None else []
+            held = sum(t.numel() * t.element_size() for t in tensors)
             assert held == UpdateStaging.bytes_for(10_000, arrays, split=split)
-            assert len(staging.sets) == 2
+            assert len(staging.sets) == 3
+            assert (staging.values is not None) == split
+            assert all((staged.master is None) == split for staged in staging.sets)
 
 
 def test_streamed_units_must_not_be_resident_or_offloaded() -> None:

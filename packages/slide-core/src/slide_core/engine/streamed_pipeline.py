@@ -15,8 +15,9 @@ master or compact moments) and puts the arithmetic where there is plenty of it.
   write-back that last read its set;
 - main thread, ``contribute``: the gradient is written in the slot, summed over the ranks into the shard
   (one reduce-scatter on the compute stream; nothing in one process), its squared norm folded on the
-  device; the compute stream waits for the upload, the device optimizer (``Optimizer.device_replica``)
-  steps the staged shard, a split master is encoded back on the device, and the d2h stream writes master
+  device; the compute stream waits for the upload, a split master is decoded (``Optimizer.split_codec``),
+  the device optimizer (``Optimizer.device_replica``) steps the staged shard, a split master is encoded
+  back, and the d2h stream writes master
   and state back into the host slabs; a d2h-thread job resolves the unit's 'updated' future once they
   have landed, which is what the unit's next load waits for (Note [Update futures]);
 - h2d thread, ``load``: as a host-updated unit (host_pipeline.py).
@@ -235,9 +236,9 @@ class StreamedPipeline(HostPipeline):
         self._staged[name] = (staged, uploaded)
 
     def _upload(self, name: str, staged: StagingSet, previous: Future[None] | None, free_after: Event | None) -> Event:
-        """h2d thread: once the unit's previous update is done, its master shard and state into ``staged``
-        (after the write-back that last read it), a split master decoded there; returns the event the
-        update waits for."""
+        """h2d thread: once the unit's previous update is done, its master shard (fp32, or a split
+        master's planes as they are) and state into ``staged``, after the write-back that last read it;
+        returns the event the backward's load and the update wait for."""
         if previous is not None:
             self.workers.wait(previous, f"the update of {name} before streaming it")
         device, host_params = self.device, self.host_params
@@ -248,16 +249,13 @@ class StreamedPipeline(HostPipeline):
                 device.wait_event("h2d", free_after)
             if host_params.split:
                 planes = host_params.planes
-                first_bit = base + lo
-                first_byte, end_byte = first_bit // 8, -(-(base + hi) // 8)
-                device.copy_to_device(staged.planes["hi"][:n], planes["hi"][base + lo : base + hi])
-                device.copy_to_device(staged.planes["lo"][:n], planes["lo"][base + lo : base + hi])
-                ties = staged.planes["ties"][: end_byte - first_byte]
+                first_byte, end_byte = (base + lo) // 8, -(-(base + hi) // 8)
+                hi_plane, lo_plane, ties = self._planes(name, staged)
+                device.copy_to_device(hi_plane, planes["hi"][base + lo : base + hi])
+                device.copy_to_device(lo_plane, planes["lo"][base + lo : base + hi])
                 device.copy_to_device(ties, planes["ties"][first_byte:end_byte])
-                hi_plane, lo_plane = staged.planes["hi"][:n], staged.planes["lo"][:n]
-                self.codec.decode(hi_plane, lo_plane, ties, first_bit % 8, staged.master[:n])
             else:
-                device.copy_to_device(staged.master[:n], host_params.flat(name)[lo:hi])
+                device.copy_to_device(self._staged_master(staged)[:n], host_params.flat(name)[lo:hi])
             for array, host in self._host_state_of(name).items():
                 device.copy_to_device(staged.state[array][: host.numel()], host)
             return device.record_event("h2d")
@@ -272,7 +270,7 @@ class StreamedPipeline(HostPipeline):
         device = self.device
         lo, hi = self.shards[unit.name]
         target = slot.params[: unit.layout.numel]
-        source = staged.planes["hi"] if self.host_params.split else staged.master
+        source = staged.planes["hi"] if self.host_params.split else self._staged_master(staged)
         with device.stream("h2d"):
             if reuse_after is not None:
                 device.wait_event("h2d", reuse_after)
@@ -323,11 +321,37 @@ class StreamedPipeline(HostPipeline):
         self._write_backs.append(landed)
         self._stage_after(unit.name, ctx)  # the next one arrives while the backward computes it
 
+    @staticmethod
+    def _staged_master(staged: StagingSet) -> torch.Tensor:
+        assert staged.master is not None, "an fp32 master is staged as it is"
+        return staged.master
+
+    def _fp32_values(self, name: str, staged: StagingSet) -> torch.Tensor:
+        """Compute stream: the staged shard's fp32 master; a split master decoded into the one buffer
+        every set's update shares (Note [Three staging sets]), encoded back by :meth:`_write_back`."""
+        lo, hi = self.shards[name]
+        if not self.host_params.split:
+            return self._staged_master(staged)[: hi - lo]
+        assert self.staging.values is not None
+        values, first_bit = self.staging.values[: hi - lo], self.host_params.offset(name) + lo
+        hi_plane, lo_plane, ties = self._planes(name, staged)
+        self.codec.decode(hi_plane, lo_plane, ties, first_bit % 8, values)
+        return values
+
+    def _planes(self, name: str, staged: StagingSet) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The staged split planes of ``name``'s shard: hi, lo, and the tie bytes from the one holding its
+        first bit."""
+        lo, hi = self.shards[name]
+        base = self.host_params.offset(name)
+        first_byte, end_byte = (base + lo) // 8, -(-(base + hi) // 8)
+        planes = staged.planes
+        return planes["hi"][: hi - lo], planes["lo"][: hi - lo], planes["ties"][: end_byte - first_byte]
+
     def _step_on_device(self, unit: Unit, staged: StagingSet, grad: torch.Tensor, ctx: StepContext) -> None:
         """The update of the staged shard, one optimizer call per decay range, on positions of the host
         slab (Note [Streamed updates are the host's arithmetic])."""
-        lo, hi = self.shards[unit.name]
-        master_view = staged.master[: hi - lo]
+        lo = self.shards[unit.name][0]
+        master_view = self._fp32_values(unit.name, staged)
         master = Fp32Master(master_view, self.host_params.offset(unit) + lo - int(master_view.storage_offset()))
         decay_numel, numel = unit.layout.decay_numel, unit.layout.numel
         for start, end, decay in self.shards.cut(unit.name, ((0, decay_numel, True), (decay_numel, numel, False))):
@@ -343,20 +367,19 @@ class StreamedPipeline(HostPipeline):
         lo, hi = self.shards[name]
         n, base = hi - lo, host_params.offset(name)
         if host_params.split:
+            assert self.staging.values is not None
             first_byte, end_byte = (base + lo) // 8, -(-(base + hi) // 8)
-            ties = staged.planes["ties"][: end_byte - first_byte]
-            self.codec.encode(
-                staged.master[:n], staged.planes["hi"][:n], staged.planes["lo"][:n], ties, (base + lo) % 8
-            )
+            hi_plane, lo_plane, ties = self._planes(name, staged)
+            self.codec.encode(self.staging.values[:n], hi_plane, lo_plane, ties, (base + lo) % 8)
             updated = device.record_event("compute")
             planes = host_params.planes
             copies = [
-                (planes["hi"][base + lo : base + hi], staged.planes["hi"][:n]),
-                (planes["lo"][base + lo : base + hi], staged.planes["lo"][:n]),
+                (planes["hi"][base + lo : base + hi], hi_plane),
+                (planes["lo"][base + lo : base + hi], lo_plane),
                 (planes["ties"][first_byte:end_byte], ties),
             ]
         else:
-            copies = [(host_params.flat(name)[lo:hi], staged.master[:n])]
+            copies = [(host_params.flat(name)[lo:hi], self._staged_master(staged)[:n])]
         copies += [(host, staged.state[array][: host.numel()]) for array, host in self._host_state_of(name).items()]
         with device.stream("d2h"):
             device.wait_event("d2h", updated)

@@ -1,11 +1,26 @@
 """The device buffers a GPU-streamed update works in (streamed_pipeline.py): a few staging sets, each big
-enough for the largest streamed unit's shard, holding its fp32 master (and, for a split master, the
-planes it came in) and its optimizer state as stored.
+enough for the largest streamed unit's shard, holding its master as it crossed PCIe (fp32, or a split
+master's planes) and its optimizer state as stored; and, for a split master, one fp32 buffer the update
+decodes the planes into.
 
 Why sets and not one buffer per unit: a streamed unit's master and moments live in host RAM and visit the
-device only for the unit's update. Two sets are enough to overlap the upload of the next unit in
-backward order with the update and write-back of the current one; each set is reused once the
-write-back that last read it is done (an event on the d2h stream, so no thread waits for it).
+device only for the unit's update. Each set is reused once the write-back that last read it is done (an
+event on the d2h stream, so no thread waits for it).
+
+Note [Three staging sets]: a streamed unit's backward reads its weights from its staged master (Note [The
+backward reads the staged master]), so unit i's upload must land before its backward starts, and it can
+start only once its set's previous unit has been written back. With two sets that previous unit is i + 2,
+whose write-back starts after its update, right after its backward: the write-back of i + 2 and the upload
+of i then run one after the other inside the backward of i + 1, and each unit's period became their sum
+(measured on an H100 host, llama3.1-8b with every block streamed, split master and bf16 moments: 66 ms a
+block against 35 ms of backward; docs/benchmarks.md). With three, the set of unit i was last used by
+i + 3, written back during the backward of i + 2: the upload of i and the write-back of i + 2 overlap in
+the backward of i + 1, and the period is the larger of the backward and the link's time for both.
+
+Why one shared fp32 buffer for a split master: the backward reads the bf16 plane as it came, so only the
+update needs the fp32 values; it decodes them on the compute stream right before its step and encodes
+them back right after (one launch each with slide_kernels' codec), so one buffer serves every set, in
+stream order, and a third set costs its planes and moments only.
 """
 
 from __future__ import annotations
@@ -21,16 +36,17 @@ from slide_core.split_master import tie_bytes
 
 __all__ = ["StagingSet", "UpdateStaging"]
 
-STAGING_SETS = 2
-"""One set being updated and written back while the next unit's master and moments arrive."""
+STAGING_SETS = 3
+"""One set being written back while the next unit's master and moments arrive in another and a third
+unit's backward reads the last (Note [Three staging sets])."""
 
 
 @dataclass
 class StagingSet:
     """One unit shard's worth of device buffers."""
 
-    master: torch.Tensor
-    """fp32 values of the shard (decoded from the split planes when the host master is split)."""
+    master: torch.Tensor | None
+    """The shard's fp32 master as it crossed PCIe (None for a split master: see ``planes``)."""
     planes: dict[str, torch.Tensor]
     """A split master's ``hi``, ``lo`` and ``ties`` as they crossed PCIe (empty for an fp32 master)."""
     state: dict[str, torch.Tensor]
@@ -54,19 +70,21 @@ class UpdateStaging:
         sets: int = STAGING_SETS,
     ) -> None:
         self.sets = [_new_set(device, max_numel, state_arrays, split=split) for _ in range(sets if max_numel else 0)]
+        self.values = device.empty(max_numel, torch.float32) if split and max_numel else None
+        """A split master's fp32 values during its update, for every set (compute stream only)."""
         self._next = 0
 
     @staticmethod
     def bytes_for(max_numel: int, state_arrays: Sequence[StateArray], *, split: bool, sets: int = STAGING_SETS) -> int:
-        """Device bytes of the sets for shards of up to ``max_numel`` elements: the fp32 master, a split
-        master's planes (2 + 2 bytes and a tie bit per element, plus an edge byte), each state array as
-        stored. What the planner prices."""
+        """Device bytes of the sets for shards of up to ``max_numel`` elements: in each, the fp32 master or a
+        split master's planes (2 + 2 bytes and a tie bit per element, plus an edge byte) and each state
+        array as stored; for a split master, the one fp32 buffer its updates decode into. What the planner
+        prices."""
         if max_numel <= 0:
             return 0
-        per_set = 4 * max_numel + sum(a.numel(max_numel) * a.dtype.itemsize for a in state_arrays)
-        if split:
-            per_set += 4 * max_numel + _tie_capacity(max_numel)
-        return sets * per_set
+        master = 4 * max_numel + _tie_capacity(max_numel) if split else 4 * max_numel
+        per_set = master + sum(a.numel(max_numel) * a.dtype.itemsize for a in state_arrays)
+        return sets * per_set + (4 * max_numel if split else 0)
 
     def free(self) -> int:
         """Sets not held by a unit waiting for its update."""
@@ -109,4 +127,4 @@ def _new_set(device: Device, numel: int, arrays: Sequence[StateArray], *, split:
             "ties": device.empty(_tie_capacity(numel), torch.uint8),
         }
     state = {a.name: device.empty(a.numel(numel), a.dtype) for a in arrays}
-    return StagingSet(device.empty(numel, torch.float32), planes, state)
+    return StagingSet(None if split else device.empty(numel, torch.float32), planes, state)
