@@ -196,6 +196,8 @@ def test_streamed_units_must_not_be_resident_or_offloaded() -> None:
         EngineConfig(streamed_units=("embed",), resident_units=("embed",))
     with pytest.raises(ValueError, match="offloaded_units"):
         EngineConfig(streamed_units=("layers.0",), offloaded_units=("layers.0",))
+    with pytest.raises(ValueError, match="staging_sets must be >= 2"):
+        EngineConfig(streamed_units=("layers.0",), staging_sets=1)
 
 
 def test_pins_of_the_streamed_state_are_given_back_before_the_state_is_dropped() -> None:

@@ -106,26 +106,45 @@ def test_auto_updates_on_the_host_with_clipping_on_the_cpu_device_or_without_a_g
     assert plan_with_placement(_inputs(**change), "auto").inputs.streamed_units == ()
 
 
-def test_gpu_streams_every_unit_and_prices_two_staging_sets_of_the_largest():
+def test_gpu_streams_every_unit_and_prices_the_staging_sets_of_the_largest():
     plan = plan_with_placement(_inputs(bandwidths=GPU_BOUND), "gpu")
     assert len(plan.inputs.streamed_units) == 8  # a ModelShape gets no resident units
+    assert plan.inputs.staging_sets == 3
     largest = max(cost.stream_device_bytes for cost in unit_costs(plan.shape, plan.inputs))
     assert plan.gpu_breakdown["streamed_staging"] == largest
     assert make_plan(_inputs()).gpu_breakdown["streamed_staging"] == 0
 
 
-def test_streamed_staging_is_two_sets_of_master_and_moments_as_stored():
+def test_gpu_takes_two_staging_sets_where_three_do_not_fit_and_refuses_where_two_do_not():
+    """Note [Three staging sets]: the third set overlaps uploads and write-backs, but a budget that holds
+    only two still streams every unit, and one that holds fewer is refused in one line."""
+    roomy = plan_with_placement(_inputs(bandwidths=GPU_BOUND), "gpu")
+    three = roomy.gpu_breakdown["streamed_staging"]
+    two = dataclasses.replace(roomy.inputs, staging_sets=2)
+    two_bytes = make_plan(two).gpu_breakdown["streamed_staging"]
+    assert two_bytes < three
+    tight = plan_with_placement(_inputs(bandwidths=GPU_BOUND, gpu_memory_bytes=roomy.gpu_peak_bytes - 1), "gpu")
+    assert tight.inputs.staging_sets == 2
+    assert tight.gpu_peak_bytes <= roomy.gpu_peak_bytes - 1
+    with pytest.raises(UserError, match="to stage the streamed units"):
+        plan_with_placement(_inputs(bandwidths=GPU_BOUND, gpu_memory_bytes=make_plan(two).gpu_peak_bytes - 1), "gpu")
+
+
+def test_streamed_staging_is_three_sets_of_master_and_moments_as_stored():
     inputs = dataclasses.replace(_inputs(optimizer_state="bf16"), streamed_units=("block.0",))
     cost = next(c for c in unit_costs(inputs.shape, inputs) if c.name == "block.0")
     scratch = inputs.device_optimizer().device_scratch_bytes(cost.numel)
-    assert cost.stream_device_bytes == 2 * (4 + 2 + 2) * cost.numel + scratch
+    assert cost.stream_device_bytes == 3 * (4 + 2 + 2) * cost.numel + scratch
 
 
-def test_a_split_master_stages_its_planes_too():
+def test_a_split_master_stages_its_planes_and_one_fp32_buffer():
+    """In each set the planes (2 + 2 B and the tie bits) take the fp32 master's place; one fp32 buffer
+    more holds the values an update decodes (Note [Three staging sets])."""
     inputs = _inputs(master_format="split")
     fp32 = {c.name: c.stream_device_bytes for c in unit_costs(inputs.shape, _inputs())}
-    for cost in unit_costs(inputs.shape, inputs):  # hi and lo (2 + 2 B) and the tie bits, in both sets
-        assert cost.stream_device_bytes - fp32[cost.name] >= 2 * 4 * cost.numel
+    for cost in unit_costs(inputs.shape, inputs):
+        ties = 3 * (-(-cost.numel // 8) + 1)
+        assert cost.stream_device_bytes - fp32[cost.name] == 4 * cost.numel + ties
 
 
 def test_units_with_several_gradient_contributions_are_not_offered_for_streaming():

@@ -307,6 +307,7 @@ def open_engine(
         resident_units=placement.resident,
         offloaded_units=placement.offloaded,
         streamed_units=placement.streamed,
+        staging_sets=placement.plan.inputs.staging_sets,
         max_grad_norm=options.max_grad_norm,
         report_grad_norm=options.report_grad_norm,
     )

@@ -72,6 +72,10 @@ class EngineConfig:
     """Units updated on the device as they stream through it (streamed_pipeline.py): master and optimizer
     state stay in host RAM, travel to the device for the unit's backward and back after its update; the
     gradient never crosses PCIe and the host optimizer does no work for them."""
+    staging_sets: int = 3
+    """Device staging sets the streamed units take turns in, each sized for the largest streamed unit:
+    three let a unit's upload overlap the write-back before it (Note [Three staging sets] in
+    update_staging.py); two save one set's memory where the GPU budget cannot hold three."""
     max_grad_norm: float = 0.0
     skip_nonfinite: bool = True
     max_consecutive_nonfinite: int = 3
@@ -103,6 +107,10 @@ class EngineConfig:
             both = sorted(set(self.streamed_units) & set(other))
             if both:
                 raise ValueError(f"streamed_units and {what} must not share units, both name {', '.join(both)}")
+        if self.staging_sets < 2:
+            raise ValueError(
+                f"staging_sets must be >= 2 (one unit's upload beside another's update), got {self.staging_sets}"
+            )
         if self.max_consecutive_nonfinite < 1:
             raise ValueError(f"max_consecutive_nonfinite must be >= 1, got {self.max_consecutive_nonfinite}")
 

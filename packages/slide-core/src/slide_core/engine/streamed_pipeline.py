@@ -74,7 +74,7 @@ from .shards import UnitShards
 from .slots import ParamSlot
 from .state_store import HostSlabs
 from .timeline import ComputeTimer
-from .update_staging import StagingSet, UpdateStaging
+from .update_staging import STAGING_SETS, StagingSet, UpdateStaging
 from .workers import Workers
 
 __all__ = ["StreamedPipeline"]
@@ -99,6 +99,7 @@ class StreamedPipeline(HostPipeline):
         chunk_numel: int,
         *,
         shards: UnitShards,
+        staging_sets: int = STAGING_SETS,
     ) -> None:
         super().__init__(
             device, host_params, host_state, optimizer, transfer, workers, norms, timer.timeline, forward_position,
@@ -111,7 +112,7 @@ class StreamedPipeline(HostPipeline):
         self.timer = timer
         self.arrays = optimizer.state_arrays
         max_numel = max((hi - lo for lo, hi in shards.spans.values()), default=0)
-        self.staging = UpdateStaging(device, max_numel, self.arrays, split=host_params.split)
+        self.staging = UpdateStaging(device, max_numel, self.arrays, split=host_params.split, sets=staging_sets)
         self.backward_order = sorted(shards.spans, key=lambda name: -forward_position[name])
         """The streamed units in the order their final gradients arrive (the reverse of the forward)."""
         self._staged: dict[str, tuple[StagingSet, Future[Event]]] = {}
@@ -125,9 +126,11 @@ class StreamedPipeline(HostPipeline):
         self._pinned: list[torch.Tensor] = []
 
     @staticmethod
-    def device_bytes(max_shard_numel: int, state_arrays: Sequence[StateArray], *, split: bool) -> int:
+    def device_bytes(
+        max_shard_numel: int, state_arrays: Sequence[StateArray], *, split: bool, sets: int = STAGING_SETS
+    ) -> int:
         """Device bytes this pipeline allocates: its staging sets (:meth:`UpdateStaging.bytes_for`)."""
-        return UpdateStaging.bytes_for(max_shard_numel, state_arrays, split=split)
+        return UpdateStaging.bytes_for(max_shard_numel, state_arrays, split=split, sets=sets)
 
     def pin_host_ranges(self, others: Iterable[tuple[int, int]]) -> list[torch.Tensor]:
         """Page-lock what the streamed units move besides the plane their loads read (pinned with the

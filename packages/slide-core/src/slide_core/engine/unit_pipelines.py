@@ -119,7 +119,7 @@ class UnitPipelines:
         self.streamed = StreamedPipeline(
             device, host_params, host_state, optimizer, device_optimizer, self.transfer, workers, self.norms, timer,
             {unit.name: index for index, unit in enumerate(model.units)}, chunk_numel,
-            shards=self._shards(collectives, host_units, streamed),
+            shards=self._shards(collectives, host_units, streamed), staging_sets=config.staging_sets,
         )  # fmt: skip
         if streamed:
             others = [unit for unit in model.units if unit.name not in streamed]

@@ -34,7 +34,7 @@ from slide_core.device import Device, Event
 from slide_core.optim.state_formats import StateArray
 from slide_core.split_master import tie_bytes
 
-__all__ = ["StagingSet", "UpdateStaging"]
+__all__ = ["STAGING_SETS", "StagingSet", "UpdateStaging"]
 
 STAGING_SETS = 3
 """One set being written back while the next unit's master and moments arrive in another and a third

@@ -285,6 +285,9 @@ class PlanInputs:
     streamed_units: tuple[str, ...] = ()
     """Units updated on the GPU as they stream through it (``EngineConfig.streamed_units``): master and
     moments cross PCIe with the unit instead of the gradient, and the host optimizer does nothing for them."""
+    staging_sets: int = _ENGINE_DEFAULTS.staging_sets
+    """Device staging sets of the streamed units (``EngineConfig.staging_sets``): three, or two where the
+    GPU budget cannot hold three (:func:`~slide_hf.planner.plan.plan_with_placement`)."""
     master_format: str = "fp32"
     """``--master`` as it resolves: ``fp32`` (the h2d reads 4 B/param and casts on the GPU) or ``split``
     (2 B/param, the bf16 plane as it is; the host holds 4 B/param + 1 tie bit; bf16 compute only)."""

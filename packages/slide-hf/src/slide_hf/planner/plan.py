@@ -338,7 +338,19 @@ def _refuse_gpu_updates(inputs: PlanInputs) -> None:
 def _all_streamed(inputs: PlanInputs) -> Plan:
     """Residents in the spare memory less the staging of the largest unit, every other unit whose moments
     are in host RAM streamed (one the engine updates on the host anyway, with several gradient contributions
-    per step, included: it is what was asked); one line when that does not fit the GPU budget."""
+    per step, included: it is what was asked); with two staging sets where three do not fit the GPU budget
+    (a large vocabulary's embedding streamed sizes every set); one line when two do not fit either."""
+    budget = inputs.gpu_memory_bytes
+    if inputs.staging_sets > 2 and budget is not None:
+        plan = _all_streamed_with(inputs)
+        if plan.gpu_peak_bytes <= budget:
+            return plan
+        inputs = dataclasses.replace(inputs, staging_sets=2)
+    return _all_streamed_with(inputs, refuse=True)
+
+
+def _all_streamed_with(inputs: PlanInputs, *, refuse: bool = False) -> Plan:
+    """:func:`_all_streamed` with ``inputs.staging_sets`` sets; ``refuse``: one line when it does not fit."""
     shape = inputs.shape
     on_nvme = set(_nvme_names(shape, inputs))
     streamable = [c for c in unit_costs(shape, inputs) if c.name not in on_nvme]
@@ -347,7 +359,7 @@ def _all_streamed(inputs: PlanInputs) -> Plan:
     names = tuple(c.name for c in streamable if c.name not in placed.resident_units)
     plan = make_plan(dataclasses.replace(placed, streamed_units=names))
     budget = inputs.gpu_memory_bytes
-    if budget is not None and plan.gpu_peak_bytes > budget:
+    if refuse and budget is not None and plan.gpu_peak_bytes > budget:
         staging = plan.gpu_breakdown.get("streamed_staging", 0)
         raise UserError(
             f"{option('update_placement', 'gpu')} needs {format_bytes(plan.gpu_peak_bytes)} of GPU memory "

@@ -70,7 +70,7 @@ class UnitCost:
     resident, and the GPU memory streaming it needs.
 
     ``stream_device_bytes``: GPU bytes the streamed updates hold when this is the largest streamed unit:
-    two staging sets (one unit's fp32 master and moments in flight while the previous one is updated) and
+    ``PlanInputs.staging_sets`` staging sets (Note [Three staging sets] in update_staging.py) and
     the device optimizer's scratch for its ranges. ``can_stream``: False for a unit whose moments live on
     NVMe (the engine streams only units whose state is in host RAM), and for one the engine would update on
     the host anyway (several gradient contributions per step)."""
@@ -141,7 +141,9 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
             "host memory": 2 * travelling / host_mem,
         }
         on_device = contributions == 1  # else the engine sends the gradient to the host optimizer
-        staging = StreamedPipeline.device_bytes(n, arrays, split=inputs.master_format == "split")
+        staging = StreamedPipeline.device_bytes(
+            n, arrays, split=inputs.master_format == "split", sets=inputs.staging_sets
+        )
         longest = ResidentPipeline.optimizer_range_numel(n, inputs.transfer_chunk_numel, clipping=False)
         device_bytes = staging + device_optimizer.device_scratch_bytes(longest)
         costs.append(

@@ -45,7 +45,7 @@ def choose_streamed_units(
     a step bound by something streaming cannot relieve (GPU compute, NVMe) keeps every unit on the host,
     where it is today.
 
-    Memory: the streamed updates hold two staging sets sized by the largest streamed unit, so the bytes are
+    Memory: the streamed updates hold their staging sets sized by the largest streamed unit, so the bytes are
     ``max(stream_device_bytes)`` over the streamed units (``UnitCost.stream_device_bytes``): a move that would
     raise that past the budget is not taken. A unit with ``can_stream`` False (moments on NVMe) stays.
     """
