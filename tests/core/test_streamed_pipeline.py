@@ -71,6 +71,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
 
 
+def _assert_same_bits(streamed, host) -> None:
+    """The same losses, master planes and host optimizer state, bit for bit (two :func:`_run` results)."""
+    assert streamed[0] == host[0]
+    for name, plane in host[1].items():
+        assert torch.equal(_bits(streamed[1][name]), _bits(plane)), name
+    for unit, arrays in host[2].items():
+        for name, tensor in arrays.items():
+            assert torch.equal(_bits(streamed[2][unit][name]), _bits(tensor)), (unit, name)
+
+
 @pytest.mark.parametrize(
     ("state_format", "master_format", "accum", "clip"),
     [
@@ -112,12 +122,7 @@ def test_streamed_and_host_placements_give_the_same_bits(
     )  # fmt: skip
     on_device = accum == 1 and clip == 0.0
     assert streamed[4] == (set(streamed_names) if on_device else set())  # the device path ran only then
-    assert streamed[0] == host[0]
-    for name, plane in host[1].items():
-        assert torch.equal(_bits(streamed[1][name]), _bits(plane)), name
-    for unit, arrays in host[2].items():
-        for name, tensor in arrays.items():
-            assert torch.equal(_bits(streamed[2][unit][name]), _bits(tensor)), (unit, name)
+    _assert_same_bits(streamed, host)
 
 
 @pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8"])
@@ -149,12 +154,7 @@ def test_the_one_launch_codec_streams_the_host_kernels_bits(state_format: str) -
         model, init, batches, optimizer(), EngineConfig(**base, streamed_units=streamed_names), master_format="split"
     )
     assert streamed[4] == set(streamed_names)
-    assert streamed[0] == host[0]
-    for name, plane in host[1].items():
-        assert torch.equal(_bits(streamed[1][name]), _bits(plane)), name
-    for unit, arrays in host[2].items():
-        for name, tensor in arrays.items():
-            assert torch.equal(_bits(streamed[2][unit][name]), _bits(tensor)), (unit, name)
+    _assert_same_bits(streamed, host)
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -189,6 +189,35 @@ def test_staging_is_three_sets_of_the_largest_shard() -> None:
             assert len(staging.sets) == 3
             assert (staging.values is not None) == split
             assert all((staged.master is None) == split for staged in staging.sets)
+
+
+def test_streamed_units_leave_the_ring_to_the_host_units() -> None:
+    """Note [The ring is sized for the host's units]: the gradient ring holds the backlog of the units the
+    host updates every step, so streaming units shrinks it, and what the engine allocates is what
+    ``GradTransfer.host_bytes`` (the planner's price) says; the clipping store still holds every unit."""
+    from slide_core.engine.grad_transfer import GradTransfer
+
+    cfg = ToyConfig(tie_embeddings=False, num_layers=4, hidden_size=64, intermediate_size=128)
+    model = ToyModel(cfg)
+    numel = {unit.name: unit.layout.numel for unit in model.units}
+    streamed = ("embed", "layers.0", "layers.1", "layers.2")
+    base = dict(compute_dtype=torch.float32, transfer_chunk_numel=1024, grad_ring_slots=1, grad_ring_fraction=1.0)
+    rings = {}
+    for names in ((), streamed):
+        config = EngineConfig(**base, streamed_units=names)
+        with CPUDevice() as device:
+            host = HostParameters(model, device.alloc_pinned)
+            with Engine(model, device, host, TorchAdamW(AdamWConfig()), config) as engine:
+                rings[names] = engine.pipelines.transfer.ring.nbytes
+        host_numels = [n for name, n in numel.items() if name not in names]
+        assert rings[names] == GradTransfer.host_bytes(config, host_numels, [numel[name] for name in names])
+    assert rings[streamed] < rings[()]
+    clipping = EngineConfig(**{**base, "max_grad_norm": 1.0}, streamed_units=streamed)
+    everything = GradTransfer.host_bytes(clipping, list(numel.values()))
+    assert (
+        GradTransfer.host_bytes(clipping, [numel["layers.3"], numel["head"]], [numel[n] for n in streamed])
+        == everything
+    )
 
 
 def test_streamed_units_must_not_be_resident_or_offloaded() -> None:

@@ -107,8 +107,9 @@ class StreamedPipeline(HostPipeline):
         )  # fmt: skip
         self.device_optimizer = device_optimizer
         self.codec = optimizer.split_codec
-        """Decodes a staged split master on the h2d stream and encodes it on the compute stream
-        (``Optimizer.split_codec``): one launch each with slide_kernels', thousands with torch's."""
+        """Decodes a staged split master right before its update and encodes it right after, on the
+        compute stream (``Optimizer.split_codec``): one launch each with slide_kernels', thousands with
+        torch's."""
         self.timer = timer
         self.arrays = optimizer.state_arrays
         max_numel = max((hi - lo for lo, hi in shards.spans.values()), default=0)
@@ -246,17 +247,13 @@ class StreamedPipeline(HostPipeline):
             self.workers.wait(previous, f"the update of {name} before streaming it")
         device, host_params = self.device, self.host_params
         lo, hi = self.shards[name]
-        n, base = hi - lo, host_params.offset(name)
+        n = hi - lo
         with device.stream("h2d"):
             if free_after is not None:
                 device.wait_event("h2d", free_after)
             if host_params.split:
-                planes = host_params.planes
-                first_byte, end_byte = (base + lo) // 8, -(-(base + hi) // 8)
-                hi_plane, lo_plane, ties = self._planes(name, staged)
-                device.copy_to_device(hi_plane, planes["hi"][base + lo : base + hi])
-                device.copy_to_device(lo_plane, planes["lo"][base + lo : base + hi])
-                device.copy_to_device(ties, planes["ties"][first_byte:end_byte])
+                for staged_plane, host_plane in zip(self._planes(name, staged), self._host_planes(name), strict=True):
+                    device.copy_to_device(staged_plane, host_plane)
             else:
                 device.copy_to_device(self._staged_master(staged)[:n], host_params.flat(name)[lo:hi])
             for array, host in self._host_state_of(name).items():
@@ -341,14 +338,31 @@ class StreamedPipeline(HostPipeline):
         self.codec.decode(hi_plane, lo_plane, ties, first_bit % 8, values)
         return values
 
-    def _planes(self, name: str, staged: StagingSet) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The staged split planes of ``name``'s shard: hi, lo, and the tie bytes from the one holding its
-        first bit."""
+    def _tie_bytes(self, name: str) -> tuple[int, int]:
+        """The host tie bytes ``[first, end)`` that hold ``name``'s shard's bits."""
         lo, hi = self.shards[name]
         base = self.host_params.offset(name)
-        first_byte, end_byte = (base + lo) // 8, -(-(base + hi) // 8)
+        return (base + lo) // 8, -(-(base + hi) // 8)
+
+    def _planes(self, name: str, staged: StagingSet) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The staged split planes of ``name``'s shard: hi, lo, and the tie bytes from the one holding its
+        first bit (what :meth:`_host_planes` names on the host, element for element)."""
+        lo, hi = self.shards[name]
+        first_byte, end_byte = self._tie_bytes(name)
         planes = staged.planes
         return planes["hi"][: hi - lo], planes["lo"][: hi - lo], planes["ties"][: end_byte - first_byte]
+
+    def _host_planes(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The host split planes of ``name``'s shard: hi, lo and its tie bytes."""
+        lo, hi = self.shards[name]
+        base = self.host_params.offset(name)
+        first_byte, end_byte = self._tie_bytes(name)
+        planes = self.host_params.planes
+        return (
+            planes["hi"][base + lo : base + hi],
+            planes["lo"][base + lo : base + hi],
+            planes["ties"][first_byte:end_byte],
+        )
 
     def _step_on_device(self, unit: Unit, staged: StagingSet, grad: torch.Tensor, ctx: StepContext) -> None:
         """The update of the staged shard, one optimizer call per decay range, on positions of the host
@@ -371,16 +385,10 @@ class StreamedPipeline(HostPipeline):
         n, base = hi - lo, host_params.offset(name)
         if host_params.split:
             assert self.staging.values is not None
-            first_byte, end_byte = (base + lo) // 8, -(-(base + hi) // 8)
-            hi_plane, lo_plane, ties = self._planes(name, staged)
-            self.codec.encode(self.staging.values[:n], hi_plane, lo_plane, ties, (base + lo) % 8)
+            staged_planes = self._planes(name, staged)
+            self.codec.encode(self.staging.values[:n], *staged_planes, (base + lo) % 8)
             updated = device.record_event("compute")
-            planes = host_params.planes
-            copies = [
-                (planes["hi"][base + lo : base + hi], hi_plane),
-                (planes["lo"][base + lo : base + hi], lo_plane),
-                (planes["ties"][first_byte:end_byte], ties),
-            ]
+            copies = list(zip(self._host_planes(name), staged_planes, strict=True))
         else:
             copies = [(host_params.flat(name)[lo:hi], self._staged_master(staged)[:n])]
         copies += [(host, staged.state[array][: host.numel()]) for array, host in self._host_state_of(name).items()]

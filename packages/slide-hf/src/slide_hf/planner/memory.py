@@ -171,7 +171,8 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     d = inputs.compute_dtype_bytes
     numels = _named_numels(shape)
     resident = set(inputs.resident_units)
-    host_units = [n for name, n in numels.items() if name not in resident]
+    not_resident = {name: n for name, n in numels.items() if name not in resident}
+    host_units = list(not_resident.values())
     streamed = set(inputs.streamed_units)
     on_tier = set(_nvme_names(shape, inputs))  # host-updated units whose state ranges are never touched
     on_nvme = [numels[name] for name in on_tier]
@@ -190,8 +191,8 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         "grad_accumulators": HostState.accumulator_bytes(_accumulated_numels(shape, inputs)),
         "grad_ring": GradTransfer.host_bytes(
             cfg,
-            [n for name, n in numels.items() if name not in resident and name not in streamed],
-            [n for name, n in numels.items() if name not in resident and name in streamed],
+            [n for name, n in not_resident.items() if name not in streamed],
+            [n for name, n in not_resident.items() if name in streamed],
         ),
         "activation_stash": ActivationStash.host_bytes_for(stash_copies, boundary, d),
         "optimizer_scratch": _host_optimizer(inputs).host_scratch_bytes(
@@ -406,8 +407,9 @@ def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
 
 def streamed_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     """GPU bytes of the GPU-streamed updates (``EngineConfig.streamed_units``): the staging sets of
-    ``StreamedPipeline.device_bytes`` (two, each one unit's fp32 master, a split master's planes and the
-    moments as stored) and the device optimizer's scratch for its ranges, both sized by the largest
+    ``StreamedPipeline.device_bytes`` (``PlanInputs.staging_sets``, each one unit's fp32 master or a split
+    master's planes and the moments as stored, plus a split master's one fp32 buffer) and the device
+    optimizer's scratch for its ranges, both sized by the largest
     streamed unit (``UnitCost.stream_device_bytes``). The grad ring prices the host-updated units alone,
     as the engine sizes it (Note [The ring is sized for the host's units] in grad_transfer.py); the
     clipping store still prices every unit that is not resident."""
