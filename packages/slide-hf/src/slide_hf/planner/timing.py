@@ -14,7 +14,8 @@ from typing import Any
 from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import _nvme_units
-from slide_hf.planner.unit_costs import fixed_times, placement_of, resource_times, unit_costs
+from slide_hf.planner.step_schedule import ScheduleRates, UnitWork, simulate_step
+from slide_hf.planner.unit_costs import UnitCost, fixed_times, placement_of, resource_times, unit_costs
 
 __all__: list[str] = []
 
@@ -100,6 +101,7 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
         "nvme": resources["nvme"],
     }
     binding = max(limits, key=limits.__getitem__)
+    scheduled_s = scheduled_step_s(shape, inputs, costs, placements)
     # What the backward must hide: the host-updated units' gradients going out and their updates.
     d2h_s = sum(cost.host["pcie d2h"] for cost in costs if placements[cost.name] == "host")
     hide = d2h_s + update_s
@@ -112,9 +114,84 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
         "pcie_s": pcie_s,
         "update_s": update_s,
         "disk_s": resources["nvme"],
-        "step_time_s": max(limits.values()),
+        # The schedule has the host optimizer's time in it, idle start included; every other resource it
+        # leaves out (host memory, NVMe) or approximates (both PCIe directions at once) bounds it as before.
+        "step_time_s": max(scheduled_s, *(t for r, t in resources.items() if r != "cpu")),
+        "resource_bound_s": max(limits.values()),
         "overlap": overlap,
         "binding": binding,
         "critical_batch_size": max(1, critical) if critical is not None else None,
         "resource_s": resources,
     }
+
+
+def scheduled_step_s(
+    shape: ModelShape, inputs: PlanInputs, costs: tuple[UnitCost, ...], placements: dict[str, str]
+) -> float:
+    """The step time of the engine's order (slide_hf/planner/step_schedule.py) for ``placements``: each
+    unit's compute split from the step's FLOPs as :func:`_times` counts them, its transfers and its update
+    priced as :func:`~slide_hf.planner.unit_costs.unit_costs` prices them."""
+    from slide_hf.planner.memory import _named_numels
+
+    bw = inputs.bandwidths
+    d = inputs.compute_dtype_bytes
+    seq = inputs.seq_len
+    tokens = inputs.batch_size * seq
+    rate = bw.gpu_tflops * 1e12
+    attention = shape.num_heads * shape.head_dim * seq  # per token per block, times 2 forward, 6 backward
+    host_rate = bw.cpu_adam_rate(inputs.optimizer_state, inputs.master_format) * HOST_ADAM_BUSY_SHARE * 1e9
+    load_bytes = h2d_bytes_per_param(inputs.master_format)
+    accumulate_bytes = 8 + d
+    by_name = {cost.name: cost for cost in costs}
+    work = []
+    for name, n in _named_numels(shape).items():
+        if n == 0:
+            continue
+        placement = placements[name]
+        cost = by_name[name]
+        if placement == "streamed" and cost.streamed is cost.host:  # several contributions: host-updated
+            placement = "host"
+        if name == "head":
+            forward_s, backward_s = 6 * n * tokens / rate, 0.0
+        elif name == "embedding":
+            forward_s = backward_s = 0.0
+        else:
+            forward_s = 2 * (n + attention) * tokens / rate
+            backward_s = 6 * (n + attention) * tokens / rate
+        travelling = n * (4 + state_bytes_per_param(inputs.optimizer_state))
+        gpu_update = cost.resident.get("gpu compute", 0.0)
+        work.append(
+            UnitWork(
+                name=name,
+                placement=placement,
+                numel=n,
+                forward_s=forward_s,
+                backward_s=backward_s,
+                load_bytes=n * load_bytes,
+                grad_bytes=n * d * (2 if name == "embedding" and shape.tied else 1),
+                update_s=n / host_rate if placement == "host" else gpu_update,
+                stage_bytes=travelling,
+                writeback_bytes=travelling,
+                accumulate_s=n * accumulate_bytes / (bw.host_mem_gbps * 1e9),
+                is_block=name.startswith("block."),
+                loads_in_backward=name.startswith("block."),
+            )
+        )
+    rates = ScheduleRates(
+        h2d=bw.h2d_gbps * 1e9,
+        d2h=bw.d2h_gbps * 1e9,
+        duplex=bw.duplex_gbps * 1e9,
+        block_slots=inputs.block_slots,
+        staging_sets=inputs.staging_sets,
+        micro_batches=inputs.grad_accum,
+    )
+    return simulate_step(work, rates)
+
+
+HOST_ADAM_BUSY_SHARE = 0.68
+"""The host AdamW's rate while it works inside a step, relative to ``slide doctor``'s measurement of it
+alone (the schedule models its idle time itself; ``HOST_ADAM_IN_STEP`` folds that idle time in). Measured on
+an H100 host (16 cores, 128 GiB), llama3.1-8b, batch 16 x 1024, --gpu-memory 24: fp32 master and state,
+7.4e9 host-updated parameters in 1.43 s of updates, 5.2 Gparam/s, 0.68 of the doctor's 7.66; split master
+and bf16 state 0.86 of its 5.93 (docs/benchmarks.md, "Where each unit's update runs"); on an H200 host
+0.66-0.67 (Note [The host optimizer inside a step] in unit_costs.py)."""

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from slide_hf.planner.unit_costs import RESOURCES, UnitCost, resource_times
 
-__all__ = ["choose_streamed_units", "step_resources"]
+__all__ = ["choose_streamed_units", "step_resources", "streaming_order"]
 
 _EPSILON = 1e-9
 """A move must lower the step time by more than this fraction: float noise is not a gain."""
@@ -30,29 +30,47 @@ def choose_streamed_units(
     fixed: Mapping[str, float], units: Sequence[UnitCost], device_budget_bytes: int
 ) -> tuple[str, ...]:
     """The units of ``units`` to GPU-stream (in ``units``' order) so that the step's largest resource time
-    is smallest, with the streamed updates' GPU memory within ``device_budget_bytes``.
+    is smallest, with the streamed updates' GPU memory within ``device_budget_bytes``: the moves of
+    :func:`streaming_order` for as long as each lowers it.
 
-    Greedy: start with every unit on the host; move, one at a time, the unit whose move to the GPU lowers the
-    step time (the largest resource time) the most; stop when no move lowers it.
-
-    Why that suffices: every resource's time is ``fixed`` plus one term per unit, so the step time is the
-    maximum of functions linear in which units move. Among units of one kind (a model's blocks, identical in
-    size and cost) it is the maximum of linear functions of how many have moved: convex in that count, so the
-    first count from which one more move no longer lowers it is the best count. The few distinct units (the
-    embedding and head) are candidates at every move, so one moves whenever it lowers the step more than a
-    block does; beyond that the search is not exhaustive, which costs little because a move's effect on each
-    resource is proportional to the unit's size. A unit is moved only when it strictly lowers the maximum, so
-    a step bound by something streaming cannot relieve (GPU compute, NVMe) keeps every unit on the host,
-    where it is today.
-
-    Memory: the streamed updates hold their staging sets sized by the largest streamed unit, so the bytes are
-    ``max(stream_device_bytes)`` over the streamed units (``UnitCost.stream_device_bytes``): a move that would
-    raise that past the budget is not taken. A unit with ``can_stream`` False (moments on NVMe) stays.
-    """
+    Why stopping there suffices: every resource's time is ``fixed`` plus one term per unit, so the step time
+    is the maximum of functions linear in which units move. Among units of one kind (a model's blocks,
+    identical in size and cost) it is the maximum of linear functions of how many have moved: convex in that
+    count, so the first count from which one more move no longer lowers it is the best count. A unit is moved
+    only when it strictly lowers the maximum, so a step bound by something streaming cannot relieve (GPU
+    compute, NVMe) keeps every unit on the host."""
     streamed: set[str] = set()
     totals = step_resources(fixed, units, streamed)
     current = max(totals.values())
+    for name, step_s in streaming_order(fixed, units, device_budget_bytes):
+        if step_s >= current * (1 - _EPSILON):
+            break
+        streamed.add(name)
+        current = step_s
+    return tuple(unit.name for unit in units if unit.name in streamed)
+
+
+def streaming_order(
+    fixed: Mapping[str, float], units: Sequence[UnitCost], device_budget_bytes: int
+) -> tuple[tuple[str, float], ...]:
+    """Every unit that may stream, in the order a greedy search moves them to the GPU, each with the step's
+    largest resource time once it has moved: start with every unit on the host; move, one at a time, the
+    unit whose move leaves the smallest largest resource time, whether or not it lowers it, until none is
+    left that may move. The plan weighs the prefixes of this order by the step time of the engine's order
+    (slide_hf/planner/step_schedule.py), which no sum of terms gives.
+
+    The few distinct units (the embedding and head) are candidates at every move, so one moves whenever it
+    helps more than a block does; beyond that the search is not exhaustive, which costs little because a
+    move's effect on each resource is proportional to the unit's size.
+
+    Memory: the streamed updates hold their staging sets sized by the largest streamed unit, so the bytes are
+    ``max(stream_device_bytes)`` over the streamed units (``UnitCost.stream_device_bytes``): a move that would
+    raise that past the budget is not taken. A unit with ``can_stream`` False (moments on NVMe, several
+    gradient contributions) stays."""
+    streamed: set[str] = set()
+    totals = step_resources(fixed, units, streamed)
     held = 0
+    order = []
     while True:
         best: tuple[float, UnitCost] | None = None
         for unit in units:
@@ -65,11 +83,11 @@ def choose_streamed_units(
             trial = max(totals[r] - unit.host.get(r, 0.0) + unit.streamed.get(r, 0.0) for r in RESOURCES)
             if best is None or trial < best[0]:
                 best = (trial, unit)
-        if best is None or best[0] >= current * (1 - _EPSILON):
-            break
-        current, unit = best
+        if best is None:
+            return tuple(order)
+        step_s, unit = best
         streamed.add(unit.name)
+        order.append((unit.name, step_s))
         held = max(held, unit.stream_device_bytes)
         for resource in RESOURCES:
             totals[resource] += unit.streamed.get(resource, 0.0) - unit.host.get(resource, 0.0)
-    return tuple(unit.name for unit in units if unit.name in streamed)

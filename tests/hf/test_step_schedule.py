@@ -1,0 +1,113 @@
+"""The step as a schedule (slide_hf/planner/step_schedule.py): each ordering rule on a case whose step time
+can be worked out by hand, and the plan's step as the larger of the schedule and the resources."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from slide_hf.planner import Bandwidths, PlanInputs, make_plan
+from slide_hf.planner.step_schedule import H2D_BESIDE_HOST, ScheduleRates, UnitWork, _host_updates, simulate_step
+
+FAST = 1e15
+"""Bytes per second that make a transfer free."""
+
+
+def _rates(**changes: object) -> ScheduleRates:
+    base = ScheduleRates(h2d=FAST, d2h=FAST, duplex=2 * FAST, block_slots=2, staging_sets=3)
+    return dataclasses.replace(base, **changes)
+
+
+def _block(index: int, placement: str = "host", **changes: object) -> UnitWork:
+    base = UnitWork(
+        name=f"block.{index}",
+        placement=placement,
+        numel=1000,
+        forward_s=1.0,
+        backward_s=3.0,
+        load_bytes=0.0,
+        grad_bytes=0.0,
+        update_s=0.0,
+        stage_bytes=0.0,
+        writeback_bytes=0.0,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_with_free_transfers_and_updates_the_step_is_the_compute():
+    units = [_block(i) for i in range(4)]
+    assert simulate_step(units, _rates()) == pytest.approx(4 * (1.0 + 3.0))
+
+
+def test_the_next_forward_waits_for_the_first_blocks_update():
+    """One host block: its update (10 s) follows its backward and precedes its next load and forward."""
+    units = [_block(0, update_s=10.0)]
+    assert simulate_step(units, _rates()) == pytest.approx(1.0 + 3.0 + 10.0)
+
+
+def test_the_host_updates_what_the_next_forward_needs_first():
+    """Gradients land last block first; the optimizer takes the lowest forward position among those landed,
+    switching to a newly landed one at once (it works a chunk at a time)."""
+    done = _host_updates([(3, 0.0, 2.0), (2, 1.0, 2.0), (1, 1.5, 2.0)], free_at=0.0)
+    # 0-1: block 3; 1-1.5: block 2; 1.5-3.5: block 1; 3.5-5: the rest of block 2; 5-6: the rest of block 3
+    assert done == {1: pytest.approx(3.5), 2: pytest.approx(5.0), 3: pytest.approx(6.0)}
+
+
+def test_the_forward_overlaps_the_updates_of_the_last_blocks():
+    """Four blocks, each update 4 s against a 3 s backward. Gradients land at 3, 6, 9 and 12 s into the
+    backward (block 3 first); each new one preempts, so block 0 is done at 16, and the 1 s left of each of
+    blocks 1-3 is worked off while the one before runs forward: the step is the compute (16 s) and block
+    0's 4 s. In landing order (block 3 first) block 0 would be done at 19 and the step 23."""
+    units = [_block(i, update_s=4.0) for i in range(4)]
+    assert simulate_step(units, _rates()) == pytest.approx(20.0)
+
+
+def test_a_load_takes_a_free_slot():
+    """One slot: a block's load waits for the previous block's compute; loads then never overlap compute."""
+    units = [_block(i, load_bytes=2.0) for i in range(3)]
+    one = simulate_step(units, _rates(h2d=1.0, block_slots=1))
+    two = simulate_step(units, _rates(h2d=1.0, block_slots=2))
+    assert one > two
+    # One slot: the three forwards each after a 2 s load; the last block stays for its backward; the two
+    # others reload.
+    assert one == pytest.approx(3 * (2.0 + 1.0) + 3.0 + 2 * (2.0 + 3.0))
+
+
+def test_a_streamed_unit_waits_for_a_free_staging_set():
+    """Upload, backward and write-back 1 s each: with two sets each block's upload waits for the write-back of
+    the block two before it, which ends with the previous block's backward, so the compute idles; with three
+    the upload runs beside the previous backward."""
+    units = [
+        _block(i, "streamed", stage_bytes=1.0, writeback_bytes=1.0, backward_s=1.0, forward_s=0.1) for i in range(6)
+    ]
+    rates = _rates(h2d=1.0, d2h=1.0, duplex=2.0)
+    two, three = (simulate_step(units, dataclasses.replace(rates, staging_sets=n)) for n in (2, 3))
+    assert two > three + 1.0
+
+
+def test_the_forward_loads_slow_down_while_the_host_optimizer_works():
+    units = [_block(i, load_bytes=1.0, update_s=5.0) for i in range(2)]
+    fast = simulate_step([dataclasses.replace(u, update_s=0.0) for u in units], _rates(h2d=1.0))
+    slow = simulate_step(units, _rates(h2d=1.0))
+    assert H2D_BESIDE_HOST < 1.0
+    assert slow > fast
+
+
+@pytest.mark.parametrize("change", [{"h2d": 0.0}, {"duplex": -1.0}, {"block_slots": 0}, {"staging_sets": 0}])
+def test_rates_that_cannot_be_are_refused(change):
+    with pytest.raises(ValueError, match="schedule rates"):
+        _rates(**change)
+
+
+def test_the_plan_takes_the_larger_of_the_schedule_and_the_resources():
+    from slide_core.testing import ToyConfig, ToyModel
+
+    model = ToyModel(ToyConfig(vocab_size=4096, hidden_size=256, num_heads=4, intermediate_size=768, num_layers=6))
+    slow_host = Bandwidths(cpu_adam_gparams=0.01, host_mem_gbps=1000.0, h2d_gbps=50.0, d2h_gbps=50.0)
+    plan = make_plan(PlanInputs(model, batch_size=4, seq_len=128, bandwidths=slow_host))
+    # The schedule has the host optimizer in it (its idle start too); the other resources bound it.
+    others = max(t for r, t in plan.resource_s.items() if r != "cpu")
+    assert plan.step_time_s > others
+    assert plan.resource_bound_s == max(plan.compute_s, plan.pcie_s, plan.update_s, plan.disk_s)
+    assert plan.to_dict()["resource_bound_s"] == plan.resource_bound_s
