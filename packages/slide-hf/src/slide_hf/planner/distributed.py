@@ -80,6 +80,8 @@ class DataParallelPlan:
     interconnect_bytes: float
     """Bytes through each GPU's link per step (the ring's ``(N - 1) / N`` of every collective)."""
     step_time_s: float
+    """The larger of the interconnect's time and the largest of the others times the single process's
+    ordering cost (its plan's step over its largest resource, ``Plan.resource_bound_s``)."""
     binding: str
 
     @property
@@ -160,6 +162,11 @@ def plan_data_parallel(
         "interconnect": interconnect_s,
     }
     binding = max(limits, key=limits.__getitem__)
+    # The schedule (slide_hf/planner/step_schedule.py) runs one process's order; a rank keeps that order,
+    # so its step stands to its largest own resource as the single process's does. The collectives are
+    # not in that order: they bound the step as they are.
+    ordering = rank.step_time_s / rank.resource_bound_s if rank.resource_bound_s > 0 else 1.0
+    own = max(t for name, t in limits.items() if name != "interconnect")
     return DataParallelPlan(
         rank=rank,
         nproc_per_node=nproc_per_node,
@@ -175,7 +182,7 @@ def plan_data_parallel(
         disk_s=rank.disk_s / nnodes,
         interconnect_s=interconnect_s,
         interconnect_bytes=link_bytes,
-        step_time_s=max(limits.values()),
+        step_time_s=max(own * ordering, interconnect_s),
         binding=binding,
     )
 
