@@ -2,23 +2,23 @@
 runs them, on the servers that run them; the steady-state step time that order gives.
 
 Why a schedule and not only the busiest resource (slide_hf/planner/unit_costs.py): the resources of a step do
-not overlap freely. A unit's next-step load waits for its update, and the host optimizer takes the gradients
-in the backward's order, so the first blocks the next forward needs are the last the host updates: the tail
-of the host's updates and the forward's loads run one after the other, not side by side. Measured on an H100
-host (16 cores, 128 GiB), llama3.1-8b at batch 16 x 1024, ``--gpu-memory 24``, every block host-updated from
-an fp32 master: a 2.17 s step whose busiest resource (GPU compute) took 1.53 s; the resource maximum predicted
-1.54 s. Likewise a unit's backward needs its slot, which frees only when the gradient in it has left, and a
-streamed unit's staging upload needs a free staging set, which frees only when an earlier unit's master and
-moments are back on the host (Note [Three staging sets] in slide_core/engine/update_staging.py).
+not overlap freely. A unit's next-step load waits for its update; the host optimizer cannot start before
+the first gradient lands and works off its backlog while the next forward loads, which reads host memory
+beside it. Measured on an H100 host (16 cores, 128 GiB), llama3.1-8b at batch 16 x 1024, ``--gpu-memory
+24``, every block host-updated from an fp32 master: a 2.17 s step whose busiest resource (GPU compute) took
+1.53 s; the resource maximum predicted 1.54 s. Likewise a unit's backward needs its slot, which frees only
+when the gradient in it has left, and a streamed unit's staging upload needs a free staging set, which frees
+only when an earlier unit's master and moments are back on the host (Note [Three staging sets] in
+slide_core/engine/update_staging.py).
 
 The model: four servers, each doing one thing at a time in the engine's order: the GPU's compute stream
 (forward, backward, the head, GPU updates), the host-to-device copies (weight loads and streamed units'
-staging), the device-to-host copies (gradients and streamed units' write-backs) and the host optimizer
-(updates in gradient arrival order). An operation starts when its server is free and what it needs has
+staging), the device-to-host copies (gradients and streamed units' write-backs) and the host optimizer. An operation starts when its server is free and what it needs has
 finished:
 
 - a forward load: the unit's update of the previous step, and a free slot (``block_slots`` slots for blocks,
-  round robin; the embedding and head have their own);
+  the earliest freed first; the embedding and head have their own); it runs at ``H2D_BESIDE_HOST`` of the
+  link's rate while the host optimizer works;
 - a forward or backward: the unit's load (or staging upload), and the compute stream;
 - a host-updated unit's gradient d2h: its backward; its host update: the gradient, and the optimizer, which
   works on the landed gradient the next forward needs first (Note [Optimizer priority] in
@@ -104,8 +104,10 @@ class ScheduleRates:
 
     @property
     def both_ways_share(self) -> float:
-        """Each direction's share of its rate alone while both copy at once."""
-        return min(1.0, self.duplex / (self.h2d + self.d2h))
+        """Each direction's share of its rate alone while both copy at once: the two together reach
+        ``duplex``, and never less than the faster direction alone (a default duplex rate, derived from
+        the slower direction, would otherwise throttle a fast one beside a slow one)."""
+        return min(1.0, max(self.duplex, self.h2d, self.d2h) / (self.h2d + self.d2h))
 
 
 class _Servers:
