@@ -70,7 +70,7 @@ def streaming_order(
     streamed: set[str] = set()
     totals = step_resources(fixed, units, streamed)
     held = 0
-    order = []
+    order: list[tuple[str, float]] = []
     while True:
         best: tuple[float, UnitCost] | None = None
         for unit in units:
