@@ -326,6 +326,15 @@ def render(
         )
     )
     lines += [_row(f"  {name}", f"{seconds:.3g} s") for name, seconds in plan.resource_s.items()]
+    if plan.resource_bound_s > 0:
+        ordering = plan.step_time_s / plan.resource_bound_s - 1
+        lines.append(
+            _row(
+                "  in engine order",
+                f"{plan.step_time_s:.3g} s",
+                f"{ordering:+.0%} on the busiest resource: loads wait for updates, slots and staging sets",
+            )
+        )
     if rates_source is not None:
         lines.append(_row("  rates", "", rates_source))
     overlap_note = (
