@@ -94,10 +94,17 @@ def test_the_forward_loads_slow_down_while_the_host_optimizer_works():
     assert slow > fast
 
 
-@pytest.mark.parametrize("change", [{"h2d": 0.0}, {"duplex": -1.0}, {"block_slots": 0}, {"staging_sets": 0}])
+@pytest.mark.parametrize(
+    "change", [{"h2d": 0.0}, {"duplex": -1.0}, {"block_slots": 0}, {"staging_sets": 0}, {"micro_batches": 0}]
+)
 def test_rates_that_cannot_be_are_refused(change):
     with pytest.raises(ValueError, match="schedule rates"):
         _rates(**change)
+
+
+def test_an_unknown_placement_is_refused():
+    with pytest.raises(ValueError, match=r"block\.0: placement must be one of host, streamed, resident"):
+        _block(0, "disk")
 
 
 def test_the_plan_takes_the_larger_of_the_schedule_and_the_resources():

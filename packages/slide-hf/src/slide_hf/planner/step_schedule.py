@@ -63,7 +63,8 @@ class UnitWork:
     """One unit's work in a step (seconds, bytes), in forward order in :func:`simulate_step`'s ``units``.
 
     ``placement``: ``host`` (gradient out, host update), ``streamed`` (master and moments in for the
-    backward, GPU update, back out) or ``resident`` (GPU update; no transfers). ``forward_s`` and
+    backward, GPU update, back out; only a unit with one gradient contribution per step, which the engine
+    updates on the GPU: pass ``host`` for one with several) or ``resident`` (GPU update; no transfers). ``forward_s`` and
     ``backward_s``: GPU compute per micro-batch (the head's forward and backward both in ``forward_s``).
     ``load_bytes``: one weight load; ``loads_in_backward``: whether the backward loads it again (False for
     the embedding, whose backward reads no weights, and the head, computed at once). ``stage_bytes``,
@@ -86,6 +87,13 @@ class UnitWork:
     is_block: bool = True
     loads_in_backward: bool = True
 
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"{self.name}: placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+
+
+PLACEMENTS = ("host", "streamed", "resident")
+
 
 @dataclass(frozen=True)
 class ScheduleRates:
@@ -99,7 +107,10 @@ class ScheduleRates:
     micro_batches: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.h2d, self.d2h, self.duplex) <= 0 or self.block_slots < 1 or self.staging_sets < 1:
+        if (
+            min(self.h2d, self.d2h, self.duplex) <= 0
+            or min(self.block_slots, self.staging_sets, self.micro_batches) < 1
+        ):
             raise ValueError(f"schedule rates must be positive, got {self}")
 
     @property
