@@ -11,26 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_planner_measured_h200 import LLAMA_8B
 
 from slide_hf.machine_rates import HostIdentity, MachineRates
 from slide_hf.planner import ModelShape, PlanInputs, make_plan
 
 GiB = 1 << 30
-
-LLAMA_8B = ModelShape(
-    embedding_numel=128_256 * 4096,
-    block_numels=(218_112_000,) * 32,
-    head_numel=128_256 * 4096 + 4096,
-    params=8_030_261_248,
-    block_params=218_112_000 * 32,
-    tied=False,
-    hidden_size=4096,
-    num_heads=32,
-    head_dim=128,
-    kv_dim=1024,
-    intermediate_size=14_336,
-    vocab_size=128_256,
-)
 
 LLAMA_3B = ModelShape(
     embedding_numel=128_256 * 3072,

@@ -102,6 +102,14 @@ def test_rates_that_cannot_be_are_refused(change):
         _rates(**change)
 
 
+def test_an_infinite_link_makes_transfers_free():
+    """A rate of inf (a link the plan need not price) is free, never a NaN step."""
+    units = [_block(i, load_bytes=5.0, grad_bytes=5.0) for i in range(3)]
+    assert simulate_step(units, _rates(h2d=float("inf"), d2h=float("inf"), duplex=float("inf"))) == pytest.approx(
+        3 * (1.0 + 3.0)
+    )
+
+
 def test_an_unknown_placement_is_refused():
     with pytest.raises(ValueError, match=r"block\.0: placement must be one of host, streamed, resident"):
         _block(0, "disk")

@@ -41,6 +41,7 @@ micro-batches' forward and backward run back to back, the updates after the last
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -118,6 +119,8 @@ class ScheduleRates:
         """Each direction's share of its rate alone while both copy at once: the two together reach
         ``duplex``, and never less than the faster direction alone (a default duplex rate, derived from
         the slower direction, would otherwise throttle a fast one beside a slow one)."""
+        if math.isinf(max(self.duplex, self.h2d, self.d2h)):  # a free link (or direction) slows nothing
+            return 1.0
         return min(1.0, max(self.duplex, self.h2d, self.d2h) / (self.h2d + self.d2h))
 
 
@@ -147,7 +150,7 @@ class _Servers:
 
 
 class _SlotPool:
-    """``count`` slots handed out round robin: the earliest freed first."""
+    """``count`` slots, each handed out again once freed: the earliest freed first."""
 
     def __init__(self, count: int) -> None:
         self._free = [0.0] * count
@@ -216,7 +219,6 @@ def _micro_batch(
     """One forward and backward over ``units``, with the updates after it when ``last``."""
     sliding_blocks = [u for u in units if u.placement != "resident" and u.is_block]
     kept = {u.name for u in sliding_blocks[-rates.block_slots :]}  # still in a slot at the turnaround
-    slot_of: dict[str, bool] = {}  # units holding a block slot from the forward into the backward
     loaded: dict[str, float] = {}
     # -- forward: loads (after the unit's previous update) ahead of the compute, as slots free up --
     for unit in units:
@@ -232,11 +234,8 @@ def _micro_batch(
             )
             loaded[unit.name] = ready
         end = servers.run("compute", ready, unit.forward_s)
-        if unit.placement != "resident" and unit.is_block:
-            if unit.name in kept:
-                slot_of[unit.name] = True
-            else:
-                blocks.give(end)
+        if unit.placement != "resident" and unit.is_block and unit.name not in kept:
+            blocks.give(end)
     # -- backward, in reverse: load or stage, compute, then the gradient out or the update on the GPU --
     h2d_rate, d2h_rate = rates.h2d * share, rates.d2h * share
     streamed_done: list[float] = []  # write-back ends of the streamed units so far, in backward order
@@ -246,10 +245,10 @@ def _micro_batch(
         slot_free = 0.0
         if unit.placement == "streamed":
             set_free = streamed_done[-rates.staging_sets] if len(streamed_done) >= rates.staging_sets else 0.0
-            if unit.is_block and unit.name not in slot_of:
+            if unit.is_block and unit.name not in kept:
                 slot_free = blocks.take()
             ready = servers.run("h2d", max(set_free, slot_free), unit.stage_bytes / h2d_rate)
-        elif unit.placement != "resident" and unit.loads_in_backward and unit.name not in slot_of:
+        elif unit.placement != "resident" and unit.loads_in_backward and unit.name not in kept:
             slot_free = blocks.take() if unit.is_block else 0.0
             ready = servers.run("h2d", slot_free, unit.load_bytes / h2d_rate)
         elif unit.name in loaded:
