@@ -21,7 +21,7 @@ run e2e_8b_24g python3 bench/e2e.py --model llama3.1-8b --batch-size 16 --seq-le
 run e2e_14b python3 bench/e2e.py --model qwen2.5-14b --batch-size 16 --seq-len 1024 --steps 5 \
     --json "$out/e2e_14b.json"
 mkdir -p /tmp/slide-io-bench
-run io python3 bench/io.py --dir /tmp/slide-io-bench --size-gb 1 --repeat 2 --json "$out/io.json"
+run io python3 bench/io_bench.py --dir /tmp/slide-io-bench --size-gb 1 --repeat 2 --json "$out/io.json"
 python3 - "$out" <<'PY'
 import json, sys, pathlib
 for f in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python bench/io.py --dir /mnt/nvme --size-gb 4 --json io.json
-    python bench/io.py --dir /mnt/nvme --size-gb 1 --sweep --json sweep.json
-    python bench/io.py --dir /mnt/nvme --size-gb 1 --sweep --sweep-threads 2,4,8 --sweep-chunk-mb 8,16
+    python bench/io_bench.py --dir /mnt/nvme --size-gb 4 --json io.json
+    python bench/io_bench.py --dir /mnt/nvme --size-gb 1 --sweep --json sweep.json
+    python bench/io_bench.py --dir /mnt/nvme --size-gb 1 --sweep --sweep-threads 2,4,8 --sweep-chunk-mb 8,16
 
 First ``dd`` writes ``--size-gb`` of zeros to a file in ``--dir`` with ``oflag=direct`` and reads it back
 with ``iflag=direct``, once per ``--dd-block-mb`` block size (a comma list; the best write and the best
@@ -471,7 +471,7 @@ def _positive_ints(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="example: python bench/io.py --dir /mnt/nvme --size-gb 1 --sweep --json sweep.json",
+        epilog="example: python bench/io_bench.py --dir /mnt/nvme --size-gb 1 --sweep --json sweep.json",
     )
     parser.add_argument("--dir", type=Path, required=True, help="directory on the device to measure")
     parser.add_argument("--size-gb", type=float, default=1.0, help="bytes moved per test, in GiB")

@@ -5,7 +5,7 @@ Times forward+backward (median of ``triton.testing.do_bench``) and the extra pea
 inputs), at Llama-3.1-8B shapes by default. Prints a markdown table and, with ``--json``, writes the
 numbers. Needs a CUDA device; ``--help`` works anywhere.
 
-    python bench/kernels.py --tokens 16384 --hidden 4096 --vocab 128256 --dtype bfloat16 --json out.json
+    python bench/kernel_bench.py --tokens 16384 --hidden 4096 --vocab 128256 --dtype bfloat16 --json out.json
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("bench/kernel_bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""bench/io.py: the sweep's arguments, and the keys of its JSON report on a tiny run."""
+"""bench/io_bench.py: the sweep's arguments, and the keys of its JSON report on a tiny run."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "io.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "io_bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    """bench/io.py as a module (its file name would shadow the standard library's ``io`` on sys.path)."""
+    """bench/io_bench.py as a module, loaded from its path (bench/ is not a package)."""
     spec = importlib.util.spec_from_file_location("slide_bench_io", BENCH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -11,14 +11,14 @@ path. ``mode`` says what actually moves the bytes:
 
 For CUDA tensors kvikio's own thread pool moves the bytes in tasks of ``chunk_bytes`` (its ``task_size``);
 the size of that pool is kvikio's process-wide setting (``KVIKIO_NTHREADS``, default 1), not
-``io_threads``, which only drives the POSIX path. ``bench/io.py --sweep`` sets the pool size per row.
+``io_threads``, which only drives the POSIX path. ``bench/io_bench.py --sweep`` sets the pool size per row.
 
 Note [Compat mode takes the POSIX path]: in compat mode kvikio itself reads and writes with POSIX calls
 through its own bounce buffers, so nothing is gained over this tier's POSIX path, which stages CUDA
 tensors through page-locked bounce buffers (one per I/O thread, O_DIRECT, chunks in parallel). The two
 differ in speed, though: on the H200 machine (virtio disk, no nvidia-fs) kvikio's compat reads reached
 80% of dd and the POSIX tier's 89% (docs/benchmarks.md). So the tier uses kvikio only for real GDS,
-unless ``kvikio_in_compat=True`` (``bench/io.py --tiers gds-kvikio`` measures both). ``mode`` still
+unless ``kvikio_in_compat=True`` (``bench/io_bench.py --tiers gds-kvikio`` measures both). ``mode`` still
 reports what kvikio would do.
 
 The caller must have finished producing a CUDA tensor (synchronise its stream) before ``put``, and must not

@@ -58,15 +58,15 @@ from slide_io._futures import failed, gather
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_IO_THREADS", "PosixNvmeTier"]
 
 DEFAULT_IO_THREADS = 4
-"""I/O threads per tier when the caller gives none (``GdsTier`` and ``bench/io.py`` share it).
+"""I/O threads per tier when the caller gives none (``GdsTier`` and ``bench/io_bench.py`` share it).
 
-Set it to the io-threads of the row ``python bench/io.py --sweep`` marks "best get" on the target disk:
+Set it to the io-threads of the row ``python bench/io_bench.py --sweep`` marks "best get" on the target disk:
 reads sit on the critical path of the forward pass, writes overlap compute."""
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 """Bytes per I/O request and per bounce buffer when the caller gives none; a multiple of 4 KiB.
 
-Set it from the same ``bench/io.py --sweep`` row as ``DEFAULT_IO_THREADS`` (its chunk MiB << 20)."""
+Set it from the same ``bench/io_bench.py --sweep`` row as ``DEFAULT_IO_THREADS`` (its chunk MiB << 20)."""
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
@@ -165,7 +165,7 @@ class PosixNvmeTier(Tier):
     ``direct``: None probes O_DIRECT and uses it if the filesystem accepts it; True requires it (open fails
     otherwise); False never uses it. ``chunk_bytes`` (a multiple of 4 KiB) is the unit of work per thread
     and the size of each thread's bounce buffer; ``io_threads`` requests run at once. Their defaults,
-    ``DEFAULT_IO_THREADS`` and ``DEFAULT_CHUNK_BYTES``, come from ``bench/io.py --sweep``.
+    ``DEFAULT_IO_THREADS`` and ``DEFAULT_CHUNK_BYTES``, come from ``bench/io_bench.py --sweep``.
     ``alloc(numel, torch.uint8)`` allocates the bounce buffers: pass ``device.alloc_pinned`` so CUDA
     tensors are staged through page-locked memory.
 
