@@ -16,30 +16,38 @@ of the layouts before this one (one file per array; a manifest over one folder p
 same reader (legacy.py).
 
 One job per module: :mod:`.arrays` (what is written and read), :mod:`.manifest` (``state.json``),
-:mod:`.writer` (saving), :mod:`.reader` (loading and verifying), :mod:`.catalog` (a run's checkpoints),
+:mod:`.writer` (saving), :mod:`.background` (saving on a thread while training goes on), :mod:`.reader`
+(loading and verifying), :mod:`.catalog` (a run's checkpoints), :mod:`.retention` (which of them stay),
 :mod:`.legacy` (the older layouts), :mod:`.errors`.
 """
 
 from .arrays import ArraySink, ArraySource, Shard
+from .background import BackgroundSaver
 from .catalog import find_latest, list_checkpoints, newest_intact, prune_checkpoints
 from .errors import CheckpointCorrupt, CheckpointWriteError
 from .manifest import read_state
 from .reader import load_checkpoint, verify_checkpoint
-from .writer import CheckpointGroup, save_checkpoint
+from .retention import prune, retained
+from .writer import CheckpointGroup, checkpoint_nbytes, format_size, save_checkpoint
 
 __all__ = [
     "ArraySink",
     "ArraySource",
+    "BackgroundSaver",
     "CheckpointCorrupt",
     "CheckpointGroup",
     "CheckpointWriteError",
     "Shard",
+    "checkpoint_nbytes",
     "find_latest",
+    "format_size",
     "list_checkpoints",
     "load_checkpoint",
     "newest_intact",
+    "prune",
     "prune_checkpoints",
     "read_state",
+    "retained",
     "save_checkpoint",
     "verify_checkpoint",
 ]

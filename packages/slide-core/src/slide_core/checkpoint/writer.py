@@ -35,7 +35,7 @@ from .catalog import CHECKPOINT_PREFIX, list_checkpoints
 from .errors import CheckpointWriteError
 from .manifest import FORMAT, STATE_FILE, checksum, shard_file_name
 
-__all__ = ["CheckpointGroup", "save_checkpoint"]
+__all__ = ["CheckpointGroup", "checkpoint_nbytes", "format_size", "save_checkpoint"]
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -60,7 +60,9 @@ def save_checkpoint(
     :class:`~.arrays.Shard`) and ``extra`` (the run state) as ``root/step-NNNNNNNN``, atomically. With a
     ``group`` every rank calls it with its own shards (Note [One shard per rank]). A source is read
     through one 256 MiB buffer, so saving it takes no more host memory than that, whatever its size.
-    Raises :class:`CheckpointWriteError` when the disk refuses, naming the checkpoint that is kept."""
+    Raises :class:`CheckpointWriteError` when the disk refuses, naming the checkpoint that is kept; when
+    the disk is full, with the bytes the whole checkpoint needs and those free at ``root``
+    (:func:`checkpoint_nbytes`)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"a checkpoint step must be an integer >= 0, got {step!r}")
     rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
@@ -88,9 +90,9 @@ def save_checkpoint(
         _clean(staging, shard, alone)
         space = ""
         if error.errno in _NO_SPACE:
-            needed = sum(_nbytes(array) for array in arrays.values())
             with contextlib.suppress(OSError):
-                space = f" (needs {needed / 2**30:.2f} GiB, {shutil.disk_usage(root).free / 2**30:.2f} GiB free)"
+                free = shutil.disk_usage(root if root.exists() else root.parent).free  # after the clean-up
+                space = f" (needs {format_size(checkpoint_nbytes(arrays, extra))}, {format_size(free)} free at {root})"
         kept = f"the previous checkpoint {previous[-1]} is kept" if previous else "no earlier checkpoint exists"
         raise CheckpointWriteError(
             error.errno, f"cannot write checkpoint {final}: {error.strerror or error}{space}; {kept}"
@@ -108,6 +110,30 @@ def _clean(staging: Path, shard: Path, alone: bool) -> None:
         return
     for file in (shard, shard.with_suffix(".json")):
         file.unlink(missing_ok=True)
+
+
+def checkpoint_nbytes(arrays: Mapping[str, torch.Tensor | ArraySource], extra: Mapping[str, Any]) -> int:
+    """Bytes of the whole checkpoint that ``arrays`` and ``extra`` make, every rank's shard file included
+    (a rank's ``arrays`` name the whole array each is a shard of) and ``state.json``: what a save needs
+    free on the disk. ``state.json`` is estimated from what it lists (``extra``, the block CRCs, a few
+    hundred bytes per array): it is KiB beside the shards' GiB."""
+    total = 0
+    blocks = 0
+    for array in arrays.values():
+        whole, _ = placement(array)
+        nbytes = whole * array.dtype.itemsize
+        total += nbytes
+        blocks += -(-nbytes // manifest.BLOCK_BYTES)
+    return total + len(json.dumps(dict(extra))) + 12 * blocks + 512 * (len(arrays) + 2)
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` as messages say it: in GiB from 1 GiB on, else in MiB, KiB or bytes, so that a small
+    checkpoint never reads ``0.00 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 def _nbytes(array: torch.Tensor | ArraySource) -> int:

@@ -1,0 +1,163 @@
+"""Checkpoints written on a thread while training goes on, from a snapshot taken between two steps.
+
+Note [Background snapshot]: the saved state must be that of one step boundary, but the next step updates
+the master and optimizer state in place (host slabs, GPU, a state tier). So :meth:`BackgroundSaver.submit`
+first copies every array, in the caller's thread and before it returns, into host tensors of its own
+(one checkpoint's bytes of pageable host memory, freed when the write ends); the thread then writes
+those copies and nothing else. The caller submits between steps, after the engine has finished every
+update (``Engine.checkpoint_arrays`` waits for them), so the copy is the state of that boundary, and the
+files are byte for byte those a save in the foreground of the same step writes
+(``test_background_checkpoint_equals_foreground``).
+
+The write itself is :func:`~.writer.save_checkpoint`, atomic as ever: a failure on the thread leaves no
+published checkpoint, only a staging directory it removes, and is raised in the caller's thread by the
+next :meth:`~BackgroundSaver.poll`, :meth:`~BackgroundSaver.wait` or :meth:`~BackgroundSaver.submit`, or
+by closing the saver. One save is in flight at a time: a new one waits for the previous.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from . import manifest
+from .arrays import ArraySource, Interval, Shard, placement
+from .writer import CheckpointGroup, save_checkpoint
+
+__all__ = ["BackgroundSaver", "snapshot"]
+
+log = logging.getLogger("slide.checkpoint")
+
+
+@dataclass(frozen=True)
+class _ShardCopy:
+    """A copied :class:`~.arrays.Shard` source: its elements in a host tensor, its place in the whole
+    array kept (the checkpoint records it)."""
+
+    data: torch.Tensor
+    whole_numel: int
+    intervals: tuple[Interval, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.data.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def read_into(self, start: int, out: torch.Tensor) -> None:
+        out.copy_(self.data[start : start + out.numel()])
+
+
+def snapshot(arrays: Mapping[str, torch.Tensor | ArraySource]) -> dict[str, torch.Tensor | ArraySource]:
+    """A copy of every array in host memory of its own (Note [Background snapshot]): a tensor is cloned,
+    a source read block by block into a new tensor; a shard keeps its place in the whole array."""
+    copies: dict[str, torch.Tensor | ArraySource] = {}
+    for name, array in arrays.items():
+        if isinstance(array, torch.Tensor):
+            data = array.detach().to("cpu", copy=True).contiguous()
+        else:
+            data = torch.empty(array.numel, dtype=array.dtype)
+            per_block = max(1, manifest.BLOCK_BYTES // array.dtype.itemsize)
+            for start in range(0, array.numel, per_block):
+                array.read_into(start, data[start : start + per_block])
+        if isinstance(array, Shard):
+            whole, intervals = placement(array)
+            copies[name] = _ShardCopy(data, whole, intervals)
+        else:
+            copies[name] = data
+    return copies
+
+
+@dataclass
+class _Pending:
+    step: int
+    future: Future[Path]
+    then: Callable[[Path], None]
+
+
+class BackgroundSaver:
+    """Writes one checkpoint at a time on its own thread (Note [Background snapshot]). A context
+    manager: the thread starts in ``__enter__``; ``__exit__`` (or :meth:`close`, safe to call twice)
+    waits for the save in flight, so a run that ends or fails still leaves it complete or absent.
+
+    ``group``: the ranks that save together. Only a world of one may save in the background: a save of
+    several ranks meets at barriers, and collectives must not run on a thread beside the training's."""
+
+    def __init__(self, group: CheckpointGroup | None = None) -> None:
+        if group is not None and group.world_size != 1:
+            raise ValueError("a background checkpoint is written by one process; this group has several")
+        self._group = group
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: _Pending | None = None
+
+    def __enter__(self) -> BackgroundSaver:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-checkpoint")
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        if error is None:
+            self.close()
+            return
+        try:  # the run failed: still finish the save in flight, and let the run's own error through
+            self.close()
+        except Exception as failure:
+            log.error("the checkpoint written in the background failed too: %s", failure)
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose save is in flight, or ``None``."""
+        return None if self._pending is None else self._pending.step
+
+    def submit(
+        self,
+        root: Path,
+        step: int,
+        arrays: Mapping[str, torch.Tensor | ArraySource],
+        extra: Mapping[str, Any],
+        then: Callable[[Path], None] = lambda path: None,
+    ) -> None:
+        """Wait for the save in flight (raising its error), copy ``arrays`` (they may change as soon as
+        this returns) and write them as checkpoint ``root/step-NNNNNNNN`` on the thread. ``then`` runs in
+        the caller's thread, with the published path, when a later call collects the save."""
+        if self._pool is None:
+            raise RuntimeError("BackgroundSaver.submit needs an open saver (use it as a context manager)")
+        self.wait()
+        copies = snapshot(arrays)
+        future = self._pool.submit(save_checkpoint, root, step, copies, dict(extra), self._group)
+        self._pending = _Pending(step, future, then)
+
+    def poll(self) -> Path | None:
+        """Collect the save in flight if it has finished, without waiting: its path (after its ``then``
+        ran), or ``None`` when none finished. Raises the save's error."""
+        if self._pending is None or not self._pending.future.done():
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight and collect it (note: blocks until the write is on disk); its path,
+        or ``None`` when none was in flight. Raises the save's error."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        path = pending.future.result()
+        pending.then(path)
+        return path
+
+    def close(self) -> None:
+        """Wait for the save in flight and stop the thread; raises the save's error."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
