@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["DECAY_SHAPES", "SCHEDULES", "LRSchedule", "warmup_from_ratio"]
+__all__ = ["DECAY_SHAPES", "FLOORED", "SCHEDULES", "LRSchedule", "warmup_from_ratio"]
 
 SCHEDULES = ("constant", "linear", "cosine", "wsd", "cosine_with_restarts", "polynomial", "inverse_sqrt")
 DECAY_SHAPES = ("linear", "cosine")

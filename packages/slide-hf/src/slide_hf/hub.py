@@ -5,6 +5,13 @@ through ``huggingface_hub`` (a dependency of transformers): the cached snapshot 
 network, so a cluster node without internet works from a pre-filled cache), else a download of the files
 a fine-tune needs (config, safetensors weights, tokenizer and generation config). ``HF_HUB_OFFLINE=1``
 forbids the download. Every failure is one line that says what to do.
+
+The other way, ``--push-to-hub org/name`` uploads an exported model: `slide export`'s output, or the
+model `slide train` writes at the end of a run. A run checks what it can before training starts (the
+repository id, ``HF_HUB_OFFLINE``, and that the repository can be created with the credentials at hand),
+so an hour of training does not end in a refusal it could have had at once. A push that fails at the end
+leaves the run as it is and names the command that retries it, `slide export RUN --push-to-hub REPO`,
+which pushes the run's finished model without exporting it again.
 """
 
 from __future__ import annotations
@@ -16,7 +23,17 @@ from pathlib import Path
 from slide_hf.errors import UserError
 from slide_hf.spelling import option
 
-__all__ = ["MODEL_FILES", "is_hub_id", "push_to_hub", "resolve_hub_model"]
+__all__ = [
+    "MODEL_FILES",
+    "check_repo_id",
+    "finished_model",
+    "is_hub_id",
+    "prepare_push",
+    "push_run_model",
+    "push_to_hub",
+    "resolve_hub_model",
+    "retry_command",
+]
 
 MODEL_FILES = (
     "*.json",
@@ -35,6 +52,12 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 def is_hub_id(name: str) -> bool:
     """``org/name`` with Hub-legal characters, and not a path that exists here."""
     return bool(_HUB_ID.match(name)) and not Path(name).expanduser().exists() and ".." not in name
+
+
+def check_repo_id(repo_id: str, *, flag: str = "--push-to-hub") -> None:
+    """Refuse, in one line, a repository id the Hub cannot have (it must be ``org/name``)."""
+    if not _HUB_ID.match(repo_id) or ".." in repo_id:
+        raise UserError(f"{flag} {repo_id!r} is not a Hub repository id (org/name)")
 
 
 def _offline() -> bool:
@@ -100,27 +123,109 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def push_to_hub(folder: Path, repo_id: str, *, private: bool = False, message: str) -> str:
+def push_to_hub(folder: Path, repo_id: str, *, private: bool = False, message: str, retry: str | None = None) -> str:
     """Upload an exported model directory to the Hub repository ``repo_id`` (created if needed); returns
     the repository's URL. The export stays on disk whatever happens: a failed push is one line and can be
-    retried with the same command."""
+    retried with the same command, or with ``retry`` where another one is needed."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
-    if not _HUB_ID.match(repo_id):
-        raise UserError(f"--push-to-hub {repo_id!r} is not a Hub repository id (org/name)")
+    check_repo_id(repo_id)
+    kept = f"the model stays in {folder}" + (f"; push it with `{retry}`" if retry else "")
     if _offline():
-        raise UserError(f"cannot push to {repo_id}: HF_HUB_OFFLINE is set; the model stays in {folder}")
+        raise UserError(f"cannot push to {repo_id}: HF_HUB_OFFLINE is set; {kept}")
     api = HfApi()
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message)
     except _network_errors() as error:  # no route, DNS, proxy, timeout: the Hub was never reached
+        again = "" if retry else " and push again"
         raise UserError(
             f"cannot reach the Hub at {_hub_host(api)} to push {repo_id} ({_first_line(error)}); check the network "
-            f"(or HF_ENDPOINT) and push again; the model stays in {folder}"
+            f"(or HF_ENDPOINT){again}; {kept}"
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"cannot push to {repo_id} ({first}); the model stays in {folder}") from None
+        raise UserError(f"cannot push to {repo_id} ({first}); {kept}") from None
     return str(url)
+
+
+def prepare_push(repo_id: str, *, private: bool = False) -> None:
+    """Before a run trains: refuse ``HF_HUB_OFFLINE`` and make sure the repository exists (created as the
+    HF Trainer creates it at the start, ``exist_ok``), so a missing login, a token without write access or
+    a name the user may not write is one line now rather than after the training."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    check_repo_id(repo_id)
+    if _offline():
+        raise UserError(
+            f"--push-to-hub {repo_id}: HF_HUB_OFFLINE is set, so the model could not be pushed at the end; unset "
+            "it, or train without --push-to-hub and push later with `slide export RUN --push-to-hub REPO`"
+        )
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    except _network_errors() as error:
+        raise UserError(
+            f"--push-to-hub {repo_id}: cannot reach the Hub at {_hub_host(api)} ({_first_line(error)}); check the "
+            "network (or HF_ENDPOINT); nothing was trained"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as error:
+        raise UserError(
+            f"--push-to-hub {repo_id}: cannot create the repository ({_first_line(error)}); log in with a token "
+            "that can write it (hf auth login, or HF_TOKEN); nothing was trained"
+        ) from None
+
+
+def retry_command(run: Path, repo_id: str, *, private: bool = False) -> str:
+    """The command that pushes ``run``'s finished model again (:func:`finished_model`)."""
+    return f"slide export {run} --push-to-hub {repo_id}" + (" --private" if private else "")
+
+
+def push_run_model(run: Path, model: Path, repo_id: str, *, private: bool, step: int) -> str:
+    """Push the model a run of ``run`` exported at its end (``step``); a failure is one line that says the
+    run is complete and names the command that retries the push."""
+    message = f"slide train: {run.name}, step {step}"
+    return push_to_hub(
+        model, repo_id, private=private, message=message, retry=retry_command(run, repo_id, private=private)
+    )
+
+
+def finished_model(source: Path, repo_id: str | None) -> tuple[Path, int | None]:
+    """What `slide export RUN --push-to-hub REPO` (no OUTPUT) pushes: the run's own ``model/`` and the
+    step it holds when it is the finished run's export (then it is pushed as it is: no export again, no
+    ``--overwrite``), or ``(RUN/model, None)`` when the run has no model yet (a failed final export): the
+    newest checkpoint is exported there first. A ``model/`` beside newer checkpoints (a resumed run that
+    did not finish) is not what the run is now, and is refused with the command that exports the newest."""
+    from slide_core.checkpoint import CheckpointCorrupt, find_latest, read_state
+    from slide_hf.resume import corrupt_message
+
+    if repo_id is None:
+        raise UserError(
+            "slide export needs an OUTPUT directory to write, or --push-to-hub REPO to push the run's own model"
+        )
+    if (source / "state.json").exists():
+        raise UserError(
+            f"{source} is one checkpoint; name an OUTPUT directory to export it into, then it is pushed: "
+            f"`slide export {source} OUT --push-to-hub {repo_id}`"
+        )
+    if not (source / "config" / "config.json").is_file():
+        raise UserError(f"{source} is not the output directory of a slide train run (it has no config/config.json)")
+    try:
+        state = read_state(find_latest(source))
+    except CheckpointCorrupt as error:
+        raise UserError(corrupt_message(error, lambda intact: f"export it with `slide export {intact} OUT`")) from None
+    step, extra = int(state["step"]), state.get("extra", {})
+    total = int(extra.get("total_steps", step)) if isinstance(extra, dict) else step
+    model = source / "model"
+    if not model.exists():
+        return model, None
+    if not ((model / "config.json").is_file() and any(model.glob("*.safetensors"))):
+        raise UserError(f"{model} holds no exported model (config.json and safetensors); move it aside and retry")
+    if step < total:
+        raise UserError(
+            f"{model} is not the model of the run's newest checkpoint (step {step} of {total}, not finished); "
+            f"export that one and push it: `slide export {source} OUT --push-to-hub {repo_id}`"
+        )
+    return model, step

@@ -56,6 +56,7 @@ from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineError
 from slide_core.engine.shards import UnitShards
 from slide_core.optim.state_formats import StateFormatMismatch
+from slide_core.schedule import warmup_from_ratio
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
 from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import RunStopped, UserError
@@ -140,6 +141,7 @@ def train(
     holds another run unless resuming or ``overwrite``, and a resumed run defaults to its own directory."""
     group = _process_group(cfg)
     cfg.validate(group.world_size)  # the options' rules for this many processes (slide_hf/options/validate.py)
+    _check_reporting(cfg, group)  # trackers and the Hub: refused before any data is read
     on_host = os.environ.get("LOCAL_WORLD_SIZE", "")
     ranks_on_host = int(on_host) if on_host.isdigit() and int(on_host) > 0 else group.world_size
     output = cfg.output or (run_of(cfg.resume) if cfg.resume is not None else default_output())
@@ -223,15 +225,42 @@ def _train(
             first_step,
             model_out,
         )
+        if main and cfg.push_to_hub is not None:
+            _push_model(cfg, run_dir.path, model_out, final_step)
         return TrainSummary(0, math.nan, math.nan, run_dir.path, model_out, [])
     if not losses:  # every step was skipped (non-finite gradients)
         raise UserError(f"no optimizer step was applied; the model was still written to {model_out}")
     log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
+    if main and cfg.push_to_hub is not None:
+        _push_model(cfg, run_dir.path, model_out, final_step)
     return TrainSummary(len(losses), losses[0], losses[-1], run_dir.path, model_out, losses)
 
 
 RunGroup = ProcessGroupContext | SingleProcess
 """This process's place in a run: a data-parallel rank's process groups, or a world of one."""
+
+
+def _check_reporting(cfg: TrainConfig, group: RunGroup) -> None:
+    """What would otherwise fail only once the run ends or its log opens, refused in one line before any
+    data is tokenized: a tracker package that is missing, and (rank 0, which pushes) a push that cannot
+    happen (``HF_HUB_OFFLINE``, a repository the credentials cannot create)."""
+    from slide_hf.trackers import check_trackers
+
+    if group.rank == 0:
+        check_trackers(cfg.report_to)
+        if cfg.push_to_hub is not None:
+            from slide_hf.hub import prepare_push
+
+            prepare_push(cfg.push_to_hub, private=cfg.hub_private)
+
+
+def _push_model(cfg: TrainConfig, run: Path, model_out: Path, step: int) -> None:
+    """``--push-to-hub``: upload the exported model; a failure keeps the run and names the retry."""
+    from slide_hf.hub import push_run_model
+
+    assert cfg.push_to_hub is not None
+    url = push_run_model(run, model_out, cfg.push_to_hub, private=cfg.hub_private, step=step)
+    log.info("pushed %s to %s", model_out, url)
 
 
 def _process_group(cfg: TrainConfig) -> RunGroup:
@@ -320,18 +349,33 @@ def _setup_data(
     epochs = cfg.epochs or (DEMO_EPOCHS if cfg.data is None else 1)
     total_steps = cfg.steps or epochs * batches.steps_per_epoch
     assert cfg.lr is not None  # resolved by _train, once, before the data
-    schedule = LRSchedule(
-        cfg.lr,
-        cfg.lr_schedule,
-        cfg.warmup_steps,
-        total_steps,
-        min_lr_ratio=cfg.min_lr_ratio,
-        decay_fraction=cfg.decay_fraction,
-        decay_shape=cfg.decay_shape,
-    )
+    schedule = _schedule(cfg, total_steps)
     if resumed is not None:
         schedule = resumed_schedule(*resumed, schedule, length=_length_option(cfg))
     return _Data(dataset, eval_set, batches, total_steps, schedule)
+
+
+def _schedule(cfg: TrainConfig, total_steps: int) -> LRSchedule:
+    """The run's lr curve over ``total_steps``; ``--warmup-ratio`` becomes steps here, where the length is
+    known. A shape the peak lr rules out (a polynomial ``--lr-end`` not below the default ``--lr``) is one line."""
+    assert cfg.lr is not None  # resolved by _train, once, before the data
+    warmup = warmup_from_ratio(total_steps, cfg.warmup_ratio) if cfg.warmup_ratio > 0 else cfg.warmup_steps
+    try:
+        return LRSchedule(
+            cfg.lr,
+            cfg.lr_schedule,
+            warmup,
+            total_steps,
+            min_lr_ratio=cfg.min_lr_ratio,
+            decay_fraction=cfg.decay_fraction,
+            decay_shape=cfg.decay_shape,
+            cycles=cfg.lr_cycles,
+            power=cfg.lr_power,
+            end_lr=cfg.lr_end,
+            timescale=cfg.lr_timescale,
+        )
+    except ValueError as error:
+        raise UserError(f"{option('lr_schedule', cfg.lr_schedule.value)}: {error}") from None
 
 
 def _length_option(cfg: TrainConfig) -> str:

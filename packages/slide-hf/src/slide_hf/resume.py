@@ -191,9 +191,9 @@ def resumed_schedule(checkpoint: Path, state: Mapping[str, Any], planned: LRSche
     if total == saved.final_steps or step >= total:
         return saved
     extended = saved.extend(step, total)
-    if saved.kind == "constant":
-        return extended  # a constant lr does not depend on the length
-    start, floor = saved.lr_at(step), saved.min_lr_ratio * saved.base_lr
+    if saved.kind in ("constant", "inverse_sqrt"):
+        return extended  # a constant or inverse-sqrt lr does not depend on the length
+    start, floor = saved.lr_at(step), saved.floor_lr
     log.info(
         "%s: the run now ends at step %d instead of %d; its %s lr continues from %.3g at step %d down to %.3g at "
         "the new end (docs/checkpoints.md)",

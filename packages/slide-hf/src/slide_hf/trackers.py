@@ -1,7 +1,10 @@
 """Experiment trackers behind ``--report-to``: TensorBoard, Weights & Biases and MLflow.
 
-Each tracker is an optional package, imported only when a run asks for it, so a missing one is one line at
-setup (before any weight is loaded), never a traceback after an hour of training. They all take the same
+Each tracker is an optional package, imported only when a run asks for it, so a missing one is one line
+before the run reads its data (:func:`check_trackers`), never a traceback after an hour of training.
+``--report-to none`` (the default) starts none. W&B and MLflow name the run ``--run-name`` (the output
+directory's name by default); W&B files its run under ``--wandb-project`` (else ``$WANDB_PROJECT``, else
+``slideformer``) and writes its local files where ``$WANDB_DIR`` says, else into the run directory. They all take the same
 per-step records as ``metrics.jsonl`` and log the numeric fields against the optimizer step.
 
 A tracker is a side channel: if it fails while training (a full disk under ``tensorboard/``, a tracking
@@ -22,7 +25,7 @@ from typing import Any, Protocol
 
 from slide_hf.errors import UserError
 
-__all__ = ["Tracker", "open_trackers"]
+__all__ = ["Tracker", "check_trackers", "open_trackers"]
 
 log = logging.getLogger("slide.train")
 
@@ -56,6 +59,18 @@ def _require(name: str) -> Any:
         ) from None
 
 
+def check_trackers(names: tuple[str, ...]) -> None:
+    """Import every tracker package ``names`` needs, refusing the first missing one in one line: called
+    before the run tokenizes its data or loads a weight, so the refusal costs nothing."""
+    for name in names:
+        _require(name)
+
+
+def _run_name(output: Path, options: Mapping[str, Any]) -> str:
+    """``--run-name``, else the output directory's name."""
+    return str(options.get("run_name") or output.name)
+
+
 class TensorBoardTracker:
     """Event files under ``<output>/tensorboard``, one scalar series per metric."""
 
@@ -78,18 +93,17 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """One W&B run per training run, named after the output directory. ``WANDB_MODE=offline`` keeps it local."""
+    """One W&B run per training run. ``WANDB_MODE=offline`` keeps it local. ``WANDB_DIR``, where the user
+    set it, is where W&B writes its files (W&B reads it when ``dir`` is not given); otherwise they go into
+    the run directory, beside the run's other outputs, rather than into the working directory."""
 
     name = "wandb"
 
     def __init__(self, output: Path, options: Mapping[str, Any]) -> None:
         wandb = _require("wandb")
-        self._run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "slideformer"),
-            name=output.name,
-            dir=str(output),
-            config=dict(options),
-        )
+        project = options.get("wandb_project") or os.environ.get("WANDB_PROJECT") or "slideformer"
+        where = {} if os.environ.get("WANDB_DIR") else {"dir": str(output)}
+        self._run = wandb.init(project=project, name=_run_name(output, options), config=dict(options), **where)
 
     def log(self, record: Mapping[str, Any], step: int) -> None:
         self._run.log(_numeric(record), step=step)
@@ -112,7 +126,7 @@ class MLflowTracker:
             self._mlflow.set_tracking_uri(self.local_uri(output))
         if self._mlflow.get_tracking_uri().startswith("file:"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self._mlflow.start_run(run_name=output.name)
+        self._mlflow.start_run(run_name=_run_name(output, options))
         self._mlflow.log_params({key: str(value) for key, value in options.items()})
 
     @staticmethod

@@ -26,6 +26,7 @@ log = logging.getLogger("slide.export")
 
 EPILOG = """examples:
   slide export runs/llama8b out/llama8b --push-to-hub me/llama8b-chat --private
+  slide export runs/llama8b --push-to-hub me/llama8b-chat  # push the finished run's model/ as it is
   slide export runs/llama8b out/llama8b-step-2000          # newest checkpoint of the run
   slide export runs/llama8b/checkpoints/step-00001000 out/step-1000 --save-dtype bfloat16
 """
@@ -40,7 +41,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("checkpoint", type=Path, help="a run's output directory or one of its checkpoints")
-    parser.add_argument("output", type=Path, help="the HF directory to write (must not exist)")
+    parser.add_argument(
+        "output",
+        type=Path,
+        nargs="?",
+        help="the HF directory to write (must not exist); left out with --push-to-hub, the run's own model/ is "
+        "pushed (exported first if the run has none)",
+    )
     parser.add_argument("--save-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing export (a directory holding a model) at OUTPUT"
@@ -62,6 +69,13 @@ def run(args: argparse.Namespace) -> int:
     from slide_hf.run_dir import clean_if_idle, locked, run_of
     from slide_hf.run_export import export_model
 
+    if args.output is None:  # push the run's own model: `slide train --push-to-hub`'s retry
+        from slide_hf.hub import finished_model
+
+        model_dir, final_step = finished_model(args.checkpoint.expanduser(), args.push_to_hub)
+        if final_step is not None:
+            return _push_finished(args.checkpoint.expanduser(), model_dir, final_step, args)
+        args.output = model_dir
     out = args.output.expanduser()
 
     def use(intact: Path) -> str:
@@ -122,6 +136,17 @@ def run(args: argparse.Namespace) -> int:
 
         url = push_to_hub(out, args.push_to_hub, private=args.private, message=f"slide export of step {state['step']}")
         print(f"pushed {out} to {url}")
+    return 0
+
+
+def _push_finished(run_dir: Path, model_dir: Path, step: int, args: argparse.Namespace) -> int:
+    """Push a finished run's ``model/`` as it is, holding the run so no resume rewrites it meanwhile."""
+    from slide_hf.hub import push_run_model
+    from slide_hf.run_dir import locked
+
+    with locked(run_dir):
+        url = push_run_model(run_dir, model_dir, args.push_to_hub, private=args.private, step=step)
+    print(f"pushed {model_dir} (step {step}) to {url}")
     return 0
 
 

@@ -252,6 +252,31 @@ class TrainConfig:
     decay_shape: DecayShape = option(
         DecayShape.LINEAR, help="wsd: shape of the decay to the floor (default {default})", choices=DecayShape
     )
+    warmup_ratio: float = option(
+        0.0,
+        help="linear warmup over this fraction of the optimizer steps, ceil(steps x ratio) as the HF Trainer, "
+        "in [0, 1]; instead of --warmup-steps (default 0)",
+        rule=Rule("float", 0, 1),
+    )
+    lr_cycles: int = option(
+        1,
+        help="cosine_with_restarts: cosine decays to the floor, each restarting at --lr (default {default})",
+        rule=positive_int(10**6),
+    )
+    lr_power: float = option(
+        1.0, help="polynomial: the decay's power, > 0 (default {default}: linear)", rule=Rule("float", 0, low_open=True)
+    )
+    lr_end: float = option(
+        1e-7,
+        help="polynomial: the lr at the last step and after, below --lr (default {default})",
+        rule=Rule("float", 0),
+    )
+    lr_timescale: int | None = option(
+        None,
+        help="inverse_sqrt: lr = --lr / sqrt((step + timescale - warmup) / timescale) (default: the warmup steps, "
+        "or 10000 without a warmup)",
+        rule=positive_int(),
+    )
     allow_data_change: bool = option(
         False,
         help="with --resume: train on data that changed since the checkpoint, from the saved position",
@@ -283,7 +308,15 @@ class TrainConfig:
         action="store_true",
     )
     metrics: Path | None = option(None, help="JSON Lines metrics file (default <output>/metrics.jsonl)")
-    report_to: tuple[str, ...] = option((), help=f"also log to these trackers, comma-separated: {', '.join(REPORTERS)}")
+    report_to: tuple[str, ...] = option(
+        (), help=f"also log to these trackers, comma-separated: {', '.join(REPORTERS)}; none for no tracker (default)"
+    )
+    run_name: str | None = option(
+        None, help="the run's name in W&B and MLflow (default: the output directory's name)", metavar="NAME"
+    )
+    wandb_project: str | None = option(
+        None, help="the W&B project (default: $WANDB_PROJECT, else slideformer)", metavar="NAME"
+    )
     log_every: int = option(
         1,
         help="write a plain progress line every N steps when not on a terminal (default 1)",
@@ -299,6 +332,13 @@ class TrainConfig:
         commands=_TRAIN_PLAN,
         rule=positive_int(10**6),
     )
+    push_to_hub: str | None = option(
+        None,
+        help="upload the exported model to this Hub repository (org/name) when the run ends; checked before "
+        "training (HF_HUB_OFFLINE, the repository); a failed push keeps the run and names the command that retries",
+        metavar="REPO",
+    )
+    hub_private: bool = option(False, help="with --push-to-hub: create the repository private", action="store_true")
     resume: Path | None = option(
         None,
         help="continue a run: its output directory or one of its checkpoints; the run's options come back with "
@@ -379,13 +419,7 @@ class TrainConfig:
             value = item.normalised(getattr(self, item.name))
             object.__setattr__(self, item.name, value)
             check_option(item.name, value)
-        if isinstance(self.report_to, str):
-            object.__setattr__(self, "report_to", _split_reporters(self.report_to))
-        unknown = [name for name in self.report_to if name not in REPORTERS]
-        if unknown:
-            raise UserError(
-                f"{spelled('report_to')} must name {', '.join(REPORTERS)}; got {', '.join(map(repr, unknown))}"
-            )
+        _normalise_reporting(self)
         from slide_hf.sizes import parse_size
 
         for name in ("gpu_memory", "max_record_size"):
@@ -529,6 +563,32 @@ def data_sources(cfg: TrainConfig) -> tuple[Path, ...]:
 
 def _split_reporters(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _normalise_reporting(cfg: TrainConfig) -> None:
+    """``report_to``: a tuple of tracker names (``"wandb,mlflow"`` from the command line, a list from TOML or
+    Python); ``none`` alone is no tracker, as the HF Trainer spells it. A run name, a W&B project and a Hub
+    repository must be non-empty text, and the repository an ``org/name`` id."""
+    value: Any = cfg.report_to
+    if not isinstance(value, str | list | tuple) or not all(isinstance(name, str) for name in value):
+        raise UserError(f"{spelled('report_to')} must be tracker names ({', '.join(REPORTERS)} or none), got {value!r}")
+    names = _split_reporters(value) if isinstance(value, str) else tuple(name.strip() for name in value)
+    if "none" in names:
+        if len(names) > 1:
+            raise UserError(f"{spelled('report_to', ','.join(names))}: none means no tracker; give it alone")
+        names = ()
+    object.__setattr__(cfg, "report_to", names)
+    unknown = [name for name in names if name not in REPORTERS]
+    if unknown:
+        raise UserError(f"{spelled('report_to')} must name {', '.join(REPORTERS)}; got {', '.join(map(repr, unknown))}")
+    for name in ("run_name", "wandb_project", "push_to_hub"):
+        text = getattr(cfg, name)
+        if text is not None and (not isinstance(text, str) or not text.strip()):
+            raise UserError(f"{spelled(name)} must be non-empty text, got {text!r}")
+    if cfg.push_to_hub is not None:
+        from slide_hf.hub import check_repo_id
+
+        check_repo_id(cfg.push_to_hub, flag=spelled("push_to_hub"))
 
 
 def default_lr(from_preset: bool) -> float:

@@ -102,6 +102,9 @@ class LrSchedule(enum.StrEnum):
     LINEAR = "linear"
     COSINE = "cosine"
     WSD = "wsd"
+    COSINE_WITH_RESTARTS = "cosine_with_restarts"
+    POLYNOMIAL = "polynomial"
+    INVERSE_SQRT = "inverse_sqrt"
 
 
 class DecayShape(enum.StrEnum):

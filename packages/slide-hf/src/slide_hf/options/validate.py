@@ -65,10 +65,51 @@ def _best_needs_eval(cfg: TrainConfig, world_size: int) -> None:
 
 
 def _floor_needs_a_decay(cfg: TrainConfig, world_size: int) -> None:
-    if cfg.min_lr_ratio > 0 and cfg.lr_schedule == "constant":
+    from slide_core.schedule import FLOORED
+
+    if cfg.min_lr_ratio > 0 and cfg.lr_schedule not in FLOORED:
+        ends = f"; polynomial ends at {option('lr_end')}" if cfg.lr_schedule == "polynomial" else ""
         raise UserError(
-            f"{option('min_lr_ratio')} is the floor of a decay; {option('lr_schedule', 'constant')} has none "
-            "(use linear, cosine or wsd)"
+            f"{option('min_lr_ratio')} is the floor of a decay to an end; {option('lr_schedule', cfg.lr_schedule.value)} "
+            f"has none (use linear, cosine, wsd or cosine_with_restarts{ends})"
+        )
+
+
+def _one_warmup(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.warmup_ratio > 0 and cfg.warmup_steps > 0:
+        raise UserError(
+            f"{option('warmup_steps', cfg.warmup_steps)} and {option('warmup_ratio', f'{cfg.warmup_ratio:g}')} both "
+            "set the warmup; give one"
+        )
+
+
+def _shape_of(name: str, schedule: str) -> Callable[[TrainConfig, int], None]:
+    """An option that shapes one lr schedule only: refused beside another schedule, where it would change
+    nothing (the HF Trainer ignores it there; a user who wrote it expects it to act)."""
+
+    def check(cfg: TrainConfig, world_size: int) -> None:
+        value = getattr(cfg, name)
+        if value != type(cfg).__dataclass_fields__[name].default and cfg.lr_schedule != schedule:
+            raise UserError(
+                f"{option(name, f'{value:g}')} shapes {option('lr_schedule', schedule)} only, and the schedule is "
+                f"{cfg.lr_schedule.value}; give {option('lr_schedule', schedule)} or leave {option(name)} out"
+            )
+
+    return check
+
+
+def _end_below_peak(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.lr_schedule == "polynomial" and cfg.lr is not None and not cfg.lr_end < cfg.lr:
+        raise UserError(
+            f"{option('lr_end', f'{cfg.lr_end:g}')} must be below {option('lr', f'{cfg.lr:g}')}: polynomial "
+            "decays from --lr down to it"
+        )
+
+
+def _private_needs_a_push(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.hub_private and cfg.push_to_hub is None:
+        raise UserError(
+            f"{option('hub_private')} applies to the repository of {option('push_to_hub', 'REPO')}; give it"
         )
 
 
@@ -118,6 +159,13 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule(("eval_data", "eval_fraction"), _one_eval_source),
     CrossRule(("save_best", "eval_data", "eval_fraction"), _best_needs_eval),
     CrossRule(("min_lr_ratio", "lr_schedule"), _floor_needs_a_decay),
+    CrossRule(("warmup_steps", "warmup_ratio"), _one_warmup),
+    CrossRule(("lr_cycles", "lr_schedule"), _shape_of("lr_cycles", "cosine_with_restarts")),
+    CrossRule(("lr_power", "lr_schedule"), _shape_of("lr_power", "polynomial")),
+    CrossRule(("lr_end", "lr_schedule"), _shape_of("lr_end", "polynomial")),
+    CrossRule(("lr_timescale", "lr_schedule"), _shape_of("lr_timescale", "inverse_sqrt")),
+    CrossRule(("lr_end", "lr", "lr_schedule"), _end_below_peak),
+    CrossRule(("hub_private", "push_to_hub"), _private_needs_a_push),
     CrossRule(("master", "dtype"), _split_master_needs_bf16),
     CrossRule(("optimizer_state",), _int8_state_is_one_process),
     CrossRule(("update_placement", "max_grad_norm"), _gpu_updates_without_clipping),
