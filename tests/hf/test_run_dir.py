@@ -13,7 +13,7 @@ import torch
 from slide_core.checkpoint import find_latest, list_checkpoints
 from slide_hf.cli.main import main
 from slide_hf.errors import UserError
-from slide_hf.run_dir import LOCK_FILE, RunDir, clean_if_idle, default_output, locked, run_of
+from slide_hf.run_dir import LOCK_FILE, RECORD_FILE, RunDir, clean_if_idle, default_output, locked, run_of
 
 TINY = ("--device", "cpu", "--dtype", "float32", "--seq-len", "16", "--batch-size", "2", "--steps", "2")
 
@@ -82,7 +82,7 @@ def test_a_live_run_holds_its_output(tmp_path: Path, capsys) -> None:
         assert main(["train", "--output", str(output), *TINY]) == 2
         line = _error(capsys)
         assert f"output directory {output} is in use by another slide run (pid {os.getpid()})" in line
-        assert not list(output.iterdir()) or [p.name for p in output.iterdir()] == [LOCK_FILE]
+        assert {p.name for p in output.iterdir()} <= {LOCK_FILE, RECORD_FILE}  # the holder's, none of its own
     with RunDir(output) as again:  # released with the run: a later run (or a killed one's successor) gets it
         assert again.path == output
 

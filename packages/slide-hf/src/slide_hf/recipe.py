@@ -73,7 +73,7 @@ from slide_hf.resume import (
     resumed_schedule,
     run_data_digests,
 )
-from slide_hf.run_dir import RunDir, default_output, run_of
+from slide_hf.run_dir import RunDir, default_output, inputs_of, run_of
 from slide_hf.run_export import export_run_model
 from slide_hf.run_log import RunLog
 from slide_hf.setup import (
@@ -151,7 +151,7 @@ def train(
         log.info("host threads per rank: %s (%d ranks on this host)", os.environ["NUMBA_NUM_THREADS"], ranks_on_host)
         # Rank 0 holds the directory; the others write only their checkpoint shards in it, and only remove
         # their NVMe scratch folders at the end (closing an unlocked RunDir).
-        run_dir = RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite)
+        run_dir = RunDir(output, resume_from=cfg.resume, overwrite=cfg.overwrite, inputs=inputs_of(cfg))
         with run_dir if group.rank == 0 else contextlib.closing(run_dir):
             group.barrier("the wait for rank 0 to claim the output directory")
             return _train(cfg, run_dir, on_step=on_step, on_eval=on_eval, group=group)
@@ -193,6 +193,7 @@ def _train(
         tokenizer_dir = run_dir.path / "tokenizer"
         if main:
             tokenizer_dir = _save_tokenizer(model.tokenizer, model.config, run_dir.path, model.model_dir)
+            run_dir.record_outputs()  # what --overwrite may remove later (slide_hf/run_files.py)
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
         trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group)
         trainer.resumed = resumed
@@ -207,16 +208,18 @@ def _train(
             final_step = max(first_step, data.total_steps)
             model_out = run_dir.path / "model"
             if main:
-                model_out = export_run_model(
-                    model.slide_model,
-                    host,
-                    model.config,
-                    run_dir.path,
-                    final_step,
-                    dtype=save_dtype,
-                    tokenizer_dir=tokenizer_dir,
-                    stop=trainer.stop,
-                )
+                with run_dir.keeping_user_files("model"):  # the export replaces model/ whole
+                    model_out = export_run_model(
+                        model.slide_model,
+                        host,
+                        model.config,
+                        run_dir.path,
+                        final_step,
+                        dtype=save_dtype,
+                        tokenizer_dir=tokenizer_dir,
+                        stop=trainer.stop,
+                    )
+                run_dir.record_outputs()
     losses = trainer.losses
     if first_step >= data.total_steps:  # a finished run, resumed: its model is written again, nothing to train
         log.info(
@@ -718,6 +721,7 @@ class _Trainer:
         except CheckpointWriteError as error:
             raise UserError(error.strerror) from error
         if self.main:
+            self.run_dir.record_outputs()  # the new checkpoint's files are slide's (slide_hf/run_files.py)
             log.info("checkpoint written to %s", saved)
         return step
 
@@ -947,7 +951,10 @@ def _resume(
     run's newest sets the later ones aside, so the next ``--resume`` continues this line. With data
     parallel each rank reads its own shards out of the step directory, whatever the number of processes
     that wrote it (slide_core/checkpoint/reader.py): a run resumes on more or fewer ranks, or on one."""
-    point = resume_point(found, state, model=run_state["model"], data_size=len(batches.dataset))
+    allow = bool(run_state["config"].get("allow_data_change"))
+    point = resume_point(
+        found, state, model=run_state["model"], data_size=len(batches.dataset), allow_data_change=allow
+    )
     saved_ranks = state["world_size"]
     world_size = group.world_size
     if saved_ranks != world_size and group.rank == 0:

@@ -5,7 +5,10 @@ fields). What the training loop adds to it -- the model name, the data position,
 engine's schedule counters -- is checked here, before any array is streamed into the engine, so a bad
 value is one line naming its field instead of an ``IndexError`` in the data loader or a resume that
 silently continues somewhere else. When the checkpoint is corrupt, the message names the newest intact
-one of the same run and how to use it.
+one of the same run and how to use it. A step folder newer than every complete checkpoint but without its
+``state.json`` is damage too (a save publishes its folder whole, with the state inside): resuming the
+older one silently would let the new line's save replace it, so it is refused the same way
+(:func:`damaged_newest`).
 
 Two more things a resume must not change silently: the data (:func:`check_same_data` compares a SHA-256
 of the prepared rows with the checkpoint's) and the lr curve (:func:`resumed_schedule` continues the
@@ -24,6 +27,8 @@ from typing import Any, TypeGuard
 import torch
 
 from slide_core.checkpoint import CheckpointCorrupt, find_latest, newest_intact, read_state
+from slide_core.checkpoint.catalog import CHECKPOINT_PREFIX
+from slide_core.checkpoint.manifest import STATE_FILE
 from slide_core.schedule import LRSchedule
 from slide_hf.errors import UserError
 from slide_hf.spelling import option
@@ -33,6 +38,7 @@ __all__ = [
     "check_same_data",
     "checkpoint_to_resume",
     "corrupt_message",
+    "damaged_newest",
     "resume_point",
     "resumed_schedule",
     "run_data_digests",
@@ -68,20 +74,49 @@ def corrupt_message(error: CheckpointCorrupt, use: Callable[[Path], str] = _resu
     return f"{error}; the newest intact one is {intact}: {use(intact)}"
 
 
-def checkpoint_to_resume(path: Path) -> tuple[Path, dict[str, Any]]:
+def damaged_newest(path: Path) -> CheckpointCorrupt | None:
+    """The error for run directory ``path`` (or its ``checkpoints/``) when its newest step folder lacks
+    its ``state.json`` -- a complete checkpoint always has one, so that folder is damaged; ``None`` when
+    the newest step folder is a checkpoint or there is none."""
+    for root in (path / "checkpoints", path):
+        if not root.is_dir():
+            continue
+        steps = sorted(p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+        if steps:
+            newest = steps[-1]
+            if (newest / STATE_FILE).exists():
+                return None
+            return CheckpointCorrupt(f"checkpoint {newest} is corrupt ({STATE_FILE} is missing)", newest)
+    return None
+
+
+def checkpoint_to_resume(path: Path, use: Callable[[Path], str] = _resume_hint) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint at ``path`` (a run directory or a checkpoint) and its verified state, or a
-    :class:`UserError` naming what is wrong (with the newest intact checkpoint when it is corrupt)."""
+    :class:`UserError` naming what is wrong (with the newest intact checkpoint when it is corrupt, and
+    ``use(path)``: what to do with it)."""
     try:
+        if not (path / STATE_FILE).exists():
+            damaged = damaged_newest(path)
+            if damaged is not None:
+                raise damaged
         found = find_latest(path)
         return found, read_state(found)
     except CheckpointCorrupt as error:
-        raise UserError(corrupt_message(error)) from None
+        raise UserError(corrupt_message(error, use)) from None
 
 
-def resume_point(checkpoint: Path, state: Mapping[str, Any], *, model: str, data_size: int) -> ResumePoint:
+def resume_point(
+    checkpoint: Path, state: Mapping[str, Any], *, model: str, data_size: int, allow_data_change: bool = False
+) -> ResumePoint:
     """The validated run state of ``checkpoint`` (``state`` from :func:`checkpoint_to_resume`) for a run of
-    ``model`` over ``data_size`` examples. Any missing, mistyped or out-of-range field is a
-    :class:`UserError` naming it."""
+    ``model`` over ``data_size`` rows. Any missing, mistyped or out-of-range field is a :class:`UserError`
+    naming it.
+
+    A saved position past the end of the data is where a run resumed onto shorter data lands (the position
+    counts rows of the data it trained on). With ``allow_data_change`` the run goes on at the start of the
+    next epoch of the new data, as an epoch that runs out does, and says so in one line; without it, a
+    checkpoint that recorded its data's digest (so the data is the same, :func:`check_same_data`) is
+    inconsistent, and one that did not is refused with what the two sizes are and the option that allows it."""
 
     def bad(field: str, detail: str) -> UserError:
         message = f"checkpoint {checkpoint} is corrupt (state.json field extra.{field} {detail})"
@@ -102,7 +137,25 @@ def resume_point(checkpoint: Path, state: Mapping[str, Any], *, model: str, data
     if not _is_int(index):
         raise bad("data.index", f"must be an integer >= 0, got {index!r}")
     if index > data_size:
-        raise bad("data.index", f"is {index}, beyond the {data_size} examples of this run's data")
+        if allow_data_change:
+            log.warning(
+                "%s: the data now has %d rows and %s stopped at row %d of epoch %d; training continues at the "
+                "start of epoch %d",
+                option("allow_data_change"),
+                data_size,
+                checkpoint,
+                index,
+                epoch,
+                epoch + 1,
+            )
+            epoch, index = epoch + 1, 0
+        elif isinstance(extra.get("data_digest"), dict):
+            raise bad("data.index", f"is {index}, beyond the {data_size} examples of this run's data")
+        else:
+            raise UserError(
+                f"checkpoint {checkpoint} stopped at row {index} of epoch {epoch}, but the data now has {data_size} "
+                f"rows: if it changed since, resume with {option('allow_data_change')} to start its next epoch"
+            )
     rng = extra.get("rng")
     size = torch.get_rng_state().numel()
     if not isinstance(rng, list) or len(rng) != size or not all(_is_int(b) and b < 256 for b in rng):

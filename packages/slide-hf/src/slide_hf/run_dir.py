@@ -8,8 +8,9 @@ the other run; two concurrent runs deleted each other's temporary directories. S
   kernel drops it when the process dies (even on ``kill -9``), so a dead run never blocks the next one,
   and a live one is named by its pid.
 - A non-empty output is refused unless the run resumes a checkpoint of that same directory or
-  ``overwrite`` is given; ``overwrite`` removes only :data:`OWNED_ENTRIES` (what ``slide train`` writes),
-  never a file the user put there. The current directory and its ancestors are refused outright.
+  ``overwrite`` is given; ``overwrite`` removes only the files the directory's record says a run wrote
+  there (slide_hf/run_files.py), never a file the user put there, and refuses before removing anything
+  when an input of the run lies among them. The current directory and its ancestors are refused outright.
 - Temporary directories a killed run left (``.model.tmp-*``, ``checkpoints/.tmp-*``, NVMe scratch) are
   removed only while holding that lock, so a live run's are never touched.
 - Resuming from an older checkpoint moves the later ones to ``checkpoints/abandoned-<time>/``:
@@ -25,21 +26,29 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from slide_core.checkpoint import list_checkpoints
 from slide_hf.errors import UserError
+from slide_hf.run_files import RECORD_FILE, RunFiles, overwrite_plan, remove_for_overwrite, restore_kept
 from slide_hf.spelling import option
+
+if TYPE_CHECKING:
+    from slide_hf.options import TrainConfig
 
 __all__ = [
     "LOCK_FILE",
     "OWNED_ENTRIES",
+    "RECORD_FILE",
     "RunDir",
+    "check_overwrite_inputs",
     "clean_if_idle",
     "default_output",
+    "inputs_of",
     "locked",
     "run_of",
 ]
@@ -57,7 +66,8 @@ OWNED_ENTRIES = (
     "options.json",
     ".data-cache",
 )
-"""What ``slide train`` writes into its output directory, and all that ``--overwrite`` may remove."""
+"""What ``slide train`` writes into its output directory: what a failed run that created the directory
+removes again. ``--overwrite`` removes only the recorded files in them (slide_hf/run_files.py)."""
 
 _STALE_PATTERNS = (".model.tmp-*", ".model.old-*", "checkpoints/.tmp-*")
 _SCRATCH_PREFIX = "slide-nvme-run-"
@@ -68,11 +78,36 @@ def default_output(root: Path = Path("runs")) -> Path:
     return root / f"{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
+def inputs_of(cfg: TrainConfig) -> list[tuple[str, Path]]:
+    """What a run reads, as ``(option name, path)``: ``--overwrite`` must not remove any of it."""
+    from slide_hf.options.config import data_sources
+
+    found = [("model", Path(cfg.model))] + [("data", path) for path in data_sources(cfg)]
+    for name in ("eval_data", "tokenizer", "chat_template", "resume"):
+        value = getattr(cfg, name, None)
+        if value is not None:
+            found.append((name, Path(value)))
+    return found
+
+
+def check_overwrite_inputs(cfg: TrainConfig, extra: Sequence[tuple[str, Path]]) -> None:
+    """Refuse, before the run starts, an ``overwrite`` that would remove an input the options do not hold
+    (``extra``: the ``--config`` TOML file), as :class:`RunDir` refuses it for the others when it claims
+    the directory."""
+    if not cfg.overwrite or cfg.output is None or not extra:
+        return
+    output = Path(cfg.output).expanduser()
+    if not output.is_dir() or (cfg.resume is not None and run_of(cfg.resume).resolve() == output.resolve()):
+        return
+    overwrite_plan(output, [*inputs_of(cfg), *extra])
+
+
 def run_of(path: Path) -> Path:
     """The run directory that ``path`` (a run directory or one of its checkpoints, also one set aside
-    in ``checkpoints/abandoned-*``) belongs to."""
+    in ``checkpoints/abandoned-*``, or its ``checkpoints/`` folder) belongs to."""
     if not (path / "state.json").exists():
-        return path
+        folder = path.name == "checkpoints" and not (path / "checkpoints").is_dir() and any(path.glob("step-*"))
+        return path.parent if folder else path
     for parent in path.parents[:2]:
         if parent.name == "checkpoints":
             return parent.parent
@@ -131,6 +166,7 @@ def locked(directory: Path, what: str = "run directory") -> Iterator[None]:
     lock = _lock_or_refuse(directory, what)
     try:
         _remove_stale(directory)
+        restore_kept(directory)
         yield
     finally:
         lock.release()
@@ -165,16 +201,27 @@ class RunDir:
 
     ``resume_from`` is the checkpoint the run continues (``None`` for a new run): resuming a checkpoint of
     this same directory is what allows reusing it. ``overwrite`` allows a non-empty directory by first
-    removing :data:`OWNED_ENTRIES`; it is ignored when the run resumes from inside the directory, whose
-    checkpoints it would otherwise delete. A run that fails before writing its first checkpoint removes the
-    directory again if it created it, so a retry with the same ``--output`` is not refused.
+    removing the files an earlier run recorded writing there (slide_hf/run_files.py), refused when one of
+    ``inputs`` (``(option name, path)``, :func:`inputs_of`) is among them; it is ignored when the run resumes
+    from inside the directory, whose checkpoints it would otherwise delete. A run that fails before writing
+    its first checkpoint removes the directory again if it created it, so a retry with the same
+    ``--output`` is not refused. The run records what it writes through :meth:`record_outputs`.
     """
 
-    def __init__(self, path: Path, *, resume_from: Path | None = None, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        resume_from: Path | None = None,
+        overwrite: bool = False,
+        inputs: Sequence[tuple[str, Path]] = (),
+    ) -> None:
         self.path = Path(path).expanduser()
         self.resume_from = resume_from
         self.overwrite = overwrite
+        self.inputs = tuple(inputs)
         self.created = False
+        self.files: RunFiles | None = None
         self._lock: _Lock | None = None
         self._scratch: list[tuple[Path, _Lock]] = []
 
@@ -202,7 +249,10 @@ class RunDir:
             raise
         try:
             _remove_stale(self.path)
+            restore_kept(self.path)
             self._claim()
+            resuming = self.resume_from is not None and self._resumes_here()
+            self.files = RunFiles.claim(self.path, resuming=resuming)
         except BaseException:
             self.close(failed=True)
             raise
@@ -221,8 +271,11 @@ class RunDir:
         self._scratch.clear()
         if self._lock is None:
             return
-        if failed and self.created and not self._holds_results():
-            for name in (*OWNED_ENTRIES, LOCK_FILE):
+        discard = failed and self.created and not self._holds_results()
+        if not discard:
+            self.record_outputs()
+        if discard:
+            for name in (*OWNED_ENTRIES, RECORD_FILE, LOCK_FILE):
                 _remove(self.path / name)
             _remove_stale(self.path)
             with contextlib.suppress(OSError):
@@ -243,7 +296,7 @@ class RunDir:
 
     def _claim(self) -> None:
         """Apply the reuse policy to what the directory already holds."""
-        present = sorted(p.name for p in self.path.iterdir() if p.name != LOCK_FILE)
+        present = sorted(p.name for p in self.path.iterdir() if p.name not in (LOCK_FILE, RECORD_FILE))
         if not present:
             return
         if self.resume_from is not None and self._resumes_here():
@@ -251,11 +304,8 @@ class RunDir:
                 log.info("--overwrite is ignored: the run resumes from %s inside %s", self.resume_from, self.path)
             return
         if self.overwrite:
-            removed = [name for name in OWNED_ENTRIES if (self.path / name).exists()]
-            for name in removed:
-                _remove(self.path / name)
-            if removed:
-                log.info("--overwrite: removed %s from %s", ", ".join(removed), self.path)
+            # Every check before the first removal: a refused run leaves the directory as it was.
+            remove_for_overwrite(self.path, overwrite_plan(self.path, self.inputs))
             return
         shown = ", ".join(present[:4]) + (f" and {len(present) - 4} more" if len(present) > 4 else "")
         raise UserError(
@@ -280,6 +330,24 @@ class RunDir:
                 self.path.rmdir()
 
     # -- during the run --------------------------------------------------------------------------------
+    def record_outputs(self) -> None:
+        """Add what the run wrote since the last call to the directory's record of its files (what a later
+        ``--overwrite`` removes). Called after each phase that writes files; a no-op in a process that
+        does not hold the directory (another rank). A record that cannot be written (a full disk) is a
+        warning, not the run's end: a file missing from it is one that ``--overwrite`` keeps."""
+        if self.files is not None and self._lock is not None:
+            try:
+                self.files.record()
+            except UserError as error:
+                log.warning("%s", error)
+
+    def keeping_user_files(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A context in which slide may replace folder ``name`` whole (the model export): the user's files
+        in it move aside and come back into the new folder (slide_hf/run_files.py)."""
+        if self.files is None or self._lock is None:
+            return contextlib.nullcontext()
+        return self.files.keeping_users_entries(name)
+
     def scratch(self, nvme_dir: Path) -> Path:
         """A private folder under ``nvme_dir`` for this run's NVMe tiers, locked like the output directory
         and removed when the run ends. Folders that killed runs left there are removed first (their locks
@@ -313,7 +381,11 @@ class RunDir:
         is the newest checkpoint here or lies elsewhere."""
         if resumed.parent.resolve() != self.checkpoints.resolve():
             return None
-        later = [p for p in list_checkpoints(self.checkpoints) if p.name > resumed.name]
+        # Every later step folder, also a damaged one without its state.json: a save of the new line must
+        # not replace it, and the next --resume must not stop at it.
+        later = sorted(
+            p for p in self.checkpoints.glob("step-*") if p.is_dir() and not p.is_symlink() and p.name > resumed.name
+        )
         if not later:
             return None
         aside = self.checkpoints / f"abandoned-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"

@@ -170,6 +170,8 @@ def _parse(file: Path, corrupt: Corrupt) -> dict[str, Any]:
         raise corrupt(f"state.json is not UTF-8 text: byte {error.start} is 0x{raw[error.start]:02x}") from None
     except json.JSONDecodeError as error:
         raise corrupt(f"state.json is not valid JSON: {error.msg} at line {error.lineno}") from None
+    except RecursionError:  # brackets nested deeper than the parser's stack: no state.json slide wrote
+        raise corrupt("state.json is not valid JSON: it nests arrays or objects too deeply") from None
     if not isinstance(state, dict):
         raise corrupt("state.json holds no JSON object")
     return state

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from slide_core.checkpoint import CheckpointCorrupt, find_latest, list_checkpoints, load_checkpoint
     from slide_hf import build_model, load_config
     from slide_hf.errors import UserError
-    from slide_hf.resume import corrupt_message
+    from slide_hf.resume import corrupt_message, damaged_newest
     from slide_hf.run_dir import clean_if_idle, locked, run_of
     from slide_hf.run_export import export_model
 
@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     def use(intact: Path) -> str:
         return f"export it with `slide export {intact} {out}`"
 
+    # A run's newest step folder without its state.json is damage, not a checkpoint to skip silently.
+    damaged = None if (args.checkpoint / "state.json").exists() else damaged_newest(args.checkpoint)
+    if damaged is not None:
+        raise UserError(corrupt_message(damaged, use))
     try:
         checkpoint = find_latest(args.checkpoint)
     except CheckpointCorrupt as error:

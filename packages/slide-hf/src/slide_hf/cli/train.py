@@ -76,7 +76,12 @@ def run(args: argparse.Namespace) -> int:
         check_gpus_for_ranks(cfg.device, args.nproc_per_node)
         return relaunch(args.nproc_per_node, args.argv)
 
-    summary = train(build_config(args))
+    cfg = build_config(args)
+    if args.config is not None:  # the TOML file is an input too: --overwrite must not remove it
+        from slide_hf.run_dir import check_overwrite_inputs
+
+        check_overwrite_inputs(cfg, [("config", args.config)])
+    summary = train(cfg)
     if os.environ.get("RANK") not in (None, "", "0"):  # rank 0 reports the run (cli/main.py)
         return 0
     if summary.steps == 0:  # a finished run, resumed: only its model was written again
