@@ -23,7 +23,9 @@ def _tree(root: Path) -> list[str]:
 
 
 def test_keep_counts_the_newest_and_the_older_best_is_kept_in_addition(tmp_path: Path) -> None:
-    _save(tmp_path, 1, 2, 3, 4, 5)
+    _save(tmp_path, 1, 2)
+    assert prune(tmp_path, 3) == [] and _tree(tmp_path) == ["step-00000001", "step-00000002"]  # fewer than keep
+    _save(tmp_path, 3, 4, 5)
     best = tmp_path / "step-00000002"
     assert [p.name for p in retained(tmp_path, 2, protect=[best])] == [
         "step-00000002",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import manifest
-from .arrays import ArraySource, Interval, Shard, placement
+from .arrays import ArraySource, Interval, placement
 from .writer import CheckpointGroup, save_checkpoint
 
 __all__ = ["BackgroundSaver", "snapshot"]
@@ -59,7 +59,8 @@ class _ShardCopy:
 
 def snapshot(arrays: Mapping[str, torch.Tensor | ArraySource]) -> dict[str, torch.Tensor | ArraySource]:
     """A copy of every array in host memory of its own (Note [Background snapshot]): a tensor is cloned,
-    a source read block by block into a new tensor; a shard keeps its place in the whole array."""
+    a source read block by block into a new tensor; a shard of part of its array keeps its place in the
+    whole array (one process's "shard" of every unit is the whole array, copied as a plain tensor)."""
     copies: dict[str, torch.Tensor | ArraySource] = {}
     for name, array in arrays.items():
         if isinstance(array, torch.Tensor):
@@ -69,11 +70,11 @@ def snapshot(arrays: Mapping[str, torch.Tensor | ArraySource]) -> dict[str, torc
             per_block = max(1, manifest.BLOCK_BYTES // array.dtype.itemsize)
             for start in range(0, array.numel, per_block):
                 array.read_into(start, data[start : start + per_block])
-        if isinstance(array, Shard):
-            whole, intervals = placement(array)
-            copies[name] = _ShardCopy(data, whole, intervals)
-        else:
+        whole, intervals = placement(array)
+        if intervals == ((0, whole),) or not intervals:  # the whole array: written as a tensor, the fast path
             copies[name] = data
+        else:
+            copies[name] = _ShardCopy(data, whole, intervals)
     return copies
 
 

@@ -41,7 +41,7 @@ def retained(root: Path, keep: int, *, protect: Collection[Path] = ()) -> list[P
         raise ValueError(f"keep must be >= 0, got {keep}")
     kept = {Path(p).resolve() for p in protect}
     candidates = retention_candidates(root)
-    newest = set(candidates[len(candidates) - keep :]) if keep else set()
+    newest = set(candidates[max(0, len(candidates) - keep) :]) if keep else set()
     return [p for p in candidates if p in newest or p.resolve() in kept]
 
 
