@@ -45,9 +45,12 @@ import torch
 
 from slide_core import AdamWConfig, HostParameters, LRSchedule, Optimizer
 from slide_core.checkpoint import (
+    BackgroundSaver,
     CheckpointCorrupt,
     CheckpointWriteError,
-    prune_checkpoints,
+    checkpoint_nbytes,
+    format_size,
+    prune,
     save_checkpoint,
 )
 from slide_core.collectives import SingleProcess
@@ -74,7 +77,7 @@ from slide_hf.resume import (
     run_data_digests,
 )
 from slide_hf.run_dir import RunDir, default_output, inputs_of, run_of
-from slide_hf.run_export import export_run_model
+from slide_hf.run_export import export_run_model, export_weights, set_aside_weights
 from slide_hf.run_log import RunLog
 from slide_hf.setup import (
     EngineParts,
@@ -182,7 +185,7 @@ def _train(
     device = _setup_device(options, group)
     optimizer = _setup_optimizer(cfg, options)
     if main:
-        disk.check_output_disk(run_dir.path, _output_disk(cfg, model, optimizer))
+        disk.check_output_disk(run_dir.path, _output_disk(cfg, model, optimizer, data.total_steps))
     placement = _setup_placement(model, device, options, group, optimizer)
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
@@ -386,9 +389,9 @@ def _length_option(cfg: TrainConfig) -> str:
     return "steps" if cfg.steps is not None else "epochs"
 
 
-def _output_disk(cfg: TrainConfig, model: _Model, optimizer: Optimizer) -> disk.OutputDisk:
-    """What the run's checkpoints and export take (slide_hf/planner/output_disk.py), from the arrays the
-    engine will write for this optimizer."""
+def _output_disk(cfg: TrainConfig, model: _Model, optimizer: Optimizer, total_steps: int) -> disk.OutputDisk:
+    """What the run's checkpoints, weights-only saves and export take (slide_hf/planner/output_disk.py),
+    from the arrays the engine will write for this optimizer."""
     from slide_hf.export import resolve_dtype
 
     units = model.slide_model.units
@@ -400,6 +403,9 @@ def _output_disk(cfg: TrainConfig, model: _Model, optimizer: Optimizer) -> disk.
         export_itemsize=torch.empty((), dtype=export_dtype).element_size(),
         keep_checkpoints=cfg.keep_checkpoints,
         save_best=cfg.save_best,
+        delete_first=cfg.save_delete_first,
+        save_weights_every=cfg.save_weights_every,
+        total_steps=total_steps,
     )
 
 
@@ -549,7 +555,7 @@ class _Trainer:
         on_eval: Callable[[dict[str, Any]], None] | None,
         group: RunGroup,
     ) -> None:
-        self.cfg, self.run_dir, self.output, self.data = cfg, run_dir, run_dir.path, data
+        self.cfg, self.run_dir, self.output, self.data, self.model = cfg, run_dir, run_dir.path, data, model
         self.engine, self.device, self.run_log = engine, device, run_log
         self.group = group
         self.main = group.rank == 0
@@ -573,6 +579,9 @@ class _Trainer:
         self.losses: list[float] = []
         self.best: dict[str, Any] = {}
         self.last_saved: int | None = None
+        # --save-async: checkpoints written on a thread (Note [Background snapshot] in slide_core's
+        # checkpoint/background.py); one process only (the options' rules).
+        self.saver = BackgroundSaver() if cfg.save_async and group.world_size == 1 else None
         self.resumed: tuple[Path, dict[str, Any]] | None = None  # the checkpoint and its state, when resuming
         self.progress: Progress | None = None
         self._process = psutil.Process()
@@ -593,7 +602,8 @@ class _Trainer:
         has_gpu = self.device.torch_device.type != "cpu"
         if self.main:
             self.progress = Progress(data.total_steps, first_step=first_step, has_gpu=has_gpu, log_every=cfg.log_every)
-        with self.progress or contextlib.nullcontext():
+        # A background save still in flight when the run fails is finished before the error goes on.
+        with self.progress or contextlib.nullcontext(), self.saver or contextlib.nullcontext():
             for step in range(first_step, data.total_steps):
                 # LR for this step, then forward/backward over its micro-batches, clip and step (one engine call).
                 try:
@@ -618,18 +628,25 @@ class _Trainer:
                 ):
                     self.evaluate(done)
                 # Checkpoint: every --save-every steps, and when asked to stop (SIGINT/SIGTERM), unless the
-                # evaluation just saved this very step as the best.
+                # evaluation just saved this very step as the best. A background save that has finished is
+                # collected (its pruning done, its failure raised) without waiting for one that has not.
+                self._collect(wait=False)
                 stopping = self._stopping()
                 if ((cfg.save_every and done % cfg.save_every == 0) or stopping) and self.last_saved != done:
-                    self.last_saved = self.checkpoint(done)
+                    self.last_saved = self.checkpoint(done, wait=stopping)
+                # Weights-only save: every --save-weights-every steps but the last, whose weights are the export.
+                if cfg.save_weights_every and done % cfg.save_weights_every == 0 and done < data.total_steps:
+                    self.save_weights(done)
                 # Termination: a stop request ends the run here, its checkpoint saved.
                 if stopping:
+                    self._collect(wait=True)
                     raise stop.stopped(f"after step {done}; its checkpoint is saved", self.output)
-        # Training is over. The final state is checkpointed first, whatever --save-every says, so the
-        # export can fail (full disk, a signal) without losing the run.
-        final_step = max(first_step, data.total_steps)
-        if self.last_saved != final_step:
-            self.checkpoint(final_step)
+            # Training is over. The final state is checkpointed first, whatever --save-every says, so the
+            # export can fail (full disk, a signal) without losing the run.
+            final_step = max(first_step, data.total_steps)
+            if self.last_saved != final_step:
+                self.checkpoint(final_step, wait=True)
+            self._collect(wait=True)
         if self._stopping():
             raise stop.stopped(f"after step {final_step}; its checkpoint is saved", self.output)
         return first_step
@@ -687,43 +704,123 @@ class _Trainer:
             self.on_eval(dict(record))
         if self.cfg.save_best and record["eval_loss"] < self.best.get("eval_loss", math.inf):
             # Saved, then named in best.json, then the older best pruned: a crash between leaves best.json
-            # naming a checkpoint that exists.
-            if self.last_saved != step:
-                self.last_saved = self._save(step)
+            # naming a checkpoint that exists. The best is known at once (the next evaluation compares with
+            # it); best.json and the pruning wait for the checkpoint to be published (--save-async).
             path = _checkpoint_path(self.checkpoints, step)
             self.best.update(step=step, eval_loss=record["eval_loss"], path=str(path.relative_to(self.output)))
-            _write_best(self.checkpoints, self.best)
-            self._prune()
+            if self.last_saved != step:
+                self.last_saved = self._save(step, then=self._published_best, wait=False)
+            else:
+                self._collect(wait=True)
+                self._published_best(path)
             log.info("best eval loss so far: %.4f at step %d (%s)", record["eval_loss"], step, path)
 
-    def checkpoint(self, step: int) -> int:
-        """Save the whole run state at ``step``, then prune to the retention rule (:meth:`_prune`)."""
-        self._save(step)
+    def _published_best(self, path: Path) -> None:
+        """The best checkpoint ``path`` is on disk: name it in best.json, then prune the older best."""
+        _write_best(self.checkpoints, self.best)
         self._prune()
-        return step
+
+    def checkpoint(self, step: int, *, wait: bool = True) -> int:
+        """Save the whole run state at ``step``, then prune to the retention rule (:meth:`_prune`) once it
+        is published; with --save-async and not ``wait``, the write goes on in the background."""
+        return self._save(step, then=lambda path: self._prune(), wait=wait)
+
+    def _protected(self) -> list[Path]:
+        """What pruning never deletes: the best checkpoint (--save-best)."""
+        return [self.output / self.best["path"]] if self.best.get("path") else []
 
     def _prune(self) -> None:
-        """Keep the newest --keep-checkpoints and the best one (docs/checkpoints.md, "Retention"): at most
-        --keep-checkpoints + 1 once a save is published. Rank 0 alone prunes."""
+        """Keep the newest --keep-checkpoints and the best one (Note [Retention] in slide_core's
+        checkpoint/retention.py, docs/checkpoints.md "Retention"): at most --keep-checkpoints + 1 once a save
+        is published; checkpoints of abandoned lines go first. Rank 0 alone prunes, with no save in flight."""
         if self.main:
-            best = [self.output / self.best["path"]] if self.best.get("path") else []
-            prune_checkpoints(self.checkpoints, self.cfg.keep_checkpoints, protect=best)
+            prune(self.checkpoints, self.cfg.keep_checkpoints, protect=self._protected())
 
-    def _save(self, step: int) -> int:
-        """Write the whole run state at ``step`` as one checkpoint; nothing is pruned."""
+    def _make_room(self) -> None:
+        """--save-delete-first: before a save writes, delete down to --keep-checkpoints - 1 (the best
+        aside), so that the disk never holds more than --keep-checkpoints; a failure during the write then
+        leaves one fewer. Every rank waits for rank 0's deletion before it writes its shard."""
+        if self.main:
+            removed = prune(self.checkpoints, self.cfg.keep_checkpoints - 1, protect=self._protected(), leftovers=False)
+            if removed:
+                names = ", ".join(p.name for p in removed)
+                log.info("deleted %s before writing the next checkpoint (%s)", names, option("save_delete_first"))
+        self.group.barrier("the wait for rank 0 to make room for the checkpoint")
+
+    def _save(self, step: int, then: Callable[[Path], None] = lambda path: None, *, wait: bool = True) -> int:
+        """Write the whole run state at ``step`` as one checkpoint, then call ``then`` with its path once
+        it is published (rank 0 prunes there). With --save-async and not ``wait`` the state is copied
+        between steps and written on a thread (Note [Background snapshot]); ``then`` runs when a later
+        :meth:`_collect` finds it written."""
+        self._collect(wait=True)  # one save at a time
         arrays = self.engine.checkpoint_arrays()  # note: waits for every pending update (a host sync), only when saving
         batches = self.data.batches
         state = {**self.run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
         state["rng"] = torch.get_rng_state().tolist()
         state["engine"] = self.engine.schedule_state()
+        if self.cfg.save_delete_first:
+            self._make_room()
+        if self.saver is not None and not wait and self._room_for_a_copy(checkpoint_nbytes(arrays, state)):
+            self.saver.submit(self.checkpoints, step, arrays, state, then=lambda path: self._published(path, then))
+            return step
         try:
             saved = save_checkpoint(self.checkpoints, step, arrays, state, self.group)
         except CheckpointWriteError as error:
             raise UserError(error.strerror) from error
+        self._published(saved, then)
+        return step
+
+    def _published(self, saved: Path, then: Callable[[Path], None]) -> None:
         if self.main:
             self.run_dir.record_outputs()  # the new checkpoint's files are slide's (slide_hf/run_files.py)
             log.info("checkpoint written to %s", saved)
-        return step
+        then(saved)
+
+    def _room_for_a_copy(self, nbytes: int) -> bool:
+        """Whether host memory can hold the copy a background save writes from; when it cannot, the save
+        is written in the foreground this time, with a warning, rather than push the host into swap."""
+        available = psutil.virtual_memory().available
+        if available >= nbytes:
+            return True
+        log.warning(
+            "%s: a background checkpoint copies %s to host memory and %s is available; this one is written in "
+            "the foreground",
+            option("save_async"),
+            format_size(nbytes),
+            format_size(available),
+        )
+        return False
+
+    def _collect(self, *, wait: bool) -> None:
+        """Collect a background save (--save-async): its pruning runs and its failure is raised here, in
+        the training thread, as one line. ``wait``: block until it is written (note: waits on the disk)."""
+        if self.saver is None:
+            return
+        try:
+            if wait:
+                self.saver.wait()
+            else:
+                self.saver.poll()
+        except CheckpointWriteError as error:
+            raise UserError(error.strerror) from error
+
+    def save_weights(self, step: int) -> None:
+        """--save-weights-every: the weights of ``step`` alone, an HF model directory, read unit by unit
+        from where the engine keeps each master (slide_hf/run_export.py)."""
+        master = self.engine.checkpoint_arrays()["master"]  # note: waits for every pending update (a host sync)
+        if not self.main:
+            return
+        saved = export_weights(
+            self.model.slide_model,
+            master,
+            self.model.config,
+            self.output,
+            step,
+            dtype=None if self.cfg.save_dtype == "auto" else DTYPES[self.cfg.save_dtype],
+            tokenizer_dir=self.output / "tokenizer",
+        )
+        self.run_dir.record_outputs()
+        log.info("weights of step %d written to %s", step, saved)
 
 
 DATA_CACHE = ".data-cache"
@@ -973,7 +1070,9 @@ def _resume(
     # Every rank has read the checkpoint before rank 0 moves later ones aside.
     group.barrier(f"the wait for every rank to load {found.name}", slow=True)
     if group.rank == 0:
-        run_dir.roll_back(found)
+        aside = run_dir.roll_back(found)
+        if aside is not None:  # the abandoned line's weights-only saves go with its checkpoints
+            set_aside_weights(run_dir.path, point.step, aside)
     log.info("resumed from %s at step %d", found, point.step)
     return point.step
 

@@ -327,10 +327,33 @@ class TrainConfig:
     )
     keep_checkpoints: int = option(
         2,
-        help="how many checkpoints to keep (default {default})",
+        help="how many resumable checkpoints to keep, the newest; with --save-best the best one is kept in "
+        "addition when it is older (default {default})",
         helps={"plan": "checkpoints slide train keeps, for the disk (default {default})"},
         commands=_TRAIN_PLAN,
         rule=positive_int(10**6),
+    )
+    save_weights_every: int = option(
+        0,
+        help="also export the weights alone every N steps, an HF model directory in --save-dtype without "
+        "optimizer state, to <output>/weights/step-NNNNNNNN; all are kept (default 0: never)",
+        helps={"plan": "slide train's weights-only saves, for the disk (default 0: none)"},
+        commands=_TRAIN_PLAN,
+        rule=Rule("int", 0, INT_MAX),
+    )
+    save_delete_first: bool = option(
+        False,
+        help="delete the oldest checkpoint before writing the next, for a disk that cannot hold one more; a "
+        "failure during that write leaves one checkpoint fewer (none with --keep-checkpoints 1)",
+        helps={"plan": "slide train deletes before it saves, for the disk"},
+        commands=_TRAIN_PLAN,
+        action="store_true",
+    )
+    save_async: bool = option(
+        False,
+        help="write --save-every and --save-best checkpoints in the background while training goes on, from "
+        "a copy taken between steps (host RAM: one checkpoint's size while it is written)",
+        action="store_true",
     )
     push_to_hub: str | None = option(
         None,

@@ -139,6 +139,16 @@ def _gpu_updates_without_clipping(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
+def _one_process_saving(name: str, why: str) -> Callable[[TrainConfig, int], None]:
+    """A way of saving that one process does alone (docs/checkpoints.md): refused with data parallel."""
+
+    def check(cfg: TrainConfig, world_size: int) -> None:
+        if world_size > 1 and getattr(cfg, name):
+            raise UserError(f"{option(name)} does not run with data parallel ({world_size} processes) yet: {why}")
+
+    return check
+
+
 def _disk_tier_needs_a_directory(name: str) -> Callable[[TrainConfig, int], None]:
     """A tier that keeps files (``nvme``, ``gds``) needs ``--nvme-dir``: refused before anything is built."""
 
@@ -171,6 +181,14 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule(("update_placement", "max_grad_norm"), _gpu_updates_without_clipping),
     CrossRule(("offload_optimizer", "nvme_dir"), _disk_tier_needs_a_directory("offload_optimizer")),
     CrossRule(("offload_activations", "nvme_dir"), _disk_tier_needs_a_directory("offload_activations")),
+    CrossRule(
+        ("save_weights_every",),
+        _one_process_saving("save_weights_every", "each rank holds only its shards of the weights"),
+    ),
+    CrossRule(
+        ("save_async",),
+        _one_process_saving("save_async", "the ranks publish a checkpoint together, between steps"),
+    ),
 )
 """Every cross-option rule, in the order they are checked (the first that fails is the one line)."""
 

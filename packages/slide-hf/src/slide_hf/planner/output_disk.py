@@ -3,9 +3,11 @@
 One checkpoint is priced by the code that decides what a checkpoint holds (``checkpoint_arrays`` and
 ``checkpoint_bytes`` in slide_core's optim/state_formats.py, which the engine writes from): the fp32
 master and the optimizer's moments as the ``optimizer_state`` option stores them, about 12 B/param in fp32. How
-many exist at once follows the retention rule of docs/checkpoints.md: the newest ``--keep-checkpoints``,
-the best one when ``--save-best`` keeps an older one, and the one being written (the previous ones stay
-until it is published). The export is every parameter once in the export dtype.
+many exist at once follows the retention rule of docs/checkpoints.md (Note [Retention] in slide_core's
+checkpoint/retention.py): the newest ``--keep-checkpoints``, the best one when ``--save-best`` keeps an
+older one, and the one being written (the previous ones stay until it is published), unless
+``--save-delete-first`` deletes the oldest before it writes. The export is every parameter once in the
+export dtype, and so is each weights-only save (``--save-weights-every``), all of which are kept.
 
 `slide plan` shows these numbers; `slide train` refuses, before loading anything, an output disk that
 cannot hold one checkpoint and the export (:func:`check_output_disk`).
@@ -25,27 +27,43 @@ from slide_hf.errors import UserError
 from slide_hf.sizes import format_bytes
 from slide_hf.spelling import option
 
-__all__ = ["OutputDisk", "check_output_disk", "checkpoints_at_once", "free_bytes", "output_disk"]
+__all__ = [
+    "OutputDisk",
+    "check_output_disk",
+    "checkpoints_at_once",
+    "checkpoints_kept",
+    "free_bytes",
+    "output_disk",
+    "weights_saves",
+]
 
 log = logging.getLogger("slide.train")
 
 
 @dataclass(frozen=True)
 class OutputDisk:
-    """Bytes one checkpoint takes, how many exist at once at most, and the exported model's bytes."""
+    """Bytes one checkpoint takes, how many exist at once at most and how many stay after a save, the
+    exported model's bytes, and the weights-only saves (each as large as the export) a run makes."""
 
     checkpoint_bytes: int
     checkpoints_at_once: int
     export_bytes: int
+    checkpoints_kept: int = 0
+    weights_saves: int = 0
 
     @property
     def checkpoints_bytes(self) -> int:
         return self.checkpoint_bytes * self.checkpoints_at_once
 
     @property
+    def weights_bytes(self) -> int:
+        """Every weights-only save of the run (``--save-weights-every``; none is pruned)."""
+        return self.export_bytes * self.weights_saves
+
+    @property
     def total_bytes(self) -> int:
-        """The most the run's checkpoints and export take together."""
-        return self.checkpoints_bytes + self.export_bytes
+        """The most the run's checkpoints, weights-only saves and export take together."""
+        return self.checkpoints_bytes + self.weights_bytes + self.export_bytes
 
     @property
     def minimum_bytes(self) -> int:
@@ -53,12 +71,32 @@ class OutputDisk:
         return self.checkpoint_bytes + self.export_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "checkpoints_bytes": self.checkpoints_bytes, "total_bytes": self.total_bytes}
+        return {
+            **asdict(self),
+            "checkpoints_bytes": self.checkpoints_bytes,
+            "weights_bytes": self.weights_bytes,
+            "total_bytes": self.total_bytes,
+        }
 
 
-def checkpoints_at_once(keep_checkpoints: int, save_best: bool) -> int:
-    """The newest ``keep_checkpoints``, an older best one, and the one being written."""
-    return keep_checkpoints + int(save_best) + 1
+def checkpoints_kept(keep_checkpoints: int, save_best: bool) -> int:
+    """How many checkpoints stay once a save is published and pruned: the newest ``keep_checkpoints``
+    and, with ``save_best``, the best one when it is older than those."""
+    return keep_checkpoints + int(save_best)
+
+
+def checkpoints_at_once(keep_checkpoints: int, save_best: bool, delete_first: bool = False) -> int:
+    """The most that exist at once: those kept, and the one being written unless ``delete_first`` made
+    room for it first."""
+    return checkpoints_kept(keep_checkpoints, save_best) + int(not delete_first)
+
+
+def weights_saves(total_steps: int | None, save_weights_every: int) -> int:
+    """How many weights-only saves a run of ``total_steps`` makes: one every ``save_weights_every`` steps,
+    but none at the last step, whose weights are the exported model. 0 when the step count is unknown."""
+    if not total_steps or save_weights_every <= 0:
+        return 0
+    return (total_steps - 1) // save_weights_every
 
 
 def output_disk(
@@ -69,13 +107,20 @@ def output_disk(
     export_itemsize: int,
     keep_checkpoints: int,
     save_best: bool,
+    delete_first: bool = False,
+    save_weights_every: int = 0,
+    total_steps: int | None = None,
 ) -> OutputDisk:
     """The output disk of a run of units of ``unit_numels`` whose optimizer keeps ``state`` arrays,
-    exporting ``params`` parameters of ``export_itemsize`` bytes."""
+    exporting ``params`` parameters of ``export_itemsize`` bytes, with the checkpoint options of
+    `slide train` (``delete_first`` is ``--save-delete-first``) and, when its step count is known,
+    ``total_steps`` for the weights-only saves."""
     return OutputDisk(
         checkpoint_bytes(checkpoint_arrays(state), unit_numels),
-        checkpoints_at_once(keep_checkpoints, save_best),
+        checkpoints_at_once(keep_checkpoints, save_best, delete_first),
         params * export_itemsize,
+        checkpoints_kept(keep_checkpoints, save_best),
+        weights_saves(total_steps, save_weights_every),
     )
 
 
@@ -98,14 +143,17 @@ def check_output_disk(directory: Path, need: OutputDisk) -> None:
             f"free space there or choose another {option('output')}"
         )
     if free < need.total_bytes:
+        weights = f", {need.weights_saves} weights-only saves" if need.weights_saves else ""
         log.warning(
-            "the disk of %s has %s free; up to %d checkpoints of %s and the %s export may exist at once (%s): "
-            "lower %s or free space before the later saves fail",
+            "the disk of %s has %s free; up to %d checkpoints of %s%s and the %s export may exist at once (%s): "
+            "lower %s, use %s or free space before the later saves fail",
             directory,
             format_bytes(free),
             need.checkpoints_at_once,
             format_bytes(need.checkpoint_bytes),
+            weights,
             format_bytes(need.export_bytes),
             format_bytes(need.total_bytes),
             option("keep_checkpoints"),
+            option("save_delete_first"),
         )

@@ -1,0 +1,233 @@
+"""`slide train`'s checkpoint options: retention with --save-best and abandoned lines, weights-only saves,
+--save-delete-first, --save-async (bytes and resume exact, failures raised), and the output disk they take."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from slide_hf import recipe
+from slide_hf.errors import UserError
+from slide_hf.planner.output_disk import checkpoints_at_once, output_disk, weights_saves
+from slide_hf.recipe import TrainConfig, train
+
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
+
+
+def _config(output: Path, **overrides: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(
+        output=output,
+        device="cpu",
+        dtype="float32",
+        steps=4,
+        seq_len=32,
+        batch_size=2,
+        grad_accum=2,
+        lr=3e-3,
+        weight_decay=0.01,
+        lr_schedule="cosine",
+        warmup_steps=1,
+        seed=3,
+        metrics=output / "metrics.jsonl",
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+# -- retention ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("save_async", [False, True])
+def test_keep_one_with_save_best_keeps_the_newest_and_an_older_best(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save_async: bool
+) -> None:
+    """Scripted evaluation losses make step 2 the best: --keep-checkpoints 1 keeps step 5, and the best in
+    addition; once a later step is the best, one checkpoint stays, not two."""
+    losses = {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5, 5: 2.7}
+
+    def evaluate(self: Any, step: int) -> dict[str, Any]:
+        return {"step": step, "eval_loss": losses[step], "perplexity": 1.0, "eval_loss_tokens": 1, "eval_time_s": 0.0}
+
+    monkeypatch.setattr(recipe._Evaluator, "run", evaluate)
+    run = tmp_path / "run"
+    common = dict(eval_fraction=0.2, eval_every=1, save_best=True, save_every=1, keep_checkpoints=1)
+    train(_config(run, steps=5, save_async=save_async, **common))
+    assert _listing(run / "checkpoints") == ["best.json", "step-00000002", "step-00000005"]
+    assert json.loads((run / "checkpoints/best.json").read_text())["path"] == "checkpoints/step-00000002"
+    losses.update({6: 0.5, 7: 0.9})
+    train(_config(run, steps=7, resume=run, save_async=save_async, **common))
+    assert _listing(run / "checkpoints") == ["best.json", "step-00000006", "step-00000007"]
+
+
+def test_keep_one_when_the_best_is_the_newest_leaves_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def evaluate(self: Any, step: int) -> dict[str, Any]:  # every step improves: the best is the newest
+        return {"step": step, "eval_loss": 10.0 - step, "perplexity": 1.0, "eval_loss_tokens": 1, "eval_time_s": 0.0}
+
+    monkeypatch.setattr(recipe._Evaluator, "run", evaluate)
+    run = tmp_path / "run"
+    train(_config(run, steps=3, eval_fraction=0.2, eval_every=1, save_best=True, save_every=1, keep_checkpoints=1))
+    assert _listing(run / "checkpoints") == ["best.json", "step-00000003"]
+
+
+def test_weights_saves_and_an_abandoned_line_pruned_by_the_same_rule(tmp_path: Path) -> None:
+    """Weights-only saves are the export of their step; a resume from an older checkpoint sets the later
+    checkpoints and weights aside, and the new line's saves prune them."""
+    from slide_hf.cli.main import main
+
+    run = tmp_path / "run"
+    train(_config(run, steps=4, save_every=1, keep_checkpoints=3, save_weights_every=1))
+    assert _listing(run / "checkpoints") == ["step-00000002", "step-00000003", "step-00000004"]
+    # No weights save at the last step: its weights are model/.
+    assert _listing(run / "weights") == ["step-00000001", "step-00000002", "step-00000003"]
+    saved = run / "weights/step-00000002"
+    assert not list(saved.glob("*.bin")) and (saved / "config.json").is_file() and (saved / "tokenizer.json").is_file()
+    exported = tmp_path / "export2"
+    assert main(["export", str(run / "checkpoints/step-00000002"), str(exported)]) == 0
+    assert _listing(saved) == _listing(exported)
+    want, got = _weights(exported), _weights(saved)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    checkpoint_bytes = sum(p.stat().st_size for p in (run / "checkpoints/step-00000002").iterdir())
+    assert sum(p.stat().st_size for p in saved.iterdir()) < checkpoint_bytes / 2  # no optimizer state
+    step3 = _weights(run / "weights/step-00000003")
+
+    # Resume from step 2 with --keep-checkpoints 2: steps 3 and 4 are abandoned, then pruned by the new line.
+    train(
+        _config(
+            run,
+            steps=4,
+            save_every=1,
+            keep_checkpoints=2,
+            save_weights_every=1,
+            resume=run / "checkpoints/step-00000002",
+        )
+    )
+    assert _listing(run / "checkpoints") == ["step-00000003", "step-00000004"]  # no abandoned-* left
+    assert _listing(run / "weights") == ["step-00000001", "step-00000002", "step-00000003"]
+    again = _weights(run / "weights/step-00000003")  # the new line's own (bit-exact: the same step again)
+    assert all(torch.equal(step3[k], again[k]) for k in step3)
+
+
+# -- delete first ---------------------------------------------------------------------------------------------
+def test_save_delete_first_deletes_before_it_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    seen: list[list[str]] = []
+    save = recipe.save_checkpoint
+
+    def spy(root: Path, step: int, *args: Any, **kwargs: Any) -> Path:
+        seen.append(sorted(p.name for p in root.glob("step-*")) if root.is_dir() else [])
+        return save(root, step, *args, **kwargs)
+
+    monkeypatch.setattr(recipe, "save_checkpoint", spy)
+    train(_config(run, steps=4, save_every=1, keep_checkpoints=2, save_delete_first=True))
+    # What the disk held as each save began: never more than --keep-checkpoints - 1.
+    assert seen == [[], ["step-00000001"], ["step-00000002"], ["step-00000003"]]
+    assert _listing(run / "checkpoints") == ["step-00000003", "step-00000004"]
+
+
+# -- background saves -----------------------------------------------------------------------------------------
+def _manifest(checkpoint: Path) -> dict[str, Any]:
+    """state.json without what may differ between two runs of the same steps: the options (which name
+    --save-async) and the checksum over them."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    state.pop("checksum")
+    state["extra"]["config"].pop("save_async")
+    state["extra"]["config"].pop("output")
+    state["extra"]["config"].pop("metrics")
+    return state
+
+
+def test_background_checkpoints_equal_foreground_ones_and_resume_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    submitted: list[int] = []
+    submit = recipe.BackgroundSaver.submit
+
+    def spy(self: Any, root: Path, step: int, *args: Any, **kwargs: Any) -> None:
+        submitted.append(step)
+        submit(self, root, step, *args, **kwargs)
+
+    monkeypatch.setattr(recipe.BackgroundSaver, "submit", spy)
+    full = train(_config(tmp_path / "full", steps=6, save_every=2, keep_checkpoints=3))
+    train(_config(tmp_path / "async", steps=6, save_every=2, keep_checkpoints=3, save_async=True))
+    assert submitted == [2, 4, 6]  # the last one is waited for before the export
+    for step in ("step-00000002", "step-00000004", "step-00000006"):
+        fg, bg = tmp_path / "full/checkpoints" / step, tmp_path / "async/checkpoints" / step
+        assert _listing(fg) == _listing(bg) == ["shard-00000-of-00001.bin", "state.json"]
+        assert (fg / "shard-00000-of-00001.bin").read_bytes() == (bg / "shard-00000-of-00001.bin").read_bytes()
+        assert _manifest(fg) == _manifest(bg)
+    # Resume from the background checkpoint of step 2: bit-identical to the uninterrupted run.
+    resumed_dir = tmp_path / "resumed"
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "async/checkpoints/step-00000002", resumed_dir / "checkpoints/step-00000002")
+    resumed = train(_config(resumed_dir, steps=6, resume=resumed_dir))
+    assert _losses(resumed_dir / "metrics.jsonl") == _losses(tmp_path / "full/metrics.jsonl")[2:]
+    want, got = _weights(full.model_dir), _weights(resumed.model_dir)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.timeout(300)
+def test_a_background_write_failure_stops_the_run_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slide_core.checkpoint import writer
+
+    write = writer._write
+
+    def full_at_step_2(handle: Any, data: memoryview) -> None:
+        if ".tmp-step-00000002" in handle.name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(handle, data)
+
+    monkeypatch.setattr(writer, "_write", full_at_step_2)
+    run = tmp_path / "run"
+    steps: list[int] = []
+    with pytest.raises(UserError) as raised:
+        train(_config(run, steps=6, save_every=1, save_async=True), on_step=lambda r: steps.append(r["step"]))
+    message = str(raised.value)
+    assert "\n" not in message and "cannot write checkpoint" in message and "step-00000002" in message
+    assert "free at" in message and "the previous checkpoint" in message and "step-00000001 is kept" in message
+    assert steps[-1] < 6  # raised while training, not at the end
+    assert _listing(run / "checkpoints") == ["step-00000001"]  # nothing half-written that looks complete
+
+
+# -- options and the output disk ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["save_weights_every", "save_async"])
+def test_one_process_saving_options_are_refused_with_data_parallel(name: str, tmp_path: Path) -> None:
+    cfg = _config(tmp_path, **{name: 2 if name == "save_weights_every" else True})
+    cfg.validate(1)
+    with pytest.raises(UserError, match=rf"--{name.replace('_', '-')} does not run with data parallel \(2 processes\)"):
+        cfg.validate(2)
+
+
+def test_output_disk_prices_every_checkpoint_option() -> None:
+    numels, params = [1000, 2000], 2900
+    base = dict(params=params, export_itemsize=2, keep_checkpoints=2, save_best=False)
+    plain = output_disk(numels, [], **base)
+    assert plain.checkpoint_bytes == 4 * 3000 and plain.checkpoints_kept == 2 and plain.checkpoints_at_once == 3
+    assert plain.total_bytes == 3 * 12000 + 2 * params
+    best = output_disk(numels, [], **{**base, "save_best": True})
+    assert (best.checkpoints_kept, best.checkpoints_at_once) == (3, 4)
+    first = output_disk(numels, [], **{**base, "save_best": True}, delete_first=True)
+    assert (first.checkpoints_kept, first.checkpoints_at_once) == (3, 3)
+    weights = output_disk(numels, [], **base, save_weights_every=10, total_steps=100)
+    assert weights.weights_saves == 9 and weights.weights_bytes == 9 * 2 * params  # none at step 100: model/
+    assert weights.total_bytes == plain.total_bytes + 9 * 2 * params
+    assert weights.to_dict()["weights_bytes"] == weights.weights_bytes
+    assert checkpoints_at_once(1, False, delete_first=True) == 1
+    assert weights_saves(None, 10) == 0 and weights_saves(101, 10) == 10 and weights_saves(100, 0) == 0
