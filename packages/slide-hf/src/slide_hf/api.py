@@ -7,7 +7,10 @@
 Options are the keyword names of `slide train`'s flags (underscores), validated by the same layer
 (:mod:`slide_hf.options`); paths may be ``str`` or ``Path``. ``resume="runs/qwen"`` restores the saved
 run's options as ``--resume`` does. Bad input raises :class:`~slide_hf.errors.UserError` with the same one
-line the CLI prints, naming keyword arguments (``resume=``) where the CLI names flags (slide_hf/spelling.py). Log lines go to the notebook's output (stderr) unless the caller configured logging.
+line the CLI prints, naming keyword arguments (``resume=``) where the CLI names flags (slide_hf/spelling.py);
+a misspelt keyword raises :class:`~slide_hf.errors.UnknownOption` (``unknown option 'learning_rate'; did you
+mean 'lr'?``), which is a ``TypeError`` as well. Log lines go to the notebook's output (stderr) unless the
+caller configured logging.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from slide_hf.options import TrainConfig, resume_config
+from slide_hf.options import TrainConfig, resume_config, train_options
+from slide_hf.options.companions import check_given
+from slide_hf.options.suggest import unknown_option
 from slide_hf.recipe import TrainSummary
 from slide_hf.recipe import train as run_training
 from slide_hf.spelling import keyword_spelling
@@ -73,8 +78,13 @@ def train_config(
 ) -> TrainConfig:
     """The run's options as :func:`train` takes them (its keywords are :class:`TrainConfig`'s options,
     slide_hf/options/config.py), checked by the same rules as `slide train`'s flags; ``resume=`` restores
-    the saved run's options first. Call it inside :func:`~slide_hf.spelling.keyword_spelling` for messages
-    that name keywords."""
+    the saved run's options first. A keyword that is no option raises :class:`~slide_hf.errors.UnknownOption`
+    (a ``UserError`` and a ``TypeError``) naming the option meant. Call it inside
+    :func:`~slide_hf.spelling.keyword_spelling` for messages that name keywords."""
+    known = {item.name for item in train_options()}
+    for key, value in options.items():
+        if key not in known:
+            raise unknown_option(key, value, style="keyword")
     given: dict[str, Any] = {"model": str(model), **options}
     if data is not None:
         given["data"] = data
@@ -84,8 +94,8 @@ def train_config(
         if model == "tiny-llama":
             given.pop("model")  # the default: take the saved run's model
         saved, source = saved_options(Path(given["resume"]))
-        return resume_config(saved, given, source=source)
-    try:
-        return TrainConfig(**given)
-    except TypeError as error:
-        raise TypeError(f"slide_hf.train: {error}") from None
+        cfg = resume_config(saved, given, source=source)
+    else:
+        cfg = TrainConfig(**given)
+    check_given(cfg, options)  # a keyword the run would not use (decay_shape= without a wsd schedule)
+    return cfg

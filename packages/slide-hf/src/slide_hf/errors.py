@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["RunStopped", "UserError"]
+__all__ = ["Interrupted", "RunStopped", "UnknownOption", "UserError"]
 
 
 class UserError(ValueError):
     """Bad input: a path, an option, a data line, a model that cannot fit. The message names it."""
+
+
+class UnknownOption(UserError, TypeError):
+    """An option name that does not exist (a TOML key, a keyword of ``slide_hf.train``): the message names
+    it and the option meant. A ``TypeError`` too, as Python's own unexpected keyword argument is."""
 
 
 class RunStopped(Exception):
@@ -17,4 +22,15 @@ class RunStopped(Exception):
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM, which ends a run at once instead of after its checkpoint. A
+    ``KeyboardInterrupt``, so cleanup written for Ctrl-C runs; ``exit_code`` is 128 + the number of the
+    signal that forced the exit (130 for SIGINT, 143 for SIGTERM), as a shell reports a process it ended."""
+
+    def __init__(self, signal_name: str, exit_code: int) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
         self.exit_code = exit_code

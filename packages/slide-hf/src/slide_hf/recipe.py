@@ -62,7 +62,7 @@ from slide_core.optim.state_formats import StateFormatMismatch
 from slide_core.schedule import warmup_from_ratio
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
 from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
-from slide_hf.errors import RunStopped, UserError
+from slide_hf.errors import Interrupted, RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run
 from slide_hf.options import TrainConfig, check_adamw, config_dict, data_sources, default_lr
@@ -974,8 +974,10 @@ class _StopRequests:
     """Turns SIGINT/SIGTERM into a request to checkpoint and stop at the end of the current step.
 
     The handlers stay installed through the final checkpoint and the export, which polls ``requested``
-    between shards; a second signal raises ``KeyboardInterrupt`` at once. Either way the run ends with
-    :class:`RunStopped` (exit status 128 + the signal number) after what it needs to continue is saved.
+    between shards; a second signal raises :class:`Interrupted` (a ``KeyboardInterrupt``) at once, and the
+    run ends with exit status 128 + that signal's number (143 for a second SIGTERM, 130 for a SIGINT).
+    Otherwise the run ends with :class:`RunStopped` (128 + the signal number) after what it needs to
+    continue is saved.
 
     Note [Stop on every rank]: with data parallel a signal may reach one rank only (a scheduler, a user's
     ``kill``), and a rank that checkpointed and left alone would leave the others waiting in their next
@@ -1015,7 +1017,8 @@ class _StopRequests:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
+            name = signal.Signals(signum).name
+            raise Interrupted(name, 128 + signum)
         self.requested = signal.Signals(signum).name
         if self._alone:
             self.agreed = self.requested

@@ -94,8 +94,11 @@ def run(args: argparse.Namespace) -> int:
 def _shares(dataset: Any, weights: tuple[float, ...] | None) -> list[dict[str, Any]]:
     """Each source's rows and tokens and their fractions of the whole; with weights, the fraction of the
     rows an epoch of training draws from it (slide_hf/data/mixture.py)."""
+    from slide_hf.data.mixture import weight_shares
+
     rows = max(dataset.stats.rows, 1)
     tokens = max(dataset.stats.tokens, 1)
+    sampled = weight_shares(weights) if weights is not None else []
     shares = []
     for i, part in enumerate(dataset.parts):
         share = {
@@ -108,7 +111,7 @@ def _shares(dataset: Any, weights: tuple[float, ...] | None) -> list[dict[str, A
             "token_share": part.tokens / tokens,
         }
         if weights is not None:
-            share["sampled_share"] = weights[i] / sum(weights)
+            share["sampled_share"] = sampled[i]
         shares.append(share)
     return shares
 

@@ -6,7 +6,8 @@ Exit status and what is printed on stderr, one line each, never a traceback unle
 - 2: bad input -- a :class:`UserError` (a bad path, an unknown preset, a malformed data line, a full
   disk) or an unreadable command line -- printed as ``slide CMD: error: ...``.
 - 130 / 143: a run stopped by SIGINT / SIGTERM after saving a checkpoint (:class:`RunStopped`); the line
-  gives the command that continues it and is not an error. A bare Ctrl-C elsewhere is 130 too.
+  gives the command that continues it and is not an error. A bare Ctrl-C elsewhere is 130 too, and a second
+  signal that ends a run at once is 128 + its number (143 for SIGTERM, 130 for SIGINT).
 - 2 as well when the GPU runs out of memory anyway (a ``torch.OutOfMemoryError`` anywhere in the
   exception's chain, also wrapped by the engine's worker threads): the plan priced the run within the
   budget and it did not hold, so the line says so, gives the budget and what to try.
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from slide_hf.cli.kernel_fault import third_party_fault
-from slide_hf.errors import RunStopped, UserError
+from slide_hf.errors import Interrupted, RunStopped, UserError
 from slide_hf.launch import PEER_STOPPED_STATUS
 
 COMMANDS = ("train", "data", "plan", "bench", "doctor", "export")
@@ -81,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunStopped as stop:
         print(f"slide {args.command}: {_one_line(stop)}", file=sys.stderr)
         return stop.exit_code
+    except Interrupted as interrupted:  # a second SIGINT/SIGTERM during a run (slide_hf/recipe.py)
+        print(f"slide {args.command}: interrupted by {interrupted.signal_name}", file=sys.stderr)
+        return interrupted.exit_code
     except KeyboardInterrupt:
         print(f"slide {args.command}: interrupted", file=sys.stderr)
         return 130

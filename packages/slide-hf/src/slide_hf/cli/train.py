@@ -51,17 +51,21 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's TrainConfig: the given options, or for ``--resume`` the saved run's options updated by them."""
     from slide_hf.options import TrainConfig, resume_config
+    from slide_hf.options.companions import check_given
 
     values = given_options(args)
     if values.get("resume") is not None:
         from slide_hf.run_options import saved_options
 
         saved, source = saved_options(Path(values["resume"]))
-        return resume_config(saved, values, source=source)
-    try:
-        return TrainConfig(**values)
-    except TypeError as error:
-        raise UserError(f"bad option value: {error}") from None
+        cfg = resume_config(saved, values, source=source)
+    else:
+        try:
+            cfg = TrainConfig(**values)
+        except TypeError as error:
+            raise UserError(f"bad option value: {error}") from None
+    check_given(cfg, values)  # an option written that the run would not use (--decay-shape without wsd)
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,9 @@
 """The order of rows in one epoch of a weighted mixture of sources (``--data a --data b --data-weights 3,1``).
 
 An epoch draws as many rows as the sources hold together. Source ``i`` gets ``weight_i / sum(weights)`` of
-them, rounded by largest remainder so the counts add up exactly. Each source yields its rows as an endless
+them, rounded by largest remainder so the counts add up exactly. The shares are exact fractions
+(:func:`weight_shares`), so any positive finite weights work: ``1e308,1e308``, whose float sum is infinite,
+is the same even mixture as ``1,1``. Each source yields its rows as an endless
 stream of passes, each pass a fresh seeded permutation: epoch ``e`` takes the next ``count`` items of the
 stream, so a source asked for more rows than it holds repeats them (each pass in a fresh order), and one
 asked for fewer continues through its rows over the following epochs. Which source each
@@ -16,10 +18,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 import torch
 
-__all__ = ["mixture_counts", "mixture_order"]
+__all__ = ["mixture_counts", "mixture_order", "weight_shares"]
 
 
 def _seed(seed: int, source: int, number: int) -> int:
@@ -27,10 +30,23 @@ def _seed(seed: int, source: int, number: int) -> int:
     return (seed * 1_000_003 + (source + 2) * 7_919 + number * 104_729) % 2**63
 
 
+def _exact_shares(weights: Sequence[float]) -> list[Fraction]:
+    """``weight_i / sum(weights)`` as exact fractions: a float sum of large weights overflows to infinity
+    (and the shares to NaN), and rounding would make a tie between equal remainders depend on the order
+    of a sum."""
+    exact = [Fraction(weight) for weight in weights]
+    scale = sum(exact)
+    return [weight / scale for weight in exact]
+
+
+def weight_shares(weights: Sequence[float]) -> list[float]:
+    """The fraction of an epoch's rows each source gets (positive finite ``weights``, of any magnitude)."""
+    return [float(share) for share in _exact_shares(weights)]
+
+
 def mixture_counts(rows: Sequence[int], weights: Sequence[float], total: int) -> list[int]:
     """How many of ``total`` draws each source gets: proportional to ``weights``, by largest remainder."""
-    scale = sum(weights)
-    exact = [total * weight / scale for weight in weights]
+    exact = [total * share for share in _exact_shares(weights)]
     counts = [math.floor(value) for value in exact]
     by_remainder = sorted(range(len(rows)), key=lambda i: (counts[i] - exact[i], i))
     for i in by_remainder[: total - sum(counts)]:

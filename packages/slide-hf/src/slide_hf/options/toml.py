@@ -1,8 +1,9 @@
 """``slide train --config FILE.toml``: the options of a run as TOML keys, the same names as the fields.
 
-The keys are :class:`~slide_hf.options.TrainConfig`'s options (slide_hf/options/config.py), nothing else;
-a value of the wrong TOML type (``steps = 2.5``, ``data = 5``) is named here, in one line, rather than deep
-in training. The values then go through the same rules as flags and keywords.
+The keys are :class:`~slide_hf.options.TrainConfig`'s options (slide_hf/options/config.py), nothing else:
+an unknown key is refused with the one meant (``no_packing = true``: ``packing = false``, see
+slide_hf/options/suggest.py). A value of the wrong TOML type (``steps = 2.5``, ``data = 5``) is named here,
+in one line, rather than deep in training. The values then go through the same rules as flags and keywords.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from slide_hf.errors import UserError
+from slide_hf.errors import UnknownOption, UserError
 from slide_hf.options.config import train_options
 from slide_hf.options.schema import Declared
+from slide_hf.options.suggest import unknown_option
 
 __all__ = ["toml_options"]
 
@@ -26,7 +28,7 @@ def toml_options(path: Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in _read(path).items():
         if key not in known:
-            raise UserError(f"config file {path}: unknown option {key!r}")
+            raise UnknownOption(f"config file {path}: {unknown_option(key, value, style='toml')}")
         _check_type(path, known[key], value)
         if key == "report_to" and isinstance(value, list):
             value = ",".join(value)

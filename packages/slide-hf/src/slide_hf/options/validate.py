@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from slide_hf.errors import UserError
+from slide_hf.options.companions import COMPANIONS
 from slide_hf.options.schema import Command
 from slide_hf.spelling import option
 
@@ -176,6 +177,8 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule(("lr_timescale", "lr_schedule"), _shape_of("lr_timescale", "inverse_sqrt")),
     CrossRule(("lr_end", "lr", "lr_schedule"), _end_below_peak),
     CrossRule(("hub_private", "push_to_hub"), _private_needs_a_push),
+    # Options that act only beside another (--decay-fraction beside --lr-schedule wsd): options/companions.py
+    *(CrossRule(companion.options, companion.rule) for companion in COMPANIONS),
     CrossRule(("master", "dtype"), _split_master_needs_bf16),
     CrossRule(("optimizer_state",), _int8_state_is_one_process),
     CrossRule(("update_placement", "max_grad_norm"), _gpu_updates_without_clipping),

@@ -1,0 +1,136 @@
+"""Options that do something only beside another: ``--decay-fraction`` shapes the ``wsd`` schedule alone,
+``--allow-data-change`` answers a resume's data check, ``--eval-every`` times an evaluation that needs
+evaluation data, ``--data-weights`` weighs several ``--data`` sources.
+
+Given without its companion such an option would change nothing, silently, and a user who wrote
+``--decay-fraction 0.2 --lr-schedule cosine`` would believe the run decays as asked. So it is refused in
+one line naming the option and what it needs:
+
+- by value, as a cross-option rule (slide_hf/options/validate.py), whichever way the value came in (flags,
+  the TOML file, ``slide_hf.train``): an option away from its default asks for its companion;
+- by what the user wrote (:func:`check_given`, at `slide train` and ``slide_hf.train``), so an option
+  written at its default value asks too (``decay_shape = "linear"`` beside ``lr_schedule = "cosine"``),
+  except where the default is "off" (``--eval-every 0``, ``allow_data_change = false``). A resumed run is
+  held to this alone: its saved options were accepted when it started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from slide_hf.errors import UserError
+from slide_hf.spelling import option
+
+if TYPE_CHECKING:
+    from slide_hf.options.config import TrainConfig
+
+__all__ = ["COMPANIONS", "Companion", "check_given"]
+
+
+@dataclass(frozen=True)
+class Companion:
+    """Option ``name`` acts only where ``used(cfg)``: ``reads`` names the options ``used`` looks at (a rule
+    applies to a command only when the command takes all of them), ``needs(cfg)`` says in the refusal what
+    the option needs. ``default_asks``: naming the option at its default value asks for something (a
+    schedule's shape does; ``--eval-every 0``, "off", does not)."""
+
+    name: str
+    reads: tuple[str, ...]
+    used: Callable[[TrainConfig], bool]
+    needs: Callable[[TrainConfig], str]
+    default_asks: bool = True
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return (self.name, *self.reads)
+
+    def check(self, cfg: TrainConfig, given: Collection[str] | None = None) -> None:
+        """Refuse the option where it is asked for and ``cfg`` makes no use of it: asked for by a value other
+        than its default, or with ``given`` (the names the user wrote), by being written (at its default
+        too where :attr:`default_asks`)."""
+        value = getattr(cfg, self.name)
+        changed = value != _default(self.name)
+        written = given is not None and self.name in given and value is not None  # None: "not given"
+        asked = changed if given is None else written and (changed or self.default_asks)
+        if asked and not self.used(cfg):
+            raise UserError(f"{_setting(self.name, value)} {self.needs(cfg)}")
+
+    def rule(self, cfg: TrainConfig, world_size: int) -> None:
+        """:meth:`check` by value, as a cross-option rule (slide_hf/options/validate.py). A resumed run is
+        held to what its user gives now (:func:`check_given`), not to the options it saved: those were
+        accepted when it started (by an older version, perhaps), and most of them cannot change now."""
+        if cfg.resume is None:
+            self.check(cfg)
+
+
+def _default(name: str) -> Any:
+    from slide_hf.options.config import train_options
+
+    return next(item.default for item in train_options() if item.name == name)
+
+
+def _setting(name: str, value: Any) -> str:
+    """``--decay-fraction 0.2``, ``--allow-data-change`` (a switch is named alone)."""
+    if isinstance(value, bool):
+        return option(name)
+    shown = getattr(value, "value", value)
+    if isinstance(shown, tuple):
+        shown = ",".join(f"{item:g}" if isinstance(item, float) else str(item) for item in shown)
+    return option(name, shown)
+
+
+def _wsd_only(name: str) -> Companion:
+    return Companion(
+        name,
+        ("lr_schedule",),
+        lambda cfg: cfg.lr_schedule == "wsd",
+        lambda cfg: (
+            f"shapes the decay of {option('lr_schedule', 'wsd')} only, and the schedule is "
+            f"{cfg.lr_schedule.value}; give {option('lr_schedule', 'wsd')} or leave {option(name)} out"
+        ),
+    )
+
+
+def _sources(cfg: TrainConfig) -> int:
+    from slide_hf.options.config import data_sources
+
+    return len(data_sources(cfg))
+
+
+COMPANIONS: tuple[Companion, ...] = (
+    _wsd_only("decay_fraction"),
+    _wsd_only("decay_shape"),
+    Companion(
+        "allow_data_change",
+        ("resume",),
+        lambda cfg: cfg.resume is not None,
+        lambda cfg: f"applies only with {option('resume', 'RUN')}: a new run has no saved data to compare with",
+        default_asks=False,
+    ),
+    Companion(
+        "eval_every",
+        ("eval_data", "eval_fraction"),
+        lambda cfg: cfg.evaluates,
+        lambda cfg: (
+            f"needs evaluation data: give {option('eval_data', 'FILE')} or {option('eval_fraction', 'F')} "
+            "(without it nothing is evaluated)"
+        ),
+        default_asks=False,
+    ),
+    Companion(
+        "data_weights",
+        ("data",),
+        lambda cfg: _sources(cfg) > 1,
+        lambda cfg: f"weighs two or more {option('data')} sources against each other; this run has one",
+    ),
+)
+"""Every option that needs a companion, in the order they are checked."""
+
+
+def check_given(cfg: TrainConfig, given: Collection[str]) -> None:
+    """Refuse an option the user wrote (``given``: the names of the flags, TOML keys or keywords) that
+    ``cfg`` makes no use of, even at its default value."""
+    for companion in COMPANIONS:
+        companion.check(cfg, given)
