@@ -273,3 +273,49 @@ def test_resuming_the_intact_checkpoint_sets_the_damaged_one_aside(world: World,
     assert (run / "checkpoints" / "step-00000002" / "state.json").is_file()  # the new line's step 2
     assert main(["train", "--resume", str(run)]) == 0  # nothing left to train: no refusal
     assert "nothing left to train" in capsys.readouterr().out
+
+
+# ---- a resume onto data shorter than the saved position ----------------------------------------------------
+
+
+@pytest.fixture
+def shortened(tmp_path: Path, torch_kernels: None) -> tuple[Path, Path]:
+    """A 2-step run over 64 lines (its checkpoint at row 4 of epoch 0), whose data file then shrinks to
+    three rows: the saved position lies past the end of the new data."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i} of the user's data"}) + "\n" for i in range(64)))
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--output", str(run), *TINY, "--steps", "2"]) == 0
+    data.write_text(json.dumps({"text": "a shorter file of the user, in three rows"}) + "\n")
+    return run, data
+
+
+def test_allow_data_change_onto_shorter_data_starts_its_next_epoch(shortened, caplog) -> None:
+    run, _ = shortened
+    caplog.set_level("WARNING", logger="slide.train")
+    assert main(["train", "--resume", str(run), "--steps", "4", "--allow-data-change"]) == 0
+    lines = [r.getMessage() for r in caplog.records if "training continues at the start of epoch" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert "--allow-data-change: the data now has 3 rows and" in lines[0]
+    assert "stopped at row 4 of epoch 0; training continues at the start of epoch 1" in lines[0]
+    state = json.loads((run / "checkpoints" / "step-00000004" / "state.json").read_text())
+    assert state["extra"]["data"]["epoch"] >= 1  # it trained on the new data's epochs
+
+
+def test_shorter_data_under_a_checkpoint_without_a_digest_is_named(shortened, capsys) -> None:
+    """A checkpoint that predates the data digest cannot tell a changed file from a damaged position: the
+    line gives both sizes and the option, and calls nothing corrupt."""
+    from slide_core.checkpoint.manifest import checksum
+
+    run, _ = shortened
+    file = run / "checkpoints" / "step-00000002" / "state.json"
+    state = json.loads(file.read_text())
+    del state["extra"]["data_digest"]
+    state["checksum"] = checksum(state)
+    file.write_text(json.dumps(state))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--steps", "4"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert "stopped at row 4 of epoch 0, but the data now has 3 rows" in lines[0], lines[0]
+    assert "--allow-data-change" in lines[0] and "corrupt" not in lines[0]
