@@ -3,8 +3,9 @@
 Read :func:`_train` top to bottom. Each ``_setup_*`` step takes what the steps before it made:
 
 1. ``_setup_model``: the config, the tokenizer and the units (a model directory, a Hub name or a preset);
-2. ``_setup_data``: the rows (cached in the run directory), the batches, the step count and the LR schedule;
-3. ``_setup_device``: the ``--device`` plugin, capped at ``--gpu-memory``;
+2. ``_setup_device``: the ``--device`` plugin, capped at ``--gpu-memory``, and the compute dtype left unset
+   (``_setup_compute_dtype``: the device's);
+3. ``_setup_data``: the rows (cached in the run directory), the batches, the step count and the LR schedule;
 4. ``_setup_optimizer``: the ``--optimizer`` plugin, its kernels compiled before anything is allocated;
 5. ``_setup_placement``: refuse what cannot fit, then choose what lives on the GPU and on the
    ``--offload-optimizer`` tier (slide_hf/setup.py, shared with `slide bench`);
@@ -65,7 +66,7 @@ from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import Interrupted, RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run
-from slide_hf.options import TrainConfig, check_adamw, config_dict, data_sources, default_lr
+from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.planner import output_disk as disk
 from slide_hf.progress import Progress
 from slide_hf.resume import (
@@ -179,10 +180,13 @@ def _train(
     # The default row length depends on the model (its context length) and the data (the demo's own).
     cfg = dataclasses.replace(cfg, seq_len=resolve_seq_len(cfg.seq_len, model.config, bundled_text=cfg.data is None))
     options = RunOptions.from_config(cfg)  # the options the engine reads (slide_hf/options/engine.py)
+    device = _setup_device(options, group)
+    if cfg.dtype is None:  # the device's, chosen once and saved as chosen (a resume keeps it)
+        cfg = dataclasses.replace(cfg, dtype=_setup_compute_dtype(cfg, device, group))
+        options = RunOptions.from_config(cfg)
     # Resume: the checkpoint's run state (state.json only) before the data, whose schedule it continues.
     resumed = checkpoint_to_resume(cfg.resume) if cfg.resume is not None else None
     data = _setup_data_once(cfg, model, run_dir.path, group, resumed)
-    device = _setup_device(options, group)
     optimizer = _setup_optimizer(cfg, options)
     if main:
         disk.check_output_disk(run_dir.path, _output_disk(cfg, model, optimizer, data.total_steps))
@@ -416,6 +420,23 @@ def _setup_device(options: RunOptions, group: RunGroup) -> Device:
     return make_device(options.device, options.gpu_memory_bytes, index=index)
 
 
+def _setup_compute_dtype(cfg: TrainConfig, device: Device, group: RunGroup) -> DType:
+    """The compute dtype of a run that gave no ``--dtype``: ``device``'s (bf16 on a GPU, fp32 on a CPU without
+    native bf16: slide_hf/device_defaults.py), logged with why. With data parallel every rank takes rank 0's,
+    so all compute alike even on unlike hosts."""
+    from slide_hf.device_defaults import default_compute_dtype
+
+    choice = group.broadcast_object(default_compute_dtype(device, cfg.master), "rank 0's compute dtype")
+    log.info("%s", choice.describe())
+    return choice.dtype
+
+
+def _compute_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The run's compute dtype, given or chosen for the device by now (``_setup_compute_dtype``)."""
+    assert cfg.dtype is not None  # _train chooses one before anything computes
+    return DTYPES[cfg.dtype]
+
+
 def _setup_optimizer(cfg: TrainConfig, options: RunOptions) -> Optimizer:
     """The ``--optimizer`` plugin with the run's AdamW hyperparameters, compiled off the critical path."""
     adam = AdamWConfig(
@@ -460,7 +481,7 @@ def _setup_weights(cfg: TrainConfig, model: _Model, optimizer: Optimizer, group:
     from slide_hf import init_random, load_weights
 
     try:
-        master_format = choose_master_format(cfg.master, DTYPES[cfg.dtype], optimizer)
+        master_format = choose_master_format(cfg.master, _compute_dtype(cfg), optimizer)
     except ValueError as error:
         raise UserError(f"{option('master', cfg.master)}: {error}") from None
     log.info("host master: %s", master_format)
@@ -505,10 +526,10 @@ def _log_run(
         cfg.dtype,
         type(optimizer).__name__,
     )
-    log.info("attention: %s", attention_summary(model.slide_model, device.torch_device.type, DTYPES[cfg.dtype]))
+    log.info("attention: %s", attention_summary(model.slide_model, device.torch_device.type, _compute_dtype(cfg)))
     linear = getattr(model.slide_model, "linear_attention", None)
     if linear is not None:  # decided (a check on the GPU) and logged here, before the engine runs
-        linear.path_for(device.torch_device, DTYPES[cfg.dtype])
+        linear.path_for(device.torch_device, _compute_dtype(cfg))
     return flops_per_token(model.config, params, cfg.seq_len)
 
 

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from slide_hf.offload import activation_tier_class, planning_kind, state_tier_class
 
     cfg = _options(args)  # option errors first: building takes seconds
+    assert cfg.dtype is not None  # plan declares a default (bfloat16)
     offload_kind = planning_kind(state_tier_class(cfg.offload_optimizer))
     optimizer = _optimizer_class(cfg.optimizer)
     if cfg.optimizer_state != "fp32":  # compact moments are kept by CompactAdamW (slide_core's build_optimizer)

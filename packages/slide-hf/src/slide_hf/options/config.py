@@ -87,12 +87,14 @@ def _enum_value(choice: Enum) -> str:
     return str(choice.value)
 
 
-def _torch_dtype(dtype: DType) -> torch.dtype:
+def _torch_dtype(dtype: DType | None) -> torch.dtype:
     """``--dtype`` as the engine computes in: the torch dtype of the same name (torch is imported only
-    when a run is set up, never for a command's --help)."""
+    when a run is set up, never for a command's --help). ``None`` (none chosen) is bfloat16: `slide bench`
+    takes no ``--dtype`` and measures the GPU's bf16 path; `slide train` chooses one for its device before
+    the engine's options are built (slide_hf/device_defaults.py)."""
     import torch
 
-    return getattr(torch, dtype.value)
+    return torch.bfloat16 if dtype is None else getattr(torch, dtype.value)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class TrainConfig:
     keywords of ``slide_hf.train``.
 
     ``None`` where a field allows it means "choose for me": ``steps``/``epochs`` (one epoch, or the demo's),
-    ``lr``, and ``seq_len`` (2048, or the model's context length if shorter; see slide_hf/defaults.py)."""
+    ``lr``, ``seq_len`` (2048, or the model's context length if shorter; see slide_hf/defaults.py) and
+    ``dtype`` (the device's: see slide_hf/device_defaults.py)."""
 
     model: str = option(
         "tiny-llama",
@@ -147,10 +150,13 @@ class TrainConfig:
         engine=AS_DECLARED,
         builtin=("auto",),
     )
-    dtype: DType = option(
-        DType.BFLOAT16,
-        help="compute dtype (default {default}; bf16 and fp32 are accepted too)",
+    dtype: DType | None = option(
+        None,
+        help="compute dtype (default: bfloat16 on a GPU and on a CPU with native bfloat16, else float32; bf16 and "
+        "fp32 are accepted too)",
+        helps={"plan": "compute dtype (default {default}; bf16 and fp32 are accepted too)"},
         commands=_TRAIN_PLAN,
+        defaults={"plan": DType.BFLOAT16},
         choices=DType,
         aliases=DTYPE_ALIASES,
         engine=EngineField("compute_dtype", _torch_dtype),

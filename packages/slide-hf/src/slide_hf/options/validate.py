@@ -115,7 +115,7 @@ def _private_needs_a_push(cfg: TrainConfig, world_size: int) -> None:
 
 
 def _split_master_needs_bf16(cfg: TrainConfig, world_size: int) -> None:
-    if cfg.master == "split" and cfg.dtype != "bfloat16":
+    if cfg.master == "split" and cfg.dtype is not None and cfg.dtype != "bfloat16":  # unset: split takes bf16
         raise UserError(
             f"{option('master', 'split')} stores the bf16 copy the GPU computes with, so it needs "
             f"{option('dtype', 'bfloat16')}, got {cfg.dtype.value}; use {option('master', 'fp32')} or auto"
