@@ -40,7 +40,9 @@ micro-batches' forward and backward run back to back, the updates after the last
 
 from __future__ import annotations
 
+import functools
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,8 +126,51 @@ class ScheduleRates:
         return min(1.0, max(self.duplex, self.h2d, self.d2h) / (self.h2d + self.d2h))
 
 
+_NO_WAIT = -math.inf
+"""A ready time that waits for nothing."""
+
+_TOLERANCE = 1e-12
+"""Relative floating-point noise: margins and increments within it of each other are equal."""
+
+_EXACT_LIMIT = 256
+"""Micro-batches a step simulates one by one, at most, while looking for one that repeats
+(Note [Micro-batches in steady state]); past it, the rest are extrapolated from the last one's increments."""
+
+
+_LONGEST_CYCLE = 4
+"""The longest cycle of micro-batches looked for: a schedule may alternate between two ways of running one
+(a slot freed early every other micro-batch), each repeating every second one."""
+
+
+class _Tape:
+    """The margins of the comparisons one micro-batch makes, in the order it makes them, each with the
+    magnitude of its operands (Note [Micro-batches in steady state]). A comparison with an infinite operand
+    (a ready time that waits for nothing) decides nothing that could change, and is left out."""
+
+    def __init__(self) -> None:
+        self.margins: list[float] = []
+        self.magnitudes: list[float] = []
+
+    def _record(self, a: float, b: float) -> None:
+        if math.isfinite(a) and math.isfinite(b):
+            self.margins.append(a - b)
+            self.magnitudes.append(max(abs(a), abs(b)))
+
+    def max(self, a: float, b: float) -> float:
+        self._record(a, b)
+        return max(a, b)
+
+    def min(self, a: float, b: float) -> float:
+        self._record(a, b)
+        return min(a, b)
+
+    def le(self, a: float, b: float) -> bool:
+        self._record(b, a)
+        return a <= b
+
+
 class _Servers:
-    """When each server is next free (seconds from the first step's start)."""
+    """When each server is next free (seconds from the current micro-batch's start)."""
 
     def __init__(self) -> None:
         self.compute = 0.0
@@ -133,17 +178,19 @@ class _Servers:
         self.d2h = 0.0
         self.host = 0.0
 
-    def run(self, server: str, ready: float, seconds: float) -> float:
+    def run(self, server: str, ready: float, seconds: float, tape: _Tape) -> float:
         """Start ``seconds`` of work on ``server`` once it is free and ``ready`` has passed; its end."""
-        end = max(getattr(self, server), ready) + seconds
+        end = tape.max(getattr(self, server), ready) + seconds
         setattr(self, server, end)
         return end
 
-    def copy_in(self, ready: float, size: float, rate: float, slow_until: float, slow_rate: float) -> float:
+    def copy_in(
+        self, ready: float, size: float, rate: float, slow_until: float, slow_rate: float, tape: _Tape
+    ) -> float:
         """An h2d copy of ``size`` bytes once ``ready``: at ``slow_rate`` while the host optimizer works
         (until ``slow_until``), at ``rate`` after; its end."""
-        start = max(self.h2d, ready)
-        slow_s = min(max(0.0, slow_until - start), size / slow_rate)
+        start = tape.max(self.h2d, ready)
+        slow_s = tape.min(tape.max(0.0, slow_until - start), size / slow_rate)
         end = start + slow_s + (size - slow_s * slow_rate) / rate
         self.h2d = end
         return end
@@ -153,125 +200,271 @@ class _SlotPool:
     """``count`` slots, each handed out again once freed: the earliest freed first."""
 
     def __init__(self, count: int) -> None:
-        self._free = [0.0] * count
+        self.free = [0.0] * count
 
-    def take(self) -> float:
-        """A slot: when it is free."""
-        return heapq.heappop(self._free)
+    def take(self, tape: _Tape) -> float:
+        """A slot: when it is free (which slot is the earliest is a comparison with every other)."""
+        earliest = heapq.heappop(self.free)
+        for other in self.free:
+            tape.max(other, earliest)
+        return earliest
 
     def give(self, free_at: float) -> None:
-        heapq.heappush(self._free, free_at)
+        heapq.heappush(self.free, free_at)
 
 
-def _host_updates(jobs: list[tuple[int, float, float]], free_at: float) -> dict[int, float]:
+def _host_updates(jobs: list[tuple[int, float, float]], free_at: float, tape: _Tape | None = None) -> dict[int, float]:
     """When each of ``jobs`` (forward position, gradient landed at, host seconds) is done on the host
     optimizer, free from ``free_at``: at every moment it works on the landed job the next forward needs
     first (the lowest position), switching as soon as a more urgent gradient lands (it takes one chunk at a
     time: Note [Optimizer priority] in slide_core/engine/workers.py)."""
+    tape = tape or _Tape()
     pending = sorted(jobs, key=lambda job: job[1])
+    for earlier, later in itertools.pairwise(pending):
+        tape.max(later[1], earlier[1])
     left = {position: seconds for position, _, seconds in jobs}
     done: dict[int, float] = {}
     landed: list[int] = []  # positions, a heap
     now, arrival = free_at, 0
     while len(done) < len(jobs):
-        while arrival < len(pending) and pending[arrival][1] <= now:
+        while arrival < len(pending) and tape.le(pending[arrival][1], now):
             heapq.heappush(landed, pending[arrival][0])
             arrival += 1
         if not landed:
-            now = max(now, pending[arrival][1])
+            now = tape.max(now, pending[arrival][1])
             continue
         position = landed[0]
-        next_landing = pending[arrival][1] if arrival < len(pending) else float("inf")
-        run = min(left[position], next_landing - now)
+        next_landing = pending[arrival][1] if arrival < len(pending) else math.inf
+        run = tape.min(left[position], next_landing - now)
         now += run
         left[position] -= run
-        if left[position] <= 1e-12:
+        if tape.le(left[position], 1e-12):
             heapq.heappop(landed)
             done[position] = now
     return done
 
 
 def simulate_step(units: Sequence[UnitWork], rates: ScheduleRates) -> float:
-    """Seconds of one steady-state step of ``units`` (forward order) at ``rates``."""
-    servers = _Servers()
-    blocks = _SlotPool(rates.block_slots)
-    updated = {unit.name: 0.0 for unit in units}  # when each unit's latest update is done (host RAM current)
-    share = rates.both_ways_share
-    ends = []
+    """Seconds of one steady-state step of ``units`` (forward order) at ``rates``.
+
+    Its cost does not grow with ``rates.micro_batches``: the micro-batches before a step's last are
+    simulated one by one only until one repeats the one before it, and the rest follow from that one's
+    increments (Note [Micro-batches in steady state])."""
+    schedule = _Schedule(units, rates)
+    seconds = 0.0
     for _ in range(_STEPS):
-        for micro in range(rates.micro_batches):
-            last = micro == rates.micro_batches - 1
-            _micro_batch(units, rates, servers, blocks, updated, share, last=last)
-        ends.append(servers.compute)
-    return ends[-1] - ends[-2]
+        seconds = schedule.step()
+    return seconds
 
 
-def _micro_batch(
-    units: Sequence[UnitWork],
-    rates: ScheduleRates,
-    servers: _Servers,
-    blocks: _SlotPool,
-    updated: dict[str, float],
-    share: float,
-    *,
-    last: bool,
-) -> None:
-    """One forward and backward over ``units``, with the updates after it when ``last``."""
-    sliding_blocks = [u for u in units if u.placement != "resident" and u.is_block]
-    kept = {u.name for u in sliding_blocks[-rates.block_slots :]}  # still in a slot at the turnaround
-    loaded: dict[str, float] = {}
-    # -- forward: loads (after the unit's previous update) ahead of the compute, as slots free up --
-    for unit in units:
-        ready = 0.0
-        if unit.placement != "resident":
-            slot_free = blocks.take() if unit.is_block else 0.0
-            ready = servers.copy_in(
-                max(updated[unit.name], slot_free),
-                unit.load_bytes,
-                rates.h2d,
-                servers.host,
-                rates.h2d * H2D_BESIDE_HOST,
-            )
-            loaded[unit.name] = ready
-        end = servers.run("compute", ready, unit.forward_s)
-        if unit.placement != "resident" and unit.is_block and unit.name not in kept:
-            blocks.give(end)
-    # -- backward, in reverse: load or stage, compute, then the gradient out or the update on the GPU --
-    h2d_rate, d2h_rate = rates.h2d * share, rates.d2h * share
-    streamed_done: list[float] = []  # write-back ends of the streamed units so far, in backward order
-    host_jobs: list[tuple[int, float, float]] = []  # (forward position, gradient landed, host seconds)
-    for position, unit in reversed(list(enumerate(units))):
-        ready = 0.0
-        slot_free = 0.0
-        if unit.placement == "streamed":
-            set_free = streamed_done[-rates.staging_sets] if len(streamed_done) >= rates.staging_sets else 0.0
-            if unit.is_block and unit.name not in kept:
-                slot_free = blocks.take()
-            ready = servers.run("h2d", max(set_free, slot_free), unit.stage_bytes / h2d_rate)
-        elif unit.placement != "resident" and unit.loads_in_backward and unit.name not in kept:
-            slot_free = blocks.take() if unit.is_block else 0.0
-            ready = servers.run("h2d", slot_free, unit.load_bytes / h2d_rate)
-        elif unit.name in loaded:
-            ready = loaded[unit.name]
-        computed = servers.run("compute", ready, unit.backward_s)
-        released = computed
-        if unit.placement in ("resident", "streamed"):
-            if last:
-                gpu_updated = servers.run("compute", computed, unit.update_s)
-                released = gpu_updated
-                if unit.placement == "streamed":
-                    back = servers.run("d2h", gpu_updated, unit.writeback_bytes / d2h_rate)
-                    streamed_done.append(back)
-                    updated[unit.name] = back
-                else:
-                    updated[unit.name] = gpu_updated
-        else:
-            released = servers.run("d2h", computed, unit.grad_bytes / d2h_rate)
-            host_jobs.append((position, released, unit.update_s if last else unit.accumulate_s))
-        if unit.placement != "resident" and unit.is_block:
-            blocks.give(released)
-    done = _host_updates(host_jobs, servers.host)
-    servers.host = max(done.values(), default=servers.host)
-    if last:
-        for position, finished in done.items():
-            updated[units[position].name] = finished
+# Note [Micro-batches in steady state]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every time in a micro-batch is a free time of the state it starts from (the servers, the slots, the units'
+# updates) plus durations, chosen by comparisons (max, min, which slot is free first, which gradient has
+# landed). Between two boundaries where every comparison came out the same way, the next state is therefore
+# the same affine function of the previous one; so where two consecutive micro-batches made the same
+# decisions and moved every part of the state by the same increment, every later one moves it by that
+# increment again, for as long as its decisions stay the same. A comparison's margin then changes by the
+# same amount each micro-batch (its drift), so each decision holds until its margin crosses zero: the
+# schedule jumps over the micro-batches before the first crossing, adding the increment times their count,
+# and simulates on from there (where a decision changes, the state settles again within a few micro-batches).
+# Each part of the state may have its own increment: a host optimizer slower than the GPU falls further
+# behind every micro-batch, and the forward's loads, slowed while it works, are slowed for good once it does.
+# Margins and increments are compared to within ``_TOLERANCE`` of their operands (floating-point noise), a
+# drift within it counts as none. The state is kept relative to the compute stream's free time at each
+# micro-batch boundary, so its numbers stay of the order of one micro-batch however many run. Past
+# ``_EXACT_LIMIT`` micro-batches without a repeat (a cycle longer than one micro-batch, which no schedule in
+# the tests shows), the rest are extrapolated from the last increments.
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """What one simulated micro-batch left: its comparisons, the state after it, the compute stream's advance."""
+
+    tape: _Tape
+    state: list[float]
+    period: float
+
+
+class _Schedule:
+    """The engine's order over steps, one step at a time: servers, slots and each unit's latest update,
+    relative to the compute stream's free time at the last micro-batch boundary."""
+
+    def __init__(self, units: Sequence[UnitWork], rates: ScheduleRates) -> None:
+        self.units = units
+        self.rates = rates
+        self.servers = _Servers()
+        self.blocks = _SlotPool(rates.block_slots)
+        self.updated = {unit.name: _NO_WAIT for unit in units}  # when each unit's latest update is done
+        self.share = rates.both_ways_share
+        sliding_blocks = [u for u in units if u.placement != "resident" and u.is_block]
+        self.kept = {u.name for u in sliding_blocks[-rates.block_slots :]}  # still in a slot at the turnaround
+
+    def step(self) -> float:
+        """Seconds of the next step: its micro-batches, the updates after the last."""
+        seconds = 0.0
+        recent: list[_MicroBatch] = []  # the last ones simulated, enough to compare two cycles of each length
+        left = self.rates.micro_batches - 1  # before the last
+        exact = 0
+        while left > 0:
+            tape, period = self._micro_batch(last=False)
+            seconds += period
+            left -= 1
+            exact += 1
+            recent = [*recent[-2 * _LONGEST_CYCLE :], _MicroBatch(tape, self._state(), period)]
+            jump = self._jump(recent, left, extrapolate=exact >= _EXACT_LIMIT)
+            if jump is not None:
+                count, increments, jump_s = jump
+                self._advance(increments, 1)
+                seconds += jump_s
+                left -= count
+                recent = []
+        return seconds + self._micro_batch(last=True)[1]
+
+    def _state(self) -> list[float]:
+        """The free times that carry from one micro-batch to the next (the compute stream's is 0)."""
+        s = self.servers
+        return [s.h2d, s.d2h, s.host, *sorted(self.blocks.free), *(self.updated[u.name] for u in self.units)]
+
+    def _advance(self, increments: list[float], count: int) -> None:
+        """Move the state on by ``count`` micro-batches of ``increments``."""
+        state = [value + count * step for value, step in zip(self._state(), increments, strict=True)]
+        self.servers.h2d, self.servers.d2h, self.servers.host = state[:3]
+        slots = len(self.blocks.free)
+        self.blocks.free = sorted(state[3 : 3 + slots])
+        self.updated = {u.name: value for u, value in zip(self.units, state[3 + slots :], strict=True)}
+
+    def _jump(
+        self, recent: list[_MicroBatch], left: int, *, extrapolate: bool
+    ) -> tuple[int, list[float], float] | None:
+        """``(micro-batches, their increments, their seconds)`` that repeat the last cycle of micro-batches
+        exactly, at most ``left``; None where none is known to (Note [Micro-batches in steady state]).
+        ``extrapolate``: every one left, by the last micro-batch's increments, where none repeats."""
+        for length in range(1, _LONGEST_CYCLE + 1):
+            cycles = self._repeats(recent, left, length)
+            if cycles:
+                increments = _increments(recent[-1].state, recent[-1 - length].state)
+                period = sum(m.period for m in recent[-length:])
+                return cycles * length, [cycles * step for step in increments], cycles * period
+        if extrapolate and len(recent) >= 2:
+            increments = _increments(recent[-1].state, recent[-2].state)
+            return left, [left * step for step in increments], left * recent[-1].period
+        return None
+
+    @staticmethod
+    def _repeats(recent: list[_MicroBatch], left: int, length: int) -> int:
+        """How many more cycles of ``length`` micro-batches repeat the last one exactly (0: none known to)."""
+        if len(recent) < 2 * length + 1 or left < length:
+            return 0
+        before, previous, now = recent[-1 - 2 * length], recent[-1 - length], recent[-1]
+        first, second = recent[-2 * length : -length], recent[-length:]
+        period0, period1 = sum(m.period for m in first), sum(m.period for m in second)
+        if not _close(period1, period0, period1):
+            return 0
+        steps = zip(
+            now.state, _increments(previous.state, before.state), _increments(now.state, previous.state), strict=True
+        )
+        if not all(_close(one, two, max(abs(value), period1)) for value, one, two in steps):
+            return 0
+        margins0 = [x for m in first for x in m.tape.margins]
+        margins1 = [x for m in second for x in m.tape.margins]
+        magnitudes = [x for m in second for x in m.tape.magnitudes]
+        if len(margins0) != len(margins1):
+            return 0
+        repeats = left // length
+        for margin0, margin1, magnitude in zip(margins0, margins1, magnitudes, strict=True):
+            tolerance = _TOLERANCE * max(magnitude, period1)
+            if _sign(margin0, tolerance) != _sign(margin1, tolerance):
+                return 0
+            drift = margin1 - margin0
+            if abs(drift) > tolerance and abs(margin1) > tolerance and (drift > 0) != (margin1 > 0):
+                repeats = min(repeats, int(abs(margin1) / abs(drift)) - 1)  # before the margin reaches zero
+        return max(0, repeats)
+
+    def _micro_batch(self, *, last: bool) -> tuple[_Tape, float]:
+        """One forward and backward over the units, with the updates after it when ``last``; its tape and
+        how far the compute stream moved, by which every time is then moved back."""
+        units, rates, servers, blocks, updated, kept = (
+            self.units,
+            self.rates,
+            self.servers,
+            self.blocks,
+            self.updated,
+            self.kept,
+        )
+        tape = _Tape()
+        loaded: dict[str, float] = {}
+        # -- forward: loads (after the unit's previous update) ahead of the compute, as slots free up --
+        for unit in units:
+            ready = _NO_WAIT
+            if unit.placement != "resident":
+                slot_free = blocks.take(tape) if unit.is_block else _NO_WAIT
+                ready = servers.copy_in(
+                    tape.max(updated[unit.name], slot_free),
+                    unit.load_bytes,
+                    rates.h2d,
+                    servers.host,
+                    rates.h2d * H2D_BESIDE_HOST,
+                    tape,
+                )
+                loaded[unit.name] = ready
+            end = servers.run("compute", ready, unit.forward_s, tape)
+            if unit.placement != "resident" and unit.is_block and unit.name not in kept:
+                blocks.give(end)
+        # -- backward, in reverse: load or stage, compute, then the gradient out or the update on the GPU --
+        h2d_rate, d2h_rate = rates.h2d * self.share, rates.d2h * self.share
+        streamed_done: list[float] = []  # write-back ends of the streamed units so far, in backward order
+        host_jobs: list[tuple[int, float, float]] = []  # (forward position, gradient landed, host seconds)
+        for position, unit in reversed(list(enumerate(units))):
+            ready = _NO_WAIT
+            slot_free = _NO_WAIT
+            if unit.placement == "streamed":
+                sets = rates.staging_sets
+                set_free = streamed_done[-sets] if len(streamed_done) >= sets else _NO_WAIT
+                if unit.is_block and unit.name not in kept:
+                    slot_free = blocks.take(tape)
+                ready = servers.run("h2d", tape.max(set_free, slot_free), unit.stage_bytes / h2d_rate, tape)
+            elif unit.placement != "resident" and unit.loads_in_backward and unit.name not in kept:
+                slot_free = blocks.take(tape) if unit.is_block else _NO_WAIT
+                ready = servers.run("h2d", slot_free, unit.load_bytes / h2d_rate, tape)
+            elif unit.name in loaded:
+                ready = loaded[unit.name]
+            computed = servers.run("compute", ready, unit.backward_s, tape)
+            released = computed
+            if unit.placement in ("resident", "streamed"):
+                if last:
+                    gpu_updated = servers.run("compute", computed, unit.update_s, tape)
+                    released = gpu_updated
+                    if unit.placement == "streamed":
+                        back = servers.run("d2h", gpu_updated, unit.writeback_bytes / d2h_rate, tape)
+                        streamed_done.append(back)
+                        updated[unit.name] = back
+                    else:
+                        updated[unit.name] = gpu_updated
+            else:
+                released = servers.run("d2h", computed, unit.grad_bytes / d2h_rate, tape)
+                host_jobs.append((position, released, unit.update_s if last else unit.accumulate_s))
+            if unit.placement != "resident" and unit.is_block:
+                blocks.give(released)
+        done = _host_updates(host_jobs, servers.host, tape)
+        servers.host = functools.reduce(tape.max, done.values(), servers.host)  # done no earlier than it
+        if last:
+            for position, finished in done.items():
+                updated[units[position].name] = finished
+        period = servers.compute
+        self._advance([-period] * len(self._state()), 1)
+        servers.compute = 0.0
+        return tape, period
+
+
+def _increments(state: list[float], before: list[float]) -> list[float]:
+    """``state - before``, an unchanged infinity (a unit not yet updated) moving by 0."""
+    return [0.0 if now == then else now - then for now, then in zip(state, before, strict=True)]
+
+
+def _close(a: float, b: float, magnitude: float) -> bool:
+    return abs(a - b) <= _TOLERANCE * max(magnitude, abs(a), abs(b))
+
+
+def _sign(margin: float, tolerance: float) -> int:
+    return 0 if abs(margin) <= tolerance else 1 if margin > 0 else -1
