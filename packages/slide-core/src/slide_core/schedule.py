@@ -156,7 +156,8 @@ class LRSchedule:
             if step >= total:
                 return floor
             remaining = 1 - (step - at) / (total - at)
-            return (start - floor) * remaining**self.power + floor
+            shaped: float = remaining**self.power  # remaining is in (0, 1]: a real power
+            return (start - floor) * shaped + floor
         if self.kind == "wsd":
             decay_steps = min(max(1, total - at), max(1, math.ceil(self.decay_fraction * total)))
             at = total - decay_steps
