@@ -14,7 +14,7 @@ import torch
 
 from slide_hf import recipe
 from slide_hf.errors import UserError
-from slide_hf.planner.output_disk import checkpoints_at_once, output_disk, weights_saves
+from slide_hf.planner.output_disk import checkpoints_at_once, output_disk, run_output_disk, weights_saves
 from slide_hf.recipe import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter
@@ -231,3 +231,10 @@ def test_output_disk_prices_every_checkpoint_option() -> None:
     assert weights.to_dict()["weights_bytes"] == weights.weights_bytes
     assert checkpoints_at_once(1, False, delete_first=True) == 1
     assert weights_saves(None, 10) == 0 and weights_saves(101, 10) == 10 and weights_saves(100, 0) == 0
+    # From the options, as slide train and slide plan call it.
+    cfg = TrainConfig(keep_checkpoints=2, save_best=True, save_delete_first=True, save_weights_every=10, steps=100)
+    planned = run_output_disk(cfg, numels, [], params=params, export_itemsize=2)
+    assert planned == output_disk(
+        numels, [], **{**base, "save_best": True}, delete_first=True, save_weights_every=10, total_steps=100
+    )
+    assert (planned.checkpoints_kept, planned.checkpoints_at_once, planned.weights_saves) == (3, 3, 9)

@@ -400,15 +400,12 @@ def _output_disk(cfg: TrainConfig, model: _Model, optimizer: Optimizer, total_st
 
     units = model.slide_model.units
     export_dtype = resolve_dtype(None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype], model.config)
-    return disk.output_disk(
+    return disk.run_output_disk(
+        cfg,
         [unit.layout.numel for unit in units],
         optimizer.state_arrays,
         params=sum(unit.layout.param_numel for unit in units),
         export_itemsize=torch.empty((), dtype=export_dtype).element_size(),
-        keep_checkpoints=cfg.keep_checkpoints,
-        save_best=cfg.save_best,
-        delete_first=cfg.save_delete_first,
-        save_weights_every=cfg.save_weights_every,
         total_steps=total_steps,
     )
 

@@ -36,22 +36,16 @@ __all__ = ["BackgroundSaver", "snapshot"]
 log = logging.getLogger("slide.checkpoint")
 
 
-@dataclass(frozen=True)
 class _ShardCopy:
     """A copied :class:`~.arrays.Shard` source: its elements in a host tensor, its place in the whole
     array kept (the checkpoint records it)."""
 
-    data: torch.Tensor
-    whole_numel: int
-    intervals: tuple[Interval, ...]
-
-    @property
-    def numel(self) -> int:
-        return self.data.numel()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
+    def __init__(self, data: torch.Tensor, whole_numel: int, intervals: tuple[Interval, ...]) -> None:
+        self.data = data
+        self.numel = data.numel()
+        self.dtype = data.dtype
+        self.whole_numel = whole_numel
+        self.intervals = intervals
 
     def read_into(self, start: int, out: torch.Tensor) -> None:
         out.copy_(self.data[start : start + out.numel()])
@@ -71,7 +65,7 @@ def snapshot(arrays: Mapping[str, torch.Tensor | ArraySource]) -> dict[str, torc
             for start in range(0, array.numel, per_block):
                 array.read_into(start, data[start : start + per_block])
         whole, intervals = placement(array)
-        if intervals == ((0, whole),) or not intervals:  # the whole array: written as a tensor, the fast path
+        if intervals == ((0, whole),) or whole == 0:  # the whole array: written as a tensor, the fast path
             copies[name] = data
         else:
             copies[name] = _ShardCopy(data, whole, intervals)

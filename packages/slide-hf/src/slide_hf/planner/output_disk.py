@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slide_core.optim.state_formats import StateArray, checkpoint_arrays, checkpoint_bytes
 from slide_hf.errors import UserError
@@ -34,8 +34,12 @@ __all__ = [
     "checkpoints_kept",
     "free_bytes",
     "output_disk",
+    "run_output_disk",
     "weights_saves",
 ]
+
+if TYPE_CHECKING:
+    from slide_hf.options import TrainConfig
 
 log = logging.getLogger("slide.train")
 
@@ -121,6 +125,31 @@ def output_disk(
         params * export_itemsize,
         checkpoints_kept(keep_checkpoints, save_best),
         weights_saves(total_steps, save_weights_every),
+    )
+
+
+def run_output_disk(
+    cfg: TrainConfig,
+    unit_numels: Sequence[int],
+    state: Sequence[StateArray],
+    *,
+    params: int,
+    export_itemsize: int,
+    total_steps: int | None = None,
+) -> OutputDisk:
+    """:func:`output_disk` with the checkpoint options of ``cfg`` (--keep-checkpoints, --save-best,
+    --save-delete-first, --save-weights-every), so `slide plan` and `slide train` price the same run alike.
+    ``total_steps``: the run's step count when known (else ``cfg.steps``), for the weights-only saves."""
+    return output_disk(
+        unit_numels,
+        state,
+        params=params,
+        export_itemsize=export_itemsize,
+        keep_checkpoints=cfg.keep_checkpoints,
+        save_best=cfg.save_best,
+        delete_first=cfg.save_delete_first,
+        save_weights_every=cfg.save_weights_every,
+        total_steps=total_steps if total_steps is not None else cfg.steps,
     )
 
 
