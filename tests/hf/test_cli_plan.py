@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
+from slide_hf import setup
 from slide_hf.cli import plan as plan_cli
 
 pytest.importorskip("transformers")
@@ -17,7 +18,7 @@ Slide = Callable[..., tuple[int, str, str]]
 @pytest.fixture(autouse=True)
 def _fused_loss_installed(monkeypatch) -> None:
     """slide-kernels is a dependency of slide-hf, but a dev checkout may lack it; plan as installed."""
-    monkeypatch.setattr(plan_cli, "_fused_loss_available", lambda: True)
+    monkeypatch.setattr(setup, "fused_loss_available", lambda: True)
 
 
 def test_plan_tiny_llama_table(slide):
@@ -28,7 +29,7 @@ def test_plan_tiny_llama_table(slide):
     for label in ("step time", "in engine order", "overlap", "binding limit", "critical batch", "fits"):
         assert label in out
     assert "on the busiest resource" in out  # the schedule's step beside the resources'
-    assert "11,094,272" in out  # tiny-llama's parameter count
+    assert "2,968,576" in out  # tiny-llama's parameter count with the bundled byte tokenizer, as `slide train` has it
     assert "larger batches raise overlap" in out  # a tiny batch cannot hide the optimizer
 
 
@@ -60,12 +61,12 @@ def test_plan_tiny_llama_json(slide):
     status, out, _ = slide("plan", "--model", "tiny-llama", "--seq-len", "128", "--gpu-memory", "4GiB", "--json")
     assert status == 0
     plan = json.loads(out)
-    assert plan["model"] == "tiny-llama" and plan["params"] == 11_094_272
+    assert plan["model"] == "tiny-llama" and plan["params"] == 2_968_576  # the byte vocabulary `slide train` uses
     assert plan["gpu_peak_bytes"] == sum(plan["gpu_breakdown"].values())
     assert plan["host_peak_bytes"] == sum(plan["host_breakdown"].values())
     assert plan["inputs"]["gpu_memory_bytes"] == 4 << 30
     assert plan["max_batch_size"] >= 1 and plan["max_batch_limit"] in ("gpu", "host")
-    assert plan["binding"] in ("gpu compute", "pcie", "host memory bandwidth", "nvme")
+    assert plan["binding"] == max(plan["resource_s"], key=plan["resource_s"].get)
     assert plan["fits"] is True and plan["problem"] is None
 
 
@@ -136,7 +137,7 @@ def test_bad_data_parallel_options_are_one_line(slide, argv, message):
 def test_without_slide_kernels_the_logits_count_in_full(slide, monkeypatch):
     argv = ("plan", "--model", "llama3.1-8b", "--batch-size", "8", "--gpu-memory", "80GiB", "--json")
     fused = json.loads(slide(*argv)[1])
-    monkeypatch.setattr(plan_cli, "_fused_loss_available", lambda: False)
+    monkeypatch.setattr(setup, "fused_loss_available", lambda: False)
     eager = json.loads(slide(*argv)[1])
     assert fused["inputs"]["fused_loss"] and not eager["inputs"]["fused_loss"]
     assert eager["gpu_phases"]["head"] - fused["gpu_phases"]["head"] > 8 * 2048 * 128256 * 12
@@ -156,7 +157,8 @@ def test_help_has_examples(slide, capsys):
 def test_plugin_names_choose_the_budget_the_tier_and_the_optimizer(slide):
     argv = ("plan", "--model", "tiny-llama", "--seq-len", "128", "--json")
     on_cpu = json.loads(slide(*argv, "--device", "cpu")[1])
-    assert on_cpu["gpu_memory_source"] == "no GPU visible; pass --gpu-memory"
+    assert on_cpu["gpu_memory_source"] == "the CPU device: no GPU memory"
+    assert on_cpu["engine_config"]["compute_dtype"] == "bfloat16"
     on_disk = json.loads(slide(*argv, "--offload-optimizer", "nvme")[1])
     in_memory = json.loads(slide(*argv, "--offload-optimizer", "pinned")[1])
     assert on_disk["disk_bytes"] > 0 and on_disk["state_tier"] == "nvme"
@@ -180,8 +182,9 @@ def test_plan_prices_the_checkpoints_and_the_export(slide):
     times those that exist at once (kept, best, the one being written), plus the exported model."""
     from slide_core.optim.state_formats import checkpoint_arrays, checkpoint_bytes, state_arrays
     from slide_hf import build_model, resolve_model
+    from slide_hf.presets import run_overrides
 
-    model = build_model(resolve_model("tiny-llama")[0])
+    model = build_model(resolve_model("tiny-llama", **run_overrides("tiny-llama"))[0])  # the model `slide train` builds
     numels = [unit.layout.numel for unit in model.units]
     params = sum(unit.layout.param_numel for unit in model.units)
     base = ("plan", "--model", "tiny-llama", "--seq-len", "256", "--json")
@@ -223,7 +226,7 @@ def test_render_lists_the_streamed_units():
         plan, model_name="toy", dtype="bfloat16", gpu_source="", problem=None, update_placement="gpu", rates_source="x"
     )
     assert "0 resident, 5 streamed, 0 host" in text
-    assert "GPU-streamed" in text and "embedding, block.0-2, head" in text
+    assert "GPU-streamed" in text and "embed, layers.0-2, head" in text  # the model's own unit names
 
 
 def test_plan_json_has_the_placement_and_the_resources(slide, tmp_path, monkeypatch):

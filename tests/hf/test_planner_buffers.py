@@ -236,7 +236,7 @@ def _plan_inputs(model: ToyModel, case: _Case, optimizer: Optimizer) -> PlanInpu
         resident_units=case.resident,
         streamed_units=case.streamed,
         master_format=case.master_format,
-        clipping=case.clipping,
+        max_grad_norm=1.0 if case.clipping else 0.0,
         optimizer_state=case.optimizer_state,
         optimizer=optimizer,
         offload_optimizer="nvme" if case.state_on_tier else "ram",
@@ -358,7 +358,7 @@ def test_plan_prices_every_buffer_the_engine_allocates(case, monkeypatch):
 def test_breakdowns_are_the_engine_buffers():
     """The plan's breakdowns hold every engine buffer under the same name (what the test above checks)."""
     model = ToyModel(ToyConfig(vocab_size=512, hidden_size=64, num_heads=4, intermediate_size=128, num_layers=3))
-    inputs = PlanInputs(model, batch_size=_BATCH, seq_len=_SEQ, clipping=True, resident_units=("embedding",))
+    inputs = PlanInputs(model, batch_size=_BATCH, seq_len=_SEQ, max_grad_norm=1.0, resident_units=("embedding",))
     plan = make_plan(inputs)
     buffers = engine_buffers(inputs.shape, inputs)
     assert set(buffers.host) == {*ENGINE_HOST_BUFFERS, "nvme_staging"}

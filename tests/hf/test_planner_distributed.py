@@ -124,7 +124,7 @@ def test_the_pinned_master_is_what_the_engine_page_locks(
 
 def test_the_clipping_store_is_sharded() -> None:
     """A rank keeps only its shards of the step's gradient (slide_core/engine/grad_ring.py, GradStore)."""
-    rank = make_plan(PlanInputs(_shape(), batch_size=2, seq_len=128, clipping=True, bandwidths=BW))
+    rank = make_plan(PlanInputs(_shape(), batch_size=2, seq_len=128, max_grad_norm=1.0, bandwidths=BW))
     assert plan_data_parallel(rank, 4).host_rank_breakdown["grad_ring"] == rank.host_breakdown["grad_ring"] // 4
 
 

@@ -101,7 +101,7 @@ def test_auto_keeps_a_gpu_bound_run_on_the_host():
     assert plan_with_placement(_inputs(bandwidths=GPU_BOUND), "auto").inputs.streamed_units == ()
 
 
-@pytest.mark.parametrize("change", [{"clipping": True}, {"accelerator": False}, {"gpu_memory_bytes": None}])
+@pytest.mark.parametrize("change", [{"max_grad_norm": 1.0}, {"accelerator": False}, {"gpu_memory_bytes": None}])
 def test_auto_updates_on_the_host_with_clipping_on_the_cpu_device_or_without_a_gpu_budget(change):
     assert plan_with_placement(_inputs(**change), "auto").inputs.streamed_units == ()
 
@@ -131,8 +131,9 @@ def test_gpu_takes_two_staging_sets_where_three_do_not_fit_and_refuses_where_two
 
 
 def test_streamed_staging_is_three_sets_of_master_and_moments_as_stored():
+    """A unit is named as the model names it (ToyModel: ``layers.N``); slide-hf's ``block.N`` stands for it."""
     inputs = dataclasses.replace(_inputs(optimizer_state="bf16"), streamed_units=("block.0",))
-    cost = next(c for c in unit_costs(inputs.shape, inputs) if c.name == "block.0")
+    cost = next(c for c in unit_costs(inputs.shape, inputs) if c.name == "layers.0")
     scratch = inputs.device_optimizer().device_scratch_bytes(cost.numel)
     assert cost.stream_device_bytes == 3 * (4 + 2 + 2) * cost.numel + scratch
 
@@ -163,12 +164,12 @@ def test_units_with_several_gradient_contributions_are_not_offered_for_streaming
         bandwidths=HOST_BOUND,
     )
     offered = {c.name for c in unit_costs(tied.shape, tied) if c.can_stream}
-    assert offered == {"block.0", "block.1", "head"}
+    assert offered == {"layers.0", "layers.1", "head"}  # the model's own names
 
 
 def test_gpu_is_refused_in_one_line_with_clipping_on_the_cpu_device_or_past_the_budget():
     with pytest.raises(UserError, match=r"^--update-placement gpu does not run with gradient clipping"):
-        plan_with_placement(_inputs(clipping=True), "gpu")
+        plan_with_placement(_inputs(max_grad_norm=1.0), "gpu")
     with pytest.raises(UserError, match=r"^--update-placement gpu needs a GPU device"):
         plan_with_placement(_inputs(accelerator=False), "gpu")
     base = make_plan(_inputs()).gpu_peak_bytes

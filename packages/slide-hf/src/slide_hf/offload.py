@@ -25,7 +25,7 @@ from slide_hf.spelling import option
 __all__ = [
     "IN_HOST_RAM",
     "activation_tier_class",
-    "offloaded_units",
+    "offloaded_names",
     "open_activation_tier",
     "open_tier",
     "planning_kind",
@@ -37,12 +37,14 @@ IN_HOST_RAM = HostRamTier.name
 """``ram``: the built-in tier of host RAM, where the Adam state and the activation stash already live."""
 
 
-def offloaded_units(model: Any, fraction: float, resident: Sequence[str]) -> tuple[str, ...]:
-    """``fraction`` of the units, blocks first in index order, then embedding and head (the planner's
-    order); device-resident units keep their state on the GPU instead."""
-    ordered = [*model.blocks, model.embedding, model.head]
+def offloaded_names(names: Sequence[str], fraction: float, resident: Sequence[str]) -> tuple[str, ...]:
+    """The units whose optimizer state goes to the ``--offload-optimizer`` tier, of the model's unit
+    ``names`` in forward order: ``fraction`` of the units (counted in units, rounded), blocks first in
+    index order, then the embedding, then the head; device-resident units keep their state on the GPU
+    instead. The one rule the run and the plan share (``PlanInputs.offloaded_units``)."""
+    ordered = [*names[1:-1], names[0], names[-1]]
     count = math.floor(fraction * len(ordered) + 0.5)
-    return tuple(unit.name for unit in ordered[:count] if unit.name not in resident)
+    return tuple(name for name in ordered[:count] if name not in resident)
 
 
 def tier_class(name: str, *, flag: str) -> type[Tier]:

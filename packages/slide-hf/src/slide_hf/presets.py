@@ -913,6 +913,15 @@ PRESETS: dict[str, PresetFactory] = {
 }
 
 
+def run_overrides(name: str) -> dict[str, Any]:
+    """The changes `slide train` makes to a preset's config, which `slide plan` must make too to price the
+    same model: ``tiny-llama`` trains with the bundled byte tokenizer, so its vocabulary is that
+    tokenizer's."""
+    from slide_hf.tokenizer import BYTE_VOCAB_SIZE
+
+    return {"vocab_size": BYTE_VOCAB_SIZE} if name == "tiny-llama" else {}
+
+
 def resolve_model(name_or_dir: str | os.PathLike[str], **overrides: Any) -> tuple[PreTrainedConfig, Path | None]:
     """``(config, model_dir)`` for an existing HF model directory, ``(config, None)`` for a preset.
 

@@ -91,7 +91,7 @@ from slide_hf.setup import (
     place_units,
 )
 from slide_hf.spelling import option, train_call
-from slide_hf.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer
+from slide_hf.tokenizer import load_tokenizer
 
 __all__ = ["TrainConfig", "TrainSummary", "config_dict", "train"]
 
@@ -289,14 +289,13 @@ def _setup_model(cfg: TrainConfig) -> _Model:
     """A model directory, a Hub id (cached first) or a preset: its config, tokenizer and units."""
     from slide_hf import build_model, resolve_model
     from slide_hf.hub import is_hub_id, resolve_hub_model
-    from slide_hf.presets import PRESETS
+    from slide_hf.presets import PRESETS, run_overrides
 
     source: str | Path = cfg.model
     if cfg.model not in PRESETS and is_hub_id(cfg.model):
         source = resolve_hub_model(cfg.model)
-    preset_overrides = {"vocab_size": BYTE_VOCAB_SIZE} if cfg.model == "tiny-llama" else {}
     try:
-        config, model_dir = resolve_model(source, **preset_overrides)
+        config, model_dir = resolve_model(source, **run_overrides(cfg.model))
     except ValueError as error:
         raise UserError(str(error)) from error
     tokenizer = load_tokenizer(model_dir, cfg.tokenizer)

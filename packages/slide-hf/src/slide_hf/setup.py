@@ -40,7 +40,7 @@ from slide_hf.device_defaults import apply_device_defaults
 from slide_hf.errors import UserError
 from slide_hf.offload import (
     activation_tier_class,
-    offloaded_units,
+    offloaded_names,
     open_activation_tier,
     open_tier,
     planning_kind,
@@ -91,7 +91,9 @@ class RunOptions:
     report_grad_norm: bool
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, *, report_grad_norm: bool | None = None) -> RunOptions:
+    def from_config(
+        cls, cfg: TrainConfig, *, report_grad_norm: bool | None = None, seq_len: int | None = None
+    ) -> RunOptions:
         """The engine's options of the run ``cfg`` describes (its ``seq_len`` resolved, slide_hf/defaults.py).
 
         ``report_grad_norm``: whether each step reports the gradient norm; by default only where it costs
@@ -101,6 +103,8 @@ class RunOptions:
         if report_grad_norm is None:
             report_grad_norm = cfg.grad_accum == 1 or cfg.max_grad_norm > 0
         values = {**engine_values(cfg), "report_grad_norm": report_grad_norm}
+        if seq_len is not None:  # resolved from the model by the caller (`slide plan`)
+            values["seq_len"] = seq_len
         unresolved = sorted(name for name in _REQUIRED_FIELDS if values.get(name) is None)
         if unresolved:
             raise ValueError(f"RunOptions needs {', '.join(unresolved)} resolved first (slide_hf/defaults.py)")
@@ -209,7 +213,6 @@ def place_units(
     from slide_hf.machine_rates import planning_bandwidths
     from slide_hf.planner import (
         Bandwidths,
-        PlanInputs,
         available_host_bytes,
         check_fits,
         device_gpu_budget,
@@ -220,20 +223,12 @@ def place_units(
     apply_device_defaults(model, device)  # before anything logs or plans the attention this run takes
     tier_class = state_tier_class(options.offload_optimizer)
     gpu_budget = device_gpu_budget(device)
-    inputs = PlanInputs(
+    inputs = plan_inputs(
         model,
-        batch_size=options.batch_size,
-        seq_len=options.seq_len,
-        grad_accum=options.grad_accum,
-        compute_dtype_bytes=torch.empty((), dtype=options.compute_dtype).element_size(),
-        block_slots=options.block_slots,
-        gpu_memory_bytes=gpu_budget,
+        options,
         accelerator=device.is_accelerator,
-        clipping=options.max_grad_norm > 0,
-        offload_optimizer=planning_kind(tier_class),
-        nvme_fraction=options.nvme_fraction,
-        offload_activations=planning_kind(activation_tier_class(options.offload_activations)),
-        optimizer_state=options.optimizer_state,
+        gpu_memory_bytes=gpu_budget,
+        master_format=resolve_master(options.master, options.compute_dtype, optimizer),
         optimizer=optimizer,
         bandwidths=planning_bandwidths()[0] if device.is_accelerator else Bandwidths(),
     )
@@ -254,8 +249,91 @@ def place_units(
         plan = make_plan(dataclasses.replace(inputs, resident_units=chosen))
     check_fits(plan, host_available=host_available, gpu_available=None)
     resident, streamed = plan.inputs.resident_units, plan.inputs.streamed_units
-    offloaded = offloaded_units(model, options.nvme_fraction, resident) if tier_class is not None else ()
+    offloaded = (
+        offloaded_names([unit.name for unit in model.units], options.nvme_fraction, resident)
+        if tier_class is not None
+        else ()
+    )
     return Placement(plan, resident, tier_class, offloaded, streamed)
+
+
+def resolve_master(requested: str, compute_dtype: torch.dtype, optimizer: Optimizer | type[Optimizer] | None) -> str:
+    """``--master`` as the run allocates it (:func:`~slide_core.engine.choose_master_format`): ``auto`` is
+    split where it can run (bf16 compute, an optimizer that steps a split master; without an optimizer,
+    every shipped one does). ``optimizer`` may be the plugin's class, which is all `slide plan` loads."""
+    from slide_core.engine.master_format import MASTER_FORMATS
+
+    if requested not in MASTER_FORMATS:
+        raise UserError(f"{option('master', requested)}: must be one of {', '.join(MASTER_FORMATS)}")
+    steps_split = True if optimizer is None else bool(optimizer.split_master)
+    can_split = compute_dtype == torch.bfloat16 and steps_split
+    if requested == "split" and not can_split:
+        why = "needs --dtype bfloat16" if compute_dtype != torch.bfloat16 else "the optimizer cannot step it"
+        raise UserError(f"{option('master', 'split')}: the split master cannot run here: {why}")
+    return "split" if requested == "split" or (requested == "auto" and can_split) else "fp32"
+
+
+def plan_inputs(
+    model: Any,
+    options: RunOptions,
+    *,
+    accelerator: bool,
+    gpu_memory_bytes: int | None,
+    master_format: str,
+    bandwidths: Any,
+    host_memory_bytes: int | None = None,
+    optimizer: Optimizer | None = None,
+) -> Any:
+    """The :class:`~slide_hf.planner.PlanInputs` of the run ``options`` describe: the one builder `slide
+    train`, `slide bench` and `slide plan` share, so the plan a user reads prices the run they get
+    (the engine is then built from ``plan.inputs.engine_config()``). What differs between the commands is
+    only what they know of the machine: ``accelerator`` (the run computes on a GPU), the budgets,
+    ``bandwidths``; and ``optimizer``, the built one (None in `slide plan`, which compiles nothing: the
+    shipped optimizer for the state format prices the scratch)."""
+    from slide_hf.offload import activation_tier_class, state_tier_class
+    from slide_hf.planner import PlanInputs
+
+    return PlanInputs(
+        model,
+        batch_size=options.batch_size,
+        seq_len=options.seq_len,
+        grad_accum=options.grad_accum,
+        compute_dtype_bytes=torch.empty((), dtype=options.compute_dtype).element_size(),
+        block_slots=options.block_slots,
+        gpu_memory_bytes=gpu_memory_bytes,
+        host_memory_bytes=host_memory_bytes,
+        accelerator=accelerator,
+        max_grad_norm=options.max_grad_norm,
+        report_grad_norm=options.report_grad_norm,
+        offload_optimizer=planning_kind(state_tier_class(options.offload_optimizer)),
+        nvme_fraction=options.nvme_fraction,
+        offload_activations=planning_kind(activation_tier_class(options.offload_activations)),
+        optimizer_state=options.optimizer_state,
+        master_format=master_format,
+        optimizer=optimizer,
+        fused_loss=fused_loss_available(),
+        bandwidths=bandwidths,
+    )
+
+
+def fused_loss_available() -> bool:
+    """Whether slide-kernels (its chunked linear + cross-entropy) is installed here; without it the
+    adapters' head materialises the logits, which the plan must count. Checked without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("slide_kernels") is not None
+
+
+def engine_config(placement: Placement) -> EngineConfig:
+    """The engine config of a placed run: the plan's own (:meth:`PlanInputs.engine_config`), with the
+    units every rank places alike (rank 0's choice, broadcast) and the units on a state tier that keeps
+    its bytes in RAM (which the plan counts as host memory, so it names none)."""
+    return dataclasses.replace(
+        placement.plan.inputs.engine_config(),
+        resident_units=placement.resident,
+        offloaded_units=placement.offloaded,
+        streamed_units=placement.streamed,
+    )
 
 
 # -- engine ------------------------------------------------------------------------------------------------
@@ -300,17 +378,7 @@ def open_engine(
     """Open the tiers the placement needs (each in its own ``scratch()`` directory when it keeps files) and
     build the engine over them; the engine runs once the result is entered. ``process_group``: this
     process's place in the run (docs/distributed.md; a world of one by default)."""
-    config = EngineConfig(
-        block_slots=options.block_slots,
-        compute_dtype=options.compute_dtype,
-        master_format=options.master,
-        resident_units=placement.resident,
-        offloaded_units=placement.offloaded,
-        streamed_units=placement.streamed,
-        staging_sets=placement.plan.inputs.staging_sets,
-        max_grad_norm=options.max_grad_norm,
-        report_grad_norm=options.report_grad_norm,
-    )
+    config = engine_config(placement)
     plan = placement.plan
     log.info("plan: GPU peak %.2f GiB, host peak %.2f GiB", plan.gpu_peak_bytes / 2**30, plan.host_peak_bytes / 2**30)
     if placement.resident:

@@ -36,6 +36,7 @@ from .grad_transfer import GradTransfer
 from .host_pipeline import HostPipeline
 from .host_span import pinned_spans
 from .host_state import HostState
+from .layout import RunLayout
 from .norms import UnitNorms
 from .pipeline import UnitPipeline
 from .resident import ResidentUnits
@@ -72,8 +73,9 @@ class UnitPipelines:
         offloaded: OffloadedState | None,
         collectives: Collectives,
     ) -> None:
-        resident, streamed = set(config.resident_units), set(config.streamed_units)
-        on_tier = set(offloaded.units) if offloaded is not None else set()
+        self.layout = RunLayout.of(model, config)
+        """Which unit is resident, streamed or host-optimized, and where its state lives (layout.py)."""
+        resident, streamed, on_tier = set(self.layout.resident), set(self.layout.streamed), set(self.layout.offloaded)
         self.device, self.host_params, self.collectives = device, host_params, collectives
         self.shards = UnitShards(collectives, model.units)
         """This rank's shard ``[lo, hi)`` of every unit (every unit whole in one process)."""
@@ -95,7 +97,8 @@ class UnitPipelines:
         )  # fmt: skip
         if lean_host:
             _pin_shards(device, host_params, model.units, resident, self.shards, self.resident)
-        host_units = [unit for unit in model.units if unit.name not in resident]
+        sliding = set(self.layout.sliding)
+        host_units = [unit for unit in model.units if unit.name in sliding]
         host_spans = {unit.name: self.shards[unit.name] for unit in host_units}
         host_state.zero_fresh(host_spans)
         self.transfer = GradTransfer(
@@ -110,7 +113,7 @@ class UnitPipelines:
                 shards=self._shards(collectives, host_units, names), store=store,
             )  # fmt: skip
 
-        self.host = host_pipeline({unit.name for unit in host_units} - on_tier - streamed, HostSlabs(host_state))
+        self.host = host_pipeline(set(self.layout.host_optimized) - on_tier, HostSlabs(host_state))
         self._of: dict[str, UnitPipeline] = dict.fromkeys(resident, self.resident)
         self._of.update((unit.name, self.host) for unit in host_units)
         self.distinct: list[UnitPipeline] = [self.resident, self.host]

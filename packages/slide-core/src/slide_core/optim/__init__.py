@@ -32,7 +32,7 @@ def auto_optimizer_name() -> str:
     return "fused-adamw" if FusedAdamW.available() else "torch-adamw"
 
 
-def build_optimizer(name: str, config: object | None = None) -> Optimizer:
+def build_optimizer(name: str, config: object | None = None, *, warmup: bool = True) -> Optimizer:
     """The optimizer called ``name`` (``auto`` or a ``slide.optimizers`` plugin), built with ``config``.
 
     A plugin is a :class:`~slide_core.optimizer.Optimizer` subclass constructed as ``cls(config)`` with a
@@ -44,19 +44,22 @@ def build_optimizer(name: str, config: object | None = None) -> Optimizer:
     A compact optimizer state (an AdamW ``config.state_format`` bf16 or int8) is stored by ``CompactAdamW``,
     with the numba kernels (``auto`` with numba, ``fused-adamw``) or torch's ops (``torch-adamw``, ``auto``
     without numba); both round with the same hash, so either gives the same moments.
+
+    ``warmup=False`` builds the same optimizer without compiling anything: for pricing its scratch (`slide
+    plan`), never for stepping.
     """
     if isinstance(config, AdamWConfig) and config.state_format != "fp32":
-        return _compact_optimizer(name, config)
+        return _compact_optimizer(name, config, warmup=warmup)
     if name == AUTO:
         from slide_core.optim.fused_adamw import best_adamw  # numpy; numba only if it is installed
 
-        return best_adamw(_config_of(name, AdamWConfig, config))
+        return best_adamw(_config_of(name, AdamWConfig, config), warmup=warmup)
     optimizer_class = plugins.load(GROUP, name, expected=Optimizer)
     optimizer: Optimizer = optimizer_class(_config_of(name, optimizer_class.config_type, config))
-    warmup = getattr(optimizer, "warmup", None)
-    if callable(warmup):
+    compile_kernels = getattr(optimizer, "warmup", None)
+    if warmup and callable(compile_kernels):
         try:
-            warmup()
+            compile_kernels()
         except Exception as error:  # a missing compiler (numba), or a compile that fails on this machine
             raise plugins.PluginError(f"optimizer {name!r} cannot run here: {error}") from error
     return optimizer
@@ -71,7 +74,7 @@ def _config_of(name: str, config_type: type[Any], config: object | None) -> Any:
     return config
 
 
-def _compact_optimizer(name: str, config: AdamWConfig) -> Optimizer:
+def _compact_optimizer(name: str, config: AdamWConfig, *, warmup: bool = True) -> Optimizer:
     """``CompactAdamW`` in the flavour ``name`` stands for; another plugin is refused in one line."""
     from slide_core.optim.compact_adamw import CompactAdamW
 
@@ -83,7 +86,8 @@ def _compact_optimizer(name: str, config: AdamWConfig) -> Optimizer:
     fused = {AUTO: None, "fused-adamw": True, "torch-adamw": False}[name]
     try:
         optimizer = CompactAdamW(config, fused=fused)
-        optimizer.warmup()
+        if warmup:
+            optimizer.warmup()
     except Exception as error:  # no numba for fused-adamw, or a compile that fails on this machine
         if name != AUTO:
             raise plugins.PluginError(f"optimizer {name!r} cannot run here: {error}") from error

@@ -25,7 +25,6 @@ from slide_hf.defaults import model_positions, resolve_seq_len
 from slide_hf.errors import UserError
 from slide_hf.planner import (
     Plan,
-    PlanInputs,
     available_host_bytes,
     check_fits,
     format_bytes,
@@ -33,6 +32,7 @@ from slide_hf.planner import (
     parse_size,
     plan_with_placement,
 )
+from slide_hf.planner.plan import check_update_placement
 from slide_hf.sizes import SIZE_RULE
 
 if TYPE_CHECKING:
@@ -77,15 +77,21 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from slide_hf.offload import activation_tier_class, planning_kind, state_tier_class
+    import torch
+
+    from slide_hf.offload import state_tier_class
+    from slide_hf.setup import RunOptions, plan_inputs, resolve_master
 
     cfg = _options(args)  # option errors first: building takes seconds
     assert cfg.dtype is not None  # plan declares a default (bfloat16)
-    offload_kind = planning_kind(state_tier_class(cfg.offload_optimizer))
+    state_tier_class(cfg.offload_optimizer)  # a tier that does not load is one line, before the model is built
     optimizer = _optimizer_class(cfg.optimizer)
     if cfg.optimizer_state != "fp32":  # compact moments are kept by CompactAdamW (slide_core's build_optimizer)
         optimizer = f"CompactAdamW ({'numba kernels' if optimizer == 'FusedAdamW' else 'torch ops'})"
     gpu_cap, gpu_source = _gpu_budget(None if cfg.gpu_memory is None else str(cfg.gpu_memory), cfg.device)
+    accelerator = _plans_accelerator(cfg.device, gpu_cap)
+    if not accelerator:
+        gpu_cap, gpu_source = None, "the CPU device: no GPU memory"
     if args.host_memory is not None:
         host_cap, host_source = parse_size(args.host_memory, what="--host-memory"), "allowed by --host-memory"
     else:
@@ -93,28 +99,27 @@ def run(args: argparse.Namespace) -> int:
     model = _build(cfg.model)
     seq_len = resolve_seq_len(cfg.seq_len, model.config)
     from slide_hf.machine_rates import planning_bandwidths
+    from slide_hf.planner import Bandwidths
 
     bandwidths, rates_source = planning_bandwidths()
-    inputs = PlanInputs(
-        model=model,
-        batch_size=cfg.batch_size,
-        seq_len=seq_len,
-        grad_accum=cfg.grad_accum,
-        compute_dtype_bytes=DTYPE_BYTES[cfg.dtype],
-        block_slots=cfg.block_slots,
+    if not accelerator:
+        bandwidths, rates_source = Bandwidths(), "documented defaults (the CPU device)"
+    options = RunOptions.from_config(cfg, seq_len=seq_len)
+    run_optimizer = _unbuilt_optimizer(cfg.optimizer, cfg.optimizer_state.value)
+    inputs = plan_inputs(
+        model,
+        options,
+        accelerator=accelerator,
         gpu_memory_bytes=gpu_cap,
         host_memory_bytes=host_cap,
-        offload_optimizer=offload_kind,
-        nvme_fraction=cfg.nvme_fraction,
-        offload_activations=planning_kind(activation_tier_class(cfg.offload_activations)),
-        optimizer_state=cfg.optimizer_state,
-        master_format=_master_format(cfg),
-        fused_loss=_fused_loss_available(),
+        master_format=resolve_master(cfg.master.value, getattr(torch, cfg.dtype.value), run_optimizer),
         bandwidths=bandwidths,
+        optimizer=run_optimizer,
     )
     plan = make_plan(inputs)
     distributed = args.nproc_per_node * args.nnodes > 1
     placement = cfg.update_placement.value
+    check_update_placement(inputs, placement)  # as `slide train` refuses it, distributed or not
     if (gpu_cap is None or plan.gpu_peak_bytes <= gpu_cap) and not distributed:
         # spare GPU memory holds whole units (master + Adam state), then the updates streamed to the GPU
         plan = plan_with_placement(inputs, placement)
@@ -132,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         payload.update({"state_tier": cfg.offload_optimizer, "output_disk": outputs.to_dict()})
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
         payload.update({"update_placement": placement, "rates_source": rates_source})
+        payload["engine_config"] = engine_config_dict(plan.inputs.engine_config())
+        payload["buffers"] = plan.buffers().to_dict()
         payload["placement"] = {where: list(names) for where, names in plan.placement_counts().items()}
         if dp is not None:
             payload["data_parallel"] = dp.to_dict()
@@ -202,17 +209,43 @@ def _output_disk(model: Any, cfg: TrainConfig) -> Any:
     )
 
 
-def _master_format(cfg: TrainConfig) -> str:
-    """``--master`` as `slide train` resolves it: auto is split in bf16 (every shipped optimizer steps a
-    split master), fp32 otherwise (split in fp32 is refused by the options' rules)."""
-    if cfg.master == "auto":
-        return "split" if cfg.dtype == "bfloat16" else "fp32"
-    return cfg.master.value
-
-
 def _state_words(optimizer_state: str) -> str:
     """``"bf16 "`` before "Adam state" for a compact format; nothing for the default fp32."""
     return "" if optimizer_state == "fp32" else f"{optimizer_state} "
+
+
+def engine_config_dict(config: Any) -> dict[str, Any]:
+    """An :class:`~slide_core.engine.EngineConfig` as JSON: every field, the compute dtype by name and the
+    unit lists as lists, so `slide plan --json` and a run's config compare as equal values."""
+    import dataclasses
+
+    values = dataclasses.asdict(config)
+    values["compute_dtype"] = str(config.compute_dtype).removeprefix("torch.")
+    return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()}
+
+
+def _plans_accelerator(device_name: str, gpu_cap: int | None) -> bool:
+    """Whether the planned run computes on a GPU: `slide train` would on a ``--device`` other than cpu
+    (``auto`` where this machine has a GPU, or where ``--gpu-memory`` says the plan is for one)."""
+    if device_name == "cpu":
+        return False
+    if device_name == "auto":
+        from slide_core.devices import auto_device_name
+
+        return gpu_cap is not None or auto_device_name() != "cpu"
+    return True
+
+
+def _unbuilt_optimizer(name: str, optimizer_state: str) -> Any:
+    """The optimizer `slide train --optimizer name` steps with, built without compiling anything: the plan
+    prices its host and device scratch as the run's own (slide_core's ``build_optimizer``)."""
+    from slide_core import AdamWConfig, plugins
+    from slide_core.optim import build_optimizer
+
+    try:
+        return build_optimizer(name, AdamWConfig(state_format=optimizer_state), warmup=False)
+    except plugins.PluginError as error:
+        raise UserError(f"--optimizer {name}: {error}") from None
 
 
 def _optimizer_class(name: str) -> str:
@@ -240,21 +273,14 @@ def _positions_problem(model: Any, seq_len: int) -> str | None:
 def _build(name: str) -> Any:
     """The meta-device model for a directory or preset; every failure becomes one :class:`UserError` line."""
     from slide_hf import build_model, resolve_model
+    from slide_hf.presets import run_overrides
 
     try:
-        config, _ = resolve_model(name)
+        config, _ = resolve_model(name, **run_overrides(name))
         return build_model(config)
     except (ValueError, OSError) as error:  # ModelNotFoundError, UnsupportedModelError, unreadable config
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(message) from error
-
-
-def _fused_loss_available() -> bool:
-    """Whether slide-kernels (its chunked linear + cross-entropy) is installed here; without it the
-    adapters' head materialises the logits, which the plan must count. Checked without importing it."""
-    import importlib.util
-
-    return importlib.util.find_spec("slide_kernels") is not None
 
 
 def _gpu_budget(text: str | None, device_name: str) -> tuple[int | None, str]:
@@ -292,10 +318,13 @@ def render(
     ]
     if not i.fused_loss:
         lines.append("(slide-kernels is not installed here: the head's logits are counted in full)")
-    lines += ["", _row("GPU peak", format_bytes(plan.gpu_peak_bytes), f"largest phase: {plan.gpu_peak_phase}")]
-    lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v)) for k, v in plan.gpu_breakdown.items()]
-    resident = ", ".join(i.resident_units) if i.resident_units else "none (no spare GPU memory, or no --gpu-memory)"
-    lines.append(_row("on the GPU", resident, "units whose master and Adam state live on the GPU"))
+    if i.accelerator:
+        lines += ["", _row("GPU peak", format_bytes(plan.gpu_peak_bytes), f"largest phase: {plan.gpu_peak_phase}")]
+        lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v)) for k, v in plan.gpu_breakdown.items()]
+        resident = ", ".join(i.resident_units) or "none (no spare GPU memory, or no --gpu-memory)"
+        lines.append(_row("on the GPU", resident, "units whose master and Adam state live on the GPU"))
+    else:  # the CPU device computes in host RAM: there is no GPU memory to plan
+        lines += ["", _row("GPU peak", "none", "the CPU device: every unit computes in host RAM")]
     placed = plan.placement_counts()
     if update_placement is not None:
         counts = ", ".join(f"{len(names)} {where}" for where, names in placed.items())
@@ -342,7 +371,10 @@ def render(
         "larger batches raise overlap" if plan.overlap < 1 else "gradient transfer and update hide behind backward"
     )
     lines.append(_row("overlap", f"{plan.overlap:.2f}", overlap_note))
-    lines.append(_row("binding limit", plan.binding))
+    binding_s = plan.resource_s.get(plan.binding)
+    lines.append(
+        _row("binding limit", plan.binding, "" if binding_s is None else f"the largest resource, {binding_s:.3g} s")
+    )
     critical = "n/a" if plan.critical_batch_size is None else str(plan.critical_batch_size)
     lines.append(_row("critical batch", critical, "smallest batch with overlap >= 1"))
     if optimizer is not None:
@@ -366,20 +398,23 @@ def _row(label: str, value: str, note: str = "") -> str:
 
 
 def unit_names(names: tuple[str, ...]) -> str:
-    """``embedding, block.0-11, head``: unit names with runs of consecutive blocks as one range."""
+    """``embedding, block.0-11, head``: unit names with runs of consecutive numbered units of one prefix
+    (``block.N``, or a model's own ``layers.N``) as one range."""
     parts: list[str] = []
     run: list[int] = []
+    prefix = ""
 
     def close() -> None:
         if run:
-            parts.append(f"block.{run[0]}" if len(run) == 1 else f"block.{run[0]}-{run[-1]}")
+            parts.append(f"{prefix}{run[0]}" if len(run) == 1 else f"{prefix}{run[0]}-{run[-1]}")
             run.clear()
 
     for name in names:
-        index = name.removeprefix("block.")
-        if name.startswith("block.") and index.isdigit():
-            if run and int(index) != run[-1] + 1:
+        head, _, index = name.rpartition(".")
+        if head and index.isdigit():
+            if run and (f"{head}." != prefix or int(index) != run[-1] + 1):
                 close()
+            prefix = f"{head}."
             run.append(int(index))
             continue
         close()

@@ -291,7 +291,11 @@ class TrainConfig:
     max_grad_norm: float = option(
         0.0,
         help="global gradient-norm clip, exact, 0 = off (default 0)",
-        commands=_TRAIN_BENCH,
+        helps={
+            "plan": "the gradient-norm clip slide train will use: with it on, the step's gradients are kept "
+            "in a pinned store for the exact rollback, which the host peak counts (default 0 = off)"
+        },
+        commands=RUNS,
         rule=Rule("float", 0),
         engine=AS_DECLARED,
     )

@@ -8,10 +8,14 @@ inputs and stay plain arithmetic. Only slide-core's config and unit types are im
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from slide_core.engine.config import EngineConfig
+from slide_core.engine.layout import RunLayout
 from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel
@@ -152,6 +156,9 @@ class ModelShape:
     stream_width: int | None = None
     """The width of the activation the units pass each other (:meth:`SlideModel.activation_width`); None:
     the hidden size. Use :attr:`activation_width`."""
+    unit_names: tuple[str, ...] = ()
+    """Every unit's name in forward order, as the model calls them (what ``resident_units`` and the other
+    placements name); empty: slide-hf's names, ``embedding``, ``block.0`` ... ``head`` (:attr:`names`)."""
     activations: BlockActivations | None = field(default=None, compare=False, repr=False)
     """Measures what each kind of block saves for autograd (:mod:`slide_hf.planner.activations`); None
     (a shape filled by hand, a model that is not an HF adapter's): the planner's formula."""
@@ -189,6 +196,7 @@ class ModelShape:
             vocab_size=int(_first(config, ("vocab_size",), vocab)),
             extra_device_bytes=int(model.extra_tensors_bytes()),
             stream_width=model.activation_width(),
+            unit_names=tuple(unit.name for unit in model.units),
             activations=BlockActivations.of(model),
         )
 
@@ -197,6 +205,22 @@ class ModelShape:
         """Elements per token of the activation stashed for each block, sent between host and GPU and
         held (with its gradient) between units: the hidden size unless the model widens it."""
         return self.stream_width or self.hidden_size
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every unit's name in forward order: embedding, blocks, head."""
+        if self.unit_names:
+            return self.unit_names
+        return ("embedding", *(f"block.{i}" for i in range(self.num_blocks)), "head")
+
+    @property
+    def block_names(self) -> frozenset[str]:
+        return frozenset(self.names[1:-1])
+
+    @property
+    def named_numels(self) -> dict[str, int]:
+        """Every unit's padded numel by name, in forward order."""
+        return dict(zip(self.names, self.unit_numels, strict=True))
 
     @property
     def num_blocks(self) -> int:
@@ -291,8 +315,12 @@ class PlanInputs:
     master_format: str = "fp32"
     """``--master`` as it resolves: ``fp32`` (the h2d reads 4 B/param and casts on the GPU) or ``split``
     (2 B/param, the bf16 plane as it is; the host holds 4 B/param + 1 tie bit; bf16 compute only)."""
-    clipping: bool = False
-    """``--max-grad-norm > 0``: gradients land in a full-model pinned store (for the exact rollback)."""
+    max_grad_norm: float = 0.0
+    """``--max-grad-norm``; above 0 (:attr:`clipping`) gradients land in a full-model pinned store (for the
+    exact rollback) instead of the ring."""
+    report_grad_norm: bool | None = None
+    """``EngineConfig.report_grad_norm``; None: as `slide train` decides it (with one micro-batch, or with
+    clipping, where the norm costs nothing more)."""
     optimizer_state: str = "fp32"
     """How the host keeps Adam's m and v (fp32, bf16 or int8; the option of that name), which sets their host
     and NVMe bytes and the bytes the host optimizer moves per step."""
@@ -319,14 +347,78 @@ class PlanInputs:
                 raise UserError(f"{option(name)} must be planned as 'ram' or 'nvme', got {getattr(self, name)!r}")
         if self.master_format not in ("fp32", "split"):
             raise UserError(f"{option('master')} must resolve to fp32 or split, got {self.master_format!r}")
+        if self.master_format == "split" and self.compute_dtype_bytes != 2:
+            raise UserError(f"{option('master', 'split')} stores the bf16 compute copy: it needs --dtype bfloat16")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise UserError(f"{option('max_grad_norm')} must be a finite number >= 0, got {self.max_grad_norm}")
         for name in ("gpu_memory_bytes", "host_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise UserError(f"{option(name.removesuffix('_bytes'))} must be positive, got {value}")
+        self._placed_by_name()
+
+    def _placed_by_name(self) -> None:
+        """Name the placed units as the model does: slide-hf's names (``embedding``, ``block.0``, ``head``)
+        stand for the unit at that position of a model whose units are called otherwise, so the engine
+        config built from these inputs names units the engine has."""
+        names = self.model.names if isinstance(self.model, ModelShape) else tuple(u.name for u in self.model.units)
+        standard = ("embedding", *(f"block.{i}" for i in range(len(names) - 2)), "head")
+        known, alias = set(names), dict(zip(standard, names, strict=True))
+        for field_name in ("resident_units", "streamed_units"):
+            units = getattr(self, field_name)
+            unknown = [name for name in units if name not in known and name not in alias]
+            if unknown:
+                raise UserError(f"{field_name} names units the model does not have: {', '.join(unknown)}")
+            named = tuple(name if name in known else alias[name] for name in units)
+            if named != units:
+                object.__setattr__(self, field_name, named)
 
     @property
     def shape(self) -> ModelShape:
         return self.model if isinstance(self.model, ModelShape) else ModelShape.of(self.model)
+
+    @property
+    def clipping(self) -> bool:
+        """Whether gradient-norm clipping is on (``max_grad_norm > 0``)."""
+        return self.max_grad_norm > 0
+
+    @property
+    def offloaded_units(self) -> tuple[str, ...]:
+        """The units whose optimizer state lives on the state tier (``EngineConfig.offloaded_units``): with
+        ``offload_optimizer == "nvme"``, ``nvme_fraction`` of the units by the run's own rule
+        (:func:`slide_hf.offload.offloaded_names`); none otherwise."""
+        if self.offload_optimizer != "nvme":
+            return ()
+        from slide_hf.offload import offloaded_names
+
+        return offloaded_names(self.shape.names, self.nvme_fraction, self.resident_units)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine config of the run these inputs describe: what the run's engine is built with
+        (slide_hf/setup.py's ``open_engine``) and what the planner prices, built here once so the two
+        cannot differ."""
+        clipping = self.clipping
+        return dataclasses.replace(
+            _ENGINE_DEFAULTS,
+            block_slots=self.block_slots,
+            compute_dtype=torch.float32 if self.compute_dtype_bytes == 4 else torch.bfloat16,
+            master_format=self.master_format,
+            transfer_chunk_numel=self.transfer_chunk_numel,
+            grad_ring_slots=self.grad_ring_slots,
+            resident_units=self.resident_units,
+            offloaded_units=self.offloaded_units,
+            streamed_units=self.streamed_units,
+            staging_sets=self.staging_sets,
+            max_grad_norm=self.max_grad_norm,
+            report_grad_norm=(self.grad_accum == 1 or clipping)
+            if self.report_grad_norm is None
+            else self.report_grad_norm,
+        )
+
+    def layout(self) -> RunLayout:
+        """Where each unit of the planned run lives and is updated (slide_core's :class:`RunLayout`)."""
+        shape = self.shape
+        return RunLayout(self.engine_config(), tuple(shape.named_numels.items()), tied=shape.tied)
 
     def device_optimizer(self) -> Optimizer:
         """The optimizer that updates device-resident units: the run's ``device_replica``, or, without

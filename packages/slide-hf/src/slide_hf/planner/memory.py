@@ -24,29 +24,22 @@ that cannot run.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
 
 from slide_core.collectives import shard_span
 from slide_core.engine.activations import TIER_STAGING_COPIES, ActivationStash
-from slide_core.engine.config import EngineConfig
-from slide_core.engine.grad_transfer import GradTransfer
 from slide_core.engine.host_span import pinned_spans
 from slide_core.engine.host_state import HostState
 from slide_core.engine.master_upload import MasterUpload
-from slide_core.engine.norms import UnitNorms
 from slide_core.engine.resident import resident_numel_bytes
 from slide_core.engine.resident_pipeline import ResidentPipeline
-from slide_core.engine.slots import SlotWindow
-from slide_core.engine.state_offload import OffloadedState
 from slide_core.host_params import HostParameters, MasterFormat
 from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optim.state_formats import StateArray, state_arrays
 from slide_core.optimizer import Optimizer
-from slide_hf.planner.inputs import _ENGINE_DEFAULTS, ModelShape, PlanInputs
+from slide_hf.planner.inputs import ModelShape, PlanInputs
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
@@ -126,23 +119,12 @@ class EngineBuffers:
     host: dict[str, int]
     device: dict[str, int]
 
-
-def _engine_config(inputs: PlanInputs) -> EngineConfig:
-    """The engine's config for what it sizes buffers from (the planner's own inputs, nothing else)."""
-    return dataclasses.replace(
-        _ENGINE_DEFAULTS,
-        compute_dtype=torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16,
-        transfer_chunk_numel=inputs.transfer_chunk_numel,
-        grad_ring_slots=inputs.grad_ring_slots,
-        max_grad_norm=1.0 if inputs.clipping else 0.0,
-    )
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        return {"host": dict(self.host), "device": dict(self.device)}
 
 
 def _named_numels(shape: ModelShape) -> dict[str, int]:
-    numel = {"embedding": shape.embedding_numel}
-    numel.update({f"block.{i}": n for i, n in enumerate(shape.block_numels)})
-    numel["head"] = shape.head_numel
-    return numel
+    return shape.named_numels
 
 
 def _host_optimizer(inputs: PlanInputs) -> Optimizer:
@@ -165,59 +147,44 @@ def _state_arrays(inputs: PlanInputs) -> tuple[StateArray, ...]:
 def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     """Every engine buffer of this configuration, each priced by the class that allocates it.
 
-    Which units are host-updated, on NVMe or resident, and which get an accumulator, are the run's
-    options applied to the model's units; the bytes each buffer takes are its owner's answer."""
-    cfg = _engine_config(inputs)
+    Which units are host-updated, on NVMe, streamed or resident, and which get an accumulator, is the run's
+    layout (slide_core's :class:`~slide_core.engine.layout.RunLayout`, built from the engine config the
+    run itself is built with, :meth:`PlanInputs.engine_config`); the bytes each buffer takes are its
+    owner's answer."""
+    layout = inputs.layout()
     d = inputs.compute_dtype_bytes
-    numels = _named_numels(shape)
-    resident = set(inputs.resident_units)
-    not_resident = {name: n for name, n in numels.items() if name not in resident}
-    host_units = list(not_resident.values())
-    streamed = set(inputs.streamed_units)
-    on_tier = set(_nvme_names(shape, inputs))  # host-updated units whose state ranges are never touched
-    on_nvme = [numels[name] for name in on_tier]
-    on_host_state = [n for name, n in numels.items() if name not in resident and name not in on_tier]
     arrays = _state_arrays(inputs)
     boundary = inputs.batch_size * inputs.seq_len * shape.activation_width  # one block's input, in elements
     stash_copies = shape.num_blocks if inputs.offload_activations == "ram" else 0
     tier_copies = TIER_STAGING_COPIES if inputs.offload_activations == "nvme" else 0
-    wants_norms = UnitNorms.wanted(cfg)
+    laid_out = layout.host_buffers(arrays, inputs.grad_accum)
     host = {
         # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies]),
         # but for those inside a page-locked span (Note [One registration per allocation])
         "master_fp32": master_bytes(shape, inputs),
         # device-resident and NVMe units keep m and v elsewhere; their host ranges are never touched
-        "optimizer_state": HostState.state_bytes(arrays, on_host_state),
-        "grad_accumulators": HostState.accumulator_bytes(_accumulated_numels(shape, inputs)),
-        "grad_ring": GradTransfer.host_bytes(
-            cfg,
-            [n for name, n in not_resident.items() if name not in streamed],
-            [n for name, n in not_resident.items() if name in streamed],
-        ),
+        "optimizer_state": laid_out["optimizer_state"],
+        "grad_accumulators": laid_out["grad_accumulators"],
+        "grad_ring": laid_out["grad_ring"],
         "activation_stash": ActivationStash.host_bytes_for(stash_copies, boundary, d),
         "optimizer_scratch": _host_optimizer(inputs).host_scratch_bytes(
             inputs.transfer_chunk_numel, corrects=inputs.clipping, split_master=inputs.master_format == "split"
         )
-        if host_units
+        if layout.sliding
         else 0,
-        "grad_norms": UnitNorms.host_bytes_for(len(numels)) if wants_norms else 0,
+        "grad_norms": laid_out["grad_norms"],
         # Double buffers in front of NVMe: one unit's m and v (or one block input) read ahead while the
         # previous one is in use.
-        "nvme_staging": (OffloadedState.staging_bytes(arrays, max(on_nvme)) if on_nvme else 0)
-        + ActivationStash.host_bytes_for(tier_copies, boundary, d),
+        "nvme_staging": laid_out["state_tier_staging"] + ActivationStash.host_bytes_for(tier_copies, boundary, d),
     }
-    sliding_blocks = [n for name, n in numels.items() if name.startswith("block.") and name not in resident]
-    block_slots = SlotWindow.block_slot_count(sliding_blocks, inputs.block_slots)
     device = {
-        "block_slots": block_slots * SlotWindow.slot_bytes(max(sliding_blocks, default=0), d),
-        "embedding_slot": 0 if "embedding" in resident else SlotWindow.slot_bytes(shape.embedding_numel, d),
-        "head_slot": 0 if "head" in resident else SlotWindow.slot_bytes(shape.head_numel, d),
+        **{name: bytes_ for name, bytes_ in layout.device_buffers().items() if name != "grad_norms"},
         "resident_units": _resident_bytes(shape, inputs),
         "resident_scratch": _resident_scratch_bytes(shape, inputs),
         "streamed_staging": streamed_staging_bytes(shape, inputs),
         "h2d_staging": _h2d_staging_bytes(shape, inputs),
         "activation_buffers": ActivationStash.device_bytes_for(boundary, d),
-        "grad_norms": UnitNorms.device_bytes_for(len(numels)) if wants_norms else 0,
+        "grad_norms": layout.device_buffers()["grad_norms"],
     }
     return EngineBuffers(host, device)
 
@@ -256,30 +223,14 @@ def pinned_master_numel(shape: ModelShape, inputs: PlanInputs, rank: int = 0, wo
 
 
 def _nvme_names(shape: ModelShape, inputs: PlanInputs) -> list[str]:
-    """The units whose m and v live on NVMe: the engine's rule (``slide_hf.offload``), blocks first, and
-    never a device-resident unit (its state is on the GPU)."""
-    if inputs.offload_optimizer != "nvme":
-        return []
-    ordered = [f"block.{i}" for i in range(shape.num_blocks)] + ["embedding", "head"]
-    count = math.floor(inputs.nvme_fraction * len(ordered) + 0.5)
-    resident = set(inputs.resident_units)
-    return [name for name in ordered[:count] if name not in resident]
+    """The units whose m and v live on NVMe: the run's own rule (:attr:`PlanInputs.offloaded_units`)."""
+    return list(inputs.offloaded_units)
 
 
 def _nvme_units(shape: ModelShape, inputs: PlanInputs) -> list[int]:
     """Numels of the units whose m and v live on NVMe (:func:`_nvme_names`)."""
     numels = _named_numels(shape)
     return [numels[name] for name in _nvme_names(shape, inputs)]
-
-
-def _accumulated_numels(shape: ModelShape, inputs: PlanInputs) -> list[int]:
-    """Numels of the host-updated units that get an fp32 host accumulator: those with > 1 gradient
-    contribution per step (every one with accumulation; the embedding when the head borrows it). A
-    device-resident unit accumulates on the device (``resident_numel_bytes``)."""
-    resident = set(inputs.resident_units)
-    if inputs.grad_accum > 1:
-        return [n for name, n in _named_numels(shape).items() if name not in resident]
-    return [shape.embedding_numel] if shape.tied and "embedding" not in resident else []
 
 
 def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:

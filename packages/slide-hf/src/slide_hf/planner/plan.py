@@ -15,12 +15,14 @@ from slide_hf.errors import UserError
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import (
     ENGINE_HOST_BUFFERS,
+    EngineBuffers,
     _disk_bytes,
     _gpu_bytes,
     _gpu_peak,
     _host_bytes,
     _host_peak,
     _nvme_names,
+    engine_buffers,
     resident_scratch_bytes,
 )
 from slide_hf.planner.timing import _times
@@ -29,7 +31,15 @@ from slide_hf.planner.update_placement import streaming_order
 from slide_hf.sizes import format_bytes
 from slide_hf.spelling import option
 
-__all__ = ["GPU_MARGIN_BYTES", "UPDATE_PLACEMENTS", "Plan", "largest_batch", "make_plan", "plan_with_placement"]
+__all__ = [
+    "GPU_MARGIN_BYTES",
+    "UPDATE_PLACEMENTS",
+    "Plan",
+    "check_update_placement",
+    "largest_batch",
+    "make_plan",
+    "plan_with_placement",
+]
 
 GPU_MARGIN_BYTES = 1 << 30
 """GPU memory left unplanned for allocator fragmentation and library workspaces..."""
@@ -87,13 +97,17 @@ class Plan:
     def placement_counts(self) -> dict[str, tuple[str, ...]]:
         """The units updated in each place: ``resident``, ``streamed`` (on the GPU as they stream) and ``host``."""
         i = self.inputs
-        names = ("embedding", *(f"block.{n}" for n in range(self.shape.num_blocks)), "head")
+        names = self.shape.names
         placed = {*i.resident_units, *i.streamed_units}
         return {
             "resident": tuple(n for n in names if n in i.resident_units),
             "streamed": tuple(n for n in names if n in i.streamed_units),
             "host": tuple(n for n in names if n not in placed),
         }
+
+    def buffers(self) -> EngineBuffers:
+        """Every buffer the planned run's engine allocates, by name and owner's size (memory.py)."""
+        return engine_buffers(self.inputs.shape, self.inputs)
 
     @property
     def engine_host_bytes(self) -> int:
@@ -269,18 +283,14 @@ def plan_with_placement(inputs: PlanInputs, update_placement: str = "host") -> P
     streaming in what is left; and residents in the spare memory less what streaming the largest block
     takes, then streaming in that (when it streams any unit). The faster wins (a tie keeps the first).
     """
-    if update_placement not in UPDATE_PLACEMENTS:
-        raise UserError(
-            f"{option('update_placement')} must be one of {', '.join(UPDATE_PLACEMENTS)}, got {update_placement!r}"
-        )
+    check_update_placement(inputs, update_placement)
     if update_placement == "gpu":
-        _refuse_gpu_updates(inputs)
         return _all_streamed(inputs)
     plan = make_plan(_with_resident(inputs, reserve_bytes=0))
     if update_placement == "host" or inputs.clipping or not inputs.accelerator or inputs.gpu_memory_bytes is None:
         return plan
     candidates = [_with_streamed(plan)]
-    costs = [c for c in unit_costs(plan.shape, inputs) if c.can_stream and c.name.startswith("block.")]
+    costs = [c for c in unit_costs(plan.shape, inputs) if c.can_stream and c.name in plan.shape.block_names]
     if costs and not isinstance(inputs.model, ModelShape):
         reserve = max(c.stream_device_bytes for c in costs)
         reserved = _with_streamed(make_plan(_with_resident(inputs, reserve_bytes=reserve)))
@@ -343,6 +353,18 @@ def _with_streamed(plan: Plan) -> Plan:
 _GAIN = 0.01
 """Streaming more units must shorten the planned step by more than this fraction: the plan is a planning
 number (within 10 % of measured steps), and a streamed unit costs GPU memory and PCIe both ways for it."""
+
+
+def check_update_placement(inputs: PlanInputs, update_placement: str) -> None:
+    """Refuse, in one line, an ``--update-placement`` that cannot run for ``inputs``: an unknown one, and
+    gpu with clipping or on the CPU device. `slide train` meets it in :func:`plan_with_placement`; `slide plan`
+    calls it before planning a placement, wherever it plans one, so both refuse in the same words."""
+    if update_placement not in UPDATE_PLACEMENTS:
+        raise UserError(
+            f"{option('update_placement')} must be one of {', '.join(UPDATE_PLACEMENTS)}, got {update_placement!r}"
+        )
+    if update_placement == "gpu":
+        _refuse_gpu_updates(inputs)
 
 
 def _refuse_gpu_updates(inputs: PlanInputs) -> None:

@@ -110,13 +110,7 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     resources = resource_times(fixed_times(shape, inputs, compute_s, disk_s), costs, placements)
     pcie_s = max(resources["pcie h2d"], resources["pcie d2h"], resources["pcie duplex"])
     update_s = max(resources["cpu"], resources["host memory"])
-    limits = {
-        "gpu compute": resources["gpu compute"],
-        "pcie": pcie_s,
-        "host memory bandwidth": update_s,
-        "nvme": resources["nvme"],
-    }
-    binding = max(limits, key=limits.__getitem__)
+    binding = max(resources, key=resources.__getitem__)  # the resource whose line is the largest
     scheduled_s = scheduled_step_s(shape, inputs, costs, placements)
     # What the backward must hide: the host-updated units' gradients going out and their updates.
     d2h_s = sum(cost.host["pcie d2h"] for cost in costs if placements[cost.name] == "host")
@@ -130,10 +124,11 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
         "pcie_s": pcie_s,
         "update_s": update_s,
         "disk_s": resources["nvme"],
-        # The schedule has the host optimizer's time in it, idle start included; every other resource it
-        # leaves out (host memory, NVMe) or approximates (both PCIe directions at once) bounds it as before.
-        "step_time_s": max(scheduled_s, *(t for r, t in resources.items() if r != "cpu")),
-        "resource_bound_s": max(limits.values()),
+        # The schedule leaves resources out (host memory, NVMe) or approximates them (both PCIe directions
+        # at once, the host optimizer at its busy rate): each one's time bounds the step, so the step is
+        # never shorter than a resource it runs on.
+        "step_time_s": max(scheduled_s, *resources.values()),
+        "resource_bound_s": max(resources.values()),
         "overlap": overlap,
         "binding": binding,
         "critical_batch_size": max(1, critical) if critical is not None else None,
@@ -167,9 +162,9 @@ def scheduled_step_s(
         cost = by_name[name]
         if placement == "streamed" and cost.streamed is cost.host:  # several contributions: host-updated
             placement = "host"
-        if name == "head":
+        if name == shape.names[-1]:  # the head
             forward_s, backward_s = 6 * n * tokens / rate, 0.0
-        elif name == "embedding":
+        elif name == shape.names[0]:  # the embedding
             forward_s = backward_s = 0.0
         else:
             forward_s = 2 * (n + attention) * tokens / rate
@@ -184,13 +179,13 @@ def scheduled_step_s(
                 forward_s=forward_s,
                 backward_s=backward_s,
                 load_bytes=n * load_bytes,
-                grad_bytes=n * d * (2 if name == "embedding" and shape.tied else 1),
+                grad_bytes=n * d * (2 if name == shape.names[0] and shape.tied else 1),
                 update_s=n / host_rate if placement == "host" else gpu_update,
                 stage_bytes=travelling,
                 writeback_bytes=travelling,
                 accumulate_s=n * accumulate_bytes / (bw.host_mem_gbps * 1e9),
-                is_block=name.startswith("block."),
-                loads_in_backward=name.startswith("block."),
+                is_block=name in shape.block_names,
+                loads_in_backward=name in shape.block_names,
             )
         )
     rates = ScheduleRates(

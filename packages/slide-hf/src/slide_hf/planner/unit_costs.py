@@ -93,9 +93,10 @@ def _named_loads(shape: ModelShape, inputs: PlanInputs) -> dict[str, float]:
     from slide_hf.planner.timing import _block_loads
 
     blocks = shape.num_blocks
-    loads = {"embedding": 1.0}
-    loads.update({f"block.{i}": _block_loads(shape, inputs) / blocks for i in range(blocks)})
-    loads["head"] = 1.0
+    names = shape.names
+    loads = {names[0]: 1.0}
+    loads.update({name: _block_loads(shape, inputs) / blocks for name in names[1:-1]})
+    loads[names[-1]] = 1.0
     return loads
 
 
@@ -120,7 +121,7 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
     loads = _named_loads(shape, inputs)
     costs = []
     for name, n in _named_numels(shape).items():
-        contributions = inputs.grad_accum * (2 if name == "embedding" and shape.tied else 1)
+        contributions = inputs.grad_accum * (2 if name == shape.names[0] and shape.tied else 1)
         travelling = n * (STREAMED_MASTER_BYTES + state_bytes)  # master and moments, one way
         # The GPU update reads the summed gradient, master and moments, writes them and the compute copy.
         gpu_update = n * (d + 8 + 2 * state_bytes + d) / gpu_mem
