@@ -232,7 +232,9 @@ def test_output_disk_prices_every_checkpoint_option() -> None:
     assert checkpoints_at_once(1, False, delete_first=True) == 1
     assert weights_saves(None, 10) == 0 and weights_saves(101, 10) == 10 and weights_saves(100, 0) == 0
     # From the options, as slide train and slide plan call it.
-    cfg = TrainConfig(keep_checkpoints=2, save_best=True, save_delete_first=True, save_weights_every=10, steps=100)
+    cfg = TrainConfig(
+        keep_checkpoints=2, save_best=True, eval_fraction=0.1, save_delete_first=True, save_weights_every=10, steps=100
+    )
     planned = run_output_disk(cfg, numels, [], params=params, export_itemsize=2)
     assert planned == output_disk(
         numels, [], **{**base, "save_best": True}, delete_first=True, save_weights_every=10, total_steps=100
