@@ -163,3 +163,15 @@ def test_overwrite_refuses_a_toml_file_among_slides_files(tmp_path: Path, finish
     line = _error(capsys)
     assert f"--config {toml} is in {run}" in line and "--overwrite" in line, line
     assert _hashes(run) == before
+
+
+def test_export_into_the_runs_model_keeps_the_users_files(tmp_path: Path, finished_run: Path) -> None:
+    """`slide export RUN RUN/model --overwrite` replaces the folder whole, as the run's own export does:
+    the user's files in it come through, and the new model's files are slide's in the record."""
+    run = _copy(finished_run, tmp_path / "run")
+    (run / "model" / "README.md").write_text("the user's model card")
+    assert main(["export", str(run), str(run / "model"), "--overwrite"]) == 0
+    assert (run / "model" / "README.md").read_text() == "the user's model card"
+    assert not list(run.glob(".model.keep-*"))
+    recorded = read_record(run)
+    assert recorded is not None and "model/config.json" in recorded and "model/README.md" not in recorded

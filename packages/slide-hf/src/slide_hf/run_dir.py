@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING
 
 from slide_core.checkpoint import list_checkpoints
 from slide_hf.errors import UserError
-from slide_hf.run_files import RECORD_FILE, RunFiles, overwrite_plan, remove_for_overwrite, restore_kept
+from slide_hf.run_files import (
+    RECORD_FILE,
+    RunFiles,
+    overwrite_plan,
+    read_record,
+    remove_for_overwrite,
+    restore_kept,
+)
 from slide_hf.spelling import option
 
 if TYPE_CHECKING:
@@ -48,6 +55,7 @@ __all__ = [
     "check_overwrite_inputs",
     "clean_if_idle",
     "default_output",
+    "exporting_into",
     "inputs_of",
     "locked",
     "run_of",
@@ -170,6 +178,23 @@ def locked(directory: Path, what: str = "run directory") -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+@contextlib.contextmanager
+def exporting_into(run: Path, out: Path) -> Iterator[None]:
+    """Hold run directory ``run`` (:func:`locked`) while `slide export` writes ``out`` inside it. When
+    ``out`` is the run's ``model/``, which the export replaces whole, the user's files in it move aside and
+    back (slide_hf/run_files.py), and the new model's files join the run's record of slide's files."""
+    with locked(run):
+        if out.resolve() != (run / "model").resolve():
+            yield
+            return
+        recorded = read_record(run) is not None
+        files = RunFiles.claim(run, resuming=True) if recorded else RunFiles(run, frozenset(), frozenset())
+        with files.keeping_users_entries("model"):
+            yield
+        if recorded:
+            files.record()
 
 
 def clean_if_idle(directory: Path) -> None:

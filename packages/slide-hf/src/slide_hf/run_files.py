@@ -179,9 +179,11 @@ class RunFiles:
         return claimed
 
     def record(self, *, force: bool = False) -> None:
-        """Add every file slide wrote under its paths since the last record, drop the recorded files that
-        are gone (pruned checkpoints, a replaced model), and rewrite the record when it changed."""
-        found = set()
+        """Add every file slide wrote under its paths since the last record, drop the recorded files whose
+        folder is gone (a pruned checkpoint), and rewrite the record when it changed. A file missing from a
+        folder that is still there stays listed: the record does not follow damage, and a resume refused
+        for a missing file leaves the record as it was."""
+        found = {relative for relative in self.files if (self.root / relative).parent.is_dir()}
         for path in _written_files(self.root):
             relative = path.relative_to(self.root).as_posix()
             identity = _identity(path)

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from slide_hf import build_model, load_config
     from slide_hf.errors import UserError
     from slide_hf.resume import corrupt_message, damaged_newest
-    from slide_hf.run_dir import clean_if_idle, locked, run_of
+    from slide_hf.run_dir import clean_if_idle, exporting_into, run_of
     from slide_hf.run_export import export_model
 
     if args.output is None:  # push the run's own model: `slide train --push-to-hub`'s retry
@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is None:
         log.warning("%s has no tokenizer/: the export carries no tokenizer files", run_dir)
     inside_run = out.resolve().is_relative_to(run_dir.resolve())
-    with locked(run_dir) if inside_run else contextlib.nullcontext():  # writing into a run: not while it runs
+    # Writing into a run: not while it runs, and the user's files in its model/ stay.
+    with exporting_into(run_dir, out) if inside_run else contextlib.nullcontext():
         export_model(model, host, config, out, dtype=dtype, tokenizer_dir=tokenizer, overwrite=args.overwrite)
     print(f"exported step {state['step']} of {checkpoint} to {out}")
     if args.push_to_hub:
