@@ -196,16 +196,15 @@ def _output_disk(model: Any, cfg: TrainConfig) -> Any:
 
     from slide_core.optim.state_formats import state_arrays
     from slide_hf.export import resolve_dtype
-    from slide_hf.planner.output_disk import output_disk
+    from slide_hf.planner.output_disk import run_output_disk
 
     export_dtype = resolve_dtype(None if cfg.save_dtype == "auto" else cfg.save_dtype.value, model.config)
-    return output_disk(
+    return run_output_disk(  # the checkpoint options as `slide train` prices them (recipe.py)
+        cfg,
         [unit.layout.numel for unit in model.units],
         state_arrays(cfg.optimizer_state.value),
         params=sum(unit.layout.param_numel for unit in model.units),
         export_itemsize=torch.empty((), dtype=export_dtype).element_size(),
-        keep_checkpoints=cfg.keep_checkpoints,
-        save_best=cfg.save_best,
     )
 
 
