@@ -59,21 +59,46 @@ class ModelFilesError(FileNotFoundError, ValueError):
 def load_config(model_dir: str | os.PathLike[str]) -> PreTrainedConfig:
     """The HF config of a local model directory (no network).
 
-    Raises :class:`ModelFilesError` for a missing directory or ``config.json`` and ``ValueError`` for a
-    config transformers cannot read, each with a one-line message.
+    Raises :class:`ModelFilesError` for a missing directory or ``config.json``,
+    :class:`~slide_hf.config_fields.ConfigFieldError` for a size no model can have (slide_hf/config_fields.py)
+    and ``ValueError`` for a config transformers cannot read, each with a one-line message.
     """
     path = Path(model_dir).expanduser()
     if not path.is_dir():
         raise ModelFilesError(f"model directory {path} does not exist")
     if not (path / "config.json").is_file():
         raise ModelFilesError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    _check_sizes(path / "config.json")
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:  # a garbled file, a wrong type
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except (ValueError, OSError, KeyError, TypeError, AttributeError, _StrictError) as exc:  # garbled, wrong type
+        cause = exc.__cause__ if isinstance(exc, _StrictError) and exc.__cause__ is not None else exc
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         raise ValueError(f"cannot read {path / 'config.json'}: {first}") from exc
+
+
+try:  # transformers' configs are strict dataclasses: a field of the wrong type fails in huggingface_hub
+    from huggingface_hub.errors import StrictDataclassError as _StrictError
+except ImportError:  # an older huggingface_hub: its configs raise ValueError and TypeError only
+
+    class _StrictError(Exception):  # type: ignore[no-redef]
+        """Never raised."""
+
+
+def _check_sizes(config_file: Path) -> None:
+    """The sizes in ``config_file`` by :func:`~slide_hf.config_fields.check_config_fields` (one line naming
+    the file and the field), before transformers builds a config from them; a file that is not a JSON
+    object is left to transformers' own error."""
+    from slide_hf.config_fields import check_config_fields
+
+    try:
+        values = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if isinstance(values, dict):
+        check_config_fields(values, config_file)
 
 
 def load_weights(model: SlideModel, host_params: HostParameters, model_dir: str | os.PathLike[str]) -> None:
