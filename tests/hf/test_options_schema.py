@@ -84,7 +84,9 @@ def test_every_run_option_is_a_toml_key_and_an_api_keyword(item, tmp_path):
     assert item.name in toml_options(config)
     if item.name == "resume":
         return  # a keyword that reads a saved run; its spelling is the field's like the others
-    companion = {"lr_schedule": "wsd"} if item.name in ("decay_fraction", "decay_shape") else {}  # wsd's alone
+    schedule_of = {"decay_fraction": "wsd", "decay_shape": "wsd", "lr_cycles": "cosine_with_restarts"}
+    schedule_of |= {"lr_power": "polynomial", "lr_end": "polynomial", "lr_timescale": "inverse_sqrt"}
+    companion = {"lr_schedule": schedule_of[item.name]} if item.name in schedule_of else {}  # one schedule's alone
     cfg = train_config(**{item.name: item.default}, **companion)
     assert getattr(cfg, item.name) == item.normalised(item.default)
 

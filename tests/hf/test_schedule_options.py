@@ -58,9 +58,10 @@ def test_inverse_sqrt_with_a_timescale(slide, tmp_path):
             ["--lr-cycles", "3"],
             "--lr-cycles 3 shapes --lr-schedule cosine_with_restarts only, and the schedule is linear",
         ),
-        (["--lr-schedule", "cosine", "--lr-power", "2"], "--lr-power 2 shapes --lr-schedule polynomial only"),
-        (["--lr-end", "0"], "--lr-end 0 shapes --lr-schedule polynomial only"),
+        (["--lr-schedule", "cosine", "--lr-power", "2"], "--lr-power 2.0 shapes --lr-schedule polynomial only"),
+        (["--lr-end", "0"], "--lr-end 0.0 shapes --lr-schedule polynomial only"),
         (["--lr-timescale", "10"], "--lr-timescale 10 shapes --lr-schedule inverse_sqrt only"),
+        (["--lr-cycles", "1"], "--lr-cycles 1 shapes --lr-schedule cosine_with_restarts only"),  # at its default
         (["--lr-schedule", "polynomial", "--lr-power", "0"], "--lr-power must be a finite number > 0, got 0.0"),
         (
             ["--lr-schedule", "cosine_with_restarts", "--lr-cycles", "0"],

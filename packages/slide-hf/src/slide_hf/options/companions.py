@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from slide_hf.errors import UserError
+from slide_hf.options.schema import declared
+from slide_hf.options.sources import data_sources
 from slide_hf.spelling import option
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ class Companion:
         than its default, or with ``given`` (the names the user wrote), by being written (at its default
         too where :attr:`default_asks`)."""
         value = getattr(cfg, self.name)
-        changed = value != _default(self.name)
+        changed = value != _default(cfg, self.name)
         written = given is not None and self.name in given and value is not None  # None: "not given"
         asked = changed if given is None else written and (changed or self.default_asks)
         if asked and not self.used(cfg):
@@ -65,10 +67,10 @@ class Companion:
             self.check(cfg)
 
 
-def _default(name: str) -> Any:
-    from slide_hf.options.config import train_options
-
-    return next(item.default for item in train_options() if item.name == name)
+def _default(cfg: TrainConfig, name: str) -> Any:
+    """The declared default of ``cfg``'s option ``name`` (read from the config's class, so this module needs
+    no import of config.py, which imports the rules that import it)."""
+    return next(item.default for item in declared(type(cfg)) if item.name == name)
 
 
 def _setting(name: str, value: Any) -> str:
@@ -93,15 +95,37 @@ def _wsd_only(name: str) -> Companion:
     )
 
 
-def _sources(cfg: TrainConfig) -> int:
-    from slide_hf.options.config import data_sources
+def _schedule_only(name: str, schedule: str) -> Companion:
+    """An option that shapes one lr schedule alone (``--lr-cycles`` for cosine_with_restarts)."""
+    return Companion(
+        name,
+        ("lr_schedule",),
+        lambda cfg: cfg.lr_schedule == schedule,
+        lambda cfg: (
+            f"shapes {option('lr_schedule', schedule)} only, and the schedule is {cfg.lr_schedule.value}; give "
+            f"{option('lr_schedule', schedule)} or leave {option(name)} out"
+        ),
+    )
 
+
+def _sources(cfg: TrainConfig) -> int:
     return len(data_sources(cfg))
 
 
 COMPANIONS: tuple[Companion, ...] = (
     _wsd_only("decay_fraction"),
     _wsd_only("decay_shape"),
+    _schedule_only("lr_cycles", "cosine_with_restarts"),
+    _schedule_only("lr_power", "polynomial"),
+    _schedule_only("lr_end", "polynomial"),
+    _schedule_only("lr_timescale", "inverse_sqrt"),
+    Companion(
+        "hub_private",
+        ("push_to_hub",),
+        lambda cfg: cfg.push_to_hub is not None,
+        lambda cfg: f"applies to the repository of {option('push_to_hub', 'REPO')}; give it",
+        default_asks=False,
+    ),
     Companion(
         "allow_data_change",
         ("resume",),

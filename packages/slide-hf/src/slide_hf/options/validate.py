@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from slide_hf.errors import UserError
 from slide_hf.options.companions import COMPANIONS
-from slide_hf.options.schema import Command
+from slide_hf.options.schema import Command, declared
 from slide_hf.spelling import option
 
 if TYPE_CHECKING:
@@ -84,33 +84,11 @@ def _one_warmup(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-def _shape_of(name: str, schedule: str) -> Callable[[TrainConfig, int], None]:
-    """An option that shapes one lr schedule only: refused beside another schedule, where it would change
-    nothing (the HF Trainer ignores it there; a user who wrote it expects it to act)."""
-
-    def check(cfg: TrainConfig, world_size: int) -> None:
-        value = getattr(cfg, name)
-        if value != type(cfg).__dataclass_fields__[name].default and cfg.lr_schedule != schedule:
-            raise UserError(
-                f"{option(name, f'{value:g}')} shapes {option('lr_schedule', schedule)} only, and the schedule is "
-                f"{cfg.lr_schedule.value}; give {option('lr_schedule', schedule)} or leave {option(name)} out"
-            )
-
-    return check
-
-
 def _end_below_peak(cfg: TrainConfig, world_size: int) -> None:
     if cfg.lr_schedule == "polynomial" and cfg.lr is not None and not cfg.lr_end < cfg.lr:
         raise UserError(
             f"{option('lr_end', f'{cfg.lr_end:g}')} must be below {option('lr', f'{cfg.lr:g}')}: polynomial "
             "decays from --lr down to it"
-        )
-
-
-def _private_needs_a_push(cfg: TrainConfig, world_size: int) -> None:
-    if cfg.hub_private and cfg.push_to_hub is None:
-        raise UserError(
-            f"{option('hub_private')} applies to the repository of {option('push_to_hub', 'REPO')}; give it"
         )
 
 
@@ -171,12 +149,7 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule(("save_best", "eval_data", "eval_fraction"), _best_needs_eval),
     CrossRule(("min_lr_ratio", "lr_schedule"), _floor_needs_a_decay),
     CrossRule(("warmup_steps", "warmup_ratio"), _one_warmup),
-    CrossRule(("lr_cycles", "lr_schedule"), _shape_of("lr_cycles", "cosine_with_restarts")),
-    CrossRule(("lr_power", "lr_schedule"), _shape_of("lr_power", "polynomial")),
-    CrossRule(("lr_end", "lr_schedule"), _shape_of("lr_end", "polynomial")),
-    CrossRule(("lr_timescale", "lr_schedule"), _shape_of("lr_timescale", "inverse_sqrt")),
     CrossRule(("lr_end", "lr", "lr_schedule"), _end_below_peak),
-    CrossRule(("hub_private", "push_to_hub"), _private_needs_a_push),
     # Options that act only beside another (--decay-fraction beside --lr-schedule wsd): options/companions.py
     *(CrossRule(companion.options, companion.rule) for companion in COMPANIONS),
     CrossRule(("master", "dtype"), _split_master_needs_bf16),
@@ -199,9 +172,7 @@ CROSS_RULES: tuple[CrossRule, ...] = (
 def validate(cfg: TrainConfig, world_size: int = 1, command: Command = "train") -> None:
     """Refuse, in one line, a combination of ``cfg``'s options that a run of ``world_size`` processes
     cannot do; only the rules over options ``command`` takes apply."""
-    from slide_hf.options.config import train_options
-
-    taken = {item.name for item in train_options() if item.takes(command)}
+    taken = {item.name for item in declared(type(cfg)) if item.takes(command)}
     for rule in CROSS_RULES:
         if taken.issuperset(rule.options):
             rule.check(cfg, world_size)
