@@ -28,18 +28,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from slide_hf.data.options import IGNORE
 from slide_hf.data.readers import first_line
 from slide_hf.data.rendered_spans import (
     ReplyNotFound,
     TurnMarkers,
     dropped_reasoning,
-    labels_in_spans,
+    label_array,
     locate_replies,
     turn_markers,
 )
 from slide_hf.data.schemas import ChatExample
 from slide_hf.data.templates import BUNDLED_TEMPLATES, ChatTemplate
+from slide_hf.data.token_runs import TokenRun, tokenize
 from slide_hf.errors import UserError
 from slide_hf.spelling import option
 
@@ -47,17 +50,28 @@ __all__ = ["ChatEncoder", "ChatEncoding"]
 
 log = logging.getLogger("slide.data")
 
-Encoded = tuple[list[int], list[int]]
+Encoded = tuple[np.ndarray, np.ndarray]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ChatEncoding:
-    """One conversation's token ids and labels, and how many of its assistant messages carry reasoning the
-    template left out of the render (untrained, and reported)."""
+    """One conversation's token ids and labels (int32 arrays), and how many of its assistant messages carry
+    reasoning the template left out of the render (untrained, and reported)."""
 
-    input_ids: list[int]
-    labels: list[int]
+    input_ids: np.ndarray
+    labels: np.ndarray
     dropped_reasoning: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ChatEncoding):
+            return NotImplemented
+        return (
+            np.array_equal(self.input_ids, other.input_ids)
+            and np.array_equal(self.labels, other.labels)
+            and self.dropped_reasoning == other.dropped_reasoning
+        )
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class _PrefixBroken(Exception):
@@ -90,8 +104,7 @@ class ChatEncoder:
         conversations = [example.messages for example in batch]
         texts = self._render(batch, conversations, generation_prompt=False)
         if self.train_on_inputs:
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-            pairs: list[Encoded] = [(list(row), list(row)) for row in ids]
+            pairs: list[Encoded] = [(run.ids, run.ids) for run in tokenize(self.tokenizer, texts)]
         elif self.template.marked:
             pairs = self._marked(batch)
         elif self.final_render:
@@ -132,25 +145,25 @@ class ChatEncoder:
     # ---- generation markers -------------------------------------------------------------------------------
 
     def _marked(self, batch: Sequence[ChatExample]) -> list[Encoded]:
+        """The template's ``{% generation %}`` blocks as character spans of the render, mapped to tokens by
+        their offsets: a token is trained when it starts inside a block (as for the final render)."""
         if not getattr(self.tokenizer, "is_fast", False):
             raise UserError(f"{self.template.name} marks turns with {{% generation %}}, which needs a fast tokenizer")
+        from transformers.utils.chat_template_utils import render_jinja_template
+
         conversations = [example.messages for example in batch]
         try:
-            out = self.tokenizer.apply_chat_template(
-                conversations,
+            texts, blocks = render_jinja_template(
+                conversations=conversations,
                 chat_template=self.template.text,
-                tokenize=True,
-                return_dict=True,
                 return_assistant_tokens_mask=True,
+                **self.tokenizer.special_tokens_map,
             )
         except Exception:
             self._name_failure(batch, generation_prompt=False)
             raise
-        encoded = []
-        for ids, mask in zip(out["input_ids"], out["assistant_masks"], strict=True):
-            labels = [token if marked else IGNORE for token, marked in zip(ids, mask, strict=True)]
-            encoded.append((list(ids), labels))
-        return encoded
+        runs = tokenize(self.tokenizer, texts, offsets=True)
+        return [(run.ids, label_array(run.ids, _starts(run), spans)) for run, spans in zip(runs, blocks, strict=True)]
 
     # ---- verified prefix renders ----------------------------------------------------------------------------
 
@@ -172,16 +185,19 @@ class ChatEncoder:
                         "conversation)",
                     )
                 texts.extend((start, end))
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids = self._token_ids(texts)
         encoded = []
         cursor = len(batch)
         for row, (example, indices) in enumerate(zip(batch, turns, strict=True)):
-            full_ids = list(ids[row])
-            labels = [IGNORE] * len(full_ids)
+            full_ids = ids[row]
+            labels = np.full(len(full_ids), IGNORE, dtype=np.int32)
             for index in indices:
                 start_ids, end_ids = ids[cursor], ids[cursor + 1]
                 cursor += 2
-                if full_ids[: len(end_ids)] != list(end_ids) or list(end_ids[: len(start_ids)]) != list(start_ids):
+                if not (
+                    np.array_equal(full_ids[: len(end_ids)], end_ids)
+                    and np.array_equal(end_ids[: len(start_ids)], start_ids)
+                ):
                     raise _PrefixBroken(
                         example.where,
                         f"renders turn {index + 1} to text whose tokens differ from the same text inside the full "
@@ -190,6 +206,15 @@ class ChatEncoder:
                 labels[len(start_ids) : len(end_ids)] = full_ids[len(start_ids) : len(end_ids)]
             encoded.append((full_ids, labels))
         return encoded
+
+    def _token_ids(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's ids, tokenizing each distinct text once: the render through the last reply is most
+        often the whole conversation, which for a long one is most of the work."""
+        distinct: dict[str, int] = {}
+        for text in texts:
+            distinct.setdefault(text, len(distinct))
+        runs = tokenize(self.tokenizer, list(distinct))
+        return [runs[distinct[text]].ids for text in texts]
 
     def _render_parts(
         self, batch: Sequence[ChatExample], turns: list[list[int]], cut: Any, *, generation_prompt: bool
@@ -232,7 +257,7 @@ class ChatEncoder:
             batch, turns, lambda messages, index: messages[: index + 1], generation_prompt=False
         )
         specials = [str(token) for token in self.tokenizer.all_special_tokens]
-        tokens = self.tokenizer(list(fulls), add_special_tokens=False, return_offsets_mapping=True)
+        runs = tokenize(self.tokenizer, list(fulls), offsets=True)
         encoded = []
         for row, example in enumerate(batch):
             markers: dict[int, TurnMarkers | None] = {
@@ -254,8 +279,8 @@ class ChatEncoder:
                     f"conversation ({missing.reason}); {self.template.name} loses it: pass {option('chat_template')} FILE "
                     f"with {{% generation %}} markers, or a bundled one ({names})"
                 ) from None
-            ids = list(tokens["input_ids"][row])
-            encoded.append((ids, labels_in_spans(ids, tokens["offset_mapping"][row], spans)))
+            run = runs[row]
+            encoded.append((run.ids, label_array(run.ids, _starts(run), spans)))
         return encoded
 
     # ---- rendering -----------------------------------------------------------------------------------------
@@ -283,6 +308,11 @@ class ChatEncoder:
                 raise UserError(
                     f"{example.where}: {self.template.name} refused this conversation: {first_line(error)}"
                 ) from None
+
+
+def _starts(run: TokenRun) -> np.ndarray:
+    assert run.starts is not None  # tokenized with offsets
+    return run.starts
 
 
 def _assistant_turns(batch: Sequence[ChatExample]) -> list[list[int]]:

@@ -27,12 +27,13 @@ from slide_hf.data.chat import ChatEncoder, ChatEncoding
 from slide_hf.data.options import IGNORE, DataOptions
 from slide_hf.data.schemas import ChatExample, Example, PromptExample, TextExample, TokenExample
 from slide_hf.data.templates import ChatTemplate
+from slide_hf.data.token_runs import tokenize
 from slide_hf.errors import UserError
 from slide_hf.spelling import option
 
 __all__ = ["Document", "EncodedRecord", "Encoder"]
 
-Pair = tuple[list[int], list[int]]  # token ids and their labels, before cutting into documents
+Pair = tuple[np.ndarray | list[int], np.ndarray | list[int]]  # token ids and labels, before cutting into documents
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class Encoder:
         self.batch_size = batch_size
         self.chat = ChatEncoder(tokenizer, template, train_on_inputs=options.train_on_inputs) if template else None
         self.eos = tokenizer.eos_token_id
+        self._ends: tuple[np.ndarray, np.ndarray] | None = None  # see _special_ends
+        self._ends_found = False
 
     def encode(self, examples: Iterable[Example]) -> Iterator[EncodedRecord]:
         batch: list[Example] = []
@@ -111,12 +114,33 @@ class Encoder:
             yield self._documents(first_index + i, example, *pairs[i], dropped_reasoning=dropped.get(i, 0))
 
     def _texts(self, texts: list[TextExample]) -> list[Pair]:
-        encoded = self.tokenizer([ex.text for ex in texts], add_special_tokens=True)["input_ids"]
-        pairs = []
-        for ids in encoded:
-            ids = [*ids, self.eos] if self.eos is not None else list(ids)
-            pairs.append((ids, list(ids)))
+        eos = np.asarray([] if self.eos is None else [self.eos], dtype=np.int32)
+        ends = self._special_ends()
+        if ends is None:  # specials that do not simply surround a text: one call, as the tokenizer does it
+            encoded = self.tokenizer([ex.text for ex in texts], add_special_tokens=True)["input_ids"]
+            runs = [np.asarray(row, dtype=np.int32) for row in encoded]
+            return [(ids, ids) for ids in (np.concatenate([row, eos]) for row in runs)]
+        head, tail = ends
+        pairs: list[Pair] = []
+        for run in tokenize(self.tokenizer, [ex.text for ex in texts]):
+            ids = np.concatenate([head, run.ids, tail, eos])
+            pairs.append((ids, ids))  # _documents copies the labels it changes
         return pairs
+
+    def _special_ends(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The ids ``add_special_tokens=True`` puts before and after one text (a BOS, say), found by
+        tokenizing a probe with and without them, so long texts can be tokenized in pieces without them;
+        None when the probe's bare tokens are not inside its tokens with specials."""
+        if not self._ends_found:
+            probe = "Hello world"
+            bare = list(self.tokenizer(probe, add_special_tokens=False)["input_ids"])
+            full = list(self.tokenizer(probe, add_special_tokens=True)["input_ids"])
+            at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), None)
+            if at is not None:
+                head, tail = full[:at], full[at + len(bare) :]
+                self._ends = (np.asarray(head, dtype=np.int32), np.asarray(tail, dtype=np.int32))
+            self._ends_found = True
+        return self._ends
 
     def _chats(self, examples: list[ChatExample | PromptExample]) -> list[ChatEncoding]:
         if self.chat is None:
@@ -136,18 +160,35 @@ class Encoder:
         return self.chat.encode(conversations)
 
     def _plain_prompts(self, prompts: list[PromptExample]) -> list[Pair]:
-        heads = self.tokenizer([ex.prompt for ex in prompts], add_special_tokens=True)["input_ids"]
-        tails = self.tokenizer([ex.completion for ex in prompts], add_special_tokens=False)["input_ids"]
-        pairs = []
-        for head, tail in zip(heads, tails, strict=True):
-            tail = [*tail, self.eos] if self.eos is not None else list(tail)
-            ids = [*head, *tail]
-            labels = ids if self.options.train_on_inputs else [IGNORE] * len(head) + tail
-            pairs.append((ids, list(labels)))
+        ends = self._special_ends()
+        if ends is None:
+            heads_ids = self.tokenizer([ex.prompt for ex in prompts], add_special_tokens=True)["input_ids"]
+            before, after = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+            head_runs = [np.asarray(row, dtype=np.int32) for row in heads_ids]
+        else:
+            before, after = ends
+            head_runs = [run.ids for run in tokenize(self.tokenizer, [ex.prompt for ex in prompts])]
+        eos = np.asarray([] if self.eos is None else [self.eos], dtype=np.int32)
+        tails = tokenize(self.tokenizer, [ex.completion for ex in prompts])
+        pairs: list[Pair] = []
+        for head_ids, tail_run in zip(head_runs, tails, strict=True):
+            head = np.concatenate([before, head_ids, after])
+            tail = np.concatenate([tail_run.ids, eos])
+            ids = np.concatenate([head, tail])
+            if self.options.train_on_inputs:
+                pairs.append((ids, ids))
+            else:
+                pairs.append((ids, np.concatenate([np.full(len(head), IGNORE, dtype=np.int32), tail])))
         return pairs
 
     def _documents(
-        self, index: int, example: Example, ids: list[int], labels: list[int], *, dropped_reasoning: int = 0
+        self,
+        index: int,
+        example: Example,
+        ids: np.ndarray | list[int],
+        labels: np.ndarray | list[int],
+        *,
+        dropped_reasoning: int = 0,
     ) -> EncodedRecord:
         seq_len = self.options.seq_len
         ids_array = np.asarray(ids, dtype=np.int32)

@@ -1,0 +1,158 @@
+"""Hostile data: one enormous record, system messages a template refuses, and reasoning kept on every turn.
+
+A single multi-megabyte record must cost time and memory in proportion to its size: every tokenizer call
+sees a bounded piece of it (``slide_hf.data.token_runs``), and the pieces' tokens are the whole text's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_data_tokenizer import QWEN3, chat_tokenizer
+
+from slide_hf.data import DataOptions, bundled_text_path
+from slide_hf.data.chat import ChatEncoder
+from slide_hf.data.encode import Encoder
+from slide_hf.data.schemas import ChatExample, TextExample
+from slide_hf.data.templates import resolve_template
+from slide_hf.data.token_runs import LONG_CHARS, tokenize
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _long_text(chars: int) -> str:
+    corpus = bundled_text_path().read_text(encoding="utf-8")
+    return (corpus * (chars // len(corpus) + 1))[:chars]
+
+
+class _Spy:
+    """Wraps a tokenizer's ``__call__`` to record the longest text any call was given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.longest = 0
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, text, **kwargs):
+        texts = [text] if isinstance(text, str) else text
+        self.longest = max([self.longest, *(len(t) for t in texts)])
+        return self.tokenizer(text, **kwargs)
+
+
+def test_a_long_text_is_tokenized_in_bounded_calls_to_the_same_tokens():
+    tok = chat_tokenizer(QWEN3)
+    text = _long_text(900_000)
+    whole = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    spy = _Spy(tok)
+    (run,) = tokenize(spy, [text], offsets=True)
+    assert spy.longest <= LONG_CHARS
+    assert run.ids.tolist() == whole["input_ids"]
+    assert run.starts is not None and run.starts.tolist() == [begin for begin, _ in whole["offset_mapping"]]
+
+
+def test_a_tokenizer_that_no_cut_suits_tokenizes_the_text_whole():
+    """A normalizer that prepends a marker to every call changes the tokens at every cut: the checks
+    refuse each cut, and the text is tokenized in one call, as before (same tokens, never wrong ones)."""
+    from tokenizers import normalizers
+
+    tok = chat_tokenizer(QWEN3)
+    tok.backend_tokenizer.normalizer = normalizers.Prepend("#")
+    text = _long_text(300_000)
+    spy = _Spy(tok)
+    (run,) = tokenize(spy, [text])
+    assert run.ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    assert spy.longest == len(text)
+
+
+def test_text_record_through_the_encoder_calls_the_tokenizer_on_pieces_only():
+    tok = chat_tokenizer(QWEN3)
+    text = _long_text(700_000)
+    spy = _Spy(tok)
+    encoder = Encoder(spy, DataOptions(seq_len=512), None)
+    (record,) = encoder.encode([TextExample("t:1", text)])
+    assert spy.longest <= LONG_CHARS
+    ids = np.concatenate([document.input_ids for document in record.documents]).tolist()
+    assert ids == [*tok(text, add_special_tokens=True)["input_ids"], tok.eos_token_id]
+    assert record.cut == "split"
+
+
+@pytest.mark.parametrize("method", ["prefix", "marked", "final render"])
+def test_a_long_conversation_is_masked_alike_by_every_method_in_bounded_calls(method):
+    """One enormous reply: the prefix method (Qwen3's own template, one turn), its marked twin, and the final
+    render (an edited copy with no twin) give the same ids and labels, and no tokenizer call sees it all."""
+    template = {"prefix": QWEN3, "marked": QWEN3, "final render": "{#- edited #}" + QWEN3}[method]
+    tok = chat_tokenizer(template, name="my-org/qwen3")
+    reply = _long_text(600_000)
+    messages = [{"role": "user", "content": "Tell me everything."}, {"role": "assistant", "content": reply}]
+    reference = ChatEncoder(tok, resolve_template(tok, "qwen3"), train_on_inputs=False)
+    spy = _Spy(tok)
+    encoder = ChatEncoder(spy, resolve_template(tok, "qwen3" if method == "marked" else None), train_on_inputs=False)
+    if method == "final render":
+        encoder.final_render = True
+    (encoded,) = encoder.encode([ChatExample("c:1", messages)])
+    assert spy.longest <= LONG_CHARS
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    assert encoded.input_ids.tolist() == tok(rendered, add_special_tokens=False)["input_ids"]
+    trained = encoded.labels[encoded.labels != -100]
+    assert tok.decode(trained.tolist()).startswith("<think>\n\n</think>\n\n" + reply[:100])
+    assert encoded == reference.encode([ChatExample("c:1", messages)])[0]
+
+
+_MEASURE = textwrap.dedent(
+    """
+    import json, resource, sys, time
+    from slide_hf.cli.main import main
+    main(["data", "--data", sys.argv[1] + ".missing.jsonl", "--show", "0"])  # imports done: time the data
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.monotonic()
+    code = main(["data", "--data", sys.argv[1], "--show", "0", "--max-record-size", "64MiB", "--seq-len", "256"])
+    seconds = time.monotonic() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"code": code, "seconds": seconds, "growth": peak - before}), file=sys.stderr)
+    """
+)
+
+
+def _measure(path: Path) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(path)], capture_output=True, text=True, timeout=600, cwd=REPO
+    )
+    return json.loads(done.stderr.strip().splitlines()[-1])
+
+
+def _record(tmp_path: Path, kind: str, megabytes: int) -> Path:
+    body = "word " * (megabytes * 200_000)
+    if kind == "text":
+        record: dict = {"text": body}
+    else:
+        record = {"messages": [{"role": "user", "content": "Repeat a word."}, {"role": "assistant", "content": body}]}
+    path = tmp_path / f"{kind}-{megabytes}.jsonl"
+    path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_one_huge_text_record_costs_time_and_memory_in_proportion(tmp_path):
+    """`slide data` on one 2 MB and one 8 MB text (`--max-record-size 64MiB`): one whole-record tokenizer
+    call held ~200 bytes of memory per byte of record (10 GB for 50 MB) and grew faster than the record;
+    in pieces the time grows about linearly and the memory stays a small multiple of the record."""
+    small, large = (_measure(_record(tmp_path, "text", megabytes)) for megabytes in (2, 8))
+    assert small["code"] == large["code"] == 0, (small, large)
+    assert large["seconds"] / small["seconds"] < 8, (small, large)  # 4 times the bytes; 16 if quadratic
+    assert large["growth"] < 40 * 8_000_000, (small, large)  # bytes per byte of record, ids and labels included
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_huge_reply_costs_memory_in_proportion(tmp_path):
+    result = _measure(_record(tmp_path, "messages", 8))
+    assert result["code"] == 0 and result["growth"] < 40 * 8_000_000, result
