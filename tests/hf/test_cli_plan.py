@@ -22,7 +22,9 @@ def _fused_loss_installed(monkeypatch) -> None:
 
 
 def test_plan_tiny_llama_table(slide):
-    status, out, err = slide("plan", "--model", "tiny-llama", "--batch-size", "2", "--seq-len", "256")
+    # --gpu-memory: a plan for a GPU on any machine (a CPU-device plan has no GPU breakdown)
+    argv = ("plan", "--model", "tiny-llama", "--batch-size", "2", "--seq-len", "256", "--gpu-memory", "700MiB")
+    status, out, err = slide(*argv)
     assert status == 0, err
     for label in ("GPU peak", "block slots", "host peak", "master fp32", "disk", "params", "max batch"):
         assert label in out
