@@ -20,6 +20,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slide_hf.data.options import SystemMessage
 from slide_hf.defaults import DEFAULT_SEQ_LEN, DEMO_SEQ_LEN
 from slide_hf.errors import UserError
 from slide_hf.options.rules import FP32_TINY, INT_MAX, Rule, positive_int
@@ -41,6 +42,7 @@ from slide_hf.options.schema import (
     declared,
     option,
 )
+from slide_hf.options.sources import data_sources
 from slide_hf.spelling import option as spelled
 
 if TYPE_CHECKING:
@@ -154,9 +156,7 @@ class TrainConfig:
         None,
         help="compute dtype (default: bfloat16 on a GPU and on a CPU with native bfloat16, else float32; bf16 and "
         "fp32 are accepted too)",
-        helps={"plan": "compute dtype (default {default}; bf16 and fp32 are accepted too)"},
         commands=_TRAIN_PLAN,
-        defaults={"plan": DType.BFLOAT16},
         choices=DType,
         aliases=DTYPE_ALIASES,
         engine=EngineField("compute_dtype", _torch_dtype),
@@ -184,6 +184,20 @@ class TrainConfig:
         help="chat template file (.jinja) or a bundled name, instead of the tokenizer's",
         commands=_TRAIN_DATA,
         metavar="FILE|NAME",
+    )
+    keep_reasoning: bool = option(
+        False,
+        help="train every reply's reasoning: Qwen3's template keeps only the replies' after the last user query "
+        "(as at inference); this renders each reply's <think> block, as TRL's Qwen3 training template",
+        commands=_TRAIN_DATA,
+        action="store_true",
+    )
+    system_message: SystemMessage = option(
+        SystemMessage.FOLD,
+        help="when the chat template refuses a system message (Gemma's): fold it into the first user turn, "
+        "or refuse the conversation (default {default})",
+        commands=_TRAIN_DATA,
+        choices=SystemMessage,
     )
     batch_size: int = option(
         4,
@@ -586,12 +600,6 @@ def _normalise_data(cfg: TrainConfig) -> None:
             f"{spelled('data_weights')} gives {len(parsed)} weight(s) for {len(paths)} {spelled('data')} source(s)"
         )
     object.__setattr__(cfg, "data_weights", tuple(parsed))
-
-
-def data_sources(cfg: TrainConfig) -> tuple[Path, ...]:
-    """The run's ``--data`` sources (empty for the bundled text)."""
-    data = cfg.data
-    return data if isinstance(data, tuple) else () if data is None else (data,)
 
 
 def _split_reporters(text: str) -> tuple[str, ...]:

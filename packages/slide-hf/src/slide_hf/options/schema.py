@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -260,8 +261,9 @@ def _shown(value: Any) -> str:
     return str(value.value) if isinstance(value, enum.Enum) else str(value)
 
 
+@functools.cache
 def declared(cls: type[Any]) -> tuple[Declared, ...]:
-    """Every option ``cls`` declares, in field order."""
+    """Every option ``cls`` declares, in field order (read once per class: a config's fields never change)."""
     hints = typing.get_type_hints(cls)
     return tuple(
         Declared(item.name, item.default, item.metadata[_SPEC], hints[item.name])

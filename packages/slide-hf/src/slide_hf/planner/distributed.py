@@ -35,7 +35,7 @@ from slide_hf.errors import UserError
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import master_bytes
 from slide_hf.planner.plan import Plan
-from slide_hf.planner.timing import _block_loads, h2d_bytes_per_param
+from slide_hf.planner.traffic import block_loads, h2d_bytes_per_param
 from slide_hf.sizes import format_bytes
 
 __all__ = ["DataParallelPlan", "Interconnect", "plan_data_parallel", "render_data_parallel"]
@@ -193,7 +193,7 @@ def _pcie_parts(shape: ModelShape, inputs: PlanInputs) -> tuple[float, float, fl
     d, accum = inputs.compute_dtype_bytes, inputs.grad_accum
     layers = shape.num_blocks
     mean_block = sum(shape.block_numels) / layers if layers else 0.0
-    loads = shape.embedding_numel + shape.head_numel + _block_loads(shape, inputs) * mean_block
+    loads = shape.embedding_numel + shape.head_numel + block_loads(shape, inputs) * mean_block
     stash = layers * inputs.batch_size * inputs.seq_len * shape.activation_width * d * accum
     grad_numel = shape.total_numel + (shape.embedding_numel if shape.tied else 0)
     return h2d_bytes_per_param(inputs.master_format) * loads, float(stash), float(accum * grad_numel * d)

@@ -17,6 +17,7 @@ import torch
 from slide_core.engine.config import EngineConfig
 from slide_core.engine.layout import RunLayout
 from slide_core.optim.adamw_config import AdamWConfig
+from slide_core.optim.state_formats import StateArray, state_arrays
 from slide_core.optimizer import Optimizer
 from slide_core.unit import SlideModel
 from slide_hf.defaults import DEFAULT_SEQ_LEN
@@ -419,6 +420,11 @@ class PlanInputs:
         """Where each unit of the planned run lives and is updated (slide_core's :class:`RunLayout`)."""
         shape = self.shape
         return RunLayout(self.engine_config(), tuple(shape.named_numels.items()), tied=shape.tied)
+
+    def state_arrays(self) -> tuple[StateArray, ...]:
+        """How the run's optimizer stores its state (``Optimizer.state_arrays``): the run's, or the
+        shipped one's for ``optimizer_state``."""
+        return self.optimizer.state_arrays if self.optimizer is not None else state_arrays(self.optimizer_state)
 
     def device_optimizer(self) -> Optimizer:
         """The optimizer that updates device-resident units: the run's ``device_replica``, or, without

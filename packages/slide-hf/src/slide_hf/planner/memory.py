@@ -37,7 +37,7 @@ from slide_core.engine.resident import resident_numel_bytes
 from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.host_params import HostParameters, MasterFormat
 from slide_core.optim.adamw_config import AdamWConfig
-from slide_core.optim.state_formats import StateArray, state_arrays
+from slide_core.optim.state_formats import StateArray
 from slide_core.optimizer import Optimizer
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 
@@ -140,8 +140,8 @@ def _host_optimizer(inputs: PlanInputs) -> Optimizer:
 
 
 def _state_arrays(inputs: PlanInputs) -> tuple[StateArray, ...]:
-    """How the run's optimizer stores its state (``Optimizer.state_arrays``)."""
-    return inputs.optimizer.state_arrays if inputs.optimizer is not None else state_arrays(inputs.optimizer_state)
+    """How the run's optimizer stores its state (:meth:`PlanInputs.state_arrays`)."""
+    return inputs.state_arrays()
 
 
 def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:

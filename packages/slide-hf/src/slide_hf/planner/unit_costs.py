@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import ModelShape, PlanInputs
+from slide_hf.planner.traffic import adam_bytes_per_param, block_loads, h2d_bytes_per_param
 
 __all__ = ["RESOURCES", "UnitCost", "fixed_times", "resource_times", "unit_costs"]
 
@@ -89,13 +90,12 @@ class UnitCost:
 
 def _named_loads(shape: ModelShape, inputs: PlanInputs) -> dict[str, float]:
     """Weight loads per step of each unit: the embedding and head once; a block the mean of the blocks'
-    loads (``timing._block_loads`` over the blocks)."""
-    from slide_hf.planner.timing import _block_loads
+    loads (``traffic.block_loads`` over the blocks)."""
 
     blocks = shape.num_blocks
     names = shape.names
     loads = {names[0]: 1.0}
-    loads.update({name: _block_loads(shape, inputs) / blocks for name in names[1:-1]})
+    loads.update({name: block_loads(shape, inputs) / blocks for name in names[1:-1]})
     loads[names[-1]] = 1.0
     return loads
 
@@ -103,24 +103,22 @@ def _named_loads(shape: ModelShape, inputs: PlanInputs) -> dict[str, float]:
 def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
     """Every unit's terms, in forward order (embedding, blocks, head)."""
     from slide_core.engine.streamed_pipeline import StreamedPipeline
-    from slide_hf.planner.memory import _named_numels, _nvme_names, _state_arrays
-    from slide_hf.planner.timing import _adam_bytes_per_param, h2d_bytes_per_param
 
     bw = inputs.bandwidths
     d = inputs.compute_dtype_bytes
     load_bytes = h2d_bytes_per_param(inputs.master_format)
     state_bytes = state_bytes_per_param(inputs.optimizer_state)
-    adam_bytes = _adam_bytes_per_param(inputs.optimizer_state)
+    adam_bytes = adam_bytes_per_param(inputs.optimizer_state)
     adam_rate = bw.cpu_adam_rate(inputs.optimizer_state, inputs.master_format) * HOST_ADAM_IN_STEP * 1e9
     h2d, d2h, duplex, host_mem, gpu_mem = (
         x * 1e9 for x in (bw.h2d_gbps, bw.d2h_gbps, bw.duplex_gbps, bw.host_mem_gbps, bw.gpu_mem_gbps)
     )
-    on_nvme = set(_nvme_names(shape, inputs))
-    arrays = _state_arrays(inputs)
+    on_nvme = set(inputs.offloaded_units)
+    arrays = inputs.state_arrays()
     device_optimizer = inputs.device_optimizer()
     loads = _named_loads(shape, inputs)
     costs = []
-    for name, n in _named_numels(shape).items():
+    for name, n in shape.named_numels.items():
         contributions = inputs.grad_accum * (2 if name == shape.names[0] and shape.tied else 1)
         travelling = n * (STREAMED_MASTER_BYTES + state_bytes)  # master and moments, one way
         # The GPU update reads the summed gradient, master and moments, writes them and the compute copy.
