@@ -187,8 +187,8 @@ def test_template_exception_is_one_line_naming_the_record(tmp_path):
         {"messages": CONVERSATIONS["one turn"]},
         {"messages": CONVERSATIONS["system and two turns"]},
     )
-    with pytest.raises(UserError) as info:
-        preview(path, tok, OPTIONS, 2)
+    with pytest.raises(UserError) as info:  # by default such a system message is folded (test_data_hostile.py)
+        preview(path, tok, DataOptions(seq_len=4096, system_message="refuse"), 2)
     assert str(info.value) == (
         f"{path}:2: the chat template of tiny-chatml refused this conversation: System role not supported"
     )

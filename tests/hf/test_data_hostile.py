@@ -156,3 +156,119 @@ def test_one_huge_text_record_costs_time_and_memory_in_proportion(tmp_path):
 def test_one_huge_reply_costs_memory_in_proportion(tmp_path):
     result = _measure(_record(tmp_path, "messages", 8))
     assert result["code"] == 0 and result["growth"] < 40 * 8_000_000, result
+
+
+# ---- reasoning of every reply: --keep-reasoning ------------------------------------------------------------
+
+
+def _write(path: Path, *records: dict) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    return path
+
+
+def _trained_text(tok, record) -> str:
+    document = record.documents[0]
+    return tok.decode(document.input_ids[document.labels != -100].tolist())
+
+
+REASONING = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
+    {"role": "user", "content": "3+3?"},
+    {"role": "assistant", "content": "<think>\nThree and three.\n</think>\n\n6"},
+]
+
+
+@pytest.mark.parametrize("chat_template", [None, "qwen3"], ids=["own template", "bundled qwen3"])
+def test_keep_reasoning_trains_every_replys_think_block_with_qwen3(tmp_path, chat_template, caplog):
+    import logging
+
+    from slide_hf.data import preview
+
+    tok = chat_tokenizer(QWEN3, name="Qwen/Qwen3-0.6B")
+    path = _write(tmp_path / "c.jsonl", {"messages": REASONING})
+    default = DataOptions(seq_len=4096, chat_template=chat_template)
+    (dropped,) = preview(path, tok, default, 1)
+    assert "Two and two." not in _trained_text(tok, dropped) and dropped.dropped_reasoning == 1
+    keep = DataOptions(seq_len=4096, chat_template=chat_template, keep_reasoning=True)
+    with caplog.at_level(logging.INFO, logger="slide.data"):
+        (kept,) = preview(path, tok, keep, 1)
+    assert "qwen3-keep-reasoning" in caplog.text
+    assert kept.dropped_reasoning == 0
+    assert _trained_text(tok, kept) == (
+        "<think>\nTwo and two.\n</think>\n\n4<|im_end|>\n<think>\nThree and three.\n</think>\n\n6<|im_end|>\n"
+    )
+    # The user's turns stay untrained, and the text is Qwen3's own render but for the earlier reasoning.
+    text = tok.decode(kept.documents[0].input_ids.tolist())
+    assert text == tok.apply_chat_template(REASONING, tokenize=False).replace(
+        "<|im_start|>assistant\n4", "<|im_start|>assistant\n<think>\nTwo and two.\n</think>\n\n4"
+    )
+
+
+def test_keep_reasoning_with_a_template_that_drops_it_and_has_no_variant_is_refused(tmp_path):
+    from slide_hf.data import preview
+    from slide_hf.errors import UserError
+
+    tok = chat_tokenizer("{#- edited #}" + QWEN3, name="my-org/qwen3-edit")
+    path = _write(tmp_path / "c.jsonl", {"messages": REASONING})
+    with pytest.raises(UserError, match=rf"^{path}:1: --keep-reasoning: the chat template of my-org/qwen3-edit leaves"):
+        preview(path, tok, DataOptions(seq_len=4096, keep_reasoning=True), 1)
+
+
+def test_keep_reasoning_is_a_cli_and_toml_option(tmp_path, capsys):
+    from slide_hf.options import TrainConfig
+
+    assert TrainConfig.for_command("data", keep_reasoning=True).keep_reasoning is True
+    assert TrainConfig.for_command("data", system_message="refuse").system_message == "refuse"
+
+
+# ---- a system message the template refuses: --system-message ----------------------------------------------
+
+GEMMA = (Path(__file__).parent / "fixtures" / "chat_templates" / "gemma-2-9b-it.jinja").read_text(encoding="utf-8")
+WITH_SYSTEM = [
+    {"role": "system", "content": "Answer in one word."},
+    {"role": "user", "content": "Sky colour?"},
+    {"role": "assistant", "content": "Blue."},
+]
+
+
+def _gemma_tokenizer():
+    tok = chat_tokenizer(GEMMA, name="google/gemma-2-9b-it")
+    tok.add_special_tokens({"bos_token": "<bos>", "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    return tok
+
+
+def test_gemma_refuses_a_system_message_so_it_is_folded_into_the_first_user_turn(tmp_path, caplog):
+    import logging
+
+    from slide_hf.data import preview
+
+    tok = _gemma_tokenizer()
+    path = _write(tmp_path / "c.jsonl", *({"messages": WITH_SYSTEM} for _ in range(3)))
+    with caplog.at_level(logging.INFO, logger="slide.data"):
+        records = preview(path, tok, DataOptions(seq_len=512), 3)
+    folded = [{"role": "user", "content": "Answer in one word.\n\nSky colour?"}, WITH_SYSTEM[2]]
+    expected = tok.apply_chat_template(folded, tokenize=False)
+    for record in records:
+        assert tok.decode(record.documents[0].input_ids.tolist()) == expected
+        assert _trained_text(tok, record) == "Blue.<end_of_turn>\n"
+    said = [r.getMessage() for r in caplog.records if "refuses a system message" in r.getMessage()]
+    assert len(said) == 1 and "--system-message refuse" in said[0], said
+
+
+def test_system_message_refuse_keeps_the_one_line_refusal(tmp_path):
+    from slide_hf.data import preview
+    from slide_hf.errors import UserError
+
+    tok = _gemma_tokenizer()
+    path = _write(tmp_path / "c.jsonl", {"messages": WITH_SYSTEM})
+    with pytest.raises(UserError, match=rf"^{path}:1: the chat template of google/gemma-2-9b-it refused this "):
+        preview(path, tok, DataOptions(seq_len=512, system_message="refuse"), 1)
+
+
+def test_a_template_that_takes_system_messages_renders_them_unchanged(tmp_path):
+    from slide_hf.data import preview
+
+    tok = chat_tokenizer(QWEN3)
+    (record,) = preview(_write(tmp_path / "c.jsonl", {"messages": WITH_SYSTEM}), tok, DataOptions(seq_len=512), 1)
+    assert tok.decode(record.documents[0].input_ids.tolist()) == tok.apply_chat_template(WITH_SYSTEM, tokenize=False)

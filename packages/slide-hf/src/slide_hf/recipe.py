@@ -348,6 +348,8 @@ def _setup_data(
         max_positions=max_positions,
         vocab_size=config.vocab_size,
         max_record_bytes=cfg.max_record_bytes,
+        keep_reasoning=cfg.keep_reasoning,
+        system_message=cfg.system_message,
     )
     dataset, eval_set = _load_data(cfg, model.tokenizer, data_options, output / DATA_CACHE)
     if resumed is not None:

@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         max_positions=model_positions(config),
         vocab_size=config.vocab_size,
         max_record_bytes=given.max_record_bytes,
+        keep_reasoning=given.keep_reasoning,
+        system_message=given.system_message,
     )
     shown = preview(given.data, tokenizer, options, args.show) if args.show else []
     dataset = load_dataset(given.data, tokenizer, options)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from slide_hf.data.options import IGNORE
+from slide_hf.data.options import IGNORE, SystemMessage
 from slide_hf.data.readers import first_line
 from slide_hf.data.rendered_spans import (
     ReplyNotFound,
@@ -41,7 +41,7 @@ from slide_hf.data.rendered_spans import (
     turn_markers,
 )
 from slide_hf.data.schemas import ChatExample
-from slide_hf.data.templates import BUNDLED_TEMPLATES, ChatTemplate
+from slide_hf.data.templates import BUNDLED_TEMPLATES, ChatTemplate, keeping_reasoning
 from slide_hf.data.token_runs import TokenRun, tokenize
 from slide_hf.errors import UserError
 from slide_hf.spelling import option
@@ -92,17 +92,38 @@ class ChatEncoder:
     hold the methods equal wherever both apply).
     """
 
-    def __init__(self, tokenizer: Any, template: ChatTemplate, *, train_on_inputs: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: ChatTemplate,
+        *,
+        train_on_inputs: bool,
+        keep_reasoning: bool = False,
+        system_message: SystemMessage = SystemMessage.FOLD,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.keep_reasoning = keep_reasoning
+        if keep_reasoning:
+            variant = keeping_reasoning(template)
+            if variant is not None:
+                log.info("keeping every reply's reasoning: %s instead of %s", variant.name, template.name)
+                template = variant
         self.template = template
         self.train_on_inputs = train_on_inputs
+        self.system_message = system_message
         self.final_render = False  # set once the prefix method failed on a template with no twin
+        self._refuses_system: bool | None = None  # probed at the first conversation with a system message
 
     def encode(self, batch: Sequence[ChatExample]) -> list[ChatEncoding]:
         if not batch:
             return []
+        folds = self.system_message == SystemMessage.FOLD
+        if folds and any(_opens_with_system(ex.messages) for ex in batch) and self._template_refuses_system():
+            batch = [ChatExample(ex.where, _fold_system(ex.messages)) for ex in batch]
         conversations = [example.messages for example in batch]
         texts = self._render(batch, conversations, generation_prompt=False)
+        if self.keep_reasoning:
+            self._check_reasoning_kept(batch, texts)
         if self.train_on_inputs:
             pairs: list[Encoded] = [(run.ids, run.ids) for run in tokenize(self.tokenizer, texts)]
         elif self.template.marked:
@@ -115,6 +136,34 @@ class ChatEncoder:
             ChatEncoding(ids, labels, dropped_reasoning(text, messages))
             for (ids, labels), text, messages in zip(pairs, texts, conversations, strict=True)
         ]
+
+    def _template_refuses_system(self) -> bool:
+        """Whether the template raises on a system message but renders the same conversation without it
+        (Gemma's); said once, as the fold it causes."""
+        if self._refuses_system is None:
+            user = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+            refuses = (
+                self._try_one([{"role": "system", "content": "Be brief."}, *user], False) is None
+                and self._try_one(user, False) is not None
+            )
+            if refuses:
+                log.info(
+                    "%s refuses a system message: each is folded into its conversation's first user turn "
+                    "(%s refuse to refuse such conversations instead)",
+                    self.template.name,
+                    option("system_message"),
+                )
+            self._refuses_system = refuses
+        return self._refuses_system
+
+    def _check_reasoning_kept(self, batch: Sequence[ChatExample], texts: list[str]) -> None:
+        for example, text in zip(batch, texts, strict=True):
+            if dropped_reasoning(text, example.messages):
+                raise UserError(
+                    f"{example.where}: {option('keep_reasoning')}: {self.template.name} leaves out the reasoning "
+                    f"of earlier replies and no variant that keeps it is bundled for it; pass {option('chat_template')} "
+                    "FILE with a template that renders every reply's reasoning"
+                )
 
     def _prefix_or_fallback(self, batch: Sequence[ChatExample], texts: list[str]) -> list[Encoded]:
         """Prefix renders; where they break, the known template's twin, else the final render (from then on)."""
@@ -308,6 +357,22 @@ class ChatEncoder:
                 raise UserError(
                     f"{example.where}: {self.template.name} refused this conversation: {first_line(error)}"
                 ) from None
+
+
+def _opens_with_system(messages: Sequence[dict[str, Any]]) -> bool:
+    return bool(messages) and messages[0].get("role") == "system"
+
+
+def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading system messages joined in front of the first user turn, a blank line between (what
+    TRL, Axolotl and Gemma 3's own template do); unchanged when no user turn follows them."""
+    count = next((i for i, message in enumerate(messages) if message.get("role") != "system"), len(messages))
+    if count == len(messages) or messages[count].get("role") != "user":
+        return messages
+    system = "\n\n".join(str(message.get("content") or "") for message in messages[:count])
+    user = dict(messages[count])
+    user["content"] = f"{system}\n\n{user.get('content') or ''}" if system else user.get("content")
+    return [user, *messages[count + 1 :]]
 
 
 def _starts(run: TokenRun) -> np.ndarray:

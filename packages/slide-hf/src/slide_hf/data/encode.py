@@ -69,7 +69,17 @@ class Encoder:
         self.options = options
         self.template = template
         self.batch_size = batch_size
-        self.chat = ChatEncoder(tokenizer, template, train_on_inputs=options.train_on_inputs) if template else None
+        self.chat = (
+            ChatEncoder(
+                tokenizer,
+                template,
+                train_on_inputs=options.train_on_inputs,
+                keep_reasoning=options.keep_reasoning,
+                system_message=options.system_message,
+            )
+            if template
+            else None
+        )
         self.eos = tokenizer.eos_token_id
         self._ends: tuple[np.ndarray, np.ndarray] | None = None  # see _special_ends
         self._ends_found = False

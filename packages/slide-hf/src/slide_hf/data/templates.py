@@ -23,7 +23,14 @@ from typing import Any
 from slide_hf import spelling
 from slide_hf.errors import UserError
 
-__all__ = ["BUNDLED_TEMPLATES", "ChatTemplate", "bundled_template_text", "has_generation_markers", "resolve_template"]
+__all__ = [
+    "BUNDLED_TEMPLATES",
+    "ChatTemplate",
+    "bundled_template_text",
+    "has_generation_markers",
+    "keeping_reasoning",
+    "resolve_template",
+]
 
 BUNDLED_TEMPLATES = ("chatml", "qwen2.5", "qwen3")
 """``chatml``: plain ChatML with no default system prompt; ``qwen2.5`` and ``qwen3``: twins of Qwen's own."""
@@ -34,6 +41,8 @@ _TWINS = {
     # Qwen3 (hybrid thinking: reasoning kept only after the last user query)
     "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5": "qwen3",
 }
+_KEEPS_REASONING = {"qwen3": "qwen3-keep-reasoning"}
+"""Bundled variants that keep every reply's reasoning, for templates that drop it before the last query."""
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -56,6 +65,7 @@ class ChatTemplate:
     text: str
     name: str
     twin: ChatTemplate | None = None
+    bundled: str | None = None  # the bundled name of this template, or of its twin
 
     @property
     def marked(self) -> bool:
@@ -66,7 +76,7 @@ def resolve_template(tokenizer: Any, option: str | None) -> ChatTemplate | None:
     """The template conversations render with: ``option`` (a file or a bundled name) or the tokenizer's."""
     if option is not None:
         if option in BUNDLED_TEMPLATES:
-            return ChatTemplate(bundled_template_text(option), f"the bundled chat template {option!r}")
+            return ChatTemplate(bundled_template_text(option), f"the bundled chat template {option!r}", bundled=option)
         path = Path(option).expanduser()
         if not path.is_file():
             raise UserError(
@@ -91,5 +101,17 @@ def _with_twin(text: str, name: str) -> ChatTemplate:
     twin_name = _TWINS.get(template_digest(text))
     twin = None
     if twin_name is not None:
-        twin = ChatTemplate(bundled_template_text(twin_name), f"the bundled chat template {twin_name!r}")
-    return ChatTemplate(text, name, twin)
+        twin = ChatTemplate(
+            bundled_template_text(twin_name), f"the bundled chat template {twin_name!r}", bundled=twin_name
+        )
+    return ChatTemplate(text, name, twin, bundled=twin_name)
+
+
+def keeping_reasoning(template: ChatTemplate) -> ChatTemplate | None:
+    """The bundled variant of ``template`` that renders every reply's reasoning, as TRL's and Axolotl's
+    training templates for Qwen3 do (its own keeps only the replies' after the last user query); None when
+    none is bundled for it."""
+    variant = _KEEPS_REASONING.get(template.bundled or "")
+    if variant is None:
+        return None
+    return ChatTemplate(bundled_template_text(variant), f"the bundled chat template {variant!r}", bundled=variant)
