@@ -88,7 +88,7 @@ def default_output(root: Path = Path("runs")) -> Path:
 
 def inputs_of(cfg: TrainConfig) -> list[tuple[str, Path]]:
     """What a run reads, as ``(option name, path)``: ``--overwrite`` must not remove any of it."""
-    from slide_hf.options.config import data_sources
+    from slide_hf.options.sources import data_sources
 
     found = [("model", Path(cfg.model))] + [("data", path) for path in data_sources(cfg)]
     for name in ("eval_data", "tokenizer", "chat_template", "resume"):
