@@ -157,10 +157,13 @@ def test_help_has_examples(slide, capsys):
 
 
 def test_plugin_names_choose_the_budget_the_tier_and_the_optimizer(slide):
+    from slide_hf.device_defaults import default_compute_dtype
+
     argv = ("plan", "--model", "tiny-llama", "--seq-len", "128", "--json")
     on_cpu = json.loads(slide(*argv, "--device", "cpu")[1])
     assert on_cpu["gpu_memory_source"] == "the CPU device: no GPU memory"
-    assert on_cpu["engine_config"]["compute_dtype"] == "bfloat16"
+    chosen = default_compute_dtype(False, "fp32").dtype.value  # this CPU's, as `slide train` takes it here
+    assert on_cpu["engine_config"]["compute_dtype"] == on_cpu["dtype"] == chosen
     on_disk = json.loads(slide(*argv, "--offload-optimizer", "nvme")[1])
     in_memory = json.loads(slide(*argv, "--offload-optimizer", "pinned")[1])
     assert on_disk["disk_bytes"] > 0 and on_disk["state_tier"] == "nvme"

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from slide_core.devices.cpu import CPUDevice
 from slide_hf import device_defaults
 from slide_hf.device_defaults import choose_compute_dtype, default_compute_dtype, native_bf16_flag
 from slide_hf.options import DType, TrainConfig
@@ -81,20 +80,20 @@ def test_split_master_and_an_unreadable_cpuinfo():
     assert unknown.dtype is DType.FLOAT32 and "cannot read" in unknown.reason
 
 
-def test_the_cpu_device_reads_the_hosts_cpuinfo(tmp_path, monkeypatch):
+def test_the_host_cpuinfo_is_read_for_a_cpu_run_only(tmp_path, monkeypatch):
     monkeypatch.setattr("platform.machine", lambda: "x86_64")
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(SAPPHIRE_RAPIDS)
-    assert default_compute_dtype(CPUDevice(), "auto", cpuinfo).dtype is DType.BFLOAT16
+    assert default_compute_dtype(False, "auto", cpuinfo).dtype is DType.BFLOAT16
     cpuinfo.write_text(EPYC_AVX2)
-    assert default_compute_dtype(CPUDevice(), "auto", cpuinfo).dtype is DType.FLOAT32
-    assert default_compute_dtype(CPUDevice(), "auto", tmp_path / "missing").dtype is DType.FLOAT32
+    assert default_compute_dtype(False, "auto", cpuinfo).dtype is DType.FLOAT32
+    assert default_compute_dtype(True, "auto", cpuinfo).dtype is DType.BFLOAT16
+    assert default_compute_dtype(False, "auto", tmp_path / "missing").dtype is DType.FLOAT32
 
 
-def test_unset_dtype_passes_the_split_rule_and_plan_keeps_bfloat16():
+def test_unset_dtype_passes_the_split_rule_and_bench_computes_in_bfloat16():
     assert TrainConfig().dtype is None
     assert TrainConfig(master="split").dtype is None  # chosen later: bf16, which split needs
-    assert TrainConfig.for_command("plan", model="tiny-llama", dtype=DType.BFLOAT16).dtype is DType.BFLOAT16
     assert str(engine_values(TrainConfig())["compute_dtype"]) == "torch.bfloat16"  # `slide bench`'s
 
 
@@ -146,3 +145,18 @@ def test_an_explicit_dtype_wins_over_the_cpus(tmp_path, host, caplog):
     assert not any(line.startswith("compute dtype") for line in lines)
     assert any("device cpu (bfloat16)" in line for line in lines)
     assert _saved_dtype(tmp_path / "run") == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype"),
+    [
+        ((), "float32"),  # as `slide train` chooses on this CPU, so the plan prices that run
+        (("--dtype", "bf16"), "bfloat16"),
+        (("--master", "split"), "bfloat16"),
+    ],
+)
+def test_plan_takes_the_dtype_train_chooses(flags, dtype, host, slide):
+    host.write_text(EPYC_AVX2)
+    status, out, err = slide("plan", "--model", "tiny-llama", "--device", "cpu", "--seq-len", "32", *flags, "--json")
+    assert status == 0, err
+    assert json.loads(out)["dtype"] == dtype

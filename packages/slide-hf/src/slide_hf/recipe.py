@@ -424,7 +424,7 @@ def _setup_compute_dtype(cfg: TrainConfig, device: Device, group: RunGroup) -> D
     so all compute alike even on unlike hosts."""
     from slide_hf.device_defaults import default_compute_dtype
 
-    choice = group.broadcast_object(default_compute_dtype(device, cfg.master), "rank 0's compute dtype")
+    choice = group.broadcast_object(default_compute_dtype(device.is_accelerator, cfg.master), "rank 0's compute dtype")
     log.info("%s", choice.describe())
     return choice.dtype
 

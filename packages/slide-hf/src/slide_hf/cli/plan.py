@@ -83,13 +83,14 @@ def run(args: argparse.Namespace) -> int:
     from slide_hf.setup import RunOptions, plan_inputs, resolve_master
 
     cfg = _options(args)  # option errors first: building takes seconds
-    assert cfg.dtype is not None  # plan declares a default (bfloat16)
     state_tier_class(cfg.offload_optimizer)  # a tier that does not load is one line, before the model is built
     optimizer = _optimizer_class(cfg.optimizer)
     if cfg.optimizer_state != "fp32":  # compact moments are kept by CompactAdamW (slide_core's build_optimizer)
         optimizer = f"CompactAdamW ({'numba kernels' if optimizer == 'FusedAdamW' else 'torch ops'})"
     gpu_cap, gpu_source = _gpu_budget(None if cfg.gpu_memory is None else str(cfg.gpu_memory), cfg.device)
     accelerator = _plans_accelerator(cfg.device, gpu_cap)
+    cfg = _with_dtype(cfg, args, accelerator)
+    assert cfg.dtype is not None  # chosen as `slide train` chooses it where not given
     if not accelerator:
         gpu_cap, gpu_source = None, "the CPU device: no GPU memory"
     if args.host_memory is not None:
@@ -187,6 +188,19 @@ def _options(args: argparse.Namespace) -> TrainConfig:
         if not (math.isfinite(value) and value > 0):
             raise UserError(f"{flag} must be a finite number > 0, got {value}")
     return cfg
+
+
+def _with_dtype(cfg: TrainConfig, args: argparse.Namespace, accelerator: bool) -> TrainConfig:
+    """``cfg``, with the compute dtype `slide train` takes on the planned device where ``--dtype`` was not
+    given (slide_hf/device_defaults.py: fp32 on a CPU without native bf16), so the plan prices that run."""
+    if cfg.dtype is not None:
+        return cfg
+    from slide_hf.device_defaults import default_compute_dtype
+    from slide_hf.options import TrainConfig, given_options
+
+    chosen = default_compute_dtype(accelerator, cfg.master).dtype
+    values = {**given_options(args, "plan"), "dtype": chosen}
+    return TrainConfig.for_command("plan", args.nproc_per_node * args.nnodes, **values)
 
 
 def _output_disk(model: Any, cfg: TrainConfig) -> Any:
