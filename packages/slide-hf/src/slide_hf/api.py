@@ -32,6 +32,8 @@ __all__ = ["train", "train_config"]
 
 Record = dict[str, Any]
 
+log = logging.getLogger("slide.train")
+
 
 def _visible_logging() -> None:
     """Make the run's progress lines appear where a notebook shows them, once, if nobody set up logging."""
@@ -70,7 +72,18 @@ def _train(
     on_eval: Callable[[Record], None] | None,
     options: dict[str, Any],
 ) -> TrainSummary:
-    return run_training(train_config(model, data, **options), on_step=on_step, on_eval=on_eval)
+    summary = run_training(train_config(model, data, **options), on_step=on_step, on_eval=on_eval)
+    if summary.steps == 0:  # said here, once: `slide train` prints its own summary instead
+        log.info("nothing left to train in %s; model written to %s", summary.output, summary.model_dir)
+    else:
+        log.info(
+            "loss %.4f -> %.4f over %d steps; model written to %s",
+            summary.first_loss,
+            summary.last_loss,
+            summary.steps,
+            summary.model_dir,
+        )
+    return summary
 
 
 def train_config(

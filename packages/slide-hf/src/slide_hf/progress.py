@@ -162,6 +162,4 @@ class Progress:
         line = (
             f"eval at step {record['step']}: eval_loss {record['eval_loss']:.4f}  perplexity {record['perplexity']:.4g}"
         )
-        if self._progress is not None:
-            self._progress.console.log(line)
-        log.info(line)
+        log.info(line)  # as every other line: no timestamp or source link, and once (the live bar stays below)

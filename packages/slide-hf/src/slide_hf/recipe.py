@@ -229,18 +229,12 @@ def _train(
                 run_dir.record_outputs()
     losses = trainer.losses
     if first_step >= data.total_steps:  # a finished run, resumed: its model is written again, nothing to train
-        log.info(
-            "the run in %s had reached step %d: nothing left to train; model written to %s",
-            run_dir.path,
-            first_step,
-            model_out,
-        )
         if main and cfg.push_to_hub is not None:
             _push_model(cfg, run_dir.path, model_out, final_step)
         return TrainSummary(0, math.nan, math.nan, run_dir.path, model_out, [])
     if not losses:  # every step was skipped (non-finite gradients)
         raise UserError(f"no optimizer step was applied; the model was still written to {model_out}")
-    log.info("loss %.4f -> %.4f over %d steps; model written to %s", losses[0], losses[-1], len(losses), model_out)
+    # The summary is the caller's to say (`slide train` prints it, slide_hf.train() logs it): said once.
     if main and cfg.push_to_hub is not None:
         _push_model(cfg, run_dir.path, model_out, final_step)
     return TrainSummary(len(losses), losses[0], losses[-1], run_dir.path, model_out, losses)
@@ -849,12 +843,15 @@ DATA_CACHE = ".data-cache"
 def _load_data(cfg: TrainConfig, tokenizer: Any, options: DataOptions, cache_dir: Path) -> tuple[Any, Any]:
     """``(train rows, eval rows or None)``: --eval-fraction holds out whole examples of --data before
     packing, so no document is in both; --eval-data is prepared with the same options."""
-    if cfg.eval_fraction > 0:
-        return load_split(
-            cfg.data, tokenizer, options, eval_fraction=cfg.eval_fraction, seed=cfg.seed, cache_dir=cache_dir
-        )
-    dataset = load_dataset(cfg.data, tokenizer, options, cache_dir=cache_dir)
-    eval_set = load_dataset(cfg.eval_data, tokenizer, options, cache_dir=cache_dir) if cfg.eval_data else None
+    from slide_hf.data.notes import each_note_once
+
+    with each_note_once():  # a note on the template is said once for --data and --eval-data
+        if cfg.eval_fraction > 0:
+            return load_split(
+                cfg.data, tokenizer, options, eval_fraction=cfg.eval_fraction, seed=cfg.seed, cache_dir=cache_dir
+            )
+        dataset = load_dataset(cfg.data, tokenizer, options, cache_dir=cache_dir)
+        eval_set = load_dataset(cfg.eval_data, tokenizer, options, cache_dir=cache_dir) if cfg.eval_data else None
     return dataset, eval_set
 
 

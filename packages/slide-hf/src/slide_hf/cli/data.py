@@ -75,8 +75,11 @@ def run(args: argparse.Namespace) -> int:
         keep_reasoning=given.keep_reasoning,
         system_message=given.system_message,
     )
-    shown = preview(given.data, tokenizer, options, args.show) if args.show else []
-    dataset = load_dataset(given.data, tokenizer, options)
+    from slide_hf.data.notes import each_note_once
+
+    with each_note_once():  # the preview and the preparation each meet the template: say its notes once
+        shown = preview(given.data, tokenizer, options, args.show) if args.show else []
+        dataset = load_dataset(given.data, tokenizer, options)
     summary = {"source": dataset.source, "seq_len": options.seq_len, "packing": options.packing}
     summary |= dataclasses.asdict(dataset.stats)
     if len(dataset.parts) > 1:

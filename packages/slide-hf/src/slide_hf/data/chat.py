@@ -106,7 +106,12 @@ class ChatEncoder:
         if keep_reasoning:
             variant = keeping_reasoning(template)
             if variant is not None:
-                log.info("keeping every reply's reasoning: %s instead of %s", variant.name, template.name)
+                log.info(
+                    "keeping every reply's reasoning: %s instead of %s",
+                    variant.name,
+                    template.name,
+                    extra={"once": ("keep reasoning", template.name)},
+                )
                 template = variant
         self.template = template
         self.train_on_inputs = train_on_inputs
@@ -152,6 +157,7 @@ class ChatEncoder:
                     "(%s refuse to refuse such conversations instead)",
                     self.template.name,
                     option("system_message"),
+                    extra={"once": ("fold", self.template.name)},
                 )
             self._refuses_system = refuses
         return self._refuses_system
@@ -178,6 +184,7 @@ class ChatEncoder:
                     self.template.name,
                     broken.reason,
                     broken.where,
+                    extra={"once": ("final render", self.template.name)},
                 )
                 self.final_render = True
                 return self._final_render(batch, texts)
@@ -187,6 +194,7 @@ class ChatEncoder:
                 broken.reason,
                 broken.where,
                 twin.name,
+                extra={"once": ("twin", self.template.name)},
             )
             self.template = twin
             return self._marked(batch)
