@@ -210,12 +210,14 @@ class ChatEncoder:
 
         conversations = [example.messages for example in batch]
         try:
-            texts, blocks = render_jinja_template(
+            rendered: Any = render_jinja_template(  # (texts, generation spans per text); annotated as str
                 conversations=conversations,
                 chat_template=self.template.text,
                 return_assistant_tokens_mask=True,
                 **self.tokenizer.special_tokens_map,
             )
+            texts: list[str] = rendered[0]
+            blocks: list[list[tuple[int, int]]] = rendered[1]
         except Exception:
             self._name_failure(batch, generation_prompt=False)
             raise

@@ -153,11 +153,11 @@ def _cuts_hold(tokenizer: Any, text: str, cuts: list[int]) -> list[bool]:
     parts = _call(tokenizer, halves, offsets=True)
     held = []
     for index in range(len(cuts)):
-        left, right = parts[2 * index], parts[2 * index + 1]
-        assert left.starts is not None and right.starts is not None and whole[index].starts is not None
+        left, right, one = parts[2 * index], parts[2 * index + 1], whole[index]
+        assert left.starts is not None and right.starts is not None and one.starts is not None  # offsets=True
         ids = np.concatenate([left.ids, right.ids])
         starts = np.concatenate([left.starts, right.starts + WINDOW_CHARS])
-        held.append(_middle_equal(whole[index].ids, whole[index].starts, ids, starts))
+        held.append(_middle_equal(one.ids, one.starts, ids, starts))
     return held
 
 
