@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -261,9 +260,8 @@ def _shown(value: Any) -> str:
     return str(value.value) if isinstance(value, enum.Enum) else str(value)
 
 
-@functools.cache
 def declared(cls: type[Any]) -> tuple[Declared, ...]:
-    """Every option ``cls`` declares, in field order (read once per class: a config's fields never change)."""
+    """Every option ``cls`` declares, in field order."""
     hints = typing.get_type_hints(cls)
     return tuple(
         Declared(item.name, item.default, item.metadata[_SPEC], hints[item.name])
