@@ -80,3 +80,15 @@ def test_plan_prices_the_clipping_store(slide) -> None:
     assert planned["engine_config"]["max_grad_norm"] == 1.0
     assert store != ring
     assert store >= 2 * planned["params"]  # every parameter's bf16 gradient (units are padded, never smaller)
+
+
+def test_a_plan_that_streams_every_unit_and_does_not_fit_the_host_is_one_verdict(slide) -> None:
+    """The host hint tries NVMe state for units that stream: a streamed unit keeps its state in RAM (it
+    travels with the unit), so the trial offloads the others and the plan says what to do, not a bug."""
+    argv = ("plan", "--model", "llama3.1-8b", "--gpu-memory", "24GiB", "--update-placement", "gpu")
+    status, out, err = slide(*argv, "--host-memory", "16GiB", "--json")
+    assert status == 0, err
+    planned = json.loads(out)
+    assert planned["fits"] is False and "host RAM" in planned["problem"]
+    streamed = set(planned["engine_config"]["streamed_units"])
+    assert streamed and not streamed & set(planned["engine_config"]["offloaded_units"])

@@ -37,14 +37,15 @@ IN_HOST_RAM = HostRamTier.name
 """``ram``: the built-in tier of host RAM, where the Adam state and the activation stash already live."""
 
 
-def offloaded_names(names: Sequence[str], fraction: float, resident: Sequence[str]) -> tuple[str, ...]:
+def offloaded_names(names: Sequence[str], fraction: float, elsewhere: Sequence[str]) -> tuple[str, ...]:
     """The units whose optimizer state goes to the ``--offload-optimizer`` tier, of the model's unit
     ``names`` in forward order: ``fraction`` of the units (counted in units, rounded), blocks first in
-    index order, then the embedding, then the head; device-resident units keep their state on the GPU
-    instead. The one rule the run and the plan share (``PlanInputs.offloaded_units``)."""
+    index order, then the embedding, then the head; the units ``elsewhere`` keep theirs where their update
+    runs instead (a device-resident unit's on the GPU, a GPU-streamed unit's in host RAM, which travels
+    with it). The one rule the run and the plan share (``PlanInputs.offloaded_units``)."""
     ordered = [*names[1:-1], names[0], names[-1]]
     count = math.floor(fraction * len(ordered) + 0.5)
-    return tuple(name for name in ordered[:count] if name not in resident)
+    return tuple(name for name in ordered[:count] if name not in elsewhere)
 
 
 def tier_class(name: str, *, flag: str) -> type[Tier]:

@@ -250,7 +250,7 @@ def place_units(
     check_fits(plan, host_available=host_available, gpu_available=None)
     resident, streamed = plan.inputs.resident_units, plan.inputs.streamed_units
     offloaded = (
-        offloaded_names([unit.name for unit in model.units], options.nvme_fraction, resident)
+        offloaded_names([unit.name for unit in model.units], options.nvme_fraction, (*resident, *streamed))
         if tier_class is not None
         else ()
     )

@@ -392,7 +392,7 @@ class PlanInputs:
             return ()
         from slide_hf.offload import offloaded_names
 
-        return offloaded_names(self.shape.names, self.nvme_fraction, self.resident_units)
+        return offloaded_names(self.shape.names, self.nvme_fraction, (*self.resident_units, *self.streamed_units))
 
     def engine_config(self) -> EngineConfig:
         """The engine config of the run these inputs describe: what the run's engine is built with
