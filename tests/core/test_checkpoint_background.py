@@ -139,3 +139,55 @@ def test_a_saver_of_several_ranks_is_refused() -> None:
 
     with pytest.raises(ValueError, match="one process"):
         BackgroundSaver(Group())
+
+
+@pytest.mark.timeout(60)
+def test_signals_while_waiting_neither_lose_the_save_nor_cut_the_wait_short(tmp_path: Path, monkeypatch) -> None:
+    """A signal inside the wait for the save (KeyboardInterrupt) leaves it pending: closing still collects it
+    and runs its ``then``. Closing goes on waiting through further signals, in the wait and in the join
+    of the thread, so the staging directory is never left half-written behind a finished run; the first
+    signal is raised once the thread is done."""
+    from concurrent.futures import Future
+
+    from slide_core.checkpoint import background
+
+    release = threading.Event()
+    fallback = threading.Timer(10, release.set)  # never hang the suite, whatever the code does
+    fallback.start()
+    real_save, real_result, real_join = background.save_checkpoint, Future.result, threading.Thread.join
+
+    def slow_save(*args, **kwargs) -> Path:
+        release.wait()
+        return real_save(*args, **kwargs)
+
+    signals = {"result": 2, "join": 1}
+
+    def result(self, timeout=None):
+        if signals["result"] and threading.current_thread() is threading.main_thread():
+            signals["result"] -= 1
+            if not signals["result"]:
+                release.set()  # the write ends after the second signal
+            raise KeyboardInterrupt
+        return real_result(self, timeout)
+
+    def join(self, timeout=None) -> None:
+        if signals["join"] and self.name.startswith("slide-checkpoint"):
+            signals["join"] -= 1
+            raise KeyboardInterrupt
+        real_join(self, timeout)
+
+    monkeypatch.setattr(background, "save_checkpoint", slow_save)
+    monkeypatch.setattr(Future, "result", result)
+    monkeypatch.setattr(threading.Thread, "join", join)
+    seen: list[Path] = []
+    try:
+        with pytest.raises(KeyboardInterrupt), BackgroundSaver() as saver:
+            saver.submit(tmp_path, 1, _arrays(1), {}, then=seen.append)
+            saver.wait()  # the run collects the save; a signal arrives
+        writers = [t for t in threading.enumerate() if t.name.startswith("slide-checkpoint") and t.is_alive()]
+    finally:
+        release.set()
+        fallback.cancel()
+    assert writers == [] and signals == {"result": 0, "join": 0}
+    assert seen == [tmp_path / "step-00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]  # no staging directory left

@@ -56,8 +56,51 @@ def test_abandoned_lines_are_older_than_the_current_line_and_go_first(tmp_path: 
         "step-00000002",
     ]
     _save(tmp_path, 3)
-    prune(tmp_path, 3)  # the current line holds three: the abandoned folder is removed whole
-    assert _tree(tmp_path) == ["step-00000001", "step-00000002", "step-00000003"]
+    prune(tmp_path, 3)  # the current line holds three: no abandoned checkpoint is left, its model stays
+    assert _tree(tmp_path) == [
+        "abandoned-20260101-000000-abcdef",
+        "abandoned-20260101-000000-abcdef/model",
+        "step-00000001",
+        "step-00000002",
+        "step-00000003",
+    ]
+
+
+def test_an_abandoned_line_loses_only_its_checkpoints_and_never_the_best(tmp_path: Path) -> None:
+    """An abandoned folder also holds the model of its line (where the user may keep files of their own)
+    and whatever else was set aside with it: pruning deletes its step-* checkpoints, never the rest nor
+    the protected best, and removes the folder only once it is empty."""
+    _save(tmp_path, 1, 2)
+    line = tmp_path / "abandoned-20260101-000000-abcdef"
+    _save(line, 3, 4, 5)
+    (line / "model").mkdir()
+    (line / "model" / "notes.txt").write_text("mine")
+    (line / "weights" / "step-00000004").mkdir(parents=True)
+    (line / "weights" / "step-00000004" / "config.json").write_text("{}")
+    best = line / "step-00000004"
+    removed = prune(tmp_path, 2, protect=[best])
+    assert sorted(p.name for p in removed) == ["step-00000003", "step-00000005"]
+    assert (line / "model" / "notes.txt").read_text() == "mine"
+    assert (line / "weights" / "step-00000004" / "config.json").is_file()
+    assert (best / "state.json").is_file()
+    assert _tree(tmp_path) == [
+        "abandoned-20260101-000000-abcdef",
+        "abandoned-20260101-000000-abcdef/model",
+        "abandoned-20260101-000000-abcdef/step-00000004",
+        "abandoned-20260101-000000-abcdef/weights",
+        "abandoned-20260101-000000-abcdef/weights/step-00000004",
+        "step-00000001",
+        "step-00000002",
+    ]
+    # A line left with nothing but its checkpoints goes once they do.
+    other = tmp_path / "abandoned-20260102-000000-bbbbbb"
+    _save(other, 6)
+    prune(tmp_path, 2, protect=[best])
+    assert not other.exists() and line.is_dir()
+    # Once its last checkpoint goes, the line keeps the model and the weights set aside with it.
+    prune(tmp_path, 2)
+    assert not best.exists() and (line / "model" / "notes.txt").read_text() == "mine"
+    assert (line / "weights" / "step-00000004" / "config.json").is_file()
 
 
 def test_two_abandoned_lines_go_oldest_first(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ One job per module: :mod:`.arrays` (what is written and read), :mod:`.manifest` 
 
 from .arrays import ArraySink, ArraySource, Shard
 from .background import BackgroundSaver
-from .catalog import find_latest, list_checkpoints, newest_intact, prune_checkpoints
+from .catalog import find_latest, list_checkpoints, newest_intact
 from .errors import CheckpointCorrupt, CheckpointWriteError
 from .manifest import read_state
 from .reader import load_checkpoint, verify_checkpoint
@@ -45,7 +45,6 @@ __all__ = [
     "load_checkpoint",
     "newest_intact",
     "prune",
-    "prune_checkpoints",
     "read_state",
     "retained",
     "save_checkpoint",

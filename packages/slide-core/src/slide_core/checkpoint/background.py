@@ -105,6 +105,8 @@ class BackgroundSaver:
             return
         try:  # the run failed: still finish the save in flight, and let the run's own error through
             self.close()
+        except KeyboardInterrupt:
+            raise  # a signal while closing: re-raised by close once the save in flight is written
         except Exception as failure:
             log.error("the checkpoint written in the background failed too: %s", failure)
 
@@ -141,18 +143,41 @@ class BackgroundSaver:
     def wait(self) -> Path | None:
         """Wait for the save in flight and collect it (note: blocks until the write is on disk); its path,
         or ``None`` when none was in flight. Raises the save's error."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return None
-        path = pending.future.result()
+        # A signal raised while waiting (KeyboardInterrupt) leaves the save pending: the next wait, or
+        # closing, still collects it and runs its ``then``. The save's own error collects it.
+        try:
+            path = pending.future.result()
+        except Exception:
+            self._pending = None
+            raise
+        self._pending = None
         pending.then(path)
         return path
 
     def close(self) -> None:
-        """Wait for the save in flight and stop the thread; raises the save's error."""
+        """Wait for the save in flight (its ``then`` runs) and stop the thread; raises the save's error.
+        A signal does not cut the wait short: the thread writes a staging directory of the run, which must
+        be finished or removed before the run lets go of its directory, so each signal is logged and the
+        wait goes on; the first is raised once the thread is done."""
+        interrupted: KeyboardInterrupt | None = None
         try:
-            self.wait()
+            while True:
+                try:
+                    self.wait()
+                    break
+                except KeyboardInterrupt as signal:
+                    interrupted = interrupted or signal
+                    log.warning("a checkpoint is still being written; waiting")
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            while self._pool is not None:
+                try:
+                    self._pool.shutdown(wait=True)
+                    self._pool = None
+                except KeyboardInterrupt as signal:
+                    interrupted = interrupted or signal
+                    log.warning("a checkpoint is still being written; waiting")
+        if interrupted is not None:
+            raise interrupted

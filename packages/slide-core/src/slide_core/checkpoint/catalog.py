@@ -1,15 +1,14 @@
-"""The checkpoints of a run: which exist, which is newest, which is the newest intact one, and pruning."""
+"""The checkpoints of a run: which exist, which is newest, which is the newest intact one (which of them
+stay is :mod:`.retention`'s)."""
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Collection
 from pathlib import Path
 
 from .errors import CheckpointCorrupt
 from .manifest import STATE_FILE
 
-__all__ = ["CHECKPOINT_PREFIX", "find_latest", "list_checkpoints", "newest_intact", "prune_checkpoints"]
+__all__ = ["CHECKPOINT_PREFIX", "find_latest", "list_checkpoints", "newest_intact"]
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -50,14 +49,3 @@ def newest_intact(corrupt: Path) -> Path | None:
             continue
         return candidate
     return None
-
-
-def prune_checkpoints(root: Path, keep: int, *, protect: Collection[Path] = ()) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and leftovers of interrupted saves. Checkpoints in
-    ``protect`` (the best one by evaluation loss) stay and do not count against ``keep``."""
-    for stale in root.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    kept = {Path(p).resolve() for p in protect}
-    candidates = [p for p in list_checkpoints(root) if p.resolve() not in kept]
-    for old in candidates[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)

@@ -5,9 +5,11 @@ one by evaluation loss, ``--save-best``) is never deleted: when it is among the 
 stay; when it is older, it stays in addition, ``keep + 1`` (the HF Trainer's "best is never deleted",
 with the count stated plainly). Checkpoints of abandoned lines (``abandoned-*``, set aside when
 a run resumed from an older checkpoint) count as older than every checkpoint of the current line: they
-are the first to go, so once the current line holds ``keep`` checkpoints no abandoned one is left, and
-an abandoned folder that holds no checkpoint any more is removed whole (with the model exported from its
-line). Until then they remain a fallback the run can still resume from.
+are the first to go, so once the current line holds ``keep`` checkpoints no abandoned one is left. Only
+the ``step-*`` checkpoints of an abandoned line are deleted: the folder also holds the model exported
+from that line (which may hold the user's own files) and whatever else was set aside with it, so it is
+removed only once it is empty, never with what it still holds. Until then its checkpoints remain a
+fallback the run can still resume from.
 
 ``make_room`` (``--save-delete-first``) prunes to ``keep - 1`` before a save, so that the save being
 written brings the count back to ``keep``: a disk that holds ``keep`` checkpoints but not one more can
@@ -17,6 +19,7 @@ has none (the best aside).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Collection
 from pathlib import Path
@@ -37,10 +40,13 @@ def retention_candidates(root: Path) -> list[Path]:
 
 def retained(root: Path, keep: int, *, protect: Collection[Path] = ()) -> list[Path]:
     """The checkpoints of ``root`` that :func:`prune` with ``keep`` leaves, oldest first."""
+    return _retained(retention_candidates(root), keep, protect)
+
+
+def _retained(candidates: list[Path], keep: int, protect: Collection[Path]) -> list[Path]:
     if keep < 0:
         raise ValueError(f"keep must be >= 0, got {keep}")
     kept = {Path(p).resolve() for p in protect}
-    candidates = retention_candidates(root)
     newest = set(candidates[max(0, len(candidates) - keep) :]) if keep else set()
     return [p for p in candidates if p in newest or p.resolve() in kept]
 
@@ -52,11 +58,12 @@ def prune(root: Path, keep: int, *, protect: Collection[Path] = (), leftovers: b
     if leftovers:
         for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-    keeping = set(retained(root, keep, protect=protect))
-    removed = [p for p in retention_candidates(root) if p not in keeping]
+    candidates = retention_candidates(root)
+    keeping = set(_retained(candidates, keep, protect))
+    removed = [p for p in candidates if p not in keeping]
     for old in removed:
         shutil.rmtree(old, ignore_errors=True)
     for line in root.glob(f"{ABANDONED_PREFIX}*") if root.is_dir() else []:
-        if line.is_dir() and not list_checkpoints(line):
-            shutil.rmtree(line, ignore_errors=True)
+        with contextlib.suppress(OSError):  # not empty (a model, the user's files) or not a folder: it stays
+            line.rmdir()
     return removed
