@@ -22,7 +22,7 @@ from slide_hf import PRESETS, build_model, export_hf, init_random, load_config, 
 from slide_hf.errors import UserError
 from slide_hf.options import MACHINE_OPTIONS, TrainConfig
 from slide_hf.planner import ModelShape, PlanInputs, make_plan
-from slide_hf.planner.timing import h2d_bytes_per_param, host_bytes_per_param_step
+from slide_hf.planner.traffic import h2d_bytes_per_param, host_bytes_per_param_step
 from slide_hf.recipe import train
 
 pytestmark = pytest.mark.usefixtures("torch_kernels")  # the CPU user's path, not the Triton interpreter

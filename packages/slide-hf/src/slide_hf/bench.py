@@ -38,7 +38,7 @@ import torch
 from slide_hf.defaults import resolve_seq_len
 from slide_hf.errors import UserError
 from slide_hf.options import TrainConfig
-from slide_hf.planner.timing import h2d_bytes_per_param, host_bytes_per_param_step
+from slide_hf.planner.traffic import h2d_bytes_per_param, host_bytes_per_param_step
 from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimizer, open_engine, place_units
 
 if TYPE_CHECKING:

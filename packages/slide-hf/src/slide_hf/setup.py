@@ -207,8 +207,8 @@ def place_units(
     live on the GPU (``resident_bytes`` of them, else whatever the GPU budget leaves spare) and those whose
     Adam state goes to the ``--offload-optimizer`` tier, then, by ``--update-placement``, those updated on the
     GPU as they stream (slide_hf/planner/plan.py; ``auto`` plans with this machine's measured rates when
-    `slide doctor` has cached them). ``optimizer``: the run's, whose device replica's scratch the plan prices
-    (None: the shipped one for ``options.optimizer_state``)."""
+    `slide doctor` has cached them). ``optimizer``: the run's, whose scratch the plan prices and whose
+    ``--master`` it resolves (None: the one ``options`` name, built without compiling)."""
     from slide_core.engine.placement import choose_resident_units
     from slide_hf.machine_rates import planning_bandwidths
     from slide_hf.planner import (
@@ -228,8 +228,7 @@ def place_units(
         options,
         accelerator=device.is_accelerator,
         gpu_memory_bytes=gpu_budget,
-        master_format=resolve_master(options.master, options.compute_dtype, optimizer),
-        optimizer=optimizer,
+        optimizer=optimizer if optimizer is not None else unbuilt_optimizer(options),
         bandwidths=planning_bandwidths()[0] if device.is_accelerator else Bandwidths(),
     )
     host_available = available_host_bytes()
@@ -257,20 +256,27 @@ def place_units(
     return Placement(plan, resident, tier_class, offloaded, streamed)
 
 
-def resolve_master(requested: str, compute_dtype: torch.dtype, optimizer: Optimizer | type[Optimizer] | None) -> str:
-    """``--master`` as the run allocates it (:func:`~slide_core.engine.choose_master_format`): ``auto`` is
-    split where it can run (bf16 compute, an optimizer that steps a split master; without an optimizer,
-    every shipped one does). ``optimizer`` may be the plugin's class, which is all `slide plan` loads."""
-    from slide_core.engine.master_format import MASTER_FORMATS
+def resolve_master(options: RunOptions, optimizer: Optimizer) -> str:
+    """``--master`` as the run allocates it: :func:`~slide_core.engine.choose_master_format` (``auto`` is split
+    where it can run), its refusal one line naming the option."""
+    from slide_core.engine import choose_master_format
 
-    if requested not in MASTER_FORMATS:
-        raise UserError(f"{option('master', requested)}: must be one of {', '.join(MASTER_FORMATS)}")
-    steps_split = True if optimizer is None else bool(optimizer.split_master)
-    can_split = compute_dtype == torch.bfloat16 and steps_split
-    if requested == "split" and not can_split:
-        why = "needs --dtype bfloat16" if compute_dtype != torch.bfloat16 else "the optimizer cannot step it"
-        raise UserError(f"{option('master', 'split')}: the split master cannot run here: {why}")
-    return "split" if requested == "split" or (requested == "auto" and can_split) else "fp32"
+    try:
+        return choose_master_format(options.master, options.compute_dtype, optimizer)
+    except ValueError as error:
+        raise UserError(f"{option('master', options.master)}: {error}") from None
+
+
+def unbuilt_optimizer(options: RunOptions) -> Optimizer:
+    """The optimizer the run steps with (``--optimizer``, ``--optimizer-state``), built without compiling
+    anything: what a plan prices the scratch of and resolves ``--master`` with before (or without) the run
+    builds its own (slide_core's ``build_optimizer``)."""
+    from slide_core.optim import build_optimizer
+
+    try:
+        return build_optimizer(options.optimizer, AdamWConfig(state_format=options.optimizer_state), warmup=False)
+    except plugins.PluginError as error:
+        raise UserError(f"{option('optimizer', options.optimizer)}: {error}") from None
 
 
 def plan_inputs(
@@ -279,17 +285,16 @@ def plan_inputs(
     *,
     accelerator: bool,
     gpu_memory_bytes: int | None,
-    master_format: str,
     bandwidths: Any,
+    optimizer: Optimizer,
     host_memory_bytes: int | None = None,
-    optimizer: Optimizer | None = None,
 ) -> Any:
     """The :class:`~slide_hf.planner.PlanInputs` of the run ``options`` describe: the one builder `slide
     train`, `slide bench` and `slide plan` share, so the plan a user reads prices the run they get
     (the engine is then built from ``plan.inputs.engine_config()``). What differs between the commands is
     only what they know of the machine: ``accelerator`` (the run computes on a GPU), the budgets,
-    ``bandwidths``; and ``optimizer``, the built one (None in `slide plan`, which compiles nothing: the
-    shipped optimizer for the state format prices the scratch)."""
+    ``bandwidths``. ``optimizer``: the run's, built or not (:func:`unbuilt_optimizer`, which `slide plan` and
+    `slide bench` plan with): the ``--master`` it can step and the scratch it keeps are its own."""
     from slide_hf.offload import activation_tier_class, state_tier_class
     from slide_hf.planner import PlanInputs
 
@@ -309,7 +314,7 @@ def plan_inputs(
         nvme_fraction=options.nvme_fraction,
         offload_activations=planning_kind(activation_tier_class(options.offload_activations)),
         optimizer_state=options.optimizer_state,
-        master_format=master_format,
+        master_format=resolve_master(options, optimizer),
         optimizer=optimizer,
         fused_loss=fused_loss_available(),
         bandwidths=bandwidths,
@@ -380,7 +385,15 @@ def open_engine(
     process's place in the run (docs/distributed.md; a world of one by default)."""
     config = engine_config(placement)
     plan = placement.plan
-    log.info("plan: GPU peak %.2f GiB, host peak %.2f GiB", plan.gpu_peak_bytes / 2**30, plan.host_peak_bytes / 2**30)
+    if device.is_accelerator:
+        log.info(
+            "plan: GPU peak %.2f GiB, host peak %.2f GiB, step %.3g s",
+            plan.gpu_peak_bytes / 2**30,
+            plan.host_peak_bytes / 2**30,
+            plan.step_time_s,
+        )
+    else:  # the CPU device's memory is the host's; the planner has no CPU compute rate for its step
+        log.info("plan: host peak %.2f GiB (the CPU device)", plan.host_peak_bytes / 2**30)
     if placement.resident:
         log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(placement.resident))
     if placement.streamed:

@@ -19,6 +19,7 @@ The roles of a unit (a unit has exactly one updater):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,8 @@ __all__ = ["RunLayout"]
 
 @dataclass(frozen=True)
 class RunLayout:
-    """One run's placement of every unit, from its engine config and its units' sizes.
+    """One run's placement of every unit, from its engine config and its units' sizes. The roles are
+    computed once each (cached): the layout is asked for them per unit while buffers are priced.
 
     ``unit_numels``: every unit's name and padded element count (``unit.layout.numel``, what the engine
     allocates), in forward order: the embedding first, the blocks, the head last. ``tied``: the head
@@ -70,12 +72,12 @@ class RunLayout:
         return cls(config, numels, tied=bool(model.head.borrowed))
 
     # -- the roles ------------------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def names(self) -> tuple[str, ...]:
         """Every unit, in forward order."""
         return tuple(name for name, _ in self.unit_numels)
 
-    @property
+    @functools.cached_property
     def numel(self) -> Mapping[str, int]:
         return dict(self.unit_numels)
 
@@ -87,35 +89,35 @@ class RunLayout:
     def head(self) -> str:
         return self.unit_numels[-1][0]
 
-    @property
+    @functools.cached_property
     def blocks(self) -> tuple[str, ...]:
         return self.names[1:-1]
 
-    @property
+    @functools.cached_property
     def resident(self) -> frozenset[str]:
         return frozenset(self.config.resident_units)
 
-    @property
+    @functools.cached_property
     def streamed(self) -> frozenset[str]:
         return frozenset(self.config.streamed_units)
 
-    @property
+    @functools.cached_property
     def offloaded(self) -> frozenset[str]:
         """Host-optimized units whose optimizer state lives on the state tier."""
         return frozenset(self.config.offloaded_units)
 
-    @property
+    @functools.cached_property
     def sliding(self) -> tuple[str, ...]:
         """Units the window slides through the device: every one but the resident ones. Their host master
         crosses PCIe every step, and each is either streamed or host-optimized."""
         return tuple(name for name in self.names if name not in self.resident)
 
-    @property
+    @functools.cached_property
     def host_optimized(self) -> tuple[str, ...]:
         """Units the host optimizer updates (their gradient crosses PCIe)."""
         return tuple(name for name in self.sliding if name not in self.streamed)
 
-    @property
+    @functools.cached_property
     def state_in_host_slabs(self) -> tuple[str, ...]:
         """Units whose optimizer state the host slabs hold: every sliding unit but those on the tier
         (a streamed unit's state travels from the slabs to the device and back)."""

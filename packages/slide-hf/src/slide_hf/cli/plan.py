@@ -77,10 +77,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from slide_hf.offload import state_tier_class
-    from slide_hf.setup import RunOptions, plan_inputs, resolve_master
+    from slide_hf.setup import RunOptions, plan_inputs, unbuilt_optimizer
 
     cfg = _options(args)  # option errors first: building takes seconds
     state_tier_class(cfg.offload_optimizer)  # a tier that does not load is one line, before the model is built
@@ -106,16 +105,14 @@ def run(args: argparse.Namespace) -> int:
     if not accelerator:
         bandwidths, rates_source = Bandwidths(), "documented defaults (the CPU device)"
     options = RunOptions.from_config(cfg, seq_len=seq_len)
-    run_optimizer = _unbuilt_optimizer(cfg.optimizer, cfg.optimizer_state.value)
     inputs = plan_inputs(
         model,
         options,
         accelerator=accelerator,
         gpu_memory_bytes=gpu_cap,
         host_memory_bytes=host_cap,
-        master_format=resolve_master(cfg.master.value, getattr(torch, cfg.dtype.value), run_optimizer),
         bandwidths=bandwidths,
-        optimizer=run_optimizer,
+        optimizer=unbuilt_optimizer(options),
     )
     plan = make_plan(inputs)
     distributed = args.nproc_per_node * args.nnodes > 1
@@ -247,18 +244,6 @@ def _plans_accelerator(device_name: str, gpu_cap: int | None) -> bool:
 
         return gpu_cap is not None or auto_device_name() != "cpu"
     return True
-
-
-def _unbuilt_optimizer(name: str, optimizer_state: str) -> Any:
-    """The optimizer `slide train --optimizer name` steps with, built without compiling anything: the plan
-    prices its host and device scratch as the run's own (slide_core's ``build_optimizer``)."""
-    from slide_core import AdamWConfig, plugins
-    from slide_core.optim import build_optimizer
-
-    try:
-        return build_optimizer(name, AdamWConfig(state_format=optimizer_state), warmup=False)
-    except plugins.PluginError as error:
-        raise UserError(f"--optimizer {name}: {error}") from None
 
 
 def _optimizer_class(name: str) -> str:

@@ -8,6 +8,7 @@ inputs and stay plain arithmetic. Only slide-core's config and unit types are im
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -374,7 +375,7 @@ class PlanInputs:
             if named != units:
                 object.__setattr__(self, field_name, named)
 
-    @property
+    @functools.cached_property
     def shape(self) -> ModelShape:
         return self.model if isinstance(self.model, ModelShape) else ModelShape.of(self.model)
 
@@ -416,9 +417,10 @@ class PlanInputs:
             else self.report_grad_norm,
         )
 
-    def layout(self) -> RunLayout:
-        """Where each unit of the planned run lives and is updated (slide_core's :class:`RunLayout`)."""
-        shape = self.shape
+    def layout(self, shape: ModelShape | None = None) -> RunLayout:
+        """Where each unit of the planned run lives and is updated (slide_core's :class:`RunLayout`);
+        ``shape``: this model's, when the caller has it."""
+        shape = shape if shape is not None else self.shape
         return RunLayout(self.engine_config(), tuple(shape.named_numels.items()), tied=shape.tied)
 
     def state_arrays(self) -> tuple[StateArray, ...]:

@@ -37,7 +37,6 @@ from slide_core.engine.resident import resident_numel_bytes
 from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.host_params import HostParameters, MasterFormat
 from slide_core.optim.adamw_config import AdamWConfig
-from slide_core.optim.state_formats import StateArray
 from slide_core.optimizer import Optimizer
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 
@@ -123,10 +122,6 @@ class EngineBuffers:
         return {"host": dict(self.host), "device": dict(self.device)}
 
 
-def _named_numels(shape: ModelShape) -> dict[str, int]:
-    return shape.named_numels
-
-
 def _host_optimizer(inputs: PlanInputs) -> Optimizer:
     """The run's optimizer, or the shipped one for ``optimizer_state`` whose host scratch is the largest
     (the torch ops: the numba kernels keep less)."""
@@ -139,11 +134,6 @@ def _host_optimizer(inputs: PlanInputs) -> Optimizer:
     return TorchAdamW(config) if inputs.optimizer_state == "fp32" else CompactAdamW(config, fused=False)
 
 
-def _state_arrays(inputs: PlanInputs) -> tuple[StateArray, ...]:
-    """How the run's optimizer stores its state (:meth:`PlanInputs.state_arrays`)."""
-    return inputs.state_arrays()
-
-
 def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     """Every engine buffer of this configuration, each priced by the class that allocates it.
 
@@ -151,9 +141,9 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
     layout (slide_core's :class:`~slide_core.engine.layout.RunLayout`, built from the engine config the
     run itself is built with, :meth:`PlanInputs.engine_config`); the bytes each buffer takes are its
     owner's answer."""
-    layout = inputs.layout()
+    layout = inputs.layout(shape)
     d = inputs.compute_dtype_bytes
-    arrays = _state_arrays(inputs)
+    arrays = inputs.state_arrays()
     boundary = inputs.batch_size * inputs.seq_len * shape.activation_width  # one block's input, in elements
     stash_copies = shape.num_blocks if inputs.offload_activations == "ram" else 0
     tier_copies = TIER_STAGING_COPIES if inputs.offload_activations == "nvme" else 0
@@ -177,14 +167,16 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         # previous one is in use.
         "nvme_staging": laid_out["state_tier_staging"] + ActivationStash.host_bytes_for(tier_copies, boundary, d),
     }
+    slots_and_norms = layout.device_buffers()
+    norms = slots_and_norms.pop("grad_norms")
     device = {
-        **{name: bytes_ for name, bytes_ in layout.device_buffers().items() if name != "grad_norms"},
+        **slots_and_norms,
         "resident_units": _resident_bytes(shape, inputs),
         "resident_scratch": _resident_scratch_bytes(shape, inputs),
         "streamed_staging": streamed_staging_bytes(shape, inputs),
         "h2d_staging": _h2d_staging_bytes(shape, inputs),
         "activation_buffers": ActivationStash.device_bytes_for(boundary, d),
-        "grad_norms": layout.device_buffers()["grad_norms"],
+        "grad_norms": norms,
     }
     return EngineBuffers(host, device)
 
@@ -196,7 +188,7 @@ def master_bytes(shape: ModelShape, inputs: PlanInputs, world_size: int = 1) -> 
     page-locks (:func:`pinned_master_numel`), with the resident units inside them."""
     master_format: MasterFormat = "split" if inputs.master_format == "split" else "fp32"
     resident = set(inputs.resident_units)
-    host_numel = sum(n for name, n in _named_numels(shape).items() if name not in resident)
+    host_numel = sum(n for name, n in shape.named_numels.items() if name not in resident)
     copied_plane = HostParameters.h2d_bytes_for(host_numel, master_format)
     other_planes = (
         HostParameters.bytes_for(host_numel, master_format) - copied_plane
@@ -212,7 +204,7 @@ def pinned_master_numel(shape: ModelShape, inputs: PlanInputs, rank: int = 0, wo
     process, every resident unit between the first host-updated unit and the last)."""
     resident = set(inputs.resident_units)
     extents, bridges, offset = [], [], 0
-    for name, numel in _named_numels(shape).items():
+    for name, numel in shape.named_numels.items():
         if name in resident:
             bridges.append((offset, offset + numel))
         else:
@@ -222,15 +214,10 @@ def pinned_master_numel(shape: ModelShape, inputs: PlanInputs, rank: int = 0, wo
     return sum(end - start for start, end in pinned_spans(extents, bridges))
 
 
-def _nvme_names(shape: ModelShape, inputs: PlanInputs) -> list[str]:
-    """The units whose m and v live on NVMe: the run's own rule (:attr:`PlanInputs.offloaded_units`)."""
-    return list(inputs.offloaded_units)
-
-
 def _nvme_units(shape: ModelShape, inputs: PlanInputs) -> list[int]:
-    """Numels of the units whose m and v live on NVMe (:func:`_nvme_names`)."""
-    numels = _named_numels(shape)
-    return [numels[name] for name in _nvme_names(shape, inputs)]
+    """Numels of the units whose m and v live on NVMe (:attr:`PlanInputs.offloaded_units`)."""
+    numels = shape.named_numels
+    return [numels[name] for name in inputs.offloaded_units]
 
 
 def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
@@ -241,7 +228,7 @@ def _host_bytes(shape: ModelShape, inputs: PlanInputs) -> dict[str, int]:
 
 
 def _disk_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    state = HostState.state_bytes(_state_arrays(inputs), _nvme_units(shape, inputs))  # the tier keeps them as stored
+    state = HostState.state_bytes(inputs.state_arrays(), _nvme_units(shape, inputs))  # the tier keeps them as stored
     stash = 0
     if inputs.offload_activations == "nvme":
         stash = (
@@ -336,8 +323,8 @@ def _h2d_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     """The uploads' cast buffers (slide_core/engine/master_upload.py reports the size of one). Each host
     pipeline that streams units keeps its own (slide_core/engine/unit_pipelines.py): the one of the units
     whose state is in RAM, and the one of those whose state is on the tier (``OffloadedPipeline``)."""
-    resident, on_tier = set(inputs.resident_units), set(_nvme_names(shape, inputs))
-    streamed = [name for name in _named_numels(shape) if name not in resident]
+    resident, on_tier = set(inputs.resident_units), set(inputs.offloaded_units)
+    streamed = [name for name in shape.named_numels if name not in resident]
     uploads = int(any(name not in on_tier for name in streamed)) + int(bool(on_tier))
     source = 2 if inputs.master_format == "split" else 4  # the split master's bf16 plane, or the fp32 master
     return uploads * MasterUpload.staging_bytes(inputs.transfer_chunk_numel, source, inputs.compute_dtype_bytes)
@@ -347,7 +334,7 @@ def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     """Device-resident units, priced by the engine's own rule (slide_core/engine/resident.py) with the
     state arrays the run's optimizer stores (bf16 or int8 moments take less than fp32 ones)."""
     accumulates = inputs.grad_accum > 1  # clipping sums a tied embedding in its slot too (resident.py)
-    numel = _named_numels(shape)
+    numel = shape.named_numels
     arrays = inputs.device_optimizer().state_arrays
     return sum(
         resident_numel_bytes(numel[name], inputs.compute_dtype_bytes, accumulates=accumulates, state_arrays=arrays)
@@ -372,7 +359,7 @@ def streamed_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def _resident_max_numel(shape: ModelShape, inputs: PlanInputs) -> int:
-    numel = _named_numels(shape)
+    numel = shape.named_numels
     return max((numel.get(name, 0) for name in inputs.resident_units), default=0)
 
 

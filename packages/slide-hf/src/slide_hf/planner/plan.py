@@ -21,7 +21,6 @@ from slide_hf.planner.memory import (
     _gpu_peak,
     _host_bytes,
     _host_peak,
-    _nvme_names,
     engine_buffers,
     resident_scratch_bytes,
 )
@@ -107,7 +106,7 @@ class Plan:
 
     def buffers(self) -> EngineBuffers:
         """Every buffer the planned run's engine allocates, by name and owner's size (memory.py)."""
-        return engine_buffers(self.inputs.shape, self.inputs)
+        return engine_buffers(self.shape, self.inputs)
 
     @property
     def engine_host_bytes(self) -> int:
@@ -394,7 +393,7 @@ def _all_streamed(inputs: PlanInputs) -> Plan:
 def _all_streamed_with(inputs: PlanInputs, *, refuse: bool = False) -> Plan:
     """:func:`_all_streamed` with ``inputs.staging_sets`` sets; ``refuse``: one line when it does not fit."""
     shape = inputs.shape
-    on_nvme = set(_nvme_names(shape, inputs))
+    on_nvme = set(inputs.offloaded_units)
     streamable = [c for c in unit_costs(shape, inputs) if c.name not in on_nvme]
     reserve = max((c.stream_device_bytes for c in streamable), default=0)
     placed = _with_resident(inputs, reserve_bytes=reserve)

@@ -15,7 +15,7 @@ from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import _nvme_units
 from slide_hf.planner.step_schedule import ScheduleRates, UnitWork, simulate_step
-from slide_hf.planner.traffic import HOST_ADAM_BUSY_SHARE, h2d_bytes_per_param, host_bytes_per_param_step
+from slide_hf.planner.traffic import HOST_ADAM_BUSY_SHARE, h2d_bytes_per_param
 from slide_hf.planner.unit_costs import (
     STREAMED_MASTER_BYTES,
     UnitCost,
@@ -25,8 +25,7 @@ from slide_hf.planner.unit_costs import (
     unit_costs,
 )
 
-__all__ = ["HOST_ADAM_BUSY_SHARE", "h2d_bytes_per_param", "host_bytes_per_param_step"]
-"""Re-exported from traffic.py, where they live, for the callers that read them here."""
+__all__: list[str] = []
 
 
 def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
@@ -86,8 +85,6 @@ def scheduled_step_s(
     """The step time of the engine's order (slide_hf/planner/step_schedule.py) for ``placements``: each
     unit's compute split from the step's FLOPs as :func:`_times` counts them, its transfers and its update
     priced as :func:`~slide_hf.planner.unit_costs.unit_costs` prices them."""
-    from slide_hf.planner.memory import _named_numels
-
     bw = inputs.bandwidths
     d = inputs.compute_dtype_bytes
     seq = inputs.seq_len
@@ -99,7 +96,7 @@ def scheduled_step_s(
     accumulate_bytes = 8 + d
     by_name = {cost.name: cost for cost in costs}
     work = []
-    for name, n in _named_numels(shape).items():
+    for name, n in shape.named_numels.items():
         if n == 0:
             continue
         placement = placements[name]
