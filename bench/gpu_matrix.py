@@ -405,6 +405,8 @@ def _planned_peaks(log: Path) -> tuple[float, float] | None:
         if "plan: GPU peak" in line:
             words = line.split("plan: GPU peak", 1)[1].replace(",", " ").split()
             return float(words[0]), float(words[words.index("host") + 2])
+        if "plan: host peak" in line:  # the CPU device: no GPU peak in its plan
+            return 0.0, float(line.split("plan: host peak", 1)[1].split()[0])
     return None
 
 

@@ -67,6 +67,7 @@ from slide_hf.errors import Interrupted, RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run
 from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_sources, default_lr
+from slide_hf.plan_check import PlanCheck
 from slide_hf.planner import output_disk as disk
 from slide_hf.progress import Progress
 from slide_hf.resume import (
@@ -204,6 +205,7 @@ def _train(
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
         trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group)
         trainer.resumed = resumed
+        trainer.plan = placement.plan
         with trainer.stop, parts as engine:
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
@@ -590,7 +592,8 @@ class _Trainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.evaluator = _Evaluator(engine, data.eval_set, cfg.batch_size, group) if data.eval_set is not None else None
         self.losses: list[float] = []
-        self.best: dict[str, Any] = {}
+        self.best: dict[str, Any] = {}  # the published best (best.json), what pruning protects
+        self.best_candidate: dict[str, Any] | None = None  # a better one whose checkpoint is not published yet
         self.last_saved: int | None = None
         # --save-async: checkpoints written on a thread (Note [Background snapshot] in slide_core's
         # checkpoint/background.py); one process only (the options' rules).
@@ -598,6 +601,8 @@ class _Trainer:
         self.resumed: tuple[Path, dict[str, Any]] | None = None  # the checkpoint and its state, when resuming
         self.progress: Progress | None = None
         self._process = psutil.Process()
+        self.plan: Any = None  # the placed plan, whose terms the run's log measures (slide_hf/plan_check.py)
+        self.step_times_s: list[float] = []
 
     def run(self) -> int:
         """Train inside the running engine from the resumed step (or 0) to the last; the final state is
@@ -662,6 +667,9 @@ class _Trainer:
             self._collect(wait=True)
         if self._stopping():
             raise stop.stopped(f"after step {final_step}; its checkpoint is saved", self.output)
+        if self.main and self.plan is not None and self.step_times_s:
+            gpu_peak = self.device.peak_memory_bytes() if self.device.is_accelerator else None
+            log.info("%s", PlanCheck.of(self.plan, self.step_times_s, gpu_peak_bytes=gpu_peak).line())
         return first_step
 
     def _stopping(self) -> bool:
@@ -670,6 +678,7 @@ class _Trainer:
         return self.stop.agreed is not None
 
     def _log_step(self, result: Any, micro_batches: list[Any]) -> None:
+        self.step_times_s.append(result.wall_s)
         times = self.engine.unit_times()
         real_tokens = _real_tokens(micro_batches, self.pad_id)
         # Every rank's rows (the engine's counts already are), and its signals.
@@ -715,21 +724,28 @@ class _Trainer:
         self.run_log.record(record)
         if self.on_eval is not None:
             self.on_eval(dict(record))
-        if self.cfg.save_best and record["eval_loss"] < self.best.get("eval_loss", math.inf):
+        if self.cfg.save_best and record["eval_loss"] < (self.best_candidate or self.best).get("eval_loss", math.inf):
             # Saved, then named in best.json, then the older best pruned: a crash between leaves best.json
-            # naming a checkpoint that exists. The best is known at once (the next evaluation compares with
-            # it); best.json and the pruning wait for the checkpoint to be published (--save-async).
+            # naming a checkpoint that exists. The next evaluation compares with the candidate at once; it
+            # becomes the best (best.json, what pruning protects) only once its checkpoint is published
+            # (--save-async: when the save is collected), so until then the older best stays protected.
             path = _checkpoint_path(self.checkpoints, step)
-            self.best.update(step=step, eval_loss=record["eval_loss"], path=str(path.relative_to(self.output)))
+            candidate = {"step": step, "eval_loss": record["eval_loss"], "path": str(path.relative_to(self.output))}
+            self.best_candidate = candidate
             if self.last_saved != step:
-                self.last_saved = self._save(step, then=self._published_best, wait=False)
+                self.last_saved = self._save(step, then=lambda saved: self._published_best(candidate), wait=False)
             else:
                 self._collect(wait=True)
-                self._published_best(path)
+                self._published_best(candidate)
             log.info("best eval loss so far: %.4f at step %d (%s)", record["eval_loss"], step, path)
 
-    def _published_best(self, path: Path) -> None:
-        """The best checkpoint ``path`` is on disk: name it in best.json, then prune the older best."""
+    def _published_best(self, candidate: dict[str, Any]) -> None:
+        """The checkpoint of ``candidate`` is on disk: it becomes the best, named in best.json, then the
+        older best is pruned."""
+        self.best.clear()
+        self.best.update(candidate)
+        if self.best_candidate is candidate:
+            self.best_candidate = None
         _write_best(self.checkpoints, self.best)
         self._prune()
 
@@ -739,8 +755,9 @@ class _Trainer:
         return self._save(step, then=lambda path: self._prune(), wait=wait)
 
     def _protected(self) -> list[Path]:
-        """What pruning never deletes: the best checkpoint (--save-best)."""
-        return [self.output / self.best["path"]] if self.best.get("path") else []
+        """What pruning never deletes (--save-best): the published best, and a better candidate once its
+        checkpoint is written (a path not on disk protects nothing)."""
+        return [self.output / best["path"] for best in (self.best, self.best_candidate or {}) if best.get("path")]
 
     def _prune(self) -> None:
         """Keep the newest --keep-checkpoints and the best one (Note [Retention] in slide_core's
@@ -784,10 +801,13 @@ class _Trainer:
         return step
 
     def _published(self, saved: Path, then: Callable[[Path], None]) -> None:
+        """``saved`` is published: its ``then`` (pruning, best.json) first, so that the record of the run's
+        files that follows holds what stays on disk."""
         if self.main:
-            self.run_dir.record_outputs()  # the new checkpoint's files are slide's (slide_hf/run_files.py)
             log.info("checkpoint written to %s", saved)
         then(saved)
+        if self.main:
+            self.run_dir.record_outputs()  # the new checkpoint's files are slide's (slide_hf/run_files.py)
 
     def _room_for_a_copy(self, nbytes: int) -> bool:
         """Whether host memory can hold the copy a background save writes from; when it cannot, the save
@@ -819,7 +839,12 @@ class _Trainer:
 
     def save_weights(self, step: int) -> None:
         """--save-weights-every: the weights of ``step`` alone, an HF model directory, read unit by unit
-        from where the engine keeps each master (slide_hf/run_export.py)."""
+        from where the engine keeps each master (slide_hf/run_export.py). None when the run stops: a stop
+        is quick, and the step's checkpoint holds these weights."""
+        if self._stopping():
+            if self.main:
+                log.info("the weights-only save of step %d is skipped: the run stops after its checkpoint", step)
+            return
         master = self.engine.checkpoint_arrays()["master"]  # note: waits for every pending update (a host sync)
         if not self.main:
             return

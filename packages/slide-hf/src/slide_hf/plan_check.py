@@ -1,0 +1,91 @@
+"""The run against its plan: what `slide train` measured beside what its plan said, said once at the end.
+
+A plan is a promise made before a user spends the GPU time; the run's own log is where that promise is
+checked, term by term, so a user sees how far the plan of this machine is off (and `slide plan` on the next
+run can be read with that in mind). The step is the median wall time of the steps after the first (the
+first compiles kernels and fills the caches); the host peak is the process's peak resident memory as the
+kernel counts it (``ru_maxrss``), the GPU peak the device allocator's.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PlanCheck", "host_peak_rss_bytes"]
+
+GiB = 1 << 30
+
+
+def host_peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (no sampling: the kernel keeps it)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    """Measured and planned, per term: seconds per step, host peak bytes, GPU peak bytes (None: no GPU)."""
+
+    step_s: float | None
+    planned_step_s: float | None
+    host_peak_bytes: int
+    planned_host_peak_bytes: int
+    gpu_peak_bytes: int | None
+    planned_gpu_peak_bytes: int | None
+
+    @classmethod
+    def of(cls, plan: Any, step_times_s: Sequence[float], *, gpu_peak_bytes: int | None) -> PlanCheck:
+        """``plan``: the run's placed plan; ``step_times_s``: every step's wall time, in order;
+        ``gpu_peak_bytes``: the device's peak, None on the CPU device. The CPU device has no step time in
+        its plan (the planner's rates are a GPU's and its PCIe link's), so only its host peak is compared."""
+        warm = list(step_times_s[1:]) or list(step_times_s)
+        on_gpu = gpu_peak_bytes is not None
+        return cls(
+            step_s=statistics.median(warm) if warm and on_gpu else None,
+            planned_step_s=plan.step_time_s if on_gpu else None,
+            host_peak_bytes=host_peak_rss_bytes(),
+            planned_host_peak_bytes=plan.host_peak_bytes,
+            gpu_peak_bytes=gpu_peak_bytes,
+            planned_gpu_peak_bytes=None if gpu_peak_bytes is None else plan.gpu_peak_bytes,
+        )
+
+    def to_dict(self) -> dict[str, dict[str, float | None]]:
+        """Each term as ``{measured, planned, ratio}`` (ratio: measured / planned)."""
+        terms = {
+            "step_s": (self.step_s, self.planned_step_s),
+            "host_peak_bytes": (self.host_peak_bytes, self.planned_host_peak_bytes),
+            "gpu_peak_bytes": (self.gpu_peak_bytes, self.planned_gpu_peak_bytes),
+        }
+        return {name: _term(measured, planned) for name, (measured, planned) in terms.items() if measured is not None}
+
+    def line(self) -> str:
+        """One log line: ``measured against planned: step 1.23 s / 1.10 s (x1.12), host peak ...``."""
+        parts = []
+        if self.step_s is not None and self.planned_step_s is not None:
+            parts.append(
+                f"step {self.step_s:.3g} s / {self.planned_step_s:.3g} s{_ratio(self.step_s, self.planned_step_s)}"
+            )
+        parts.append(
+            f"host peak {self.host_peak_bytes / GiB:.2f} / {self.planned_host_peak_bytes / GiB:.2f} GiB"
+            f"{_ratio(self.host_peak_bytes, self.planned_host_peak_bytes)}"
+        )
+        if self.gpu_peak_bytes is not None and self.planned_gpu_peak_bytes is not None:
+            parts.append(
+                f"GPU peak {self.gpu_peak_bytes / GiB:.2f} / {self.planned_gpu_peak_bytes / GiB:.2f} GiB"
+                f"{_ratio(self.gpu_peak_bytes, self.planned_gpu_peak_bytes)}"
+            )
+        return "measured against planned: " + ", ".join(parts)
+
+
+def _term(measured: float, planned: float | None) -> dict[str, float | None]:
+    ratio = measured / planned if planned else None
+    return {"measured": measured, "planned": planned, "ratio": ratio}
+
+
+def _ratio(measured: float, planned: float) -> str:
+    return f" (x{measured / planned:.2f})" if planned > 0 else ""

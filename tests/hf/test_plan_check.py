@@ -1,0 +1,50 @@
+"""The run's log says what it measured against what its plan said (slide_hf/plan_check.py)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from slide_hf.plan_check import PlanCheck, host_peak_rss_bytes
+
+GiB = 1 << 30
+PLAN = SimpleNamespace(step_time_s=2.0, host_peak_bytes=10 * GiB, gpu_peak_bytes=20 * GiB)
+
+
+def test_a_gpu_run_compares_the_steps_after_the_first_and_both_peaks() -> None:
+    check = PlanCheck.of(PLAN, [9.0, 2.0, 3.0, 2.5], gpu_peak_bytes=22 * GiB)
+    assert check.step_s == 2.5  # the median of the steps after the first, which compiles and warms
+    terms = check.to_dict()
+    assert terms["step_s"] == {"measured": 2.5, "planned": 2.0, "ratio": 1.25}
+    assert terms["gpu_peak_bytes"]["ratio"] == pytest.approx(1.1)
+    assert terms["host_peak_bytes"]["measured"] == check.host_peak_bytes > 0
+    line = check.line()
+    assert line.startswith("measured against planned: step 2.5 s / 2 s (x1.25), host peak ")
+    assert "GPU peak 22.00 / 20.00 GiB (x1.10)" in line
+
+
+def test_the_cpu_device_compares_its_host_peak_only() -> None:
+    """Its plan has no step time of its own (the planner's rates are a GPU's) and no GPU."""
+    check = PlanCheck.of(PLAN, [1.0, 1.0], gpu_peak_bytes=None)
+    assert set(check.to_dict()) == {"host_peak_bytes"}
+    assert "step" not in check.line() and "GPU" not in check.line()
+
+
+def test_the_host_peak_is_the_processes_own() -> None:
+    import psutil
+
+    assert host_peak_rss_bytes() >= psutil.Process().memory_info().rss * 0.9
+
+
+def test_slide_train_logs_measured_against_planned(slide, tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    status, _, err = slide(
+        "train", "--device", "cpu", "--steps", "2", "--seq-len", "32", "--output", str(tmp_path / "r")
+    )
+    assert status == 0, err
+    planned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("plan: host peak")]
+    measured = [r.getMessage() for r in caplog.records if r.getMessage().startswith("measured against planned")]
+    assert len(planned) == 1 and len(measured) == 1
+    assert planned[0].split()[3] in measured[0]  # the planned host peak, in GiB, is the one compared
