@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 from slide_core.checkpoint import list_checkpoints
 from slide_hf.cli.main import main
 from slide_hf.run_dir import LOCK_FILE
-from slide_hf.run_files import RECORD_FILE, read_record
+from slide_hf.run_files import RECORD_FILE, RunFiles, read_record
 
 TINY = ("--device", "cpu", "--dtype", "float32", "--seq-len", "16", "--batch-size", "2")
 
@@ -175,3 +176,47 @@ def test_export_into_the_runs_model_keeps_the_users_files(tmp_path: Path, finish
     assert not list(run.glob(".model.keep-*"))
     recorded = read_record(run)
     assert recorded is not None and "model/config.json" in recorded and "model/README.md" not in recorded
+
+
+def _edit(path: Path, text: str) -> None:
+    """Append ``text`` to ``path`` in place (same inode), with an mtime certainly newer."""
+    before = path.stat().st_mtime_ns
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(text)
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+
+
+def test_a_users_file_edited_during_a_run_stays_the_users(tmp_path: Path, finished_run: Path, monkeypatch) -> None:
+    """A file the user keeps in model/, edited in place while a resumed run holds the directory, is
+    not claimed by the run's next record: the export carries it over and --overwrite keeps it."""
+    run = _copy(finished_run, tmp_path / "run")
+    card = run / "model" / "README.md"
+    card.write_text("the user's model card")
+    record = RunFiles.record
+
+    def edited_first(self: RunFiles, *, force: bool = False) -> None:
+        if not force and card.read_text() == "the user's model card":
+            _edit(card, ", edited")
+        record(self, force=force)
+
+    monkeypatch.setattr(RunFiles, "record", edited_first)
+    assert main(["train", "--resume", str(run), "--steps", "3"]) == 0
+    monkeypatch.undo()
+    assert card.read_text() == "the user's model card, edited"
+    assert "model/README.md" not in read_record(run)
+    assert main(["train", "--output", str(run), *TINY, "--steps", "1", "--overwrite"]) == 0
+    assert card.read_text() == "the user's model card, edited"
+
+
+def test_only_slides_appended_files_are_claimed_by_their_mtime(tmp_path: Path) -> None:
+    """An unrecorded train.log that a run appends to becomes slide's; a user's file edited in place does not."""
+    (tmp_path / "model").mkdir()
+    notes, log = tmp_path / "model" / "notes.txt", tmp_path / "train.log"
+    notes.write_text("mine")
+    log.write_text("an earlier line\n")
+    files = RunFiles.claim(tmp_path, resuming=False)
+    assert files.files == frozenset()
+    _edit(notes, " and more")
+    _edit(log, "the run's line\n")
+    files.record()
+    assert files.files == {"train.log"}

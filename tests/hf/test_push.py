@@ -157,3 +157,53 @@ def test_a_finished_run_resumed_with_push_to_hub_pushes_its_model(hub, tmp_path,
 def test_bad_push_options_are_one_line(values: dict[str, Any], message: str) -> None:
     with pytest.raises(UserError, match="^" + re.escape(message)):
         TrainConfig(**values)
+
+
+def test_the_retry_never_pushes_a_model_older_than_the_run(hub, tmp_path, monkeypatch, capsys):
+    """A run resumed with more --steps whose export failed keeps the old model/; the retry refuses it
+    (its slide-export.json names the older step) instead of pushing it as the newest step."""
+    import json
+
+    import slide_hf.recipe
+
+    run = tmp_path / "run"
+    assert main([*TRAIN, "--output", str(run)]) == 0
+    assert json.loads((run / "model" / "slide-export.json").read_text()) == {"step": 2}
+
+    def full_disk(*args, **kwargs):
+        raise UserError(f"cannot write the model to {run / 'model'}: No space left on device")
+
+    monkeypatch.setattr(slide_hf.recipe, "export_run_model", full_disk)
+    assert main(["train", "--resume", str(run), "--steps", "3"]) == 2
+    monkeypatch.undo()
+    monkeypatch.setattr("huggingface_hub.HfApi", _Hub)
+    capsys.readouterr()
+    assert main(["export", str(run), "--push-to-hub", "me/tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds the export of step 2, not the run's newest checkpoint (step 3)" in err[0], err
+    assert f"`slide export {run} {run / 'model'} --overwrite --push-to-hub me/tiny`" in err[0]
+    assert not [call for call in hub.calls if call[0] == "upload"]
+
+
+def test_the_hub_code_checks_the_repository_id_only_where_no_option_did(hub, tmp_path, monkeypatch):
+    """`slide train` checks it with its options (slide_hf/options/config.py), so neither the check
+    before training nor the push at the end checks it again; `slide export RUN --push-to-hub` checks it once."""
+    import sys
+
+    import slide_hf.hub
+
+    checked: list[str] = []
+    check = slide_hf.hub.check_repo_id
+
+    def counted(repo_id: str, **kwargs: Any) -> None:
+        if sys._getframe(1).f_globals.get("__name__") == "slide_hf.hub":
+            checked.append(repo_id)
+        check(repo_id, **kwargs)
+
+    monkeypatch.setattr(slide_hf.hub, "check_repo_id", counted)
+    run = tmp_path / "run"
+    assert main([*TRAIN, "--output", str(run), "--push-to-hub", "me/tiny"]) == 0
+    assert checked == []
+    assert main(["export", str(run), "--push-to-hub", "me/tiny"]) == 0
+    assert checked == ["me/tiny"]
+    assert [call[0] for call in hub.calls] == ["create", "create", "upload", "create", "upload"]

@@ -16,8 +16,10 @@ which pushes the run's finished model without exporting it again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from slide_hf.errors import UserError
@@ -123,59 +125,67 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
+@contextlib.contextmanager
+def _hub_errors(unreachable: str, refused: str, then: str, *, refused_then: str | None = None) -> Iterator[None]:
+    """The Hub calls of a push, each failure one line: ``unreachable (error); check the network ...;
+    then`` for a transport failure (the Hub was never reached), ``refused (error); then`` (or
+    ``refused_then``) for an answer of the Hub or a local read error."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        yield
+    except _network_errors() as error:  # no route, DNS, proxy, timeout
+        raise UserError(f"{unreachable} ({_first_line(error)}); check the network (or HF_ENDPOINT); {then}") from None
+    except (HfHubHTTPError, OSError, ValueError) as error:
+        raise UserError(f"{refused} ({_first_line(error)}); {refused_then or then}") from None
+
+
 def push_to_hub(folder: Path, repo_id: str, *, private: bool = False, message: str, retry: str | None = None) -> str:
     """Upload an exported model directory to the Hub repository ``repo_id`` (created if needed); returns
     the repository's URL. The export stays on disk whatever happens: a failed push is one line and can be
     retried with the same command, or with ``retry`` where another one is needed."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-
     check_repo_id(repo_id)
+    return _upload(folder, repo_id, private=private, message=message, retry=retry)
+
+
+def _upload(folder: Path, repo_id: str, *, private: bool, message: str, retry: str | None) -> str:
+    """:func:`push_to_hub` of a ``repo_id`` already checked where it entered (`slide train`'s options,
+    :func:`finished_model`)."""
+    from huggingface_hub import HfApi
+
     kept = f"the model stays in {folder}" + (f"; push it with `{retry}`" if retry else "")
     if _offline():
         raise UserError(f"cannot push to {repo_id}: HF_HUB_OFFLINE is set; {kept}")
     api = HfApi()
-    try:
+    unreachable = f"cannot reach the Hub at {_hub_host(api)} to push {repo_id}"
+    with _hub_errors(unreachable, f"cannot push to {repo_id}", ("" if retry else "push again; ") + kept):
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message)
-    except _network_errors() as error:  # no route, DNS, proxy, timeout: the Hub was never reached
-        again = "" if retry else " and push again"
-        raise UserError(
-            f"cannot reach the Hub at {_hub_host(api)} to push {repo_id} ({_first_line(error)}); check the network "
-            f"(or HF_ENDPOINT){again}; {kept}"
-        ) from None
-    except (HfHubHTTPError, OSError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"cannot push to {repo_id} ({first}); {kept}") from None
     return str(url)
 
 
 def prepare_push(repo_id: str, *, private: bool = False) -> None:
     """Before a run trains: refuse ``HF_HUB_OFFLINE`` and make sure the repository exists (created as the
     HF Trainer creates it at the start, ``exist_ok``), so a missing login, a token without write access or
-    a name the user may not write is one line now rather than after the training."""
+    a name the user may not write is one line now rather than after the training. ``repo_id`` was checked
+    with the run's options."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
 
-    check_repo_id(repo_id)
+    flag = f"--push-to-hub {repo_id}"
     if _offline():
         raise UserError(
-            f"--push-to-hub {repo_id}: HF_HUB_OFFLINE is set, so the model could not be pushed at the end; unset "
-            "it, or train without --push-to-hub and push later with `slide export RUN --push-to-hub REPO`"
+            f"{flag}: HF_HUB_OFFLINE is set, so the model could not be pushed at the end; unset it, or train "
+            "without --push-to-hub and push later with `slide export RUN --push-to-hub REPO`"
         )
     api = HfApi()
-    try:
+    login = "log in with a token that can write it (hf auth login, or HF_TOKEN); nothing was trained"
+    with _hub_errors(
+        f"{flag}: cannot reach the Hub at {_hub_host(api)}",
+        f"{flag}: cannot create the repository",
+        "nothing was trained",
+        refused_then=login,
+    ):
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    except _network_errors() as error:
-        raise UserError(
-            f"--push-to-hub {repo_id}: cannot reach the Hub at {_hub_host(api)} ({_first_line(error)}); check the "
-            "network (or HF_ENDPOINT); nothing was trained"
-        ) from None
-    except (HfHubHTTPError, OSError, ValueError) as error:
-        raise UserError(
-            f"--push-to-hub {repo_id}: cannot create the repository ({_first_line(error)}); log in with a token "
-            "that can write it (hf auth login, or HF_TOKEN); nothing was trained"
-        ) from None
 
 
 def retry_command(run: Path, repo_id: str, *, private: bool = False) -> str:
@@ -187,24 +197,26 @@ def push_run_model(run: Path, model: Path, repo_id: str, *, private: bool, step:
     """Push the model a run of ``run`` exported at its end (``step``); a failure is one line that says the
     run is complete and names the command that retries the push."""
     message = f"slide train: {run.name}, step {step}"
-    return push_to_hub(
-        model, repo_id, private=private, message=message, retry=retry_command(run, repo_id, private=private)
-    )
+    return _upload(model, repo_id, private=private, message=message, retry=retry_command(run, repo_id, private=private))
 
 
 def finished_model(source: Path, repo_id: str | None) -> tuple[Path, int | None]:
     """What `slide export RUN --push-to-hub REPO` (no OUTPUT) pushes: the run's own ``model/`` and the
-    step it holds when it is the finished run's export (then it is pushed as it is: no export again, no
-    ``--overwrite``), or ``(RUN/model, None)`` when the run has no model yet (a failed final export): the
-    newest checkpoint is exported there first. A ``model/`` beside newer checkpoints (a resumed run that
-    did not finish) is not what the run is now, and is refused with the command that exports the newest."""
+    step it holds when it is the export of the run's newest checkpoint (then it is pushed as it is: no
+    export again, no ``--overwrite``), or ``(RUN/model, None)`` when the run has no model yet (a failed
+    final export): the newest checkpoint is exported there first. The step a ``model/`` holds is the one
+    its export wrote down (``slide-export.json``, slide_hf/run_files.py); a ``model/`` of another step or
+    of none it names (a run resumed with more ``--steps`` whose export failed keeps the old one) is not
+    what the run is now, and is refused with the command that exports the newest."""
     from slide_core.checkpoint import CheckpointCorrupt, find_latest, read_state
     from slide_hf.resume import corrupt_message
+    from slide_hf.run_files import EXPORT_STAMP, exported_step
 
     if repo_id is None:
         raise UserError(
             "slide export needs an OUTPUT directory to write, or --push-to-hub REPO to push the run's own model"
         )
+    check_repo_id(repo_id)
     if (source / "state.json").exists():
         raise UserError(
             f"{source} is one checkpoint; name an OUTPUT directory to export it into, then it is pushed: "
@@ -216,16 +228,17 @@ def finished_model(source: Path, repo_id: str | None) -> tuple[Path, int | None]
         state = read_state(find_latest(source))
     except CheckpointCorrupt as error:
         raise UserError(corrupt_message(error, lambda intact: f"export it with `slide export {intact} OUT`")) from None
-    step, extra = int(state["step"]), state.get("extra", {})
-    total = int(extra.get("total_steps", step)) if isinstance(extra, dict) else step
+    step = int(state["step"])
     model = source / "model"
     if not model.exists():
         return model, None
     if not ((model / "config.json").is_file() and any(model.glob("*.safetensors"))):
         raise UserError(f"{model} holds no exported model (config.json and safetensors); move it aside and retry")
-    if step < total:
+    exported = exported_step(model)
+    if exported != step:
+        held = f"the export of step {exported}" if exported is not None else f"no {EXPORT_STAMP} naming its step"
         raise UserError(
-            f"{model} is not the model of the run's newest checkpoint (step {step} of {total}, not finished); "
-            f"export that one and push it: `slide export {source} OUT --push-to-hub {repo_id}`"
+            f"{model} holds {held}, not the run's newest checkpoint (step {step}); export that one and push it: "
+            f"`slide export {source} {model} --overwrite --push-to-hub {repo_id}`"
         )
     return model, step

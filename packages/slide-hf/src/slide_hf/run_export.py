@@ -103,7 +103,10 @@ def export_run_model(
     A first SIGINT/SIGTERM during the export (``stop``'s handlers are still installed) cancels it between
     shards, a second interrupts it at once; either way the temp directory is removed and
     :class:`RunStopped` says how to finish. A full disk or NaN weights are a :class:`UserError` that
-    keeps the checkpoint and says the same."""
+    keeps the checkpoint and says the same. The export ends with ``model/slide-export.json``, the step it
+    holds, so `slide export RUN --push-to-hub REPO` never pushes a ``model/`` older than the run."""
+    from slide_hf.run_files import stamp_export
+
     target = run / "model"
     finish = f"write the model with `slide export {run} {target}`"
     try:
@@ -117,6 +120,10 @@ def export_run_model(
             overwrite=True,
             cancel=lambda: stop.requested is not None,
         )
+        try:
+            stamp_export(target, step)
+        except OSError as error:
+            raise UserError(write_error(target, error)) from None
         return target  # as the user named it (relative stays relative in the messages)
     except (ExportCancelled, KeyboardInterrupt) as error:
         if isinstance(error, Interrupted):  # a second signal: its own name and status (128 + its number)

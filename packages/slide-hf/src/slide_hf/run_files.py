@@ -10,8 +10,11 @@ left empty; anything else stays where it is.
 
 Note [Whose file]: a file under the paths slide writes (:func:`_written_files`) is slide's when it is
 recorded, unless it was already there, unrecorded, when the run claimed the directory: such a file is the
-user's, known by its device, inode and mtime, so it stays the user's when slide moves it (a rollback, the
-model export) and becomes slide's only when slide rewrites it. A resumed run takes its own checkpoint
+user's, known by its device and inode, so it stays the user's when slide moves it (a rollback, the model
+export) and when the user edits it in place, and becomes slide's only when slide replaces it (slide writes
+its files through a temporary file and a rename, which gives a new inode). Slide's append-only files
+(``train.log``, ``metrics.jsonl``), the one kind it writes in place, are also known by their mtime: one
+that was there becomes slide's once the run appends to it. A resumed run takes its own checkpoint
 directories (``checkpoints/step-*``, ``checkpoints/abandoned-*``, ``weights/step-*``) as written by slide
 even when they are unrecorded (a run killed between a save and its record, or one of a slide that kept no record).
 
@@ -36,12 +39,15 @@ from slide_hf.errors import UserError
 from slide_hf.spelling import option
 
 __all__ = [
+    "EXPORT_STAMP",
     "RECORD_FILE",
     "RunFiles",
+    "exported_step",
     "overwrite_plan",
     "read_record",
     "remove_for_overwrite",
     "restore_kept",
+    "stamp_export",
 ]
 
 log = logging.getLogger("slide.train")
@@ -52,19 +58,25 @@ _TOP_FILES = ("options.json", "metrics.jsonl", "train.log")
 _WHOLE_DIRS = ("model", "config", "tokenizer", ".data-cache")
 _STEP_DIRS = {"checkpoints": ("step-", "abandoned-"), "weights": ("step-",)}
 """Folders whose step folders slide writes whole; a file directly in one of them is never slide's."""
-_MODEL_FILES = ("config.json", "generation_config.json")
+EXPORT_STAMP = "slide-export.json"
+"""In a run's ``model/``: the step it was exported from (:func:`stamp_export`)."""
+_APPENDED = ("metrics.jsonl", "train.log")
+"""Slide's files that a run appends to in place rather than replaces (Note [Whose file])."""
+_MODEL_FILES = ("config.json", "generation_config.json", EXPORT_STAMP)
 _MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
-Identity = tuple[int, int, int]
-"""A file's device, inode and mtime in nanoseconds (Note [Whose file])."""
+Identity = tuple[int, ...]
+"""A file's device and inode, and for an appended file its mtime in nanoseconds (Note [Whose file])."""
 
 
-def _identity(path: Path) -> Identity | None:
+def _identity(path: Path, relative: str) -> Identity | None:
     try:
         stat = path.lstat()
     except OSError:
         return None
-    return (stat.st_dev, stat.st_ino, stat.st_mtime_ns)
+    if relative in _APPENDED:
+        return (stat.st_dev, stat.st_ino, stat.st_mtime_ns)
+    return (stat.st_dev, stat.st_ino)
 
 
 def _walk(directory: Path) -> Iterator[Path]:
@@ -151,6 +163,34 @@ def _write_record(root: Path, files: frozenset[str]) -> None:
         raise UserError(f"cannot write {root / RECORD_FILE}: {error.strerror or error}") from None
 
 
+def stamp_export(model: Path, step: int) -> None:
+    """Write ``model/slide-export.json``, ``{"step": N}``, once the run's export of step ``step`` is
+    complete: without it nothing says which checkpoint ``model/`` came from, and a run extended with
+    ``--resume --steps`` whose export failed would keep (and push) the old model as the new one. Written
+    atomically; a write error is an ``OSError`` for the caller to report."""
+    temp = model / f".{EXPORT_STAMP}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        with temp.open("w", encoding="utf-8") as handle:
+            handle.write(json.dumps({"step": step}) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, model / EXPORT_STAMP)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+
+
+def exported_step(model: Path) -> int | None:
+    """The step ``model`` was exported from (:func:`stamp_export`), ``None`` when it does not say (no
+    stamp, a damaged one, or an export of a slide that wrote none)."""
+    try:
+        stamp = json.loads((model / EXPORT_STAMP).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    step = stamp.get("step") if isinstance(stamp, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 class RunFiles:
     """The record of one run directory while a run holds it (its lock): what it wrote, and whose the other
     files are (Note [Whose file]). Created by :meth:`claim`; :meth:`record` adds what the run wrote since."""
@@ -171,7 +211,7 @@ class RunFiles:
             relative = path.relative_to(root).as_posix()
             if relative in files or (resuming and _is_checkpoint_file(relative)):
                 continue
-            found = _identity(path)
+            found = _identity(path, relative)
             if found is not None:
                 users.add(found)
         claimed = cls(root, files, frozenset(users))
@@ -186,7 +226,7 @@ class RunFiles:
         found = {relative for relative in self.files if (self.root / relative).parent.is_dir()}
         for path in _written_files(self.root):
             relative = path.relative_to(self.root).as_posix()
-            identity = _identity(path)
+            identity = _identity(path, relative)
             if relative in self.files or (identity is not None and identity not in self.users):
                 found.add(relative)
         files = frozenset(found)
