@@ -119,10 +119,129 @@ def test_weights_saves_and_an_abandoned_line_pruned_by_the_same_rule(tmp_path: P
             resume=run / "checkpoints/step-00000002",
         )
     )
-    assert _listing(run / "checkpoints") == ["step-00000003", "step-00000004"]  # no abandoned-* left
+    # No abandoned checkpoint is left; the folder keeps what was set aside with them, never pruned.
+    (aside,) = (run / "checkpoints").glob("abandoned-*")
+    assert _listing(run / "checkpoints") == [aside.name, "step-00000003", "step-00000004"]
+    assert _listing(aside) == ["model", "weights"] and (aside / "model/config.json").is_file()
     assert _listing(run / "weights") == ["step-00000001", "step-00000002", "step-00000003"]
     again = _weights(run / "weights/step-00000003")  # the new line's own (bit-exact: the same step again)
     assert all(torch.equal(step3[k], again[k]) for k in step3)
+
+
+def _scripted(monkeypatch: pytest.MonkeyPatch, losses: dict[int, float]) -> None:
+    def evaluate(self: Any, step: int) -> dict[str, Any]:
+        return {"step": step, "eval_loss": losses[step], "perplexity": 1.0, "eval_loss_tokens": 1, "eval_time_s": 0.0}
+
+    monkeypatch.setattr(recipe._Evaluator, "run", evaluate)
+
+
+def test_the_older_best_stays_until_the_new_best_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--save-delete-first makes room before the save of a new best: the older best is still the best
+    then (the new one is not on disk), so it stays until the new one is published."""
+    _scripted(monkeypatch, {1: 3.0, 2: 1.0, 3: 2.0, 4: 0.5, 5: 0.7})
+    seen: list[list[str]] = []
+    save = recipe.save_checkpoint
+
+    def spy(root: Path, step: int, *args: Any, **kwargs: Any) -> Path:
+        seen.append(sorted(p.name for p in root.glob("step-*")) if root.is_dir() else [])
+        return save(root, step, *args, **kwargs)
+
+    monkeypatch.setattr(recipe, "save_checkpoint", spy)
+    run = tmp_path / "run"
+    common = dict(eval_fraction=0.2, eval_every=1, save_best=True, save_every=1, keep_checkpoints=1)
+    train(_config(run, steps=5, save_delete_first=True, **common))
+    # What the disk held as each save began: the best so far is among it, also as a better one is written.
+    assert seen == [[], ["step-00000001"], ["step-00000002"], ["step-00000002"], ["step-00000004"]]
+    assert _listing(run / "checkpoints") == ["best.json", "step-00000004", "step-00000005"]
+
+
+def test_a_background_best_is_named_and_protected_once_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--save-async: best.json never names a checkpoint still being written, and collecting the save
+    before a new best's never prunes the older best the new one is to replace."""
+    from slide_core.checkpoint import background
+
+    _scripted(monkeypatch, {1: 3.0, 2: 1.0, 3: 2.0, 4: 0.5, 5: 0.7})
+    run = tmp_path / "run"
+    named: list[bool] = []
+    write_best = recipe._write_best
+
+    def best_spy(checkpoints: Path, best: dict[str, Any]) -> None:
+        named.append((run / best["path"] / "state.json").is_file())
+        write_best(checkpoints, best)
+
+    seen: dict[int, list[str]] = {}
+    save = background.save_checkpoint
+
+    def save_spy(root: Path, step: int, *args: Any, **kwargs: Any) -> Path:
+        seen[step] = sorted(p.name for p in root.glob("step-*"))
+        return save(root, step, *args, **kwargs)
+
+    monkeypatch.setattr(recipe, "_write_best", best_spy)
+    monkeypatch.setattr(background, "save_checkpoint", save_spy)
+    common = dict(eval_fraction=0.2, eval_every=1, save_best=True, save_every=1, keep_checkpoints=1)
+    train(_config(run, steps=5, save_async=True, **common))
+    assert named and all(named)
+    assert seen[4] == ["step-00000002", "step-00000003"]  # the best of step 2 stays while step 4 is written
+    assert _listing(run / "checkpoints") == ["best.json", "step-00000004", "step-00000005"]
+    assert json.loads((run / "checkpoints/best.json").read_text())["path"] == "checkpoints/step-00000004"
+
+
+@pytest.mark.parametrize("save_async", [False, True])
+def test_the_record_follows_the_pruning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save_async: bool) -> None:
+    """The record of the run's files is taken after a save's pruning, so it never lists a pruned checkpoint."""
+    from slide_hf.run_dir import RunDir
+
+    run = tmp_path / "run"
+    recorded: list[list[str]] = []
+    record = RunDir.record_outputs
+
+    def spy(self: RunDir) -> None:
+        recorded.append(sorted(p.name for p in (run / "checkpoints").glob("step-*")))
+        record(self)
+
+    monkeypatch.setattr(RunDir, "record_outputs", spy)
+    train(_config(run, steps=3, save_every=1, keep_checkpoints=1, save_async=save_async))
+    assert recorded and all(len(names) <= 1 for names in recorded), recorded
+
+
+def test_a_stop_skips_the_weights_only_save(tmp_path: Path) -> None:
+    """A stop writes the step's checkpoint and ends: the weights-only save of that step is not written."""
+    import os
+    import signal
+
+    from slide_hf.errors import RunStopped
+
+    def stop_after_second(record: dict[str, Any]) -> None:
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    run = tmp_path / "run"
+    with pytest.raises(RunStopped):
+        train(_config(run, steps=4, save_weights_every=1), on_step=stop_after_second)
+    assert _listing(run / "checkpoints") == ["step-00000002"]
+    assert _listing(run / "weights") == ["step-00000001"]
+
+
+def test_weights_staging_is_a_killed_runs_leftover(tmp_path: Path) -> None:
+    """A weights-only save stages in weights/.step-N.tmp-* (and sets the save it replaces aside as
+    .old-*): a killed run's are removed like its other temporary folders, and a failed run that created
+    its directory removes its weights/ with the rest."""
+    from slide_hf.run_dir import RunDir, clean_if_idle
+
+    run = tmp_path / "run"
+    stale = [run / "weights/.step-00000002.tmp-0123456789ab", run / "weights/.step-00000001.old-0123456789ab"]
+    kept = run / "weights/step-00000001"
+    for path in (*stale, kept):
+        path.mkdir(parents=True)
+        (path / "config.json").write_text("{}")
+    clean_if_idle(run)
+    assert not any(p.exists() for p in stale) and (kept / "config.json").is_file()
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(RuntimeError, match="the step failed"), RunDir(fresh):
+        (fresh / "weights/step-00000001").mkdir(parents=True)
+        raise RuntimeError("the step failed")
+    assert not fresh.exists()
 
 
 # -- delete first ---------------------------------------------------------------------------------------------

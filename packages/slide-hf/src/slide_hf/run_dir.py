@@ -67,6 +67,7 @@ LOCK_FILE = ".slide.lock"
 OWNED_ENTRIES = (
     "model",
     "checkpoints",
+    "weights",
     "config",
     "tokenizer",
     "metrics.jsonl",
@@ -77,7 +78,13 @@ OWNED_ENTRIES = (
 """What ``slide train`` writes into its output directory: what a failed run that created the directory
 removes again. ``--overwrite`` removes only the recorded files in them (slide_hf/run_files.py)."""
 
-_STALE_PATTERNS = (".model.tmp-*", ".model.old-*", "checkpoints/.tmp-*")
+_STALE_PATTERNS = (
+    ".model.tmp-*",
+    ".model.old-*",
+    "checkpoints/.tmp-*",
+    "weights/.step-*.tmp-*",  # a weights-only save being written (slide_hf/run_export.py), or the one it replaces
+    "weights/.step-*.old-*",
+)
 _SCRATCH_PREFIX = "slide-nvme-run-"
 
 
