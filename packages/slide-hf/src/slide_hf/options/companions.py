@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from slide_hf.errors import UserError
-from slide_hf.options.schema import declared
+from slide_hf.options.schema import default_of
 from slide_hf.options.sources import data_sources
 from slide_hf.spelling import option
 
@@ -70,7 +70,7 @@ class Companion:
 def _default(cfg: TrainConfig, name: str) -> Any:
     """The declared default of ``cfg``'s option ``name`` (read from the config's class, so this module needs
     no import of config.py, which imports the rules that import it)."""
-    return next(item.default for item in declared(type(cfg)) if item.name == name)
+    return default_of(type(cfg), name)
 
 
 def _setting(name: str, value: Any) -> str:
@@ -83,27 +83,16 @@ def _setting(name: str, value: Any) -> str:
     return option(name, shown)
 
 
-def _wsd_only(name: str) -> Companion:
-    return Companion(
-        name,
-        ("lr_schedule",),
-        lambda cfg: cfg.lr_schedule == "wsd",
-        lambda cfg: (
-            f"shapes the decay of {option('lr_schedule', 'wsd')} only, and the schedule is "
-            f"{cfg.lr_schedule.value}; give {option('lr_schedule', 'wsd')} or leave {option(name)} out"
-        ),
-    )
-
-
-def _schedule_only(name: str, schedule: str) -> Companion:
-    """An option that shapes one lr schedule alone (``--lr-cycles`` for cosine_with_restarts)."""
+def _schedule_only(name: str, schedule: str, part: str = "") -> Companion:
+    """An option that shapes one lr schedule alone (``--lr-cycles`` for cosine_with_restarts); ``part``: of
+    the schedule, the part it shapes (``"the decay of "`` for wsd's)."""
     return Companion(
         name,
         ("lr_schedule",),
         lambda cfg: cfg.lr_schedule == schedule,
         lambda cfg: (
-            f"shapes {option('lr_schedule', schedule)} only, and the schedule is {cfg.lr_schedule.value}; give "
-            f"{option('lr_schedule', schedule)} or leave {option(name)} out"
+            f"shapes {part}{option('lr_schedule', schedule)} only, and the schedule is {cfg.lr_schedule.value}; "
+            f"give {option('lr_schedule', schedule)} or leave {option(name)} out"
         ),
     )
 
@@ -113,8 +102,8 @@ def _sources(cfg: TrainConfig) -> int:
 
 
 COMPANIONS: tuple[Companion, ...] = (
-    _wsd_only("decay_fraction"),
-    _wsd_only("decay_shape"),
+    _schedule_only("decay_fraction", "wsd", "the decay of "),
+    _schedule_only("decay_shape", "wsd", "the decay of "),
     _schedule_only("lr_cycles", "cosine_with_restarts"),
     _schedule_only("lr_power", "polynomial"),
     _schedule_only("lr_end", "polynomial"),

@@ -260,6 +260,21 @@ def _shown(value: Any) -> str:
     return str(value.value) if isinstance(value, enum.Enum) else str(value)
 
 
+def taken_by(cls: type[Any], command: Command) -> frozenset[str]:
+    """The options of ``cls`` that ``command`` takes, read from the fields' declarations alone (no type
+    hints: the option rules ask this on every check)."""
+    return frozenset(
+        item.name
+        for item in dataclasses.fields(cls)
+        if _SPEC in item.metadata and command in item.metadata[_SPEC].commands
+    )
+
+
+def default_of(cls: type[Any], name: str) -> Any:
+    """The declared default of ``cls``'s option ``name``."""
+    return next(item.default for item in dataclasses.fields(cls) if item.name == name)
+
+
 def declared(cls: type[Any]) -> tuple[Declared, ...]:
     """Every option ``cls`` declares, in field order."""
     hints = typing.get_type_hints(cls)

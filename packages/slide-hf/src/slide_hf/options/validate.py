@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from slide_hf.errors import UserError
 from slide_hf.options.companions import COMPANIONS
-from slide_hf.options.schema import Command, declared
+from slide_hf.options.schema import Command, taken_by
 from slide_hf.spelling import option
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ CROSS_RULES: tuple[CrossRule, ...] = (
 def validate(cfg: TrainConfig, world_size: int = 1, command: Command = "train") -> None:
     """Refuse, in one line, a combination of ``cfg``'s options that a run of ``world_size`` processes
     cannot do; only the rules over options ``command`` takes apply."""
-    taken = {item.name for item in declared(type(cfg)) if item.takes(command)}
+    taken = taken_by(type(cfg), command)
     for rule in CROSS_RULES:
         if taken.issuperset(rule.options):
             rule.check(cfg, world_size)
