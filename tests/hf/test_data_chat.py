@@ -219,3 +219,80 @@ def test_conversation_without_reply_is_skipped(tmp_path):
     path = _write(tmp_path / "c.jsonl", {"messages": [{"role": "user", "content": "only a question"}]})
     (record,) = preview(path, tok, OPTIONS, 1)
     assert record.skipped and record.documents == []
+
+
+_PLAIN_MARKED = (
+    "{% for m in messages %}{% if m.role == 'user' %}USER: {{ m.content }}\n"
+    "{% else %}ASSISTANT: {% generation %}{{ m.content }}{% endgeneration %}\n{% endif %}{% endfor %}"
+)
+
+
+def test_marked_template_trains_the_tokens_transformers_marks():
+    """The byte-level token " the" starts at the space before the generation block: transformers' mask
+    trains it (every token from the block's first character's through its last's), and so must ours."""
+    tok = chat_tokenizer(_PLAIN_MARKED)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "the answer is there"},
+        {"role": "user", "content": "And then?"},
+        {"role": "assistant", "content": "then the end"},
+    ]
+    expected = tok.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
+    first = expected["input_ids"][expected["assistant_masks"].index(1)]
+    assert tok.convert_ids_to_tokens(first) == "\u0120the"  # the reply's first token holds the space before it
+    encoder = ChatEncoder(tok, resolve_template(tok, None), train_on_inputs=False)
+    assert encoder.template.marked
+    (encoding,) = encoder.encode([ChatExample("c:1", messages)])
+    assert encoding.input_ids.tolist() == expected["input_ids"]
+    assert encoding.labels.tolist() == [
+        token if mask else IGNORE
+        for token, mask in zip(expected["input_ids"], expected["assistant_masks"], strict=True)
+    ]
+
+
+def test_a_marked_template_renders_each_conversation_once(monkeypatch):
+    from transformers.utils import chat_template_utils
+
+    tok = chat_tokenizer(_PLAIN_MARKED)
+    renders = []
+    real = chat_template_utils.render_jinja_template
+
+    def counting(*args, **kwargs):
+        renders.append(len(kwargs["conversations"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chat_template_utils, "render_jinja_template", counting)
+    import transformers.tokenization_utils_base as base
+
+    if hasattr(base, "render_jinja_template"):
+        monkeypatch.setattr(base, "render_jinja_template", counting)
+    encoder = ChatEncoder(tok, resolve_template(tok, None), train_on_inputs=False)
+    batch = [
+        ChatExample(f"c:{i}", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
+        for i in range(3)
+    ]
+    encoder.encode(batch)
+    assert sum(renders) == len(batch)
+
+
+def test_keep_reasoning_counts_each_conversations_dropped_reasoning_once(monkeypatch):
+    from slide_hf.data import chat
+
+    tok = chat_tokenizer(QWEN3, name="Qwen/Qwen3-0.6B")
+    calls = []
+    real = chat.dropped_reasoning
+
+    def counting(text, messages):
+        calls.append(1)
+        return real(text, messages)
+
+    monkeypatch.setattr(chat, "dropped_reasoning", counting)
+    encoder = ChatEncoder(tok, resolve_template(tok, None), train_on_inputs=False, keep_reasoning=True)
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6", "reasoning_content": "Three and three."},
+    ]
+    (encoding,) = encoder.encode([ChatExample("c:1", messages)])
+    assert encoding.dropped_reasoning == 0 and len(calls) == 1

@@ -58,6 +58,30 @@ def test_a_long_text_is_tokenized_in_bounded_calls_to_the_same_tokens():
     assert run.starts is not None and run.starts.tolist() == [begin for begin, _ in whole["offset_mapping"]]
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x" + "l" * 200_000,  # one pre-token whose pairs ("ll") align from its odd start
+        "=" + "l" * 200_001,
+        "x" + "l" * 150_000 + " " + "l" * 150_001,
+        "é" + "l" * 200_000 + "\n" + "ll\n" * 40_000,
+        "x" + "=" * 200_000,
+        ("日本語のテキスト" + "l" * 3001 + "€") * 50,
+    ],
+    ids=["odd run", "odd run after punctuation", "two runs", "unicode then newlines", "equals", "mixed unicode"],
+)
+def test_pieces_of_a_text_with_no_safe_cut_are_the_whole_texts_tokens(text):
+    """A cut inside a run that BPE pairs from its start can agree with a check window that starts inside the
+    run too; the pieces must still give the whole text's tokens."""
+    tok = chat_tokenizer(QWEN3)
+    assert len(text) > LONG_CHARS
+    whole = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    (run,) = tokenize(tok, [text], offsets=True)
+    assert run.ids.tolist() == whole["input_ids"]
+    assert run.starts is not None and run.ends is not None
+    assert np.stack([run.starts, run.ends], axis=1).tolist() == [list(pair) for pair in whole["offset_mapping"]]
+
+
 def test_a_tokenizer_that_no_cut_suits_tokenizes_the_text_whole():
     """A normalizer that prepends a marker to every call changes the tokens at every cut: the checks
     refuse each cut, and the text is tokenized in one call, as before (same tokens, never wrong ones)."""

@@ -97,10 +97,24 @@ def test_answer_and_reasoning_of_a_reply():
     )
 
 
-def test_a_token_is_trained_when_it_begins_inside_a_span():
+def test_a_token_is_trained_when_it_overlaps_a_span():
     ids = [10, 11, 12, 13, 14]
     offsets = [(0, 3), (3, 6), (6, 9), (9, 12), (12, 15)]
     assert labels_in_spans(ids, offsets, [(3, 9), (12, 15)]) == [IGNORE, 11, 12, IGNORE, 14]
-    # A token straddling a span's start carries text before the reply: untrained; one straddling its end
-    # begins inside: trained.
-    assert labels_in_spans(ids, offsets, [(4, 10)]) == [IGNORE, IGNORE, 12, 13, IGNORE]
+    # A token straddling either edge of a span holds some of the reply: trained, as
+    # apply_chat_template(..., return_assistant_tokens_mask=True) trains it (a byte-level " Hello" starts
+    # at the space before a generation block); tokens that only touch an edge are not.
+    assert labels_in_spans(ids, offsets, [(4, 10)]) == [IGNORE, 11, 12, 13, IGNORE]
+    assert labels_in_spans(ids, offsets, [(3, 6)]) == [IGNORE, 11, IGNORE, IGNORE, IGNORE]
+    # A token with no characters (an added token rendered empty) counts as its first character.
+    assert labels_in_spans([7, 8], [(3, 3), (6, 6)], [(3, 6)]) == [7, IGNORE]
+
+
+def test_overlapping_and_nested_spans_label_every_token_inside_any_of_them():
+    ids = list(range(100, 110))
+    offsets = [(10 * i, 10 * i + 10) for i in range(10)]
+    # (0, 100) holds (10, 20): a token at 50 lies inside the outer span though the inner one opened later.
+    assert labels_in_spans(ids, offsets, [(0, 100), (10, 20)]) == ids
+    assert labels_in_spans(ids, offsets, [(10, 20), (0, 100)]) == ids
+    overlapping = labels_in_spans(ids, offsets, [(0, 45), (30, 60), (35, 40)])
+    assert overlapping == [*ids[:6], *[IGNORE] * 4]

@@ -3,7 +3,10 @@
 Three ways to find the assistant's tokens, tried in this order:
 
 1. **Generation markers.** A template with ``{% generation %}`` blocks says itself which text the assistant
-   wrote; ``apply_chat_template(..., return_assistant_tokens_mask=True)`` maps that text to tokens.
+   wrote: each conversation is rendered once, with those blocks as character spans of the text, and every
+   token overlapping a block is trained, through the fast tokenizer's character offsets (the tokens
+   ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks, without one call over the whole
+   text: a long conversation is tokenized in pieces, :mod:`slide_hf.data.token_runs`).
 2. **Verified prefix renders.** The tokens of assistant turn ``i`` are what rendering ``messages[: i + 1]``
    adds to rendering ``messages[:i]`` with the generation prompt. That holds only if each prefix render is a
    true prefix of the full render, as text *and* as tokens, so both are checked for every turn of every
@@ -18,7 +21,13 @@ Three ways to find the assistant's tokens, tried in this order:
 
 Reasoning a template drops (Qwen3: every reply's before the last user query) is in no render, so it is
 never trained; each conversation's count of such replies travels with its tokens so ``slide data`` and the
-training log can say so. With ``train_on_inputs`` every rendered token carries loss and no mask is needed.
+training log can say so. ``--keep-reasoning`` swaps in a bundled variant of the template that renders every
+reply's reasoning, and refuses a conversation whose template still drops some. With ``train_on_inputs`` every
+rendered token carries loss and no mask is needed.
+
+A template that raises on a system message but renders the conversation without one (Gemma's) gets the
+leading system messages folded into the first user turn, a blank line between, as TRL and Axolotl do;
+``--system-message refuse`` keeps the template's refusal instead.
 """
 
 from __future__ import annotations
@@ -126,21 +135,23 @@ class ChatEncoder:
         if folds and any(_opens_with_system(ex.messages) for ex in batch) and self._template_refuses_system():
             batch = [ChatExample(ex.where, _fold_system(ex.messages)) for ex in batch]
         conversations = [example.messages for example in batch]
-        texts = self._render(batch, conversations, generation_prompt=False)
+        blocks = None  # a marked template's generation spans, from the one render it makes
+        if self.template.marked and not self.train_on_inputs:
+            texts, blocks = self._render_marked(batch)
+        else:
+            texts = self._render(batch, conversations, generation_prompt=False)
+        dropped = [dropped_reasoning(text, messages) for text, messages in zip(texts, conversations, strict=True)]
         if self.keep_reasoning:
-            self._check_reasoning_kept(batch, texts)
+            self._check_reasoning_kept(batch, dropped)
         if self.train_on_inputs:
             pairs: list[Encoded] = [(run.ids, run.ids) for run in tokenize(self.tokenizer, texts)]
-        elif self.template.marked:
-            pairs = self._marked(batch)
+        elif blocks is not None:
+            pairs = self._marked(texts, blocks)
         elif self.final_render:
             pairs = self._final_render(batch, texts)
         else:
             pairs = self._prefix_or_fallback(batch, texts)
-        return [
-            ChatEncoding(ids, labels, dropped_reasoning(text, messages))
-            for (ids, labels), text, messages in zip(pairs, texts, conversations, strict=True)
-        ]
+        return [ChatEncoding(ids, labels, count) for (ids, labels), count in zip(pairs, dropped, strict=True)]
 
     def _template_refuses_system(self) -> bool:
         """Whether the template raises on a system message but renders the same conversation without it
@@ -162,9 +173,9 @@ class ChatEncoder:
             self._refuses_system = refuses
         return self._refuses_system
 
-    def _check_reasoning_kept(self, batch: Sequence[ChatExample], texts: list[str]) -> None:
-        for example, text in zip(batch, texts, strict=True):
-            if dropped_reasoning(text, example.messages):
+    def _check_reasoning_kept(self, batch: Sequence[ChatExample], dropped: list[int]) -> None:
+        for example, count in zip(batch, dropped, strict=True):
+            if count:
                 raise UserError(
                     f"{example.where}: {option('keep_reasoning')}: {self.template.name} leaves out the reasoning "
                     f"of earlier replies and no variant that keeps it is bundled for it; pass {option('chat_template')} "
@@ -197,13 +208,13 @@ class ChatEncoder:
                 extra={"once": ("twin", self.template.name)},
             )
             self.template = twin
-            return self._marked(batch)
+            return self._marked(*self._render_marked(batch))
 
     # ---- generation markers -------------------------------------------------------------------------------
 
-    def _marked(self, batch: Sequence[ChatExample]) -> list[Encoded]:
-        """The template's ``{% generation %}`` blocks as character spans of the render, mapped to tokens by
-        their offsets: a token is trained when it starts inside a block (as for the final render)."""
+    def _render_marked(self, batch: Sequence[ChatExample]) -> tuple[list[str], list[list[tuple[int, int]]]]:
+        """Each conversation's render (the text ``apply_chat_template`` gives) and its ``{% generation %}``
+        blocks as character spans of it, from one render."""
         if not getattr(self.tokenizer, "is_fast", False):
             raise UserError(f"{self.template.name} marks turns with {{% generation %}}, which needs a fast tokenizer")
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -221,8 +232,14 @@ class ChatEncoder:
         except Exception:
             self._name_failure(batch, generation_prompt=False)
             raise
+        return texts, blocks
+
+    def _marked(self, texts: list[str], blocks: list[list[tuple[int, int]]]) -> list[Encoded]:
+        """The blocks mapped to tokens by their offsets: a token is trained when it overlaps a block, as
+        ``apply_chat_template(..., return_assistant_tokens_mask=True)`` trains it (and as for the final
+        render)."""
         runs = tokenize(self.tokenizer, texts, offsets=True)
-        return [(run.ids, label_array(run.ids, _starts(run), spans)) for run, spans in zip(runs, blocks, strict=True)]
+        return [(run.ids, _labels(run, spans)) for run, spans in zip(runs, blocks, strict=True)]
 
     # ---- verified prefix renders ----------------------------------------------------------------------------
 
@@ -339,7 +356,7 @@ class ChatEncoder:
                     f"with {{% generation %}} markers, or a bundled one ({names})"
                 ) from None
             run = runs[row]
-            encoded.append((run.ids, label_array(run.ids, _starts(run), spans)))
+            encoded.append((run.ids, _labels(run, spans)))
         return encoded
 
     # ---- rendering -----------------------------------------------------------------------------------------
@@ -385,9 +402,9 @@ def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [user, *messages[count + 1 :]]
 
 
-def _starts(run: TokenRun) -> np.ndarray:
-    assert run.starts is not None  # tokenized with offsets
-    return run.starts
+def _labels(run: TokenRun, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    assert run.starts is not None and run.ends is not None  # tokenized with offsets
+    return label_array(run.ids, run.starts, run.ends, spans)
 
 
 def _assistant_turns(batch: Sequence[ChatExample]) -> list[list[int]]:

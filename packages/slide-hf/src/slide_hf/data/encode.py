@@ -1,8 +1,11 @@
 """Examples to (input_ids, labels) documents of at most ``seq_len`` tokens, tokenized in batches.
 
 Per kind:
-- text: ``tokenizer(texts)`` with the tokenizer's special tokens, EOS appended, loss on every token. A text
-  longer than ``seq_len`` is *split* into ``seq_len`` pieces (it is a stream; each piece still teaches);
+- text: the tokens ``tokenizer(texts)`` gives, with the tokenizer's special tokens, EOS appended, loss on
+  every token. The text is tokenized without its special tokens (a long one in checked pieces,
+  :mod:`slide_hf.data.token_runs`) and they are put around it as a probe shows them; a tokenizer whose
+  specials do not simply surround a text gets one call over the texts. A text longer than ``seq_len`` in
+  tokens is *split* into ``seq_len`` pieces (it is a stream; each piece still teaches);
 - chat: :class:`~slide_hf.data.chat.ChatEncoder` (exact masks or a one-line refusal);
 - prompt/completion and Alpaca: through the chat template as one user and one assistant turn when there
   is a template, else plain text: the prompt tokenized alone (with the tokenizer's special tokens) then the

@@ -168,23 +168,27 @@ def dropped_reasoning(rendered: str, messages: Sequence[dict[str, Any]]) -> int:
 
 
 def labels_in_spans(ids: Sequence[int], offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -> list[int]:
-    """Each token's label: itself when the token begins inside a span, else ``IGNORE``. ``offsets`` are the
-    fast tokenizer's character offsets of the rendered text the spans index."""
-    starts = np.asarray([begin for begin, _ in offsets], dtype=np.int64)
-    return label_array(np.asarray(ids, dtype=np.int32), starts, spans).tolist()
+    """Each token's label: itself when the token overlaps a span, else ``IGNORE``. ``offsets`` are the fast
+    tokenizer's character offsets of the rendered text the spans index. Overlap, not a start inside, is what
+    ``apply_chat_template(..., return_assistant_tokens_mask=True)`` trains: a byte-level token such as
+    `` Hello`` begins at the space before a ``{% generation %}`` block and is still the reply's first token."""
+    pairs = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    return label_array(np.asarray(ids, dtype=np.int32), pairs[:, 0], pairs[:, 1], spans).tolist()
 
 
-def label_array(ids: np.ndarray, starts: np.ndarray, spans: Sequence[Span]) -> np.ndarray:
-    """:func:`labels_in_spans` on arrays (``starts``: each token's first character), in one pass of
-    searches: a conversation of millions of tokens costs arrays, not a Python loop over them."""
+def label_array(ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, spans: Sequence[Span]) -> np.ndarray:
+    """:func:`labels_in_spans` on arrays (``starts`` and ``ends``: each token's characters, ``[start, end)``),
+    in one pass of searches: a conversation of millions of tokens costs arrays, not a Python loop over them.
+    Spans may overlap or nest."""
     labels = np.full(len(ids), IGNORE, dtype=np.int32)
     spans = sorted(span for span in spans if span[0] < span[1])
     if not spans or not len(ids):
         return labels
     lows = np.asarray([low for low, _ in spans], dtype=np.int64)
-    highs = np.asarray([high for _, high in spans], dtype=np.int64)
-    # The last span starting at or before each token; the token is inside it when it starts before its end.
-    which = np.searchsorted(lows, starts, side="right") - 1
-    inside = (which >= 0) & (starts < highs[np.maximum(which, 0)])
+    reach = np.maximum.accumulate(np.asarray([high for _, high in spans], dtype=np.int64))
+    # A token overlaps a span when some span opening before the token's end closes after its start: of the
+    # spans opening before its end, the furthest end. An empty token counts as its first character.
+    which = np.searchsorted(lows, np.maximum(ends, starts + 1), side="left") - 1
+    inside = (which >= 0) & (starts < reach[np.maximum(which, 0)])
     labels[inside] = ids[inside]
     return labels

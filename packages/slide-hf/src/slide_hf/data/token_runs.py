@@ -1,4 +1,4 @@
-"""Texts to int32 token ids (and each token's first character), in time and memory linear in the text.
+"""Texts to int32 token ids (and each token's character span), in time and memory linear in the text.
 
 A fast tokenizer given one very long text builds, for the whole of it at once, per-character alignment
 tables, a string and an offset pair per token, and Python lists of every id; some of its steps also grow
@@ -11,8 +11,11 @@ Note: [A cut keeps the tokens]. A cut goes just before a space between two non-s
 byte-level BPE and SentencePiece (Metaspace) pre-tokenizers all begin a new word; failing such a space near
 the target, after a newline, then anywhere. Each cut is *checked*, never assumed: the text around it
 (:data:`WINDOW_CHARS` on each side) is tokenized whole and as its two halves, and in the middle half of that
-window both must give the same ids at the same characters. A cut that fails is dropped (its pieces become
-one); a tokenizer that no cut suits (one that prepends a marker to every call, say) tokenizes the text in
+window both must give the same ids at the same characters. The check is made twice, from left edges one character
+apart: inside a run that tokenizes by its alignment (a long run of ``l`` that BPE pairs from the run's start,
+say), a window that starts inside the run pairs from its own edge, so one edge alone may agree with the cut
+while the whole text does not; two edges of different parity cannot both agree with it. A cut that fails
+is dropped (its pieces become one); a tokenizer that no cut suits (one that prepends a marker to every call, say) tokenizes the text in
 one call, as before. Short texts are tokenized together in one call, as before.
 """
 
@@ -35,21 +38,24 @@ WINDOW_CHARS = 1 << 10
 """Characters on each side of a cut that the check of the cut tokenizes."""
 _PIECES_PER_CALL = 8
 _CANDIDATES = 3  # cut positions tried near each target before the pieces are left joined
-_CUTS_PER_CALL = 64  # cuts checked per tokenizer call: a few hundred kilobytes of windows
+_CUTS_PER_CALL = 32  # cuts checked per tokenizer call, each from both edges: a few hundred kilobytes of windows
+_WINDOW_SHIFTS = (0, 1)  # where each cut's check windows start, relative to WINDOW_CHARS before it (odd apart)
 
 
 @dataclass(frozen=True)
 class TokenRun:
-    """One text's token ids (int32) and, when asked for, the character each token starts at (int64)."""
+    """One text's token ids (int32) and, when asked for, the character each token starts at and the one
+    after its last (int64): a token may start before a span it runs into."""
 
     ids: np.ndarray
     starts: np.ndarray | None = None
+    ends: np.ndarray | None = None
 
 
 def tokenize(tokenizer: Any, texts: Sequence[str], *, offsets: bool = False) -> list[TokenRun]:
     """The tokens of each text without special tokens, as ``tokenizer(texts, add_special_tokens=False)``
     gives them; a long text in checked pieces (see the module docstring). ``offsets`` asks for each token's
-    first character (a fast tokenizer's offset mapping)."""
+    character span (a fast tokenizer's offset mapping)."""
     runs: list[TokenRun | None] = [None] * len(texts)
     chunked = getattr(tokenizer, "is_fast", False)
     short = [i for i, text in enumerate(texts) if not chunked or len(text) <= LONG_CHARS]
@@ -75,11 +81,11 @@ def _call(tokenizer: Any, texts: list[str], *, offsets: bool) -> list[TokenRun]:
     ids = out["input_ids"]
     runs = []
     for row in range(len(texts)):
-        starts = None
+        starts = ends = None
         if offsets:
             pairs = np.asarray(out["offset_mapping"][row], dtype=np.int64).reshape(-1, 2)
-            starts = np.ascontiguousarray(pairs[:, 0])
-        runs.append(TokenRun(np.asarray(ids[row], dtype=np.int32), starts))
+            starts, ends = np.ascontiguousarray(pairs[:, 0]), np.ascontiguousarray(pairs[:, 1])
+        runs.append(TokenRun(np.asarray(ids[row], dtype=np.int32), starts, ends))
         ids[row] = None  # the row's list is no longer needed: let it go before the next is converted
         if offsets:
             out["offset_mapping"][row] = None
@@ -92,17 +98,21 @@ def _long(tokenizer: Any, text: str, *, offsets: bool) -> TokenRun:
     pieces = list(itertools.pairwise(bounds))
     ids: list[np.ndarray] = []
     starts: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
     for first in range(0, len(pieces), _PIECES_PER_CALL):
         group = pieces[first : first + _PIECES_PER_CALL]
         for (begin, _), run in zip(
             group, _call(tokenizer, [text[a:b] for a, b in group], offsets=offsets), strict=True
         ):
             ids.append(run.ids)
-            if run.starts is not None:
+            if run.starts is not None and run.ends is not None:
                 starts.append(run.starts + begin)
+                ends.append(run.ends + begin)
     joined_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
-    joined_starts = (np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)) if offsets else None
-    return TokenRun(joined_ids, joined_starts)
+    if not offsets:
+        return TokenRun(joined_ids)
+    empty = np.zeros(0, dtype=np.int64)
+    return TokenRun(joined_ids, np.concatenate(starts) if starts else empty, np.concatenate(ends) if ends else empty)
 
 
 def _checked_cuts(tokenizer: Any, text: str) -> list[int]:
@@ -144,21 +154,24 @@ def _candidates(text: str, target: int) -> list[int]:
 
 
 def _cuts_hold(tokenizer: Any, text: str, cuts: list[int]) -> list[bool]:
-    """For each cut, whether the window around it tokenizes alike whole and cut (the module's note)."""
+    """For each cut, whether the windows around it tokenize alike whole and cut, from both left edges (the
+    module's note)."""
+    lefts = [(cut - WINDOW_CHARS + shift, cut) for cut in cuts for shift in _WINDOW_SHIFTS]
     windows, halves = [], []
-    for cut in cuts:
-        windows.append(text[cut - WINDOW_CHARS : cut + WINDOW_CHARS])
-        halves += [text[cut - WINDOW_CHARS : cut], text[cut : cut + WINDOW_CHARS]]
+    for left, cut in lefts:
+        windows.append(text[left : cut + WINDOW_CHARS])
+        halves += [text[left:cut], text[cut : cut + WINDOW_CHARS]]
     whole = _call(tokenizer, windows, offsets=True)
     parts = _call(tokenizer, halves, offsets=True)
-    held = []
-    for index in range(len(cuts)):
-        left, right, one = parts[2 * index], parts[2 * index + 1], whole[index]
-        assert left.starts is not None and right.starts is not None and one.starts is not None  # offsets=True
-        ids = np.concatenate([left.ids, right.ids])
-        starts = np.concatenate([left.starts, right.starts + WINDOW_CHARS])
-        held.append(_middle_equal(one.ids, one.starts, ids, starts))
-    return held
+    agree = []
+    for index, (left, cut) in enumerate(lefts):
+        one, first, second = whole[index], parts[2 * index], parts[2 * index + 1]
+        assert first.starts is not None and second.starts is not None and one.starts is not None  # offsets=True
+        ids = np.concatenate([first.ids, second.ids])
+        starts = np.concatenate([first.starts, second.starts + (cut - left)])
+        agree.append(_middle_equal(one.ids, one.starts, ids, starts))
+    shifts = len(_WINDOW_SHIFTS)
+    return [all(agree[index : index + shifts]) for index in range(0, len(agree), shifts)]
 
 
 def _middle_equal(ids_a: np.ndarray, starts_a: np.ndarray, ids_b: np.ndarray, starts_b: np.ndarray) -> bool:
