@@ -32,6 +32,7 @@ GRID: dict[str, tuple[str, ...]] = {
     "nvme state, half": ("--offload-optimizer", "nvme", "--nvme-fraction", "0.5"),
     "nvme state, all, clipping": ("--offload-optimizer", "nvme", "--max-grad-norm", "1", "--master", "split"),
     "three slots": ("--block-slots", "3", "--optimizer-state", "bf16"),
+    "state tier in memory, half": ("--offload-optimizer", "pinned", "--nvme-fraction", "0.5"),
 }
 
 

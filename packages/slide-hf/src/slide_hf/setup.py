@@ -40,7 +40,6 @@ from slide_hf.device_defaults import apply_device_defaults
 from slide_hf.errors import UserError
 from slide_hf.offload import (
     activation_tier_class,
-    offloaded_names,
     open_activation_tier,
     open_tier,
     planning_kind,
@@ -248,12 +247,8 @@ def place_units(
         plan = make_plan(dataclasses.replace(inputs, resident_units=chosen))
     check_fits(plan, host_available=host_available, gpu_available=None)
     resident, streamed = plan.inputs.resident_units, plan.inputs.streamed_units
-    offloaded = (
-        offloaded_names([unit.name for unit in model.units], options.nvme_fraction, (*resident, *streamed))
-        if tier_class is not None
-        else ()
-    )
-    return Placement(plan, resident, tier_class, offloaded, streamed)
+    # The units on the state tier: the plan's own rule (PlanInputs.offloaded_units).
+    return Placement(plan, resident, tier_class, plan.inputs.offloaded_units, streamed)
 
 
 def resolve_master(options: RunOptions, optimizer: Optimizer) -> str:
@@ -298,6 +293,7 @@ def plan_inputs(
     from slide_hf.offload import activation_tier_class, state_tier_class
     from slide_hf.planner import PlanInputs
 
+    state_tier = state_tier_class(options.offload_optimizer)
     return PlanInputs(
         model,
         batch_size=options.batch_size,
@@ -310,7 +306,8 @@ def plan_inputs(
         accelerator=accelerator,
         max_grad_norm=options.max_grad_norm,
         report_grad_norm=options.report_grad_norm,
-        offload_optimizer=planning_kind(state_tier_class(options.offload_optimizer)),
+        offload_optimizer=planning_kind(state_tier),
+        state_tier=state_tier is not None,
         nvme_fraction=options.nvme_fraction,
         offload_activations=planning_kind(activation_tier_class(options.offload_activations)),
         optimizer_state=options.optimizer_state,
@@ -331,8 +328,7 @@ def fused_loss_available() -> bool:
 
 def engine_config(placement: Placement) -> EngineConfig:
     """The engine config of a placed run: the plan's own (:meth:`PlanInputs.engine_config`), with the
-    units every rank places alike (rank 0's choice, broadcast) and the units on a state tier that keeps
-    its bytes in RAM (which the plan counts as host memory, so it names none)."""
+    units every rank places alike (rank 0's choice, broadcast; in one process, the plan's)."""
     return dataclasses.replace(
         placement.plan.inputs.engine_config(),
         resident_units=placement.resident,

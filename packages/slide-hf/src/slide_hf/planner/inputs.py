@@ -300,6 +300,10 @@ class PlanInputs:
     accelerator: bool = True  # the run computes on a GPU (False: the CPU device): its runtime's host memory
     host_memory_bytes: int | None = None
     offload_optimizer: Offload = "ram"
+    state_tier: bool = False
+    """``--offload-optimizer`` names a tier (any but host RAM): ``nvme_fraction`` of the units keep their state
+    on it. A tier that keeps its bytes on disk is planned as ``offload_optimizer == "nvme"`` (NVMe bytes and
+    traffic); one that keeps them in memory (``pinned``) as ``ram``, its bytes on the host."""
     nvme_fraction: float = 1.0
     offload_activations: Offload = "ram"
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
@@ -386,10 +390,10 @@ class PlanInputs:
 
     @property
     def offloaded_units(self) -> tuple[str, ...]:
-        """The units whose optimizer state lives on the state tier (``EngineConfig.offloaded_units``): with
-        ``offload_optimizer == "nvme"``, ``nvme_fraction`` of the units by the run's own rule
+        """The units whose optimizer state lives on the state tier (``EngineConfig.offloaded_units``): with a
+        tier (:attr:`state_tier`, or NVMe), ``nvme_fraction`` of the units by the run's own rule
         (:func:`slide_hf.offload.offloaded_names`); none otherwise."""
-        if self.offload_optimizer != "nvme":
+        if self.offload_optimizer != "nvme" and not self.state_tier:
             return ()
         from slide_hf.offload import offloaded_names
 

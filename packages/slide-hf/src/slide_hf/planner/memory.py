@@ -153,7 +153,8 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         # but for those inside a page-locked span (Note [One registration per allocation])
         "master_fp32": master_bytes(shape, inputs),
         # device-resident and NVMe units keep m and v elsewhere; their host ranges are never touched
-        "optimizer_state": laid_out["optimizer_state"],
+        # a tier in memory (pinned) keeps its units' state on the host too, as stored
+        "optimizer_state": laid_out["optimizer_state"] + _state_tier_ram_bytes(shape, inputs),
         "grad_accumulators": laid_out["grad_accumulators"],
         "grad_ring": laid_out["grad_ring"],
         "activation_stash": ActivationStash.host_bytes_for(stash_copies, boundary, d),
@@ -214,8 +215,19 @@ def pinned_master_numel(shape: ModelShape, inputs: PlanInputs, rank: int = 0, wo
     return sum(end - start for start, end in pinned_spans(extents, bridges))
 
 
+def _state_tier_ram_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
+    """Host bytes of a state tier that keeps them in memory (``pinned``): its units' state as stored."""
+    if inputs.offload_optimizer == "nvme":
+        return 0
+    numel = shape.named_numels
+    return HostState.state_bytes(inputs.state_arrays(), [numel[name] for name in inputs.offloaded_units])
+
+
 def _nvme_units(shape: ModelShape, inputs: PlanInputs) -> list[int]:
-    """Numels of the units whose m and v live on NVMe (:attr:`PlanInputs.offloaded_units`)."""
+    """Numels of the units whose m and v live on NVMe (:attr:`PlanInputs.offloaded_units` on a tier that keeps
+    files)."""
+    if inputs.offload_optimizer != "nvme":
+        return []
     numels = shape.named_numels
     return [numels[name] for name in inputs.offloaded_units]
 
