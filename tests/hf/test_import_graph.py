@@ -71,14 +71,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-_KNOWN = pytest.mark.xfail(
-    strict=True, reason="manifest.py opens legacy checkpoints through legacy.py, which reads manifest.py's types"
-)
-
-
-@pytest.mark.parametrize(
-    "package", [pytest.param(name, marks=_KNOWN) if name == "slide_core.checkpoint" else name for name in PACKAGES]
-)
+@pytest.mark.parametrize("package", list(PACKAGES))
 def test_no_import_circles(package: str) -> None:
     graph = _imports(package, PACKAGES[package])
     assert graph, f"no modules found for {package}"

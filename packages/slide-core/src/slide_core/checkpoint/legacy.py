@@ -20,32 +20,9 @@ from typing import Any
 
 from .arrays import Interval, normalized
 from .errors import CheckpointCorrupt
-from .manifest import ArrayInfo, Corrupt, Manifest, Part, blocks, dtype_named, is_count, read_state
+from .manifest import ArrayInfo, Manifest, Part, dtype_named, is_count, read_state
 
-__all__ = ["check_legacy_fields", "legacy_intervals", "legacy_manifest"]
-
-
-def check_legacy_fields(state: dict[str, Any], corrupt: Corrupt) -> None:
-    """Formats 1 and 2: ``files`` and each file's ``bytes``, ``dtype``, ``numel`` and ``crc32``."""
-    files = state.get("files")
-    if not isinstance(files, dict):
-        raise corrupt("state.json field files must be an object")
-    for name, meta in files.items():
-        where = f"state.json field files.{name}"
-        if not isinstance(meta, dict):
-            raise corrupt(f"{where} must be an object")
-        for key in ("bytes", "numel"):
-            if not is_count(meta.get(key)):
-                raise corrupt(f"{where}.{key} must be an integer >= 0, got {meta.get(key)!r}")
-        dtype = dtype_named(meta.get("dtype"))
-        if dtype is None:
-            raise corrupt(f"{where}.dtype must name a torch dtype, got {meta.get('dtype')!r}")
-        if meta["bytes"] != meta["numel"] * dtype.itemsize:
-            raise corrupt(f"{where}.bytes is {meta['bytes']}, but {meta['numel']} x {meta['dtype']} is not that")
-        crcs = meta.get("crc32")
-        count = blocks(meta["bytes"])
-        if not isinstance(crcs, list) or len(crcs) != count or not all(is_count(c) for c in crcs):
-            raise corrupt(f"{where}.crc32 must list {count} block checksum(s)")
+__all__ = ["legacy_intervals", "legacy_manifest"]
 
 
 def legacy_manifest(path: Path, state: dict[str, Any]) -> Manifest:

@@ -32,7 +32,7 @@ __all__ = [
     "Manifest",
     "Part",
     "checksum",
-    "open_manifest",
+    "current_manifest",
     "read_state",
     "shard_file_name",
 ]
@@ -147,9 +147,7 @@ def read_state(path: Path) -> dict[str, Any]:
     if version == FORMAT:
         _check_manifest_fields(state, corrupt)
     else:
-        from .legacy import check_legacy_fields
-
-        check_legacy_fields(state, corrupt)
+        _check_legacy_fields(state, corrupt)
     if not isinstance(state.get("extra"), dict):
         raise corrupt("state.json field extra must be an object")
     if version < FORMAT:
@@ -175,6 +173,29 @@ def _parse(file: Path, corrupt: Corrupt) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise corrupt("state.json holds no JSON object")
     return state
+
+
+def _check_legacy_fields(state: dict[str, Any], corrupt: Corrupt) -> None:
+    """Formats 1 and 2: ``files`` and each file's ``bytes``, ``dtype``, ``numel`` and ``crc32``."""
+    files = state.get("files")
+    if not isinstance(files, dict):
+        raise corrupt("state.json field files must be an object")
+    for name, meta in files.items():
+        where = f"state.json field files.{name}"
+        if not isinstance(meta, dict):
+            raise corrupt(f"{where} must be an object")
+        for key in ("bytes", "numel"):
+            if not is_count(meta.get(key)):
+                raise corrupt(f"{where}.{key} must be an integer >= 0, got {meta.get(key)!r}")
+        dtype = dtype_named(meta.get("dtype"))
+        if dtype is None:
+            raise corrupt(f"{where}.dtype must name a torch dtype, got {meta.get('dtype')!r}")
+        if meta["bytes"] != meta["numel"] * dtype.itemsize:
+            raise corrupt(f"{where}.bytes is {meta['bytes']}, but {meta['numel']} x {meta['dtype']} is not that")
+        crcs = meta.get("crc32")
+        count = blocks(meta["bytes"])
+        if not isinstance(crcs, list) or len(crcs) != count or not all(is_count(c) for c in crcs):
+            raise corrupt(f"{where}.crc32 must list {count} block checksum(s)")
 
 
 def _check_manifest_fields(state: dict[str, Any], corrupt: Corrupt) -> None:
@@ -245,13 +266,9 @@ def _checked_intervals(intervals: Any, whole: int) -> int | None:
     return total
 
 
-def open_manifest(path: Path) -> Manifest:
-    """Checkpoint ``path``'s :class:`Manifest`, whatever its format. Raises :class:`CheckpointCorrupt`."""
-    state = read_state(path)
-    if state["format"] < FORMAT:
-        from .legacy import legacy_manifest
-
-        return legacy_manifest(path, state)
+def current_manifest(path: Path, state: dict[str, Any]) -> Manifest:
+    """The :class:`Manifest` of a checkpoint of the current format at ``path`` (``state``: its verified
+    state, :func:`read_state`). Older formats are legacy.py's; the reader chooses."""
     arrays: dict[str, ArrayInfo] = {}
     for name, info in state["arrays"].items():
         dtype = dtype_named(info["dtype"])

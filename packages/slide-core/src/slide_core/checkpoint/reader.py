@@ -29,10 +29,19 @@ import torch
 from . import manifest
 from .arrays import ArraySink, Interval, as_bytes, placement
 from .errors import CheckpointCorrupt
-from .legacy import legacy_intervals
-from .manifest import Manifest, Part, open_manifest
+from .legacy import legacy_intervals, legacy_manifest
+from .manifest import Manifest, Part, current_manifest, read_state
 
 __all__ = ["load_checkpoint", "verify_checkpoint"]
+
+
+def open_manifest(path: Path) -> Manifest:
+    """Checkpoint ``path``'s :class:`Manifest`, whatever its format. Raises :class:`CheckpointCorrupt`."""
+    state = read_state(path)
+    if state["format"] < manifest.FORMAT:
+        return legacy_manifest(path, state)
+    return current_manifest(path, state)
+
 
 Deliver = Callable[[int, torch.Tensor], None]
 """Takes ``(element offset from the range's start, the verified bytes)``."""
