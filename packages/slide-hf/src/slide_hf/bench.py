@@ -37,6 +37,7 @@ import torch
 
 from slide_hf.defaults import resolve_seq_len
 from slide_hf.errors import UserError
+from slide_hf.in_step_rates import InStepMeter, learn_rates
 from slide_hf.options import TrainConfig
 from slide_hf.planner.traffic import h2d_bytes_per_param, host_bytes_per_param_step
 from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimizer, open_engine, place_units
@@ -142,6 +143,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     batches = _batches(config.vocab_size, cfg.options.batch_size, cfg.options.seq_len, cfg.options.steps)
     times, losses, spans, norms = [], [], [], []
     per_unit: dict[str, list[dict[str, float]]] = {}
+    meter = InStepMeter(plan, warmup_steps=cfg.warmup)  # each term against the plan, the rates kept for the next
     with PeakRss() as rss, device:
         h2d_gbps, d2h_gbps = _pcie_gbps(device)
         began = time.perf_counter()
@@ -172,6 +174,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
                 if traced:
                     spans = engine.timeline.end_trace()
                 taken = engine.unit_times()
+                meter.add(taken)
                 if index >= cfg.warmup:
                     for name, t in taken.items():
                         per_unit.setdefault(name, []).append(dict(t.ms))
@@ -179,6 +182,9 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
             # As `slide train` ends: the host optimizer state goes before the resident masters come back.
             engine.close(keep_host_state=False)
     unit_facts = {unit.name: describe_unit(unit) for unit in model.units}
+    terms = meter.terms()
+    if device.is_accelerator:
+        learn_rates(meter)
     steady = times[cfg.warmup :] or times
     step_s = statistics.median(steady)
     tokens = cfg.options.batch_size * cfg.options.seq_len
@@ -236,6 +242,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "update_placement": cfg.options.update_placement.value,
         "streamed_units": list(placement.streamed),
         "measured_against_predicted": measured_against_predicted(plan.resource_s, plan.step_time_s, bounds, step_s),
+        "measured_against_planned_terms": terms.to_dict() if terms is not None else {},
         "losses": [round(x, 4) for x in losses],
         "attention": attention_summary(model, device.torch_device.type, torch.bfloat16),
         "linear_attention": linear.describe() if linear is not None else None,

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from slide_hf.in_step_rates import MeasuredTerms
+
 __all__ = ["PlanCheck", "host_peak_rss_bytes"]
 
 GiB = 1 << 30
@@ -37,9 +39,18 @@ class PlanCheck:
     planned_host_peak_bytes: int
     gpu_peak_bytes: int | None
     planned_gpu_peak_bytes: int | None
+    terms: MeasuredTerms | None = None
+    """The step's terms (GPU compute, host AdamW busy) measured beside the plan's (slide_hf/in_step_rates.py)."""
 
     @classmethod
-    def of(cls, plan: Any, step_times_s: Sequence[float], *, gpu_peak_bytes: int | None) -> PlanCheck:
+    def of(
+        cls,
+        plan: Any,
+        step_times_s: Sequence[float],
+        *,
+        gpu_peak_bytes: int | None,
+        terms: MeasuredTerms | None = None,
+    ) -> PlanCheck:
         """``plan``: the run's placed plan; ``step_times_s``: every step's wall time, in order;
         ``gpu_peak_bytes``: the device's peak, None on the CPU device. The CPU device has no step time in
         its plan (the planner's rates are a GPU's and its PCIe link's), so only its host peak is compared."""
@@ -52,6 +63,7 @@ class PlanCheck:
             planned_host_peak_bytes=plan.host_peak_bytes,
             gpu_peak_bytes=gpu_peak_bytes,
             planned_gpu_peak_bytes=None if gpu_peak_bytes is None else plan.gpu_peak_bytes,
+            terms=terms if on_gpu else None,
         )
 
     def to_dict(self) -> dict[str, dict[str, float | None]]:
@@ -61,7 +73,10 @@ class PlanCheck:
             "host_peak_bytes": (self.host_peak_bytes, self.planned_host_peak_bytes),
             "gpu_peak_bytes": (self.gpu_peak_bytes, self.planned_gpu_peak_bytes),
         }
-        return {name: _term(measured, planned) for name, (measured, planned) in terms.items() if measured is not None}
+        measured_terms = {
+            name: _term(measured, planned) for name, (measured, planned) in terms.items() if measured is not None
+        }
+        return measured_terms | (self.terms.to_dict() if self.terms is not None else {})
 
     def line(self) -> str:
         """One log line: ``measured against planned: step 1.23 s / 1.10 s (x1.12), host peak ...``."""
@@ -79,6 +94,8 @@ class PlanCheck:
                 f"GPU peak {self.gpu_peak_bytes / GiB:.2f} / {self.planned_gpu_peak_bytes / GiB:.2f} GiB"
                 f"{_ratio(self.gpu_peak_bytes, self.planned_gpu_peak_bytes)}"
             )
+        if self.terms is not None and self.terms.line():
+            parts.append(self.terms.line())
         return "measured against planned: " + ", ".join(parts)
 
 

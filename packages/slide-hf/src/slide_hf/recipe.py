@@ -65,6 +65,7 @@ from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load
 from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import Interrupted, RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
+from slide_hf.in_step_rates import InStepMeter, learn_rates
 from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run
 from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.plan_check import PlanCheck
@@ -206,6 +207,7 @@ def _train(
         trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group)
         trainer.resumed = resumed
         trainer.plan = placement.plan
+        trainer.meter = InStepMeter(placement.plan)
         with trainer.stop, parts as engine:
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
@@ -603,6 +605,7 @@ class _Trainer:
         self._process = psutil.Process()
         self.plan: Any = None  # the placed plan, whose terms the run's log measures (slide_hf/plan_check.py)
         self.step_times_s: list[float] = []
+        self.meter: InStepMeter | None = None  # each term of the steps beside the plan's (slide_hf/in_step_rates.py)
 
     def run(self) -> int:
         """Train inside the running engine from the resumed step (or 0) to the last; the final state is
@@ -669,7 +672,10 @@ class _Trainer:
             raise stop.stopped(f"after step {final_step}; its checkpoint is saved", self.output)
         if self.main and self.plan is not None and self.step_times_s:
             gpu_peak = self.device.peak_memory_bytes() if self.device.is_accelerator else None
-            log.info("%s", PlanCheck.of(self.plan, self.step_times_s, gpu_peak_bytes=gpu_peak).line())
+            terms = self.meter.terms() if self.meter is not None else None
+            log.info("%s", PlanCheck.of(self.plan, self.step_times_s, gpu_peak_bytes=gpu_peak, terms=terms).line())
+            if self.device.is_accelerator and self.meter is not None:
+                learn_rates(self.meter)
         return first_step
 
     def _stopping(self) -> bool:
@@ -680,6 +686,8 @@ class _Trainer:
     def _log_step(self, result: Any, micro_batches: list[Any]) -> None:
         self.step_times_s.append(result.wall_s)
         times = self.engine.unit_times()
+        if self.meter is not None:
+            self.meter.add(times)
         real_tokens = _real_tokens(micro_batches, self.pad_id)
         # Every rank's rows (the engine's counts already are), and its signals.
         counted = self.group.sum_counts([real_tokens, *self.stop.local_flags()], "the sum of the step's real tokens")

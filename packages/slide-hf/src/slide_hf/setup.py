@@ -209,6 +209,7 @@ def place_units(
     `slide doctor` has cached them). ``optimizer``: the run's, whose scratch the plan prices and whose
     ``--master`` it resolves (None: the one ``options`` name, built without compiling)."""
     from slide_core.engine.placement import choose_resident_units
+    from slide_hf.in_step_rates import learned_inputs
     from slide_hf.machine_rates import planning_bandwidths
     from slide_hf.planner import (
         Bandwidths,
@@ -230,6 +231,10 @@ def place_units(
         optimizer=optimizer if optimizer is not None else unbuilt_optimizer(options),
         bandwidths=planning_bandwidths()[0] if device.is_accelerator else Bandwidths(),
     )
+    if device.is_accelerator:  # what earlier runs measured in their steps here (slide_hf/in_step_rates.py)
+        inputs, learned = learned_inputs(inputs)
+        if learned is not None:
+            log.info("plan rates: %s", learned)
     host_available = available_host_bytes()
     # The host side is checked on the placed plan: GPU-streamed units need no gradient ring on the host
     # (Note [The ring is sized for the host's units]), so a run that fits only once placed is not refused.

@@ -114,6 +114,12 @@ def run(args: argparse.Namespace) -> int:
         bandwidths=bandwidths,
         optimizer=unbuilt_optimizer(options),
     )
+    if accelerator:  # what earlier runs measured in their steps here (slide_hf/in_step_rates.py)
+        from slide_hf.in_step_rates import learned_inputs
+
+        inputs, learned = learned_inputs(inputs)
+        if learned is not None:
+            rates_source = f"{rates_source}; {learned}"
     plan = make_plan(inputs)
     distributed = args.nproc_per_node * args.nnodes > 1
     placement = cfg.update_placement.value

@@ -51,6 +51,15 @@ duplex rate. Measured on an H200 (16 cores, 128 GiB, PCIe 5): llama3.1-8b with e
 ~128 GB h2d and ~96 GB d2h per step in 3.40 s, ~66 GB/s for the two together against 55 GB/s each way alone."""
 
 
+HOST_ADAM_BUSY_SHARE = 0.68
+"""The host AdamW's rate while it works inside a step, relative to ``slide doctor``'s measurement of it
+alone (the schedule models its idle time itself; ``HOST_ADAM_IN_STEP`` in unit_costs.py folds that idle time in). Measured on
+an H100 host (16 cores, 128 GiB), llama3.1-8b, batch 16 x 1024, --gpu-memory 24: fp32 master and state,
+7.4e9 host-updated parameters in 1.43 s of updates, 5.2 Gparam/s, 0.68 of the doctor's 7.66; split master
+and bf16 state 0.86 of its 5.93 (docs/benchmarks.md, "Where each unit's update runs"); on an H200 host
+0.66-0.67 (Note [The host optimizer inside a step] in unit_costs.py)."""
+
+
 @dataclass(frozen=True)
 class Bandwidths:
     """Throughputs the step-time estimate divides by (GB/s are 1e9 bytes/s).
@@ -73,6 +82,10 @@ class Bandwidths:
     - ``pcie_duplex_gbps``: h2d and d2h bytes together per second while both directions copy at once (each
       direction alone is faster than half of it, together slower than the sum); None: ``DUPLEX_SPEED``
       times the slower direction (:attr:`duplex_gbps`).
+    - ``cpu_adam_busy_gparams``: ``(master format, state format, Gparam/s)`` of the host AdamW *inside training
+      steps* while it works (its update spans), which a run measures and writes to this machine's cache
+      (slide_hf/in_step_rates.py); where one is missing, the stand-alone rate times ``HOST_ADAM_BUSY_SHARE``
+      (:meth:`cpu_adam_busy_rate`).
 
     ``slide doctor`` measures all but the disk on this machine and caches them; planning reads that cache
     (:func:`slide_hf.machine_rates.planning_bandwidths`) and otherwise uses these defaults.
@@ -88,10 +101,16 @@ class Bandwidths:
     cpu_adam_state_gparams: tuple[tuple[str, float], ...] = ()
     cpu_adam_split_state_gparams: tuple[tuple[str, float], ...] = ()
     pcie_duplex_gbps: float | None = None
+    cpu_adam_busy_gparams: tuple[tuple[str, str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
-            if item.name in ("cpu_adam_state_gparams", "cpu_adam_split_state_gparams", "pcie_duplex_gbps"):
+            if item.name in (
+                "cpu_adam_state_gparams",
+                "cpu_adam_split_state_gparams",
+                "pcie_duplex_gbps",
+                "cpu_adam_busy_gparams",
+            ):
                 continue
             value = getattr(self, item.name)
             if not value > 0:
@@ -104,6 +123,9 @@ class Bandwidths:
                     )
         if self.pcie_duplex_gbps is not None and not self.pcie_duplex_gbps > 0:
             raise UserError(f"bandwidth pcie_duplex_gbps must be > 0, got {self.pcie_duplex_gbps}")
+        for master, state, value in self.cpu_adam_busy_gparams:
+            if not value > 0:
+                raise UserError(f"in-step host AdamW rate for {state} state, {master} master must be > 0, got {value}")
 
     def cpu_adam_rate(self, optimizer_state: str, master_format: str = "fp32") -> float:
         """Host AdamW updates per second (1e9 params/s) with ``optimizer_state`` moments and a
@@ -119,6 +141,15 @@ class Bandwidths:
         if optimizer_state in measured:
             return measured[optimizer_state]
         return self.cpu_adam_gparams * STATE_SPEED[optimizer_state]
+
+    def cpu_adam_busy_rate(self, optimizer_state: str, master_format: str = "fp32") -> float:
+        """Host AdamW updates per second (1e9 params/s) while it works inside a training step: measured in
+        this machine's earlier steps with these formats, else the stand-alone rate (:meth:`cpu_adam_rate`)
+        times ``HOST_ADAM_BUSY_SHARE``, the share of it measured steps reached on an H100 and an H200 host."""
+        for master, state, value in self.cpu_adam_busy_gparams:
+            if (master, state) == (master_format, optimizer_state):
+                return value
+        return self.cpu_adam_rate(optimizer_state, master_format) * HOST_ADAM_BUSY_SHARE
 
     @property
     def duplex_gbps(self) -> float:

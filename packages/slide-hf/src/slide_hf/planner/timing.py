@@ -15,7 +15,7 @@ from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import _nvme_units
 from slide_hf.planner.step_schedule import ScheduleRates, UnitWork, simulate_step
-from slide_hf.planner.traffic import HOST_ADAM_BUSY_SHARE, h2d_bytes_per_param
+from slide_hf.planner.traffic import h2d_bytes_per_param
 from slide_hf.planner.unit_costs import (
     STREAMED_MASTER_BYTES,
     UnitCost,
@@ -91,7 +91,7 @@ def scheduled_step_s(
     tokens = inputs.batch_size * seq
     rate = bw.gpu_tflops * 1e12
     attention = shape.num_heads * shape.head_dim * seq  # per token per block, times 2 forward, 6 backward
-    host_rate = bw.cpu_adam_rate(inputs.optimizer_state, inputs.master_format) * HOST_ADAM_BUSY_SHARE * 1e9
+    host_rate = bw.cpu_adam_busy_rate(inputs.optimizer_state, inputs.master_format) * 1e9
     load_bytes = h2d_bytes_per_param(inputs.master_format)
     accumulate_bytes = 8 + d
     by_name = {cost.name: cost for cost in costs}

@@ -5,7 +5,7 @@ data-parallel plan (distributed.py) all read it, and it reads only the inputs.""
 from __future__ import annotations
 
 from slide_core.optim.state_formats import state_bytes_per_param
-from slide_hf.planner.inputs import ModelShape, PlanInputs
+from slide_hf.planner.inputs import HOST_ADAM_BUSY_SHARE, ModelShape, PlanInputs
 
 __all__ = [
     "HOST_ADAM_BUSY_SHARE",
@@ -44,15 +44,6 @@ installed). TorchAdamW, the fallback without numba, also casts the gradient into
 it back (8 B more); the plan prices the fused kernel, whose 26 B/param (gradient included) measured on an
 H200 (16 cores, 128 GiB) match its rate: a planned 34 made the host memory term bind at 2.21 s where the
 optimizer took 1.87 s (Note [The host optimizer inside a step])."""
-
-
-HOST_ADAM_BUSY_SHARE = 0.68
-"""The host AdamW's rate while it works inside a step, relative to ``slide doctor``'s measurement of it
-alone (the schedule models its idle time itself; ``HOST_ADAM_IN_STEP`` folds that idle time in). Measured on
-an H100 host (16 cores, 128 GiB), llama3.1-8b, batch 16 x 1024, --gpu-memory 24: fp32 master and state,
-7.4e9 host-updated parameters in 1.43 s of updates, 5.2 Gparam/s, 0.68 of the doctor's 7.66; split master
-and bf16 state 0.86 of its 5.93 (docs/benchmarks.md, "Where each unit's update runs"); on an H200 host
-0.66-0.67 (Note [The host optimizer inside a step] in unit_costs.py)."""
 
 
 def adam_bytes_per_param(optimizer_state: str) -> float:

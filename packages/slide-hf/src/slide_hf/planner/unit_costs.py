@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.optim.state_formats import state_bytes_per_param
-from slide_hf.planner.inputs import ModelShape, PlanInputs
+from slide_hf.planner.inputs import HOST_ADAM_BUSY_SHARE, ModelShape, PlanInputs
 from slide_hf.planner.traffic import adam_bytes_per_param, block_loads, h2d_bytes_per_param
 
 __all__ = ["RESOURCES", "UnitCost", "fixed_times", "resource_times", "unit_costs"]
@@ -109,7 +109,10 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
     load_bytes = h2d_bytes_per_param(inputs.master_format)
     state_bytes = state_bytes_per_param(inputs.optimizer_state)
     adam_bytes = adam_bytes_per_param(inputs.optimizer_state)
-    adam_rate = bw.cpu_adam_rate(inputs.optimizer_state, inputs.master_format) * HOST_ADAM_IN_STEP * 1e9
+    # The step's average rate: the busy one (measured in this machine's steps, or the share of the stand-alone
+    # one) with the idle time folded in, as HOST_ADAM_IN_STEP is to HOST_ADAM_BUSY_SHARE.
+    busy = bw.cpu_adam_busy_rate(inputs.optimizer_state, inputs.master_format)
+    adam_rate = busy * (HOST_ADAM_IN_STEP / HOST_ADAM_BUSY_SHARE) * 1e9
     h2d, d2h, duplex, host_mem, gpu_mem = (
         x * 1e9 for x in (bw.h2d_gbps, bw.d2h_gbps, bw.duplex_gbps, bw.host_mem_gbps, bw.gpu_mem_gbps)
     )

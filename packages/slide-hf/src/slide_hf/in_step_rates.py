@@ -1,0 +1,316 @@
+"""Rates a training run measures inside its own steps, kept per machine so the next plan there uses them.
+
+`slide doctor` times each rate alone (slide_hf/machine_rates.py); inside a step the same work runs slower or
+faster: the host AdamW shares memory bandwidth with the DMA and its cores with the engine's threads (1.1 to
+1.8x below its stand-alone rate on an H100 and an H200 host), and the GPU's achieved FLOP rate depends on the
+model's widths, the sequence and the batch. A plan built from stand-alone rates is therefore off by host,
+which is what "the plan is not the run" measured. So `slide train` and `slide bench` time each term in their
+steps after the first (:class:`InStepMeter`, from the engine's per-unit spans), report it beside the plan's
+figure, and write the rates to this machine's cache (:class:`InStepRates`, one JSON file per
+:class:`~slide_hf.machine_rates.HostIdentity`, beside the doctor's). The next plan on this machine lays them
+over its bandwidths (:func:`learned_inputs`):
+
+- the host AdamW's *busy* rate, per master and state format: parameters of the host-updated units over the
+  seconds of their update spans (the schedule models the optimizer's idle time itself);
+- the GPU's achieved rate, per workload (the model's shape, micro-batch, sequence and compute dtype): the
+  plan's FLOPs per step over the seconds of the forward, backward and head spans.
+
+PCIe keeps the doctor's rates: a copy's span on its stream includes the time it queues behind the other
+direction's, so it does not time the link alone (the plan's duplex term models that sharing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from slide_hf import machine_rates
+from slide_hf.machine_rates import HostIdentity
+
+__all__ = ["InStepMeter", "InStepRates", "MeasuredTerms", "learn_rates", "learned_inputs", "workload_key"]
+
+log = logging.getLogger("slide.in_step_rates")
+
+_VERSION = 1
+_COMPUTE_PHASES = ("forward", "backward", "head")
+
+
+def workload_key(inputs: Any) -> str:
+    """What the GPU's achieved rate belongs to: the model's shape, the micro-batch, the sequence, the
+    accumulation and the compute dtype (a short digest; two runs of one model at one batch share it)."""
+    shape = inputs.shape
+    parts = (
+        shape.hidden_size,
+        shape.num_blocks,
+        shape.block_params,
+        shape.vocab_size,
+        shape.num_heads,
+        shape.head_dim,
+        inputs.batch_size,
+        inputs.seq_len,
+        inputs.grad_accum,
+        inputs.compute_dtype_bytes,
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class InStepRates:
+    """Rates measured inside training steps on one machine.
+
+    - ``cpu_adam_busy_gparams``: ``"master/state"`` (e.g. ``"split/bf16"``) to the host AdamW's busy rate,
+      1e9 parameters/s;
+    - ``gpu_tflops``: :func:`workload_key` to the achieved rate, 1e12 FLOP/s of the plan's count;
+    - ``measured_at``: when the newest of them was measured.
+    """
+
+    identity: HostIdentity
+    measured_at: str
+    cpu_adam_busy_gparams: Mapping[str, float] = field(default_factory=dict)
+    gpu_tflops: Mapping[str, float] = field(default_factory=dict)
+
+    def merged(self, newer: InStepRates) -> InStepRates:
+        """These rates with ``newer``'s replacing the ones they measure again (the rest kept)."""
+        return InStepRates(
+            identity=self.identity,
+            measured_at=newer.measured_at,
+            cpu_adam_busy_gparams={**self.cpu_adam_busy_gparams, **newer.cpu_adam_busy_gparams},
+            gpu_tflops={**self.gpu_tflops, **newer.gpu_tflops},
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": _VERSION,
+            "identity": dataclasses.asdict(self.identity),
+            "measured_at": self.measured_at,
+            "cpu_adam_busy_gparams": dict(self.cpu_adam_busy_gparams),
+            "gpu_tflops": dict(self.gpu_tflops),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> InStepRates:
+        """Read :meth:`to_json`'s output back; anything else raises ``ValueError`` naming what is wrong."""
+        if not isinstance(data, dict) or data.get("version") != _VERSION:
+            raise ValueError(f"not a version {_VERSION} in-step rates file")
+        try:
+            return cls(
+                identity=HostIdentity(**data["identity"]),
+                measured_at=str(data["measured_at"]),
+                cpu_adam_busy_gparams=_rates(data["cpu_adam_busy_gparams"], "cpu_adam_busy_gparams"),
+                gpu_tflops=_rates(data["gpu_tflops"], "gpu_tflops"),
+            )
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"missing or malformed field: {error}") from None
+
+    # -- the cache ---------------------------------------------------------------------------------------
+    @staticmethod
+    def path(identity: HostIdentity, environ: Mapping[str, str] | None = None) -> Path:
+        return machine_rates.cache_dir(environ) / f"in-step-rates-{identity.key()}.json"  # beside the doctor's
+
+    @classmethod
+    def load(cls, identity: HostIdentity, environ: Mapping[str, str] | None = None) -> InStepRates | None:
+        """This machine's in-step rates, or None without any. A file that cannot be read, or belongs to
+        another machine, is one logged line and counts as absent (the next run's measurement replaces it)."""
+        path = cls.path(identity, environ)
+        if not path.exists():
+            return None
+        try:
+            rates = cls.from_json(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError) as error:
+            log.warning("ignoring the in-step rates cache %s (%s); the next run measures again", path, error)
+            return None
+        if rates.identity != identity:
+            log.warning("ignoring the in-step rates cache %s: it was measured on another machine", path)
+            return None
+        return rates
+
+    def save(self, environ: Mapping[str, str] | None = None) -> Path:
+        """Merge into this machine's cache file (written to a temporary name, then renamed, so a reader
+        never sees half a file; two runs ending at once each leave a whole file)."""
+        older = InStepRates.load(self.identity, environ)
+        rates = older.merged(self) if older is not None else self
+        path = InStepRates.path(self.identity, environ)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(rates.to_json(), indent=1), encoding="utf-8")
+        partial.replace(path)
+        return path
+
+
+def _rates(value: Any, name: str) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object")
+    out = {}
+    for key, rate in value.items():
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < float("inf"):
+            raise ValueError(f"{name}.{key} must be a positive finite number, got {rate!r}")
+        out[str(key)] = float(rate)
+    return out
+
+
+def learned_inputs(
+    inputs: Any, identity: HostIdentity | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[Any, str | None]:
+    """``inputs`` with this machine's in-step rates laid over its bandwidths, and a phrase naming what was
+    taken (None: nothing measured here yet). The host AdamW's busy rates apply to every workload; the GPU's
+    achieved rate only to the workload it was measured on (:func:`workload_key`)."""
+    identity = identity or HostIdentity.here()
+    rates = InStepRates.load(identity, environ)
+    if rates is None:
+        return inputs, None
+    busy = tuple(
+        (key.split("/", 1)[0], key.split("/", 1)[1], value)
+        for key, value in sorted(rates.cpu_adam_busy_gparams.items())
+        if "/" in key
+    )
+    changes: dict[str, Any] = {"cpu_adam_busy_gparams": busy}
+    taken = ["the host AdamW's"] if busy else []
+    gpu = rates.gpu_tflops.get(workload_key(inputs))
+    if gpu is not None:
+        changes["gpu_tflops"] = gpu
+        taken.append("the GPU's on this workload")
+    if not taken:
+        return inputs, None
+    bandwidths = dataclasses.replace(inputs.bandwidths, **changes)
+    return dataclasses.replace(inputs, bandwidths=bandwidths), (
+        f"{' and '.join(taken)} rates measured in steps here {rates.measured_at}"
+    )
+
+
+@dataclass(frozen=True)
+class MeasuredTerms:
+    """Per step, measured and planned: the host AdamW's busy seconds and the GPU's compute seconds (None
+    where the run has none of that work)."""
+
+    host_update_s: float | None
+    planned_host_update_s: float | None
+    gpu_compute_s: float | None
+    planned_gpu_compute_s: float | None
+
+    def line(self) -> str:
+        parts = []
+        for name, measured, planned in (
+            ("GPU compute", self.gpu_compute_s, self.planned_gpu_compute_s),
+            ("host AdamW busy", self.host_update_s, self.planned_host_update_s),
+        ):
+            if measured is not None and planned:
+                parts.append(f"{name} {measured:.3g} s / {planned:.3g} s (x{measured / planned:.2f})")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, dict[str, float | None]]:
+        terms = {
+            "gpu_compute_s": (self.gpu_compute_s, self.planned_gpu_compute_s),
+            "host_update_busy_s": (self.host_update_s, self.planned_host_update_s),
+        }
+        return {
+            name: {"measured": measured, "planned": planned, "ratio": measured / planned if planned else None}
+            for name, (measured, planned) in terms.items()
+            if measured is not None
+        }
+
+
+class InStepMeter:
+    """Sums a run's per-unit spans over its steps after the first, against the plan that placed it.
+
+    ``plan``: the placed plan (its inputs give the layout: which units the host updates, and its FLOPs per
+    step). Feed it each step's :meth:`Engine.unit_times` (:meth:`add`); :meth:`terms` and :meth:`rates`
+    then give the per-step figures and the rates to cache. Holds sums only: nothing grows with the steps."""
+
+    def __init__(self, plan: Any, *, warmup_steps: int = 1) -> None:
+        inputs = plan.inputs
+        layout = inputs.layout()
+        # Units whose update spans time the host AdamW alone: host-updated, state in the host slabs (a tier
+        # read would count the disk), and one contribution per step (an accumulator's sums would count too).
+        plain = set(layout.host_optimized) & set(layout.state_in_host_slabs) - set(
+            layout.accumulating(inputs.grad_accum)
+        )
+        self._host_units = {name: layout.numel[name] for name in plain if layout.numel[name] > 0}
+        self._formats = f"{inputs.master_format}/{inputs.optimizer_state}"
+        self._flops = float(plan.flops_per_step)
+        self._workload = workload_key(inputs)
+        self._planned_busy_rate = inputs.bandwidths.cpu_adam_busy_rate(inputs.optimizer_state, inputs.master_format)
+        self._planned_tflops = inputs.bandwidths.gpu_tflops
+        self._warmup = warmup_steps
+        self._seen = 0
+        self._steps = 0
+        self._update_s = 0.0
+        self._compute_s = 0.0
+
+    def add(self, times: Mapping[str, Any]) -> None:
+        """One step's per-unit times (:class:`~slide_core.engine.timeline.UnitTimes`, milliseconds)."""
+        self._seen += 1
+        if self._seen <= self._warmup:
+            return
+        self._steps += 1
+        self._update_s += _sum_ms(times, self._host_units, ("update",)) / 1e3
+        self._compute_s += _sum_ms(times, None, _COMPUTE_PHASES) / 1e3
+
+    def terms(self) -> MeasuredTerms | None:
+        """Per-step means of the measured steps beside the plan's figures; None before a measured step."""
+        if self._steps == 0:
+            return None
+        host_numel = sum(self._host_units.values())
+        measured_update = self._update_s / self._steps if host_numel else None
+        measured_compute = self._compute_s / self._steps if self._compute_s > 0 else None
+        return MeasuredTerms(
+            host_update_s=measured_update,
+            planned_host_update_s=host_numel / (self._planned_busy_rate * 1e9) if host_numel else None,
+            gpu_compute_s=measured_compute,
+            planned_gpu_compute_s=self._flops / (self._planned_tflops * 1e12),
+        )
+
+    def rates(self, identity: HostIdentity | None = None) -> InStepRates | None:
+        """The rates these steps measured (None: none measured, or a span total too small to trust)."""
+        terms = self.terms()
+        if terms is None:
+            return None
+        busy = {}
+        if terms.host_update_s is not None and terms.host_update_s > 1e-4:
+            busy[self._formats] = sum(self._host_units.values()) / terms.host_update_s / 1e9
+        gpu = {}
+        if terms.gpu_compute_s is not None and terms.gpu_compute_s > 1e-4:
+            gpu[self._workload] = self._flops / terms.gpu_compute_s / 1e12
+        if not busy and not gpu:
+            return None
+        return InStepRates(
+            identity=identity or HostIdentity.here(),
+            measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            cpu_adam_busy_gparams=busy,
+            gpu_tflops=gpu,
+        )
+
+
+def learn_rates(meter: InStepMeter, environ: Mapping[str, str] | None = None) -> Path | None:
+    """Write the rates ``meter`` measured to this machine's cache and say so in one line (a cache that
+    cannot be written is one warning: the run's results do not depend on it). Returns the file, if written."""
+    rates = meter.rates()
+    if rates is None:
+        return None
+    try:
+        path = rates.save(environ)
+    except OSError as error:
+        log.warning(
+            "could not keep the rates measured in this run's steps (%s); plans here use the stand-alone ones", error
+        )
+        return None
+    measured = [f"host AdamW {k} {v:.2f} Gparam/s busy" for k, v in rates.cpu_adam_busy_gparams.items()]
+    measured += [f"GPU {v:.0f} TFLOPS on this workload" for v in rates.gpu_tflops.values()]
+    log.info(
+        "rates measured in the steps (%s) kept in %s: the next plan on this machine uses them",
+        ", ".join(measured),
+        path,
+    )
+    return path
+
+
+def _sum_ms(times: Mapping[str, Any], units: Iterable[str] | None, phases: tuple[str, ...]) -> float:
+    names = times.keys() if units is None else [name for name in units if name in times]
+    return sum(times[name].ms.get(phase, 0.0) for name in names for phase in phases)
