@@ -9,8 +9,8 @@
 #   kernel-tests    the compact-moment AdamW and split-master codec kernels, and the streamed-update tests
 #   streamed-tests  only tests/core/test_streamed_gpu.py
 #   gemma3      bench/diagnose_blocks.py on Gemma 3's streamed blocks (expect every block at 12-14 ms)
-#   8b-PLACEMENT[-split][-bf16|-int8]   llama3.1-8b --gpu-memory 24, update placement host|gpu|auto, with
-#               --master split and --optimizer-state bf16|int8 when named (~1 min each)
+#   8b-PLACEMENT[-split][-bf16|-int8][-clip]   llama3.1-8b --gpu-memory 24, update placement host|gpu|auto, with
+#               --master split, --optimizer-state bf16|int8 and --max-grad-norm 1 when named (~1 min each)
 #   3b-PLACEMENT[-split][-bf16|-int8]   llama3.2-3b --gpu-memory 12, against plain PyTorch in the same run
 #   14b-PLACEMENT[-split][-bf16|-int8]  qwen2.5-14b --gpu-memory 24, RAM only (--resident-gib 0 with host)
 # --budget-s: no step starts after that many seconds, and each is cut at the budget's end (default 580).
@@ -46,6 +46,7 @@ variant() {  # 8b-auto-split-bf16 -> the bench options of that run
   [[ -$rest- == *-split-* ]] && opts+=(--master split)
   [[ -$rest- == *-bf16-* ]] && opts+=(--optimizer-state bf16)
   [[ -$rest- == *-int8-* ]] && opts+=(--optimizer-state int8)
+  [[ -$rest- == *-clip-* ]] && opts+=(--max-grad-norm 1)
   bench "$step" "${opts[@]}"
 }
 
