@@ -199,3 +199,34 @@ def test_bench_on_the_cpu_reports_each_term_against_the_plan(slide, tmp_path):
     result = json.loads(out)
     terms = result.get("slide", result)["measured_against_planned_terms"]
     assert terms["host_update_busy_s"]["measured"] > 0 and terms["gpu_compute_s"]["measured"] > 0
+
+
+def test_slide_plan_uses_the_rates_earlier_steps_measured_here_and_says_so(slide, tmp_path, monkeypatch):
+    """`slide plan` on a GPU machine plans with the rates its earlier runs kept: the host AdamW's busy rate for
+    these formats, and the GPU's rate for this very workload (what the run would measure again)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = ("plan", "--model", "tiny-llama", "--seq-len", "128", "--gpu-memory", "4GiB", "--json")
+    status, out, err = slide(*argv)
+    assert status == 0, err
+    before = json.loads(out)
+    assert "measured in steps" not in before["rates_source"]
+    # What a run of this workload measured: a host AdamW 4x slower than planned, a GPU 2x slower.
+    from slide_hf.planner import Bandwidths as PlanBandwidths
+
+    defaults = PlanBandwidths()
+    busy = defaults.cpu_adam_busy_rate(before["optimizer_state"], before["master"]) / 4
+    key = before["workload"]
+    formats = f"{before['master']}/{before['optimizer_state']}"
+    InStepRates(
+        HostIdentity.here(), "2026-12-07T00:00:00+00:00", {formats: busy}, {key: defaults.gpu_tflops / 2}
+    ).save()
+    status, out, err = slide(*argv)
+    assert status == 0, err
+    after = json.loads(out)
+    assert "rates measured in steps here 2026-12-07" in after["rates_source"]
+    planned, learned = before["inputs"]["bandwidths"], after["inputs"]["bandwidths"]
+    assert learned["gpu_tflops"] == planned["gpu_tflops"] / 2
+    assert learned["cpu_adam_busy_gparams"] == [[before["master"], before["optimizer_state"], busy]]
+    assert after["resource_s"]["gpu compute"] > before["resource_s"]["gpu compute"]
+    assert after["step_time_s"] > before["step_time_s"]

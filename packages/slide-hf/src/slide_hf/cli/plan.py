@@ -114,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
         bandwidths=bandwidths,
         optimizer=unbuilt_optimizer(options),
     )
-    if accelerator:  # what earlier runs measured in their steps here (slide_hf/in_step_rates.py)
-        from slide_hf.in_step_rates import learned_inputs
+    from slide_hf.in_step_rates import learned_inputs, workload_key
 
+    if accelerator:  # what earlier runs measured in their steps here (slide_hf/in_step_rates.py)
         inputs, learned = learned_inputs(inputs)
         if learned is not None:
             rates_source = f"{rates_source}; {learned}"
@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         payload.update({"state_tier": cfg.offload_optimizer, "output_disk": outputs.to_dict()})
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
         payload.update({"update_placement": placement, "rates_source": rates_source})
+        payload["workload"] = workload_key(inputs)  # what a GPU rate measured in this run's steps is kept under
         payload["engine_config"] = engine_config_dict(plan.inputs.engine_config())
         payload["buffers"] = plan.buffers().to_dict()
         payload["placement"] = {where: list(names) for where, names in plan.placement_counts().items()}
