@@ -193,3 +193,17 @@ def test_doctor_measures_again_over_a_broken_cache(slide, tmp_path):
     status, _, err = slide("doctor", "--json")
     assert status == 0, err
     assert load_cached() is not None
+
+
+def test_doctor_says_which_host_adamw_runs_and_the_package_that_needs_numba_requires_it(slide):
+    """The fused host AdamW is the fast path on the resource that usually binds; a user who installs the
+    packages gets numba with slide-core, and `slide doctor` says which kernel runs."""
+    import tomllib
+    from pathlib import Path
+
+    status, out, err = slide("doctor", "--json")
+    assert status == 0, err
+    assert json.loads(out)["kernels"]["host_adamw"].startswith("FusedAdamW (numba ")
+    pyproject = Path(__file__).parents[2] / "packages" / "slide-core" / "pyproject.toml"
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    assert any(d.replace(" ", "").startswith("numba") for d in dependencies)
