@@ -202,13 +202,15 @@ def push_run_model(run: Path, model: Path, repo_id: str, *, private: bool, step:
 
 def finished_model(source: Path, repo_id: str | None) -> tuple[Path, int | None]:
     """What `slide export RUN --push-to-hub REPO` (no OUTPUT) pushes: the run's own ``model/`` and the
-    step it holds when it is the export of the run's newest checkpoint (then it is pushed as it is: no
-    export again, no ``--overwrite``), or ``(RUN/model, None)`` when the run has no model yet (a failed
-    final export): the newest checkpoint is exported there first. The step a ``model/`` holds is the one
+    step it holds when it is the export of the run's newest checkpoint, or with ``--save-best`` of its best
+    one (slide_hf/model_checkpoint.py; then it is pushed as it is: no export again, no ``--overwrite``), or
+    ``(RUN/model, None)`` when the run has no model yet (a failed final export): that checkpoint is
+    exported there first. The step a ``model/`` holds is the one
     its export wrote down (``slide-export.json``, slide_hf/run_files.py); a ``model/`` of another step or
     of none it names (a run resumed with more ``--steps`` whose export failed keeps the old one) is not
     what the run is now, and is refused with the command that exports the newest."""
-    from slide_core.checkpoint import CheckpointCorrupt, find_latest, read_state
+    from slide_core.checkpoint import CheckpointCorrupt
+    from slide_hf.model_checkpoint import model_checkpoint
     from slide_hf.resume import corrupt_message
     from slide_hf.run_files import EXPORT_STAMP, exported_step
 
@@ -225,10 +227,10 @@ def finished_model(source: Path, repo_id: str | None) -> tuple[Path, int | None]
     if not (source / "config" / "config.json").is_file():
         raise UserError(f"{source} is not the output directory of a slide train run (it has no config/config.json)")
     try:
-        state = read_state(find_latest(source))
+        chosen = model_checkpoint(source)  # the newest, or with --save-best the best (slide_hf/model_checkpoint.py)
     except CheckpointCorrupt as error:
         raise UserError(corrupt_message(error, lambda intact: f"export it with `slide export {intact} OUT`")) from None
-    step = int(state["step"])
+    step = chosen.step
     model = source / "model"
     if not model.exists():
         return model, None
@@ -238,7 +240,7 @@ def finished_model(source: Path, repo_id: str | None) -> tuple[Path, int | None]
     if exported != step:
         held = f"the export of step {exported}" if exported is not None else f"no {EXPORT_STAMP} naming its step"
         raise UserError(
-            f"{model} holds {held}, not the run's newest checkpoint (step {step}); export that one and push it: "
+            f"{model} holds {held}, not {chosen.describe()}; export that one and push it: "
             f"`slide export {source} {model} --overwrite --push-to-hub {repo_id}`"
         )
     return model, step

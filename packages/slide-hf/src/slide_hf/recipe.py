@@ -67,6 +67,7 @@ from slide_hf.errors import Interrupted, RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.in_step_rates import InStepMeter, learn_rates
 from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run
+from slide_hf.model_checkpoint import load_best_for_export, read_best
 from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.plan_check import PlanCheck
 from slide_hf.planner import output_disk as disk
@@ -218,14 +219,17 @@ def _train(
             save_dtype = None if cfg.save_dtype == "auto" else DTYPES[cfg.save_dtype]
             final_step = max(first_step, data.total_steps)
             model_out = run_dir.path / "model"
+            model_step = final_step  # the step model/ holds: with --save-best, the best one's
             if main:
+                if cfg.save_best:
+                    model_step = load_best_for_export(host, run_dir.path, trainer.best, final_step)
                 with run_dir.keeping_user_files("model"):  # the export replaces model/ whole
                     model_out = export_run_model(
                         model.slide_model,
                         host,
                         model.config,
                         run_dir.path,
-                        final_step,
+                        model_step,
                         dtype=save_dtype,
                         tokenizer_dir=tokenizer_dir,
                         stop=trainer.stop,
@@ -234,13 +238,13 @@ def _train(
     losses = trainer.losses
     if first_step >= data.total_steps:  # a finished run, resumed: its model is written again, nothing to train
         if main and cfg.push_to_hub is not None:
-            _push_model(cfg, run_dir.path, model_out, final_step)
+            _push_model(cfg, run_dir.path, model_out, model_step)
         return TrainSummary(0, math.nan, math.nan, run_dir.path, model_out, [])
     if not losses:  # every step was skipped (non-finite gradients)
         raise UserError(f"no optimizer step was applied; the model was still written to {model_out}")
     # The summary is the caller's to say (`slide train` prints it, slide_hf.train() logs it): said once.
     if main and cfg.push_to_hub is not None:
-        _push_model(cfg, run_dir.path, model_out, final_step)
+        _push_model(cfg, run_dir.path, model_out, model_step)
     return TrainSummary(len(losses), losses[0], losses[-1], run_dir.path, model_out, losses)
 
 
@@ -616,7 +620,7 @@ class _Trainer:
         if self.resumed is not None:
             first_step = _resume(*self.resumed, engine, data.batches, self.run_state, self.run_dir, self.group)
         self.last_saved = first_step if self.resumed is not None else None
-        self.best.update(_read_best(self.output) if self.resumed is not None and cfg.save_best else {})
+        self.best.update(read_best(self.output) if self.resumed is not None and cfg.save_best else {})
         if self.run_log is not None:
             self.run_log.start(first_step)
         self.device.reset_peak_memory()
@@ -977,24 +981,6 @@ def _write_best(checkpoints: Path, best: dict[str, Any]) -> None:
     except OSError as error:
         temp.unlink(missing_ok=True)
         log.warning("cannot write %s (%s); the best checkpoint is %s", target, error.strerror, best.get("path"))
-
-
-def _read_best(output: Path) -> dict[str, Any]:
-    """``best.json`` of the run in ``output``, its path relative to ``output`` (so the run directory may be
-    moved and resumed from anywhere); {} when it is missing, unreadable or names no checkpoint. Files
-    written before the path was relative (relative to where that run started) are read by the
-    checkpoint's name."""
-    try:
-        best = json.loads((output / "checkpoints" / "best.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if not (isinstance(best, dict) and isinstance(best.get("eval_loss"), int | float) and "path" in best):
-        return {}
-    saved, root = Path(str(best["path"])), output.resolve()
-    for candidate in (output / saved, output / "checkpoints" / saved.name):
-        if candidate.is_dir() and candidate.resolve().is_relative_to(root):
-            return {**best, "path": str(candidate.resolve().relative_to(root))}
-    return {}
 
 
 def _describe_model(cfg: TrainConfig, model_dir: Path | None) -> str:

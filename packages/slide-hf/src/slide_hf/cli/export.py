@@ -1,8 +1,10 @@
 """`slide export`: turn a training checkpoint into a Hugging Face model directory.
 
-Takes a run's output directory (its newest checkpoint) or one checkpoint directory, and writes
-config.json, sharded safetensors with an index and the tokenizer files, atomically. This is also how a
-run whose final export failed (a full disk, a signal) gets its model: ``slide export RUN RUN/model``.
+Takes a run's output directory or one checkpoint directory, and writes config.json, sharded safetensors
+with an index and the tokenizer files, atomically. Of a run it exports the checkpoint the run's own
+model/ is the export of: its newest, or for a run trained with --save-best its best one (the lowest eval
+loss, named in checkpoints/best.json); name a checkpoint to export another. This is also how a run whose
+final export failed (a full disk, a signal) gets its model: ``slide export RUN RUN/model``.
 A checkpoint of a data-parallel run (every rank's shards under one step directory) is read shard by
 shard into one master, so its export equals the run's own.
 Weights holding NaN or Inf are refused, naming the first such tensor.
@@ -21,13 +23,17 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slide_hf.model_checkpoint import ModelCheckpoint
 
 log = logging.getLogger("slide.export")
 
 EPILOG = """examples:
   slide export runs/llama8b out/llama8b --push-to-hub me/llama8b-chat --private
   slide export runs/llama8b --push-to-hub me/llama8b-chat  # push the finished run's model/ as it is
-  slide export runs/llama8b out/llama8b-step-2000          # newest checkpoint of the run
+  slide export runs/llama8b out/llama8b-step-2000          # newest checkpoint of the run (--save-best: best)
   slide export runs/llama8b/checkpoints/step-00001000 out/step-1000 --save-dtype bfloat16
 """
 
@@ -62,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from slide_core import HostParameters
-    from slide_core.checkpoint import CheckpointCorrupt, find_latest, list_checkpoints, load_checkpoint
+    from slide_core.checkpoint import CheckpointCorrupt, list_checkpoints, load_checkpoint
     from slide_hf import build_model, load_config
     from slide_hf.errors import UserError
+    from slide_hf.model_checkpoint import model_checkpoint
     from slide_hf.resume import corrupt_message, damaged_newest
     from slide_hf.run_dir import clean_if_idle, exporting_into, run_of
     from slide_hf.run_export import export_model
@@ -86,9 +93,11 @@ def run(args: argparse.Namespace) -> int:
     if damaged is not None:
         raise UserError(corrupt_message(damaged, use))
     try:
-        checkpoint = find_latest(args.checkpoint)
+        # A run: the checkpoint its model/ is the export of, the newest or with --save-best the best one.
+        chosen = model_checkpoint(args.checkpoint)
     except CheckpointCorrupt as error:
         raise UserError(str(error)) from None
+    checkpoint = chosen.path
     named = checkpoint == args.checkpoint  # the user named this checkpoint, not a run to take the newest of
     run_dir = run_of(checkpoint)
     clean_if_idle(run_dir)  # temp dirs of a killed run or export, unless a live run holds the directory
@@ -122,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
                 f"`slide export {run_dir} {out}`, to take its newest complete checkpoint"
             )
         gone.add(checkpoint)
+        better = _new_best(run_dir, gone) if chosen.is_best else None
+        if better is not None:
+            log.warning("%s was removed while it was read (a better one replaced it); exporting %s", checkpoint, better)
+            chosen, checkpoint = better, better.path
+            continue
         older = [p for p in list_checkpoints(checkpoint.parent) if p not in gone and p.name < checkpoint.name]
         if not older:
             raise UserError(f"every checkpoint of {run_dir} was removed while it was read; export again")
@@ -135,7 +149,10 @@ def run(args: argparse.Namespace) -> int:
     # Writing into a run: not while it runs, and the user's files in its model/ stay.
     with exporting_into(run_dir, out) if inside_run else contextlib.nullcontext():
         export_model(model, host, config, out, dtype=dtype, tokenizer_dir=tokenizer, overwrite=args.overwrite)
-    print(f"exported step {state['step']} of {checkpoint} to {out}")
+    best = ""
+    if chosen.eval_loss is not None and chosen.path == checkpoint:
+        best = f", the run's best (eval loss {chosen.eval_loss:.4f}, --save-best),"
+    print(f"exported step {state['step']} of {checkpoint}{best} to {out}")
     if args.push_to_hub:
         from slide_hf.hub import push_to_hub
 
@@ -153,6 +170,19 @@ def _push_finished(run_dir: Path, model_dir: Path, step: int, args: argparse.Nam
         url = push_run_model(run_dir, model_dir, args.push_to_hub, private=args.private, step=step)
     print(f"pushed {model_dir} (step {step}) to {url}")
     return 0
+
+
+def _new_best(run_dir: Path, gone: set[Path]) -> ModelCheckpoint | None:
+    """The best checkpoint a live ``--save-best`` run names now, when it is not one already found gone (the
+    run names a better one in best.json before it prunes the older best); ``None`` otherwise."""
+    from slide_core.checkpoint import CheckpointCorrupt
+    from slide_hf.model_checkpoint import model_checkpoint
+
+    try:
+        found = model_checkpoint(run_dir)
+    except CheckpointCorrupt:
+        return None
+    return found if found.is_best and found.path not in gone else None
 
 
 def _vanished(checkpoint: Path, run_dir: Path, *, wait_s: float = 5.0) -> bool:

@@ -326,7 +326,8 @@ class TrainConfig:
     )
     save_best: bool = option(
         False,
-        help="keep the checkpoint with the lowest eval loss",
+        help="keep the checkpoint with the lowest eval loss, and export it as <output>/model when the run ends "
+        "(the last step's checkpoint stays in <output>/checkpoints)",
         helps={"plan": "slide train keeps the best checkpoint too, for the disk"},
         commands=_TRAIN_PLAN,
         action="store_true",
