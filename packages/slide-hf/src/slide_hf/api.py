@@ -109,6 +109,10 @@ def train_config(
         saved, source = saved_options(Path(given["resume"]))
         cfg = resume_config(saved, given, source=source)
     else:
-        cfg = TrainConfig(**given)
+        from slide_hf.run_options import init_model_options
+
+        if model == "tiny-llama" and given.get("init_from") is not None:
+            given.pop("model")  # the default: take the model of the run it starts from
+        cfg = TrainConfig(**init_model_options(given))
     check_given(cfg, options)  # a keyword the run would not use (decay_shape= without a wsd schedule)
     return cfg

@@ -10,7 +10,8 @@ Read :func:`_train` top to bottom. Each ``_setup_*`` step takes what the steps b
 5. ``_setup_placement``: refuse what cannot fit, then choose what lives on the GPU and on the
    ``--offload-optimizer`` tier (slide_hf/setup.py, shared with `slide bench`);
 6. ``_setup_run_log``: metrics and trackers;
-7. ``_setup_weights``: the fp32 master (stored as ``--master`` says), from HF weights or a random init;
+7. ``_setup_weights``: the fp32 master (stored as ``--master`` says), from HF weights or a random init,
+   or from a checkpoint (``--init-from``, slide_hf/init_from.py, whose AdamW state the loop then restores);
 8. ``_setup_engine``: the tiers and the engine (slide_hf/setup.py).
 
 Then :class:`_Trainer` runs the loop over optimizer steps -- LR, forward/backward with accumulation, clip
@@ -66,6 +67,7 @@ from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import Interrupted, RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.in_step_rates import InStepMeter, learn_rates
+from slide_hf.init_from import InitPoint, init_point, init_record, load_initial_master, restore_adam_state
 from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run
 from slide_hf.model_checkpoint import load_best_for_export, read_best
 from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_sources, default_lr
@@ -189,6 +191,10 @@ def _train(
         options = RunOptions.from_config(cfg)
     # Resume: the checkpoint's run state (state.json only) before the data, whose schedule it continues.
     resumed = checkpoint_to_resume(cfg.resume) if cfg.resume is not None else None
+    init = None  # --init-from: a new run from a checkpoint's weights and AdamW state (slide_hf/init_from.py)
+    if cfg.init_from is not None:
+        only = cfg.init_weights_only
+        init = init_point(cfg.init_from, model.slide_model, weights_only=only, state_format=cfg.optimizer_state.value)
     data = _setup_data_once(cfg, model, run_dir.path, group, resumed)
     optimizer = _setup_optimizer(cfg, options)
     if main:
@@ -196,7 +202,7 @@ def _train(
     placement = _setup_placement(model, device, options, group, optimizer)
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
-        host = _setup_weights(cfg, model, optimizer, group)
+        host = _setup_weights(cfg, model, optimizer, group, init)
         # Each rank reads at its own pace (Note [Waits on one rank's work]).
         group.barrier("the wait for every rank to load the weights", slow=True)
         flops = _log_run(cfg, model, data, device, optimizer, group)
@@ -207,6 +213,7 @@ def _train(
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
         trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group)
         trainer.resumed = resumed
+        trainer.init = init
         trainer.plan = placement.plan
         trainer.meter = InStepMeter(placement.plan)
         with trainer.stop, parts as engine:
@@ -472,11 +479,14 @@ def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
     )
 
 
-def _setup_weights(cfg: TrainConfig, model: _Model, optimizer: Optimizer, group: RunGroup) -> HostParameters:
-    """The fp32 master: HF weights, or a preset's seeded random init, stored as ``--master`` resolves for
-    this dtype and optimizer. The engine pins what it streams and gives back what lives on the GPU. With
-    data parallel a rank writes (and so holds) only its shards of the master (Note [Sharded master] in
-    slide_core's engine/host_pipeline.py); the final drain gathers it whole."""
+def _setup_weights(
+    cfg: TrainConfig, model: _Model, optimizer: Optimizer, group: RunGroup, init: InitPoint | None = None
+) -> HostParameters:
+    """The fp32 master: HF weights, a preset's seeded random init, or with ``--init-from`` (``init``) the
+    checkpoint's master, stored as ``--master`` resolves for this dtype and optimizer. The engine pins what
+    it streams and gives back what lives on the GPU. With data parallel a rank writes (and so holds) only
+    its shards of the master (Note [Sharded master] in slide_core's engine/host_pipeline.py); the final
+    drain gathers it whole."""
     from slide_core.engine import choose_master_format
     from slide_hf import init_random, load_weights
 
@@ -487,7 +497,9 @@ def _setup_weights(cfg: TrainConfig, model: _Model, optimizer: Optimizer, group:
     log.info("host master: %s", master_format)
     host = HostParameters(model.slide_model, master_format=master_format)
     host.keep_shards(UnitShards(group, model.slide_model.units).partial())  # none in a world of one
-    if model.model_dir is None:
+    if init is not None:
+        load_initial_master(init, host)
+    elif model.model_dir is None:
         init_random(model.slide_model, host, model.config, seed=cfg.seed)
     else:
         try:
@@ -605,6 +617,8 @@ class _Trainer:
         # checkpoint/background.py); one process only (the options' rules).
         self.saver = BackgroundSaver() if cfg.save_async and group.world_size == 1 else None
         self.resumed: tuple[Path, dict[str, Any]] | None = None  # the checkpoint and its state, when resuming
+        self.init: InitPoint | None = None  # --init-from: the checkpoint this new run starts from
+        self.steps_before = 0  # Adam steps before this run's first (--init-from): the engine counts them too
         self.progress: Progress | None = None
         self._process = psutil.Process()
         self.plan: Any = None  # the placed plan, whose terms the run's log measures (slide_hf/plan_check.py)
@@ -617,8 +631,16 @@ class _Trainer:
         cfg, data, engine, stop = self.cfg, self.data, self.engine, self.stop
         # Resume: each unit's arrays stream to where the unit lives.
         first_step = 0
+        origin = None  # a run started with --init-from keeps its record, in every checkpoint
         if self.resumed is not None:
             first_step = _resume(*self.resumed, engine, data.batches, self.run_state, self.run_dir, self.group)
+            origin = init_record(*self.resumed)
+        elif self.init is not None:
+            restore_adam_state(self.init, engine)
+            origin = self.init.record()
+        if origin is not None:
+            self.run_state["init_from"] = origin
+            self.steps_before = int(origin["adam_step"])
         self.last_saved = first_step if self.resumed is not None else None
         self.best.update(read_best(self.output) if self.resumed is not None and cfg.save_best else {})
         if self.run_log is not None:
@@ -641,7 +663,8 @@ class _Trainer:
                 if result.skipped:
                     log.warning("step %d skipped exactly: non-finite gradients (nothing applied)", step + 1)
                 elif not math.isfinite(result.loss):
-                    raise UserError(f"the loss became {result.loss} at step {result.step}; try a lower {option('lr')}")
+                    run_step = result.step - self.steps_before
+                    raise UserError(f"the loss became {result.loss} at step {run_step}; try a lower {option('lr')}")
                 else:
                     self.losses.append(result.loss)
                 # Logging.
@@ -700,7 +723,7 @@ class _Trainer:
         if self.run_log is None:
             return
         record = {
-            "step": result.step,
+            "step": result.step - self.steps_before,  # the engine's Adam count, less the steps before this run
             "loss": result.loss,
             "lr": result.lr,
             "tokens": real_tokens,
@@ -986,6 +1009,8 @@ def _write_best(checkpoints: Path, best: dict[str, Any]) -> None:
 def _describe_model(cfg: TrainConfig, model_dir: Path | None) -> str:
     """How the first log line names the model. A preset says ``random weights`` there: a run on a preset
     must never pass for a fine-tune of real weights in anyone's log."""
+    if cfg.init_from is not None:
+        return f"{cfg.model} (weights of {cfg.init_from})"
     if model_dir is None:
         tokenizer = "bundled byte tokenizer" if cfg.tokenizer is None else f"tokenizer {cfg.tokenizer}"
         return f"{cfg.model} (preset: random weights, seed {cfg.seed}; {tokenizer})"

@@ -31,7 +31,7 @@ from slide_core.checkpoint.catalog import CHECKPOINT_PREFIX
 from slide_core.checkpoint.manifest import STATE_FILE
 from slide_core.schedule import LRSchedule
 from slide_hf.errors import UserError
-from slide_hf.spelling import option
+from slide_hf.spelling import option, train_call
 
 __all__ = [
     "ResumePoint",
@@ -226,7 +226,8 @@ def resumed_schedule(checkpoint: Path, state: Mapping[str, Any], planned: LRSche
     (``LRSchedule.extend``: the same shape, from the lr it had there down to the floor), logged in one
     line. Replanning the whole curve for the new length instead would send the lr back up it (35x at
     once for a finished 20-step cosine run resumed to 30). A finished run's lr had reached its floor, so
-    its new steps train at the floor, which a warning says. ``length`` names the option that set the
+    its new steps train at the floor, which a warning says, naming the ``--init-from`` run that trains
+    on with a new schedule instead (slide_hf/init_from.py). ``length`` names the option that set the
     length (``steps`` or ``epochs``)."""
     extra = state["extra"]
     step = state["step"]
@@ -261,11 +262,12 @@ def resumed_schedule(checkpoint: Path, state: Mapping[str, Any], planned: LRSche
     if start <= floor and total > saved.final_steps and step >= saved.final_steps:
         log.warning(
             "the %s lr of %s had decayed to its floor %.3g by step %d: the %d new steps train at that lr; to train "
-            "further at a higher one, start a new run from its model",
+            "further with a new lr schedule, start a new run from its weights and AdamW state: %s",
             saved.kind,
             checkpoint,
             floor,
             step,
             total - step,
+            train_call(init_from=checkpoint, steps=total - step, lr="LR", output="NEW_RUN"),
         )
     return extended

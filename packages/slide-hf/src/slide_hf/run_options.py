@@ -18,7 +18,7 @@ from slide_hf.errors import UserError
 from slide_hf.resume import checkpoint_to_resume
 from slide_hf.spelling import option
 
-__all__ = ["saved_options"]
+__all__ = ["init_model_options", "saved_options"]
 
 
 def saved_options(path: Path) -> tuple[dict[str, Any], str]:
@@ -49,3 +49,24 @@ def _env_world_size() -> int:
         return max(1, int(os.environ.get("WORLD_SIZE") or 1))
     except ValueError:
         return 1
+
+
+def init_model_options(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` (the options the user gave) with ``--init-from RUN``'s model: a new run from a run's weights
+    is a run of that run's model, so without ``--model`` it takes the saved ``model`` and ``tokenizer``
+    options of the checkpoint it starts from (``--model`` given is compared with it, shape by shape, when
+    the run starts: slide_hf/init_from.py). Without ``--init-from``, or with ``--model``, ``given`` as it is."""
+    source = given.get("init_from")
+    if source is None or "model" in given or not Path(source).expanduser().is_dir():
+        return given  # a path that is not there is refused, naming the option, when the run starts
+    try:
+        _, state = checkpoint_to_resume(
+            Path(source).expanduser(), lambda intact: f"start from it with {option('init_from', intact)}"
+        )
+    except UserError as error:
+        raise UserError(f"{option('init_from', source)}: {error}") from None
+    saved = state["extra"].get("config")
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), str):
+        return given
+    taken = {key: saved[key] for key in ("model", "tokenizer") if isinstance(saved.get(key), str)}
+    return {**taken, **given}

@@ -60,6 +60,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         saved, source = saved_options(Path(values["resume"]))
         cfg = resume_config(saved, values, source=source)
     else:
+        from slide_hf.run_options import init_model_options
+
+        values = init_model_options(values)  # --init-from RUN without --model: that run's model
         try:
             cfg = TrainConfig(**values)
         except TypeError as error:

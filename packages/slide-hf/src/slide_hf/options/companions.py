@@ -1,6 +1,7 @@
 """Options that do something only beside another: ``--decay-fraction`` shapes the ``wsd`` schedule alone,
-``--allow-data-change`` answers a resume's data check, ``--eval-every`` times an evaluation that needs
-evaluation data, ``--data-weights`` weighs several ``--data`` sources.
+``--allow-data-change`` answers a resume's data check, ``--init-weights-only`` says what ``--init-from``
+takes, ``--eval-every`` times an evaluation that needs evaluation data, ``--data-weights`` weighs several
+``--data`` sources.
 
 Given without its companion such an option would change nothing, silently, and a user who wrote
 ``--decay-fraction 0.2 --lr-schedule cosine`` would believe the run decays as asked. So it is refused in
@@ -120,6 +121,13 @@ COMPANIONS: tuple[Companion, ...] = (
         ("resume",),
         lambda cfg: cfg.resume is not None,
         lambda cfg: f"applies only with {option('resume', 'RUN')}: a new run has no saved data to compare with",
+        default_asks=False,
+    ),
+    Companion(
+        "init_weights_only",
+        ("init_from",),
+        lambda cfg: cfg.init_from is not None,
+        lambda cfg: f"applies only with {option('init_from', 'RUN')}: it says what to take of that run",
         default_asks=False,
     ),
     Companion(

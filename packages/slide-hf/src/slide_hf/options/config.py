@@ -392,6 +392,16 @@ class TrainConfig:
         help="continue a run: its output directory or one of its checkpoints; the run's options come back with "
         "it, and only steps, saving, evaluation, logging and placement may change",
     )
+    init_from: Path | None = option(
+        None,
+        help="start a new run from a run's newest checkpoint (or the checkpoint named): its weights and AdamW "
+        "state (moments and step count), under this run's own lr, schedule, steps and data (default model: "
+        "that run's)",
+        metavar="RUN|CHECKPOINT",
+    )
+    init_weights_only: bool = option(
+        False, help="with --init-from: take the weights alone; AdamW starts afresh", action="store_true"
+    )
     gpu_memory: str | int | float | None = option(
         None,
         help="hard GPU memory cap, e.g. 24 (GiB), 24GiB or 80GB",
@@ -541,7 +551,7 @@ _BY_NAME = {item.name: item for item in _TRAIN_OPTIONS}
 RULES: dict[str, Rule] = {item.name: rule for item in _TRAIN_OPTIONS if (rule := item.spec.value_rule()) is not None}
 """Option name (underscored, as in TOML and the Python API) -> what one value accepts. ``None`` always
 passes where the field allows it (``steps``, ``epochs``, ``lr``: "choose for me")."""
-_PATH_FIELDS = frozenset({"tokenizer", "output", "eval_data", "metrics", "resume", "nvme_dir"})
+_PATH_FIELDS = frozenset({"tokenizer", "output", "eval_data", "metrics", "resume", "init_from", "nvme_dir"})
 
 
 def installed_names(name: str) -> str:

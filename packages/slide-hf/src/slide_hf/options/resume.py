@@ -42,7 +42,7 @@ def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     return values
 
 
-_INPUTS = frozenset({"model", "tokenizer", "data", "eval_data", "chat_template", "nvme_dir"})
+_INPUTS = frozenset({"model", "tokenizer", "data", "eval_data", "chat_template", "nvme_dir", "init_from"})
 
 
 def _saved_input(value: Path) -> str:
@@ -96,9 +96,10 @@ placement moves arrays between host, GPU and disk, and ``master`` stores the sam
 (checkpoints hold them in fp32 either way): neither changes what the arrays hold."""
 
 
-_NOT_RESTORED = frozenset({"output", "overwrite", "resume", "allow_data_change"})
+_NOT_RESTORED = frozenset({"output", "overwrite", "resume", "allow_data_change", "init_from", "init_weights_only"})
 """What belongs to one invocation: where it was, and what it allowed (replacing a directory, training on
-changed data). A later resume asks again."""
+changed data), or where its weights came from (``--init-from``: a resume takes them from its own checkpoint).
+A later resume asks again."""
 
 
 def _saved_default_lr(model: Any) -> float:
@@ -138,7 +139,8 @@ def resume_config(saved: Mapping[str, Any], given: Mapping[str, Any], *, source:
         if before != after:
             raise UserError(
                 f"{option(key)} was {_shown(values[key])} in the run at {source} and is {_shown(value)} now; a "
-                f"resumed run keeps it (start a new run with {option('output')} to change it)"
+                f"resumed run keeps it (to change it, start a new run from its weights and AdamW state with "
+                f"{option('init_from', source)})"
             )
     try:
         return TrainConfig(**_typed(values))

@@ -65,6 +65,14 @@ def _best_needs_eval(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
+def _init_from_is_a_new_run(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.init_from is not None and cfg.resume is not None:
+        raise UserError(
+            f"{option('init_from')} starts a new run from a checkpoint's weights and AdamW state, and "
+            f"{option('resume')} continues a run in its own directory; give one"
+        )
+
+
 def _floor_needs_a_decay(cfg: TrainConfig, world_size: int) -> None:
     from slide_core.schedule import FLOORED
 
@@ -147,6 +155,7 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule(("lr", "weight_decay"), _weight_decay),
     CrossRule(("eval_data", "eval_fraction"), _one_eval_source),
     CrossRule(("save_best", "eval_data", "eval_fraction"), _best_needs_eval),
+    CrossRule(("init_from", "resume"), _init_from_is_a_new_run),
     CrossRule(("min_lr_ratio", "lr_schedule"), _floor_needs_a_decay),
     CrossRule(("warmup_steps", "warmup_ratio"), _one_warmup),
     CrossRule(("lr_end", "lr", "lr_schedule"), _end_below_peak),
