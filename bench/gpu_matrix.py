@@ -13,7 +13,8 @@ compared with the plan: a process's RSS does not shrink back between runs). A ro
 - each kind of streamed block (layer type, module class, parameter shapes) runs its forward and backward
   within 1.3x the time of the same kind resident on the GPU in the same run, and where no twin is resident,
   at no less than 15 % of the card's bf16 matmul rate (measured at the start of the run) on the block's
-  dense matmul FLOPs (2 per parameter and token forward, 6 backward: recompute + backward). A block that
+  active matmul FLOPs (2 per parameter and token forward, 6 backward: recompute + backward; a mixture of
+  experts counts the experts a token is routed to, `num_experts_per_tok` of them, and its shared ones). A block that
   computes 15x slow fails its row either way.
 Speed is checked on the GPU only; the CPU quick mode runs the same rows and checks on tiny models so this
 script cannot rot between GPU runs (tests/hf/test_gpu_matrix.py).
@@ -353,13 +354,14 @@ def block_speeds(units: dict[str, dict[str, Any]], tokens: int, matmul_tflops: f
                         f"twin's {resident[phase]:.2f} (limit {TWIN_RATIO}x)"
                     )
         sample = (placed["streamed"] or placed["resident"])[0]
-        dense = sample.get("dense_matmul_params", 0)
-        if matmul_tflops and dense and streamed:
+        # The FLOPs a token costs: a mixture-of-experts block's routed experts count for the ones a token uses.
+        active = sample.get("active_matmul_params", sample.get("dense_matmul_params", 0))
+        if matmul_tflops and active and streamed:
             for phase, flops_per_param in (("forward", 2), ("backward", 6)):
-                achieved = flops_per_param * dense * 1024 / (streamed[phase] / 1e3) / 1e12
+                achieved = flops_per_param * active * 1024 / (streamed[phase] / 1e3) / 1e12
                 share = achieved / matmul_tflops
                 entry[f"{phase}_matmul_share"] = round(share, 3)
-                if not resident and not sample.get("has_experts") and share < MIN_MATMUL_SHARE:
+                if not resident and share < MIN_MATMUL_SHARE:
                     entry["problems"].append(
                         f"{kind}: streamed {phase} reaches {share:.0%} of the card's bf16 matmul rate "
                         f"({matmul_tflops:.0f} TFLOP/s; limit {MIN_MATMUL_SHARE:.0%}) and no twin is resident"

@@ -92,3 +92,45 @@ def test_every_row_runs_in_the_cpu_quick_mode(tmp_path: Path) -> None:
     table = (tmp_path / "gpu_matrix.md").read_text()
     assert table.startswith("Command: `python bench/gpu_matrix.py --device cpu --quick")
     assert "| state bf16 | ok |" in table
+
+
+def test_a_mixture_of_experts_block_is_held_to_the_matmul_rate_on_its_active_flops() -> None:
+    """A routed-experts block counts the experts a token uses: at the same time per token it reaches the share
+    of a dense block of its active parameters, and a slow one fails like a dense one."""
+    matrix = _matrix()
+    moe = _unit("DeepseekV3DecoderLayer:full_attention#1", False, 10.0, 30.0, dense=50_000_000)
+    moe.update(has_experts=True, active_matmul_params=218_000_000)
+    (entry,) = matrix.block_speeds({"block.0": moe}, tokens=16384, matmul_tflops=790.0)
+    assert entry["forward_matmul_share"] == pytest.approx(0.904, abs=0.01) and entry["problems"] == []
+    moe.update(forward=150.0, backward=450.0)
+    (entry,) = matrix.block_speeds({"block.0": moe}, tokens=16384, matmul_tflops=790.0)
+    assert len(entry["problems"]) == 2
+
+
+@pytest.mark.parametrize("preset", ["test-deepseek-v3", "test-llama4", "test-qwen3-next", "test-llama"])
+def test_the_active_matmul_parameters_of_a_block_count_the_routed_experts_a_token_uses(preset) -> None:
+    """Counted from the HF layer itself: every matrix but the routed experts' stacks, which count
+    ``num_experts_per_tok`` of their per-expert slices; shared experts are dense (every token passes them)."""
+    pytest.importorskip("transformers")
+    from slide_hf import PRESETS, build_model
+    from slide_hf.bench import describe_unit
+
+    config = PRESETS[preset]()
+    model = build_model(config)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    block = model.blocks[-1]
+    facts = describe_unit(block, top_k)
+    expected = 0
+    for name, param in block.root.named_parameters():
+        routed = ".experts." in f".{name}" and param.dim() == 3
+        if routed:
+            expected += param[0].numel() * top_k
+        elif param.dim() >= 2:
+            expected += param.numel()
+    assert facts["active_matmul_params"] == expected
+    assert facts["has_experts"] == (top_k is not None)
+    if top_k is not None:
+        assert facts["active_matmul_params"] < facts["params"]
+        shared = sum(p.numel() for n, p in block.root.named_parameters() if "shared_expert" in n and p.dim() >= 2)
+        assert (preset == "test-deepseek-v3" and shared > 0) or preset != "test-deepseek-v3"
+        assert facts["dense_matmul_params"] >= shared

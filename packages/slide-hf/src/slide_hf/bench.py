@@ -181,7 +181,9 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
             gpu_peak = device.peak_memory_bytes()
             # As `slide train` ends: the host optimizer state goes before the resident masters come back.
             engine.close(keep_host_state=False)
-    unit_facts = {unit.name: describe_unit(unit) for unit in model.units}
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = getattr(text_config, "num_experts_per_tok", None)
+    unit_facts = {unit.name: describe_unit(unit, top_k) for unit in model.units}
     terms = meter.terms()
     if device.is_accelerator:
         learn_rates(meter)
@@ -280,10 +282,12 @@ def measured_against_predicted(
     return rows
 
 
-def describe_unit(unit: Any) -> dict[str, Any]:
+def describe_unit(unit: Any, experts_per_token: int | None = None) -> dict[str, Any]:
     """What a unit's timings are compared by: its kind (blocks of one kind run the same code on the same
-    shapes: layer type, module class, parameter shapes), its parameter count, and the parameters every token
-    multiplies by (experts excluded: a token passes through a few of them, which no parameter count says)."""
+    shapes: layer type, module class, parameter shapes), its parameter count, and the matmul parameters every
+    token multiplies by (``active_matmul_params``): the dense ones (shared experts included, which every token
+    passes through) and, of the routed experts' stacked tensors (``...experts.*``, one slice per expert), the
+    ``experts_per_token`` slices a token is routed to (the model config's ``num_experts_per_tok``)."""
     root = getattr(unit, "root", None)
     layout = tuple((spec.name, tuple(spec.shape)) for spec in unit.layout)
     attention = getattr(unit, "attention_type", None)
@@ -291,13 +295,23 @@ def describe_unit(unit: Any) -> dict[str, Any]:
     if attention:
         label = f"{label}:{attention}"
     digest = hashlib.sha1(repr(layout).encode()).hexdigest()[:6]
-    dense = sum(spec.numel for spec in unit.layout if "experts" not in spec.name and len(spec.shape) >= 2)
+    routed = [spec for spec in unit.layout if _routed_expert(spec.name) and len(spec.shape) >= 3]
+    routed_names = {spec.name for spec in routed}
+    dense = sum(spec.numel for spec in unit.layout if len(spec.shape) >= 2 and spec.name not in routed_names)
+    active = dense + sum(spec.numel // spec.shape[0] * min(experts_per_token or 1, spec.shape[0]) for spec in routed)
     return {
         "kind": f"{label}#{digest}",
         "params": unit.layout.param_numel,
         "dense_matmul_params": dense,
-        "has_experts": any("experts" in spec.name for spec in unit.layout),
+        "active_matmul_params": active,
+        "has_experts": bool(routed),
     }
+
+
+def _routed_expert(name: str) -> bool:
+    """A routed experts' stacked tensor (``mlp.experts.gate_up_proj``), not a shared expert
+    (``shared_experts.*``, ``shared_expert.*``) nor the router."""
+    return "experts" in name.split(".")[:-1]
 
 
 def _scratch(cfg: BenchConfig) -> Any:
