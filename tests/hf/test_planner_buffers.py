@@ -32,6 +32,7 @@ import torch
 
 import slide_core
 from slide_core import AdamWConfig, HostParameters
+from slide_core.allocation_ledger import HostAllocations
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
 from slide_core.engine.host_span import outside
@@ -254,8 +255,11 @@ def _offloaded(model: ToyModel, case: _Case) -> tuple[str, ...]:
     return tuple(ordered[:count])
 
 
-def _run(model: ToyModel, case: _Case, optimizer: Optimizer, log: _AllocationLog) -> dict[str, int]:
-    """Build the engine, run two clipped steps, and return the live buffers by plan name."""
+def _run(
+    model: ToyModel, case: _Case, optimizer: Optimizer, log: _AllocationLog
+) -> tuple[dict[str, int], HostAllocations]:
+    """Build the engine, run two clipped steps, and return the live buffers by plan name, and what the
+    engine's own ledger counts (``Engine.host_allocations``)."""
     resident = tuple(_TOY_NAMES[name] for name in case.resident)
     config = EngineConfig(
         block_slots=2,
@@ -283,6 +287,7 @@ def _run(model: ToyModel, case: _Case, optimizer: Optimizer, log: _AllocationLog
                     batches.append((ids, ids.clone()))
                 engine.step(batches, lr=1e-3)
             engine.wait_idle()
+            counted = engine.host_allocations
             live: collections.Counter[str] = collections.Counter()
             with log._lock:
                 census = list(log.live.items())
@@ -298,7 +303,7 @@ def _run(model: ToyModel, case: _Case, optimizer: Optimizer, log: _AllocationLog
                     kept = engine.pipelines.resident.kept_host
                     given_back = [part for r in host.unit_ranges(unit) for part in outside(r, kept)]
                     live["host/master_fp32"] -= sum(r.numel() * r.element_size() for r in given_back)
-    return dict(live)
+    return dict(live), counted
 
 
 def _planned(inputs: PlanInputs) -> dict[str, int]:
@@ -329,7 +334,7 @@ def test_plan_prices_every_buffer_the_engine_allocates(case, monkeypatch):
     allocation_log.install(monkeypatch)
     inputs = _plan_inputs(model, case, optimizer)
     planned = _planned(inputs)
-    live = _run(model, case, optimizer, allocation_log)
+    live, counted = _run(model, case, optimizer, allocation_log)
     # The resident update's scratch is priced at its peak, op temporaries included, which a census of live
     # buffers cannot see (tests/hf/test_planner.py measures that peak with AllocationCounter); what it keeps
     # must fit in it.
@@ -353,6 +358,13 @@ def test_plan_prices_every_buffer_the_engine_allocates(case, monkeypatch):
     engine_side = {name: nbytes for name, nbytes in live.items() if nbytes}
     plan_side = {name: nbytes for name, nbytes in planned.items() if nbytes}
     assert engine_side == plan_side
+    # The engine's own count of its host buffers is the plan's too, to the byte, but for the stand-in
+    # tiers: a HostRamTier holds in RAM what the plan prices on disk.
+    held = {
+        f"host/{buffer}": nbytes - counted.owners[buffer].get("HostRamTier", 0)
+        for buffer, nbytes in counted.buffers.items()
+    }
+    assert {k: v for k, v in held.items() if v} == {k: v for k, v in plan_side.items() if k.startswith("host/")}
 
 
 def test_breakdowns_are_the_engine_buffers():

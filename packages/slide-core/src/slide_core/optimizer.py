@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
+from slide_core.allocation_ledger import held_host_bytes
 from slide_core.split_master import TORCH_SPLIT_CODEC, SplitCodec
 
 if TYPE_CHECKING:
@@ -114,6 +115,14 @@ class Optimizer(ABC):
         with ``split_master`` for :class:`~slide_core.split_master.SplitMaster` ranges. The planner prices
         the host optimizer's scratch from exactly this. The default: nothing."""
         return 0
+
+    def held_host_bytes(self) -> int:
+        """Host bytes this instance holds now beyond its arguments (the scratch :meth:`host_scratch_bytes`
+        prices, as far as it has been allocated): every host tensor and numpy array reachable from its
+        attributes, each storage once. An engine's allocation ledger counts this as the optimizer's scratch,
+        read from the objects themselves rather than from a rule; an optimizer that keeps host memory
+        elsewhere overrides it."""
+        return held_host_bytes(self)
 
     @property
     def corrects(self) -> bool:

@@ -72,6 +72,19 @@ class Tier(Lifecycle, ABC):
         """
         raise TypeError(f"{cls.__name__} cannot be built by name: it has no for_run(TierRequest) classmethod")
 
+    @classmethod
+    def host_bytes_for(cls, request: TierRequest) -> int:
+        """The host RAM an instance :meth:`for_run` builds from ``request`` holds once open (what its
+        :meth:`host_bytes` will say), before any key is stored: the planner prices it with the run's other
+        host buffers. The default: nothing."""
+        return 0
+
+    def host_bytes(self) -> int:
+        """Host RAM this tier holds now in allocations of its own (a slab, bounce buffers, the keys of a
+        tier in memory), by their storages' bytes: what the engine's allocation ledger counts for the tier.
+        The default: nothing."""
+        return 0
+
     @abstractmethod
     def put(self, key: str, tensor: torch.Tensor) -> Future[None]:
         """Store a copy of ``tensor`` under ``key``. The caller must not modify ``tensor`` until done."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from slide_core.allocation_ledger import AllocationLedger
 from slide_core.device import Device, Event
 
 __all__ = ["ActivationStash", "TierActivationStash"]
@@ -26,12 +27,15 @@ ordering]); none when its tier moves device memory itself."""
 
 class _BlockInputBuffers:
     """The buffers both stashes share: ``host_copies`` pinned host views of one block input and two
-    device buffers, allocated once per input shape."""
+    device buffers, allocated once per input shape. ``ledger``: the engine's, which counts the host slab
+    (the stash of every block, or the staging in front of a tier: ``buffer`` names which)."""
 
     host_copies: int
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, buffer: str, ledger: AllocationLedger | None) -> None:
         self.device = device
+        self._buffer = buffer
+        self._ledger = ledger or AllocationLedger()
         self._shape: tuple[int, ...] | None = None
         self._dtype: torch.dtype | None = None
         self._host: list[torch.Tensor] = []
@@ -62,7 +66,7 @@ class _BlockInputBuffers:
         numel = math.prod(shape)
         self._host = []
         if self.host_copies:
-            slab = self.device.alloc_pinned(numel * self.host_copies, dtype)
+            slab = self._ledger.record(self, self._buffer, self.device.alloc_pinned(numel * self.host_copies, dtype))
             self._host = [slab[i * numel : (i + 1) * numel].view(shape) for i in range(self.host_copies)]
         self._device_buffers = [self.device.empty(numel, dtype).view(shape) for _ in range(_DEVICE_BUFFERS)]
         self._shape, self._dtype = shape, dtype
@@ -73,8 +77,8 @@ class _BlockInputBuffers:
 
 
 class ActivationStash(_BlockInputBuffers):
-    def __init__(self, device: Device, num_blocks: int) -> None:
-        super().__init__(device)
+    def __init__(self, device: Device, num_blocks: int, *, ledger: AllocationLedger | None = None) -> None:
+        super().__init__(device, "activation_stash", ledger)
         self.host_copies = num_blocks  # every block's input stays in host memory until its backward
         self._saved: dict[int, Event] = {}
         self._loaded: dict[int, tuple[int, Event]] = {}
@@ -128,8 +132,10 @@ class TierActivationStash(_BlockInputBuffers):
     into it. Two writes and two reads are in flight at most, as with staging.
     """
 
-    def __init__(self, device: Device, tier: Any, workers: Any, *, prefix: str = "act") -> None:
-        super().__init__(device)
+    def __init__(
+        self, device: Device, tier: Any, workers: Any, *, prefix: str = "act", ledger: AllocationLedger | None = None
+    ) -> None:
+        super().__init__(device, "nvme_staging", ledger)
         self.direct = bool(getattr(tier, "moves_device_memory", False))
         self.host_copies = 0 if self.direct else TIER_STAGING_COPIES  # staging only: the tier holds the inputs
         self.tier = tier

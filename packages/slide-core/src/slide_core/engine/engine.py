@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from slide_core.allocation_ledger import AllocationLedger, HostAllocations
 from slide_core.collectives import Collectives, SingleProcess
 from slide_core.device import Device
 from slide_core.host_params import HostParameters
@@ -135,9 +136,10 @@ class Engine(Evaluation):
         self.timeline = Timeline(cfg.record_timings)
         self.timer = ComputeTimer(device, self.timeline)  # compute-stream spans, shared with the pipelines
         self.clip_policy = ClipPolicy(cfg)
-        self._offloaded = OffloadedState.of_config(model, cfg, state_tier, optimizer.state_arrays)
+        ledger = self._ledger = _ledger_of(host_params, optimizer, state_tier, activation_tier)
+        self._offloaded = OffloadedState.of_config(model, cfg, state_tier, optimizer.state_arrays, ledger=ledger)
         elsewhere = {*cfg.resident_units, *cfg.offloaded_units}
-        self.host_state = HostState(model, host_params, optimizer.state_arrays, elsewhere)
+        self.host_state = HostState(model, host_params, optimizer.state_arrays, elsewhere, ledger=ledger)
         self.updated: dict[str, Future[None]] = {unit.name: _done() for unit in model.units}
         """Each unit's latest 'updated' future: what its next load waits for (Note [Update futures])."""
         self._activation_tier = activation_tier
@@ -151,7 +153,7 @@ class Engine(Evaluation):
         try:
             self.pipelines = UnitPipelines(
                 model, device, self.host_params, self.host_state, self.optimizer, cfg, workers, self.timer,
-                self._offloaded, self.collectives,
+                self._offloaded, self.collectives, ledger=self._ledger,
             )  # fmt: skip
             resident = self.pipelines.device_updated
             edge = [unit for unit in (model.embedding, model.head) if unit.name not in resident]
@@ -161,9 +163,9 @@ class Engine(Evaluation):
                 slot.grads.zero_()  # alignment padding is never written by compute; keep it zero
             self.optimizer.reserve(cfg.transfer_chunk_numel)
             if self._activation_tier is not None:
-                self.stash = TierActivationStash(device, self._activation_tier, workers)
+                self.stash = TierActivationStash(device, self._activation_tier, workers, ledger=self._ledger)
             else:
-                self.stash = ActivationStash(device, len(model.blocks))
+                self.stash = ActivationStash(device, len(model.blocks), ledger=self._ledger)
             self.loader = SlotLoader(device, self.window, self.pipelines, workers, self.timeline, self.updated)
             self.walk = MicroBatchWalk(model, device, self.dtype, self.loader, self.pipelines, self.stash, self.timer)
         except BaseException:
@@ -202,6 +204,13 @@ class Engine(Evaluation):
                 log.error("engine threads did not stop in time: %s", ", ".join(stuck))
             self.window = self.stash = self.pipelines = self.loader = self.walk = None  # type: ignore[assignment]
             self.host_pipeline = self.transfer = None  # type: ignore[assignment]
+
+    @property
+    def host_allocations(self) -> HostAllocations:
+        """What this engine holds in host RAM for its buffers now, by the plan's name of each buffer,
+        counted where each was allocated (slide_core/allocation_ledger.py): the run's side of the plan's
+        host buffers, read at any time (after close, what is still held)."""
+        return self._ledger.reading()
 
     @property
     def workers(self) -> Workers:
@@ -331,6 +340,28 @@ class Engine(Evaluation):
         ctx = StepContext(self.step_count, lr, micro_batches, expected, clip, self.updated, on_device)
         self.pipelines.begin_step(ctx)
         return ctx
+
+
+def _ledger_of(
+    host_params: HostParameters, optimizer: Optimizer, state_tier: Tier | None, activation_tier: Tier | None
+) -> AllocationLedger:
+    """A new engine's ledger, with what it borrows already counted: the master's planes (allocated by the
+    caller, trained by this engine), the optimizer's scratch and the tiers' own buffers (both read from
+    them whenever the ledger is read). A tier in memory holds what it stores (optimizer state, block
+    inputs); one on disk holds staging."""
+    ledger = AllocationLedger()
+    for plane in host_params.planes.values():
+        ledger.record(host_params, "master_fp32", plane)
+    ledger.hold(optimizer, "optimizer_scratch", optimizer.held_host_bytes)
+    if state_tier is not None:
+        ledger.hold(state_tier, "nvme_staging" if state_tier.on_disk else "optimizer_state", state_tier.host_bytes)
+    if activation_tier is not None:
+        ledger.hold(
+            activation_tier,
+            "nvme_staging" if activation_tier.on_disk else "activation_stash",
+            activation_tier.host_bytes,
+        )
+    return ledger
 
 
 def _done() -> Future[None]:

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from slide_core.allocation_ledger import AllocationLedger
 from slide_core.device import Device
 from slide_core.unit import Unit
 
@@ -37,9 +38,21 @@ __all__ = ["GradRing", "GradStore"]
 
 
 class GradRing:
-    def __init__(self, device: Device, slots: int, chunk_numel: int, dtype: torch.dtype) -> None:
+    """``slots`` pinned chunks of ``chunk_numel`` in one slab (see module notes); ``ledger``: the engine's,
+    which counts the slab."""
+
+    def __init__(
+        self,
+        device: Device,
+        slots: int,
+        chunk_numel: int,
+        dtype: torch.dtype,
+        *,
+        ledger: AllocationLedger | None = None,
+    ) -> None:
         self.chunk_numel = chunk_numel
-        self._slab = device.alloc_pinned(self.slab_numel(slots, chunk_numel), dtype)
+        slab = device.alloc_pinned(self.slab_numel(slots, chunk_numel), dtype)
+        self._slab = (ledger or AllocationLedger()).record(self, "grad_ring", slab)
         self.chunks = [self._slab[i * chunk_numel : (i + 1) * chunk_numel] for i in range(slots)]
         self.free: queue.Queue[int] = queue.Queue()
         for index in range(slots):
@@ -67,7 +80,8 @@ class GradStore:
     """One pinned compute-dtype slab holding the gradient of every unit in ``units`` (see module notes).
 
     ``spans``: the range ``[lo, hi)`` of each unit's gradient this process streams (a data-parallel rank's
-    shard); the whole unit where absent. Only those elements are stored.
+    shard); the whole unit where absent. Only those elements are stored. ``ledger``: the engine's, which
+    counts the slab.
     """
 
     def __init__(
@@ -76,6 +90,8 @@ class GradStore:
         units: Sequence[Unit],
         dtype: torch.dtype,
         spans: Mapping[str, tuple[int, int]] | None = None,
+        *,
+        ledger: AllocationLedger | None = None,
     ) -> None:
         self._ranges: dict[str, tuple[int, int, int]] = {}
         total = 0
@@ -83,7 +99,8 @@ class GradStore:
             lo, hi = (spans or {}).get(unit.name, (0, unit.layout.numel))
             self._ranges[unit.name] = (total, lo, hi)
             total += hi - lo
-        self._slab = device.alloc_pinned(self.slab_numel([hi - lo for _, lo, hi in self._ranges.values()]), dtype)
+        slab = device.alloc_pinned(self.slab_numel([hi - lo for _, lo, hi in self._ranges.values()]), dtype)
+        self._slab = (ledger or AllocationLedger()).record(self, "grad_ring", slab)
 
     @staticmethod
     def slab_numel(span_numels: Sequence[int]) -> int:

@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from slide_core.allocation_ledger import AllocationLedger
 from slide_core.device import Device, Event
 from slide_core.unit import Unit
 
@@ -76,10 +77,13 @@ class GradTransfer:
         norms: UnitNorms | None,
         spans: Mapping[str, tuple[int, int]] | None = None,
         gpu_updated: Collection[str] = (),
+        *,
+        ledger: AllocationLedger | None = None,
     ) -> None:
         """``spans``: the range ``[lo, hi)`` of each unit's gradient to stream (a data-parallel rank's
         shard, see shards.py); the whole unit where absent. ``gpu_updated``: the units of ``host_units``
-        that are GPU-streamed (Note [The ring is sized for the host's units])."""
+        that are GPU-streamed (Note [The ring is sized for the host's units]). ``ledger``: the engine's,
+        which counts the ring or the store."""
         self.device = device
         self.workers = workers
         self.timeline = timeline
@@ -88,13 +92,13 @@ class GradTransfer:
         self.ring: GradRing | None = None
         self.store: GradStore | None = None
         if config.clipping:  # see grad_ring.py: the store replaces the ring
-            self.store = GradStore(device, host_units, config.compute_dtype, spans)
+            self.store = GradStore(device, host_units, config.compute_dtype, spans, ledger=ledger)
         else:
             # The backlog a ring holds is of what this process streams: with data parallel, its shards.
             every_step = [unit for unit in host_units if unit.name not in gpu_updated]
             streamed = [spans[unit.name] if spans else (0, unit.layout.numel) for unit in every_step]
             slots = config.ring_slots(sum(hi - lo for lo, hi in streamed))
-            self.ring = GradRing(device, slots, config.transfer_chunk_numel, config.compute_dtype)
+            self.ring = GradRing(device, slots, config.transfer_chunk_numel, config.compute_dtype, ledger=ledger)
 
         self._consumed: dict[str, Future[None]] = {}  # d2h thread only, see Note [Grad store reuse]
         self.spans: Mapping[str, tuple[int, int]] = spans or {}

@@ -185,7 +185,8 @@ class HostPipeline:
         if contribution.kind is ContributionKind.ONLY:
             final = clip.ranges(unit, lo, hi, grad, summed=False, last_chunk=chunk.last_chunk)
         else:
-            accum = self.host_state.accumulator(unit)[lo:hi]
+            shard_lo, shard_hi = self.shards[unit.name]  # only this rank's shard is ever summed
+            accum = self.host_state.accumulator(unit, shard_hi - shard_lo)[lo - shard_lo : hi - shard_lo]
             if contribution.starts:
                 accum.copy_(grad)
             else:

@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
+from slide_core.allocation_ledger import AllocationLedger
 from slide_core.host_params import HostParameters
 from slide_core.optim.state_formats import StateArray
 from slide_core.unit import SlideModel, Unit
@@ -36,13 +37,25 @@ class HostState:
         host_params: HostParameters,
         state_names: Sequence[str | StateArray],
         elsewhere: Collection[str],
+        *,
+        ledger: AllocationLedger | None = None,
     ) -> None:
         """``state_names``: the optimizer's state arrays (a bare name is one fp32 element per parameter);
-        ``elsewhere``: the units whose state lives off the host (on the device, on a tier)."""
+        ``elsewhere``: the units whose state lives off the host (on the device, on a tier). ``ledger``:
+        the engine's, which counts the slabs and the accumulators (their units' ranges the engine never
+        writes taken off)."""
         self.host_params = host_params
         self.arrays = tuple(a if isinstance(a, StateArray) else StateArray(a) for a in state_names)
-        self.state_slabs = {a.name: torch.empty(a.numel(host_params.numel), dtype=a.dtype) for a in self.arrays}
+        self._ledger = ledger or AllocationLedger()
+        self.state_slabs = {
+            a.name: self._ledger.record(self, "optimizer_state", torch.empty(a.numel(host_params.numel), dtype=a.dtype))
+            for a in self.arrays
+        }
         self.valid = {unit.name: unit.name not in elsewhere for unit in model.units}
+        for unit in model.units:  # never written unless a drain with state copies them in
+            if unit.name in elsewhere:
+                for view in self.views(unit).values():
+                    self._ledger.leave_untouched(view)
         # Zeroed by ``zero_fresh`` when the engine starts, not here: the engine first gives back the host
         # pages of device-resident masters, so the two never add up in the peak.
         self._fresh = [unit for unit in model.units if unit.name not in elsewhere]
@@ -76,12 +89,14 @@ class HostState:
         """Parameters ``[lo, hi)`` of one unit's state ``views`` (block arrays: the blocks holding them)."""
         return {a.name: views[a.name][a.range(lo, hi)] for a in self.arrays}
 
-    def accumulator(self, unit: Unit) -> torch.Tensor:
-        """The unit's fp32 gradient accumulator (optimizer thread). Allocated on first use only: with no
-        accumulation and no tied weights, none is ever needed; reused by every later step."""
+    def accumulator(self, unit: Unit, numel: int | None = None) -> torch.Tensor:
+        """The unit's fp32 gradient accumulator (optimizer thread), of ``numel`` elements (the shard of the
+        unit this rank sums; by default the whole unit). Allocated on first use only: with no accumulation
+        and no tied weights, none is ever needed; reused by every later step."""
         accum = self._accum.get(unit.name)
         if accum is None:
-            accum = torch.empty(unit.layout.numel, dtype=_ACCUMULATOR_DTYPE)
+            numel = unit.layout.numel if numel is None else numel
+            accum = self._ledger.record(self, "grad_accumulators", torch.empty(numel, dtype=_ACCUMULATOR_DTYPE))
             self._accum[unit.name] = accum
         return accum
 
@@ -93,8 +108,10 @@ class HostState:
         ``spans`` does not name is zeroed whole."""
         for unit in self._fresh:
             lo, hi = (spans or {}).get(unit.name, (0, unit.layout.numel))
-            for view in self.range(self.views(unit), lo, hi).values():
+            whole = self.views(unit)
+            for name, view in self.range(whole, lo, hi).items():
                 view.zero_()
+                self._ledger.leave_untouched(whole[name], _nbytes(whole[name]) - _nbytes(view))  # other ranks'
         self._fresh = []
 
     def mark_valid(self) -> None:
@@ -107,3 +124,7 @@ class HostState:
         self.state_slabs = {a.name: torch.empty(0, dtype=a.dtype) for a in self.arrays}
         self._accum.clear()
         self.valid = dict.fromkeys(self.valid, False)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from slide_core.allocation_ledger import AllocationLedger
 from slide_core.device import Device
 from slide_core.unit import Unit
 
@@ -30,11 +31,13 @@ class UnitNorms:
     holds resident units' device-side ``c_u``.
     """
 
-    def __init__(self, device: Device, units: Sequence[Unit]) -> None:
+    def __init__(self, device: Device, units: Sequence[Unit], *, ledger: AllocationLedger | None = None) -> None:
+        """``ledger``: the engine's, which counts the pinned host copy."""
         self._index = {unit.name: index for index, unit in enumerate(units)}
         self.on_device = device.empty(len(units), torch.float32)
         self.on_device.zero_()
-        self.on_host = device.alloc_pinned(len(units), torch.float32)
+        on_host = device.alloc_pinned(len(units), torch.float32)
+        self.on_host = (ledger or AllocationLedger()).record(self, "grad_norms", on_host)
         self.on_host.zero_()
         self.coeffs = device.empty(len(units), torch.float32)
         self.coeffs.fill_(1.0)

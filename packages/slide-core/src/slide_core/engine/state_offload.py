@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from slide_core.allocation_ledger import AllocationLedger
 from slide_core.optim.state_formats import StateArray
 from slide_core.tier import Tier, TierError
 from slide_core.unit import SlideModel, Unit
@@ -68,18 +69,23 @@ class OffloadedState:
         state_names: Sequence[str | StateArray],
         timeout_s: float,
         sets: int = STAGING_SETS,
+        *,
+        ledger: AllocationLedger | None = None,
     ) -> None:
-        """``state_names``: the optimizer's state arrays (a bare name is one fp32 element per parameter)."""
+        """``state_names``: the optimizer's state arrays (a bare name is one fp32 element per parameter);
+        ``ledger``: the engine's, which counts the staging sets."""
         self.tier = tier
         self.units = {unit.name: unit for unit in units}
         self.arrays = {a.name: a for a in (a if isinstance(a, StateArray) else StateArray(a) for a in state_names)}
         self.state_names = tuple(self.arrays)
         self.timeout_s = timeout_s
         largest = max((unit.layout.numel for unit in units), default=0)
-        self._sets = [
-            _StagingSet({a.name: torch.empty(a.numel(largest), dtype=a.dtype) for a in self.arrays.values()})
-            for _ in range(sets)
-        ]
+        ledger = ledger or AllocationLedger()
+
+        def staging(array: StateArray) -> torch.Tensor:
+            return ledger.record(self, "nvme_staging", torch.empty(array.numel(largest), dtype=array.dtype))
+
+        self._sets = [_StagingSet({a.name: staging(a) for a in self.arrays.values()}) for _ in range(sets)]
         self._written: set[str] = set()
         self._pending_writes: dict[str, list[Future[None]]] = {}
         self._shards: dict[str, tuple[int, int]] = {}
@@ -105,7 +111,12 @@ class OffloadedState:
 
     @staticmethod
     def of_config(
-        model: SlideModel, config: EngineConfig, tier: Tier | None, state_names: Sequence[str | StateArray]
+        model: SlideModel,
+        config: EngineConfig,
+        tier: Tier | None,
+        state_names: Sequence[str | StateArray],
+        *,
+        ledger: AllocationLedger | None = None,
     ) -> OffloadedState | None:
         """The state of ``config.offloaded_units`` on ``tier`` (None when there are none), checked."""
         if not config.offloaded_units:
@@ -117,7 +128,7 @@ class OffloadedState:
         if unknown or both:
             raise ValueError(f"offloaded_units: unknown {sorted(unknown)} or also resident {sorted(both)}")
         chosen = [unit for unit in model.units if unit.name in config.offloaded_units]
-        return OffloadedState(tier, chosen, state_names, config.timeout_s)
+        return OffloadedState(tier, chosen, state_names, config.timeout_s, ledger=ledger)
 
     def __contains__(self, name: object) -> bool:
         return name in self.units

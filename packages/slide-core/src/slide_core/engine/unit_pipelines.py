@@ -24,6 +24,7 @@ from concurrent.futures import Future
 
 import torch
 
+from slide_core.allocation_ledger import AllocationLedger
 from slide_core.collectives import Collectives
 from slide_core.device import Device, Event
 from slide_core.host_params import HostParameters
@@ -34,7 +35,7 @@ from .config import EngineConfig
 from .context import ClipStrategy, StepContext
 from .grad_transfer import GradTransfer
 from .host_pipeline import HostPipeline
-from .host_span import pinned_spans
+from .host_span import outside, pinned_spans
 from .host_state import HostState
 from .layout import RunLayout
 from .norms import UnitNorms
@@ -57,7 +58,8 @@ class UnitPipelines:
 
     Building it copies device-resident units to the device, gives back their host pages and pins the
     host-updated units' master shards when the slab is not pinned (Note [Resident host copies]), and zeroes
-    a fresh run's host optimizer state after that, so the two never add up in the host's peak.
+    a fresh run's host optimizer state after that, so the two never add up in the host's peak. ``ledger``:
+    the engine's, which counts the buffers the pipelines allocate and the master's pages they never touch.
     """
 
     def __init__(
@@ -72,6 +74,8 @@ class UnitPipelines:
         timer: ComputeTimer,
         offloaded: OffloadedState | None,
         collectives: Collectives,
+        *,
+        ledger: AllocationLedger | None = None,
     ) -> None:
         self.layout = RunLayout.of(model, config)
         """Which unit is resident, streamed or host-optimized, and where its state lives (layout.py)."""
@@ -85,7 +89,8 @@ class UnitPipelines:
         self.residents = ResidentUnits(
             model, config.resident_units, device, host_params, views, optimizer.state_arrays, config.compute_dtype
         )
-        self.norms = UnitNorms(device, model.units) if UnitNorms.wanted(config) else None
+        ledger = ledger or AllocationLedger()
+        self.norms = UnitNorms(device, model.units, ledger=ledger) if UnitNorms.wanted(config) else None
         """Every unit's squared gradient norm of the step (Note [Gradient norm of every step])."""
         chunk_numel = config.transfer_chunk_numel
         device_optimizer = optimizer.device_replica()  # main thread: resident and streamed updates
@@ -95,15 +100,17 @@ class UnitPipelines:
             self.residents, device_optimizer, host_params, self.norms, timer, chunk_numel,
             lean_host=lean_host, shards=self._shards(collectives, model.units, resident),
         )  # fmt: skip
-        if lean_host:
-            _pin_shards(device, host_params, model.units, resident, self.shards, self.resident)
         sliding = set(self.layout.sliding)
         host_units = [unit for unit in model.units if unit.name in sliding]
         host_spans = {unit.name: self.shards[unit.name] for unit in host_units}
+        if lean_host:
+            pinned = _pin_shards(device, host_params, model.units, resident, self.shards, self.resident)
+            _leave_master_untouched(ledger, host_params, host_spans, pinned)
         host_state.zero_fresh(host_spans)
         self.transfer = GradTransfer(
-            device, workers, host_units, config, timer.timeline, self.norms, host_spans, gpu_updated=streamed
-        )
+            device, workers, host_units, config, timer.timeline, self.norms, host_spans, gpu_updated=streamed,
+            ledger=ledger,
+        )  # fmt: skip
 
         # The updater on the host, once per state store: the host slabs, a tier.
         def host_pipeline(names: set[str], store: StateStore) -> HostPipeline:
@@ -235,7 +242,7 @@ def _pin_shards(
     resident: set[str],
     shards: UnitShards,
     resident_pipeline: ResidentPipeline,
-) -> None:
+) -> list[torch.Tensor]:
     """Page-lock this rank's shards of the copied plane, one registration per span of
     :func:`~.host_span.pinned_spans` (Note [One registration per allocation] in host_span.py): its shards
     joined where contiguous or where only resident units lie between them. The resident units' pages
@@ -254,6 +261,26 @@ def _pin_shards(
     resident_pipeline.release_host_masters()
     for span in pinned:
         device.pin_host_range(span)
+    return pinned
+
+
+def _leave_master_untouched(
+    ledger: AllocationLedger,
+    host_params: HostParameters,
+    spans: Mapping[str, tuple[int, int]],
+    pinned: Sequence[torch.Tensor],
+) -> None:
+    """Tell the ledger which of an unpinned master's pages this rank never touches before a drain (Note
+    [Sharded master] in host_pipeline.py): every plane outside its shards ``spans`` of the sliding units and
+    outside the page-locked spans ``pinned``, i.e. the other ranks' shards and the device-resident units'
+    ranges whose pages were given back."""
+    kept = [*pinned]
+    for name, (lo, hi) in spans.items():
+        start = host_params.offset(name)
+        kept.extend(host_params.store.page_ranges(start + lo, start + hi))
+    for plane in host_params.planes.values():
+        for part in outside(plane, kept):
+            ledger.leave_untouched(part)
 
 
 def _nothing() -> None:

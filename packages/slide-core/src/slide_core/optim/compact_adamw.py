@@ -685,7 +685,8 @@ class CompactAdamW(AdamWOptimizer):
 
     def warmup(self) -> None:
         """Compile (or load) this format's kernels for bf16 and fp32 gradients, fp32 and split masters, on
-        a tiny range (off the training critical path)."""
+        a tiny range (off the training critical path). Keeps no scratch: the split master's tie flags it
+        needed go, so a run holds only what its own ranges need (``host_scratch_bytes``)."""
         if not self.fused:
             return
         n = QUANT_BLOCK
@@ -698,6 +699,7 @@ class CompactAdamW(AdamWOptimizer):
             for dtype in (torch.bfloat16, torch.float32):
                 state = {a.name: torch.zeros(a.numel(n), dtype=a.dtype) for a in self.arrays}
                 self.step(master, torch.ones(n, dtype=dtype), state, lr=1e-3, step=1, decay=True)
+        self._flags = np.empty(0, dtype=np.uint8)
 
     def _check(self, master: MasterRange, grad: torch.Tensor, state: Mapping[str, torch.Tensor]) -> int:
         n = master.numel()

@@ -60,5 +60,9 @@ class HostRamTier(Tier):
     def capacity_bytes(self) -> int | None:
         return None
 
+    def host_bytes(self) -> int:
+        """Every key's tensor: the tier keeps what it stores in host RAM."""
+        return sum(held.untyped_storage().nbytes() for held in list(self._store.values()))
+
     def _close_resources(self) -> None:
         self._store.clear()

@@ -28,6 +28,9 @@ __all__ = ["SLAB_ALIGN", "PinnedRamTier"]
 SLAB_ALIGN = 256
 """Every range starts on a 256-byte boundary: enough for any dtype view and for vectorised DMA."""
 
+KEY_ALIGNMENT_RESERVE = 512 * SLAB_ALIGN
+"""Bytes a slab built for a run holds beyond what it will store: the alignment of a few hundred keys."""
+
 Allocator = Callable[[int, torch.dtype], torch.Tensor]
 
 
@@ -75,7 +78,17 @@ class PinnedRamTier(Tier):
             raise ValueError("the pinned tier needs to know how many bytes it will hold (capacity_bytes)")
         device = request.device
         alloc = device.alloc_pinned if device is not None and device.is_accelerator else None
-        return cls(request.capacity_bytes + 512 * SLAB_ALIGN, alloc)
+        return cls(request.capacity_bytes + KEY_ALIGNMENT_RESERVE, alloc)
+
+    @classmethod
+    def host_bytes_for(cls, request: TierRequest) -> int:
+        """The slab :meth:`for_run` allocates: the bytes the run will store and the keys' alignment."""
+        return 0 if request.capacity_bytes is None else request.capacity_bytes + KEY_ALIGNMENT_RESERVE
+
+    def host_bytes(self) -> int:
+        """The slab, whole (allocated at ``open``; nothing while closed)."""
+        slab = self._slab
+        return 0 if slab is None else slab.untyped_storage().nbytes()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def _open_resources(self) -> None:

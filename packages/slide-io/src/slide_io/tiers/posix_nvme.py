@@ -187,6 +187,16 @@ class PosixNvmeTier(Tier):
             raise ValueError(f"the {cls.name} tier needs a directory on a fast local disk (--nvme-dir)")
         return cls(request.directory)
 
+    @classmethod
+    def host_bytes_for(cls, request: TierRequest) -> int:
+        """The bounce buffers :meth:`for_run`'s tier allocates at ``open``: one per I/O thread, each over-
+        allocated by one alignment unit (``aligned_empty``). Touched at ``open``, so always resident."""
+        return DEFAULT_IO_THREADS * (DEFAULT_CHUNK_BYTES + DIRECT_ALIGN)
+
+    def host_bytes(self) -> int:
+        """The bounce buffers, whole (allocated at ``open``; nothing while closed)."""
+        return sum(buffer.untyped_storage().nbytes() for buffer in self._bounce_buffers)
+
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -211,6 +221,7 @@ class PosixNvmeTier(Tier):
         self._root: Path | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._bounce: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._bounce_buffers: list[torch.Tensor] = []  # every bounce buffer, for host_bytes
         self._entries: dict[str, _Entry] = {}
         self._seq = itertools.count(1)
         self._issued = 0  # seq of the latest put issued
@@ -242,6 +253,7 @@ class PosixNvmeTier(Tier):
         self._inflight = {}
         self._floor = {}
         self._bounce = queue.SimpleQueue()
+        self._bounce_buffers = buffers
         for buffer in buffers:
             self._bounce.put(buffer)
         self._executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"slide-{self.name}-io")
@@ -258,6 +270,7 @@ class PosixNvmeTier(Tier):
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
         self._bounce = queue.SimpleQueue()
+        self._bounce_buffers = []
 
     def _choose_direct(self, root: Path) -> bool:
         supported = self._direct_request is not False and _O_DIRECT != 0 and self._probe_direct(root)
