@@ -1,14 +1,22 @@
 """`slide plan` prices the run `slide train` builds: for a grid of flags, the engine config the run's engine
-is built with and the buffers its plan prices equal those `slide plan --json` prints for the same flags.
+is built with and the buffers its plan prices equal those `slide plan --json` prints for the same flags,
+and the host bytes the run's engine holds for those buffers, counted where each is allocated
+(``Engine.host_allocations``, slide_core/allocation_ledger.py), are the plan's within 1 %, buffer by buffer.
 
 Both commands build their plan inputs with one function (slide_hf/setup.py's ``plan_inputs``) and the run's
 engine takes the plan's own config (``PlanInputs.engine_config``); this test is what keeps it so. The run is
-recorded where its engine is built: the config handed to the engine, and the plan of the placement.
+recorded where its engine is built (the config handed to the engine, and the plan of the placement) and
+after each of its steps (the engine's ledger, once its updates are done). Two steps, so a buffer
+allocated again every step would show; with data parallel, two gloo processes, each rank against the
+per-rank plan of `slide plan --nproc-per-node 2`.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +24,16 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from slide_core.engine import Engine
+from slide_core.testing import launch_ranks, wait_ranks
 from slide_hf import setup
 from slide_hf.cli.plan import engine_config_dict
 
 _BASE = ("--model", "tiny-llama", "--device", "cpu", "--seq-len", "32", "--batch-size", "2")
+_STEPS = ("--steps", "2")
+_TOLERANCE = 0.01
+"""How far a buffer the run holds may be from the plan's price, relative to the price: rounding only (a
+data-parallel rank's shards are one element shorter than the plan's longest, at most)."""
 
 GRID: dict[str, tuple[str, ...]] = {
     "defaults": (),
@@ -34,11 +48,21 @@ GRID: dict[str, tuple[str, ...]] = {
     "three slots": ("--block-slots", "3", "--optimizer-state", "bf16"),
     "state tier in memory, half": ("--offload-optimizer", "pinned", "--nvme-fraction", "0.5"),
 }
+"""`--update-placement gpu` is refused on the CPU device, by plan and train in the same words:
+tests/hf/test_plan_hostile.py."""
+
+DATA_PARALLEL: dict[str, tuple[str, ...]] = {
+    "split master, bf16 state, accumulation": ("--master", "split", "--optimizer-state", "bf16", "--grad-accum", "2"),
+}
+"""One pair of ranks (each costs two processes' start): the ring (which keeps its least number of chunks
+whatever a rank's shards), the accumulators and every plane of a split master, sharded. The clipping
+store's shards: tests/hf/test_planner_distributed.py."""
 
 
 def _recorded_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Record the run's engine config and its placed plan where `open_engine` builds the engine."""
-    seen: dict[str, Any] = {}
+    """Record the run's engine config and its placed plan where `open_engine` builds the engine, and the
+    engine's host allocations after each step (its updates done first: they allocate on first use)."""
+    seen: dict[str, Any] = {"steps": []}
     built = setup.engine_config
 
     def recording(placement: setup.Placement) -> Any:
@@ -48,24 +72,122 @@ def _recorded_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen["host_peak_bytes"] = placement.plan.host_peak_bytes
         return config
 
+    stepping = Engine.step
+
+    def step(engine: Engine, *args: Any, **kwargs: Any) -> Any:
+        result = stepping(engine, *args, **kwargs)
+        engine.wait_idle()
+        seen["steps"].append(engine.host_allocations.to_dict())
+        return result
+
     monkeypatch.setattr(setup, "engine_config", recording)
+    monkeypatch.setattr(Engine, "step", step)
     return seen
 
 
+def _nvme(flags: tuple[str, ...], tmp_path: Path) -> tuple[str, ...]:
+    if "nvme" not in flags:
+        return ()
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    return ("--nvme-dir", str(tmp_path / "nvme"))
+
+
+def _same_allocations_every_step(steps: list[dict[str, Any]], who: str = "the run") -> dict[str, Any]:
+    """The last step's ledger, after checking no step allocated a host buffer the step before had not."""
+    assert len(steps) == 2, f"{who} recorded {len(steps)} steps"
+    first, last = steps
+    assert last["allocations"] == first["allocations"], f"{who} allocated host buffers in its second step"
+    assert last["buffers"] == first["buffers"]
+    return last
+
+
+def _held_as_planned(planned: Mapping[str, int], held: Mapping[str, Any], who: str = "the run") -> None:
+    """Every host buffer the plan prices is what the engine holds for it within ``_TOLERANCE``, and the
+    engine holds no buffer the plan does not price; a failure lists every buffer, with its owners."""
+    rows, drifted = [], []
+    for buffer in sorted(set(planned) | set(held["buffers"])):
+        price, holds = planned.get(buffer, 0), held["buffers"].get(buffer, 0)
+        owners = ", ".join(f"{owner} {nbytes}" for owner, nbytes in held["owners"].get(buffer, {}).items())
+        off = abs(holds - price) > _TOLERANCE * price
+        rows.append(f"{'DRIFT' if off else 'ok':>5} {buffer}: planned {price}, {who} holds {holds} ({owners or '-'})")
+        drifted += [buffer] if off else []
+    assert not drifted, f"{', '.join(drifted)} drifted from the plan:\n" + "\n".join(rows)
+
+
 @pytest.mark.parametrize("flags", list(GRID.values()), ids=list(GRID))
-def test_plan_json_is_the_runs_engine_config_and_buffers(flags, slide, tmp_path: Path, monkeypatch) -> None:
-    nvme = ("--nvme-dir", str(tmp_path / "nvme")) if "nvme" in flags else ()
-    (tmp_path / "nvme").mkdir()
+def test_plan_json_is_the_runs_engine_config_buffers_and_host_allocations(
+    flags, slide, tmp_path: Path, monkeypatch
+) -> None:
     status, out, err = slide("plan", *_BASE, *flags, "--json")
     assert status == 0, err
     planned = json.loads(out)
 
     seen = _recorded_run(monkeypatch)
-    status, _, err = slide("train", *_BASE, *flags, *nvme, "--steps", "1", "--output", str(tmp_path / "run"))
+    run = ("train", *_BASE, *flags, *_nvme(flags, tmp_path), *_STEPS, "--output", str(tmp_path / "run"))
+    status, _, err = slide(*run)
     assert status == 0, err
     assert seen["engine_config"] == planned["engine_config"]
     assert seen["buffers"] == planned["buffers"]
     assert seen["host_peak_bytes"] == planned["host_peak_bytes"]
+    _held_as_planned(planned["buffers"]["host"], _same_allocations_every_step(seen["steps"]))
+
+
+_RANK = """
+import json, os, sys
+from slide_core.engine import Engine
+from slide_hf import setup
+from slide_hf.cli.main import main
+from slide_hf.cli.plan import engine_config_dict
+
+record, argv = sys.argv[1], sys.argv[2:]
+seen = {"steps": []}
+built, stepping = setup.engine_config, Engine.step
+
+def recording(placement):
+    config = built(placement)
+    seen["engine_config"] = engine_config_dict(config)
+    seen["buffers"] = placement.plan.buffers().to_dict()
+    return config
+
+def step(engine, *args, **kwargs):
+    result = stepping(engine, *args, **kwargs)
+    engine.wait_idle()
+    seen["steps"].append(engine.host_allocations.to_dict())
+    return result
+
+setup.engine_config, Engine.step = recording, step
+status = main(argv)
+with open(os.path.join(record, f"rank{os.environ['RANK']}.json"), "w") as out:
+    json.dump(seen, out)
+sys.exit(status)
+"""
+"""One rank of `slide train` (torchrun's variables set by ``launch_ranks``), recorded as the in-process
+run above is, into ``rank<RANK>.json`` of the folder its first argument names."""
+
+
+@pytest.mark.parametrize("flags", list(DATA_PARALLEL.values()), ids=list(DATA_PARALLEL))
+def test_each_gloo_rank_is_the_per_rank_plan(flags, slide, tmp_path: Path) -> None:
+    """Two gloo ranks on the CPU device: each rank's engine config and plan are `slide plan
+    --nproc-per-node 2`'s, and what each rank's engine holds is the plan's per-rank host buffers (its
+    shards of the master, the state, the accumulators and the ring or store; the rest as one process)."""
+    status, out, err = slide("plan", *_BASE, *flags, "--nproc-per-node", "2", "--json")
+    assert status == 0, err
+    planned = json.loads(out)
+    per_rank = planned["data_parallel"]["host_rank_breakdown"]
+
+    record = tmp_path / "ranks"
+    record.mkdir()
+    argv = ("train", *_BASE, *flags, *_STEPS, "--output", str(tmp_path / "run"))
+    command = [sys.executable, "-c", _RANK, str(record), *argv]
+    finished = wait_ranks(launch_ranks(command, 2, stdout=subprocess.DEVNULL), 240.0)
+    for rank, (code, rank_err) in enumerate(finished):
+        assert code == 0, f"rank {rank} failed:\n{rank_err[-3000:]}"
+    for rank in range(2):
+        seen = json.loads((record / f"rank{rank}.json").read_text())
+        assert seen["engine_config"] == planned["engine_config"], f"rank {rank}"
+        assert seen["buffers"] == planned["buffers"], f"rank {rank}"
+        held = _same_allocations_every_step(seen["steps"], f"rank {rank}")
+        _held_as_planned({key: per_rank[key] for key in planned["buffers"]["host"]}, held, f"rank {rank}")
 
 
 def test_plan_prices_the_clipping_store(slide) -> None:

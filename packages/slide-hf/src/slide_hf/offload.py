@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from slide_core import plugins
+from slide_core.optim.state_formats import StateArray
 from slide_core.tier import Tier, TierError, TierRequest
 from slide_core.tiers.host_ram import HostRamTier
 from slide_hf.errors import UserError
@@ -29,6 +30,7 @@ __all__ = [
     "open_activation_tier",
     "open_tier",
     "planning_kind",
+    "state_tier_capacity",
     "state_tier_class",
     "tier_class",
 ]
@@ -72,6 +74,14 @@ def activation_tier_class(name: str) -> type[Tier] | None:
     pinned host stash already holds the activations there, faster than any tier could."""
     chosen = tier_class(name, flag=option("offload_activations"))
     return chosen if chosen.on_disk else None
+
+
+def state_tier_capacity(arrays: Sequence[StateArray], offloaded_numels: Sequence[int]) -> int:
+    """The bytes a run asks its state tier to hold (``TierRequest.capacity_bytes``): the state of every
+    offloaded unit, each array as stored. The run opens its tier with it and the plan prices the tier's
+    own host buffers from it, so the two ask for the same."""
+    numel = sum(offloaded_numels)
+    return sum(array.numel(numel) * array.dtype.itemsize for array in arrays)
 
 
 def planning_kind(chosen: type[Tier] | None) -> Literal["ram", "nvme"]:

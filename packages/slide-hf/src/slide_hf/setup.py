@@ -43,6 +43,7 @@ from slide_hf.offload import (
     open_activation_tier,
     open_tier,
     planning_kind,
+    state_tier_capacity,
     state_tier_class,
 )
 from slide_hf.options import TrainConfig, engine_values
@@ -299,6 +300,7 @@ def plan_inputs(
     from slide_hf.planner import PlanInputs
 
     state_tier = state_tier_class(options.offload_optimizer)
+    activation_tier = activation_tier_class(options.offload_activations)
     return PlanInputs(
         model,
         batch_size=options.batch_size,
@@ -313,8 +315,10 @@ def plan_inputs(
         report_grad_norm=options.report_grad_norm,
         offload_optimizer=planning_kind(state_tier),
         state_tier=state_tier is not None,
+        state_tier_class=state_tier,
         nvme_fraction=options.nvme_fraction,
-        offload_activations=planning_kind(activation_tier_class(options.offload_activations)),
+        offload_activations=planning_kind(activation_tier),
+        activation_tier_class=activation_tier,
         optimizer_state=options.optimizer_state,
         master_format=resolve_master(options, optimizer),
         optimizer=optimizer,
@@ -403,11 +407,11 @@ def open_engine(
         state_tier = None
         if placement.offloaded and placement.state_tier is not None:
             tier_class = placement.state_tier
-            numel = sum(unit.layout.numel for unit in model.units if unit.name in placement.offloaded)
+            numels = [unit.layout.numel for unit in model.units if unit.name in placement.offloaded]
             request = TierRequest(
                 directory=scratch() if tier_class.on_disk else None,
                 device=device,
-                capacity_bytes=sum(a.numel(numel) * a.dtype.itemsize for a in optimizer.state_arrays),
+                capacity_bytes=state_tier_capacity(optimizer.state_arrays, numels),
             )
             state_tier = open_tier(tier_class, request, flag=option("offload_optimizer"))
             opened.callback(state_tier.close)

@@ -23,6 +23,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from slide_core.collectives import shard_span
 from slide_core.optim.state_formats import StateArray
 from slide_core.unit import SlideModel
 
@@ -132,13 +133,20 @@ class RunLayout:
         return tuple(name for name in self.sliding if name == self.embedding and self.tied)
 
     # -- the buffers, each sized by its owner ---------------------------------------------------------------
-    def host_buffers(self, state_arrays: Sequence[StateArray], micro_batches: int) -> dict[str, int]:
+    def host_buffers(
+        self, state_arrays: Sequence[StateArray], micro_batches: int, world_size: int = 1
+    ) -> dict[str, int]:
         """Host bytes of the buffers whose size the layout alone decides, by their owners' reports:
         the optimizer state the host slabs hold (``optimizer_state``), the gradient accumulators
         (``grad_accumulators``), the pinned gradient ring or clipping store (``grad_ring``), the per-unit
-        norms (``grad_norms``) and the staging in front of the state tier (``state_tier_staging``)."""
-        numel = self.numel
-        offloaded = [numel[name] for name in self.names if name in self.offloaded]
+        norms (``grad_norms``) and the staging in front of the state tier (``state_tier_staging``).
+
+        With ``world_size`` data-parallel ranks, those of the rank that holds the most (rank 0, whose
+        shards are the longest: ``shard_span``): a rank touches only its shards of the state slabs, sums
+        only its shards and streams only its shards through the ring or the store (Note [Sharded master]
+        in host_pipeline.py); the norms and the tier's staging, a whole unit long, are as in one process."""
+        numel = {name: _longest_shard(n, world_size) for name, n in self.numel.items()}
+        offloaded = [self.numel[name] for name in self.names if name in self.offloaded]
         return {
             "optimizer_state": HostState.state_bytes(state_arrays, [numel[n] for n in self.state_in_host_slabs]),
             "grad_accumulators": HostState.accumulator_bytes([numel[n] for n in self.accumulating(micro_batches)]),
@@ -167,3 +175,9 @@ class RunLayout:
             "head_slot": edge_slot(self.head),
             "grad_norms": UnitNorms.device_bytes_for(len(numel)) if UnitNorms.wanted(self.config) else 0,
         }
+
+
+def _longest_shard(numel: int, world_size: int) -> int:
+    """Elements of the longest shard of a unit of ``numel`` over ``world_size`` ranks (rank 0's)."""
+    lo, hi = shard_span(numel, 0, world_size)
+    return hi - lo

@@ -4,14 +4,17 @@ Built on the single-process :class:`~slide_hf.planner.plan.Plan` of one rank (it
 the sharded engine changes (slide_core/engine/host_pipeline.py, docs/distributed.md):
 
 - GPU: unchanged. Every rank slides the whole model through the same slots and buffers.
-- Host, per rank: the fp32 master, the Adam state and the fp32 gradient accumulators 1/N (a rank loads,
-  updates and writes only its shards, so the rest of those buffers is never touched: Note [Sharded
-  master] in slide_core/engine/host_pipeline.py; the master's page-locked spans hold its shards only, one
-  span per contiguous stretch of them: Note [One registration per allocation] in
-  slide_core/engine/host_span.py), the pinned gradient ring or clipping store 1/N (the
-  ring holds the backlog of what the rank streams, its shards; the store, those shards), the rest as one process
-  (activation stash, scratch, the process itself). Per host: that, times the ranks on the host. The
-  final drain gathers the whole master on every rank for the export, which this does not count.
+- Host, per rank: every engine buffer as its owner prices it for the rank that holds the most
+  (:func:`~slide_hf.planner.memory.engine_buffers` with the world size, what each rank's engine counts):
+  its shards of the fp32 master, the Adam state and the fp32 gradient accumulators (a rank loads, updates
+  and writes only its shards, so the rest of those buffers is never touched: Note [Sharded master] in
+  slide_core/engine/host_pipeline.py; the master's page-locked spans hold its shards only, one span per
+  contiguous stretch of them: Note [One registration per allocation] in slide_core/engine/host_span.py),
+  the pinned gradient ring or clipping store of its shards (the store holds them; the ring, the backlog of
+  them, but never fewer than ``EngineConfig.grad_ring_slots`` chunks, so a small model's ring is as large
+  as one process's), the rest as one process (activation stash, scratch, the tiers, the process itself).
+  Per host: that, times the ranks on the host. The final drain gathers the whole master on every rank for
+  the export, which this does not count.
 - PCIe, per GPU: each load copies only the rank's shard of the master up (the all-gather fills the rest),
   and only the reduced shard of each gradient comes down, so the parameter and gradient bytes are 1/N of
   one process's; the activation stash crosses as in one process. Each direction at its rate, and both
@@ -33,7 +36,7 @@ from typing import Any
 
 from slide_hf.errors import UserError
 from slide_hf.planner.inputs import ModelShape, PlanInputs
-from slide_hf.planner.memory import master_bytes
+from slide_hf.planner.memory import engine_buffers
 from slide_hf.planner.plan import Plan
 from slide_hf.planner.traffic import block_loads, h2d_bytes_per_param
 from slide_hf.sizes import format_bytes
@@ -120,14 +123,6 @@ class DataParallelPlan:
         }
 
 
-_SHARDED_HOST = ("optimizer_state", "grad_accumulators", "grad_ring")
-"""Host buffers of which a rank writes (and so holds) only its 1/N share while it trains (``grad_ring``
-is the clipping store where clipping is on: the rank's shards of the step's gradient). The master, 1/N
-too, is priced per rank by its owner's rule (``master_bytes``, the largest rank's shards), not as one
-process's figure over N: that counts the resident units inside its page-locked span, and with two ranks
-or more a resident unit always has other ranks' shards beside it, so no rank's span keeps it."""
-
-
 def plan_data_parallel(
     rank: Plan, nproc_per_node: int, nnodes: int = 1, interconnect: Interconnect | None = None
 ) -> DataParallelPlan:
@@ -138,8 +133,11 @@ def plan_data_parallel(
     link = interconnect or Interconnect()
     world = nproc_per_node * nnodes
     inputs, shape = rank.inputs, rank.shape
-    breakdown = {key: (value // world if key in _SHARDED_HOST else value) for key, value in rank.host_breakdown.items()}
-    breakdown["master_fp32"] = master_bytes(shape, inputs, world)
+    # Each buffer by its owner's rule for one rank's shards, not as one process's figure over N: the ring
+    # keeps its least number of chunks whatever the shard, and the master's page-locked span counts the
+    # resident units inside it in one process only (with two ranks or more a resident unit always has
+    # other ranks' shards beside it, so no rank's span keeps it).
+    breakdown = {**rank.host_breakdown, **engine_buffers(shape, inputs, world).host}
     per_rank = sum(breakdown.values())
     params_h2d, stash, grads = _pcie_parts(shape, inputs)
     bw = inputs.bandwidths

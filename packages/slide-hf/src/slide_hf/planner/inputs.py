@@ -20,6 +20,7 @@ from slide_core.engine.layout import RunLayout
 from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optim.state_formats import StateArray, state_arrays
 from slide_core.optimizer import Optimizer
+from slide_core.tier import Tier
 from slide_core.unit import SlideModel
 from slide_hf.defaults import DEFAULT_SEQ_LEN
 from slide_hf.errors import UserError
@@ -365,6 +366,12 @@ class PlanInputs:
     """The run's optimizer: its ``device_replica`` updates the resident units, and the scratch that replica
     reports (``Optimizer.device_scratch_bytes``) is on the GPU peak. None: the shipped optimizer for
     ``optimizer_state`` (:meth:`device_optimizer`)."""
+    state_tier_class: type[Tier] | None = field(default=None, compare=False, repr=False)
+    """The class of the tier ``--offload-optimizer`` names (None: host RAM, or a plan that does not say):
+    the host RAM it holds of its own, a slab or bounce buffers (``Tier.host_bytes_for``), is priced with
+    the engine's buffers."""
+    activation_tier_class: type[Tier] | None = field(default=None, compare=False, repr=False)
+    """The same for the tier on disk ``--offload-activations`` names (None: the engine's host stash)."""
 
     def __post_init__(self) -> None:
         from slide_hf.options import check_option

@@ -5,7 +5,8 @@ Every buffer the engine allocates is priced by its owner (:func:`engine_buffers`
 the gradient accumulators (``HostState``), the gradient ring or store (``GradTransfer.host_bytes``), the
 activation stash and its device buffers (``ActivationStash``), the optimizer's host and device scratch
 (``Optimizer.host_scratch_bytes``, ``device_scratch_bytes``), the gradient norms (``UnitNorms``), the NVMe
-staging sets (``OffloadedState.staging_bytes``), the slots (``SlotWindow.slot_bytes``), the device-resident
+staging sets (``OffloadedState.staging_bytes``), the tiers' own slab or bounce buffers
+(``Tier.host_bytes_for``), the slots (``SlotWindow.slot_bytes``), the device-resident
 units (``resident_numel_bytes``), the resident pipeline's scratch and the upload's cast chunk
 (``MasterUpload.staging_bytes``). The planner supplies the model's shapes and the run's options, never its own
 formula for an engine buffer; ``tests/hf/test_planner_buffers.py`` checks each against what a real engine
@@ -38,6 +39,8 @@ from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.host_params import HostParameters, MasterFormat
 from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optimizer import Optimizer
+from slide_core.tier import TierRequest
+from slide_hf.offload import state_tier_capacity
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 
 __all__ = [
@@ -134,27 +137,33 @@ def _host_optimizer(inputs: PlanInputs) -> Optimizer:
     return TorchAdamW(config) if inputs.optimizer_state == "fp32" else CompactAdamW(config, fused=False)
 
 
-def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
+def engine_buffers(shape: ModelShape, inputs: PlanInputs, world_size: int = 1) -> EngineBuffers:
     """Every engine buffer of this configuration, each priced by the class that allocates it.
 
     Which units are host-updated, on NVMe, streamed or resident, and which get an accumulator, is the run's
     layout (slide_core's :class:`~slide_core.engine.layout.RunLayout`, built from the engine config the
     run itself is built with, :meth:`PlanInputs.engine_config`); the bytes each buffer takes are its
-    owner's answer."""
+    owner's answer. The tiers' own host buffers (a tier in memory's slab, a tier on disk's bounce
+    buffers) are their classes' answer (``Tier.host_bytes_for``).
+
+    ``world_size``: the buffers of one of that many data-parallel ranks, the one that holds the most
+    (its shards of the master, the state, the accumulators and the ring or store; the rest as one
+    process): what each rank's engine counts (``Engine.host_allocations``)."""
     layout = inputs.layout(shape)
     d = inputs.compute_dtype_bytes
     arrays = inputs.state_arrays()
     boundary = inputs.batch_size * inputs.seq_len * shape.activation_width  # one block's input, in elements
     stash_copies = shape.num_blocks if inputs.offload_activations == "ram" else 0
     tier_copies = TIER_STAGING_COPIES if inputs.offload_activations == "nvme" else 0
-    laid_out = layout.host_buffers(arrays, inputs.grad_accum)
+    laid_out = layout.host_buffers(arrays, inputs.grad_accum, world_size)
+    state_tier_in_ram, tiers_on_disk = _tier_host_bytes(shape, inputs)
     host = {
         # device-resident units' host ranges are given back once on the GPU (Note [Resident host copies]),
         # but for those inside a page-locked span (Note [One registration per allocation])
-        "master_fp32": master_bytes(shape, inputs),
+        "master_fp32": master_bytes(shape, inputs, world_size),
         # device-resident and NVMe units keep m and v elsewhere; their host ranges are never touched
-        # a tier in memory (pinned) keeps its units' state on the host too, as stored
-        "optimizer_state": laid_out["optimizer_state"] + _state_tier_ram_bytes(shape, inputs),
+        # a tier in memory (pinned) keeps its units' state on the host too, in a slab of its own
+        "optimizer_state": laid_out["optimizer_state"] + state_tier_in_ram,
         "grad_accumulators": laid_out["grad_accumulators"],
         "grad_ring": laid_out["grad_ring"],
         "activation_stash": ActivationStash.host_bytes_for(stash_copies, boundary, d),
@@ -165,8 +174,10 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs) -> EngineBuffers:
         else 0,
         "grad_norms": laid_out["grad_norms"],
         # Double buffers in front of NVMe: one unit's m and v (or one block input) read ahead while the
-        # previous one is in use.
-        "nvme_staging": laid_out["state_tier_staging"] + ActivationStash.host_bytes_for(tier_copies, boundary, d),
+        # previous one is in use; and the tiers' own bounce buffers.
+        "nvme_staging": laid_out["state_tier_staging"]
+        + ActivationStash.host_bytes_for(tier_copies, boundary, d)
+        + tiers_on_disk,
     }
     slots_and_norms = layout.device_buffers()
     norms = slots_and_norms.pop("grad_norms")
@@ -215,12 +226,25 @@ def pinned_master_numel(shape: ModelShape, inputs: PlanInputs, rank: int = 0, wo
     return sum(end - start for start, end in pinned_spans(extents, bridges))
 
 
-def _state_tier_ram_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    """Host bytes of a state tier that keeps them in memory (``pinned``): its units' state as stored."""
-    if inputs.offload_optimizer == "nvme":
-        return 0
+def _tier_host_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[int, int]:
+    """``(state tier in memory, tiers on disk)``: the host bytes the run's tiers hold of their own, each
+    asked of its class for the request the run opens it with (slide_hf/setup.py). A state tier in memory
+    (``pinned``) holds its units' state, as stored, at least (a tier that allocates key by key says
+    nothing up front); a tier on disk holds its bounce buffers."""
+    in_ram = on_disk = 0
     numel = shape.named_numels
-    return HostState.state_bytes(inputs.state_arrays(), [numel[name] for name in inputs.offloaded_units])
+    stored = [numel[name] for name in inputs.offloaded_units]
+    if stored and inputs.offload_optimizer != "nvme":
+        state = HostState.state_bytes(inputs.state_arrays(), stored)
+        tier = inputs.state_tier_class
+        capacity = state_tier_capacity(inputs.state_arrays(), stored)
+        in_ram = max(state, tier.host_bytes_for(TierRequest(capacity_bytes=capacity)) if tier is not None else 0)
+    elif stored and inputs.state_tier_class is not None:
+        capacity = state_tier_capacity(inputs.state_arrays(), stored)
+        on_disk += inputs.state_tier_class.host_bytes_for(TierRequest(capacity_bytes=capacity))
+    if inputs.offload_activations == "nvme" and inputs.activation_tier_class is not None:
+        on_disk += inputs.activation_tier_class.host_bytes_for(TierRequest())
+    return in_ram, on_disk
 
 
 def _nvme_units(shape: ModelShape, inputs: PlanInputs) -> list[int]:
