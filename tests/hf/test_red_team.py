@@ -32,6 +32,7 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
 
 from slide_hf.cli.main import main
+from slide_hf.run_files import RECORD_FILE
 
 MAY_CHANGE = frozenset({"train.log", "options.json", ".slide.lock"})
 """A run's own log, its options as last started, and its lock: rewritten by a resume refused late."""
@@ -409,6 +410,22 @@ def _numeric_cases() -> list[Case]:
     return cases
 
 
+# ---- a run directory broken under `--resume`, `--overwrite` and `slide export` ---------------------------
+
+
+def _link(relative: str, to: str) -> Callable[[World], None]:
+    def setup(world: World) -> None:
+        (world.user / relative).symlink_to(world.user / to)
+
+    return setup
+
+
+OLDER = "run/checkpoints/step-00000001"
+DEEP = "[" * 100_000 + "]" * 100_000
+EXPORT_TO = ("export", "{run}", "{tmp}/out")
+OVERWRITE = ("train", "--output", "{run}", *TINY, "--steps", "1", "--overwrite")
+
+
 CASES: list[Case] = [
     *_numeric_cases(),
     # ---- the command line itself ----
@@ -736,6 +753,108 @@ CASES: list[Case] = [
         (*BENCH[:-4], "--steps", "2", "--warmup", "2"),
         "must exceed --warmup",
         during=_bench_must_not_run,
+    ),
+    # ---- run directories: a newest checkpoint without its state.json, a state.json nested too deeply, and
+    # --overwrite asked to remove an input of the run or a directory whose record of slide's files is missing,
+    # damaged or hostile ----
+    Case(
+        "resume: newest checkpoint without state.json",
+        RESUME,
+        "checkpoint {run}/checkpoints/step-00000002 is corrupt (state.json is missing); the newest intact one is "
+        "{run}/checkpoints/step-00000001: resume from it with --resume {run}/checkpoints/step-00000001",
+        setup=_remove(f"{NEWEST}/state.json"),
+    ),
+    Case(
+        "export: newest checkpoint without state.json",
+        EXPORT_TO,
+        "step-00000002 is corrupt (state.json is missing); the newest intact one is {run}/checkpoints/step-00000001: "
+        "export it with `slide export {run}/checkpoints/step-00000001",
+        setup=_remove(f"{NEWEST}/state.json"),
+    ),
+    Case(
+        "resume: no checkpoint has its state.json",
+        RESUME,
+        "step-00000002 is corrupt (state.json is missing); no older intact checkpoint of this run exists",
+        setup=_then(_remove(f"{NEWEST}/state.json"), _remove(f"{OLDER}/state.json")),
+    ),
+    # ---- a state.json nested deeper than the JSON parser goes ----
+    Case(
+        "resume: state.json of 100000 nested brackets",
+        RESUME,
+        "state.json is not valid JSON: it nests arrays or objects too deeply",
+        setup=_write(f"{NEWEST}/state.json", DEEP),
+    ),
+    Case(
+        "export: state.json of 100000 nested brackets",
+        EXPORT_TO,
+        "state.json is not valid JSON: it nests arrays or objects too deeply",
+        setup=_write(f"{NEWEST}/state.json", DEEP),
+    ),
+    Case(
+        "resume a checkpoint: state.json of 100000 nested brackets",
+        ("train", "--resume", "{run}/checkpoints/step-00000001"),
+        "step-00000001 is corrupt (state.json is not valid JSON: it nests",
+        setup=_write(f"{OLDER}/state.json", DEEP),
+    ),
+    # ---- --overwrite and the run's inputs ----
+    Case(
+        "overwrite: --model is the run's own model",
+        (*OVERWRITE, "--model", "{run}/model"),
+        "--model {run}/model is in {run}, whose files from an earlier run --overwrite would remove",
+    ),
+    Case(
+        "overwrite: --model is a link to the run's model",
+        (*OVERWRITE, "--model", "{user}/linked-model"),
+        "--model {user}/linked-model is in {run}",
+        setup=_link("linked-model", "run/model"),
+    ),
+    Case(
+        "overwrite: --tokenizer is the run's tokenizer",
+        (*OVERWRITE, "--model", "{model}", "--tokenizer", "{run}/tokenizer"),
+        "--tokenizer {run}/tokenizer is in {run}",
+    ),
+    Case(
+        "overwrite: --data is a link to a file of the run",
+        (*OVERWRITE, "--data", "{user}/rows.jsonl"),
+        "--data {user}/rows.jsonl is in {run}",
+        setup=_link("rows.jsonl", "run/metrics.jsonl"),
+    ),
+    Case(
+        "overwrite: --eval-data is a file of the run",
+        (*OVERWRITE, "--data", "{user}/data.jsonl", "--eval-data", "{run}/metrics.jsonl"),
+        "--eval-data {run}/metrics.jsonl is in {run}",
+    ),
+    Case(
+        "overwrite: --chat-template is a file of the run",
+        (*OVERWRITE, "--data", "{user}/data.jsonl", "--chat-template", "{run}/tokenizer/chat_template.jinja"),
+        "--chat-template {run}/tokenizer/chat_template.jinja is in {run}",
+    ),
+    # ---- --overwrite and the record of slide's files ----
+    Case(
+        "overwrite: a run without a record of its files",
+        OVERWRITE,
+        "--overwrite: {run} holds a run of a slide that kept no record of the files it wrote",
+        setup=_remove(f"run/{RECORD_FILE}"),
+    ),
+    Case(
+        "overwrite: record not JSON",
+        OVERWRITE,
+        f"{{run}}/{RECORD_FILE}, slide's record of the files it wrote in {{run}}, is damaged",
+        setup=_write(f"run/{RECORD_FILE}", "[[[" + DEEP),
+    ),
+    Case(
+        "overwrite: record names a file outside the run",
+        OVERWRITE,
+        "is damaged",
+        setup=_write(f"run/{RECORD_FILE}", json.dumps({"format": 1, "files": ["../data.jsonl"]})),
+    ),
+    Case(
+        "overwrite: record names an absolute path",
+        OVERWRITE,
+        "is damaged",
+        setup=lambda world: _write(
+            f"run/{RECORD_FILE}", json.dumps({"format": 1, "files": [str(world.user / "data.jsonl")]})
+        )(world),
     ),
 ]
 
