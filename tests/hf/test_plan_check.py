@@ -48,3 +48,18 @@ def test_slide_train_logs_measured_against_planned(slide, tmp_path, caplog) -> N
     measured = [r.getMessage() for r in caplog.records if r.getMessage().startswith("measured against planned")]
     assert len(planned) == 1 and len(measured) == 1
     assert planned[0].split()[3] in measured[0]  # the planned host peak, in GiB, is the one compared
+
+
+def test_slide_train_logs_its_host_buffers_against_the_plans(slide, tmp_path, caplog) -> None:
+    """The run counts what its engine allocated (Engine.host_allocations) and says it beside the plan's buffers:
+    on the CPU, with clipping (the store) and accumulation (the accumulators), they agree within 1 %."""
+    import re
+
+    caplog.set_level(logging.INFO)
+    argv = ("train", "--device", "cpu", "--steps", "2", "--seq-len", "32", "--output", str(tmp_path / "r"))
+    status, _, err = slide(*argv, "--max-grad-norm", "1", "--grad-accum", "2")
+    assert status == 0, err
+    (measured,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("measured against planned")]
+    found = re.search(r"host buffers ([\d.]+) / ([\d.]+) GiB \(x([\d.]+)\)", measured)
+    assert found is not None, measured
+    assert float(found.group(1)) > 0 and abs(float(found.group(3)) - 1.0) <= 0.01, measured

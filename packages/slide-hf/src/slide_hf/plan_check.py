@@ -40,6 +40,9 @@ class PlanCheck:
     gpu_peak_bytes: int | None
     planned_gpu_peak_bytes: int | None
     terms: MeasuredTerms | None = None
+    host_buffers_bytes: int | None = None
+    """What the engine allocated for its host buffers (``Engine.host_allocations``), beside the plan's buffers."""
+    planned_host_buffers_bytes: int | None = None
     """The step's terms (GPU compute, host AdamW busy) measured beside the plan's (slide_hf/in_step_rates.py)."""
 
     @classmethod
@@ -50,6 +53,8 @@ class PlanCheck:
         *,
         gpu_peak_bytes: int | None,
         terms: MeasuredTerms | None = None,
+        host_buffers_bytes: int | None = None,
+        world_size: int = 1,
     ) -> PlanCheck:
         """``plan``: the run's placed plan; ``step_times_s``: every step's wall time, in order;
         ``gpu_peak_bytes``: the device's peak, None on the CPU device. The CPU device has no step time in
@@ -64,6 +69,10 @@ class PlanCheck:
             gpu_peak_bytes=gpu_peak_bytes,
             planned_gpu_peak_bytes=None if gpu_peak_bytes is None else plan.gpu_peak_bytes,
             terms=terms if on_gpu else None,
+            host_buffers_bytes=host_buffers_bytes,
+            planned_host_buffers_bytes=_planned_host_buffers(plan, world_size)
+            if host_buffers_bytes is not None
+            else None,
         )
 
     def to_dict(self) -> dict[str, dict[str, float | None]]:
@@ -72,6 +81,7 @@ class PlanCheck:
             "step_s": (self.step_s, self.planned_step_s),
             "host_peak_bytes": (self.host_peak_bytes, self.planned_host_peak_bytes),
             "gpu_peak_bytes": (self.gpu_peak_bytes, self.planned_gpu_peak_bytes),
+            "host_buffers_bytes": (self.host_buffers_bytes, self.planned_host_buffers_bytes),
         }
         measured_terms = {
             name: _term(measured, planned) for name, (measured, planned) in terms.items() if measured is not None
@@ -89,6 +99,11 @@ class PlanCheck:
             f"host peak {self.host_peak_bytes / GiB:.2f} / {self.planned_host_peak_bytes / GiB:.2f} GiB"
             f"{_ratio(self.host_peak_bytes, self.planned_host_peak_bytes)}"
         )
+        if self.host_buffers_bytes is not None and self.planned_host_buffers_bytes:
+            parts.append(
+                f"host buffers {self.host_buffers_bytes / GiB:.2f} / {self.planned_host_buffers_bytes / GiB:.2f} GiB"
+                f"{_ratio(self.host_buffers_bytes, self.planned_host_buffers_bytes)}"
+            )
         if self.gpu_peak_bytes is not None and self.planned_gpu_peak_bytes is not None:
             parts.append(
                 f"GPU peak {self.gpu_peak_bytes / GiB:.2f} / {self.planned_gpu_peak_bytes / GiB:.2f} GiB"
@@ -97,6 +112,13 @@ class PlanCheck:
         if self.terms is not None and self.terms.line():
             parts.append(self.terms.line())
         return "measured against planned: " + ", ".join(parts)
+
+
+def _planned_host_buffers(plan: Any, world_size: int) -> int:
+    """The host bytes of the buffers one rank's engine allocates, as the plan prices them (the largest rank's)."""
+    from slide_hf.planner.memory import engine_buffers
+
+    return sum(engine_buffers(plan.shape, plan.inputs, world_size).host.values())
 
 
 def _term(measured: float, planned: float | None) -> dict[str, float | None]:

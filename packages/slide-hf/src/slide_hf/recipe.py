@@ -700,7 +700,15 @@ class _Trainer:
         if self.main and self.plan is not None and self.step_times_s:
             gpu_peak = self.device.peak_memory_bytes() if self.device.is_accelerator else None
             terms = self.meter.terms() if self.meter is not None else None
-            log.info("%s", PlanCheck.of(self.plan, self.step_times_s, gpu_peak_bytes=gpu_peak, terms=terms).line())
+            check = PlanCheck.of(
+                self.plan,
+                self.step_times_s,
+                gpu_peak_bytes=gpu_peak,
+                terms=terms,
+                host_buffers_bytes=self.engine.host_allocations.total_bytes,
+                world_size=self.group.world_size,
+            )
+            log.info("%s", check.line())
             if self.device.is_accelerator and self.meter is not None:
                 learn_rates(self.meter)
         return first_step
