@@ -37,12 +37,21 @@ from torch import nn
 if TYPE_CHECKING:
     from slide_kernels.ops.rms_norm import CastingMode
 
-__all__ = ["NormForm", "fuse_modules", "norm_form", "rotates_halves"]
+__all__ = [
+    "GLU_ACTIVATIONS",
+    "MLP_PROJECTIONS",
+    "NormForm",
+    "fuse_modules",
+    "is_gated_mlp",
+    "norm_form",
+    "rotates_halves",
+    "runs_fused",
+]
 
-_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 """The ``nn.Linear`` children of a dense gated MLP, in the order its forward uses them."""
 
-_GLU_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
+GLU_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"}
 """HF activation names whose ``act(gate) * up`` slide-kernels fuses (GeGLU is the tanh approximation)."""
 
 
@@ -53,6 +62,12 @@ def _runs_fused(x: torch.Tensor) -> bool:
     from slide_kernels._backend import use_triton
 
     return use_triton(x)
+
+
+def runs_fused(x: torch.Tensor) -> bool:
+    """Whether the fused kernels run for ``x`` (what the rebound forwards here ask, for other modules that
+    run the same kernels: slide_hf/adapters/tiled_mlp.py)."""
+    return _runs_fused(x)
 
 
 NormForm = tuple[float, "CastingMode"]
@@ -132,7 +147,7 @@ def _fused_gated_mlp(module: nn.Module, glu: str) -> Callable[[torch.Tensor], to
             return hf_forward(module, x)
         import slide_kernels
 
-        gate_proj, up_proj, down_proj = (cast(nn.Linear, getattr(module, n)) for n in _MLP_PROJECTIONS)
+        gate_proj, up_proj, down_proj = (cast(nn.Linear, getattr(module, n)) for n in MLP_PROJECTIONS)
         return down_proj(getattr(slide_kernels, glu)(gate_proj(x), up_proj(x)))
 
     return forward
@@ -197,11 +212,13 @@ def _is_rms_norm(module: nn.Module) -> bool:
     )
 
 
-def _is_gated_mlp(module: nn.Module, activation: str) -> bool:
+def is_gated_mlp(module: nn.Module, activation: str) -> bool:
     """HF's dense ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with the config's activation."""
     from transformers.activations import ACT2FN
 
-    projections = all(isinstance(getattr(module, n, None), nn.Linear) for n in _MLP_PROJECTIONS)
+    if activation not in ACT2FN:
+        return False
+    projections = all(isinstance(getattr(module, n, None), nn.Linear) for n in MLP_PROJECTIONS)
     act = getattr(module, "act_fn", None)
     return projections and type(module).__name__.endswith("MLP") and type(act) is type(ACT2FN[activation])
 
@@ -218,7 +235,7 @@ def fuse_modules(root: nn.Module, config: Any, forms: dict[type, NormForm | None
     except ImportError:
         return []
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-    glu = _GLU_ACTIVATIONS.get(str(activation))
+    glu = GLU_ACTIVATIONS.get(str(activation))
     rebound = []
     forms = {} if forms is None else forms  # one check per norm class
     for name, module in root.named_modules():
@@ -229,7 +246,7 @@ def fuse_modules(root: nn.Module, config: Any, forms: dict[type, NormForm | None
             if form is not None:
                 module.forward = _fused_rms_norm(module, form)
                 rebound.append(name)
-        elif glu is not None and _is_gated_mlp(module, str(activation)):
+        elif glu is not None and is_gated_mlp(module, str(activation)):
             module.forward = _fused_gated_mlp(module, glu)
             rebound.append(name)
         elif type(module).__name__.endswith("Attention") and (forward := _rotary_forward(module)) is not None:
