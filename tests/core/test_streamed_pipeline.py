@@ -3,15 +3,21 @@ torch AdamW, and the same bits as the host placement with the same optimizer ops
 
 from __future__ import annotations
 
+import contextlib
+import math
 from unittest import mock
 
 import pytest
 import torch
 from test_engine import _assert_close, _reference_run
+from test_engine_clipping import RTOL, _assert_weights_and_state, _PoisonableToy
+from test_engine_clipping import _engine_run as _clip_engine_run
+from test_engine_clipping import _reference_run as _clip_reference
 
 from slide_core import AdamWConfig, HostParameters, LRSchedule
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
+from slide_core.engine.clip_strategy import ClipPolicy, SpeculativeClipping
 from slide_core.engine.streamed_pipeline import StreamedPipeline
 from slide_core.engine.update_staging import UpdateStaging
 from slide_core.optim import TorchAdamW, build_optimizer
@@ -91,7 +97,7 @@ def _assert_same_bits(streamed, host) -> None:
         ("bf16", "split", 1, 0.0),
         ("int8", "split", 1, 0.0),
         ("bf16", "split", 2, 0.0),  # accumulation: the host's path (Note [When a streamed unit is ...])
-        ("int8", "fp32", 1, 0.05),  # clipping: the host's path, speculative then deferred steps
+        ("int8", "fp32", 1, 0.05),  # clipping: the device speculates, then deferred steps take the host's path
         ("fp32", "split", 2, 0.05),
     ],
 )
@@ -102,7 +108,8 @@ def test_streamed_and_host_placements_give_the_same_bits(
     torch path), masters and moments after several steps are bit for bit those of the host placement,
     compact moments included (rounded on the host slab's positions) and a split master included (decoded
     and encoded on the device); one resident unit beside them, and one unit left on the host. With
-    accumulation or clipping the streamed units take the host's path, with the same result."""
+    accumulation the streamed units take the host's path, with the same result; with clipping they
+    speculate on the device and are corrected on the host (Note [Streamed speculation])."""
     cfg = ToyConfig(tie_embeddings=False, num_layers=4, hidden_size=64, intermediate_size=128)
     model = ToyModel(cfg)
     init = toy_init(model, seed=5)
@@ -120,8 +127,7 @@ def test_streamed_and_host_placements_give_the_same_bits(
         model, init, batches, optimizer(), EngineConfig(**base, streamed_units=streamed_names),
         master_format=master_format,
     )  # fmt: skip
-    on_device = accum == 1 and clip == 0.0
-    assert streamed[4] == (set(streamed_names) if on_device else set())  # the device path ran only then
+    assert streamed[4] == (set(streamed_names) if accum == 1 else set())  # the device path ran only then
     _assert_same_bits(streamed, host)
 
 
@@ -157,21 +163,188 @@ def test_the_one_launch_codec_streams_the_host_kernels_bits(state_format: str) -
     _assert_same_bits(streamed, host)
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_clipping_sends_streamed_units_to_the_host(accum: int) -> None:
-    """With clipping every streamed unit takes the host's path, whose decisions can take an update back:
-    the same bits as a run without streamed units, and none of them updated on the device."""
-    cfg = ToyConfig(tie_embeddings=True, num_layers=3)
+class _Recorder:
+    """Per step (main thread): the streamed units updated on the device, and the corrections the step's
+    decision queued for them on the host."""
+
+    def __init__(self) -> None:
+        self.on_device: list[set[str]] = []
+        self.corrected: list[set[tuple[str, str]]] = []
+        self.squares: list[float] = []  # every speculative device update's squared norm (landed on the CPU)
+
+    def next_step(self) -> None:
+        self.on_device.append(set())
+        self.corrected.append(set())
+
+    def scaled(self, max_norm: float) -> bool:
+        """Whether some speculative update applied ``c_u < 1``."""
+        return any(math.sqrt(square) > max_norm for square in self.squares)
+
+    def patches(self) -> contextlib.ExitStack:
+        device_step, finish = StreamedPipeline._step_on_device, StreamedPipeline.finish
+        recorder = self
+
+        def recording_step(pipeline, unit, *args, **kwargs):
+            recorder.on_device[-1].add(unit.name)
+            return device_step(pipeline, unit, *args, **kwargs)
+
+        def recording_finish(pipeline, unit, ctx, correction):
+            speculated = pipeline._speculated.get(unit.name)
+            if speculated is not None:
+                recorder.squares.append(float(speculated.norm_sq))
+                if correction.kind != "keep":
+                    recorder.corrected[-1].add((unit.name, correction.kind))
+            return finish(pipeline, unit, ctx, correction)
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(StreamedPipeline, "_step_on_device", recording_step))
+        stack.enter_context(mock.patch.object(StreamedPipeline, "finish", recording_finish))
+        return stack
+
+
+def _policy(regime: str) -> contextlib.AbstractContextManager[object]:
+    """``speculating``: every step clips and speculates, none defers (a step's correction at step 1
+    restores zero moments whatever it applied; later ones depend on ``c_u``)."""
+    if regime != "speculating":
+        return contextlib.nullcontext()
+    return mock.patch.object(ClipPolicy, "for_step", lambda policy: SpeculativeClipping(policy))
+
+
+def _clip_regime(model, init, batches, adam, regime: str) -> float:
+    """A max_norm under which every step clips, none does, or some do and some not (checked)."""
+    if regime in ("clips", "speculating"):  # below some units' own norms too: their speculative update applies c_u < 1
+        max_norm = 0.01
+    elif regime == "never":
+        max_norm = 1e6
+    else:
+        _, unclipped, _, _ = _clip_reference(model, init, batches, adam, 1e6)
+        max_norm = sorted(unclipped.values())[len(unclipped) // 2]
+    _, norms, _, _ = _clip_reference(model, init, batches, adam, max_norm)
+    clipped = [norm > max_norm for norm in norms.values()]
+    fits = {
+        "clips": all(clipped),
+        "speculating": all(clipped),
+        "never": not any(clipped),
+        "mixed": any(clipped) and not all(clipped),
+    }
+    assert fits[regime], f"test setup: clipped steps {clipped} do not fit regime {regime}"
+    return max_norm
+
+
+STREAMED = ("embed", "layers.0", "layers.2", "head")
+
+
+@pytest.mark.parametrize("regime", ["clips", "speculating", "mixed", "never"])
+@pytest.mark.parametrize("resident", [(), ("layers.1",)])
+def test_streamed_units_speculate_and_match_clip_grad_norm(regime: str, resident: tuple[str, ...]) -> None:
+    """Note [Streamed speculation]: with clipping, a speculative step updates the streamed units on the
+    device with ``c_u`` and the host corrects them when the step clips; a deferred step (after one that
+    clipped) takes the host's path. Losses, reported norms, weights and both moments equal
+    clip_grad_norm_ + torch.optim.AdamW within 1e-5, and which steps ran where is as the Notes say."""
+    cfg = ToyConfig(tie_embeddings=False, num_layers=3)
     model = ToyModel(cfg)
-    init = toy_init(model, seed=21)
-    batches = toy_batches(cfg, steps=3, accum=accum, seed=8)
+    init = toy_init(model, seed=11)
+    batches = toy_batches(cfg, steps=4, accum=1, seed=3)
     adam = AdamWConfig(weight_decay=0.1)
-    base = dict(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=0.05)
-    host = _run(model, init, batches, TorchAdamW(adam), EngineConfig(**base))
-    streamed = _run(model, init, batches, TorchAdamW(adam), EngineConfig(**base, streamed_units=BLOCKS))
-    assert not streamed[4] & set(BLOCKS)
-    assert streamed[0] == host[0]
-    assert torch.equal(streamed[1]["master"], host[1]["master"])
+    max_norm = _clip_regime(model, init, batches, adam, regime)
+    ref_losses, ref_norms, ref_params, ref_state = _clip_reference(model, init, batches, adam, max_norm)
+    config = EngineConfig(
+        block_slots=1, compute_dtype=torch.float32, transfer_chunk_numel=1024, resident_units=resident,
+        max_grad_norm=max_norm, streamed_units=STREAMED,
+    )  # fmt: skip
+    recorder = _Recorder()
+    with recorder.patches(), _policy(regime):
+        results, params, state, step_count = _clip_engine_run(
+            model, init, batches, adam, config, before_step=lambda step: recorder.next_step()
+        )
+    clipped = [ref_norms[step] > max_norm for step in range(len(batches))]
+    defers = regime != "speculating"
+    for step, result in enumerate(results):
+        assert not result.skipped
+        assert result.loss == pytest.approx(ref_losses[step], rel=RTOL), f"loss differs at step {step + 1}"
+        assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL), f"grad norm differs at step {step + 1}"
+        deferred = defers and step > 0 and clipped[step - 1]
+        assert recorder.on_device[step] == (set() if deferred else set(STREAMED)), step
+        corrected = {(name, "rescale") for name in STREAMED} if clipped[step] and not deferred else set()
+        assert recorder.corrected[step] == corrected, step
+    assert recorder.scaled(max_norm) == (regime in ("clips", "speculating"))
+    _assert_weights_and_state(params, state, ref_params, ref_state, step_count)
+
+
+@pytest.mark.parametrize("max_norm", [1e6, 0.05])
+def test_a_nonfinite_step_takes_streamed_updates_back(max_norm: float) -> None:
+    """NaN gradients in layers.1 and everything before it at step 3: the streamed units updated on the
+    device in that step (their non-finite gradients zeroed first: Note [Speculative non-finite guard]) are
+    taken back on the host, the step is skipped, and the run equals the reference that never saw that
+    batch. With every step clipping, the bad step defers instead and nothing of it is applied."""
+    cfg = ToyConfig(tie_embeddings=False, num_layers=3)
+    model = _PoisonableToy(cfg, poison_at=1)
+    init = toy_init(model, seed=5)
+    batches = toy_batches(cfg, steps=5, accum=1, seed=8)
+    adam = AdamWConfig(weight_decay=0.1)
+    bad = 2
+    ref_losses, ref_norms, ref_params, ref_state = _clip_reference(
+        model, init, batches, adam, max_norm, frozenset({bad})
+    )
+    config = EngineConfig(
+        block_slots=2, compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=max_norm,
+        streamed_units=STREAMED,
+    )  # fmt: skip
+    recorder = _Recorder()
+
+    def before_step(step: int) -> None:
+        recorder.next_step()
+        model.poison(step == bad)
+
+    with recorder.patches():
+        results, params, state, step_count = _clip_engine_run(model, init, batches, adam, config, before_step)
+    assert [r.skipped for r in results] == [step == bad for step in range(len(batches))]
+    assert step_count == len(batches) - 1
+    deferred = ref_norms[bad - 1] > max_norm
+    assert recorder.on_device[bad] == (set() if deferred else set(STREAMED))
+    assert recorder.corrected[bad] == (set() if deferred else {(name, "undo") for name in STREAMED})
+    for step, result in enumerate(results):
+        if step != bad:
+            assert result.loss == pytest.approx(ref_losses[step], rel=RTOL), f"loss differs at step {step + 1}"
+            assert result.grad_norm == pytest.approx(ref_norms[step], rel=RTOL)
+    _assert_weights_and_state(params, state, ref_params, ref_state, step_count)
+
+
+@pytest.mark.parametrize("regime", ["clips", "speculating", "mixed", "never"])
+@pytest.mark.parametrize(
+    ("state_format", "master_format"),
+    [("fp32", "fp32"), ("bf16", "fp32"), ("int8", "fp32"), ("fp32", "split"), ("bf16", "split"), ("int8", "split")],
+)
+def test_streamed_speculation_gives_the_host_placements_bits(
+    state_format: str, master_format: str, regime: str
+) -> None:
+    """Note [Streamed speculation]: the device's speculative update is the host's arithmetic with the same
+    fp32 ``c_u``, and its correction is the host's own code on the same kept gradient, so after steps that
+    clip, do not, or some of each, masters and moments are the host placement's bit for bit (the torch
+    ops on both sides), compact moments and a split master included."""
+    cfg = ToyConfig(tie_embeddings=False, num_layers=4, hidden_size=64, intermediate_size=128)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=5)
+    batches = toy_batches(cfg, steps=4, accum=1, seed=9)
+    adam = AdamWConfig(weight_decay=0.1, state_format=state_format)
+    max_norm = _clip_regime(model, init, batches, AdamWConfig(weight_decay=0.1), regime)
+    dtype = torch.bfloat16 if master_format == "split" else torch.float32
+
+    def optimizer():
+        return TorchAdamW(adam) if state_format == "fp32" else CompactAdamW(adam, fused=False)
+
+    base = dict(compute_dtype=dtype, transfer_chunk_numel=4096, resident_units=("layers.3",), max_grad_norm=max_norm)
+    with _policy(regime):
+        host = _run(model, init, batches, optimizer(), EngineConfig(**base), master_format=master_format)
+    recorder = _Recorder()
+    recorder.next_step()
+    with recorder.patches(), _policy(regime):
+        config = EngineConfig(**base, streamed_units=STREAMED)
+        streamed = _run(model, init, batches, optimizer(), config, master_format=master_format)
+    assert streamed[4] == set(STREAMED)
+    assert recorder.scaled(max_norm) == (regime in ("clips", "speculating"))
+    assert bool(recorder.corrected[0]) == (regime != "never")
+    _assert_same_bits(streamed, host)
 
 
 def test_staging_is_three_sets_of_the_largest_shard() -> None:

@@ -49,8 +49,6 @@ KEEP = Correction("keep")
 class NoClipping(ClipStrategy):
     """``max_grad_norm = 0``: final gradients are applied as they are."""
 
-    final_as_applied = True
-
     def unit_norm(self, unit: Unit, squared: float, contribution: Contribution, step: int) -> None:
         if not math.isfinite(squared):
             raise EngineError(
@@ -192,6 +190,11 @@ class SpeculativeClipping(ClipStrategy):
         if self.skip_nonfinite:
             grad.masked_fill_(~torch.isfinite(squared), 0.0)
         return norms.device_coefficient(unit, squared, self.max_norm)
+
+    def applied_coefficient(self, squared: float) -> float:
+        """``c_u`` as :meth:`device_coefficient` formed it (1 for a non-finite norm: the gradient was
+        zeroed), the same float32 value (``UnitNorms.device_coefficient``)."""
+        return unit_coefficient(squared, self.max_norm) if math.isfinite(squared) else 1.0
 
     # -- the engine, main thread, end of step -----------------------------------------------------------
     def finish(

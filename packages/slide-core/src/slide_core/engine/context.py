@@ -121,9 +121,8 @@ class ClipStrategy(ABC):
     the end of a clipped step (empty without clipping)."""
 
     deferred: bool = False
-    final_as_applied: bool = False
-    """Whether every update of the step stands as it is applied (no decision at the step's end can take it
-    back or rescale it): only then may a streamed unit be updated on the device (streamed_pipeline.py)."""
+    """Whether host units' final gradients are held until the step's decision (Note [Deferred clipped
+    steps]): a GPU-streamed unit then takes the host's path (streamed_pipeline.py)."""
     releases_at_last_chunk: bool = True
     """Whether a host unit is done with its optimizer state once its last chunk is applied (not when its
     update is held for the step's decision)."""
@@ -169,6 +168,13 @@ class ClipStrategy(ABC):
     def device_coefficient(self, norms: UnitNorms | None, unit: Unit, grad: torch.Tensor) -> torch.Tensor | None:
         """The coefficient of a device-resident unit's update, as a 0-dim device tensor; None when its
         update is final as applied (its 'updated' future resolves at once)."""
+
+    def applied_coefficient(self, squared: float) -> float:
+        """As a host float, the coefficient :meth:`device_coefficient` gave the device update of a unit
+        whose shard has the squared gradient norm ``squared``: what a correction of that update on the
+        host is told it applied (a GPU-streamed unit's, streamed_pipeline.py). 1 unless the step
+        speculates."""
+        return 1.0
 
     # -- the engine, main thread, end of step -----------------------------------------------------------
     @abstractmethod

@@ -41,7 +41,7 @@ from .norms import UnitNorms
 from .timeline import Timeline
 from .workers import Workers
 
-__all__ = ["ChunkSink", "GradChunk", "GradTransfer"]
+__all__ = ["ChunkSink", "GradChunk", "GradTransfer", "gradient_chunks"]
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class GradTransfer:
         """
         device, workers, ring, store = self.device, self.workers, self.ring, self.store
         span_start, span_end = self.spans.get(unit.name, (0, unit.layout.numel))
-        chunks = list(_chunks(span_end, self.chunk_numel, unit.layout.decay_numel, start=span_start))
+        chunks = list(gradient_chunks(span_end, self.chunk_numel, unit.layout.decay_numel, start=span_start))
         start = None
         end = computed
         norm_sq: torch.Tensor | None = None
@@ -228,8 +228,9 @@ class _InFlight:
     priority: tuple[int, ...]
 
 
-def _chunks(numel: int, chunk: int, decay_numel: int, *, start: int = 0) -> Iterator[tuple[int, int]]:
-    """Split ``[start, numel)`` into ring-sized chunks that never straddle the decay boundary."""
+def gradient_chunks(numel: int, chunk: int, decay_numel: int, *, start: int = 0) -> Iterator[tuple[int, int]]:
+    """Split ``[start, numel)`` into ring-sized chunks that never straddle the decay boundary: the ranges
+    a host unit's gradient is applied in, and a GPU-streamed unit's speculative update and correction."""
     cuts = sorted({start, numel, *((decay_numel,) if start < decay_numel < numel else ())})
     for lo, hi in itertools.pairwise(cuts):
         for offset in range(lo, hi, chunk):

@@ -70,8 +70,14 @@ class UnitNorms:
 
     def device_coefficient(self, unit: Unit, squared: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Compute stream: ``c_u`` as a 0-dim device tensor (1 where the norm is not finite: the
-        gradient was zeroed, see Note [Speculative non-finite guard])."""
-        coeff = (max_norm / (squared.sqrt() + CLIP_EPS)).clamp_(max=1.0)
+        gradient was zeroed, see Note [Speculative non-finite guard]).
+
+        Formed in fp64 as ``clipping.unit_coefficient`` forms it in Python from the same fp32 square
+        (a correctly rounded square root, sum and quotient), then rounded to fp32 as a ``grad_scale``
+        is: the host reads it back as that float, bit for bit, to correct a GPU-streamed unit
+        (Note [Streamed speculation] in streamed_pipeline.py)."""
+        denominator = squared.double().sqrt().add_(CLIP_EPS)
+        coeff = torch.full_like(denominator, max_norm).div_(denominator).clamp_(max=1.0)
         slot = self.coeffs[self._index[unit.name]]
         slot.copy_(torch.where(torch.isfinite(squared), coeff, torch.ones_like(coeff)))
         return slot

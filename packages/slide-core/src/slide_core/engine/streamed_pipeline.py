@@ -41,18 +41,51 @@ staged when the update before it is queued. A unit loaded once (kept in its slot
 staged that way too.
 
 Note [When a streamed unit is updated on the host]: the device update needs the unit's whole final
-gradient in its slot at once and an update that stands as applied. A step with several contributions to
-the unit (gradient accumulation, a tied embedding's two shares) or with clipping (whose step decision may
-take an update back with the gradient, which a staging set does not keep) sends the gradient to the host
-optimizer instead, exactly as a host-updated unit does (this class is a :class:`HostPipeline`): the same
-result, at the host's speed. ``ctx.device_updated`` names the streamed units updated on the device in a
-step (:meth:`StreamedPipeline.updates_on_device`).
+gradient in its slot at once. A step with several contributions to the unit (gradient accumulation, a
+tied embedding's two shares) or a deferred clipped step (whose host units hold their gradients until the
+step's norm is known: Note [Deferred clipped steps] in docs/design/engine.md) sends the gradient to the
+host optimizer instead, exactly as a host-updated unit does (this class is a :class:`HostPipeline`): the
+same result, at the host's speed. A speculative clipped step updates on the device (Note [Streamed
+speculation]). ``ctx.device_updated`` names the streamed units updated on the device in a step
+(:meth:`StreamedPipeline.updates_on_device`).
+
+Note [Streamed speculation]: with clipping on, a step that speculates (Note [Speculative non-finite
+guard] and "Clipping" in docs/design/engine.md) updates a streamed unit on the device as a resident unit
+is updated: its squared norm and ``c_u`` are formed on the device (``ClipStrategy.device_coefficient``,
+no host sync), a non-finite gradient is zeroed first, and the staged shard is stepped with ``c_u * g``
+in ranges of the transfer chunk (an fp32 scratch of one chunk, ``ScaledGrads``). The gradient must
+outlive the slot for a correction, so the d2h stream copies it, ahead of the write-back, into the unit's
+range of the clipping store (``GradStore``, which prices every sliding unit: Note [Grad store reuse] in
+grad_ring.py), with the shard's squared norm beside it (``UnitNorms.send``); the step's decision then
+treats the unit as it treats a host unit:
+
+- keep: a d2h-thread job resolves the unit's 'updated' future once the write-back has landed, as
+  without clipping;
+- rescale or undo: an optimizer-thread job waits for the write-back (and so the kept gradient) to land,
+  then corrects the written-back master and state with ``HostPipeline.correct``, the host units' own
+  code, on the host optimizer's chunks of the shard (``gradient_chunks``), told the coefficient the
+  device applied (``ClipStrategy.applied_coefficient`` of the landed square: ``c_u`` is formed in fp64
+  on both sides and rounded to fp32, so it is the same float), and resolves the future.
+
+Why the host corrects rather than the device: the correction needs the master and moments, which have
+already left the device; a second upload and write-back would cost 24 bytes per parameter over PCIe
+where the host pass reads what it just received. Since the speculative update is the host's arithmetic
+(Note [Streamed updates are the host's arithmetic]) and the correction is the host's code on the same
+gradient and coefficient, masters and moments after a clipped step are the host placement's bit for bit.
+A non-finite step is the exception: the host placement never applies a unit whose gradient is not
+finite, nor any after it, while the device applies the zeroed gradient and the undo takes it back
+arithmetically, so the result is exact to rounding only. Ordering is Note [Clip rollback ordering]'s:
+the unit's next upload and load wait for its 'updated' future, hence for the correction, and its next
+write into the store follows its next backward. What it costs: the gradient's d2h (compute-dtype bytes
+per parameter, which the planner adds to the streamed unit's d2h) every speculative step, and a host
+pass over the unit's master and state only in a step that clips; the step after a clipped one defers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -63,8 +96,9 @@ from slide_core.optim.state_formats import StateArray, slice_state
 from slide_core.optimizer import Correction, Optimizer
 from slide_core.unit import Unit
 
+from .clipping import AppliedRange, ScaledGrads
 from .context import ClipStrategy, Contribution, ContributionKind, StepContext
-from .grad_transfer import GradTransfer
+from .grad_transfer import GradTransfer, gradient_chunks
 from .host_pipeline import HostPipeline
 from .host_span import pinned_spans
 from .host_state import HostState
@@ -125,13 +159,30 @@ class StreamedPipeline(HostPipeline):
         self._previous: Mapping[str, Future[None]] = {}  # the previous step's 'updated' futures
         self._current: Mapping[str, Future[None]] = {}
         self._pinned: list[torch.Tensor] = []
+        self._scaled = ScaledGrads()  # main thread: ``c_u * g`` of one chunk (Note [Streamed speculation])
+        self._speculated: dict[str, _Speculated] = {}  # this step's speculative device updates, to decide
 
     @staticmethod
     def device_bytes(
-        max_shard_numel: int, state_arrays: Sequence[StateArray], *, split: bool, sets: int = STAGING_SETS
+        max_shard_numel: int,
+        state_arrays: Sequence[StateArray],
+        *,
+        split: bool,
+        sets: int = STAGING_SETS,
+        clipping_chunk: int | None = None,
     ) -> int:
-        """Device bytes this pipeline allocates: its staging sets (:meth:`UpdateStaging.bytes_for`)."""
-        return UpdateStaging.bytes_for(max_shard_numel, state_arrays, split=split, sets=sets)
+        """Device bytes this pipeline allocates: its staging sets (:meth:`UpdateStaging.bytes_for`), and
+        with clipping (``clipping_chunk``: the transfer chunk) the fp32 ``c_u * g`` of one chunk (Note
+        [Streamed speculation])."""
+        staging = UpdateStaging.bytes_for(max_shard_numel, state_arrays, split=split, sets=sets)
+        return staging + (4 * min(max_shard_numel, clipping_chunk) if clipping_chunk else 0)
+
+    @staticmethod
+    def optimizer_range_numel(max_shard_numel: int, chunk_numel: int, *, clipping: bool) -> int:
+        """The longest range this pipeline hands the device optimizer: a decay range of a shard, or with
+        clipping one transfer chunk (Note [Streamed speculation]). What ``Optimizer.device_scratch_bytes``
+        is asked for."""
+        return min(max_shard_numel, chunk_numel) if clipping else max_shard_numel
 
     def pin_host_ranges(self, others: Iterable[tuple[int, int]]) -> list[torch.Tensor]:
         """Page-lock what the streamed units move besides the plane their loads read (pinned with the
@@ -172,7 +223,7 @@ class StreamedPipeline(HostPipeline):
     def updates_on_device(clip: ClipStrategy, contributions: int) -> bool:
         """Whether a unit with ``contributions`` gradient contributions in a step with ``clip`` is updated
         on the device (Note [When a streamed unit is updated on the host])."""
-        return clip.final_as_applied and contributions == 1
+        return contributions == 1 and not clip.deferred
 
     def _on_device(self, ctx: StepContext, name: str) -> bool:
         return self.updates_on_device(ctx.clip, ctx.expected[name])
@@ -186,6 +237,7 @@ class StreamedPipeline(HostPipeline):
         self._load_from.clear()
         self._contributed.clear()
         self._ctx = ctx
+        self._speculated.clear()
         self._write_backs = [future for future in self._write_backs if not future.done()]
         self._stage_after(None, ctx)
 
@@ -204,9 +256,37 @@ class StreamedPipeline(HostPipeline):
 
     def finish(self, unit: Unit, ctx: StepContext, correction: Correction) -> None:
         """The step's loads are all queued by now: a later load (an evaluation's, between steps) reads the
-        host after the unit's latest update rather than staging it against the previous one."""
+        host after the unit's latest update rather than staging it against the previous one. A unit
+        updated on the device speculatively is released once its write-back has landed, or corrected on
+        the host first (Note [Streamed speculation]); a unit updated on the host is the host's."""
         self._ctx = None
-        super().finish(unit, ctx, correction)
+        speculated = self._speculated.pop(unit.name, None)
+        if speculated is None:
+            super().finish(unit, ctx, correction)
+        elif correction.kind == "keep":
+            self._write_backs.append(
+                self.workers["d2h"].submit(_resolve_when_done, speculated.written, ctx.updated[unit.name])
+            )
+        else:
+            job = self.workers["optimizer"].submit(
+                self._correct_streamed, unit, speculated, correction, ctx, priority=(ctx.step, 1)
+            )
+            self._write_backs.append(job)
+
+    def _correct_streamed(self, unit: Unit, speculated: _Speculated, correction: Correction, ctx: StepContext) -> None:
+        """Optimizer thread: once the write-back and the kept gradient have landed, correct the device's
+        speculative update of the unit on the host (Note [Streamed speculation]); resolves its future."""
+        speculated.written.synchronize()  # note: CPU-GPU sync point (optimizer thread: the host reads what landed)
+        store = self.transfer.store
+        assert store is not None, "speculation runs with clipping on, which keeps the gradient store"
+        applied = ctx.clip.applied_coefficient(float(speculated.norm_sq))
+        lo, hi = self.shards[unit.name]
+        decay_numel = unit.layout.decay_numel
+        ranges = [
+            AppliedRange(start, end, store.range(unit, start, end), end <= decay_numel, applied)
+            for start, end in gradient_chunks(hi, self.chunk_numel, decay_numel, start=lo)
+        ]
+        self.correct(unit, ranges, correction, ctx)
 
     def _can_stage(self, name: str, ctx: StepContext) -> bool:
         """Whether ``name`` may take a staging set now and still leave one for every unit whose update
@@ -305,21 +385,44 @@ class StreamedPipeline(HostPipeline):
         final = slot.grads[: unit.layout.numel]
         self.collectives.reduce_scatter_(final, f"the reduce-scatter of {unit.name}'s gradient")
         lo, hi = self.shards[unit.name]
-        if self.norms is not None:
+        coeff = ctx.clip.device_coefficient(self.norms, unit, final[lo:hi])  # None: final as applied
+        if coeff is None and self.norms is not None:
             self.norms.add(unit, final[lo:hi], first=True)
+        kept = None if coeff is None else self._keep_gradient(unit, final[lo:hi])
         staged, uploaded = self._staged.pop(unit.name)
         device = self.device
         device.wait_event("compute", self.workers.wait(uploaded, f"the upload of {unit.name}'s master and state"))
-        self._step_on_device(unit, staged, final, ctx)
+        self._step_on_device(unit, staged, final, ctx, coeff)
         updated = device.record_event("compute")
         written = self._write_back(unit.name, staged, updated)
         self.staging.release(staged, written)
         self._contributed.add(unit.name)
-        slot.grads_free = None  # read by the compute stream only: stream order frees it
         self.timer.stop(unit.name, "update", start)
-        landed = self.workers["d2h"].submit(_resolve_when_done, written, ctx.updated[unit.name])
-        self._write_backs.append(landed)
+        if kept is None:
+            slot.grads_free = None  # read by the compute stream only: stream order frees it
+            landed = self.workers["d2h"].submit(_resolve_when_done, written, ctx.updated[unit.name])
+            self._write_backs.append(landed)
+        else:
+            slot.grads_free = kept.freed
+            self._speculated[unit.name] = _Speculated(written, kept.norm_sq)
         self._stage_after(unit.name, ctx)  # the next one arrives while the backward computes it
+
+    def _keep_gradient(self, unit: Unit, shard: torch.Tensor) -> _Kept:
+        """Main thread: the d2h stream copies the shard's squared norm and (non-finite zeroed) gradient
+        into pinned host memory, for a correction (Note [Streamed speculation]); the slot's gradient
+        buffer is free once they are copied."""
+        store, norms, device = self.transfer.store, self.norms, self.device
+        assert store is not None and norms is not None, "speculation runs with clipping on"
+        lo, hi = self.shards[unit.name]
+        computed = device.record_event("compute")
+        with device.stream("d2h"):
+            device.wait_event("d2h", computed)
+            norm_sq = norms.send(unit)
+            store.range(unit, lo, hi).copy_(shard, non_blocking=True)
+            copied = device.record_event("d2h")
+        freed: Future[Event] = Future()
+        freed.set_result(copied)
+        return _Kept(freed, norm_sq)
 
     @staticmethod
     def _staged_master(staged: StagingSet) -> torch.Tensor:
@@ -364,17 +467,26 @@ class StreamedPipeline(HostPipeline):
             planes["ties"][first_byte:end_byte],
         )
 
-    def _step_on_device(self, unit: Unit, staged: StagingSet, grad: torch.Tensor, ctx: StepContext) -> None:
-        """The update of the staged shard, one optimizer call per decay range, on positions of the host
-        slab (Note [Streamed updates are the host's arithmetic])."""
-        lo = self.shards[unit.name][0]
+    def _step_on_device(
+        self, unit: Unit, staged: StagingSet, grad: torch.Tensor, ctx: StepContext, coeff: torch.Tensor | None
+    ) -> None:
+        """The update of the staged shard on positions of the host slab (Note [Streamed updates are the
+        host's arithmetic]): one optimizer call per decay range, or with a speculative ``coeff`` (on the
+        device) one per transfer chunk of ``coeff * grad`` (Note [Streamed speculation])."""
+        lo, hi = self.shards[unit.name]
         master_view = self._fp32_values(unit.name, staged)
         master = Fp32Master(master_view, self.host_params.offset(unit) + lo - int(master_view.storage_offset()))
         decay_numel, numel = unit.layout.decay_numel, unit.layout.numel
-        for start, end, decay in self.shards.cut(unit.name, ((0, decay_numel, True), (decay_numel, numel, False))):
+        if coeff is None:
+            ranges = self.shards.cut(unit.name, ((0, decay_numel, True), (decay_numel, numel, False)))
+        else:
+            chunks = gradient_chunks(hi, self.chunk_numel, decay_numel, start=lo)
+            ranges = [(start, end, end <= decay_numel) for start, end in chunks]
+        for start, end, decay in ranges:
             state = slice_state(self.arrays, staged.state, start - lo, end - lo)
+            applied = grad[start:end] if coeff is None else self._scaled(grad[start:end], coeff)
             self.device_optimizer.step(
-                master[start - lo : end - lo], grad[start:end], state, lr=ctx.lr, step=ctx.step, decay=decay
+                master[start - lo : end - lo], applied, state, lr=ctx.lr, step=ctx.step, decay=decay
             )
 
     def _write_back(self, name: str, staged: StagingSet, updated: Event) -> Event:
@@ -403,6 +515,25 @@ class StreamedPipeline(HostPipeline):
             self.workers.wait(future, "the write-back of a streamed unit's master and state")
         self._write_backs = []
         super().flush()
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A speculatively updated unit's gradient on its way to the host: ``freed`` (resolved) holds the d2h
+    event after which the slot's buffer may be written again; ``norm_sq`` is the pinned squared norm."""
+
+    freed: Future[Event]
+    norm_sq: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Speculated:
+    """A unit updated on the device in a speculative step, waiting for the step's decision: ``written``,
+    the d2h event after which its master, state and kept gradient are in host memory; ``norm_sq``, the
+    pinned squared norm of its shard the update's ``c_u`` was formed from."""
+
+    written: Event
+    norm_sq: torch.Tensor
 
 
 def _resolve_when_done(landed: Event, updated: Future[None]) -> None:
