@@ -101,9 +101,28 @@ def test_auto_keeps_a_gpu_bound_run_on_the_host():
     assert plan_with_placement(_inputs(bandwidths=GPU_BOUND), "auto").inputs.streamed_units == ()
 
 
-@pytest.mark.parametrize("change", [{"max_grad_norm": 1.0}, {"accelerator": False}, {"gpu_memory_bytes": None}])
-def test_auto_updates_on_the_host_with_clipping_on_the_cpu_device_or_without_a_gpu_budget(change):
+@pytest.mark.parametrize("change", [{"accelerator": False}, {"gpu_memory_bytes": None}])
+def test_auto_updates_on_the_host_on_the_cpu_device_or_without_a_gpu_budget(change):
     assert plan_with_placement(_inputs(**change), "auto").inputs.streamed_units == ()
+
+
+def test_auto_streams_with_clipping_and_prices_the_kept_gradient():
+    """Note [Streamed speculation]: with clipping a streamed unit's gradient also goes d2h once, into the
+    clipping store, and its speculative update scales one transfer chunk at a time into an fp32 scratch;
+    a host-bound run still streams units."""
+    plain, clipping = _inputs(), _inputs(max_grad_norm=1.0)
+    d2h_rate = HOST_BOUND.d2h_gbps * 1e9
+    chunk = clipping.transfer_chunk_numel
+    optimizer = clipping.device_optimizer()
+    for without, with_clip in zip(unit_costs(plain.shape, plain), unit_costs(clipping.shape, clipping), strict=True):
+        n = with_clip.numel
+        kept = n * clipping.compute_dtype_bytes
+        assert with_clip.streamed["pcie d2h"] == pytest.approx(without.streamed["pcie d2h"] + kept / d2h_rate)
+        assert with_clip.host == without.host and with_clip.can_stream
+        scratch = optimizer.device_scratch_bytes(min(n, chunk)) - optimizer.device_scratch_bytes(n)
+        assert with_clip.stream_device_bytes == without.stream_device_bytes + 4 * min(n, chunk) + scratch
+    host, auto = plan_with_placement(clipping, "host"), plan_with_placement(clipping, "auto")
+    assert auto.inputs.streamed_units and auto.step_time_s < host.step_time_s
 
 
 def test_gpu_streams_every_unit_and_prices_the_staging_sets_of_the_largest():
@@ -167,9 +186,9 @@ def test_units_with_several_gradient_contributions_are_not_offered_for_streaming
     assert offered == {"layers.0", "layers.1", "head"}  # the model's own names
 
 
-def test_gpu_is_refused_in_one_line_with_clipping_on_the_cpu_device_or_past_the_budget():
-    with pytest.raises(UserError, match=r"^--update-placement gpu does not run with gradient clipping"):
-        plan_with_placement(_inputs(max_grad_norm=1.0), "gpu")
+def test_gpu_streams_with_clipping_and_is_refused_in_one_line_on_the_cpu_device_or_past_the_budget():
+    clipping = plan_with_placement(_inputs(max_grad_norm=1.0, bandwidths=GPU_BOUND), "gpu")
+    assert len(clipping.inputs.streamed_units) == 8
     with pytest.raises(UserError, match=r"^--update-placement gpu needs a GPU device"):
         plan_with_placement(_inputs(accelerator=False), "gpu")
     base = make_plan(_inputs()).gpu_peak_bytes
@@ -221,24 +240,18 @@ def test_the_option_defaults_to_host_and_refuses_other_names():
     assert "update_placement" in MACHINE_OPTIONS  # where updates run, not what they compute: a resume may change it
 
 
-def test_gpu_updates_with_clipping_are_refused_in_one_line():
+def test_every_placement_takes_clipping():
     from slide_hf.options import TrainConfig
 
-    with pytest.raises(UserError) as refused:
-        TrainConfig(update_placement="gpu", max_grad_norm=1.0)
-    assert str(refused.value) == (
-        "--update-placement gpu does not run with --max-grad-norm 1.0 yet; use --update-placement auto or host "
-        "(auto updates on the host with clipping on)"
-    )
-    for placement in ("auto", "host"):  # these place no streamed unit with clipping on
+    for placement in ("auto", "host", "gpu"):  # streamed units speculate with clipping on
         assert TrainConfig(update_placement=placement, max_grad_norm=1.0).max_grad_norm == 1.0
 
 
-def test_train_and_bench_take_the_option_and_refuse_gpu_with_clipping(slide, tmp_path):
+def test_train_and_bench_take_the_option_with_clipping_and_refuse_gpu_on_the_cpu_device(slide, tmp_path):
     status, _, err = slide("train", "--update-placement", "gpu", "--max-grad-norm", "1", "--output", tmp_path / "r")
-    assert status == 2 and err.count("\n") == 1 and "--update-placement gpu does not run with" in err
+    assert status == 2 and err.count("\n") == 1 and "--update-placement gpu needs a GPU device" in err
     status, _, err = slide("bench", "--update-placement", "gpu", "--max-grad-norm", "1")
-    assert status == 2 and "--update-placement gpu does not run with" in err
+    assert status == 2 and "--update-placement gpu needs a GPU device" in err
 
 
 def test_a_run_on_the_cpu_device_places_no_streamed_unit():

@@ -458,8 +458,8 @@ class TrainConfig:
     update_placement: UpdatePlacement = option(
         UpdatePlacement.HOST,
         help="where the AdamW update of units not resident on the GPU runs: host (default), gpu (master and "
-        "moments stream to the GPU with the unit; not with --max-grad-norm) or auto (per unit, from this "
-        "machine's rates that `slide doctor` measures; host with --max-grad-norm or on the CPU device)",
+        "moments stream to the GPU with the unit; with --max-grad-norm the host corrects a step that clips) or "
+        "auto (per unit, from this machine's rates that `slide doctor` measures; host on the CPU device)",
         commands=RUNS,
         choices=UpdatePlacement,
         engine=EngineField("update_placement", _enum_value),

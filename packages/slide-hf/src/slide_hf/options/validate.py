@@ -117,15 +117,6 @@ def _int8_state_is_one_process(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-def _gpu_updates_without_clipping(cfg: TrainConfig, world_size: int) -> None:
-    """The engine streams no unit with clipping on (its rollback keeps every gradient on the host)."""
-    if cfg.update_placement == "gpu" and cfg.max_grad_norm > 0:
-        raise UserError(
-            f"{option('update_placement', 'gpu')} does not run with {option('max_grad_norm', cfg.max_grad_norm)} yet; "
-            f"use {option('update_placement', 'auto')} or host (auto updates on the host with clipping on)"
-        )
-
-
 def _one_process_saving(name: str, why: str) -> Callable[[TrainConfig, int], None]:
     """A way of saving that one process does alone (docs/checkpoints.md): refused with data parallel."""
 
@@ -163,7 +154,6 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     *(CrossRule(companion.options, companion.rule) for companion in COMPANIONS),
     CrossRule(("master", "dtype"), _split_master_needs_bf16),
     CrossRule(("optimizer_state",), _int8_state_is_one_process),
-    CrossRule(("update_placement", "max_grad_norm"), _gpu_updates_without_clipping),
     CrossRule(("offload_optimizer", "nvme_dir"), _disk_tier_needs_a_directory("offload_optimizer")),
     CrossRule(("offload_activations", "nvme_dir"), _disk_tier_needs_a_directory("offload_activations")),
     CrossRule(

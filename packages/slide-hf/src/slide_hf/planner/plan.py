@@ -268,13 +268,14 @@ def plan_with_placement(inputs: PlanInputs, update_placement: str = "host") -> P
     ``update_placement``, the units updated on the GPU as they stream (``PlanInputs.streamed_units``):
 
     - ``host``: none; every unit that is not resident is updated on the host.
-    - ``gpu``: every unit that is not resident and keeps its moments in host RAM. Refused in one line with
-      gradient clipping (the engine streams no unit then), on the CPU device, or when the staging does not
-      fit the GPU budget.
+    - ``gpu``: every unit that is not resident and keeps its moments in host RAM. Refused in one line on the
+      CPU device, or when the staging does not fit the GPU budget. With gradient clipping the streamed units
+      speculate on the GPU and the host corrects them in a step that clips (Note [Streamed speculation] in
+      slide_core/engine/streamed_pipeline.py).
     - ``auto``: the prefix of :func:`~slide_hf.planner.update_placement.streaming_order` (the units in the
       order their costs, slide_hf/planner/unit_costs.py, favour streaming them) whose plan is fastest within
-      the spare GPU memory. None with clipping, on the CPU
-      device (no PCIe to relieve) or without a GPU budget (nothing to fit the staging in).
+      the spare GPU memory. None on the CPU device (no PCIe to relieve) or without a GPU budget (nothing to
+      fit the staging in).
 
     Resident units are chosen by :func:`slide_core.engine.placement.choose_resident_units` (embedding, head,
     then the first blocks); without a GPU budget, or for a :class:`ModelShape`, there are none. Their greedy
@@ -286,7 +287,7 @@ def plan_with_placement(inputs: PlanInputs, update_placement: str = "host") -> P
     if update_placement == "gpu":
         return _all_streamed(inputs)
     plan = make_plan(_with_resident(inputs, reserve_bytes=0))
-    if update_placement == "host" or inputs.clipping or not inputs.accelerator or inputs.gpu_memory_bytes is None:
+    if update_placement == "host" or not inputs.accelerator or inputs.gpu_memory_bytes is None:
         return plan
     candidates = [_with_streamed(plan)]
     costs = [c for c in unit_costs(plan.shape, inputs) if c.can_stream and c.name in plan.shape.block_names]
@@ -356,7 +357,7 @@ number (within 10 % of measured steps), and a streamed unit costs GPU memory and
 
 def check_update_placement(inputs: PlanInputs, update_placement: str) -> None:
     """Refuse, in one line, an ``--update-placement`` that cannot run for ``inputs``: an unknown one, and
-    gpu with clipping or on the CPU device. `slide train` meets it in :func:`plan_with_placement`; `slide plan`
+    gpu on the CPU device. `slide train` meets it in :func:`plan_with_placement`; `slide plan`
     calls it before planning a placement, wherever it plans one, so both refuse in the same words."""
     if update_placement not in UPDATE_PLACEMENTS:
         raise UserError(
@@ -367,11 +368,6 @@ def check_update_placement(inputs: PlanInputs, update_placement: str) -> None:
 
 
 def _refuse_gpu_updates(inputs: PlanInputs) -> None:
-    if inputs.clipping:
-        raise UserError(
-            f"{option('update_placement', 'gpu')} does not run with gradient clipping ({option('max_grad_norm')} > 0) "
-            f"yet; use {option('update_placement', 'auto')} or host"
-        )
     if not inputs.accelerator:
         raise UserError(f"{option('update_placement', 'gpu')} needs a GPU device; the CPU device updates on the host")
 

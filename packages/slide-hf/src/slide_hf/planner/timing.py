@@ -123,7 +123,8 @@ def scheduled_step_s(
                 grad_bytes=n * d * (2 if name == shape.names[0] and shape.tied else 1),
                 update_s=n / host_rate if placement == "host" else gpu_update,
                 stage_bytes=travelling,
-                writeback_bytes=travelling,
+                # with clipping, the gradient kept for a correction goes d2h ahead of the write-back
+                writeback_bytes=travelling + (n * d if inputs.clipping else 0),
                 accumulate_s=n * accumulate_bytes / (bw.host_mem_gbps * 1e9),
                 is_block=name in shape.block_names,
                 loads_in_backward=name in shape.block_names,

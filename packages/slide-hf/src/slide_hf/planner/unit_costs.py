@@ -11,8 +11,12 @@ one term per unit that depends on where the unit is updated:
 - ``streamed``: the weights load for the forward as for ``host``; the fp32 master (4 B/param, split or not)
   and the moments as stored travel h2d for the unit's backward, which reads its weights from that master
   instead of loading them again (Note [The backward reads the staged master]), and back d2h after its update, which runs on the GPU (its
-  memory bandwidth); on the host only the DMA touches them (read once, written once); the gradient never
-  leaves the GPU and the CPU does nothing (slide_core/engine/streamed_pipeline.py). A unit with several
+  memory bandwidth); on the host only the DMA touches them (read once, written once); without clipping the
+  gradient never leaves the GPU and the CPU does nothing (slide_core/engine/streamed_pipeline.py). With
+  clipping the gradient also goes d2h once into the clipping store, kept for a correction (Note [Streamed
+  speculation] there): compute-dtype bytes per parameter on the d2h link and into host memory. The plan
+  prices a step that speculates; a step that clips adds a host correction pass, and the step after it
+  updates the streamed units on the host (Note [Deferred clipped steps]). A unit with several
   gradient contributions per step (gradient accumulation, a tied embedding) is updated on the host even
   when streamed (Note [When a streamed unit is updated on the host] there): its streamed terms are its host
   terms, and it is not offered for streaming (``UnitCost.can_stream``).
@@ -32,7 +36,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from slide_core.engine.resident_pipeline import ResidentPipeline
 from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import HOST_ADAM_BUSY_SHARE, ModelShape, PlanInputs
 from slide_hf.planner.traffic import adam_bytes_per_param, block_loads, h2d_bytes_per_param
@@ -71,8 +74,8 @@ class UnitCost:
     resident, and the GPU memory streaming it needs.
 
     ``stream_device_bytes``: GPU bytes the streamed updates hold when this is the largest streamed unit:
-    ``PlanInputs.staging_sets`` staging sets (Note [Three staging sets] in update_staging.py) and
-    the device optimizer's scratch for its ranges. ``can_stream``: False for a unit whose moments live on
+    ``PlanInputs.staging_sets`` staging sets (Note [Three staging sets] in update_staging.py), with
+    clipping the fp32 ``c_u * g`` of one transfer chunk, and the device optimizer's scratch for its ranges. ``can_stream``: False for a unit whose moments live on
     NVMe (the engine streams only units whose state is in host RAM), and for one the engine would update on
     the host anyway (several gradient contributions per step)."""
 
@@ -124,10 +127,11 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
     for name, n in shape.named_numels.items():
         contributions = inputs.grad_accum * (2 if name == shape.names[0] and shape.tied else 1)
         travelling = n * (STREAMED_MASTER_BYTES + state_bytes)  # master and moments, one way
+        kept = n * d if inputs.clipping else 0  # the gradient kept for a clipping correction (d2h)
         # The GPU update reads the summed gradient, master and moments, writes them and the compute copy.
         gpu_update = n * (d + 8 + 2 * state_bytes + d) / gpu_mem
         host_h2d, host_d2h = loads[name] * n * load_bytes, contributions * n * d  # bytes
-        streamed_h2d, streamed_d2h = min(loads[name], 1.0) * n * load_bytes + travelling, travelling
+        streamed_h2d, streamed_d2h = min(loads[name], 1.0) * n * load_bytes + travelling, travelling + kept
         host = {
             "pcie h2d": host_h2d / h2d,
             "pcie d2h": host_d2h / d2h,
@@ -140,13 +144,18 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
             "pcie h2d": streamed_h2d / h2d,
             "pcie d2h": streamed_d2h / d2h,
             "pcie duplex": (streamed_h2d + streamed_d2h) / duplex,
-            "host memory": 2 * travelling / host_mem,
+            "host memory": (2 * travelling + kept) / host_mem,
         }
         on_device = contributions == 1  # else the engine sends the gradient to the host optimizer
+        chunk = inputs.transfer_chunk_numel
         staging = StreamedPipeline.device_bytes(
-            n, arrays, split=inputs.master_format == "split", sets=inputs.staging_sets
+            n,
+            arrays,
+            split=inputs.master_format == "split",
+            sets=inputs.staging_sets,
+            clipping_chunk=chunk if inputs.clipping else None,
         )
-        longest = ResidentPipeline.optimizer_range_numel(n, inputs.transfer_chunk_numel, clipping=False)
+        longest = StreamedPipeline.optimizer_range_numel(n, chunk, clipping=inputs.clipping)
         device_bytes = staging + device_optimizer.device_scratch_bytes(longest)
         costs.append(
             UnitCost(
