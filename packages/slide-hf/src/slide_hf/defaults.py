@@ -7,15 +7,30 @@ model's context length when that is shorter, so one model gets one row length wh
 The demo run (no ``--data``: the bundled English text, a few thousand bytes) has defaults of its own so
 ``slide train`` with no arguments learns visibly in seconds on a CPU: rows of :data:`DEMO_SEQ_LEN` tokens
 (at 2048, the whole text would be three rows) and :data:`DEMO_EPOCHS` passes over it.
+
+``seq_tile`` left unset means :func:`resolve_seq_tile`: the blocks' MLPs run over tiles of
+:data:`DEFAULT_SEQ_TILE` tokens for rows longer than that, and untiled below (slide_hf/adapters/tiled_mlp.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DEFAULT_SEQ_LEN", "DEMO_EPOCHS", "DEMO_SEQ_LEN", "model_positions", "resolve_seq_len"]
+__all__ = [
+    "DEFAULT_SEQ_LEN",
+    "DEFAULT_SEQ_TILE",
+    "DEMO_EPOCHS",
+    "DEMO_SEQ_LEN",
+    "model_positions",
+    "resolve_seq_len",
+    "resolve_seq_tile",
+]
 
 DEFAULT_SEQ_LEN = 2048
+DEFAULT_SEQ_TILE = 8192
+"""Tokens per MLP tile when ``--seq-tile`` is not given: large enough that each tile's matmuls run at full
+rate on a GPU (thousands of rows), small enough that a tile's intermediates of an 8B model (8192 x 14336 in
+bf16: 224 MiB each) are a small part of its GPU budget."""
 DEMO_SEQ_LEN = 128
 DEMO_EPOCHS = 3
 
@@ -33,3 +48,12 @@ def resolve_seq_len(seq_len: int | None, config: Any, *, bundled_text: bool = Fa
     default = DEMO_SEQ_LEN if bundled_text else DEFAULT_SEQ_LEN
     positions = model_positions(config)
     return min(default, positions) if positions else default
+
+
+def resolve_seq_tile(seq_tile: int | None, seq_len: int) -> int:
+    """``seq_tile`` when given (0: off); else :data:`DEFAULT_SEQ_TILE` for rows longer than it, else 0. Rows of
+    the default length and batches of them stay untiled: tiling adds one more MLP forward to each block's
+    backward, which only pays where the untiled intermediates would crowd the GPU."""
+    if seq_tile is not None:
+        return seq_tile
+    return DEFAULT_SEQ_TILE if seq_len > DEFAULT_SEQ_TILE else 0

@@ -36,6 +36,7 @@ from slide_core.devices import auto_device_name
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import build_optimizer
 from slide_core.tier import Tier, TierRequest
+from slide_hf.defaults import resolve_seq_tile
 from slide_hf.device_defaults import apply_device_defaults
 from slide_hf.errors import UserError
 from slide_hf.offload import (
@@ -82,6 +83,7 @@ class RunOptions:
     nvme_fraction: float
     offload_activations: str
     block_slots: int
+    seq_tile: int | None
     compute_dtype: torch.dtype
     batch_size: int
     seq_len: int
@@ -210,6 +212,7 @@ def place_units(
     `slide doctor` has cached them). ``optimizer``: the run's, whose scratch the plan prices and whose
     ``--master`` it resolves (None: the one ``options`` name, built without compiling)."""
     from slide_core.engine.placement import choose_resident_units
+    from slide_hf.adapters.tiled_mlp import use_seq_tile
     from slide_hf.in_step_rates import learned_inputs
     from slide_hf.machine_rates import planning_bandwidths
     from slide_hf.planner import (
@@ -222,6 +225,7 @@ def place_units(
     )
 
     apply_device_defaults(model, device)  # before anything logs or plans the attention this run takes
+    use_seq_tile(model, resolve_seq_tile(options.seq_tile, options.seq_len))  # the tile the plan prices
     tier_class = state_tier_class(options.offload_optimizer)
     gpu_budget = device_gpu_budget(device)
     inputs = plan_inputs(
@@ -305,6 +309,7 @@ def plan_inputs(
         model,
         batch_size=options.batch_size,
         seq_len=options.seq_len,
+        seq_tile=resolve_seq_tile(options.seq_tile, options.seq_len),
         grad_accum=options.grad_accum,
         compute_dtype_bytes=torch.empty((), dtype=options.compute_dtype).element_size(),
         block_slots=options.block_slots,

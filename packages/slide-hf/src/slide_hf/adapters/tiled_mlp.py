@@ -46,7 +46,14 @@ from torch import nn
 
 from slide_hf.adapters.fused_modules import GLU_ACTIVATIONS, MLP_PROJECTIONS, is_gated_mlp, runs_fused
 
-__all__ = ["SeqTiling", "TiledGatedMLPFunction", "tile_mlps", "tiled_gated_mlp"]
+__all__ = [
+    "SeqTiling",
+    "TiledGatedMLPFunction",
+    "tile_mlps",
+    "tiled_gated_mlp",
+    "tiling_of",
+    "use_seq_tile",
+]
 
 TileForward = Callable[[torch.Tensor, Sequence[torch.Tensor | None]], torch.Tensor]
 """``(x rows of one tile, (Wg, bg, Wu, bu, Wd, bd)) -> output rows``: one tile of the MLP, differentiable."""
@@ -195,3 +202,17 @@ def tile_mlps(root: nn.Module, config: Any, tiling: SeqTiling) -> list[str]:
             module.forward = _tiling_forward(module, tiling, glu)
             rebound.append(name)
     return rebound
+
+
+def tiling_of(model: Any) -> SeqTiling | None:
+    """The model's :class:`SeqTiling` (the adapters' models have one), or None for a model that does not tile."""
+    tiling = getattr(model, "seq_tiling", None)
+    return tiling if isinstance(tiling, SeqTiling) else None
+
+
+def use_seq_tile(model: Any, tile_tokens: int) -> None:
+    """Run ``model``'s MLPs over tiles of ``tile_tokens`` tokens from now on (0: untiled); a model without
+    tiling (not one of the adapters') is left as it is."""
+    tiling = tiling_of(model)
+    if tiling is not None:
+        tiling.tile_tokens = tile_tokens

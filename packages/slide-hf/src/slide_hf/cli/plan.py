@@ -33,6 +33,7 @@ from slide_hf.planner import (
     plan_with_placement,
 )
 from slide_hf.planner.plan import check_update_placement
+from slide_hf.planner.seq_tiles import SequenceFit, sequence_fit
 from slide_hf.sizes import SIZE_RULE
 
 if TYPE_CHECKING:
@@ -121,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
         if learned is not None:
             rates_source = f"{rates_source}; {learned}"
     plan = make_plan(inputs)
+    sequences = sequence_fit(
+        inputs, gpu_cap if accelerator else None, cfg.seq_tile, positions=model_positions(model.config)
+    )
     distributed = args.nproc_per_node * args.nnodes > 1
     placement = cfg.update_placement.value
     check_update_placement(inputs, placement)  # as `slide train` refuses it, distributed or not
@@ -141,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         payload.update({"state_tier": cfg.offload_optimizer, "output_disk": outputs.to_dict()})
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
         payload.update({"update_placement": placement, "rates_source": rates_source})
+        payload.update(sequences.to_dict())
         payload["workload"] = workload_key(inputs)  # what a GPU rate measured in this run's steps is kept under
         payload["engine_config"] = engine_config_dict(plan.inputs.engine_config())
         payload["buffers"] = plan.buffers().to_dict()
@@ -160,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             outputs=outputs,
             update_placement=placement,
             rates_source=rates_source,
+            sequences=sequences,
         )
         print(text)
         if dp is not None:
@@ -312,10 +318,12 @@ def render(
     outputs: Any = None,
     update_placement: str | None = None,
     rates_source: str | None = None,
+    sequences: SequenceFit | None = None,
 ) -> str:
     """The human-readable table; ``optimizer`` says which host optimizer and state tier were planned,
     ``outputs`` (an ``OutputDisk``) what the run's checkpoints and export take, ``update_placement`` the
-    ``--update-placement`` the units were placed by and ``rates_source`` where the step time's rates came from."""
+    ``--update-placement`` the units were placed by, ``rates_source`` where the step time's rates came from
+    and ``sequences`` how long a sequence the GPU budget holds."""
     i = plan.inputs
     lines = [
         f"{model_name}: {plan.params / 1e9:.2f} B params, batch {i.batch_size} x seq {i.seq_len} x accum "
@@ -352,6 +360,8 @@ def render(
         lines.append(_row("  export", format_bytes(outputs.export_bytes), "the HF model directory"))
     lines.append(_row("params", f"{plan.params:,}"))
     lines.append(_row("max batch", _max_batch(plan, gpu_source)))
+    if sequences is not None and i.accelerator:
+        lines.append(_row("longest seq-len", *_longest(sequences, i.seq_len, gpu_source)))
     lines.append(
         _row(
             "step time",
@@ -395,6 +405,19 @@ def _max_batch(plan: Plan, gpu_source: str) -> str:
     if plan.max_batch_size == 0:
         return f"none fits ({limit})"
     return f"{plan.max_batch_size}" + (f" (limited by {limit})" if limit else "")
+
+
+def _longest(sequences: SequenceFit, seq_len: int, gpu_source: str) -> tuple[str, str]:
+    """The "longest seq-len" row: the longest ``--seq-len`` at batch 1 and, beside it, the tiling it was planned
+    with and what the planned ``--seq-len`` needs at batch 1."""
+    tiles = f"MLP tiles of {sequences.seq_tile:,} tokens" if sequences.seq_tile else "MLPs untiled"
+    needs = f"--seq-len {seq_len} needs {format_bytes(sequences.seq_len_gpu_bytes)} at batch 1 ({tiles})"
+    if sequences.longest_seq_len is None:
+        return "n/a", f"no GPU budget; {needs}"
+    if sequences.longest_seq_len == 0:
+        return "none", f"not even 2 tokens fit the GPU memory {gpu_source}; {needs}"
+    bound = "the model's positions" if sequences.positions_bound else f"GPU memory {gpu_source}"
+    return f"{sequences.longest_seq_len:,}", f"at batch 1, limited by {bound}; {needs}"
 
 
 def _row(label: str, value: str, note: str = "") -> str:

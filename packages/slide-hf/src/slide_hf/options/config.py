@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slide_hf.data.options import SystemMessage
-from slide_hf.defaults import DEFAULT_SEQ_LEN, DEMO_SEQ_LEN
+from slide_hf.defaults import DEFAULT_SEQ_LEN, DEFAULT_SEQ_TILE, DEMO_SEQ_LEN
 from slide_hf.errors import UserError
 from slide_hf.options.rules import FP32_TINY, INT_MAX, Rule, positive_int
 from slide_hf.options.schema import (
@@ -453,6 +453,16 @@ class TrainConfig:
         help="GPU slots for decoder blocks (default {default})",
         commands=RUNS,
         rule=Rule("int", 1, 64),
+        engine=AS_DECLARED,
+    )
+    seq_tile: int | None = option(
+        None,
+        help="tokens per tile of the blocks' MLPs: a micro-batch of more tokens runs its MLPs tile by tile, in "
+        "the forward and in the backward's recompute, so only one tile's intermediates are held; 0 turns it "
+        f"off (default {DEFAULT_SEQ_TILE} where --seq-len exceeds it, else off)",
+        commands=RUNS,
+        rule=Rule("int", 0, 2**24),
+        metavar="TOKENS",
         engine=AS_DECLARED,
     )
     update_placement: UpdatePlacement = option(

@@ -45,6 +45,12 @@ measured and the planner multiplies by the batch, which counts those few once pe
 under 1%, never low (``test_saved_bytes_scale_with_the_batch``), and ``largest_batch`` searches without a
 measurement per batch. Sequence length is measured exactly: eager attention grows with its square.
 
+Tiling (``--seq-tile``): the blocks' dense gated MLPs run as slide_hf/adapters/tiled_mlp.py's Function when a
+micro-batch is longer than a tile, which saves the MLP's input and nothing else. ``tiled=True`` measures the
+blocks that way (the model's :class:`~slide_hf.adapters.tiled_mlp.SeqTiling` set, for the measurement only, to
+a tile the sequence exceeds: what the Function saves does not depend on the tile); the planner adds one
+tile's share of the untiled MLP's bytes to it (slide_hf/planner/seq_tiles.py).
+
 Nothing here imports triton or touches a GPU: the blocks' fused modules take their CUDA path only for
 CUDA tensors.
 """
@@ -174,7 +180,7 @@ class BlockActivations:
         for block in model.blocks:
             kinds.setdefault(_block_kind(block), block)
         self._representatives = tuple(kinds.values())
-        self._cache: dict[tuple[int, int, torch.dtype], dict[str, int | None]] = {}
+        self._cache: dict[tuple[int, int, torch.dtype, bool], dict[str, int | None]] = {}
 
     @classmethod
     def of(cls, model: SlideModel) -> BlockActivations | None:
@@ -183,15 +189,35 @@ class BlockActivations:
             return None
         return cls(model)
 
-    def saved_bytes(self, seq_len: int, dtype: torch.dtype, *, batch: int = 1) -> dict[str, int | None]:
+    def saved_bytes(
+        self, seq_len: int, dtype: torch.dtype, *, batch: int = 1, tiled: bool = False
+    ) -> dict[str, int | None]:
         """``{block name: bytes saved for a micro-batch of batch x seq_len tokens}`` for the first block
         of each kind; None for a kind whose forward cannot run on meta. The planner asks for one
-        sequence and multiplies (see the module docstring)."""
-        key = (batch, seq_len, dtype)
+        sequence and multiplies (see the module docstring). ``tiled``: with the MLPs run over tiles."""
+        key = (batch, seq_len, dtype, tiled)
         found = self._cache.get(key)
         if found is None:
-            found = self._cache[key] = self._measure(batch, seq_len, dtype)
+            found = self._cache[key] = self._measure_tiled(batch, seq_len, dtype, tiled)
         return dict(found)
+
+    @property
+    def tiles(self) -> bool:
+        """Whether any block of the model has an MLP that runs over tiles of tokens."""
+        return any(getattr(block, "tiled_modules", ()) for block in self._model.blocks)
+
+    def _measure_tiled(self, batch: int, seq_len: int, dtype: torch.dtype, tiled: bool) -> dict[str, int | None]:
+        from slide_hf.adapters.tiled_mlp import tiling_of
+
+        tiling = tiling_of(self._model)
+        if tiling is None:
+            return self._measure(batch, seq_len, dtype)
+        kept = tiling.tile_tokens
+        tiling.tile_tokens = max(1, (batch * seq_len + 1) // 2) if tiled else 0  # two tiles, or none
+        try:
+            return self._measure(batch, seq_len, dtype)
+        finally:
+            tiling.tile_tokens = kept
 
     def _measure(self, batch: int, seq_len: int, dtype: torch.dtype) -> dict[str, int | None]:
         model = self._model

@@ -325,6 +325,10 @@ class PlanInputs:
     model: SlideModel | ModelShape
     batch_size: int = 1
     seq_len: int = DEFAULT_SEQ_LEN
+    seq_tile: int = 0
+    """Tokens per tile of the blocks' MLPs (``--seq-tile`` as it resolves, slide_hf/defaults.py): a
+    micro-batch of more tokens holds one tile's MLP intermediates in its backward, not the whole
+    sequence's (slide_hf/adapters/tiled_mlp.py; priced in slide_hf/planner/seq_tiles.py). 0: untiled."""
     grad_accum: int = 1
     compute_dtype_bytes: int = 2
     block_slots: int = _ENGINE_DEFAULTS.block_slots
@@ -378,7 +382,8 @@ class PlanInputs:
 
         # The options a user gives, by their one rule each (slide_hf/options); the rules between options
         # were applied where the options were built (TrainConfig.validate), before anything was resolved.
-        for name in ("batch_size", "seq_len", "grad_accum", "block_slots", "nvme_fraction", "optimizer_state"):
+        names = ("batch_size", "seq_len", "seq_tile", "grad_accum", "block_slots", "nvme_fraction", "optimizer_state")
+        for name in names:
             check_option(name, getattr(self, name))
         for name in ("transfer_chunk_numel", "grad_ring_slots"):  # the engine's, not an option
             value = getattr(self, name)

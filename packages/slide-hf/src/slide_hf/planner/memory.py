@@ -42,6 +42,7 @@ from slide_core.optimizer import Optimizer
 from slide_core.tier import TierRequest
 from slide_hf.offload import state_tier_capacity
 from slide_hf.planner.inputs import ModelShape, PlanInputs
+from slide_hf.planner.seq_tiles import engaged_tile, mlp_tokens, tiled_saved_bytes, tiling_buffer_bytes
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
@@ -279,20 +280,28 @@ def _block_saved_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     Measured on the meta device for each kind of block (:mod:`slide_hf.planner.activations`: one
     sequence at this sequence length, times the batch); a kind that cannot run there, and a shape
     without a measurer (filled by hand, a non-HF model), take the formula
-    (:func:`_saved_elems_per_token`).
+    (:func:`_saved_elems_per_token`). With the MLPs tiled (``--seq-tile``), what the tiled blocks save plus
+    one tile's share of the MLPs' intermediates (slide_hf/planner/seq_tiles.py).
     """
+    untiled = _saved_by_kind(shape, inputs, tiled=False)
+    if not engaged_tile(inputs):
+        return max(untiled)
+    tiled = _saved_by_kind(shape, inputs, tiled=True)
+    return max(tiled_saved_bytes(t, u, inputs) for t, u in zip(tiled, untiled, strict=True))
+
+
+def _saved_by_kind(shape: ModelShape, inputs: PlanInputs, *, tiled: bool) -> list[int]:
+    """Bytes each kind of block saves for one micro-batch (:func:`_block_saved_bytes`)."""
     tokens = inputs.batch_size * inputs.seq_len
-    formula = tokens * _saved_elems_per_token(shape) * inputs.compute_dtype_bytes
+    formula = tokens * _saved_elems_per_token(shape, mlp=not tiled) * inputs.compute_dtype_bytes
     if shape.activations is None:
-        return formula
+        return [formula]
     dtype = torch.float32 if inputs.compute_dtype_bytes == 4 else torch.bfloat16
-    measured = shape.activations.saved_bytes(inputs.seq_len, dtype)
-    return max(
-        formula if per_sequence is None else inputs.batch_size * per_sequence for per_sequence in measured.values()
-    )
+    measured = shape.activations.saved_bytes(inputs.seq_len, dtype, tiled=tiled)
+    return [formula if per_sequence is None else inputs.batch_size * per_sequence for per_sequence in measured.values()]
 
 
-def _saved_elems_per_token(shape: ModelShape) -> int:
+def _saved_elems_per_token(shape: ModelShape, *, mlp: bool = True) -> int:
     """Elements autograd saves per token in one Llama-style block (SDPA attention, SwiGLU MLP): the
     fallback where a block cannot be measured (:func:`_block_saved_bytes`).
 
@@ -300,10 +309,11 @@ def _saved_elems_per_token(shape: ModelShape) -> int:
       elements: H + 2H): 6H;
     - attention: q, k, v and the output for SDPA's backward (H + 2 kv + H), and the output again as
       o_proj's (reshaped, contiguous) input (H): 3H + 2 kv;
-    - MLP: gate for SiLU, silu(gate) and up for the product, the product for down_proj: 4I.
+    - MLP: gate for SiLU, silu(gate) and up for the product, the product for down_proj: 4I (none when
+      ``mlp`` is False: a tiled MLP saves only its input, slide_hf/adapters/tiled_mlp.py).
     """
     h, kv, i = shape.hidden_size, shape.kv_dim, shape.intermediate_size
-    return 9 * h + 2 * kv + 4 * i
+    return 9 * h + 2 * kv + (4 * i if mlp else 0)
 
 
 def _ce_chunk_rows(tokens: int, vocab: int, dtype_bytes: int) -> int:
@@ -331,8 +341,8 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
     logits = _ce_chunk_rows(tokens, v, d) * v * d if inputs.fused_loss else tokens * v * (d + 12)
     phases = {
         # no-grad block: input and output, plus the larger of attention's (normed x, q, k, v) and the
-        # MLP's (gate, up, act) intermediates.
-        "forward": tokens * (2 * w + max(2 * h + 2 * kv, 3 * i)) * d,
+        # MLP's (gate, up, act) intermediates, of one tile where the MLP is tiled.
+        "forward": (tokens * 2 * w + max(tokens * (2 * h + 2 * kv), mlp_tokens(inputs) * 3 * i)) * d,
         # head: last hidden, normed hidden, its fp32 norm temporary, grad_h and grad_x (the last block's
         # output and its gradient at the stream's width); the logits (above); per-token fp32 loss scalars;
         # without the fused loss, the head-matrix gradient (the fused loss writes it straight into the
@@ -342,10 +352,12 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         + (0 if inputs.fused_loss else v * h * d)
         + 2 * tokens * 4,
         # one block with grad: grad_out and grad_in, the saved tensors (x the transient gradients'
-        # factor), and the parameter gradients autograd returns before they are copied into the slot.
+        # factor), and the parameter gradients autograd returns before they are copied into the slot;
+        # with a tiled MLP, its own buffers (slide_hf/planner/seq_tiles.py).
         "backward": int(_BLOCK_WORKSPACE_FACTOR * _block_saved_bytes(shape, inputs))
         + 2 * tokens * w * d
-        + shape.max_block_numel * d,
+        + shape.max_block_numel * d
+        + tiling_buffer_bytes(shape, inputs),
         # embedding backward: grad_out and the dense (vocab, hidden) weight gradient.
         "embedding_backward": tokens * w * d + v * h * d,
     }

@@ -1,0 +1,103 @@
+"""slide_hf/planner/seq_tiles.py: the plan of a long sequence with the blocks' MLPs tiled, and the longest
+``--seq-len`` that fits a GPU budget (`slide plan`'s "longest seq-len" line and JSON keys)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+from slide_hf import build_model, resolve_model
+from slide_hf import setup as run_setup
+from slide_hf.planner import PlanInputs, make_plan
+from slide_hf.planner.seq_tiles import longest_seq_len
+from slide_hf.presets import run_overrides
+
+GiB = 1 << 30
+SEQ, TILE = 65536, 8192
+BLOCK_WORKSPACE_FACTOR = 1.45  # slide_hf/planner/memory.py's: the backward's excess over the saved bytes
+
+
+@pytest.fixture(scope="module")
+def llama8b() -> Any:
+    config, _ = resolve_model("llama3.1-8b", **run_overrides("llama3.1-8b"))
+    return build_model(config)
+
+
+def test_tiling_lowers_the_backward_by_the_mlp_intermediates_it_no_longer_keeps(llama8b: Any) -> None:
+    """Untiled, each token's MLP saves gate, act(gate), up and their product (4 x 14,336 bf16 values);
+    tiled, one tile's worth of them, and the tiling adds the input's gradient buffer, one tile's weight
+    gradients and their fp32 sums."""
+    untiled = make_plan(PlanInputs(llama8b, seq_len=SEQ, seq_tile=0))
+    tiled = make_plan(PlanInputs(llama8b, seq_len=SEQ, seq_tile=TILE))
+    assert tiled.gpu_peak_bytes < untiled.gpu_peak_bytes
+    hidden, inner, d = 4096, 14336, 2
+    mlp_saved = 4 * inner * d * (SEQ - TILE)
+    buffers = SEQ * hidden * d + 3 * hidden * inner * (d + 4)
+    expected = BLOCK_WORKSPACE_FACTOR * mlp_saved - buffers
+    saved = untiled.gpu_phases["backward"] - tiled.gpu_phases["backward"]
+    assert abs(saved - expected) <= 1e-6 * expected
+    # the no-grad forward holds one tile's gate, up and act instead of the sequence's
+    assert tiled.gpu_phases["forward"] < untiled.gpu_phases["forward"]
+
+
+def test_below_a_tile_nothing_changes(llama8b: Any) -> None:
+    short = PlanInputs(llama8b, seq_len=4096, batch_size=2)
+    assert make_plan(dataclasses.replace(short, seq_tile=TILE)).gpu_phases == make_plan(short).gpu_phases
+    # 8 x 4096 tokens exceed a tile of 8192: the micro-batch is tiled, as the engine tiles it
+    longer = dataclasses.replace(short, batch_size=8)
+    tiled = make_plan(dataclasses.replace(longer, seq_tile=TILE))
+    assert tiled.gpu_phases["backward"] < make_plan(longer).gpu_phases["backward"]
+
+
+@pytest.mark.parametrize("seq_tile", [None, 0, 4096])
+def test_longest_seq_len_is_the_edge_of_the_budget(llama8b: Any, seq_tile: int | None) -> None:
+    """A plan at the longest length fits the budget at batch 1, one at 1.1 times that length does not."""
+    from slide_hf.defaults import resolve_seq_tile
+
+    budget = 24 * GiB
+    inputs = PlanInputs(llama8b, seq_len=2048, gpu_memory_bytes=budget)
+    longest = longest_seq_len(inputs, budget, seq_tile)
+    assert longest > 0
+
+    def peak(seq_len: int) -> int:
+        tile = resolve_seq_tile(seq_tile, seq_len)
+        return make_plan(dataclasses.replace(inputs, seq_len=seq_len, seq_tile=tile)).gpu_peak_bytes
+
+    assert peak(longest) <= budget < peak(longest + 1)
+    assert peak(int(longest * 1.1)) > budget
+
+
+def test_tiling_lengthens_the_longest_sequence(llama8b: Any) -> None:
+    inputs = PlanInputs(llama8b, gpu_memory_bytes=24 * GiB)
+    assert longest_seq_len(inputs, 24 * GiB, TILE) > 1.5 * longest_seq_len(inputs, 24 * GiB, 0)
+
+
+@pytest.fixture
+def _fused_loss_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_setup, "fused_loss_available", lambda: True)
+
+
+def test_slide_plan_reports_the_longest_seq_len(slide: Any, _fused_loss_installed: None) -> None:
+    """`slide plan` says how long a sequence fits at batch 1 and what the planned one needs; planning at that
+    length fits, at 1.1 times that length it does not (``--check``: exit 2)."""
+    base = ("plan", "--model", "llama3.1-8b", "--gpu-memory", "24", "--host-memory", "4096GiB", "--batch-size", "1")
+    status, out, err = slide(*base, "--seq-len", "131072", "--json")
+    assert status == 0, err
+    plan = json.loads(out)
+    assert plan["seq_tile"] == 8192  # the default tile above 8192 tokens
+    assert plan["seq_len_gpu_bytes"] == plan["gpu_peak_bytes"]
+    longest = plan["longest_seq_len"]
+    assert 0 < longest < 131072 and plan["longest_seq_len_limit"] == "gpu"
+    status, out, err = slide(*base, "--seq-len", str(longest), "--check")
+    assert status == 0, err
+    assert f"{longest:,}" in out and "longest seq-len" in out
+    status, _, err = slide(*base, "--seq-len", str(int(longest * 1.1)), "--check")
+    assert status == 2 and "GPU memory" in err
+    status, out, err = slide(*base, "--seq-len", "131072", "--seq-tile", "0", "--json")
+    assert status == 0, err
+    untiled = json.loads(out)
+    assert untiled["seq_tile"] == 0 and untiled["gpu_peak_bytes"] > plan["gpu_peak_bytes"]
+    assert untiled["longest_seq_len"] < longest
