@@ -102,6 +102,9 @@ CASES = {
     "streamed": Case(streamed=("layers.0", "layers.2", "head"), resident=("embed",)),  # shards updated on the device
     "bf16-state-streamed-nvme": Case(state_format="bf16", streamed=("layers.0", "head"), offloaded=("layers.2",)),
     "streamed-accum": Case(accum=2, streamed=("layers.1", "head")),  # several contributions: the host's path
+    # speculative device updates of the shards, corrected on the host (Note [Streamed speculation])
+    "streamed-clips": Case(max_grad_norm=0.05, streamed=("layers.0", "layers.2", "head"), resident=("embed",)),
+    "streamed-nan-on-one-rank": Case(max_grad_norm=1e6, poison_step=2, steps=4, streamed=("embed", "layers.2")),
 }
 CHECKPOINT_CASES = {"clips-4": Case(max_grad_norm=0.05, steps=4)}
 RESHARD_CASE = Case(accum=2, max_grad_norm=0.05, steps=4, resident=("embed",), offloaded=("layers.1",))
