@@ -1,6 +1,7 @@
-"""slide_hf/adapters/tiled_mlp.py: the gated MLP over tiles of tokens computes what the untiled MLP does.
+"""slide_hf/adapters/tiled_mlp.py and token_tiles.py: the gated MLP over tiles of tokens computes what the
+untiled MLP does.
 
-The whole-model tests run a long row (4,096 tokens) of tiny Llama, Qwen3 and Gemma 3 configs in fp32 on the
+The whole-model tests (the RMSNorms tiled too, slide_hf/adapters/tiled_norm.py) run a long row (4,096 tokens) of tiny Llama, Qwen3 and Gemma 3 configs in fp32 on the
 CPU, tiled and untiled, and compare the loss and every parameter gradient with each other and with
 transformers' own model (``AutoModelForCausalLM`` forward and ``loss.backward()``, none of our code).
 """
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from slide_hf.adapters.tiled_mlp import SeqTiling, TiledGatedMLPFunction, tile_mlps, tiled_gated_mlp
+from slide_hf.adapters.tiled_mlp import tile_mlps
+from slide_hf.adapters.token_tiles import SeqTiling, TokenTilesFunction, run_over_tiles
 
 SEQ = 4096
 LOSS_RTOL = 1e-6
@@ -69,7 +71,7 @@ def test_below_a_tile_the_untiled_forward_runs(monkeypatch: pytest.MonkeyPatch) 
     mlp = _ReferenceMLP(8, 24)
     tile_mlps(mlp, type("Config", (), {"hidden_act": "silu"})(), SeqTiling(64))
     calls = []
-    monkeypatch.setattr(TiledGatedMLPFunction, "apply", lambda *args: calls.append(args) or args[0])
+    monkeypatch.setattr(TokenTilesFunction, "apply", lambda *args: calls.append(args) or args[0])
     mlp(torch.randn(2, 32, 8, requires_grad=True))  # 64 tokens: one tile
     assert calls == []
     mlp(torch.randn(1, 65, 8, requires_grad=True))  # 65 tokens: two tiles, through the Function
@@ -92,7 +94,7 @@ def test_backward_holds_one_tile_of_intermediates() -> None:
     x = torch.randn(1, 100, 8, requires_grad=True)
     saved: list[torch.Size] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        y = tiled_gated_mlp(x, 30, tile_forward, weights)
+        y = run_over_tiles(x, 30, tile_forward, weights)
     assert sorted(saved, key=str) == sorted([x.shape, *(w.shape for w in weights if w is not None)], key=str)
     y.sum().backward()
     assert seen == [30, 30, 30, 10] * 2  # forward, then the backward's recompute
@@ -111,7 +113,7 @@ def test_low_precision_weight_grads_accumulate_in_fp32() -> None:
 
     x = torch.randn(1, 256, 16, dtype=torch.bfloat16, requires_grad=True)
     grad_out = torch.randn(1, 256, 16, dtype=torch.bfloat16)
-    tiled = torch.autograd.grad(tiled_gated_mlp(x, 8, tile_forward, weights), [weights[4]], grad_out)[0]
+    tiled = torch.autograd.grad(run_over_tiles(x, 8, tile_forward, weights), [weights[4]], grad_out)[0]
     in_fp32 = torch.zeros(weights[4].shape)
     in_bf16 = torch.zeros(weights[4].shape, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -149,7 +151,9 @@ def test_tiled_model_matches_untiled_and_transformers(
     attention, tile = CASES[preset]
     ref = reference(preset, attn=attention)
     model = ref.model
-    assert all(block.tiled_modules == ["mlp"] for block in model.blocks)
+    for block in model.blocks:  # the MLP and every RMSNorm of the layer (Qwen3's and Gemma 3's q/k norms too)
+        norms = [name for name, module in block.root.named_modules() if type(module).__name__.endswith("RMSNorm")]
+        assert sorted(block.tiled_modules) == sorted(["mlp", *norms]) and norms
     ids, labels = _row(ref.hf.config.vocab_size)
 
     loss_untiled, grads_untiled = _loss_and_grads(model, ref.host, helpers, ids, labels)

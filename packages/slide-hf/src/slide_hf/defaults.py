@@ -8,8 +8,8 @@ The demo run (no ``--data``: the bundled English text, a few thousand bytes) has
 ``slide train`` with no arguments learns visibly in seconds on a CPU: rows of :data:`DEMO_SEQ_LEN` tokens
 (at 2048, the whole text would be three rows) and :data:`DEMO_EPOCHS` passes over it.
 
-``seq_tile`` left unset means :func:`resolve_seq_tile`: the blocks' MLPs run over tiles of
-:data:`DEFAULT_SEQ_TILE` tokens for rows longer than that, and untiled below (slide_hf/adapters/tiled_mlp.py).
+``seq_tile`` left unset means :func:`resolve_seq_tile`: the blocks' MLPs and norms run over tiles of
+:data:`DEFAULT_SEQ_TILE` tokens for rows longer than that, and untiled below (slide_hf/adapters/token_tiles.py).
 """
 
 from __future__ import annotations

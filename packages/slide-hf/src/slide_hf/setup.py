@@ -212,7 +212,7 @@ def place_units(
     `slide doctor` has cached them). ``optimizer``: the run's, whose scratch the plan prices and whose
     ``--master`` it resolves (None: the one ``options`` name, built without compiling)."""
     from slide_core.engine.placement import choose_resident_units
-    from slide_hf.adapters.tiled_mlp import use_seq_tile
+    from slide_hf.adapters.token_tiles import use_seq_tile
     from slide_hf.in_step_rates import learned_inputs
     from slide_hf.machine_rates import planning_bandwidths
     from slide_hf.planner import (

@@ -39,7 +39,9 @@ from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
 from slide_hf.adapters.attention import AttentionSupport, choose_attention, layer_attention, requested_attention
 from slide_hf.adapters.fused_modules import NormForm, fuse_modules
 from slide_hf.adapters.linear_attention import LinearAttention
-from slide_hf.adapters.tiled_mlp import SeqTiling, tile_mlps
+from slide_hf.adapters.tiled_mlp import tile_mlps
+from slide_hf.adapters.tiled_norm import tile_norms
+from slide_hf.adapters.token_tiles import SeqTiling
 from slide_hf.errors import UserError
 
 __all__ = [
@@ -164,7 +166,7 @@ class HFUnit(Unit):
         self.fused_modules: list[str] = []
         """Submodules whose forward runs slide-kernels' fused ops on CUDA (see fused_modules.py)."""
         self.tiled_modules: list[str] = []
-        """Submodules whose forward runs over tiles of tokens above the model's tile (see tiled_mlp.py)."""
+        """Submodules whose forward runs over tiles of tokens above the model's tile (see token_tiles.py)."""
         self.buffer_params: frozenset[str] = frozenset()
         """Layout entries that HF keeps as persistent buffers (Note [Buffers carried as parameters])."""
 
@@ -327,9 +329,11 @@ class HFCausalLM(SlideModel):
         for unit in (*self.blocks, self.head):
             unit.fused_modules = fuse_modules(unit.root, self.config, norm_forms)
         self.seq_tiling = SeqTiling()
-        """Tokens per MLP tile, 0 (off) until a run or a plan sets it (``--seq-tile``, tiled_mlp.py)."""
+        """Tokens per tile of the blocks' MLPs and norms, 0 (off) until a run or a plan sets it (``--seq-tile``,
+        token_tiles.py)."""
         for block in self.blocks:
-            block.tiled_modules = tile_mlps(block.root, self.config, self.seq_tiling)
+            mlps = tile_mlps(block.root, self.config, self.seq_tiling)
+            block.tiled_modules = mlps + tile_norms(block.root, self.seq_tiling, norm_forms)
         unknown = {b.attention_type for b in self.blocks} - set(_MASK_BUILDERS)
         if unknown:
             raise ValueError(f"{self.config.model_type}: unsupported attention layer types {sorted(unknown)}")

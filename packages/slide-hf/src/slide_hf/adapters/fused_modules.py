@@ -43,7 +43,10 @@ __all__ = [
     "NormForm",
     "fuse_modules",
     "is_gated_mlp",
+    "is_rms_norm",
+    "norm_eps",
     "norm_form",
+    "norm_reference",
     "rotates_halves",
     "runs_fused",
 ]
@@ -74,12 +77,12 @@ NormForm = tuple[float, "CastingMode"]
 """``(offset, casting_mode)`` of an RMSNorm, as slide-kernels' ``rms_norm`` takes them."""
 
 
-def _norm_eps(module: nn.Module) -> float:
+def norm_eps(module: nn.Module) -> float:
     eps: Any = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps  # a float attribute
     return float(eps)
 
 
-def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) -> torch.Tensor:
+def norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm) -> torch.Tensor:
     """What the kernel computes for ``form``, in plain torch (see slide_kernels/ops/rms_norm.py)."""
     offset, casting_mode = form
     xf = x.float()
@@ -99,7 +102,7 @@ def norm_form(module: nn.Module) -> NormForm | None:
     from torch.func import functional_call
 
     width = cast(torch.Tensor, module.weight).shape[-1]
-    eps = _norm_eps(module)
+    eps = norm_eps(module)
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(64, width, generator=g, device="cpu") * 3
     weight = torch.randn(width, generator=g, device="cpu") * 0.7
@@ -110,7 +113,7 @@ def norm_form(module: nn.Module) -> NormForm | None:
 
     try:
         fp32 = run(x, weight)
-        offsets = [o for o in (0.0, 1.0) if torch.allclose(fp32, _norm_reference(x, weight, eps, (o, "llama")))]
+        offsets = [o for o in (0.0, 1.0) if torch.allclose(fp32, norm_reference(x, weight, eps, (o, "llama")))]
         if len(offsets) != 1:
             return None
         xb, wb = x.bfloat16(), weight.bfloat16()
@@ -118,7 +121,7 @@ def norm_form(module: nn.Module) -> NormForm | None:
     except (RuntimeError, TypeError, ValueError):  # a norm with another signature or extra state
         return None
     casting_modes: tuple[CastingMode, ...] = ("llama", "gemma")
-    modes = [m for m in casting_modes if torch.equal(bf16, _norm_reference(xb, wb, eps, (offsets[0], m)))]
+    modes = [m for m in casting_modes if torch.equal(bf16, norm_reference(xb, wb, eps, (offsets[0], m)))]
     return (offsets[0], modes[0]) if len(modes) == 1 else None
 
 
@@ -126,7 +129,7 @@ def _fused_rms_norm(module: nn.Module, form: NormForm) -> Callable[[torch.Tensor
     """The norm's ``forward``, with its parametrization (read from its code once) fixed here."""
     hf_forward = type(module).forward
     offset, casting_mode = form
-    eps = _norm_eps(module)
+    eps = norm_eps(module)
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         if not _runs_fused(hidden_states):
@@ -203,7 +206,7 @@ def _rotary_forward(module: nn.Module) -> Callable[..., Any] | None:
     return copy
 
 
-def _is_rms_norm(module: nn.Module) -> bool:
+def is_rms_norm(module: nn.Module) -> bool:
     has_eps = hasattr(module, "variance_epsilon") or hasattr(module, "eps")
     return (
         type(module).__name__.endswith("RMSNorm")
@@ -239,7 +242,7 @@ def fuse_modules(root: nn.Module, config: Any, forms: dict[type, NormForm | None
     rebound = []
     forms = {} if forms is None else forms  # one check per norm class
     for name, module in root.named_modules():
-        if _is_rms_norm(module):
+        if is_rms_norm(module):
             if type(module) not in forms:
                 forms[type(module)] = norm_form(module)
             form = forms[type(module)]

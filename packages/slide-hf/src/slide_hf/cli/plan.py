@@ -410,7 +410,7 @@ def _max_batch(plan: Plan, gpu_source: str) -> str:
 def _longest(sequences: SequenceFit, seq_len: int, gpu_source: str) -> tuple[str, str]:
     """The "longest seq-len" row: the longest ``--seq-len`` at batch 1 and, beside it, the tiling it was planned
     with and what the planned ``--seq-len`` needs at batch 1."""
-    tiles = f"MLP tiles of {sequences.seq_tile:,} tokens" if sequences.seq_tile else "MLPs untiled"
+    tiles = f"MLPs and norms in tiles of {sequences.seq_tile:,} tokens" if sequences.seq_tile else "untiled"
     needs = f"--seq-len {seq_len} needs {format_bytes(sequences.seq_len_gpu_bytes)} at batch 1 ({tiles})"
     if sequences.longest_seq_len is None:
         return "n/a", f"no GPU budget; {needs}"

@@ -457,8 +457,8 @@ class TrainConfig:
     )
     seq_tile: int | None = option(
         None,
-        help="tokens per tile of the blocks' MLPs: a micro-batch of more tokens runs its MLPs tile by tile, in "
-        "the forward and in the backward's recompute, so only one tile's intermediates are held; 0 turns it "
+        help="tokens per tile of the blocks' MLPs and norms: a micro-batch of more tokens runs them tile by tile, "
+        "in the forward and in the backward's recompute, so only one tile's intermediates are held; 0 turns it "
         f"off (default {DEFAULT_SEQ_TILE} where --seq-len exceeds it, else off)",
         commands=RUNS,
         rule=Rule("int", 0, 2**24),

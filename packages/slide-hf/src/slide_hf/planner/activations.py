@@ -45,11 +45,11 @@ measured and the planner multiplies by the batch, which counts those few once pe
 under 1%, never low (``test_saved_bytes_scale_with_the_batch``), and ``largest_batch`` searches without a
 measurement per batch. Sequence length is measured exactly: eager attention grows with its square.
 
-Tiling (``--seq-tile``): the blocks' dense gated MLPs run as slide_hf/adapters/tiled_mlp.py's Function when a
-micro-batch is longer than a tile, which saves the MLP's input and nothing else. ``tiled=True`` measures the
-blocks that way (the model's :class:`~slide_hf.adapters.tiled_mlp.SeqTiling` set, for the measurement only, to
-a tile the sequence exceeds: what the Function saves does not depend on the tile); the planner adds one
-tile's share of the untiled MLP's bytes to it (slide_hf/planner/seq_tiles.py).
+Tiling (``--seq-tile``): the blocks' dense gated MLPs and RMSNorms run as slide_hf/adapters/token_tiles.py's
+Function when a micro-batch is longer than a tile, which saves each module's input and nothing else.
+``tiled=True`` measures the blocks that way (the model's :class:`~slide_hf.adapters.token_tiles.SeqTiling` set,
+for the measurement only, to a tile the sequence exceeds: what the Function saves does not depend on the
+tile); the planner adds one tile's share of the untiled modules' bytes to it (slide_hf/planner/seq_tiles.py).
 
 Nothing here imports triton or touches a GPU: the blocks' fused modules take their CUDA path only for
 CUDA tensors.
@@ -207,7 +207,7 @@ class BlockActivations:
         return any(getattr(block, "tiled_modules", ()) for block in self._model.blocks)
 
     def _measure_tiled(self, batch: int, seq_len: int, dtype: torch.dtype, tiled: bool) -> dict[str, int | None]:
-        from slide_hf.adapters.tiled_mlp import tiling_of
+        from slide_hf.adapters.token_tiles import tiling_of
 
         tiling = tiling_of(self._model)
         if tiling is None:

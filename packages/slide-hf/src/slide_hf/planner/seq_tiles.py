@@ -1,15 +1,16 @@
-"""What tiling the blocks' MLPs over tokens (``--seq-tile``, slide_hf/adapters/tiled_mlp.py) changes in a plan,
-and the longest sequence that fits a GPU budget.
+"""What tiling the blocks' MLPs and norms over tokens (``--seq-tile``, slide_hf/adapters/token_tiles.py) changes
+in a plan, and the longest sequence that fits a GPU budget.
 
 A block's backward recomputes its forward with grad and differentiates it while what autograd saved is
 alive. Untiled, the MLP's intermediates (gate, up, the activation and the product: four (tokens x
-intermediate) tensors for a Llama-style MLP) are saved for the whole micro-batch; tiled, the MLP saves only
-its input, and its backward recomputes one tile at a time. So the block's saved bytes become
+intermediate) tensors for a Llama-style MLP) and the norms' fp32 copies are saved for the whole micro-batch;
+tiled, each saves only its input, and its backward recomputes one tile at a time. So the block's saved bytes
+become
 
     saved(tiled) + (saved(untiled) - saved(tiled)) x tile / tokens
 
 -- both measured on the meta device (slide_hf/planner/activations.py), the difference being exactly what
-the MLPs save, of which one tile's share is alive at once -- and the backward holds the tiling's own
+the tiled modules save, of which one tile's share is alive at once -- and the backward holds the tiling's own
 buffers beside them (:func:`tiling_buffer_bytes`). The no-grad forward holds one tile's intermediates
 instead of the whole micro-batch's (:func:`mlp_tokens`).
 
@@ -96,10 +97,11 @@ def tiled_saved_bytes(tiled: int, untiled: int, inputs: PlanInputs) -> int:
 
 
 def tiling_buffer_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    """GPU bytes the tiled MLP's backward adds while it runs (slide_hf/adapters/tiled_mlp.py): the gradient
-    of its input for the whole micro-batch, filled tile by tile; the three weight gradients of one tile as
-    autograd returns them (compute dtype); and their fp32 sums across tiles. 0 when nothing is tiled (below
-    a tile, or a model whose blocks have no tiled MLP)."""
+    """GPU bytes the tiled modules' backward adds while it runs (slide_hf/adapters/token_tiles.py): the gradient
+    of the MLP's input for the whole micro-batch, filled tile by tile, and, once the MLP is done, that of the
+    norm before it beside it (the norm's gradient in); the MLP's three weight gradients of one tile as
+    autograd returns them (compute dtype) and their fp32 sums across tiles. 0 when nothing is tiled (below a
+    tile, or a model whose blocks have no tiled module)."""
     if not engaged_tile(inputs):
         return 0
     if shape.activations is not None and not shape.activations.tiles:
@@ -107,7 +109,7 @@ def tiling_buffer_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     d = inputs.compute_dtype_bytes
     tokens = inputs.batch_size * inputs.seq_len
     weights = 3 * shape.hidden_size * shape.intermediate_size
-    return tokens * shape.hidden_size * d + weights * (d + 4)
+    return 2 * tokens * shape.hidden_size * d + weights * (d + 4)
 
 
 def longest_seq_len(inputs: PlanInputs, gpu_cap: int, seq_tile: int | None, *, limit: int = 1 << 24) -> int:
