@@ -111,3 +111,17 @@ def test_the_models_positions_end_the_search(slide: Any, _fused_loss_installed: 
     assert status == 0, err
     plan = json.loads(out)
     assert plan["longest_seq_len"] == 131072 and plan["longest_seq_len_limit"] == "positions"
+
+
+def test_the_default_tile_engages_only_past_it() -> None:
+    from slide_hf.defaults import DEFAULT_SEQ_TILE, resolve_seq_tile
+
+    assert resolve_seq_tile(None, DEFAULT_SEQ_TILE) == 0
+    assert resolve_seq_tile(None, DEFAULT_SEQ_TILE + 1) == DEFAULT_SEQ_TILE
+    assert resolve_seq_tile(0, 1 << 20) == 0 and resolve_seq_tile(512, 100) == 512
+
+
+def test_a_negative_tile_is_one_line(slide: Any) -> None:
+    status, _, err = slide("plan", "--model", "tiny-llama", "--seq-tile", "-1")
+    assert status == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and "--seq-tile" in err
