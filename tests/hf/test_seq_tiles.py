@@ -12,7 +12,7 @@ import pytest
 from slide_hf import build_model, resolve_model
 from slide_hf import setup as run_setup
 from slide_hf.planner import PlanInputs, make_plan
-from slide_hf.planner.seq_tiles import longest_seq_len
+from slide_hf.planner.seq_fit import longest_seq_len
 from slide_hf.presets import run_overrides
 
 GiB = 1 << 30

@@ -33,7 +33,7 @@ from slide_hf.planner import (
     plan_with_placement,
 )
 from slide_hf.planner.plan import check_update_placement
-from slide_hf.planner.seq_tiles import SequenceFit, sequence_fit
+from slide_hf.planner.seq_fit import SequenceFit, sequence_fit
 from slide_hf.sizes import SIZE_RULE
 
 if TYPE_CHECKING:

@@ -12,11 +12,13 @@ The package, one job per module (each imports only the ones above it):
 - :mod:`~slide_hf.sizes`: ``24GiB`` in, ``30.1 GiB`` out;
 - :mod:`~slide_hf.planner.activations`: the bytes a block saves for autograd, measured on the meta device;
 - :mod:`~slide_hf.planner.inputs`: :class:`Bandwidths`, :class:`ModelShape`, :class:`PlanInputs`;
+- :mod:`~slide_hf.planner.seq_tiles`: what tiling the blocks' MLPs and norms over tokens changes (``--seq-tile``);
 - :mod:`~slide_hf.planner.memory`: host, GPU and disk bytes;
 - :mod:`~slide_hf.planner.timing`: step time, overlap and the critical batch;
 - :mod:`~slide_hf.planner.plan`: :class:`Plan`, :func:`make_plan`, :func:`largest_batch`,
   :func:`plan_with_placement`;
-- :mod:`~slide_hf.planner.fit`: :func:`check_fits` against the machine's budgets.
+- :mod:`~slide_hf.planner.fit`: :func:`check_fits` against the machine's budgets;
+- :mod:`~slide_hf.planner.seq_fit`: the longest ``--seq-len`` a GPU budget holds.
 
 Import from ``slide_hf.planner``; the submodules are an implementation detail.
 """
