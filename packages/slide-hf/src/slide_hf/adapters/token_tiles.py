@@ -148,7 +148,7 @@ def tiling_of(model: Any) -> SeqTiling | None:
 
 
 def use_seq_tile(model: Any, tile_tokens: int) -> None:
-    """Run ``model``'s MLPs over tiles of ``tile_tokens`` tokens from now on (0: untiled); a model without
+    """Run ``model``'s MLPs and norms over tiles of ``tile_tokens`` tokens from now on (0: untiled); a model without
     tiling (not one of the adapters') is left as it is."""
     tiling = tiling_of(model)
     if tiling is not None:
