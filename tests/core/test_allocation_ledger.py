@@ -12,11 +12,11 @@ import torch
 
 from slide_core import AdamWConfig, HostParameters
 from slide_core.allocation_ledger import AllocationLedger, held_host_bytes
-from slide_core.collectives import SingleProcess, shard_span
+from slide_core.collectives import shard_span
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
-from slide_core.testing import ToyConfig, ToyModel, load_init, toy_init
+from slide_core.testing import ShardedRank, ToyConfig, ToyModel, load_init, toy_init
 
 
 class _Owner:
@@ -67,17 +67,6 @@ def test_what_an_object_holds_is_read_when_the_ledger_is() -> None:
     assert ledger.reading().buffers["optimizer_scratch"] == 4 * 256 + 100
 
 
-class _Rank(SingleProcess):
-    """Rank ``rank`` of ``world_size`` for the shards an engine is built with; its collectives do nothing."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__()
-        self.rank, self.world_size = rank, world_size
-
-    def span(self, numel: int) -> tuple[int, int]:
-        return shard_span(numel, self.rank, self.world_size)
-
-
 @pytest.mark.parametrize(("rank", "world"), [(0, 1), (0, 2), (1, 2)])
 @pytest.mark.parametrize("master_format", ["fp32", "split"])
 def test_a_rank_counts_its_shards(rank: int, world: int, master_format: str) -> None:
@@ -91,7 +80,7 @@ def test_a_rank_counts_its_shards(rank: int, world: int, master_format: str) -> 
         compute_dtype=dtype, master_format=master_format, transfer_chunk_numel=4096, skip_nonfinite=False
     )
     optimizer = TorchAdamW(AdamWConfig())
-    with CPUDevice() as device, _Rank(rank, world) as collectives:
+    with CPUDevice() as device, ShardedRank(rank, world) as collectives:
         host = HostParameters(model, master_format=master_format)
         load_init(host, toy_init(model, seed=0))
         with Engine(model, device, host, optimizer, config, process_group=collectives) as engine:

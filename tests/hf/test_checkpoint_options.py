@@ -54,6 +54,19 @@ def _losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
+def _checkpoints_before_each_save(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The step folders on disk as each checkpoint save begins, one list per save, filled as the run goes."""
+    seen: list[list[str]] = []
+    save = recipe.save_checkpoint
+
+    def spy(root: Path, step: int, *args: Any, **kwargs: Any) -> Path:
+        seen.append(sorted(p.name for p in root.glob("step-*")) if root.is_dir() else [])
+        return save(root, step, *args, **kwargs)
+
+    monkeypatch.setattr(recipe, "save_checkpoint", spy)
+    return seen
+
+
 # -- retention ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("save_async", [False, True])
 def test_keep_one_with_save_best_keeps_the_newest_and_an_older_best(
@@ -139,14 +152,7 @@ def test_the_older_best_stays_until_the_new_best_is_written(tmp_path: Path, monk
     """--save-delete-first makes room before the save of a new best: the older best is still the best
     then (the new one is not on disk), so it stays until the new one is published."""
     _scripted(monkeypatch, {1: 3.0, 2: 1.0, 3: 2.0, 4: 0.5, 5: 0.7})
-    seen: list[list[str]] = []
-    save = recipe.save_checkpoint
-
-    def spy(root: Path, step: int, *args: Any, **kwargs: Any) -> Path:
-        seen.append(sorted(p.name for p in root.glob("step-*")) if root.is_dir() else [])
-        return save(root, step, *args, **kwargs)
-
-    monkeypatch.setattr(recipe, "save_checkpoint", spy)
+    seen = _checkpoints_before_each_save(monkeypatch)
     run = tmp_path / "run"
     common = dict(eval_fraction=0.2, eval_every=1, save_best=True, save_every=1, keep_checkpoints=1)
     train(_config(run, steps=5, save_delete_first=True, **common))
@@ -247,14 +253,7 @@ def test_weights_staging_is_a_killed_runs_leftover(tmp_path: Path) -> None:
 # -- delete first ---------------------------------------------------------------------------------------------
 def test_save_delete_first_deletes_before_it_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
-    seen: list[list[str]] = []
-    save = recipe.save_checkpoint
-
-    def spy(root: Path, step: int, *args: Any, **kwargs: Any) -> Path:
-        seen.append(sorted(p.name for p in root.glob("step-*")) if root.is_dir() else [])
-        return save(root, step, *args, **kwargs)
-
-    monkeypatch.setattr(recipe, "save_checkpoint", spy)
+    seen = _checkpoints_before_each_save(monkeypatch)
     train(_config(run, steps=4, save_every=1, keep_checkpoints=2, save_delete_first=True))
     # What the disk held as each save began: never more than --keep-checkpoints - 1.
     assert seen == [[], ["step-00000001"], ["step-00000002"], ["step-00000003"]]

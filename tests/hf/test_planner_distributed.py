@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from slide_core import AdamWConfig, HostParameters
-from slide_core.collectives import SingleProcess, shard_span
+from slide_core.collectives import shard_span
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import TorchAdamW
-from slide_core.testing import PinRecordingDevice, ToyConfig, ToyModel
+from slide_core.testing import PinRecordingDevice, ShardedRank, ToyConfig, ToyModel
 from slide_hf.errors import UserError
 from slide_hf.planner import Bandwidths, ModelShape, PlanInputs, make_plan
 from slide_hf.planner.distributed import Interconnect, plan_data_parallel
@@ -84,17 +84,6 @@ def test_scaling_by_hand(per_node: int, nodes: int, accum: int) -> None:
     assert dp.tokens_per_step == world * 2 * 128 * accum
 
 
-class _Rank(SingleProcess):
-    """Rank ``rank`` of ``world_size``, for the shards an engine is built with; its collectives do nothing."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__()
-        self.rank, self.world_size = rank, world_size
-
-    def span(self, numel: int) -> tuple[int, int]:
-        return shard_span(numel, self.rank, self.world_size)
-
-
 @pytest.mark.parametrize("master_format", ["fp32", "split"])
 @pytest.mark.parametrize(("rank", "world"), [(0, 1), (0, 2), (1, 2), (2, 3)])
 @pytest.mark.parametrize("resident", [("block.1",), ("embedding", "block.2")])
@@ -110,7 +99,7 @@ def test_the_pinned_master_is_what_the_engine_page_locks(
     dtype = torch.bfloat16 if master_format == "split" else torch.float32
     config = EngineConfig(compute_dtype=dtype, master_format=master_format, resident_units=on_device)
     host_units = [unit for unit in model.units if unit.name not in on_device]
-    with PinRecordingDevice() as device, _Rank(rank, world) as collectives:
+    with PinRecordingDevice() as device, ShardedRank(rank, world) as collectives:
         host = HostParameters(model, master_format=master_format)
         with Engine(model, device, host, TorchAdamW(AdamWConfig()), config, process_group=collectives):
             h2d_plane = host.store.h2d_plane.untyped_storage().data_ptr()

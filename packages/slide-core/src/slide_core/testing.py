@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from slide_core.collectives import SingleProcess, shard_span
 from slide_core.devices.cpu import CPUDevice
 from slide_core.host_params import HostParameters
 from slide_core.unit import ParamLayout, SlideModel, Unit, UnitRole
 
 __all__ = [
     "PinRecordingDevice",
+    "ShardedRank",
     "ToyConfig",
     "ToyModel",
     "document_mask",
@@ -284,3 +286,15 @@ class PinRecordingDevice(CPUDevice):
 
     def unpin_host_range(self, tensor: torch.Tensor) -> None:
         self.unpinned.append(tensor)
+
+
+class ShardedRank(SingleProcess):
+    """Rank ``rank`` of ``world_size`` for the shards an engine is built with, in one process: its collectives
+    do nothing, so a test builds each rank's engine alone and checks what that rank holds."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__()
+        self.rank, self.world_size = rank, world_size
+
+    def span(self, numel: int) -> tuple[int, int]:
+        return shard_span(numel, self.rank, self.world_size)
