@@ -23,7 +23,7 @@ __all__ = ["Progress", "fit_fields", "format_duration"]
 log = logging.getLogger("slide.train")
 
 _LABEL = "train"
-_KEEP_ORDER = ("step", "eta", "loss", "tok/s", "grad norm", "overlap", "TFLOPS", "GPU", "host")
+_KEEP_ORDER = ("step", "eta", "loss", "reward acc", "margin", "tok/s", "grad norm", "overlap", "TFLOPS", "GPU", "host")
 """Which fields a narrow line keeps, most important first (they are shown in the line's own order)."""
 
 
@@ -134,6 +134,9 @@ class Progress:
     def _fields(self, record: dict[str, Any], remaining: float | None) -> list[tuple[str, str]]:
         """``(key, text)`` of each field of the status, in the line's order (keys as in ``_KEEP_ORDER``)."""
         fields = [("loss", f"loss {record['loss']:.4f}")]
+        if record.get("rewards/accuracies") is not None:  # a preference run (docs/preference.md)
+            fields.append(("reward acc", f"reward acc {record['rewards/accuracies']:.2f}"))
+            fields.append(("margin", f"margin {record['rewards/margins']:.3g}"))
         if record.get("grad_norm") is not None:
             fields.append(("grad norm", f"grad norm {record['grad_norm']:.3g}"))
         fields.append(("tok/s", f"{record['tokens_per_s']:,.0f} tok/s"))

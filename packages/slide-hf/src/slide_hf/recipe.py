@@ -73,6 +73,7 @@ from slide_hf.model_checkpoint import load_best_for_export, read_best
 from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.plan_check import PlanCheck
 from slide_hf.planner import output_disk as disk
+from slide_hf.preference.run import attach_objective, load_preference_data, preference_metrics, run_reference
 from slide_hf.progress import Progress
 from slide_hf.resume import (
     check_same_data,
@@ -196,6 +197,7 @@ def _train(
         only = cfg.init_weights_only
         init = init_point(cfg.init_from, model.slide_model, weights_only=only, state_format=cfg.optimizer_state.value)
     data = _setup_data_once(cfg, model, run_dir.path, group, resumed)
+    preference = attach_objective(cfg, model.slide_model, data.dataset)  # None for SFT (docs/preference.md)
     optimizer = _setup_optimizer(cfg, options)
     if main:
         disk.check_output_disk(run_dir.path, _output_disk(cfg, model, optimizer, data.total_steps))
@@ -210,6 +212,14 @@ def _train(
         if main:
             tokenizer_dir = _save_tokenizer(model.tokenizer, model.config, run_dir.path, model.model_dir)
             run_dir.record_outputs()  # what --overwrite may remove later (slide_hf/run_files.py)
+        if preference is not None and cfg.ref_model is not None:  # DPO's reference pass, its own weights and engine
+            reference = _setup_weights(cfg, dataclasses.replace(model, model_dir=cfg.ref_model), optimizer, group)
+            with _setup_engine(model, device, reference, optimizer, options, placement, run_dir, group) as ref_engine:
+                run_reference(
+                    cfg, preference, data.dataset, run_dir.path / DATA_CACHE, model.model_dir, device.torch_device,
+                    evaluate=ref_engine.evaluate, resumed=resumed is not None,
+                )  # fmt: skip
+            del reference
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
         trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group)
         trainer.resumed = resumed
@@ -217,6 +227,11 @@ def _train(
         trainer.plan = placement.plan
         trainer.meter = InStepMeter(placement.plan)
         with trainer.stop, parts as engine:
+            if preference is not None and cfg.ref_model is None:  # DPO: the starting weights are the reference
+                run_reference(
+                    cfg, preference, data.dataset, run_dir.path / DATA_CACHE, model.model_dir, device.torch_device,
+                    evaluate=engine.evaluate, resumed=resumed is not None,
+                )  # fmt: skip
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
             # host never holds both (Note [Resident host copies] in slide_core's engine). The whole master
@@ -728,6 +743,8 @@ class _Trainer:
         counted = self.group.sum_counts([real_tokens, *self.stop.local_flags()], "the sum of the step's real tokens")
         real_tokens = counted[0]
         self.stop.agree(counted[1:])
+        # DPO/SimPO: TRL's rewards/* and logps/* (a CPU-GPU sync, once per step); nothing for SFT.
+        preference = preference_metrics(getattr(self.model.slide_model.head, "preference", None))
         if self.run_log is None:
             return
         record = {
@@ -745,6 +762,7 @@ class _Trainer:
             "skipped": result.skipped,
             "gpu_mem_peak_gb": self.device.peak_memory_bytes() / 1e9,
             "host_rss_gb": self._process.memory_info().rss / 1e9,
+            **preference,
         }
         assert self.progress is not None
         self.progress.update(record)  # adds the time remaining, eta_s
@@ -913,6 +931,8 @@ def _load_data(cfg: TrainConfig, tokenizer: Any, options: DataOptions, cache_dir
     packing, so no document is in both; --eval-data is prepared with the same options."""
     from slide_hf.data.notes import each_note_once
 
+    if cfg.preference:  # pairs, kept together in rows (slide_hf/data/preference.py); no evaluation split
+        return load_preference_data(cfg, tokenizer, options), None
     with each_note_once():  # a note on the template is said once for --data and --eval-data
         if cfg.eval_fraction > 0:
             return load_split(

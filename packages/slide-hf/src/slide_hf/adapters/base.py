@@ -43,6 +43,8 @@ from slide_hf.adapters.tiled_mlp import tile_mlps
 from slide_hf.adapters.tiled_norm import tile_norms
 from slide_hf.adapters.token_tiles import SeqTiling
 from slide_hf.errors import UserError
+from slide_hf.preference.head import PreferenceHead
+from slide_hf.preference.tags import pair_count
 
 __all__ = [
     "IGNORE_INDEX",
@@ -228,6 +230,9 @@ class HeadUnit(HFUnit):
         self.norm_name = norm_name
         self.lm_head_name = lm_head_name
         self.softcap = softcap
+        self.preference: PreferenceHead | None = None
+        """A preference objective's loss (``--objective dpo|simpo``, slide_hf/preference/head.py) instead of
+        the token cross-entropy; None for SFT."""
 
     def forward(self, params: Mapping[str, torch.Tensor], x: torch.Tensor, inputs: HFInputs) -> torch.Tensor:
         return self.forward_into(params, x, inputs, {})
@@ -236,6 +241,8 @@ class HeadUnit(HFUnit):
     def grads_in_forward(self) -> frozenset[str]:
         """The LM head matrix, when slide-kernels' fused loss (which makes its gradient in the forward)
         is installed."""
+        if self.preference is not None:  # its weighted cross-entropy returns the gradient through autograd
+            return frozenset()
         return frozenset({self.lm_head_name}) if _fused_linear_cross_entropy() is not None else frozenset()
 
     def forward_into(
@@ -246,9 +253,17 @@ class HeadUnit(HFUnit):
         grad_into: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
         hidden = self.call(self.norm_name, params, x)
-        weight = params[self.lm_head_name]
+        return self.loss_of(hidden, params[self.lm_head_name], inputs, grad_into.get(self.lm_head_name))
+
+    def loss_of(
+        self, hidden: torch.Tensor, weight: torch.Tensor, inputs: HFInputs, grad_weight_out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The head's loss on its final hidden state: the summed token cross-entropy, or with a preference
+        objective the summed pair losses (Note [Preference loss through a weighted cross-entropy])."""
+        if self.preference is not None:
+            return self.preference.loss_sum(hidden, weight, inputs.shift_labels, softcap=self.softcap)
         return causal_lm_loss_sum(
-            hidden, weight, inputs.shift_labels, softcap=self.softcap, grad_weight_out=grad_into.get(self.lm_head_name)
+            hidden, weight, inputs.shift_labels, softcap=self.softcap, grad_weight_out=grad_weight_out
         )
 
 
@@ -547,6 +562,13 @@ class HFCausalLM(SlideModel):
                 rotary = self.rotary_embedding(self.config)  # type: ignore[misc]
             self._rotary[device] = rotary
         return rotary
+
+    def loss_token_count(self, labels: torch.Tensor) -> int:
+        """The step's divisor: label tokens, or with a preference objective the pairs (Note [Tagged
+        preference labels] in slide_hf/preference/tags.py), so the loss is the mean over the step's pairs."""
+        if self.head.preference is not None:
+            return pair_count(labels)
+        return super().loss_token_count(labels)
 
     def extra_tensors_bytes(self) -> int:
         """Rotary buffers (``inv_freq`` and its copy, fp32): the only device state outside units."""

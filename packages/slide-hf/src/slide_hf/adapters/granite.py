@@ -23,7 +23,7 @@ from transformers.models.granite.modeling_granite import (
     GraniteRotaryEmbedding,
 )
 
-from slide_hf.adapters.base import EmbeddingUnit, HeadUnit, HFCausalLM, HFInputs, causal_lm_loss_sum
+from slide_hf.adapters.base import EmbeddingUnit, HeadUnit, HFCausalLM, HFInputs
 
 __all__ = ["GraniteAdapter", "GraniteEmbedding", "GraniteHead"]
 
@@ -54,10 +54,7 @@ class GraniteHead(HeadUnit):
         grad_into: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
         hidden = self.call(self.norm_name, params, x) / self.logits_scaling
-        weight = params[self.lm_head_name]
-        return causal_lm_loss_sum(
-            hidden, weight, inputs.shift_labels, softcap=self.softcap, grad_weight_out=grad_into.get(self.lm_head_name)
-        )
+        return self.loss_of(hidden, params[self.lm_head_name], inputs, grad_into.get(self.lm_head_name))
 
 
 class GraniteAdapter(HFCausalLM):

@@ -32,10 +32,12 @@ from slide_hf.options.schema import (
     Command,
     DecayShape,
     Declared,
+    DpoLoss,
     DType,
     EngineField,
     LrSchedule,
     MasterFormat,
+    Objective,
     SaveDType,
     StateFormat,
     UpdatePlacement,
@@ -198,6 +200,40 @@ class TrainConfig:
         "or refuse the conversation (default {default})",
         commands=_TRAIN_DATA,
         choices=SystemMessage,
+    )
+    objective: Objective = option(
+        Objective.SFT,
+        help="what to train: sft (next-token loss), dpo or simpo (preference pairs: records of prompt, chosen and "
+        "rejected; docs/preference.md) (default {default})",
+        commands=_TRAIN_DATA,
+        choices=Objective,
+    )
+    beta: float | None = option(
+        None,
+        help="dpo/simpo: the reward scale (default 0.1 for dpo, 2.0 for simpo)",
+        rule=Rule("float", 0, low_open=True),
+    )
+    gamma: float = option(
+        0.5,
+        help="simpo: the target reward margin, subtracted after the beta scaling as TRL's simpo_gamma: "
+        "loss = -logsigmoid(beta * (avg_chosen - avg_rejected) - gamma) (default {default})",
+        rule=Rule("float", 0),
+    )
+    dpo_loss: DpoLoss = option(
+        DpoLoss.SIGMOID,
+        help="dpo: the loss on the reward margin, sigmoid (the DPO paper's) or ipo (default {default})",
+        choices=DpoLoss,
+    )
+    label_smoothing: float = option(
+        0.0,
+        help="dpo sigmoid and simpo: the assumed fraction of flipped labels (conservative DPO, as TRL's "
+        "label_smoothing), in [0, 0.5) (default 0)",
+        rule=Rule("float", 0, 0.5, high_open=True),
+    )
+    ref_model: Path | None = option(
+        None,
+        help="dpo: the reference model's directory (default: the starting model, or --init-from's weights)",
+        metavar="DIR",
     )
     batch_size: int = option(
         4,
@@ -526,6 +562,18 @@ class TrainConfig:
         return self.eval_data is not None or self.eval_fraction > 0
 
     @property
+    def preference(self) -> bool:
+        """Whether the run trains on preference pairs (dpo, simpo) rather than next-token loss."""
+        return self.objective != Objective.SFT
+
+    @property
+    def resolved_beta(self) -> float:
+        """``--beta``, or the objective's default: 0.1 for DPO (TRL's), 2.0 for SimPO (the SimPO paper's)."""
+        if self.beta is not None:
+            return self.beta
+        return 2.0 if self.objective == Objective.SIMPO else 0.1
+
+    @property
     def max_record_bytes(self) -> int:
         """``--max-record-size`` in bytes (default 8 MiB, docs/data.md)."""
         from slide_hf.data.readers import DEFAULT_MAX_RECORD_BYTES
@@ -561,7 +609,9 @@ _BY_NAME = {item.name: item for item in _TRAIN_OPTIONS}
 RULES: dict[str, Rule] = {item.name: rule for item in _TRAIN_OPTIONS if (rule := item.spec.value_rule()) is not None}
 """Option name (underscored, as in TOML and the Python API) -> what one value accepts. ``None`` always
 passes where the field allows it (``steps``, ``epochs``, ``lr``: "choose for me")."""
-_PATH_FIELDS = frozenset({"tokenizer", "output", "eval_data", "metrics", "resume", "init_from", "nvme_dir"})
+_PATH_FIELDS = frozenset(
+    {"tokenizer", "output", "eval_data", "metrics", "resume", "init_from", "nvme_dir", "ref_model"}
+)
 
 
 def installed_names(name: str) -> str:

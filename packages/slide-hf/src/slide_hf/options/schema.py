@@ -34,9 +34,11 @@ __all__ = [
     "DType",
     "DecayShape",
     "Declared",
+    "DpoLoss",
     "EngineField",
     "LrSchedule",
     "MasterFormat",
+    "Objective",
     "SaveDType",
     "Spec",
     "StateFormat",
@@ -110,6 +112,22 @@ class LrSchedule(enum.StrEnum):
 class DecayShape(enum.StrEnum):
     LINEAR = "linear"
     COSINE = "cosine"
+
+
+class Objective(enum.StrEnum):
+    """What a run optimizes (docs/preference.md): next-token cross-entropy, or a preference loss over pairs."""
+
+    SFT = "sft"
+    DPO = "dpo"
+    SIMPO = "simpo"
+
+
+class DpoLoss(enum.StrEnum):
+    """DPO's loss on the reward margin, as TRL's ``loss_type`` names them: the paper's log-sigmoid, or IPO's
+    squared distance to ``1 / (2 beta)``."""
+
+    SIGMOID = "sigmoid"
+    IPO = "ipo"
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,53 @@ def _disk_tier_needs_a_directory(name: str) -> Callable[[TrainConfig, int], None
     return check
 
 
+def _preference_option(name: str, objectives: tuple[str, ...], changed: Callable[[TrainConfig], bool]) -> CrossRule:
+    """An option of the preference losses (``--beta``, ``--gamma``, ...) acts only under ``objectives``:
+    given under another objective it would change nothing, silently, so it is refused in one line."""
+
+    def check(cfg: TrainConfig, world_size: int) -> None:
+        if changed(cfg) and cfg.objective.value not in objectives:
+            needed = " or ".join(option("objective", name) for name in objectives)
+            raise UserError(f"{option(name)} acts only with {needed}, got {option('objective', cfg.objective.value)}")
+
+    return CrossRule((name, "objective"), check)
+
+
+def _smoothing_is_not_ipo(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.label_smoothing > 0 and cfg.objective == "dpo" and cfg.dpo_loss == "ipo":
+        raise UserError(
+            f"{option('label_smoothing')} smooths the sigmoid loss; {option('dpo_loss', 'ipo')} has none "
+            "(as in TRL); drop one"
+        )
+
+
+def _preference_without(name: str, why: str) -> CrossRule:
+    """An option the preference objectives do not take yet: refused in one line rather than ignored."""
+
+    def check(cfg: TrainConfig, world_size: int) -> None:
+        value = getattr(cfg, name)
+        if cfg.preference and value not in (None, False, 0, 0.0, ()):
+            raise UserError(f"{option(name)} does not run with {option('objective', cfg.objective.value)} yet: {why}")
+
+    return CrossRule((name, "objective"), check)
+
+
+def _preference_is_one_process(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.preference and world_size > 1:
+        raise UserError(
+            f"{option('objective', cfg.objective.value)} does not run with data parallel ({world_size} processes) yet: "
+            "its reference pass and metrics are one process's"
+        )
+
+
+def _preference_is_one_source(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.preference and isinstance(cfg.data, tuple):
+        raise UserError(
+            f"{option('objective', cfg.objective.value)} trains on one {option('data')} source of pairs; got "
+            f"{len(cfg.data)}"
+        )
+
+
 CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule(("lr", "weight_decay"), _weight_decay),
     CrossRule(("eval_data", "eval_fraction"), _one_eval_source),
@@ -164,6 +211,18 @@ CROSS_RULES: tuple[CrossRule, ...] = (
         ("save_async",),
         _one_process_saving("save_async", "the ranks publish a checkpoint together, between steps"),
     ),
+    # The preference objectives (docs/preference.md).
+    _preference_option("beta", ("dpo", "simpo"), lambda cfg: cfg.beta is not None),
+    _preference_option("gamma", ("simpo",), lambda cfg: cfg.gamma != 0.5),
+    _preference_option("dpo_loss", ("dpo",), lambda cfg: cfg.dpo_loss != "sigmoid"),
+    _preference_option("label_smoothing", ("dpo", "simpo"), lambda cfg: cfg.label_smoothing > 0),
+    _preference_option("ref_model", ("dpo",), lambda cfg: cfg.ref_model is not None),
+    CrossRule(("label_smoothing", "dpo_loss", "objective"), _smoothing_is_not_ipo),
+    CrossRule(("data", "objective"), _preference_is_one_source),
+    CrossRule(("objective",), _preference_is_one_process),
+    _preference_without("train_on_inputs", "the loss is on each pair's completions alone"),
+    _preference_without("eval_data", "the evaluation measures next-token loss"),
+    _preference_without("eval_fraction", "the evaluation measures next-token loss"),
 )
 """Every cross-option rule, in the order they are checked (the first that fails is the one line)."""
 

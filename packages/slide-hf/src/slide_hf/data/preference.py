@@ -1,0 +1,283 @@
+"""Preference pairs (``prompt``, ``chosen``, ``rejected``) to rows that keep each pair together.
+
+A record holds a prompt and two completions, either as strings or in TRL's conversational format (the
+prompt a list of messages, each completion a list holding the assistant turn). Each completion becomes
+one sequence, prompt + completion, encoded as SFT encodes a conversation (:mod:`slide_hf.data.chat`, loss
+exactly on the assistant's tokens) when the tokenizer has a chat template, else as plain text (the prompt
+with the tokenizer's special tokens, the completion and EOS); the loss is on the completion alone, never
+on the prompt (earlier assistant turns of a conversational prompt included).
+
+Lengths, as TRL's ``max_length`` with ``truncation_mode="keep_start"``: both sequences of a pair go in one
+row of ``--seq-len`` tokens, so each may hold ``seq_len // 2`` tokens; a longer one loses the end of its
+completion (the pair is counted as truncated, never silently), and a prompt that leaves no completion
+token within that limit is refused in one line, as are a missing or empty completion and a pair whose two
+completions are the same.
+
+Rows: a pair's chosen sequence, then its rejected one, each a document of its own (position ids restart,
+no attention across them; each document's first label is ``IGNORE``). With packing, pairs fill rows in
+file order, a new row when the next pair does not fit; without, one pair per row. Labels carry which
+completion they belong to (Note [Tagged preference labels] in slide_hf/preference/tags.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from slide_hf.data.chat import ChatEncoder
+from slide_hf.data.dataset import Dataset, DataStats, SourcePart, open_source
+from slide_hf.data.options import IGNORE, DataOptions
+from slide_hf.data.readers import Record
+from slide_hf.data.schemas import ChatExample, _content, _messages, _type
+from slide_hf.data.templates import resolve_template
+from slide_hf.errors import UserError
+from slide_hf.preference.tags import tag_labels
+from slide_hf.spelling import option
+
+__all__ = ["EncodedPair", "PairEncoder", "PairExample", "load_pairs", "parse_pair", "preview_pairs"]
+
+Turns = str | list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PairExample:
+    """One record: a prompt and two completions, each a string or a list of messages."""
+
+    where: str
+    prompt: Turns
+    chosen: Turns
+    rejected: Turns
+
+
+@dataclass(frozen=True)
+class EncodedPair:
+    """A pair as trained: each sequence's int32 token ids and labels (``IGNORE`` off the completion)."""
+
+    where: str
+    chosen: tuple[np.ndarray, np.ndarray]
+    rejected: tuple[np.ndarray, np.ndarray]
+    prompt_tokens: int
+    truncated: bool
+
+    def documents(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        yield self.chosen
+        yield self.rejected
+
+    @property
+    def tokens(self) -> int:
+        return len(self.chosen[0]) + len(self.rejected[0])
+
+
+def parse_pair(record: Record) -> PairExample:
+    """The pair ``record`` holds, or one :class:`UserError` line naming the record and the field."""
+    where, fields = record.where, record.fields
+    for key in ("prompt", "chosen", "rejected"):
+        if fields.get(key) is None:
+            found = ", ".join(sorted(map(str, fields))) or "none"
+            raise UserError(
+                f"{where}: a preference pair needs 'prompt', 'chosen' and 'rejected'; no '{key}' (found: {found})"
+            )
+    prompt = _turns(fields["prompt"], where, "prompt", completion=False)
+    chosen = _turns(fields["chosen"], where, "chosen", completion=True)
+    rejected = _turns(fields["rejected"], where, "rejected", completion=True)
+    if isinstance(prompt, str) != isinstance(chosen, str) or isinstance(chosen, str) != isinstance(rejected, str):
+        raise UserError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings or all be message lists")
+    if chosen == rejected:
+        raise UserError(f"{where}: 'chosen' and 'rejected' are the same; a pair must prefer one completion to another")
+    return PairExample(where, prompt, chosen, rejected)
+
+
+def _turns(value: Any, where: str, key: str, *, completion: bool) -> Turns:
+    if isinstance(value, str):
+        if completion and not value.strip():
+            raise UserError(f"{where}: '{key}' is empty; a completion needs text to train")
+        return value
+    if not isinstance(value, list):
+        raise UserError(f"{where}: '{key}' must be a string or a list of messages, got {_type(value)}")
+    if not value:
+        raise UserError(f"{where}: '{key}' is empty")
+    messages = _messages(value, f"{where}: {key}")
+    if completion:
+        replies = [m for m in messages if m["role"] == "assistant"]
+        if not replies:
+            raise UserError(f"{where}: '{key}' holds no assistant message")
+        if not any(_content(m["content"], where, key).strip() for m in replies):
+            raise UserError(f"{where}: '{key}' is empty; a completion needs text to train")
+    return messages
+
+
+class PairEncoder:
+    """Token ids and completion-only labels of pairs, with the chat template when there is one."""
+
+    def __init__(self, tokenizer: Any, options: DataOptions) -> None:
+        self.tokenizer = tokenizer
+        self.limit = options.seq_len // 2
+        template = resolve_template(tokenizer, options.chat_template)
+        self.chat = (
+            ChatEncoder(
+                tokenizer,
+                template,
+                train_on_inputs=False,
+                keep_reasoning=options.keep_reasoning,
+                system_message=options.system_message,
+            )
+            if template
+            else None
+        )
+        self.vocab_size = options.vocab_size
+
+    def encode(self, pair: PairExample) -> EncodedPair:
+        chosen = self._sequence(pair.where, pair.prompt, pair.chosen)
+        rejected = self._sequence(pair.where, pair.prompt, pair.rejected)
+        prompt_tokens = min(_first_trained(chosen[1]), _first_trained(rejected[1]))
+        if prompt_tokens >= self.limit:
+            raise UserError(
+                f"{pair.where}: the prompt is {prompt_tokens} tokens, and each sequence of a pair may hold "
+                f"{self.limit} ({option('seq_len')} / 2); shorten the prompt or raise {option('seq_len')}"
+            )
+        truncated = max(len(chosen[0]), len(rejected[0])) > self.limit
+        return EncodedPair(pair.where, self._cut(chosen), self._cut(rejected), prompt_tokens, truncated)
+
+    def _cut(self, sequence: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        ids, labels = sequence[0][: self.limit], sequence[1][: self.limit].copy()
+        labels[0] = IGNORE  # a document's first token is predicted by nothing in its row
+        return ids, labels
+
+    def _sequence(self, where: str, prompt: Turns, completion: Turns) -> tuple[np.ndarray, np.ndarray]:
+        if self.chat is not None:
+            ids, labels = self._chat(where, prompt, completion)
+        else:
+            ids, labels = self._plain(where, prompt, completion)
+        if self.vocab_size is not None and len(ids) and int(ids.max()) >= self.vocab_size:
+            raise UserError(
+                f"{where}: token id {int(ids.max())} is outside the model's vocabulary of {self.vocab_size}"
+            )
+        if not (labels != IGNORE).any():
+            raise UserError(f"{where}: the completion renders to no token to train")
+        return ids, labels
+
+    def _chat(self, where: str, prompt: Turns, completion: Turns) -> tuple[np.ndarray, np.ndarray]:
+        assert self.chat is not None
+        prompt_turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        reply_turns = (
+            [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
+        )
+        (encoded,) = self.chat.encode([ChatExample(where, prompt_turns + reply_turns)])
+        labels = encoded.labels.copy()
+        keep = sum(1 for m in reply_turns if m["role"] == "assistant")
+        _keep_last_runs(labels, keep)  # the prompt's own assistant turns are context, not trained
+        return encoded.input_ids.astype(np.int32), labels.astype(np.int32)
+
+    def _plain(self, where: str, prompt: Turns, completion: Turns) -> tuple[np.ndarray, np.ndarray]:
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise UserError(
+                f"{where}: a conversational pair needs a chat template; pass {option('chat_template')} (a file, or chatml)"
+            )
+        head = np.asarray(self.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=np.int32)
+        eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        tail_ids = list(self.tokenizer(completion, add_special_tokens=False)["input_ids"]) + eos
+        tail = np.asarray(tail_ids, dtype=np.int32)
+        ids = np.concatenate([head, tail])
+        labels = np.concatenate([np.full(len(head), IGNORE, dtype=np.int32), tail])
+        return ids, labels
+
+
+def _first_trained(labels: np.ndarray) -> int:
+    return int(np.argmax(labels != IGNORE))
+
+
+def _keep_last_runs(labels: np.ndarray, keep: int) -> None:
+    """Untrain every run of trained labels but the last ``keep`` (in place)."""
+    trained = labels != IGNORE
+    starts = np.flatnonzero(trained & ~np.concatenate([[False], trained[:-1]]))
+    if len(starts) > keep:
+        labels[: starts[len(starts) - keep]] = IGNORE
+
+
+def _pairs(source: Any, tokenizer: Any, options: DataOptions, count: int | None = None) -> Iterator[EncodedPair]:
+    reader = open_source(source, max_record_bytes=options.max_record_bytes)
+    encoder = PairEncoder(tokenizer, options)
+    for index, record in enumerate(reader.records()):
+        if count is not None and index >= count:
+            return
+        yield encoder.encode(parse_pair(record))
+
+
+def preview_pairs(source: Any, tokenizer: Any, options: DataOptions, count: int) -> list[EncodedPair]:
+    """The first ``count`` pairs as trained, for `slide data --objective dpo`."""
+    return list(_pairs(source, tokenizer, options, count))
+
+
+def load_pairs(source: Any, tokenizer: Any, options: DataOptions) -> Dataset:
+    """Every pair of ``source`` in rows (see the module docstring); ``stats.examples`` counts the pairs,
+    ``stats.truncated_examples`` those cut to the limit. Prepared in memory: a pair's two sequences are a
+    few thousand tokens, and the rows are what the reference pass and every step read."""
+    if source is None:
+        raise UserError(f"{option('objective')} dpo and simpo train on pairs: pass {option('data')} FILE")
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    used = options.seq_len
+    pairs = truncated = tokens = loss_tokens = 0
+    for number, pair in enumerate(_pairs(source, tokenizer, options)):
+        documents = [
+            (ids, tag_labels(labels, 2 * number + side)) for side, (ids, labels) in enumerate(pair.documents())
+        ]
+        if not options.packing or used + pair.tokens > options.seq_len:
+            rows.append([])
+            used = 0
+        rows[-1] += documents
+        used += pair.tokens
+        pairs += 1
+        truncated += pair.truncated
+        tokens += pair.tokens
+        loss_tokens += sum(int((labels != IGNORE).sum()) for _, labels in pair.documents())
+    if not pairs:
+        raise UserError(f"{source} holds no preference pair")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    input_ids, labels, positions = _fill(rows, options.seq_len, pad)
+    digest = hashlib.sha256()
+    for array in (input_ids, labels, positions):
+        digest.update(array.tobytes())
+    cells = len(rows) * options.seq_len
+    stats = DataStats(
+        examples=pairs,
+        rows=len(rows),
+        tokens=tokens,
+        loss_tokens=loss_tokens,
+        padding_fraction=(cells - tokens) / cells,
+        truncated_examples=truncated,
+        skipped_examples=0,
+    )
+    name = str(source)
+    return Dataset(
+        torch.from_numpy(input_ids),
+        torch.from_numpy(labels),
+        torch.from_numpy(positions),
+        name,
+        stats,
+        (SourcePart(name, 0, len(rows), pairs, tokens, loss_tokens),),
+        digest.hexdigest(),
+    )
+
+
+def _fill(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, pad: int) -> tuple[np.ndarray, ...]:
+    """The rows as arrays: documents side by side, positions restarting at each, the padding continuing the
+    last document's positions (as slide_hf/data/packing.py lays rows out)."""
+    input_ids = np.full((len(rows), seq_len), pad, dtype=np.int32)
+    labels = np.full((len(rows), seq_len), IGNORE, dtype=np.int64)
+    positions = np.empty((len(rows), seq_len), dtype=np.int32)
+    for row, documents in enumerate(rows):
+        cursor = 0
+        for ids, tagged in documents:
+            length = len(ids)
+            input_ids[row, cursor : cursor + length] = ids
+            labels[row, cursor : cursor + length] = tagged
+            positions[row, cursor : cursor + length] = np.arange(length)
+            cursor += length
+        start = positions[row, cursor - 1] + 1
+        positions[row, cursor:] = np.arange(start, start + seq_len - cursor)
+    return input_ids, labels, positions

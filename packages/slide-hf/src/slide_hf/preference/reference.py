@@ -1,0 +1,106 @@
+"""DPO's reference log-probabilities: one forward-only sliding pass before training, kept in the run.
+
+Note [Reference pass once per run]: DPO compares the policy with a frozen reference (the starting weights,
+or ``--ref-model``). Its log-probabilities of every completion depend only on the reference's weights and
+the prepared pairs, so they are computed once, before the first step, by the engine's own forward-only
+path (``Engine.evaluate``, Note [Evaluation between steps]) with the head collecting per-completion sums
+(preference/head.py), and saved in the run directory under a name made of the data digest and a
+fingerprint of the reference's weight files. A resumed run finds them there and never recomputes them: its
+own weights are no longer the reference's. Tested by ``test_resume_reuses_the_reference_pass``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slide_hf.errors import UserError
+from slide_hf.preference.head import PreferenceHead
+from slide_hf.progress import format_duration
+
+__all__ = ["REFERENCE_DIR", "compute_reference", "prepare_reference", "reference_path", "weights_fingerprint"]
+
+log = logging.getLogger("slide.train")
+
+REFERENCE_DIR = "reference"
+_LINES = 10
+"""Progress lines a reference pass writes at most (plus the last)."""
+
+
+def weights_fingerprint(source: str | Path, *, extra: str = "") -> str:
+    """A digest of where reference weights come from: every file of a model or checkpoint directory by
+    relative name, size and modification time (reading the weights themselves would cost as much as the
+    pass), or the name itself for a preset (``extra`` then says its seed)."""
+    digest = hashlib.sha256(extra.encode())
+    path = Path(source)
+    if path.is_dir():
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            stat = file.stat()
+            digest.update(f"{file.relative_to(path)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    else:
+        digest.update(str(source).encode())
+    return digest.hexdigest()
+
+
+def reference_path(run: Path, data_digest: str, model_digest: str) -> Path:
+    return run / REFERENCE_DIR / f"logps-{data_digest[:16]}-{model_digest[:16]}.pt"
+
+
+def compute_reference(
+    evaluate: Callable[[Sequence[Any]], Any], head: PreferenceHead, batches: Sequence[Any], device: torch.device
+) -> torch.Tensor:
+    """Run the reference pass over ``batches`` (every row once) through ``evaluate`` (the engine's
+    forward-only path) with ``head`` collecting; returns the log-probabilities, one per completion, on the
+    host. Progress and the time remaining are logged as the pass goes."""
+    head.start_reference(device)
+    total = len(batches)
+    every = max(1, total // _LINES)
+    started = time.perf_counter()
+    try:
+        for done in range(0, total, every):
+            evaluate(batches[done : done + every])
+            finished = min(done + every, total)
+            elapsed = time.perf_counter() - started
+            remaining = elapsed / finished * (total - finished)
+            log.info("reference pass: %d/%d micro-batches  ETA %s", finished, total, format_duration(remaining))
+    finally:
+        head.collecting = False
+    assert head.reference is not None
+    return head.reference.detach().cpu()  # note: a CPU-GPU sync point (once per run)
+
+
+def prepare_reference(
+    head: PreferenceHead,
+    path: Path,
+    device: torch.device,
+    *,
+    compute: Callable[[], torch.Tensor],
+    resumed: bool,
+) -> bool:
+    """Give ``head`` its reference log-probabilities: from ``path`` when a pass of this data and reference
+    was saved there, else from ``compute()`` (then saved). Returns whether the pass ran."""
+    if path.is_file():
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        head.use_reference(saved, device)
+        log.info("reference log-probabilities of %d pairs from %s", head.pairs, path)
+        return False
+    if resumed:
+        raise UserError(
+            f"the reference log-probabilities of this run are not in {path.parent}; a resumed run's weights are no "
+            "longer the reference's, so they cannot be computed again (start the run anew)"
+        )
+    reference = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    torch.save(reference, partial)
+    os.replace(partial, path)
+    head.use_reference(reference, device)
+    log.info("reference log-probabilities of %d pairs saved to %s", head.pairs, path)
+    return True
