@@ -72,6 +72,12 @@ class EngineConfig:
     """Units updated on the device as they stream through it (streamed_pipeline.py): master and optimizer
     state stay in host RAM, travel to the device for the unit's backward and back after its update; the
     gradient never crosses PCIe and the host optimizer does no work for them."""
+    streamable_units: tuple[str, ...] = ()
+    """Units besides ``streamed_units`` that the run may move to the GPU-streamed update, and back, between
+    two steps (:meth:`Engine.place_streamed`, Note [Re-placement at a step boundary] in replacement.py).
+    They start on the host; the streamed path is built for them too (their shards and pinned host ranges,
+    its staging sets sized for the largest of them and ``streamed_units``), so a move allocates nothing.
+    Each keeps its state in the host slabs (neither resident nor offloaded)."""
     staging_sets: int = 3
     """Device staging sets the streamed units take turns in, each sized for the largest streamed unit:
     three let a unit's upload overlap the write-back before it (Note [Three staging sets] in
@@ -104,9 +110,10 @@ class EngineConfig:
         if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0.0):
             raise ValueError(f"max_grad_norm must be a finite number >= 0 (0 = off), got {self.max_grad_norm}")
         for other, what in ((self.resident_units, "resident_units"), (self.offloaded_units, "offloaded_units")):
-            both = sorted(set(self.streamed_units) & set(other))
-            if both:
-                raise ValueError(f"streamed_units and {what} must not share units, both name {', '.join(both)}")
+            for units, name in ((self.streamed_units, "streamed_units"), (self.streamable_units, "streamable_units")):
+                both = sorted(set(units) & set(other))
+                if both:
+                    raise ValueError(f"{name} and {what} must not share units, both name {', '.join(both)}")
         if self.staging_sets < 2:
             raise ValueError(
                 f"staging_sets must be >= 2 (one unit's upload beside another's update), got {self.staging_sets}"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,6 +243,22 @@ class Engine(Evaluation):
         self.device.synchronize()
         self.pipelines.flush()
         self.timeline.resolve(block=True)
+
+    def place_streamed(self, names: Collection[str]) -> tuple[frozenset[str], frozenset[str]]:
+        """Between two steps: update ``names`` on the device as they stream from the next step on, and every
+        other unit of ``EngineConfig.streamable_units`` and ``streamed_units`` on the host. Waits first for
+        every pending update and write-back (Note [Re-placement at a step boundary] in replacement.py: the
+        streamed path was built for all of them, so the move allocates nothing and changes no value).
+        Returns the units moved to the device and to the host; a unit the streamed path was not built for
+        raises ``ValueError``."""
+        self.wait_idle()  # note: CPU-GPU sync point (once per move, never per step)
+        return self.pipelines.place_streamed(names)
+
+    @property
+    def streamed_units(self) -> tuple[str, ...]:
+        """The units updated on the device as they stream now, in forward order (:meth:`place_streamed`)."""
+        placed = self.pipelines.placement.streamed
+        return tuple(unit.name for unit in self.model.units if unit.name in placed)
 
     def _wait_for_updates(self) -> None:
         workers = self.workers

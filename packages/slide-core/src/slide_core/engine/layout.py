@@ -58,7 +58,7 @@ class RunLayout:
         if len(set(names)) != len(names):
             raise ValueError(f"unit names must be unique, got {names}")
         known = set(names)
-        for what in ("resident_units", "streamed_units", "offloaded_units"):
+        for what in ("resident_units", "streamed_units", "streamable_units", "offloaded_units"):
             unknown = sorted(set(getattr(self.config, what)) - known)
             if unknown:
                 raise ValueError(f"EngineConfig.{what} names units the model does not have: {', '.join(unknown)}")
@@ -101,6 +101,12 @@ class RunLayout:
     @functools.cached_property
     def streamed(self) -> frozenset[str]:
         return frozenset(self.config.streamed_units)
+
+    @functools.cached_property
+    def streamable(self) -> frozenset[str]:
+        """Units the streamed path is built for: the streamed ones and those a run may move to it between
+        steps (``EngineConfig.streamable_units``); what its staging is sized for."""
+        return self.streamed | frozenset(self.config.streamable_units)
 
     @functools.cached_property
     def offloaded(self) -> frozenset[str]:

@@ -104,6 +104,7 @@ from .host_span import pinned_spans
 from .host_state import HostState
 from .norms import UnitNorms
 from .pipeline import write_gradients
+from .replacement import StreamedPlacement
 from .shards import UnitShards
 from .slots import ParamSlot
 from .state_store import HostSlabs
@@ -134,12 +135,16 @@ class StreamedPipeline(HostPipeline):
         *,
         shards: UnitShards,
         staging_sets: int = STAGING_SETS,
+        placement: StreamedPlacement | None = None,
     ) -> None:
         super().__init__(
             device, host_params, host_state, optimizer, transfer, workers, norms, timer.timeline, forward_position,
             chunk_numel, shards=shards, store=HostSlabs(host_state),
         )  # fmt: skip
         self.device_optimizer = device_optimizer
+        self.placement = placement or StreamedPlacement(shards.spans, shards.spans)
+        """Which of its units are updated on the device now; the others take the host's path (Note
+        [Re-placement at a step boundary] in replacement.py). None: every one."""
         self.codec = optimizer.split_codec
         """Decodes a staged split master right before its update and encodes it right after, on the
         compute stream (``Optimizer.split_codec``): one launch each with slide_kernels', thousands with
@@ -226,7 +231,7 @@ class StreamedPipeline(HostPipeline):
         return contributions == 1 and not clip.deferred
 
     def _on_device(self, ctx: StepContext, name: str) -> bool:
-        return self.updates_on_device(ctx.clip, ctx.expected[name])
+        return name in self.placement and self.updates_on_device(ctx.clip, ctx.expected[name])
 
     def begin_step(self, ctx: StepContext) -> None:
         super().begin_step(ctx)

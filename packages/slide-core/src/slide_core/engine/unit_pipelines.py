@@ -19,7 +19,7 @@ plugged in: see "Where things plug in" in docs/design/engine.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -40,6 +40,7 @@ from .host_state import HostState
 from .layout import RunLayout
 from .norms import UnitNorms
 from .pipeline import UnitPipeline
+from .replacement import StreamedPlacement
 from .resident import ResidentUnits
 from .resident_pipeline import ResidentPipeline
 from .shards import UnitShards
@@ -80,6 +81,7 @@ class UnitPipelines:
         self.layout = RunLayout.of(model, config)
         """Which unit is resident, streamed or host-optimized, and where its state lives (layout.py)."""
         resident, streamed, on_tier = set(self.layout.resident), set(self.layout.streamed), set(self.layout.offloaded)
+        streamable = set(self.layout.streamable)  # the streamed path's units, on the device now or not
         self.device, self.host_params, self.collectives = device, host_params, collectives
         self.shards = UnitShards(collectives, model.units)
         """This rank's shard ``[lo, hi)`` of every unit (every unit whole in one process)."""
@@ -120,19 +122,24 @@ class UnitPipelines:
                 shards=self._shards(collectives, host_units, names), store=store,
             )  # fmt: skip
 
-        self.host = host_pipeline(set(self.layout.host_optimized) - on_tier, HostSlabs(host_state))
+        self.host = host_pipeline(set(self.layout.host_optimized) - on_tier - streamable, HostSlabs(host_state))
         self._of: dict[str, UnitPipeline] = dict.fromkeys(resident, self.resident)
         self._of.update((unit.name, self.host) for unit in host_units)
         self.distinct: list[UnitPipeline] = [self.resident, self.host]
 
-        # The updater on the device for units that stream: their state in the host slabs.
+        # The updater on the device for units that stream: their state in the host slabs. It owns the
+        # streamable units too, which it updates on the host until moved (Note [Re-placement at a step
+        # boundary] in replacement.py).
+        self.placement = StreamedPlacement(streamable, streamed)
+        """Which streamable units are updated on the device now (:meth:`place_streamed`)."""
         self.streamed = StreamedPipeline(
             device, host_params, host_state, optimizer, device_optimizer, self.transfer, workers, self.norms, timer,
             {unit.name: index for index, unit in enumerate(model.units)}, chunk_numel,
-            shards=self._shards(collectives, host_units, streamed), staging_sets=config.staging_sets,
+            shards=self._shards(collectives, host_units, streamable), staging_sets=config.staging_sets,
+            placement=self.placement,
         )  # fmt: skip
-        if streamed:
-            others = [unit for unit in model.units if unit.name not in streamed]
+        if streamable:
+            others = [unit for unit in model.units if unit.name not in streamable]
             elsewhere = [
                 (host_params.offset(u) + lo, host_params.offset(u) + hi)
                 for u in others
@@ -140,7 +147,7 @@ class UnitPipelines:
             ]
             self.resident.keep_host_pages(*self.streamed.pin_host_ranges(elsewhere))
             self.distinct.append(self.streamed)
-            self._of.update(dict.fromkeys(streamed, self.streamed))
+            self._of.update(dict.fromkeys(streamable, self.streamed))
         if offloaded is not None:
             tier_shards = self._shards(collectives, host_units, on_tier)
             offloaded.keep_shards(tier_shards.partial())  # the tier keeps this rank's shards only
@@ -170,10 +177,14 @@ class UnitPipelines:
         """The units a step with ``clip`` and ``expected`` contributions updates on the device: the
         resident ones, and the streamed ones whose update stands as applied (Note [When a streamed unit is
         updated on the host] in streamed_pipeline.py)."""
-        streamed = self.streamed.shards.spans
         return self.device_updated | {
-            name for name in streamed if self.streamed.updates_on_device(clip, expected[name])
+            name for name in self.placement.streamed if self.streamed.updates_on_device(clip, expected[name])
         }
+
+    def place_streamed(self, names: Collection[str]) -> tuple[frozenset[str], frozenset[str]]:
+        """Between steps, with every update landed: update ``names`` on the device from the next step (Note
+        [Re-placement at a step boundary]). Returns the units moved to the device and to the host."""
+        return self.placement.move(names)
 
     def begin_step(self, ctx: StepContext) -> None:
         for pipeline in self.distinct:
