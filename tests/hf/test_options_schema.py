@@ -211,7 +211,7 @@ ENGINE_SAMPLES: dict[str, Any] = {
     "nvme_fraction": 0.5,
     "offload_activations": "nvme",
     "block_slots": 3,
-    "seq_tile": 512,
+    "seq_tile": 128,
     "dtype": "float32",
     "batch_size": 3,
     "seq_len": 64,

@@ -27,6 +27,7 @@ pytest.importorskip("transformers")
 from slide_core.engine import Engine
 from slide_core.testing import launch_ranks, wait_ranks
 from slide_hf import setup
+from slide_hf.adapters import token_tiles
 from slide_hf.cli.plan import engine_config_dict
 
 _BASE = ("--model", "tiny-llama", "--device", "cpu", "--seq-len", "32", "--batch-size", "2")
@@ -47,6 +48,17 @@ GRID: dict[str, tuple[str, ...]] = {
     "nvme state, all, clipping": ("--offload-optimizer", "nvme", "--max-grad-norm", "1", "--master", "split"),
     "three slots": ("--block-slots", "3", "--optimizer-state", "bf16"),
     "state tier in memory, half": ("--offload-optimizer", "pinned", "--nvme-fraction", "0.5"),
+    "tiled blocks": ("--seq-len", "512", "--seq-tile", "128"),
+    "tiled blocks, clipping, accumulation": (
+        "--seq-len",
+        "256",
+        "--seq-tile",
+        "96",
+        "--max-grad-norm",
+        "1",
+        "--grad-accum",
+        "2",
+    ),
 }
 """`--update-placement gpu` is refused on the CPU device, by plan and train in the same words:
 tests/hf/test_plan_hostile.py."""
@@ -70,6 +82,7 @@ def _recorded_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen["engine_config"] = engine_config_dict(config)
         seen["buffers"] = placement.plan.buffers().to_dict()
         seen["host_peak_bytes"] = placement.plan.host_peak_bytes
+        seen["seq_tile"] = placement.plan.inputs.seq_tile
         return config
 
     stepping = Engine.step
@@ -82,6 +95,13 @@ def _recorded_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     monkeypatch.setattr(setup, "engine_config", recording)
     monkeypatch.setattr(Engine, "step", step)
+    setting = token_tiles.use_seq_tile
+
+    def use_seq_tile(model: Any, tile_tokens: int) -> None:
+        seen["model_seq_tile"] = tile_tokens
+        setting(model, tile_tokens)
+
+    monkeypatch.setattr(token_tiles, "use_seq_tile", use_seq_tile)
     return seen
 
 
@@ -129,6 +149,8 @@ def test_plan_json_is_the_runs_engine_config_buffers_and_host_allocations(
     assert seen["engine_config"] == planned["engine_config"]
     assert seen["buffers"] == planned["buffers"]
     assert seen["host_peak_bytes"] == planned["host_peak_bytes"]
+    # the tile the plan priced is the one the run's blocks take (--seq-tile auto included)
+    assert seen["seq_tile"] == seen["model_seq_tile"] == planned["seq_tile"]
     _held_as_planned(planned["buffers"]["host"], _same_allocations_every_step(seen["steps"]))
 
 
@@ -136,6 +158,7 @@ _RANK = """
 import json, os, sys
 from slide_core.engine import Engine
 from slide_hf import setup
+from slide_hf.adapters import token_tiles
 from slide_hf.cli.main import main
 from slide_hf.cli.plan import engine_config_dict
 

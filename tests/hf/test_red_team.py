@@ -379,6 +379,17 @@ def _numeric_cases() -> list[Case]:
             cases.append(Case(f"plan{flag}={value}", (*PLAN, f"{flag}={value}"), flag))
     for value in ("nan", "inf", "-1", "2"):
         cases.append(Case(f"plan--nvme-fraction={value}", (*PLAN, f"--nvme-fraction={value}"), "--nvme-fraction"))
+    # --seq-tile: a count of tokens, auto or 0; a tile no micro-batch exceeds (TINY's 2 x 16 tokens, the
+    # plan's 2048 of tiny-llama without --seq-len, the demo's 128 in `slide train` without it) would never tile
+    for value in ("-1", "nan", "abc", "1.5", "99999999999999999999", "32", "4096"):
+        cases.append(Case(f"train--seq-tile={value}", (*TRAIN, f"--seq-tile={value}"), "--seq-tile"))
+    for value in ("-1", "nan", "abc", "2048"):
+        cases.append(Case(f"plan--seq-tile={value}", (*PLAN, f"--seq-tile={value}"), "--seq-tile"))
+    cases.append(
+        Case("plan--seq-tile=600,--seq-len=512", (*PLAN, "--seq-len", "512", "--seq-tile", "600"), "--seq-tile")
+    )
+    no_seq_len = ("train", "--output", "{tmp}/out", "--model", "{model}", "--device", "cpu", "--steps", "1")
+    cases.append(Case("train--seq-tile=100000,no--seq-len", (*no_seq_len, "--seq-tile", "100000"), "--seq-tile"))
     for flag in ("--gpu-memory", "--host-memory"):
         for value in ("nanGiB", "infGiB", "1e400", "-1GiB"):
             cases.append(Case(f"plan{flag}={value}", (*PLAN, f"{flag}={value}"), flag))
@@ -404,6 +415,8 @@ def _numeric_cases() -> list[Case]:
         ("--max-grad-norm", "-1"),
         ("--nvme-fraction", "nan"),
         ("--nvme-fraction", "2"),
+        ("--seq-tile", "-1"),
+        ("--seq-tile", "16"),
     ]
     for flag, value in bench:
         cases.append(Case(f"bench{flag}={value}", (*BENCH, f"{flag}={value}"), flag, during=_bench_must_not_run))

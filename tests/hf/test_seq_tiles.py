@@ -11,8 +11,9 @@ import pytest
 
 from slide_hf import build_model, resolve_model
 from slide_hf import setup as run_setup
+from slide_hf.defaults import AUTO_SEQ_TILE_FLOOR
 from slide_hf.planner import PlanInputs, make_plan
-from slide_hf.planner.seq_fit import longest_seq_len
+from slide_hf.planner.seq_fit import auto_seq_tile, longest_seq_len
 from slide_hf.presets import run_overrides
 
 GiB = 1 << 30
@@ -55,20 +56,49 @@ def test_below_a_tile_nothing_changes(llama8b: Any) -> None:
 
 @pytest.mark.parametrize("seq_tile", [None, 0, 4096])
 def test_longest_seq_len_is_the_edge_of_the_budget(llama8b: Any, seq_tile: int | None) -> None:
-    """A plan at the longest length fits the budget at batch 1, one at 1.1 times that length does not."""
-    from slide_hf.defaults import resolve_seq_tile
-
+    """A plan at the longest length fits the budget at batch 1, one at 1.1 times that length does not
+    (``None``: ``--seq-tile auto``, which chooses its tile at each length)."""
     budget = 24 * GiB
     inputs = PlanInputs(llama8b, seq_len=2048, gpu_memory_bytes=budget)
     longest = longest_seq_len(inputs, budget, seq_tile)
     assert longest > 0
 
     def peak(seq_len: int) -> int:
-        tile = resolve_seq_tile(seq_tile, seq_len)
-        return make_plan(dataclasses.replace(inputs, seq_len=seq_len, seq_tile=tile)).gpu_peak_bytes
+        at = dataclasses.replace(inputs, seq_len=seq_len)
+        tile = auto_seq_tile(at, budget) if seq_tile is None else seq_tile
+        return make_plan(dataclasses.replace(at, seq_tile=tile)).gpu_peak_bytes
 
     assert peak(longest) <= budget < peak(longest + 1)
     assert peak(int(longest * 1.1)) > budget
+
+
+def _peak(inputs: PlanInputs, tile: int) -> int:
+    return make_plan(dataclasses.replace(inputs, seq_tile=tile)).gpu_peak_bytes
+
+
+def test_auto_runs_untiled_where_that_fits(llama8b: Any) -> None:
+    inputs = PlanInputs(llama8b, seq_len=SEQ)
+    assert auto_seq_tile(inputs, _peak(inputs, 0)) == 0
+    assert auto_seq_tile(inputs, None) == TILE  # no GPU budget: the fixed default above 8192 tokens
+
+
+def test_auto_takes_the_largest_tile_that_fits(llama8b: Any) -> None:
+    """The priced peak grows with the tile; auto takes the first power of two from the top that fits."""
+    inputs = PlanInputs(llama8b, seq_len=SEQ)
+    peaks = {tile: _peak(inputs, tile) for tile in (0, 32768, 16384, 8192, 4096, 1024, 512, 256)}
+    assert peaks[256] < peaks[512] < peaks[1024] < peaks[4096] < peaks[8192] < peaks[16384] < peaks[32768]
+    assert auto_seq_tile(inputs, peaks[8192]) == 8192
+    assert auto_seq_tile(inputs, peaks[16384] - 1) == 8192
+    # below the floor of 1024 only where nothing from it up fits
+    assert auto_seq_tile(inputs, peaks[1024]) == 1024
+    assert auto_seq_tile(inputs, peaks[512]) == 512
+    # nothing fits: the floor, whose plan then says by how much
+    assert auto_seq_tile(inputs, peaks[256] - 1) == AUTO_SEQ_TILE_FLOOR
+
+
+def test_auto_below_the_floor_of_a_short_micro_batch(llama8b: Any) -> None:
+    inputs = PlanInputs(llama8b, seq_len=600)
+    assert auto_seq_tile(inputs, 1) == 512  # nothing fits, and no tile from the floor up is below 600 tokens
 
 
 def test_tiling_lengthens_the_longest_sequence(llama8b: Any) -> None:
@@ -88,7 +118,8 @@ def test_slide_plan_reports_the_longest_seq_len(slide: Any, _fused_loss_installe
     status, out, err = slide(*base, "--seq-len", "131072", "--json")
     assert status == 0, err
     plan = json.loads(out)
-    assert plan["seq_tile"] == 8192  # the default tile above 8192 tokens
+    # auto: nothing fits 16 GiB at 131072 tokens, so the floor (the plan says by how much)
+    assert plan["seq_tile"] == AUTO_SEQ_TILE_FLOOR and plan["seq_tile_source"] == "auto"
     assert plan["seq_len_gpu_bytes"] == plan["gpu_peak_bytes"] > 16 * GiB  # does not fit: nothing placed
     longest = plan["longest_seq_len"]
     assert 0 < longest < 131072 and plan["longest_seq_len_limit"] == "gpu"
@@ -101,7 +132,23 @@ def test_slide_plan_reports_the_longest_seq_len(slide: Any, _fused_loss_installe
     assert status == 0, err
     untiled = json.loads(out)
     assert untiled["seq_tile"] == 0 and untiled["gpu_peak_bytes"] > plan["gpu_peak_bytes"]
-    assert untiled["longest_seq_len"] < longest
+    assert untiled["longest_seq_len"] < longest and untiled["seq_tile_source"] == "--seq-tile"
+
+
+def test_slide_plan_chooses_the_tile_that_fits(slide: Any, _fused_loss_installed: None) -> None:
+    """With a budget that holds 131072 tokens of Llama-3.1-8B tiled but not untiled, `slide plan` prints the
+    tile it chose, and the run at that tile fits; ``--seq-tile auto`` is the default spelled out."""
+    base = ("plan", "--model", "llama3.1-8b", "--gpu-memory", "40", "--host-memory", "4096GiB", "--batch-size", "1")
+    status, out, err = slide(*base, "--seq-len", "131072", "--json")
+    assert status == 0, err
+    plan = json.loads(out)
+    assert plan["fits"] and plan["seq_tile"] >= AUTO_SEQ_TILE_FLOOR and plan["seq_tile_source"] == "auto"
+    status, out, err = slide(*base, "--seq-len", "131072", "--seq-tile", "auto", "--json")
+    assert status == 0, err
+    assert json.loads(out)["seq_tile"] == plan["seq_tile"]
+    status, out, err = slide(*base, "--seq-len", "131072")
+    assert status == 0, err
+    assert f"tiles of {plan['seq_tile']:,} tokens, --seq-tile auto" in out
 
 
 def test_the_models_positions_end_the_search(slide: Any, _fused_loss_installed: None) -> None:
@@ -113,7 +160,7 @@ def test_the_models_positions_end_the_search(slide: Any, _fused_loss_installed: 
     assert plan["longest_seq_len"] == 131072 and plan["longest_seq_len_limit"] == "positions"
 
 
-def test_the_default_tile_engages_only_past_it() -> None:
+def test_the_default_tile_without_a_budget_engages_only_past_it() -> None:
     from slide_hf.defaults import DEFAULT_SEQ_TILE, resolve_seq_tile
 
     assert resolve_seq_tile(None, DEFAULT_SEQ_TILE) == 0

@@ -36,7 +36,7 @@ from slide_core.devices import auto_device_name
 from slide_core.engine import Engine, EngineConfig
 from slide_core.optim import build_optimizer
 from slide_core.tier import Tier, TierRequest
-from slide_hf.defaults import resolve_seq_tile
+from slide_hf.defaults import check_seq_tile, resolve_seq_tile
 from slide_hf.device_defaults import apply_device_defaults
 from slide_hf.errors import UserError
 from slide_hf.offload import (
@@ -110,6 +110,7 @@ class RunOptions:
         unresolved = sorted(name for name in _REQUIRED_FIELDS if values.get(name) is None)
         if unresolved:
             raise ValueError(f"RunOptions needs {', '.join(unresolved)} resolved first (slide_hf/defaults.py)")
+        check_seq_tile(values["seq_tile"], values["batch_size"], values["seq_len"])
         return cls(**values)
 
 
@@ -225,7 +226,6 @@ def place_units(
     )
 
     apply_device_defaults(model, device)  # before anything logs or plans the attention this run takes
-    use_seq_tile(model, resolve_seq_tile(options.seq_tile, options.seq_len))  # the tile the plan prices
     tier_class = state_tier_class(options.offload_optimizer)
     gpu_budget = device_gpu_budget(device)
     inputs = plan_inputs(
@@ -259,6 +259,7 @@ def place_units(
     resident, streamed = plan.inputs.resident_units, plan.inputs.streamed_units
     # The units on the state tier: the plan's own rule (PlanInputs.offloaded_units).
     return Placement(plan, resident, tier_class, plan.inputs.offloaded_units, streamed)
+    use_seq_tile(model, plan.inputs.seq_tile)  # the tile the plan priced (``auto``: the one it chose)
 
 
 def resolve_master(options: RunOptions, optimizer: Optimizer) -> str:
@@ -305,7 +306,7 @@ def plan_inputs(
 
     state_tier = state_tier_class(options.offload_optimizer)
     activation_tier = activation_tier_class(options.offload_activations)
-    return PlanInputs(
+    inputs = PlanInputs(
         model,
         batch_size=options.batch_size,
         seq_len=options.seq_len,
@@ -333,6 +334,11 @@ def plan_inputs(
 
 
 def fused_loss_available() -> bool:
+    if options.seq_tile is None:  # --seq-tile auto: the planner's choice, the same for the plan and the run
+        from slide_hf.planner.seq_fit import auto_seq_tile
+
+        inputs = dataclasses.replace(inputs, seq_tile=auto_seq_tile(inputs, gpu_memory_bytes))
+    return inputs
     """Whether slide-kernels (its chunked linear + cross-entropy) is installed here; without it the
     adapters' head materialises the logits, which the plan must count. Checked without importing it."""
     import importlib.util

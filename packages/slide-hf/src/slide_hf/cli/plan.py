@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             rates_source = f"{rates_source}; {learned}"
     plan = make_plan(inputs)
     sequences = sequence_fit(
-        inputs, gpu_cap if accelerator else None, cfg.seq_tile, positions=model_positions(model.config)
+        inputs, gpu_cap if accelerator else None, options.seq_tile, positions=model_positions(model.config)
     )
     distributed = args.nproc_per_node * args.nnodes > 1
     placement = cfg.update_placement.value
@@ -411,6 +411,7 @@ def _longest(sequences: SequenceFit, seq_len: int, gpu_source: str) -> tuple[str
     """The "longest seq-len" row: the longest ``--seq-len`` at batch 1 and, beside it, the tiling it was planned
     with and what the planned ``--seq-len`` needs at batch 1."""
     tiles = f"MLPs and norms in tiles of {sequences.seq_tile:,} tokens" if sequences.seq_tile else "untiled"
+    tiles += ", --seq-tile auto" if sequences.seq_tile_auto else ""
     needs = f"--seq-len {seq_len} needs {format_bytes(sequences.seq_len_gpu_bytes)} at batch 1 ({tiles})"
     if sequences.longest_seq_len is None:
         return "n/a", f"no GPU budget; {needs}"

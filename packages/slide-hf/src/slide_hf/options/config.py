@@ -491,14 +491,15 @@ class TrainConfig:
         rule=Rule("int", 1, 64),
         engine=AS_DECLARED,
     )
-    seq_tile: int | None = option(
+    seq_tile: int | str | None = option(
         None,
         help="tokens per tile of the blocks' MLPs and norms: a micro-batch of more tokens runs them tile by tile, "
         "in the forward and in the backward's recompute, so only one tile's intermediates are held; 0 turns it "
-        f"off (default {DEFAULT_SEQ_TILE} where --seq-len exceeds it, else off)",
+        "off; auto (default): untiled where the GPU budget holds that, else the largest tile that fits "
+        f"(without a GPU budget, {DEFAULT_SEQ_TILE} where --seq-len exceeds it)",
         commands=RUNS,
         rule=Rule("int", 0, 2**24),
-        metavar="TOKENS",
+        metavar="TOKENS|auto",
         engine=AS_DECLARED,
     )
     update_placement: UpdatePlacement = option(
@@ -513,6 +514,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _normalise_data(self)
+        _normalise_seq_tile(self)
         for name in sorted(_PATH_FIELDS):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -634,6 +636,21 @@ def check_option(name: str, value: Any, *, flag: str | None = None) -> None:
         return
     shown = flag or spelled(name)
     raise UserError(f"{shown} must be {rule.describe()}, got {value!r}{rule.out_of_range_word(value)}")
+
+
+def _normalise_seq_tile(cfg: TrainConfig) -> None:
+    """``seq_tile``: ``auto`` (a flag's text or a TOML string) is None, the planner's choice; a flag's digits
+    are the integer its rule then checks; any other text is refused here, naming what is accepted."""
+    value = cfg.seq_tile
+    if not isinstance(value, str):
+        return
+    text = value.strip().lower()
+    if text == "auto":
+        object.__setattr__(cfg, "seq_tile", None)
+    elif text.lstrip("+-").isdigit():
+        object.__setattr__(cfg, "seq_tile", int(text))
+    else:
+        raise UserError(f"{spelled('seq_tile')} must be auto or an integer in [0, {2**24}], got {value!r}")
 
 
 def _normalise_data(cfg: TrainConfig) -> None:

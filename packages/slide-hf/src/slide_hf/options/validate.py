@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from slide_hf.defaults import check_seq_tile
 from slide_hf.errors import UserError
 from slide_hf.options.companions import COMPANIONS
 from slide_hf.options.schema import Command, taken_by
@@ -108,6 +109,13 @@ def _split_master_needs_bf16(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
+def _tile_below_a_micro_batch(cfg: TrainConfig, world_size: int) -> None:
+    """A given ``--seq-len``: checked here, before anything runs; else once the model resolves it
+    (``RunOptions.from_config``, by the same rule)."""
+    if cfg.seq_len is not None:
+        check_seq_tile(cfg.seq_tile if isinstance(cfg.seq_tile, int) else None, cfg.batch_size, cfg.seq_len)
+
+
 def _int8_state_is_one_process(cfg: TrainConfig, world_size: int) -> None:
     """A rank's shard of a unit could split one of int8's 64-element blocks, whose scale is shared."""
     if world_size > 1 and cfg.optimizer_state == "int8":
@@ -200,6 +208,7 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     # Options that act only beside another (--decay-fraction beside --lr-schedule wsd): options/companions.py
     *(CrossRule(companion.options, companion.rule) for companion in COMPANIONS),
     CrossRule(("master", "dtype"), _split_master_needs_bf16),
+    CrossRule(("seq_tile", "batch_size", "seq_len"), _tile_below_a_micro_batch),
     CrossRule(("optimizer_state",), _int8_state_is_one_process),
     CrossRule(("offload_optimizer", "nvme_dir"), _disk_tier_needs_a_directory("offload_optimizer")),
     CrossRule(("offload_activations", "nvme_dir"), _disk_tier_needs_a_directory("offload_activations")),
