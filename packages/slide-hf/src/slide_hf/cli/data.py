@@ -27,10 +27,12 @@ EPILOG = """examples:
   slide data --model ./Qwen3-8B --data chats.jsonl --json | jq .trained_text
   slide data --model tiny-llama --data corpus.jsonl --seq-len 512 --show 0   # summary only
   slide data --data chats.jsonl --data code.jsonl --data-weights 3,1 --show 0  # each source's share
+  slide data --model ./Qwen3-8B --data pairs.jsonl --objective dpo      # each pair's trained text and lengths
 
 formats: .jsonl, .jsonl.gz, .json, .parquet, a datasets directory or a Hub dataset org/name; records of
 text, messages, conversations (ShareGPT), input_ids (+labels), prompt/completion or Alpaca
-instruction/input/output. See docs/data.md.
+instruction/input/output; with --objective dpo or simpo, prompt/chosen/rejected pairs. See docs/data.md
+and docs/preference.md.
 """
 
 _ON, _OFF = "\x1b[1;32m", "\x1b[0m"
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     )
     from slide_hf.data.notes import each_note_once
 
+    if given.preference:
+        return _run_pairs(given.data, tokenizer, options, args)
     with each_note_once():  # the preview and the preparation each meet the template: say its notes once
         shown = preview(given.data, tokenizer, options, args.show) if args.show else []
         dataset = load_dataset(given.data, tokenizer, options)
@@ -94,6 +98,60 @@ def run(args: argparse.Namespace) -> int:
         print(_example_text(record, tokenizer, colour=colour))
     print(_summary_text(summary, colour=colour))
     return 0
+
+
+def _run_pairs(source: Any, tokenizer: Any, options: Any, args: argparse.Namespace) -> int:
+    """`slide data --objective dpo|simpo`: each shown pair's chosen and rejected sequence with the trained
+    text marked and their lengths, then the summary of the rows the pairs make (slide_hf/data/preference.py)."""
+    from slide_hf.data.preference import load_pairs, preview_pairs
+
+    shown = preview_pairs(source, tokenizer, options, args.show) if args.show else []
+    dataset = load_pairs(source, tokenizer, options)
+    summary = {"source": dataset.source, "seq_len": options.seq_len, "packing": options.packing}
+    summary |= dataclasses.asdict(dataset.stats) | {"pairs": dataset.stats.examples}
+    if args.json:
+        for pair in shown:
+            print(json.dumps(_pair_json(pair, tokenizer), ensure_ascii=False))
+        print(json.dumps({"summary": summary}))
+        return 0
+    colour = sys.stdout.isatty()
+    for pair in shown:
+        print(_pair_text(pair, tokenizer, colour=colour))
+    print(_summary_text(summary, colour=colour).replace("examples ", "pairs    ", 1))
+    return 0
+
+
+def _pair_json(pair: Any, tokenizer: Any) -> dict[str, Any]:
+    sides = {}
+    for name, (ids, labels) in zip(("chosen", "rejected"), pair.sequences(), strict=True):
+        trained = [token for token, label in zip(ids.tolist(), labels.tolist(), strict=True) if label != -100]
+        sides[name] = {
+            "text": tokenizer.decode(ids.tolist()),
+            "trained_text": tokenizer.decode(trained),
+            "tokens": len(ids),
+            "loss_tokens": len(trained),
+        }
+    return {"where": pair.where, "prompt_tokens": pair.prompt_tokens, "truncated": pair.truncated, **sides}
+
+
+def _pair_text(pair: Any, tokenizer: Any, *, colour: bool) -> str:
+    lines = [f"--- {pair.where} (prompt {pair.prompt_tokens} tokens{', truncated' if pair.truncated else ''})"]
+    for name, (ids, labels) in zip(("chosen", "rejected"), pair.sequences(), strict=True):
+        runs: list[tuple[list[int], bool]] = []
+        for token, label in zip(ids.tolist(), labels.tolist(), strict=True):
+            if runs and runs[-1][1] == (label != -100):
+                runs[-1][0].append(token)
+            else:
+                runs.append(([token], label != -100))
+        trained = sum(len(run) for run, carries in runs if carries)
+        text = "".join(
+            (f"{_ON}{tokenizer.decode(run)}{_OFF}" if colour else f"{_OPEN}{tokenizer.decode(run)}{_CLOSE}")
+            if carries
+            else tokenizer.decode(run)
+            for run, carries in runs
+        )
+        lines.append(f"{name} ({len(ids)} tokens, {trained} trained):\n{text}")
+    return "\n".join(lines) + "\n"
 
 
 def _shares(dataset: Any, weights: tuple[float, ...] | None) -> list[dict[str, Any]]:

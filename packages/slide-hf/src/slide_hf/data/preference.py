@@ -64,7 +64,8 @@ class EncodedPair:
     prompt_tokens: int
     truncated: bool
 
-    def documents(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def sequences(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The chosen sequence, then the rejected one: the order they take in a row."""
         yield self.chosen
         yield self.rejected
 
@@ -224,7 +225,7 @@ def load_pairs(source: Any, tokenizer: Any, options: DataOptions) -> Dataset:
     pairs = truncated = tokens = loss_tokens = 0
     for number, pair in enumerate(_pairs(source, tokenizer, options)):
         documents = [
-            (ids, tag_labels(labels, 2 * number + side)) for side, (ids, labels) in enumerate(pair.documents())
+            (ids, tag_labels(labels, 2 * number + side)) for side, (ids, labels) in enumerate(pair.sequences())
         ]
         if not options.packing or used + pair.tokens > options.seq_len:
             rows.append([])
@@ -234,7 +235,7 @@ def load_pairs(source: Any, tokenizer: Any, options: DataOptions) -> Dataset:
         pairs += 1
         truncated += pair.truncated
         tokens += pair.tokens
-        loss_tokens += sum(int((labels != IGNORE).sum()) for _, labels in pair.documents())
+        loss_tokens += sum(int((labels != IGNORE).sum()) for _, labels in pair.sequences())
     if not pairs:
         raise UserError(f"{source} holds no preference pair")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

@@ -198,7 +198,7 @@ class _WeightedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         h: torch.Tensor,
         weight: torch.Tensor,
@@ -225,7 +225,7 @@ class _WeightedCrossEntropy(torch.autograd.Function):
         return torch.zeros((), dtype=torch.float32, device=h.device)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_h, grad_weight = ctx.grads
         scale = grad_output.to(grad_h.dtype)
         return grad_h * scale, grad_weight * scale, None, None, None
