@@ -28,11 +28,14 @@ def test_every_example_is_covered():
     assert sorted(p.name for p in EXAMPLES.glob("*.toml")) == [
         "chat-sft-8b-24gib.toml",
         "continued-pretraining-text.toml",
+        "dpo-after-sft-8b-24gib.toml",
         "resume.toml",
     ]
 
 
-@pytest.mark.parametrize("name", ["chat-sft-8b-24gib.toml", "continued-pretraining-text.toml"])
+@pytest.mark.parametrize(
+    "name", ["chat-sft-8b-24gib.toml", "continued-pretraining-text.toml", "dpo-after-sft-8b-24gib.toml"]
+)
 def test_example_parses_and_its_plan_fits(name, capsys):
     options = _options(EXAMPLES / name)
     cfg = TrainConfig(**options)
