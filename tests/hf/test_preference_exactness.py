@@ -55,6 +55,16 @@ class Case:
     template: str
     objective: str
     options: dict[str, Any]
+    packing: bool = False
+    """Packed: pairs fill rows in file order (three or so a row), one row a micro-batch, twice the pairs."""
+
+    @property
+    def batch(self) -> int:
+        return 1 if self.packing else BATCH
+
+    @property
+    def pairs(self) -> int:
+        return 2 * PAIRS if self.packing else PAIRS
 
 
 CASES = {
@@ -62,15 +72,16 @@ CASES = {
     "llama-ipo": Case("test-llama", QWEN25, "dpo", {"beta": 0.5, "dpo_loss": "ipo"}),
     "qwen3-dpo": Case("test-qwen3", QWEN3, "dpo", {"beta": 0.2}),
     "qwen3-simpo": Case("test-qwen3", QWEN3, "simpo", {"beta": 2.0, "gamma": 0.3, "label_smoothing": 0.05}),
+    "qwen3-dpo-packed": Case("test-qwen3", QWEN3, "dpo", {"beta": 0.2}, packing=True),
 }
 
 
 # -- the data ----------------------------------------------------------------------------------------------
-def _records() -> list[dict[str, Any]]:
+def _records(count: int = PAIRS) -> list[dict[str, Any]]:
     """Pairs as strings and in TRL's conversational format (a system message, and a prompt with an earlier
     exchange whose assistant turn is context, not trained)."""
     records: list[dict[str, Any]] = []
-    for i in range(PAIRS):
+    for i in range(count):
         question = f"How many legs do {i + 2} cats have together?"
         good, bad = f"They have {4 * (i + 2)} legs.", f"Perhaps {i + 3} legs, or none."
         if i % 3 == 0:
@@ -126,17 +137,32 @@ class Rows:
     """(rows, seq): 2 * pair + rejected on each completion token, -1 elsewhere (aligned with the labels)."""
 
 
-def _rows(tokenizer: Any, records: list[dict[str, Any]]) -> Rows:
-    ids, positions, labels, completion = [], [], [], []
+def _rows(tokenizer: Any, records: list[dict[str, Any]], *, packing: bool) -> Rows:
+    """One pair a row, or packed: pairs side by side in file order, a new row when the next does not fit."""
+    groups: list[list[tuple[list[int], list[int], list[int]]]] = []
+    used = SEQ
     for number, record in enumerate(records):
-        row, pos, lab, comp = [], [], [], []
+        pair = []
         for side, key in enumerate(("chosen", "rejected")):
             tokens, start = _sequence(tokenizer, record["prompt"], record[key])
             assert len(tokens) <= SEQ // 2
+            pair.append(
+                (tokens, [-100] * start + tokens[start:], [-1] * start + [2 * number + side] * (len(tokens) - start))
+            )
+        size = sum(len(tokens) for tokens, _, _ in pair)
+        if not packing or used + size > SEQ:
+            groups.append([])
+            used = 0
+        groups[-1] += pair
+        used += size
+    ids, positions, labels, completion = [], [], [], []
+    for group in groups:
+        row, pos, lab, comp = [], [], [], []
+        for tokens, labelled, owner in group:
             row += tokens
             pos += range(len(tokens))
-            lab += [-100] * start + tokens[start:]
-            comp += [-1] * start + [2 * number + side] * (len(tokens) - start)
+            lab += labelled
+            comp += owner
         fill = SEQ - len(row)
         pos += range(pos[-1] + 1, pos[-1] + 1 + fill)
         row += [tokenizer.pad_token_id] * fill
@@ -187,6 +213,10 @@ def _loss(case: Case, policy: tuple, reference: tuple | None) -> tuple[torch.Ten
     return loss, beta * (chosen - ref_c).detach(), beta * (rejected - ref_r).detach()
 
 
+def _pairs_in(rows: Rows, index: slice) -> int:
+    return len({int(n) for n in rows.completion[index].unique() if n >= 0}) // 2
+
+
 def _reference_run(case: Case, model: Any, frozen: Any, rows: Rows) -> tuple[list[float], list[dict[str, float]]]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
@@ -195,22 +225,22 @@ def _reference_run(case: Case, model: Any, frozen: Any, rows: Rows) -> tuple[lis
     losses, metrics = [], []
     for step in range(STEPS):
         total, rewards = 0.0, []
-        for micro in range(ACCUM):
-            first = (step * ACCUM + micro) * BATCH
-            index = slice(first, first + BATCH)
+        micros = [slice((step * ACCUM + m) * case.batch, (step * ACCUM + m + 1) * case.batch) for m in range(ACCUM)]
+        pairs = sum(_pairs_in(rows, index) for index in micros)  # the step's loss is the mean over its pairs
+        for index in micros:
             policy = _completion_logps(model, rows, index)
             reference = None
             if case.objective == "dpo":
                 with torch.no_grad():
                     reference = _completion_logps(frozen, rows, index)
             loss, chosen_rewards, rejected_rewards = _loss(case, policy, reference)
-            (loss.sum() / (ACCUM * BATCH)).backward()
+            (loss.sum() / pairs).backward()
             total += loss.sum().item()
             values = policy if case.objective == "simpo" or case.options.get("dpo_loss") == "ipo" else None
             logp_c = (policy[0] / policy[2][0]) if values else policy[0]
             logp_r = (policy[1] / policy[2][1]) if values else policy[1]
             rewards.append((chosen_rewards, rejected_rewards, logp_c.detach(), logp_r.detach()))
-        losses.append(total / (ACCUM * BATCH))
+        losses.append(total / pairs)
         c = torch.cat([r[0] for r in rewards])
         r = torch.cat([r[1] for r in rewards])
         metrics.append(
@@ -237,7 +267,7 @@ def _setup(case: Case, tmp_path: Path) -> tuple[Any, Any, Path]:
     hf.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(str(tmp_path / "model"))
     data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps(record) + "\n" for record in _records()))
+    data.write_text("".join(json.dumps(record) + "\n" for record in _records(case.pairs)))
     return hf, tokenizer, data
 
 
@@ -245,7 +275,7 @@ def _train(case: Case, tmp_path: Path, data: Path, output: str = "run", **extra:
     records: list[dict[str, Any]] = []
     slide_hf.train(
         tmp_path / "model", data=data, output=tmp_path / output, device="cpu", dtype="float32",
-        seq_len=SEQ, batch_size=BATCH, grad_accum=ACCUM, packing=False, no_shuffle=True,
+        seq_len=SEQ, batch_size=case.batch, grad_accum=ACCUM, packing=case.packing, no_shuffle=True,
         lr=LR, lr_schedule="constant", warmup_steps=0, weight_decay=WEIGHT_DECAY,
         adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, save_dtype="float32",
         objective=case.objective, on_step=records.append, **{"steps": STEPS, **case.options, **extra},
@@ -267,7 +297,9 @@ def test_preference_training_matches_an_independent_reference(name: str, tmp_pat
     hf64, frozen64 = copy.deepcopy(hf).double(), copy.deepcopy(hf).double()
     records = _train(case, tmp_path, data)
 
-    rows = _rows(tokenizer, _records())
+    rows = _rows(tokenizer, _records(case.pairs), packing=case.packing)
+    assert len(rows.input_ids) >= STEPS * ACCUM * case.batch
+    assert not case.packing or len(rows.input_ids) <= case.pairs // 2  # rows of several pairs
     expected, metrics = _reference_run(case, hf, frozen, rows)
     _reference_run(case, hf64, frozen64, rows)
     assert [r["loss"] for r in records] == pytest.approx(expected, rel=LOSS_RTOL)
