@@ -227,3 +227,45 @@ def test_launcher_overwrites_caller_buffers_when_not_accumulating(backend, small
     assert d_weight is gw and d_bias is gb
     _, theirs = run_both(hidden, weight, target, bias)
     check([loss, d_hidden, d_weight, d_bias], theirs)
+
+
+def _weighted_reference(hidden, weight, target, row_weight, *, reduction, softcap=None, label_smoothing=0.0):
+    """Plain PyTorch: per-token cross-entropy (no reduction) times the row weights, summed or divided by
+    the count of non-ignored targets."""
+    logits = hidden @ weight.T
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    rows = F.cross_entropy(logits.float(), target, reduction="none", label_smoothing=label_smoothing)
+    total = (rows * row_weight).sum()
+    return total / (target != -100).sum().clamp(min=1) if reduction == "mean" else total
+
+
+@pytest.mark.parametrize(("n", "h", "v"), [(5, 16, 37), (37, 48, 130), (123, 32, 123)])
+@pytest.mark.parametrize(
+    "options",
+    [{"reduction": "sum"}, {"reduction": "mean"}, {"reduction": "sum", "softcap": 3.0, "label_smoothing": 0.1}],
+)
+def test_row_weights_scale_each_rows_loss_and_gradient(backend, small_chunks, n, h, v, options):
+    """Per-row weights, negative ones and zeros among them (a preference loss's token weights), against
+    ``F.cross_entropy(reduction="none") * weight``, in fp32 (the interpreter without a GPU)."""
+    hidden, weight, target, _ = make_inputs(n, h, v)
+    row_weight = torch.randn(n)
+    row_weight[::4] = 0.0
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
+    loss = linear_cross_entropy(leaves[0], leaves[1], target, row_weight=row_weight, **options)
+    (loss * 1.5).backward()
+    ref_leaves = [t.detach().double().requires_grad_() for t in (hidden, weight)]
+    ref = _weighted_reference(ref_leaves[0], ref_leaves[1], target, row_weight.double(), **options)
+    (ref * 1.5).backward()
+    check([loss, leaves[0].grad, leaves[1].grad], [ref, ref_leaves[0].grad, ref_leaves[1].grad])
+
+
+def test_rows_out_receives_each_rows_loss(backend, small_chunks):
+    hidden, weight, target, _ = make_inputs(37, 48, 130)
+    rows = torch.empty(37)
+    loss, *_ = lce_module.linear_cross_entropy_forward(
+        hidden, weight, target, reduction="sum", grad_hidden=False, grad_weight=False, rows_out=rows
+    )
+    expected = F.cross_entropy(hidden.double() @ weight.double().T, target, reduction="none")
+    torch.testing.assert_close(rows, expected.float(), **FP32_TOL)
+    torch.testing.assert_close(loss, rows.sum())

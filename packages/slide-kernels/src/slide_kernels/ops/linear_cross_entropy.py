@@ -12,6 +12,11 @@ tokens are processed in chunks of ``C`` rows; for each chunk:
 3. ``grad_h_c = dlogits @ W``, ``grad_W += dlogits.T @ h_c`` (``addmm_`` into one preallocated
    buffer), ``grad_b += dlogits.sum(0)``.
 
+``row_weight`` (optional, one fp32 number per row) scales each row's loss and its gradient: a weighted
+cross-entropy ``sum_t w_t CE_t`` whose weights may be negative. A preference loss (DPO, SimPO) runs as one,
+with each token weighted by the loss's derivative with respect to its completion's log-probability
+(slide-hf's preference head). ``rows_out`` receives the per-row losses (weighted when weights are given).
+
 So all the gradients are computed in the *forward*, which is what the SlideFormer engine wants (it
 can ship the head's gradients out as soon as the loss is known), and the backward only scales them by
 the incoming ``grad_output`` in place (no ``.item()``, no host sync). ``reduction="mean"`` divides by
@@ -70,12 +75,14 @@ def _ce_rows_kernel(
     target_ptr,
     loss_ptr,
     n_valid_ptr,
+    row_weight_ptr,
     n_cols,
     ignore_index,
     softcap,
     label_smoothing,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_ROW_WEIGHT: tl.constexpr,
     MEAN: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -118,13 +125,17 @@ def _ce_rows_kernel(
         loss = lse - (1.0 - label_smoothing) * z_y - label_smoothing * z_sum / n_cols
     else:
         loss = lse - z_y
-    tl.store(loss_ptr + row, loss)
+    row_weight = 1.0
+    if HAS_ROW_WEIGHT:
+        row_weight = tl.load(row_weight_ptr + row).to(tl.float32)
+    tl.store(loss_ptr + row, loss * row_weight)
 
     if WRITE_GRAD:
         if MEAN:  # noqa: SIM108
             scale = 1.0 / tl.maximum(tl.load(n_valid_ptr), 1.0)
         else:
             scale = 1.0
+        scale = scale * row_weight
         # pass 2: dloss/dz = softmax - (1-eps) * onehot - eps / V, chained through the softcap
         for off in range(0, n_cols, BLOCK):
             cols = off + tl.arange(0, BLOCK)
@@ -172,13 +183,15 @@ def _ce_rows_triton(
     label_smoothing: float,
     mean: bool,
     write_grad: bool,
+    row_weight: torch.Tensor | None = None,
 ) -> None:
     rows, n_cols = logits.shape
     block = min(_MAX_BLOCK_V, triton.next_power_of_2(n_cols))
     _ce_rows_kernel[(rows,)](
-        logits, logits.stride(0), target, loss_out, n_valid,
+        logits, logits.stride(0), target, loss_out, n_valid, row_weight if row_weight is not None else loss_out,
         n_cols, ignore_index, float(softcap or 1.0), float(label_smoothing),
-        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0.0, MEAN=mean,
+        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_ROW_WEIGHT=row_weight is not None, MEAN=mean,
         WRITE_GRAD=write_grad, BLOCK=block, num_warps=num_warps_for(block),
     )  # fmt: skip
 
@@ -193,6 +206,7 @@ def _ce_rows_torch(
     label_smoothing: float,
     mean: bool,
     write_grad: bool,
+    row_weight: torch.Tensor | None = None,
 ) -> None:
     n_cols = logits.shape[1]
     z = logits.float()
@@ -206,6 +220,8 @@ def _ce_rows_torch(
     loss = lse - (1.0 - label_smoothing) * z_y
     if label_smoothing > 0.0:
         loss = loss - label_smoothing * z.sum(-1) / n_cols
+    if row_weight is not None:
+        loss = loss * row_weight
     loss_out.copy_(torch.where(valid, loss, torch.zeros_like(loss)))
     if not write_grad:
         return
@@ -216,6 +232,8 @@ def _ce_rows_torch(
     row_scale = valid.to(torch.float32)
     if mean:
         row_scale = row_scale / n_valid.clamp(min=1.0)
+    if row_weight is not None:
+        row_scale = row_scale * row_weight
     g *= row_scale.unsqueeze(1)
     if softcap is not None:
         g *= 1.0 - t * t
@@ -259,6 +277,8 @@ def linear_cross_entropy_forward(
     grad_weight_out: torch.Tensor | None = None,
     grad_bias_out: torch.Tensor | None = None,
     accumulate_grad_out: bool = True,
+    row_weight: torch.Tensor | None = None,
+    rows_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Loss and the gradients of the loss w.r.t. hidden, weight and bias, without autograd.
 
@@ -271,6 +291,9 @@ def linear_cross_entropy_forward(
     new ones; they are then returned as ``d_weight`` / ``d_bias``. With ``accumulate_grad_out=False``
     their old contents are overwritten instead (a buffer in the compute dtype is then written by the
     first chunk's matmul, never zero-filled or read).
+
+    ``row_weight`` ``(N,)``: each row's loss and gradient scaled by it (fp32 math; see the module notes).
+    ``rows_out`` ``(N,)`` fp32: where the per-row losses are written (0 for ignored rows).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -285,6 +308,12 @@ def linear_cross_entropy_forward(
         raise ValueError(f"target must have shape ({n_rows},), got {tuple(target.shape)}")
     if bias is not None and bias.shape != (n_vocab,):
         raise ValueError(f"bias must have shape ({n_vocab},), got {tuple(bias.shape)}")
+    if row_weight is not None and (row_weight.shape != (n_rows,) or not row_weight.is_floating_point()):
+        raise ValueError(f"row_weight must be a float tensor of shape ({n_rows},), got {tuple(row_weight.shape)}")
+    if rows_out is not None and (rows_out.shape != (n_rows,) or rows_out.dtype != torch.float32):
+        raise ValueError(
+            f"rows_out must be an fp32 tensor of shape ({n_rows},), got {rows_out.dtype} {tuple(rows_out.shape)}"
+        )
 
     device, dtype = hidden.device, hidden.dtype
     w = weight if weight.dtype == dtype else weight.to(dtype)  # note: a V x H copy for mixed dtypes
@@ -294,7 +323,8 @@ def linear_cross_entropy_forward(
     write_grad = grad_hidden or grad_weight or grad_bias
     mean = reduction == "mean"
 
-    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
+    loss_rows = rows_out if rows_out is not None else torch.empty(n_rows, dtype=torch.float32, device=device)
+    weights = None if row_weight is None else row_weight.to(device=device, dtype=torch.float32).contiguous()
     n_valid = (target != ignore_index).sum(dtype=torch.float32)  # stays on device
     d_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if grad_hidden else None
     d_weight = d_bias = None
@@ -337,6 +367,7 @@ def linear_cross_entropy_forward(
         rows_fn(
             logits, target[start:end], loss_rows[start:end], n_valid,
             ignore_index, softcap, label_smoothing, mean, write_grad,
+            None if weights is None else weights[start:end],
         )  # fmt: skip
         # from here on `logits` holds dloss/dlogits
         if d_hidden is not None:
@@ -412,6 +443,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         accum_dtype: torch.dtype | None,
         needs: tuple[bool, bool, bool],
         grad_weight_out: torch.Tensor | None,
+        row_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         loss, d_hidden, d_weight, d_bias = linear_cross_entropy_forward(
             hidden, weight, target, bias,
@@ -419,6 +451,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             label_smoothing=label_smoothing, grad_hidden=needs[0], grad_weight=needs[1],
             grad_bias=needs[2], accum_dtype=accum_dtype,
             grad_weight_out=grad_weight_out if needs[1] else None, accumulate_grad_out=False,
+            row_weight=row_weight,
         )  # fmt: skip
         # scaled in place by the (single) backward
         ctx.save_for_backward(d_hidden, d_weight, d_bias)
@@ -433,7 +466,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
         ctx.consumed = True
         d_hidden, d_weight, d_bias = linear_cross_entropy_backward(grad_output, *ctx.saved_tensors)
-        return d_hidden, d_weight, None, d_bias, None, None, None, None, None, None, None
+        return d_hidden, d_weight, None, d_bias, None, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,6 +484,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     accum_dtype: torch.dtype | None = None,
     grad_weight_out: torch.Tensor | None = None,
+    row_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of the LM head ``hidden @ weight.T + bias`` without ever holding all the logits.
 
@@ -472,6 +506,10 @@ def linear_cross_entropy(
     which saves a parameter-sized temporary and a copy. Its old contents are overwritten during this
     forward, and the backward returns it (scaled in place) as ``weight``'s gradient, so it must not be
     read or reused before that backward.
+
+    ``row_weight`` (shaped like ``target``, float): each token's loss and gradient scaled by its weight
+    (no gradient flows to the weights), as ``(F.cross_entropy(..., reduction="none") * row_weight)``
+    summed, or divided by the count of non-ignored targets for ``"mean"``.
     """
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     target1d = target.reshape(-1)
@@ -488,5 +526,5 @@ def linear_cross_entropy(
     )
     return LinearCrossEntropyFunction.apply(
         hidden2d, weight, target1d, bias, ignore_index, reduction, softcap, float(label_smoothing),
-        accum_dtype, needs, grad_weight_out,
+        accum_dtype, needs, grad_weight_out, None if row_weight is None else row_weight.reshape(-1),
     )  # fmt: skip
