@@ -40,6 +40,7 @@ from slide_hf.errors import UserError
 from slide_hf.in_step_rates import InStepMeter, learn_rates
 from slide_hf.options import TrainConfig
 from slide_hf.planner.traffic import h2d_bytes_per_param, host_bytes_per_param_step
+from slide_hf.replacement import Replacement, compact_units
 from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimizer, open_engine, place_units
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     # Refuse, in one line with the fix to try, a run the host cannot hold (rather than be OOM-killed); place
     # units as `slide train` would, or within --resident-gib.
     resident_bytes = None if cfg.resident_gib is None else int(cfg.resident_gib * 2**30)
-    placement = place_units(model, device, options, resident_bytes=resident_bytes)
+    placement = place_units(model, device, options, resident_bytes=resident_bytes, replaceable=True)
     plan, resident, offloaded = placement.plan, placement.resident, placement.offloaded
     # The delta rule delta-net layers run here, decided (a check on the GPU) and logged before the engine.
     owner = getattr(model, "linear_attention", None)
@@ -144,6 +145,10 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     times, losses, spans, norms = [], [], [], []
     per_unit: dict[str, list[dict[str, float]]] = {}
     meter = InStepMeter(plan, warmup_steps=cfg.warmup)  # each term against the plan, the rates kept for the next
+    # --update-placement auto: units move from the rates the steps measure (slide_hf/replacement.py)
+    replacement = Replacement(plan, warmup_steps=cfg.warmup) if Replacement.wanted(plan) else None
+    streamed_per_step: list[str] = []  # the units each step updated on the GPU as they streamed (compact)
+    order = tuple(unit.name for unit in model.units)
     with PeakRss() as rss, device:
         h2d_gbps, d2h_gbps = _pcie_gbps(device)
         began = time.perf_counter()
@@ -175,6 +180,9 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
                     spans = engine.timeline.end_trace()
                 taken = engine.unit_times()
                 meter.add(taken)
+                streamed_per_step.append(compact_units(engine.streamed_units, order))
+                if replacement is not None and replacement.after_step(index + 1, taken, engine) is not None:
+                    meter.placed(replacement.streamed)
                 if index >= cfg.warmup:
                     for name, t in taken.items():
                         per_unit.setdefault(name, []).append(dict(t.ms))
@@ -243,6 +251,9 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "critical_batch_size": round(cfg.options.batch_size / median_overlap, 1) if median_overlap else None,
         "update_placement": cfg.options.update_placement.value,
         "streamed_units": list(placement.streamed),
+        "streamable_units": list(plan.inputs.streamable_units),
+        "streamed_units_per_step": streamed_per_step,
+        "placement_changes": [change.to_dict() for change in replacement.changes] if replacement is not None else [],
         "measured_against_predicted": measured_against_predicted(plan.resource_s, plan.step_time_s, bounds, step_s),
         "measured_against_planned_terms": terms.to_dict() if terms is not None else {},
         "losses": [round(x, 4) for x in losses],

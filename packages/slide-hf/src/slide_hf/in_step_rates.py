@@ -222,17 +222,19 @@ class InStepMeter:
 
     ``plan``: the placed plan (its inputs give the layout: which units the host updates, and its FLOPs per
     step). Feed it each step's :meth:`Engine.unit_times` (:meth:`add`); :meth:`terms` and :meth:`rates`
-    then give the per-step figures and the rates to cache. Holds sums only: nothing grows with the steps."""
+    then give the per-step figures and the rates to cache. A run that moves units between the host and
+    the GPU-streamed update says so (:meth:`placed`), so that only the host's spans count as the host
+    AdamW's. Holds sums only: nothing grows with the steps."""
 
     def __init__(self, plan: Any, *, warmup_steps: int = 1) -> None:
         inputs = plan.inputs
         layout = inputs.layout()
         # Units whose update spans time the host AdamW alone: host-updated, state in the host slabs (a tier
         # read would count the disk), and one contribution per step (an accumulator's sums would count too).
-        plain = set(layout.host_optimized) & set(layout.state_in_host_slabs) - set(
-            layout.accumulating(inputs.grad_accum)
-        )
-        self._host_units = {name: layout.numel[name] for name in plain if layout.numel[name] > 0}
+        plain = set(layout.sliding) & set(layout.state_in_host_slabs) - set(layout.accumulating(inputs.grad_accum))
+        self._plain = {name: layout.numel[name] for name in plain if layout.numel[name] > 0}
+        self._host_units: dict[str, int] = {}
+        self.placed(layout.streamed)
         self._formats = f"{inputs.master_format}/{inputs.optimizer_state}"
         self._flops = float(plan.flops_per_step)
         self._workload = workload_key(inputs)
@@ -242,7 +244,19 @@ class InStepMeter:
         self._seen = 0
         self._steps = 0
         self._update_s = 0.0
+        self._host_numel = 0  # host-updated parameters summed over the measured steps
         self._compute_s = 0.0
+
+    def placed(self, streamed: Iterable[str]) -> None:
+        """From the next step on, the units in ``streamed`` are updated on the GPU as they stream, every
+        other one on the host (slide_hf/replacement.py): a streamed unit's update span is the GPU's."""
+        on_gpu = set(streamed)
+        self._host_units = {name: numel for name, numel in self._plain.items() if name not in on_gpu}
+
+    @property
+    def steps(self) -> int:
+        """Steps measured so far (those after the warm-up)."""
+        return self._steps
 
     def add(self, times: Mapping[str, Any]) -> None:
         """One step's per-unit times (:class:`~slide_core.engine.timeline.UnitTimes`, milliseconds)."""
@@ -251,13 +265,14 @@ class InStepMeter:
             return
         self._steps += 1
         self._update_s += _sum_ms(times, self._host_units, ("update",)) / 1e3
+        self._host_numel += sum(self._host_units.values())
         self._compute_s += _sum_ms(times, None, _COMPUTE_PHASES) / 1e3
 
     def terms(self) -> MeasuredTerms | None:
         """Per-step means of the measured steps beside the plan's figures; None before a measured step."""
         if self._steps == 0:
             return None
-        host_numel = sum(self._host_units.values())
+        host_numel = self._host_numel / self._steps  # per step (the same in every step of one placement)
         measured_update = self._update_s / self._steps if host_numel else None
         measured_compute = self._compute_s / self._steps if self._compute_s > 0 else None
         return MeasuredTerms(
@@ -274,7 +289,7 @@ class InStepMeter:
             return None
         busy = {}
         if terms.host_update_s is not None and terms.host_update_s > 1e-4:
-            busy[self._formats] = sum(self._host_units.values()) / terms.host_update_s / 1e9
+            busy[self._formats] = self._host_numel / self._update_s / 1e9
         gpu = {}
         if terms.gpu_compute_s is not None and terms.gpu_compute_s > 1e-4:
             gpu[self._workload] = self._flops / terms.gpu_compute_s / 1e12

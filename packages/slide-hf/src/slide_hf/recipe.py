@@ -75,6 +75,7 @@ from slide_hf.plan_check import PlanCheck
 from slide_hf.planner import output_disk as disk
 from slide_hf.preference.run import attach_objective, load_preference_data, preference_metrics, run_reference
 from slide_hf.progress import Progress
+from slide_hf.replacement import Replacement, compact_units
 from slide_hf.resume import (
     check_same_data,
     checkpoint_to_resume,
@@ -226,6 +227,8 @@ def _train(
         trainer.init = init
         trainer.plan = placement.plan
         trainer.meter = InStepMeter(placement.plan)
+        if Replacement.wanted(placement.plan):  # --update-placement auto, one process (slide_hf/replacement.py)
+            trainer.replacement = Replacement(placement.plan)
         with trainer.stop, parts as engine:
             if preference is not None and cfg.ref_model is None:  # DPO: the starting weights are the reference
                 run_reference(
@@ -478,7 +481,10 @@ def _setup_placement(
     """Refuse what cannot fit before allocating anything; spend spare GPU memory on resident units. Every
     rank takes rank 0's choice of resident and offloaded units: a resident unit's collectives differ from
     a sliding one's, so the ranks must place alike."""
-    placement = place_units(model.slide_model, device, options, optimizer=optimizer)
+    # Units move between the host and the GPU-streamed update in one process only: ranks would have to
+    # agree on every move (slide_hf/replacement.py).
+    replaceable = group.world_size == 1
+    placement = place_units(model.slide_model, device, options, optimizer=optimizer, replaceable=replaceable)
     chosen = (placement.resident, placement.offloaded, placement.streamed)
     resident, offloaded, streamed = group.broadcast_object(chosen, "rank 0's placement")
     return dataclasses.replace(placement, resident=resident, offloaded=offloaded, streamed=streamed)
@@ -639,6 +645,8 @@ class _Trainer:
         self.plan: Any = None  # the placed plan, whose terms the run's log measures (slide_hf/plan_check.py)
         self.step_times_s: list[float] = []
         self.meter: InStepMeter | None = None  # each term of the steps beside the plan's (slide_hf/in_step_rates.py)
+        self.replacement: Replacement | None = None  # moves units from the measured rates (slide_hf/replacement.py)
+        self._streamed_logged: str | None = None  # the placement the metrics last named
 
     def run(self) -> int:
         """Train inside the running engine from the resumed step (or 0) to the last; the final state is
@@ -738,6 +746,7 @@ class _Trainer:
         times = self.engine.unit_times()
         if self.meter is not None:
             self.meter.add(times)
+        placement = self._placement(result.step - self.steps_before, times)
         real_tokens = _real_tokens(micro_batches, self.pad_id)
         # Every rank's rows (the engine's counts already are), and its signals.
         counted = self.group.sum_counts([real_tokens, *self.stop.local_flags()], "the sum of the step's real tokens")
@@ -764,11 +773,29 @@ class _Trainer:
             "host_rss_gb": self._process.memory_info().rss / 1e9,
             **preference,
         }
+        if placement is not None:
+            record["streamed_units"] = placement
         assert self.progress is not None
         self.progress.update(record)  # adds the time remaining, eta_s
         self.run_log.record(record)
         if self.on_step is not None:
             self.on_step(dict(record))
+
+    def _placement(self, step: int, times: Any) -> str | None:
+        """The units this step updated on the GPU as they streamed (compact), where that changed since the
+        metrics last said it (the first step says it); then the step's times to the placement loop, which
+        may move units before the next step (slide_hf/replacement.py)."""
+        replacement = self.replacement
+        if replacement is None:
+            return None
+        ran = compact_units(replacement.streamed, replacement.order)
+        change = replacement.after_step(step, times, self.engine)
+        if change is not None and self.meter is not None:
+            self.meter.placed(change.streamed)
+        if ran == self._streamed_logged:
+            return None
+        self._streamed_logged = ran
+        return ran
 
     def evaluate(self, step: int) -> None:
         """Eval loss at ``step``; with --save-best, a new best is checkpointed and kept from pruning."""

@@ -205,13 +205,16 @@ def place_units(
     *,
     resident_bytes: int | None = None,
     optimizer: Optimizer | None = None,
+    replaceable: bool = False,
 ) -> Placement:
     """Check the run fits (host RAM, GPU budget) before anything is allocated, then choose the units that
     live on the GPU (``resident_bytes`` of them, else whatever the GPU budget leaves spare) and those whose
     Adam state goes to the ``--offload-optimizer`` tier, then, by ``--update-placement``, those updated on the
     GPU as they stream (slide_hf/planner/plan.py; ``auto`` plans with this machine's measured rates when
     `slide doctor` has cached them). ``optimizer``: the run's, whose scratch the plan prices and whose
-    ``--master`` it resolves (None: the one ``options`` name, built without compiling)."""
+    ``--master`` it resolves (None: the one ``options`` name, built without compiling). ``replaceable``:
+    with ``auto``, the run may move units between the host and the GPU-streamed update from the rates its
+    own steps measure (slide_hf/replacement.py), so the plan prices the staging that needs."""
     from slide_core.engine.placement import choose_resident_units
     from slide_hf.adapters.token_tiles import use_seq_tile
     from slide_hf.in_step_rates import learned_inputs
@@ -245,7 +248,7 @@ def place_units(
     # (Note [The ring is sized for the host's units]), so a run that fits only once placed is not refused.
     check_fits(make_plan(inputs), host_available=None, gpu_available=gpu_budget)
     if resident_bytes is None:
-        plan = plan_with_placement(inputs, str(options.update_placement))
+        plan = plan_with_placement(inputs, str(options.update_placement), replaceable=replaceable)
     else:
         chosen = choose_resident_units(
             model,

@@ -250,6 +250,24 @@ def _example_text(record: Any, tokenizer: Any, *, colour: bool) -> str:
     return f"--- {record.where} ({', '.join(notes)})\n{''.join(parts)}\n"
 
 
+def _length_lines(summary: dict[str, Any]) -> list[str]:
+    """The examples' lengths in tokens before any cut, and how many exceed a row (each text split into
+    row-sized pieces, any other example truncated): what decides a --seq-len for long documents."""
+    if not summary.get("example_tokens_max"):
+        return []  # a summary without them (preference pairs)
+    lines = [
+        f"  example tokens      min {summary['example_tokens_min']}, median {summary['example_tokens_median']}, "
+        f"max {summary['example_tokens_max']}"
+    ]
+    longer = summary.get("longer_than_seq_len", 0)
+    if longer:
+        lines.append(
+            f"  longer than seq-len {longer} (split into row-sized pieces or truncated; the longest "
+            f"{summary['example_tokens_max']} tokens)"
+        )
+    return lines
+
+
 def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
     from slide_hf.data.dataset import dropped_reasoning_line
 
@@ -271,6 +289,7 @@ def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
             f"  tokens              {summary['tokens']}",
             f"  loss tokens         {summary['loss_tokens']}",
             f"  padding             {summary['padding_fraction']:.1%}",
+            *_length_lines(summary),
             f"  truncated examples  {summary['truncated_examples']}",
             f"  skipped examples    {summary['skipped_examples']}",
             *([f"  {dropped_reasoning_line(dropped)}"] if dropped else []),

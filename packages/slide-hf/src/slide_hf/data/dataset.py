@@ -19,11 +19,13 @@ import contextlib
 import hashlib
 import itertools
 import logging
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from slide_hf.data.encode import EncodedRecord, Encoder
@@ -81,6 +83,12 @@ class DataStats:
     truncated_examples: int
     skipped_examples: int
     dropped_reasoning_turns: int = 0
+    example_tokens_min: int = 0
+    example_tokens_median: int = 0
+    example_tokens_max: int = 0
+    """The kept records' lengths in tokens before any cut (a text split into pieces counts whole)."""
+    longer_than_seq_len: int = 0
+    """Kept records longer than ``seq_len``: texts split into row-sized pieces, the others truncated."""
 
 
 @dataclass(frozen=True)
@@ -286,6 +294,8 @@ class _Split:
         self.skipped: list[str] = []
         self.skipped_count = 0
         self.dropped_reasoning = 0
+        self.lengths = array("I")  # each kept record's tokens before any cut, for the stats' min/median/max
+        self.longest = {"split": 0, "truncated": 0}
         self.parts: list[SourcePart] = []
         self._part_start = (0, 0, 0, 0)  # rows, examples, tokens, loss tokens when the source began
 
@@ -307,8 +317,10 @@ class _Split:
             return
         self.examples += 1
         self.dropped_reasoning += record.dropped_reasoning
+        self.lengths.append(record.tokens)
         if record.cut is not None:
             self.cut_count[record.cut] += 1
+            self.longest[record.cut] = max(self.longest[record.cut], record.tokens)
             if len(self.cut[record.cut]) < _NAMED:
                 self.cut[record.cut].append(record.where)
         for document in record.documents:
@@ -331,16 +343,19 @@ class _Split:
             truncated_examples=sum(self.cut_count.values()),
             skipped_examples=self.skipped_count,
             dropped_reasoning_turns=self.dropped_reasoning,
+            **_length_stats(self.lengths),
+            longer_than_seq_len=sum(self.cut_count.values()),
         )
 
     def notes(self, name: str) -> tuple[list[str], list[str]]:
-        """``(warnings, infos)``: truncations and skips warn; a long text split into pieces is only news."""
+        """``(warnings, infos)``: every record longer than a row warns, with the count and the longest (a text
+        split into pieces still trains every token, but no longer attends across the cut), as do skips."""
         warnings, infos = [], []
         if self.cut_count["truncated"]:
             count = self.cut_count["truncated"]
             warnings.append(
                 f"{name}: truncated {count} example(s) longer than {option('seq_len')} {self.seq_len}: "
-                f"{_named(self.cut['truncated'], count)}"
+                f"{_named(self.cut['truncated'], count)} (the longest {self.longest['truncated']:,} tokens)"
             )
         if self.skipped_count:
             warnings.append(
@@ -349,8 +364,9 @@ class _Split:
             )
         if self.cut_count["split"]:
             count = self.cut_count["split"]
-            infos.append(
-                f"{name}: split {count} text(s) longer than {option('seq_len')} {self.seq_len} into row-sized pieces"
+            warnings.append(
+                f"{name}: split {count} text(s) longer than {option('seq_len')} {self.seq_len} into row-sized pieces "
+                f"(the longest {self.longest['split']:,} tokens): {_named(self.cut['split'], count)}"
             )
         if self.dropped_reasoning:
             infos.append(f"{name}: {dropped_reasoning_line(self.dropped_reasoning)}")
@@ -429,6 +445,18 @@ def dropped_reasoning_line(turns: int) -> str:
     """The one line that says how much reasoning the chat template drops (and so is never trained)."""
     noun = "assistant turn's reasoning is" if turns == 1 else "assistant turns' reasoning is"
     return f"{turns} {noun} dropped by the chat template and not trained"
+
+
+def _length_stats(lengths: array) -> dict[str, int]:
+    """The min, median and max of ``lengths`` (0 for none), as :class:`DataStats` fields."""
+    if not lengths:
+        return {}
+    values = np.frombuffer(lengths, dtype=np.uint32)
+    return {
+        "example_tokens_min": int(values.min()),
+        "example_tokens_median": int(np.median(values)),
+        "example_tokens_max": int(values.max()),
+    }
 
 
 def _named(wheres: list[str], count: int) -> str:

@@ -56,6 +56,7 @@ class EncodedRecord:
     documents: list[Document] = field(default_factory=list)
     cut: str | None = None  # "split" (a text longer than a row, in pieces) or "truncated" (its end dropped)
     dropped_reasoning: int = 0  # assistant messages whose reasoning the chat template left out (untrained)
+    tokens: int = 0  # the record's length in tokens before any cut: what `slide data` reports and warns about
 
     @property
     def skipped(self) -> bool:
@@ -221,4 +222,4 @@ class Encoder:
                 piece_labels[0] = IGNORE  # see the module docstring: no document predicts another's start
             if (piece_labels != IGNORE).any():
                 documents.append(Document(piece_ids, piece_labels))
-        return EncodedRecord(index, example.where, documents, cut, dropped_reasoning)
+        return EncodedRecord(index, example.where, documents, cut, dropped_reasoning, len(ids_array))

@@ -351,6 +351,11 @@ class PlanInputs:
     streamed_units: tuple[str, ...] = ()
     """Units updated on the GPU as they stream through it (``EngineConfig.streamed_units``): master and
     moments cross PCIe with the unit instead of the gradient, and the host optimizer does nothing for them."""
+    streamable_units: tuple[str, ...] = ()
+    """Units besides ``streamed_units`` a run may move to the GPU-streamed update, and back, between steps
+    when its steps measure other rates than the plan's (``EngineConfig.streamable_units``,
+    slide_hf/replacement.py): they start on the host, and the staging is priced for the largest of them
+    and the streamed units (:func:`~slide_hf.planner.plan.with_streamable` chooses them)."""
     staging_sets: int = _ENGINE_DEFAULTS.staging_sets
     """Device staging sets of the streamed units (``EngineConfig.staging_sets``): three, or two where the
     GPU budget cannot hold three (:func:`~slide_hf.planner.plan.plan_with_placement`)."""
@@ -413,7 +418,7 @@ class PlanInputs:
         names = self.model.names if isinstance(self.model, ModelShape) else tuple(u.name for u in self.model.units)
         standard = ("embedding", *(f"block.{i}" for i in range(len(names) - 2)), "head")
         known, alias = set(names), dict(zip(standard, names, strict=True))
-        for field_name in ("resident_units", "streamed_units"):
+        for field_name in ("resident_units", "streamed_units", "streamable_units"):
             units = getattr(self, field_name)
             unknown = [name for name in units if name not in known and name not in alias]
             if unknown:
@@ -457,6 +462,7 @@ class PlanInputs:
             resident_units=self.resident_units,
             offloaded_units=self.offloaded_units,
             streamed_units=self.streamed_units,
+            streamable_units=self.streamable_units,
             staging_sets=self.staging_sets,
             max_grad_norm=self.max_grad_norm,
             report_grad_norm=(self.grad_accum == 1 or clipping)

@@ -398,12 +398,16 @@ def streamed_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     optimizer's scratch for its ranges, both sized by the largest
     streamed unit (``UnitCost.stream_device_bytes``). The grad ring prices the host-updated units alone,
     as the engine sizes it (Note [The ring is sized for the host's units] in grad_transfer.py); the
-    clipping store still prices every unit that is not resident."""
-    if not inputs.streamed_units:
+    clipping store still prices every unit that is not resident. The units a run may move to the streamed
+    update between steps (``PlanInputs.streamable_units``) size the staging as the streamed ones do: the
+    engine builds it for them from the start (Note [Re-placement at a step boundary] in
+    slide_core/engine/replacement.py)."""
+    staged = {*inputs.streamed_units, *inputs.streamable_units}
+    if not staged:
         return 0
     from slide_hf.planner.unit_costs import unit_costs
 
-    return max(cost.stream_device_bytes for cost in unit_costs(shape, inputs) if cost.name in inputs.streamed_units)
+    return max(cost.stream_device_bytes for cost in unit_costs(shape, inputs) if cost.name in staged)
 
 
 def _resident_max_numel(shape: ModelShape, inputs: PlanInputs) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slide_hf.errors import UserError
-from slide_hf.planner.inputs import ModelShape, PlanInputs
+from slide_hf.planner.inputs import Bandwidths, ModelShape, PlanInputs
 from slide_hf.planner.memory import (
     ENGINE_HOST_BUFFERS,
     EngineBuffers,
@@ -38,6 +38,8 @@ __all__ = [
     "largest_batch",
     "make_plan",
     "plan_with_placement",
+    "replan_streamed",
+    "with_streamable",
 ]
 
 GPU_MARGIN_BYTES = 1 << 30
@@ -136,6 +138,7 @@ class Plan:
                 "fused_loss": i.fused_loss,
                 "resident_units": list(i.resident_units),
                 "streamed_units": list(i.streamed_units),
+                "streamable_units": list(i.streamable_units),
             },
             "params": self.params,
             "tokens_per_step": self.tokens_per_step,
@@ -263,7 +266,7 @@ UPDATE_PLACEMENTS = ("auto", "host", "gpu")
 """Where the updates of units that are not device-resident run (``--update-placement``)."""
 
 
-def plan_with_placement(inputs: PlanInputs, update_placement: str = "host") -> Plan:
+def plan_with_placement(inputs: PlanInputs, update_placement: str = "host", *, replaceable: bool = False) -> Plan:
     """The plan after placing units: device-resident ones in the GPU budget's spare memory first, then, by
     ``update_placement``, the units updated on the GPU as they stream (``PlanInputs.streamed_units``):
 
@@ -282,6 +285,8 @@ def plan_with_placement(inputs: PlanInputs, update_placement: str = "host") -> P
     takes all the spare memory it can use, so ``auto`` weighs two plans: residents in all of it, then
     streaming in what is left; and residents in the spare memory less what streaming the largest block
     takes, then streaming in that (when it streams any unit). The faster wins (a tie keeps the first).
+    ``replaceable``: with ``auto``, also the units the run may move to the streamed update between steps
+    (:func:`with_streamable`), for a run that re-places from the rates its steps measure.
     """
     check_update_placement(inputs, update_placement)
     if update_placement == "gpu":
@@ -296,7 +301,48 @@ def plan_with_placement(inputs: PlanInputs, update_placement: str = "host") -> P
         reserved = _with_streamed(make_plan(_with_resident(inputs, reserve_bytes=reserve)))
         if reserved.inputs.streamed_units:  # memory held back for streaming that streams nothing is wasted
             candidates.append(reserved)
-    return min(candidates, key=lambda p: p.step_time_s)
+    best = min(candidates, key=lambda p: p.step_time_s)
+    return with_streamable(best) if replaceable else best
+
+
+def with_streamable(plan: Plan) -> Plan:
+    """``plan`` with the units its run may move to the GPU-streamed update between steps, should its steps
+    measure other rates than the plan's (``PlanInputs.streamable_units``; slide_hf/replacement.py): every
+    unit that is neither resident nor streamed, could stream (``UnitCost.can_stream``) and needs no more
+    GPU memory to stream than the staging the run holds. That staging is the streamed units' (the plan
+    prices it already), or, where it holds less than a block needs and the spare GPU memory holds a
+    block's, a block's: so a run whose plan streams no block may still move blocks once its steps show
+    the host optimizer slower than planned. The staging is allocated once (Note [Re-placement at a step
+    boundary] in slide_core/engine/replacement.py) and priced here, so the placed plan still fits the
+    budget; its step time is unchanged (the units start on the host)."""
+    inputs = plan.inputs
+    if inputs.gpu_memory_bytes is None or not inputs.accelerator:
+        return plan
+    held = set(inputs.resident_units) | set(inputs.streamed_units)
+    every = unit_costs(plan.shape, inputs)
+    costs = [c for c in every if c.can_stream and c.name not in held]
+    staged = max((c.stream_device_bytes for c in every if c.name in inputs.streamed_units), default=0)
+    blocks = [c.stream_device_bytes for c in costs if c.name in plan.shape.block_names]
+    if blocks and staged < max(blocks) <= staged + _spare_bytes(plan):
+        staged = max(blocks)
+    names = tuple(c.name for c in costs if c.stream_device_bytes <= staged)
+    if not names:
+        return plan
+    return make_plan(dataclasses.replace(inputs, streamable_units=names))
+
+
+def replan_streamed(plan: Plan, bandwidths: Bandwidths) -> Plan:
+    """The streamed units the run of ``plan`` should update on the GPU, chosen as ``auto`` chooses them
+    (the fastest prefix of :func:`~slide_hf.planner.update_placement.streaming_order`) but with
+    ``bandwidths`` (the rates its own steps measured, slide_hf/replacement.py) and among what the run can
+    move without allocating: its streamed and streamable units, within the staging it holds. The resident
+    units stay. Returns the plan of that placement, whose ``streamed_units`` may be those of ``plan``."""
+    inputs = plan.inputs
+    movable = (*inputs.streamed_units, *inputs.streamable_units)
+    start = dataclasses.replace(inputs, bandwidths=bandwidths, streamed_units=(), streamable_units=movable)
+    base = make_plan(start)
+    held = plan.gpu_breakdown.get("streamed_staging", 0)
+    return _with_streamed(base, candidates=set(movable), budget_bytes=held)
 
 
 def _spare_bytes(plan: Plan) -> int:
@@ -326,10 +372,13 @@ def _with_resident(inputs: PlanInputs, *, reserve_bytes: int) -> PlanInputs:
     return dataclasses.replace(inputs, resident_units=resident)
 
 
-def _with_streamed(plan: Plan) -> Plan:
+def _with_streamed(plan: Plan, *, candidates: set[str] | None = None, budget_bytes: int | None = None) -> Plan:
     """``plan`` with the units streamed that make its step fastest within its spare memory: the prefix of
     :func:`~slide_hf.planner.update_placement.streaming_order` whose plan has the smallest step time (the
-    engine's order, slide_hf/planner/step_schedule.py), each longer prefix only where it gains ``_GAIN``."""
+    engine's order, slide_hf/planner/step_schedule.py), each longer prefix only where it gains ``_GAIN``.
+    ``candidates`` and ``budget_bytes``: only those units may stream, their staging within that many bytes
+    (a running engine's, :func:`replan_streamed`); by default every unit that is not resident, within the
+    spare memory."""
     inputs = plan.inputs
     resident = set(inputs.resident_units)
     costs = unit_costs(plan.shape, inputs)
@@ -339,7 +388,14 @@ def _with_streamed(plan: Plan) -> Plan:
             for resource, seconds in cost.resident.items():
                 fixed[resource] += seconds
     movable = [cost for cost in costs if cost.name not in resident]
-    order = [name for name, _ in streaming_order(fixed, movable, _spare_bytes(plan))]
+    if candidates is not None:  # the others are placed already: their host terms are fixed
+        for cost in movable:
+            if cost.name not in candidates:
+                for resource, seconds in cost.host.items():
+                    fixed[resource] += seconds
+        movable = [cost for cost in movable if cost.name in candidates]
+    budget = _spare_bytes(plan) if budget_bytes is None else budget_bytes
+    order = [name for name, _ in streaming_order(fixed, movable, budget)]
     best = plan
     for count in range(1, len(order) + 1):
         streamed = set(order[:count])
