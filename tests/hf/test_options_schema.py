@@ -195,7 +195,7 @@ def test_every_rule_reads_declared_options():
 
 # ---- the engine's options and `slide bench`'s: generated from the declarations -------------------------------
 
-DERIVED_RUN_FIELDS = {"report_grad_norm"}
+DERIVED_RUN_FIELDS = {"report_grad_norm", "packed_rows"}
 """RunOptions fields that are no option: the run derives them (or `slide bench --no-grad-norm` chooses)."""
 BENCH_READS = {"model", "steps"}
 """Options `slide bench` takes that the engine does not read: the benchmark reads them itself."""

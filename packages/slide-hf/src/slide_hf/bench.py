@@ -67,7 +67,8 @@ class BenchConfig:
 
     def run_options(self) -> RunOptions:
         """The engine options a `slide train` run with the same flags would use (``seq_len`` resolved)."""
-        return RunOptions.from_config(self.options, report_grad_norm=self.report_grad_norm)
+        options = RunOptions.from_config(self.options, report_grad_norm=self.report_grad_norm)
+        return dataclasses.replace(options, packed_rows=False)  # one random sequence per row (_batches)
 
 
 class PeakRss:

@@ -91,6 +91,9 @@ class RunOptions:
     max_grad_norm: float
     update_placement: str
     report_grad_norm: bool
+    packed_rows: bool
+    """Rows may hold several documents (``--no-packing`` off; `slide bench`'s random rows do not): with
+    SDPA, their attention needs explicit (S x S) masks, which the plan prices."""
 
     @classmethod
     def from_config(
@@ -104,7 +107,7 @@ class RunOptions:
         the norm anyway."""
         if report_grad_norm is None:
             report_grad_norm = cfg.grad_accum == 1 or cfg.max_grad_norm > 0
-        values = {**engine_values(cfg), "report_grad_norm": report_grad_norm}
+        values = {**engine_values(cfg), "report_grad_norm": report_grad_norm, "packed_rows": cfg.packing}
         if seq_len is not None:  # resolved from the model by the caller (`slide plan`)
             values["seq_len"] = seq_len
         unresolved = sorted(name for name in _REQUIRED_FIELDS if values.get(name) is None)
@@ -259,10 +262,10 @@ def place_units(
         )
         plan = make_plan(dataclasses.replace(inputs, resident_units=chosen))
     check_fits(plan, host_available=host_available, gpu_available=None)
+    use_seq_tile(model, plan.inputs.seq_tile)  # the tile the plan priced (``auto``: the one it chose)
     resident, streamed = plan.inputs.resident_units, plan.inputs.streamed_units
     # The units on the state tier: the plan's own rule (PlanInputs.offloaded_units).
     return Placement(plan, resident, tier_class, plan.inputs.offloaded_units, streamed)
-    use_seq_tile(model, plan.inputs.seq_tile)  # the tile the plan priced (``auto``: the one it chose)
 
 
 def resolve_master(options: RunOptions, optimizer: Optimizer) -> str:
@@ -314,6 +317,7 @@ def plan_inputs(
         batch_size=options.batch_size,
         seq_len=options.seq_len,
         seq_tile=resolve_seq_tile(options.seq_tile, options.seq_len),
+        packed_rows=options.packed_rows,
         grad_accum=options.grad_accum,
         compute_dtype_bytes=torch.empty((), dtype=options.compute_dtype).element_size(),
         block_slots=options.block_slots,
@@ -334,14 +338,14 @@ def plan_inputs(
         fused_loss=fused_loss_available(),
         bandwidths=bandwidths,
     )
-
-
-def fused_loss_available() -> bool:
     if options.seq_tile is None:  # --seq-tile auto: the planner's choice, the same for the plan and the run
         from slide_hf.planner.seq_fit import auto_seq_tile
 
         inputs = dataclasses.replace(inputs, seq_tile=auto_seq_tile(inputs, gpu_memory_bytes))
     return inputs
+
+
+def fused_loss_available() -> bool:
     """Whether slide-kernels (its chunked linear + cross-entropy) is installed here; without it the
     adapters' head materialises the logits, which the plan must count. Checked without importing it."""
     import importlib.util

@@ -25,6 +25,7 @@ from slide_hf.defaults import model_positions, resolve_seq_len
 from slide_hf.errors import UserError
 from slide_hf.planner import (
     Plan,
+    PlanInputs,
     available_host_bytes,
     check_fits,
     format_bytes,
@@ -32,6 +33,7 @@ from slide_hf.planner import (
     parse_size,
     plan_with_placement,
 )
+from slide_hf.planner.attention_masks import attention_masks
 from slide_hf.planner.plan import check_update_placement
 from slide_hf.planner.seq_fit import SequenceFit, sequence_fit
 from slide_hf.sizes import SIZE_RULE
@@ -146,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
         payload.update({"update_placement": placement, "rates_source": rates_source})
         payload.update(sequences.to_dict())
+        payload["attention_masks"] = attention_masks(plan.inputs).to_dict()
         payload["workload"] = workload_key(inputs)  # what a GPU rate measured in this run's steps is kept under
         payload["engine_config"] = engine_config_dict(plan.inputs.engine_config())
         payload["buffers"] = plan.buffers().to_dict()
@@ -362,6 +365,8 @@ def render(
     lines.append(_row("max batch", _max_batch(plan, gpu_source)))
     if sequences is not None and i.accelerator:
         lines.append(_row("longest seq-len", *_longest(sequences, i.seq_len, gpu_source)))
+    if i.accelerator:
+        lines += _masks_rows(i)
     lines.append(
         _row(
             "step time",
@@ -405,6 +410,19 @@ def _max_batch(plan: Plan, gpu_source: str) -> str:
     if plan.max_batch_size == 0:
         return f"none fits ({limit})"
     return f"{plan.max_batch_size}" + (f" (limited by {limit})" if limit else "")
+
+
+def _masks_rows(inputs: PlanInputs) -> list[str]:
+    """The "attention masks" row, where the run's attention builds (S x S) masks (on the GPU peak above)."""
+    masks = attention_masks(inputs)
+    if not masks.any:
+        return []
+    kinds = ", ".join(f"{layer_type} ({implementation})" for layer_type, implementation in masks.layers)
+    note = (
+        f"(S x S) for {kinds}: {format_bytes(masks.held_bytes)} held per micro-batch, "
+        f"{format_bytes(masks.call_bytes)} more per attention call; {masks.remedy()}"
+    )
+    return [_row("attention masks", format_bytes(masks.held_bytes + masks.call_bytes), note)]
 
 
 def _longest(sequences: SequenceFit, seq_len: int, gpu_source: str) -> tuple[str, str]:

@@ -176,7 +176,12 @@ class TrainConfig:
         engine=AS_DECLARED,
     )
     packing: bool = option(
-        True, help="one example per row (padded)", commands=_TRAIN_DATA, flag="--no-packing", action="store_false"
+        True,
+        help="one example per row (padded)",
+        helps={"plan": "plan rows of one example each (packed rows need (S x S) attention masks without flash-attn)"},
+        commands=frozenset({"train", "data", "plan"}),
+        flag="--no-packing",
+        action="store_false",
     )
     train_on_inputs: bool = option(
         False, help="loss on prompts and user turns too", commands=_TRAIN_DATA, action="store_true"

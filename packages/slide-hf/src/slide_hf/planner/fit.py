@@ -67,6 +67,7 @@ def check_fits(
             hint = f"not even {option('batch_size')} 1 fits; try {option('block_slots')} 1 or a shorter {option('seq_len')}"
         else:
             hint = f"not even {option('batch_size')} 1 fits; try a shorter {option('seq_len')} or a larger GPU"
+        hint += _masks_hint(inputs)
         problems.append(
             f"needs {format_bytes(plan.gpu_peak_bytes)} GPU memory, {format_bytes(gpu_available)} {gpu_source}; {hint}"
         )
@@ -83,6 +84,19 @@ def check_fits(
         )
     if problems:
         raise UserError("; also ".join(problems))
+
+
+def _masks_hint(inputs: PlanInputs) -> str:
+    """Where (S x S) attention masks are part of the GPU peak: how much, and what removes them
+    (slide_hf/planner/attention_masks.py)."""
+    from slide_hf.planner.attention_masks import attention_masks
+
+    masks = attention_masks(inputs)
+    if not masks.any:
+        return ""
+    kinds = ", ".join(sorted({layer_type for layer_type, _ in masks.layers}))
+    size = format_bytes(masks.held_bytes + masks.call_bytes)
+    return f"; {size} of it are (S x S) attention masks of {kinds} layers with sdpa: {masks.remedy()}"
 
 
 def _host_hint(inputs: PlanInputs, shape: ModelShape, available: int) -> str:

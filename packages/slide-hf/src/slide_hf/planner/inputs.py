@@ -329,6 +329,9 @@ class PlanInputs:
     """Tokens per tile of the blocks' MLPs (``--seq-tile`` as it resolves, slide_hf/defaults.py): a
     micro-batch of more tokens holds one tile's MLP intermediates in its backward, not the whole
     sequence's (slide_hf/adapters/tiled_mlp.py; priced in slide_hf/planner/seq_tiles.py). 0: untiled."""
+    packed_rows: bool = False
+    """Rows may hold several documents (`slide train`'s packing, on unless ``--no-packing``): with SDPA, every
+    attention layer then needs an explicit (S x S) mask (slide_hf/planner/attention_masks.py)."""
     grad_accum: int = 1
     compute_dtype_bytes: int = 2
     block_slots: int = _ENGINE_DEFAULTS.block_slots

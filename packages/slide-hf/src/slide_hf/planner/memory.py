@@ -41,6 +41,7 @@ from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optimizer import Optimizer
 from slide_core.tier import TierRequest
 from slide_hf.offload import state_tier_capacity
+from slide_hf.planner.attention_masks import attention_masks
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.seq_tiles import engaged_tile, mlp_tokens, tiled_saved_bytes, tiling_buffer_bytes
 
@@ -331,18 +332,21 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
     h, kv, i, v = shape.hidden_size, shape.kv_dim, shape.intermediate_size, shape.vocab_size
     w = shape.activation_width  # what units pass each other: h unless the model widens it
     side_inputs = 3 * tokens * 8 + 2 * inputs.seq_len * shape.head_dim * d  # ids, labels, shifted; cos, sin
+    masks = attention_masks(inputs)  # (S x S) masks where the attention needs them (attention_masks.py)
     persistent = {
         **engine_buffers(shape, inputs).device,
         "model_extras": shape.extra_device_bytes + side_inputs,
         "cuda_context": CUDA_CONTEXT_BYTES,
     }
+    if masks.held_bytes:
+        persistent["attention_masks"] = masks.held_bytes
     # Fused: one reused (rows, vocab) chunk in the compute dtype. Eager: the logits, their fp32 upcast,
     # the fp32 log-softmax saved for backward and its gradient.
     logits = _ce_chunk_rows(tokens, v, d) * v * d if inputs.fused_loss else tokens * v * (d + 12)
     phases = {
         # no-grad block: input and output, plus the larger of attention's (normed x, q, k, v) and the
         # MLP's (gate, up, act) intermediates, of one tile where the MLP is tiled.
-        "forward": (tokens * 2 * w + max(tokens * (2 * h + 2 * kv), mlp_tokens(inputs) * 3 * i)) * d,
+        "forward": (tokens * 2 * w + max(tokens * (2 * h + 2 * kv), mlp_tokens(inputs) * 3 * i)) * d + masks.call_bytes,
         # head: last hidden, normed hidden, its fp32 norm temporary, grad_h and grad_x (the last block's
         # output and its gradient at the stream's width); the logits (above); per-token fp32 loss scalars;
         # without the fused loss, the head-matrix gradient (the fused loss writes it straight into the
@@ -357,7 +361,8 @@ def _gpu_bytes(shape: ModelShape, inputs: PlanInputs) -> tuple[dict[str, int], d
         "backward": int(_BLOCK_WORKSPACE_FACTOR * _block_saved_bytes(shape, inputs))
         + 2 * tokens * w * d
         + shape.max_block_numel * d
-        + tiling_buffer_bytes(shape, inputs),
+        + tiling_buffer_bytes(shape, inputs)
+        + masks.call_bytes,
         # embedding backward: grad_out and the dense (vocab, hidden) weight gradient.
         "embedding_backward": tokens * w * d + v * h * d,
     }
