@@ -10,8 +10,10 @@ its tokens' cross-entropies. So the head, per micro-batch:
    whose), evaluates the pair losses on those tiny tensors (preference/losses.py) and differentiates them
    there with autograd: ``g = d loss / d logp`` per completion;
 3. runs the cross-entropy of every token weighted by ``-g`` of its completion, whose gradient is then
-   exactly the pair loss's gradient (``d logp_seq = -sum d CE_t``), computed chunk by chunk in
-   :class:`_WeightedCrossEntropy`;
+   exactly the pair loss's gradient (``d logp_seq = -sum d CE_t``): slide-kernels' fused linear
+   cross-entropy with per-row weights where it is installed, else chunk by chunk in PyTorch
+   (:class:`_WeightedCrossEntropy`). Steps 1 and 3 each run the LM head's matmul once more than SFT's
+   single fused pass;
 4. returns ``loss.detach() + carrier``: the value is the pair losses' sum, the gradient the weighted
    cross-entropy's (``carrier`` is zero-valued).
 
@@ -26,6 +28,8 @@ summed log-probability into :attr:`PreferenceHead.reference`, indexed by the com
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -107,8 +111,9 @@ class PreferenceHead:
         training = torch.is_grad_enabled()
         h = hidden.reshape(-1, hidden.shape[-1])
         tokens, completions = decode_tags(shift_labels.reshape(-1))
+        fused = _fused_kernels()
         with torch.no_grad():
-            token_logps = _token_logps(h, weight, tokens, softcap)
+            token_logps = (_token_logps if fused is None else _fused_token_logps)(h, weight, tokens, softcap)
             count = 2 * self.pairs
             index = torch.where(completions >= 0, completions, count)  # untrained tokens into a spill slot
             sums = torch.zeros(count + 1, dtype=torch.float32, device=h.device).index_add_(0, index, token_logps)
@@ -127,7 +132,11 @@ class PreferenceHead:
         if grads is None:
             return total.detach()
         token_weights = torch.where(completions >= 0, -grads[completions.clamp(min=0)], 0.0)
-        carrier = _WeightedCrossEntropy.apply(h, weight, token_weights, tokens, softcap)
+        if fused is None:
+            carrier = _WeightedCrossEntropy.apply(h, weight, token_weights, tokens, softcap)
+        else:
+            weighted = fused[0](h, weight, tokens, reduction="sum", softcap=softcap, row_weight=token_weights)
+            carrier = weighted - weighted.detach()
         return total.detach() + carrier
 
     def _pair_total(self, logps: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +171,28 @@ class PreferenceHead:
         if self._metric_sums is None or self._metric_sums.device != metrics.device:
             self._metric_sums = torch.zeros_like(metrics)
         self._metric_sums.add_(metrics)
+
+
+@functools.cache
+def _fused_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., Any]] | None:
+    """slide-kernels' fused linear cross-entropy (autograd) and its launcher, or None where it is not
+    installed. Resolved on first use, not at import: slide_kernels may import triton."""
+    try:
+        from slide_kernels.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_forward
+    except ImportError:
+        return None
+    return linear_cross_entropy, linear_cross_entropy_forward
+
+
+def _fused_token_logps(
+    h: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, softcap: float | None
+) -> torch.Tensor:
+    """:func:`_token_logps` through the fused kernel: its per-row losses are minus the log-probabilities."""
+    fused = _fused_kernels()
+    assert fused is not None
+    rows = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    fused[1](h, weight, tokens, reduction="sum", softcap=softcap, grad_hidden=False, grad_weight=False, rows_out=rows)
+    return rows.neg_()
 
 
 def _rows_per_chunk(tokens: int, vocab: int) -> int:
