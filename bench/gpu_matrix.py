@@ -63,6 +63,9 @@ class Row:
     clip: float | None = None  # a --max-grad-norm this small fires on every step
     nvme: bool = False  # gets --nvme-dir
     needs_gpu: bool = False  # GPU-streamed updates: the CPU device refuses --update-placement gpu
+    seq_len: int = 1024  # bench rows' --seq-len on the GPU
+    quick_seq_len: int = 32  # ... and in the quick mode
+    quick_args: tuple[str, ...] = ()  # added in the quick mode only
 
 
 def rows() -> list[Row]:
@@ -122,7 +125,22 @@ def rows() -> list[Row]:
         Row("ministral3", "bench", "ministral3-8b", "test-ministral3", layers=4),
         Row("smollm3", "bench", "smollm3-3b", "test-smollm3", layers=4),
     ]
-    return options + train + families
+    # Long sequences: 32K tokens of Llama-3.1-8B's blocks in 24 GiB, the tile chosen by --seq-tile auto; the
+    # quick mode tiles 2 x 256 tokens in 64 (the CPU has no GPU budget for auto to choose by).
+    long = [
+        Row(
+            "long context 32K, tiled",
+            "bench",
+            "llama3.1-8b",
+            "test-llama",
+            layers=4,
+            batch=1,
+            seq_len=32768,
+            quick_seq_len=256,
+            quick_args=("--seq-tile", "64"),
+        ),
+    ]
+    return options + train + families + long
 
 
 @dataclass
@@ -159,7 +177,7 @@ def row_argv(row: Row, s: Settings, workdir: Path) -> list[str]:
     if not s.quick:
         argv += ["--gpu-memory", row.gpu_memory]
     if row.command == "bench":
-        batch, seq, steps, warmup = (2, 32, 2, 1) if s.quick else (row.batch, 1024, 3, 1)
+        batch, seq, steps, warmup = (2, row.quick_seq_len, 2, 1) if s.quick else (row.batch, row.seq_len, 3, 1)
         argv += ["--batch-size", str(batch), "--seq-len", str(seq), "--steps", str(steps), "--warmup", str(warmup)]
         if row.layers is not None and not s.quick:
             argv += ["--layers", str(row.layers)]
@@ -174,7 +192,7 @@ def row_argv(row: Row, s: Settings, workdir: Path) -> list[str]:
         nvme = workdir / "nvme"
         nvme.mkdir(exist_ok=True)
         argv += ["--nvme-dir", str(nvme)]
-    return argv + list(row.args)
+    return argv + list(row.args) + list(row.quick_args if s.quick else ())
 
 
 def run_row(row: Row, s: Settings) -> Outcome:

@@ -134,3 +134,29 @@ def test_the_active_matmul_parameters_of_a_block_count_the_routed_experts_a_toke
         shared = sum(p.numel() for n, p in block.root.named_parameters() if "shared_expert" in n and p.dim() >= 2)
         assert (preset == "test-deepseek-v3" and shared > 0) or preset != "test-deepseek-v3"
         assert facts["dense_matmul_params"] >= shared
+
+
+def test_the_long_context_row_runs_32k_tokens_on_the_gpu_and_tiles_in_the_quick_mode(tmp_path: Path) -> None:
+    matrix = _matrix()
+    (row,) = [row for row in matrix.rows() if row.name.startswith("long context")]
+    on_gpu = matrix.row_argv(row, matrix.Settings("cuda", False, tmp_path, tmp_path, None, None), tmp_path)
+    given = dict(zip(on_gpu[1::2], on_gpu[2::2], strict=False))
+    assert given["--model"] == "llama3.1-8b" and given["--gpu-memory"] == "24"
+    assert "--seq-len 32768" in " ".join(on_gpu) and "--batch-size 1" in " ".join(on_gpu)
+    assert "--seq-tile" not in on_gpu  # auto: the planner chooses it from the GPU budget
+    quick = matrix.row_argv(row, matrix.Settings("cpu", True, tmp_path, tmp_path, None, None), tmp_path)
+    line = " ".join(quick)
+    assert "--seq-len 256" in line and "--seq-tile 64" in line  # 2 x 256 tokens in tiles of 64
+
+
+def test_the_long_context_row_runs_in_the_cpu_quick_mode(tmp_path: Path) -> None:
+    quick = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--scratch", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *quick, "--rows", "long context"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "gpu_matrix.json").read_text())["rows"]
+    assert row["ok"] and not row["skipped"] and row["losses"], row
