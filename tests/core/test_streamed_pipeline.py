@@ -29,8 +29,9 @@ from slide_core.testing import PinRecordingDevice, ToyConfig, ToyModel, load_ini
 BLOCKS = ("layers.0", "layers.1", "layers.2")
 
 
-def _run(model, init, batches, optimizer, config: EngineConfig, *, master_format: str = "fp32"):
-    """Losses, the host master's planes and every unit's host optimizer state after ``batches``."""
+def _run(model, init, batches, optimizer, config: EngineConfig, *, master_format: str = "fp32", recorder=None):
+    """Losses, the host master's planes and every unit's host optimizer state after ``batches``;
+    ``recorder`` (a :class:`_Recorder`) is told of each step."""
     on_device: set[str] = set()
     device_step = StreamedPipeline._step_on_device
 
@@ -42,7 +43,11 @@ def _run(model, init, batches, optimizer, config: EngineConfig, *, master_format
         host = HostParameters(model, device.alloc_pinned, master_format=master_format)
         load_init(host, init)
         with Engine(model, device, host, optimizer, config) as engine:
-            losses = [engine.step(micro, lr=3e-3).loss for micro in batches]
+            losses = []
+            for micro in batches:
+                if recorder is not None:
+                    recorder.next_step()
+                losses.append(engine.step(micro, lr=3e-3).loss)
             engine.drain(with_state=True)
             state = {u.name: {k: v.clone() for k, v in engine.host_state.views(u).items()} for u in model.units}
             views = {u.name: {k: v.clone() for k, v in host.read_views(u).items()} for u in model.units}
@@ -50,14 +55,14 @@ def _run(model, init, batches, optimizer, config: EngineConfig, *, master_format
     return losses, planes, state, views, on_device
 
 
-@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("accum", [1, 2, 3])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize(
     "streamed", [BLOCKS, ("embed", "layers.1", "head"), ("embed", "layers.0", "layers.1", "layers.2", "head")]
 )
 def test_streamed_units_match_plain_adamw(tied: bool, accum: int, streamed: tuple[str, ...]) -> None:
-    """Every placement of streamed units (a tied embedding and accumulation update on the host: Note [When
-    a streamed unit is updated on the host]) against torch.optim.AdamW, fp32, <= 1e-5."""
+    """Every placement of streamed units, a tied embedding's two shares and accumulation summed for the
+    device update (Note [Streamed accumulation]), against torch.optim.AdamW, fp32, <= 1e-5."""
     if tied and "head" in streamed:
         streamed = tuple(name for name in streamed if name != "head") or BLOCKS
     cfg = ToyConfig(tie_embeddings=tied, num_layers=3)
@@ -69,7 +74,8 @@ def test_streamed_units_match_plain_adamw(tied: bool, accum: int, streamed: tupl
     config = EngineConfig(
         compute_dtype=torch.float32, transfer_chunk_numel=1024, block_slots=2, streamed_units=streamed
     )
-    losses, _, _, views, _ = _run(model, init, batches, TorchAdamW(adam), config)
+    losses, _, _, views, on_device = _run(model, init, batches, TorchAdamW(adam), config)
+    assert on_device == set(streamed)
     _assert_close((losses, views), _reference_run(model, init, batches, adam, schedule))
 
 
@@ -96,7 +102,7 @@ def _assert_same_bits(streamed, host) -> None:
         ("fp32", "split", 1, 0.0),
         ("bf16", "split", 1, 0.0),
         ("int8", "split", 1, 0.0),
-        ("bf16", "split", 2, 0.0),  # accumulation: the host's path (Note [When a streamed unit is ...])
+        ("bf16", "split", 2, 0.0),  # accumulation: summed for the device (Note [Streamed accumulation])
         ("int8", "fp32", 1, 0.05),  # clipping: the device speculates, then deferred steps take the host's path
         ("fp32", "split", 2, 0.05),
     ],
@@ -108,8 +114,8 @@ def test_streamed_and_host_placements_give_the_same_bits(
     torch path), masters and moments after several steps are bit for bit those of the host placement,
     compact moments included (rounded on the host slab's positions) and a split master included (decoded
     and encoded on the device); one resident unit beside them, and one unit left on the host. With
-    accumulation the streamed units take the host's path, with the same result; with clipping they
-    speculate on the device and are corrected on the host (Note [Streamed speculation])."""
+    accumulation the streamed units are updated on the device too (Note [Streamed accumulation]); with
+    clipping they speculate on the device and are corrected on the host (Note [Streamed speculation])."""
     cfg = ToyConfig(tie_embeddings=False, num_layers=4, hidden_size=64, intermediate_size=128)
     model = ToyModel(cfg)
     init = toy_init(model, seed=5)
@@ -127,7 +133,7 @@ def test_streamed_and_host_placements_give_the_same_bits(
         model, init, batches, optimizer(), EngineConfig(**base, streamed_units=streamed_names),
         master_format=master_format,
     )  # fmt: skip
-    assert streamed[4] == (set(streamed_names) if accum == 1 else set())  # the device path ran only then
+    assert streamed[4] == set(streamed_names)
     _assert_same_bits(streamed, host)
 
 
@@ -171,6 +177,7 @@ class _Recorder:
         self.on_device: list[set[str]] = []
         self.corrected: list[set[tuple[str, str]]] = []
         self.squares: list[float] = []  # every speculative device update's squared norm (landed on the CPU)
+        self.summed: list[float] = []  # the c_u of every speculative device update of a summed gradient
 
     def next_step(self) -> None:
         self.on_device.append(set())
@@ -178,7 +185,7 @@ class _Recorder:
 
     def scaled(self, max_norm: float) -> bool:
         """Whether some speculative update applied ``c_u < 1``."""
-        return any(math.sqrt(square) > max_norm for square in self.squares)
+        return any(math.sqrt(square) > max_norm for square in self.squares) or any(c < 1.0 for c in self.summed)
 
     def patches(self) -> contextlib.ExitStack:
         device_step, finish = StreamedPipeline._step_on_device, StreamedPipeline.finish
@@ -191,7 +198,10 @@ class _Recorder:
         def recording_finish(pipeline, unit, ctx, correction):
             speculated = pipeline._speculated.get(unit.name)
             if speculated is not None:
-                recorder.squares.append(float(speculated.norm_sq))
+                if speculated.norm_sq is None:  # a summed gradient: its c_u as the host recorded it
+                    recorder.summed.append(speculated.applied)
+                else:
+                    recorder.squares.append(float(speculated.norm_sq))
                 if correction.kind != "keep":
                     recorder.corrected[-1].add((unit.name, correction.kind))
             return finish(pipeline, unit, ctx, correction)
@@ -218,7 +228,8 @@ def _clip_regime(model, init, batches, adam, regime: str) -> float:
         max_norm = 1e6
     else:
         _, unclipped, _, _ = _clip_reference(model, init, batches, adam, 1e6)
-        max_norm = sorted(unclipped.values())[len(unclipped) // 2]
+        ordered = sorted(unclipped.values())  # between two norms: none is within rounding of it
+        max_norm = (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
     _, norms, _, _ = _clip_reference(model, init, batches, adam, max_norm)
     clipped = [norm > max_norm for norm in norms.values()]
     fits = {
@@ -234,17 +245,19 @@ def _clip_regime(model, init, batches, adam, regime: str) -> float:
 STREAMED = ("embed", "layers.0", "layers.2", "head")
 
 
+@pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("regime", ["clips", "speculating", "mixed", "never"])
 @pytest.mark.parametrize("resident", [(), ("layers.1",)])
-def test_streamed_units_speculate_and_match_clip_grad_norm(regime: str, resident: tuple[str, ...]) -> None:
+def test_streamed_units_speculate_and_match_clip_grad_norm(regime: str, resident: tuple[str, ...], accum: int) -> None:
     """Note [Streamed speculation]: with clipping, a speculative step updates the streamed units on the
     device with ``c_u`` and the host corrects them when the step clips; a deferred step (after one that
-    clipped) takes the host's path. Losses, reported norms, weights and both moments equal
+    clipped) takes the host's path; with accumulation the summed gradient's norm is summed on the host
+    (Note [Streamed accumulation]). Losses, reported norms, weights and both moments equal
     clip_grad_norm_ + torch.optim.AdamW within 1e-5, and which steps ran where is as the Notes say."""
     cfg = ToyConfig(tie_embeddings=False, num_layers=3)
     model = ToyModel(cfg)
     init = toy_init(model, seed=11)
-    batches = toy_batches(cfg, steps=4, accum=1, seed=3)
+    batches = toy_batches(cfg, steps=4, accum=accum, seed=3)
     adam = AdamWConfig(weight_decay=0.1)
     max_norm = _clip_regime(model, init, batches, adam, regime)
     ref_losses, ref_norms, ref_params, ref_state = _clip_reference(model, init, batches, adam, max_norm)
@@ -271,16 +284,18 @@ def test_streamed_units_speculate_and_match_clip_grad_norm(regime: str, resident
     _assert_weights_and_state(params, state, ref_params, ref_state, step_count)
 
 
+@pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("max_norm", [1e6, 0.05])
-def test_a_nonfinite_step_takes_streamed_updates_back(max_norm: float) -> None:
+def test_a_nonfinite_step_takes_streamed_updates_back(max_norm: float, accum: int) -> None:
     """NaN gradients in layers.1 and everything before it at step 3: the streamed units updated on the
-    device in that step (their non-finite gradients zeroed first: Note [Speculative non-finite guard]) are
-    taken back on the host, the step is skipped, and the run equals the reference that never saw that
-    batch. With every step clipping, the bad step defers instead and nothing of it is applied."""
+    device in that step (their non-finite gradients applied as zeros: Note [Speculative non-finite guard],
+    and Note [Streamed accumulation] for a summed one) are taken back on the host, the step is skipped,
+    and the run equals the reference that never saw that batch. With every step clipping, the bad step
+    defers instead and nothing of it is applied."""
     cfg = ToyConfig(tie_embeddings=False, num_layers=3)
     model = _PoisonableToy(cfg, poison_at=1)
     init = toy_init(model, seed=5)
-    batches = toy_batches(cfg, steps=5, accum=1, seed=8)
+    batches = toy_batches(cfg, steps=5, accum=accum, seed=8)
     adam = AdamWConfig(weight_decay=0.1)
     bad = 2
     ref_losses, ref_norms, ref_params, ref_state = _clip_reference(
@@ -344,6 +359,83 @@ def test_streamed_speculation_gives_the_host_placements_bits(
     assert streamed[4] == set(STREAMED)
     assert recorder.scaled(max_norm) == (regime in ("clips", "speculating"))
     assert bool(recorder.corrected[0]) == (regime != "never")
+    _assert_same_bits(streamed, host)
+
+
+ACCUM_FORMATS = [
+    ("fp32", "fp32"),
+    ("bf16", "fp32"),
+    ("int8", "fp32"),
+    ("fp32", "split"),
+    ("bf16", "split"),
+    ("int8", "split"),
+]
+
+
+@pytest.mark.parametrize(
+    ("state_format", "master_format", "accum", "regime"),
+    [
+        *(
+            (state, master, accum, regime)
+            for state, master in ACCUM_FORMATS
+            for accum in (2, 3)
+            for regime in ("off", "speculating")
+        ),
+        ("bf16", "split", 2, "mixed"),
+        ("int8", "fp32", 3, "mixed"),
+    ],
+)
+def test_streamed_accumulation_gives_the_host_placements_bits(
+    state_format: str, master_format: str, accum: int, regime: str
+) -> None:
+    """Note [Streamed accumulation]: the earlier micro-batches' gradients summed on the host, the sum
+    staged beside the master and the last one added on the device is the host's fp32 sum, and with
+    clipping its norm is summed on the host and its c_u formed on the device as the host forms it, so after
+    steps that clip (every one speculating, or some deferred) or run without clipping, masters and moments
+    are the host placement's bit for bit, every streamed unit updated on the device in every step that
+    does not defer."""
+    cfg = ToyConfig(tie_embeddings=False, num_layers=4, hidden_size=64, intermediate_size=128)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=5)
+    batches = toy_batches(cfg, steps=3, accum=accum, seed=9)
+    adam = AdamWConfig(weight_decay=0.1, state_format=state_format)
+    max_norm = 0.0 if regime == "off" else _clip_regime(model, init, batches, AdamWConfig(weight_decay=0.1), regime)
+    dtype = torch.bfloat16 if master_format == "split" else torch.float32
+
+    def optimizer():
+        return TorchAdamW(adam) if state_format == "fp32" else CompactAdamW(adam, fused=False)
+
+    base = dict(compute_dtype=dtype, transfer_chunk_numel=1024, resident_units=("layers.3",), max_grad_norm=max_norm)
+    with _policy(regime):
+        host = _run(model, init, batches, optimizer(), EngineConfig(**base), master_format=master_format)
+    recorder = _Recorder()
+    with recorder.patches(), _policy(regime):
+        config = EngineConfig(**base, streamed_units=STREAMED)
+        streamed = _run(model, init, batches, optimizer(), config, master_format=master_format, recorder=recorder)
+    assert all(on_device == set(STREAMED) for on_device in recorder.on_device[:1])
+    if regime == "speculating":
+        assert recorder.on_device == [set(STREAMED)] * len(batches)
+        assert recorder.corrected == [{(name, "rescale") for name in STREAMED}] * len(batches)
+        assert recorder.scaled(max_norm)
+    _assert_same_bits(streamed, host)
+
+
+@pytest.mark.parametrize(("accum", "max_norm"), [(1, 0.0), (2, 0.0), (1, 0.05), (3, 0.05)])
+def test_a_streamed_tied_embedding_sums_both_shares_for_the_device(accum: int, max_norm: float) -> None:
+    """A tied embedding gets the head's share and its own each micro-batch: the shares before its last are
+    summed on the host, the last added on the device (Note [Streamed accumulation]); the bits are the host
+    placement's."""
+    cfg = ToyConfig(tie_embeddings=True, num_layers=4, hidden_size=64, intermediate_size=128)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=5)
+    batches = toy_batches(cfg, steps=4, accum=accum, seed=9)
+    adam = AdamWConfig(weight_decay=0.1, state_format="bf16")
+    base = dict(compute_dtype=torch.bfloat16, transfer_chunk_numel=1024, max_grad_norm=max_norm)
+    names = ("embed", "layers.0", "layers.3")
+    host = _run(model, init, batches, CompactAdamW(adam, fused=False), EngineConfig(**base), master_format="split")
+    config = EngineConfig(**base, streamed_units=names)
+    streamed = _run(model, init, batches, CompactAdamW(adam, fused=False), config, master_format="split")
+    assert streamed[4] == set(names)
     _assert_same_bits(streamed, host)
 
 

@@ -109,6 +109,8 @@ class SpeculativeClipping(ClipStrategy):
     ``finished``) takes ``lock``.
     """
 
+    speculates = True
+
     def __init__(self, policy: ClipPolicy) -> None:
         super().__init__(checks_norms=True, host_sq={})
         self.policy = policy
@@ -189,6 +191,12 @@ class SpeculativeClipping(ClipStrategy):
         squared = norms.add(unit, grad, first=True)
         if self.skip_nonfinite:
             grad.masked_fill_(~torch.isfinite(squared), 0.0)
+        return norms.device_coefficient(unit, squared, self.max_norm)
+
+    def summed_coefficient(self, norms: UnitNorms | None, unit: Unit, squared: torch.Tensor) -> torch.Tensor | None:
+        """``c_u`` on the device from the host-summed square (1 where it is not finite: the pipeline then
+        applies zeros, Note [Streamed accumulation] in streamed_pipeline.py)."""
+        assert norms is not None
         return norms.device_coefficient(unit, squared, self.max_norm)
 
     def applied_coefficient(self, squared: float) -> float:

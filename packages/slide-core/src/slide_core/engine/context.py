@@ -126,6 +126,14 @@ class ClipStrategy(ABC):
     releases_at_last_chunk: bool = True
     """Whether a host unit is done with its optimizer state once its last chunk is applied (not when its
     update is held for the step's decision)."""
+    skip_nonfinite: bool = False
+    """Whether a step whose norm is not finite is taken back: a device update that cannot know yet then
+    applies a non-finite gradient as zeros, so that its undo is exact (Note [Speculative non-finite
+    guard])."""
+    speculates: bool = False
+    """Whether final gradients are applied with their unit's own ``c_u`` and corrected at the step's
+    decision: a GPU-streamed unit's summed gradient then has its norm summed on the host, as the host
+    placement sums it (Note [Streamed accumulation] in streamed_pipeline.py)."""
 
     def __init__(self, *, checks_norms: bool, host_sq: dict[str, float] | None) -> None:
         self.checks_norms = checks_norms
@@ -168,6 +176,13 @@ class ClipStrategy(ABC):
     def device_coefficient(self, norms: UnitNorms | None, unit: Unit, grad: torch.Tensor) -> torch.Tensor | None:
         """The coefficient of a device-resident unit's update, as a 0-dim device tensor; None when its
         update is final as applied (its 'updated' future resolves at once)."""
+
+    def summed_coefficient(self, norms: UnitNorms | None, unit: Unit, squared: torch.Tensor) -> torch.Tensor | None:
+        """The coefficient of a GPU-streamed unit's device update of a gradient summed over several
+        contributions, as a 0-dim device tensor, from ``squared``: its squared norm formed on the device
+        as the host sums it (``UnitNorms.summed_square``), so it is the host placement's ``c_u``. None
+        when the step does not speculate (Note [Streamed accumulation] in streamed_pipeline.py)."""
+        return None
 
     def applied_coefficient(self, squared: float) -> float:
         """As a host float, the coefficient :meth:`device_coefficient` gave the device update of a unit

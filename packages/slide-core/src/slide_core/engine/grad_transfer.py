@@ -12,11 +12,12 @@ one is taken, so a ring of one chunk cannot deadlock. Tested by
 ``test_a_ring_of_one_chunk_neither_deadlocks_nor_changes_the_math``.
 
 Note [The ring is sized for the host's units]: the ring holds the backlog the host optimizer carries
-(``EngineConfig.grad_ring_fraction`` of what it updates). A GPU-streamed unit sends its gradient here only
-in a step that accumulates it over micro-batches (with clipping on, every gradient goes to the store,
-which keeps pricing every unit), and such a step updates it at the host's speed anyway, so the ring is
-sized for the host-updated units alone: a ring smaller than a backlog only makes the backward wait for
-free chunks. With most of a 14B model streamed that is some 11 GiB of pinned RAM less (0.5 x 2 bytes per
+(``EngineConfig.grad_ring_fraction`` of what it updates). A GPU-streamed unit sends a gradient here only
+in a step that sums several contributions to it, and then only those before its last, which the optimizer
+thread adds into its accumulator without updating anything (Note [Streamed accumulation] in
+streamed_pipeline.py; with clipping on, every gradient goes to the store, which keeps pricing every unit),
+so they add no backlog and the ring is sized for the host-updated units alone: a ring smaller than a
+backlog only makes the backward wait for free chunks. With most of a 14B model streamed that is some 11 GiB of pinned RAM less (0.5 x 2 bytes per
 streamed parameter). Tested by ``test_streamed_units_leave_the_ring_to_the_host_units``.
 """
 

@@ -6,7 +6,7 @@ thread reads it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -67,6 +67,17 @@ class UnitNorms:
         else:
             slot.add_(squared)
         return slot
+
+    @staticmethod
+    def summed_square(grad: torch.Tensor, ranges: Iterable[tuple[int, int]]) -> torch.Tensor:
+        """Compute stream: the squared norm of a summed gradient as the host optimizer thread sums it
+        (``ClipStrategy._add_square`` over the ranges its chunks land in): each range's fp32 norm squared
+        in fp64, added in order to 0. A 0-dim fp64 device tensor, the same float as the host's sum of the
+        same values (Note [Streamed accumulation] in streamed_pipeline.py); ``ranges`` index ``grad``."""
+        total = torch.zeros((), dtype=torch.float64, device=grad.device)
+        for start, end in ranges:
+            total.add_(torch.linalg.vector_norm(grad[start:end], dtype=torch.float32).double().square())
+        return total
 
     def device_coefficient(self, unit: Unit, squared: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Compute stream: ``c_u`` as a 0-dim device tensor (1 where the norm is not finite: the

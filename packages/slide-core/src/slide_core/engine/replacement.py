@@ -15,8 +15,8 @@ between two steps, once every 'updated' future of the last step is resolved and 
 (Note [Update futures]): no unit is then halfway through an update in either place, and the next step reads
 the placement once, when it begins (``StepContext.device_updated``), and never again. A unit the streamed
 path does not update on the device takes the host optimizer's path in that pipeline, the path a streamed
-unit already takes in a step with several contributions (Note [When a streamed unit is updated on the
-host]). Tested by tests/core/test_engine_replacement.py, which moves units both ways mid-run and ends with the
+unit already takes in a deferred clipped step (Note [When a streamed unit is updated on the host]).
+Tested by tests/core/test_engine_replacement.py, which moves units both ways mid-run and ends with the
 all-host run's masters and moments bit for bit.
 
 What a move does not change: the gradient ring stays sized for the units the run started with on the host

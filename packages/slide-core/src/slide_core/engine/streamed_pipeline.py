@@ -12,7 +12,7 @@ master or compact moments) and puts the arithmetic where there is plenty of it.
   and state of the first streamed unit in backward order into a staging set (update_staging.py), and at
   each streamed unit's gradient the upload of the next one, so that it arrives while the backward
   computes it; an upload waits for the unit's previous update (Note [Update futures]) and for the
-  write-back that last read its set;
+  write-back that last read its set (with several contributions a step, Note [Streamed accumulation]);
 - main thread, ``contribute``: the gradient is written in the slot, summed over the ranks into the shard
   (one reduce-scatter on the compute stream; nothing in one process), its squared norm folded on the
   device; the compute stream waits for the upload, a split master is decoded (``Optimizer.split_codec``),
@@ -40,14 +40,56 @@ since a set is given back only by its unit's update; otherwise the load reads th
 staged when the update before it is queued. A unit loaded once (kept in its slot from the forward) is
 staged that way too.
 
-Note [When a streamed unit is updated on the host]: the device update needs the unit's whole final
-gradient in its slot at once. A step with several contributions to the unit (gradient accumulation, a
-tied embedding's two shares) or a deferred clipped step (whose host units hold their gradients until the
-step's norm is known: Note [Deferred clipped steps] in docs/design/engine.md) sends the gradient to the
+Note [When a streamed unit is updated on the host]: a deferred clipped step holds its host units'
+gradients until the step's norm is known (Note [Deferred clipped steps] in docs/design/engine.md), which a
+device update right after the backward cannot do. Such a step sends a streamed unit's gradient to the
 host optimizer instead, exactly as a host-updated unit does (this class is a :class:`HostPipeline`): the
-same result, at the host's speed. A speculative clipped step updates on the device (Note [Streamed
-speculation]). ``ctx.device_updated`` names the streamed units updated on the device in a step
-(:meth:`StreamedPipeline.updates_on_device`).
+same result, at the host's speed. Every other step updates on the device: a speculative clipped step
+(Note [Streamed speculation]) and a step with several contributions to the unit (Note [Streamed
+accumulation]). ``ctx.device_updated`` names the streamed units updated on the device whose final
+gradient's norm stays there (:meth:`StreamedPipeline.updates_on_device`).
+
+Note [Streamed accumulation]: with several gradient contributions to a unit in a step (gradient
+accumulation over micro-batches, a tied embedding's head share and its own), every contribution but the
+last goes the host's way: d2h, and summed by the optimizer thread into the unit's fp32 host accumulator
+(``HostPipeline.apply``). The unit's upload then copies that sum into its staging set's fp32 ``sums``
+beside master and moments (update_staging.py; allocated once, at the first step that sums), the last
+contribution is added to it on the device right after its backward, and the device updates the shard
+with the total. No buffer is as large as the model: the sum lives in host RAM between micro-batches (the
+host placement's accumulator, page-locked once) and on the device only as long as the master beside it.
+Exactness: the device adds the last contribution to the host's sum as the host's ``accum.add_`` would
+(fp32 plus a compute-dtype value, one rounding), so the final gradient is the host placement's bit for
+bit; without clipping its norm is folded on the device as a resident unit's is. A step that speculates
+needs the host placement's ``c_u`` and global norm, which sum a summed gradient's square on the host range
+by range in fp64 (``ClipStrategy._add_square``). So the device forms its ``c_u`` from that square formed
+the same way (``UnitNorms.summed_square``: each transfer chunk's fp32 norm squared in fp64, added in
+order), applies ``c_u * g`` from a scratch (zeros for a non-finite square when the step skips such steps,
+the summed gradient itself left whole), and the d2h stream writes the summed gradient back into the host
+accumulator with the master; a d2h job queues, once it has landed, an optimizer job that hands it to the
+clip strategy range by range as a host unit's last chunks are handed (``ClipStrategy.ranges``, whose
+ranges were applied already): the square, the non-finite mark and the norm the step decides on are the
+host placement's, and the unit counts as summed on the host (``StepContext.summed_on_host``). That d2h job
+is the step's last transfer (``GradTransfer.last``), so the step's end waits for it before its barrier.
+A correction then reads the kept gradient in the host accumulator, zeroed where the device applied zeros,
+with the ``c_u`` the host recorded: the host's code on the host's numbers (Note [Streamed speculation]).
+On a GPU the device's square may differ from the host's in the last bits, and so a correction's ``c_u``
+from the one the device applied, by an ulp.
+
+The schedule, and why it cannot deadlock. A staging set is given back only by its unit's update, and an
+upload of a summed unit waits for the host to have summed the contributions before its last (a future
+:meth:`apply` resolves with the last chunk of the one before the last). So a summed unit's upload is
+queued only once that contribution has been sent (:meth:`_ready`): at a load of the unit in its last
+micro-batch (``before_load``: a unit with one micro-batch left is loaded for that forward and backward,
+and the load reads the host, since which visit it serves is not known there), at the update of the unit
+before it in backward order (``_stage_after``), or at its own update. From then on the upload waits only
+for work already issued: the previous step's update of the unit, the d2h copy of a gradient whose compute
+was issued, the optimizer thread's sums of chunks the d2h thread hands over, none of which waits for the
+h2d thread, so the h2d thread is never blocked on anything that waits for it. Had an upload been queued
+in an earlier micro-batch (at the step's start, as a unit with one contribution is), the h2d thread would
+wait for a sum whose backward needs loads queued behind that upload, and the step would hang. Sets are
+handed out as with one contribution (:meth:`_can_stage`: one stays for every unit updated earlier that
+has none), and every update of the step comes in the last micro-batch's backward, in backward order, so
+the unit updated next always finds its set or a free one.
 
 Note [Streamed speculation]: with clipping on, a step that speculates (Note [Speculative non-finite
 guard] and "Clipping" in docs/design/engine.md) updates a streamed unit on the device as a resident unit
@@ -83,6 +125,7 @@ pass over the unit's master and state only in a step that clips; the step after 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -98,7 +141,7 @@ from slide_core.unit import Unit
 
 from .clipping import AppliedRange, ScaledGrads
 from .context import ClipStrategy, Contribution, ContributionKind, StepContext
-from .grad_transfer import GradTransfer, gradient_chunks
+from .grad_transfer import GradChunk, GradTransfer, gradient_chunks
 from .host_pipeline import HostPipeline
 from .host_span import pinned_spans
 from .host_state import HostState
@@ -166,6 +209,10 @@ class StreamedPipeline(HostPipeline):
         self._pinned: list[torch.Tensor] = []
         self._scaled = ScaledGrads()  # main thread: ``c_u * g`` of one chunk (Note [Streamed speculation])
         self._speculated: dict[str, _Speculated] = {}  # this step's speculative device updates, to decide
+        self._sent: dict[str, int] = {}  # contributions made so far this step, per unit updated on the device
+        self._summing: dict[str, tuple[int, Future[None]]] = {}  # (the one before the last, host sum done)
+        self._units: dict[str, Unit] = {}
+        self._pinned_sums: dict[str, torch.Tensor] = {}  # host accumulators the uploads read (h2d thread)
 
     @staticmethod
     def device_bytes(
@@ -175,11 +222,13 @@ class StreamedPipeline(HostPipeline):
         split: bool,
         sets: int = STAGING_SETS,
         clipping_chunk: int | None = None,
+        summing: bool = False,
     ) -> int:
-        """Device bytes this pipeline allocates: its staging sets (:meth:`UpdateStaging.bytes_for`), and
-        with clipping (``clipping_chunk``: the transfer chunk) the fp32 ``c_u * g`` of one chunk (Note
-        [Streamed speculation])."""
-        staging = UpdateStaging.bytes_for(max_shard_numel, state_arrays, split=split, sets=sets)
+        """Device bytes this pipeline allocates: its staging sets (:meth:`UpdateStaging.bytes_for`, with
+        ``summing`` the fp32 sum in each: a streamed unit gets several contributions a step, Note [Streamed
+        accumulation]), and with clipping (``clipping_chunk``: the transfer chunk) the fp32 ``c_u * g`` of
+        one chunk (Note [Streamed speculation])."""
+        staging = UpdateStaging.bytes_for(max_shard_numel, state_arrays, split=split, sets=sets, summing=summing)
         return staging + (4 * min(max_shard_numel, clipping_chunk) if clipping_chunk else 0)
 
     @staticmethod
@@ -219,19 +268,24 @@ class StreamedPipeline(HostPipeline):
     def unpin_host_ranges(self) -> None:
         """Give back what :meth:`pin_host_ranges` pinned, so that dropping the host state (before an
         export) frees its memory rather than leaving it registered until the device closes."""
-        for span in self._pinned:
+        for span in (*self._pinned, *self._pinned_sums.values()):
             self.device.unpin_host_range(span)
         self._pinned = []
+        self._pinned_sums = {}
 
     # -- which steps update on the device ----------------------------------------------------------------
     @staticmethod
     def updates_on_device(clip: ClipStrategy, contributions: int) -> bool:
         """Whether a unit with ``contributions`` gradient contributions in a step with ``clip`` is updated
-        on the device (Note [When a streamed unit is updated on the host])."""
-        return contributions == 1 and not clip.deferred
+        on the device with its final gradient's norm there (what ``StepContext.device_updated`` names):
+        in every step but a deferred one (Note [When a streamed unit is updated on the host]), except that
+        a speculating step sums a summed gradient's norm on the host (Note [Streamed accumulation])."""
+        return not clip.deferred and (contributions == 1 or not clip.speculates)
 
     def _on_device(self, ctx: StepContext, name: str) -> bool:
-        return name in self.placement and self.updates_on_device(ctx.clip, ctx.expected[name])
+        """Whether ``name``'s update of this step runs on the device (its norm may still be summed on the
+        host: :meth:`updates_on_device`)."""
+        return name in self.placement and not ctx.clip.deferred
 
     def begin_step(self, ctx: StepContext) -> None:
         super().begin_step(ctx)
@@ -243,7 +297,11 @@ class StreamedPipeline(HostPipeline):
         self._contributed.clear()
         self._ctx = ctx
         self._speculated.clear()
+        self._sent.clear()
+        self._summing.clear()
         self._write_backs = [future for future in self._write_backs if not future.done()]
+        if any(ctx.expected[name] > 1 and self._on_device(ctx, name) for name in self.backward_order):
+            self.staging.hold_sums()  # once per run (Note [Streamed accumulation])
         self._stage_after(None, ctx)
 
     # -- the upload, queued by the main thread, run by the h2d thread ------------------------------------
@@ -254,7 +312,13 @@ class StreamedPipeline(HostPipeline):
         name, ctx = unit.name, self._ctx
         seen = self._loads.get(name, 0)
         self._loads[name] = seen + 1
-        if ctx is None or seen == 0 or not self._on_device(ctx, name) or not self._can_stage(name, ctx):
+        if ctx is None or not self._on_device(ctx, name):
+            return
+        if ctx.expected[name] > 1:  # staged at a load of its last micro-batch, which reads the host
+            if self._ready(name, ctx) and self._can_stage(name, ctx):  # (Note [Streamed accumulation])
+                self._stage(name)
+            return
+        if seen == 0 or not self._can_stage(name, ctx):
             return
         self._stage(name)
         self._load_from[name] = self._staged[name][0]
@@ -280,15 +344,29 @@ class StreamedPipeline(HostPipeline):
 
     def _correct_streamed(self, unit: Unit, speculated: _Speculated, correction: Correction, ctx: StepContext) -> None:
         """Optimizer thread: once the write-back and the kept gradient have landed, correct the device's
-        speculative update of the unit on the host (Note [Streamed speculation]); resolves its future."""
+        speculative update of the unit on the host (Notes [Streamed speculation] and [Streamed
+        accumulation]); resolves its future."""
         speculated.written.synchronize()  # note: CPU-GPU sync point (optimizer thread: the host reads what landed)
-        store = self.transfer.store
-        assert store is not None, "speculation runs with clipping on, which keeps the gradient store"
-        applied = ctx.clip.applied_coefficient(float(speculated.norm_sq))
         lo, hi = self.shards[unit.name]
         decay_numel = unit.layout.decay_numel
+        if speculated.norm_sq is None:  # a summed gradient, kept in the host accumulator
+            accum = self.host_state.accumulator(unit, hi - lo)
+            if speculated.zeroed:
+                accum.zero_()  # what the device applied
+            applied = speculated.applied
+
+            def kept(start: int, end: int) -> torch.Tensor:
+                return accum[start - lo : end - lo]
+        else:
+            store = self.transfer.store
+            assert store is not None, "speculation runs with clipping on, which keeps the gradient store"
+            applied = ctx.clip.applied_coefficient(float(speculated.norm_sq))
+
+            def kept(start: int, end: int) -> torch.Tensor:
+                return store.range(unit, start, end)
+
         ranges = [
-            AppliedRange(start, end, store.range(unit, start, end), end <= decay_numel, applied)
+            AppliedRange(start, end, kept(start, end), end <= decay_numel, applied)
             for start, end in gradient_chunks(hi, self.chunk_numel, decay_numel, start=lo)
         ]
         self.correct(unit, ranges, correction, ctx)
@@ -306,13 +384,18 @@ class StreamedPipeline(HostPipeline):
         )
         return self.staging.free() > waiting
 
+    def _ready(self, name: str, ctx: StepContext) -> bool:
+        """Whether ``name``'s upload may be queued now: every contribution but its last has been sent to the
+        host sum its upload waits for (Note [Streamed accumulation])."""
+        return self._sent.get(name, 0) >= ctx.expected[name] - 1
+
     def _stage_after(self, name: str | None, ctx: StepContext) -> None:
         """Queue the upload of the streamed unit updated on the device after ``name`` in backward order
-        (None: the first)."""
+        (None: the first), if it may be queued yet."""
         order = self.backward_order
         for later in order[order.index(name) + 1 :] if name is not None else order:
             if self._on_device(ctx, later):
-                if self._can_stage(later, ctx):
+                if self._ready(later, ctx) and self._can_stage(later, ctx):
                     self._stage(later)
                 return
 
@@ -321,13 +404,23 @@ class StreamedPipeline(HostPipeline):
             return
         staged = self.staging.take()
         previous = self._previous.get(name)
-        uploaded = self.workers["h2d"].submit(self._upload, name, staged, previous, staged.free_after)
+        summing = self._summing.get(name)
+        summed = None if summing is None else summing[1]
+        uploaded = self.workers["h2d"].submit(self._upload, name, staged, previous, staged.free_after, summed)
         self._staged[name] = (staged, uploaded)
 
-    def _upload(self, name: str, staged: StagingSet, previous: Future[None] | None, free_after: Event | None) -> Event:
+    def _upload(
+        self,
+        name: str,
+        staged: StagingSet,
+        previous: Future[None] | None,
+        free_after: Event | None,
+        summed: Future[None] | None,
+    ) -> Event:
         """h2d thread: once the unit's previous update is done, its master shard (fp32, or a split
-        master's planes as they are) and state into ``staged``, after the write-back that last read it;
-        returns the event the backward's load and the update wait for."""
+        master's planes as they are) and state into ``staged``, after the write-back that last read it,
+        and once the host has summed them (``summed``), its earlier contributions; returns the event the
+        backward's load and the update wait for."""
         if previous is not None:
             self.workers.wait(previous, f"the update of {name} before streaming it")
         device, host_params = self.device, self.host_params
@@ -343,7 +436,19 @@ class StreamedPipeline(HostPipeline):
                 device.copy_to_device(self._staged_master(staged)[:n], host_params.flat(name)[lo:hi])
             for array, host in self._host_state_of(name).items():
                 device.copy_to_device(staged.state[array][: host.numel()], host)
+            if summed is not None:
+                self.workers.wait(summed, f"the host's sum of {name}'s earlier gradients")
+                device.copy_to_device(self._sums(staged)[:n], self._host_sum(name, n))
             return device.record_event("h2d")
+
+    def _host_sum(self, name: str, numel: int) -> torch.Tensor:
+        """h2d thread: the unit's host accumulator (its shard's fp32 sum), page-locked the first time, as
+        every other host range a streamed unit moves is (:meth:`pin_host_ranges`)."""
+        accum = self.host_state.accumulator(self._units[name], numel)
+        if name not in self._pinned_sums:
+            self.device.pin_host_range(accum)
+            self._pinned_sums[name] = accum
+        return accum
 
     def load(self, unit: Unit, slot: ParamSlot, ready: Future[None], reuse_after: Event | None) -> Event:
         """h2d thread: a backward load :meth:`before_load` staged reads the staged master (its upload ran
@@ -379,38 +484,155 @@ class StreamedPipeline(HostPipeline):
         contribution: Contribution,
         ctx: StepContext,
     ) -> None:
-        if not self._on_device(ctx, unit.name):
+        name = unit.name
+        if not self._on_device(ctx, name):
             super().contribute(unit, slot, grads, contribution, ctx)
             return
-        assert contribution.kind is ContributionKind.ONLY
-        self._stage(unit.name)  # queued with its backward load, or at the previous streamed unit's gradient
+        self._units[name] = unit
+        if not contribution.final:
+            self._sum_on_host(unit, slot, grads, contribution, ctx)
+            return
+        self._sent[name] = contribution.index + 1
+        self._stage(
+            name
+        )  # queued with its backward load, at its contribution before the last, or at the previous update
         self._wait_grads_free(unit, slot)
         write_gradients(unit, slot.grads, grads, add=False)
         start = self.timer.start()
         final = slot.grads[: unit.layout.numel]
-        self.collectives.reduce_scatter_(final, f"the reduce-scatter of {unit.name}'s gradient")
-        lo, hi = self.shards[unit.name]
-        coeff = ctx.clip.device_coefficient(self.norms, unit, final[lo:hi])  # None: final as applied
-        if coeff is None and self.norms is not None:
-            self.norms.add(unit, final[lo:hi], first=True)
-        kept = None if coeff is None else self._keep_gradient(unit, final[lo:hi])
-        staged, uploaded = self._staged.pop(unit.name)
-        device = self.device
-        device.wait_event("compute", self.workers.wait(uploaded, f"the upload of {unit.name}'s master and state"))
-        self._step_on_device(unit, staged, final, ctx, coeff)
-        updated = device.record_event("compute")
-        written = self._write_back(unit.name, staged, updated)
+        self.collectives.reduce_scatter_(final, f"the reduce-scatter of {name}'s gradient")
+        lo, hi = self.shards[name]
+        staged, uploaded = self._staged.pop(name)
+        if contribution.kind is ContributionKind.ONLY:
+            written = self._update(unit, slot, final[lo:hi], staged, uploaded, ctx)
+        else:
+            written = self._update_summed(unit, slot, final[lo:hi], staged, uploaded, ctx)
         self.staging.release(staged, written)
-        self._contributed.add(unit.name)
-        self.timer.stop(unit.name, "update", start)
+        self._contributed.add(name)
+        self.timer.stop(name, "update", start)
+        self._stage_after(name, ctx)  # the next one arrives while the backward computes it
+
+    def _sum_on_host(
+        self,
+        unit: Unit,
+        slot: ParamSlot,
+        grads: Mapping[str, torch.Tensor | None],
+        contribution: Contribution,
+        ctx: StepContext,
+    ) -> None:
+        """A contribution before the last of a unit updated on the device: summed on the host as the host
+        placement sums it. Once the one before the last is sent, the unit's upload may be queued (Note
+        [Streamed accumulation])."""
+        name = unit.name
+        if contribution.index == ctx.expected[name] - 2:  # resolved by :meth:`apply` once it is summed
+            self._summing[name] = (contribution.index, Future())
+        super().contribute(unit, slot, grads, contribution, ctx)
+        self._sent[name] = contribution.index + 1
+
+    def apply(self, chunk: GradChunk, grad: torch.Tensor) -> None:
+        """Optimizer thread: a landed chunk, as the host's; the last chunk of a summed unit's contribution
+        before its last one tells the unit's upload that the sum it copies is complete."""
+        super().apply(chunk, grad)
+        summing = self._summing.get(chunk.unit.name)
+        if chunk.last_chunk and summing is not None and summing[0] == chunk.contribution.index:
+            summing[1].set_result(None)
+
+    def _wait_upload(self, name: str, uploaded: Future[Event]) -> None:
+        event = self.workers.wait(uploaded, f"the upload of {name}'s master and state")
+        self.device.wait_event("compute", event)
+
+    def _update(
+        self,
+        unit: Unit,
+        slot: ParamSlot,
+        shard: torch.Tensor,
+        staged: StagingSet,
+        uploaded: Future[Event],
+        ctx: StepContext,
+    ) -> Event:
+        """Main thread: the update of a unit with one contribution, its gradient ``shard`` in the slot;
+        returns the end of its write-back."""
+        name = unit.name
+        coeff = ctx.clip.device_coefficient(self.norms, unit, shard)  # None: final as applied
+        if coeff is None and self.norms is not None:
+            self.norms.add(unit, shard, first=True)
+        kept = None if coeff is None else self._keep_gradient(unit, shard)
+        self._wait_upload(name, uploaded)
+        self._step_on_device(unit, staged, shard, ctx, coeff)
+        written = self._write_back(name, staged, self.device.record_event("compute"))
         if kept is None:
             slot.grads_free = None  # read by the compute stream only: stream order frees it
-            landed = self.workers["d2h"].submit(_resolve_when_done, written, ctx.updated[unit.name])
+            landed = self.workers["d2h"].submit(_resolve_when_done, written, ctx.updated[name])
             self._write_backs.append(landed)
         else:
             slot.grads_free = kept.freed
-            self._speculated[unit.name] = _Speculated(written, kept.norm_sq)
-        self._stage_after(unit.name, ctx)  # the next one arrives while the backward computes it
+            self._speculated[name] = _Speculated(written, kept.norm_sq)
+        return written
+
+    def _update_summed(
+        self,
+        unit: Unit,
+        slot: ParamSlot,
+        shard: torch.Tensor,
+        staged: StagingSet,
+        uploaded: Future[Event],
+        ctx: StepContext,
+    ) -> Event:
+        """Main thread: the last contribution ``shard`` added to the host's sum of the earlier ones, staged
+        beside the master, and the update of that final gradient (Note [Streamed accumulation]); returns
+        the end of its write-back."""
+        name, device, norms = unit.name, self.device, self.norms
+        self._wait_upload(name, uploaded)
+        final = self._sums(staged)[: shard.numel()]
+        final.add_(shard)  # the host's ``accum.add_`` of the last chunk, on the device
+        slot.grads_free = None  # read by the compute stream only
+        clip = ctx.clip
+        if not clip.speculates:
+            if norms is not None:  # the final gradient's norm, as a resident unit's (it is in device_updated)
+                norms.add(unit, final, first=True)
+            self._step_on_device(unit, staged, final, ctx, None)
+            written = self._write_back(name, staged, device.record_event("compute"))
+            self._write_backs.append(self.workers["d2h"].submit(_resolve_when_done, written, ctx.updated[name]))
+            return written
+        lo, hi = self.shards[name]
+        chunks = gradient_chunks(hi, self.chunk_numel, unit.layout.decay_numel, start=lo)
+        squared = UnitNorms.summed_square(final, [(start - lo, end - lo) for start, end in chunks])
+        coeff = clip.summed_coefficient(norms, unit, squared)
+        assert coeff is not None, "a speculating step has a device coefficient"
+        nonfinite = ~torch.isfinite(squared) if clip.skip_nonfinite else None
+        self._step_on_device(unit, staged, final, ctx, coeff, zeroed=nonfinite)
+        accum = self.host_state.accumulator(unit, hi - lo)  # the host sum the upload read: the kept gradient
+        written = self._write_back(name, staged, device.record_event("compute"), kept=(accum, final))
+        speculated = self._speculated[name] = _Speculated(written, None)
+        self.transfer.last = self.workers["d2h"].submit(self._land_sum, unit, speculated, ctx)  # the step's end waits
+        return written
+
+    def _land_sum(self, unit: Unit, speculated: _Speculated, ctx: StepContext) -> Event:
+        """d2h thread: once the summed gradient has landed in the host accumulator, queue the host's account
+        of it (:meth:`_account_sum`) ahead of the step's decision, as a host unit's last chunk is."""
+        speculated.written.synchronize()  # note: CPU-GPU sync point (d2h thread, by design)
+        position = self.forward_position[unit.name]
+        priority = (ctx.step, 0, position, ctx.expected[unit.name] - 1)
+        self.workers["optimizer"].submit(self._account_sum, unit, speculated, ctx, priority=priority)
+        return speculated.written
+
+    def _account_sum(self, unit: Unit, speculated: _Speculated, ctx: StepContext) -> None:
+        """Optimizer thread: the step's clip strategy takes the unit's summed gradient range by range, as
+        it takes a host unit's (``ClipStrategy.ranges``): its squared norm, summed as the host placement
+        sums it, and a non-finite mark. The ranges it hands back were applied on the device already; what
+        the device applied is recorded for the correction (Note [Streamed accumulation])."""
+        clip, name = ctx.clip, unit.name
+        lo, hi = self.shards[name]
+        accum = self.host_state.accumulator(unit, hi - lo)
+        chunks = list(gradient_chunks(hi, self.chunk_numel, unit.layout.decay_numel, start=lo))
+        for number, (start, end) in enumerate(chunks):
+            clip.ranges(
+                unit, start, end, accum[start - lo : end - lo], summed=True, last_chunk=number == len(chunks) - 1
+            )
+        assert clip.host_sq is not None, "a speculating step sums squares on the host"
+        squared = clip.host_sq.get(name, 0.0)
+        speculated.applied = clip.applied_coefficient(squared)
+        speculated.zeroed = clip.skip_nonfinite and not math.isfinite(squared)
 
     def _keep_gradient(self, unit: Unit, shard: torch.Tensor) -> _Kept:
         """Main thread: the d2h stream copies the shard's squared norm and (non-finite zeroed) gradient
@@ -428,6 +650,11 @@ class StreamedPipeline(HostPipeline):
         freed: Future[Event] = Future()
         freed.set_result(copied)
         return _Kept(freed, norm_sq)
+
+    @staticmethod
+    def _sums(staged: StagingSet) -> torch.Tensor:
+        assert staged.sums is not None, "a step that sums a streamed unit holds the sums (begin_step)"
+        return staged.sums
 
     @staticmethod
     def _staged_master(staged: StagingSet) -> torch.Tensor:
@@ -473,11 +700,20 @@ class StreamedPipeline(HostPipeline):
         )
 
     def _step_on_device(
-        self, unit: Unit, staged: StagingSet, grad: torch.Tensor, ctx: StepContext, coeff: torch.Tensor | None
+        self,
+        unit: Unit,
+        staged: StagingSet,
+        grad: torch.Tensor,
+        ctx: StepContext,
+        coeff: torch.Tensor | None,
+        *,
+        zeroed: torch.Tensor | None = None,
     ) -> None:
-        """The update of the staged shard on positions of the host slab (Note [Streamed updates are the
-        host's arithmetic]): one optimizer call per decay range, or with a speculative ``coeff`` (on the
-        device) one per transfer chunk of ``coeff * grad`` (Note [Streamed speculation])."""
+        """The update of the staged shard with its gradient ``grad`` (the shard's, from its first element)
+        on positions of the host slab (Note [Streamed updates are the host's arithmetic]): one optimizer
+        call per decay range, or with a speculative ``coeff`` (on the device) one per transfer chunk of
+        ``coeff * grad`` (Note [Streamed speculation]), zeros where ``zeroed`` (a 0-dim device bool) is
+        set, ``grad`` itself left as it is (Note [Streamed accumulation])."""
         lo, hi = self.shards[unit.name]
         master_view = self._fp32_values(unit.name, staged)
         master = Fp32Master(master_view, self.host_params.offset(unit) + lo - int(master_view.storage_offset()))
@@ -489,14 +725,19 @@ class StreamedPipeline(HostPipeline):
             ranges = [(start, end, end <= decay_numel) for start, end in chunks]
         for start, end, decay in ranges:
             state = slice_state(self.arrays, staged.state, start - lo, end - lo)
-            applied = grad[start:end] if coeff is None else self._scaled(grad[start:end], coeff)
+            applied = grad[start - lo : end - lo] if coeff is None else self._scaled(grad[start - lo : end - lo], coeff)
+            if zeroed is not None:
+                applied.masked_fill_(zeroed, 0.0)  # the scratch of ``coeff * grad``, never ``grad``
             self.device_optimizer.step(
                 master[start - lo : end - lo], applied, state, lr=ctx.lr, step=ctx.step, decay=decay
             )
 
-    def _write_back(self, name: str, staged: StagingSet, updated: Event) -> Event:
+    def _write_back(
+        self, name: str, staged: StagingSet, updated: Event, *, kept: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> Event:
         """Main thread: a split master encoded on the compute stream, then master and state copied back to
-        the host slabs on the d2h stream; returns the copies' end."""
+        the host slabs on the d2h stream, and ``kept`` (host target, device gradient) with them; returns
+        the copies' end."""
         device, host_params = self.device, self.host_params
         lo, hi = self.shards[name]
         n, base = hi - lo, host_params.offset(name)
@@ -509,6 +750,7 @@ class StreamedPipeline(HostPipeline):
         else:
             copies = [(host_params.flat(name)[lo:hi], self._staged_master(staged)[:n])]
         copies += [(host, staged.state[array][: host.numel()]) for array, host in self._host_state_of(name).items()]
+        copies += [kept] if kept is not None else []
         with device.stream("d2h"):
             device.wait_event("d2h", updated)
             for target, source in copies:
@@ -531,14 +773,18 @@ class _Kept:
     norm_sq: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Speculated:
     """A unit updated on the device in a speculative step, waiting for the step's decision: ``written``,
     the d2h event after which its master, state and kept gradient are in host memory; ``norm_sq``, the
-    pinned squared norm of its shard the update's ``c_u`` was formed from."""
+    pinned squared norm of its shard the update's ``c_u`` was formed from, or None for a summed gradient,
+    whose ``c_u`` (``applied``) and zeroing (``zeroed``) the optimizer thread records (Note [Streamed
+    accumulation])."""
 
     written: Event
-    norm_sq: torch.Tensor
+    norm_sq: torch.Tensor | None
+    applied: float = 1.0
+    zeroed: bool = False
 
 
 def _resolve_when_done(landed: Event, updated: Future[None]) -> None:

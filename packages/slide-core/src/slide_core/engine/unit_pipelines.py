@@ -174,9 +174,10 @@ class UnitPipelines:
         return self._of
 
     def updated_on_device(self, clip: ClipStrategy, expected: Mapping[str, int]) -> frozenset[str]:
-        """The units a step with ``clip`` and ``expected`` contributions updates on the device: the
-        resident ones, and the streamed ones whose update stands as applied (Note [When a streamed unit is
-        updated on the host] in streamed_pipeline.py)."""
+        """The units a step with ``clip`` and ``expected`` contributions updates on the device with their
+        final gradient's norm there: the resident ones, and the streamed ones but in a deferred step (Note
+        [When a streamed unit is updated on the host] in streamed_pipeline.py) or a summed one in a step
+        that speculates (Note [Streamed accumulation])."""
         return self.device_updated | {
             name for name in self.placement.streamed if self.streamed.updates_on_device(clip, expected[name])
         }

@@ -17,6 +17,13 @@ block against 35 ms of backward; docs/benchmarks.md). With three, the set of uni
 i + 3, written back during the backward of i + 2: the upload of i and the write-back of i + 2 overlap in
 the backward of i + 1, and the period is the larger of the backward and the link's time for both.
 
+Why a set holds a summed gradient too, in a run whose streamed units get several contributions a step
+(gradient accumulation, a tied embedding): their earlier contributions are summed on the host, and the
+sum travels up with the unit's master and moments to meet the last contribution on the device (Note
+[Streamed accumulation] in streamed_pipeline.py). It lives exactly as long as the master beside it, so it
+takes turns with it; allocated once, at the first step that sums a streamed unit (a run with one
+contribution per unit never holds it).
+
 Why one shared fp32 buffer for a split master: the backward reads the bf16 plane as it came, so only the
 update needs the fp32 values; it decodes them on the compute stream right before its step and encodes
 them back right after (one launch each with slide_kernels' codec), so one buffer serves every set, in
@@ -55,6 +62,9 @@ class StagingSet:
     """The end of the write-back that last read this set: the next upload into it waits for it."""
     held: bool = False
     """Taken for a unit whose update has not been queued yet: not to be handed out again."""
+    sums: torch.Tensor | None = None
+    """The fp32 sum of a unit's earlier gradient contributions as the host summed it, then its final
+    gradient (:meth:`UpdateStaging.hold_sums`; None until a step sums a streamed unit)."""
 
 
 class UpdateStaging:
@@ -72,18 +82,35 @@ class UpdateStaging:
         self.sets = [_new_set(device, max_numel, state_arrays, split=split) for _ in range(sets if max_numel else 0)]
         self.values = device.empty(max_numel, torch.float32) if split and max_numel else None
         """A split master's fp32 values during its update, for every set (compute stream only)."""
+        self._device, self._max_numel = device, max_numel
         self._next = 0
 
+    def hold_sums(self) -> None:
+        """Give every set its fp32 summed-gradient buffer, once (a step that sums a streamed unit's
+        contributions needs them; later calls do nothing)."""
+        for staged in self.sets:
+            if staged.sums is None:
+                staged.sums = self._device.empty(self._max_numel, torch.float32)
+
     @staticmethod
-    def bytes_for(max_numel: int, state_arrays: Sequence[StateArray], *, split: bool, sets: int = STAGING_SETS) -> int:
+    def bytes_for(
+        max_numel: int,
+        state_arrays: Sequence[StateArray],
+        *,
+        split: bool,
+        sets: int = STAGING_SETS,
+        summing: bool = False,
+    ) -> int:
         """Device bytes of the sets for shards of up to ``max_numel`` elements: in each, the fp32 master or a
-        split master's planes (2 + 2 bytes and a tie bit per element, plus an edge byte) and each state
-        array as stored; for a split master, the one fp32 buffer its updates decode into. What the planner
+        split master's planes (2 + 2 bytes and a tie bit per element, plus an edge byte), each state
+        array as stored and, ``summing`` (a streamed unit gets several contributions a step), the fp32
+        summed gradient; for a split master, the one fp32 buffer its updates decode into. What the planner
         prices."""
         if max_numel <= 0:
             return 0
         master = 4 * max_numel + _tie_capacity(max_numel) if split else 4 * max_numel
         per_set = master + sum(a.numel(max_numel) * a.dtype.itemsize for a in state_arrays)
+        per_set += 4 * max_numel if summing else 0
         return sets * per_set + (4 * max_numel if split else 0)
 
     def free(self) -> int:
