@@ -421,6 +421,11 @@ def open_engine(
         log.info("device-resident units (master + Adam state on the GPU): %s", ", ".join(placement.resident))
     if placement.streamed:
         log.info("units updated on the GPU as they stream: %s", ", ".join(placement.streamed))
+    if placement.plan.inputs.streamable_units:  # slide_hf/replacement.py
+        from slide_hf.replacement import compact_units
+
+        movable = compact_units(placement.plan.inputs.streamable_units, [unit.name for unit in model.units])
+        log.info("units that may move to the GPU-streamed update as the steps measure the rates: %s", movable)
     with contextlib.ExitStack() as opened:
         state_tier = None
         if placement.offloaded and placement.state_tier is not None:

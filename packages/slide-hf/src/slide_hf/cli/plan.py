@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     check_update_placement(inputs, placement)  # as `slide train` refuses it, distributed or not
     if (gpu_cap is None or plan.gpu_peak_bytes <= gpu_cap) and not distributed:
         # spare GPU memory holds whole units (master + Adam state), then the updates streamed to the GPU
-        plan = plan_with_placement(inputs, placement)
+        plan = plan_with_placement(inputs, placement, replaceable=True)  # as one `slide train` process places
     dp = _data_parallel(plan, args) if distributed else None
     outputs = _output_disk(model, cfg)
     problem = _positions_problem(model, seq_len)
