@@ -360,3 +360,43 @@ def test_ref_model_is_the_reference(tmp_path: Path) -> None:
     named = _train(case, tmp_path, data, "named", ref_model=tmp_path / "ref")
     assert [r["loss"] for r in named] == [r["loss"] for r in default]
     assert all(math.isfinite(r["rewards/margins"]) for r in named)
+
+
+@pytest.mark.slow
+def test_dpo_after_sft_takes_the_sft_weights_as_its_reference(tmp_path: Path) -> None:
+    """The two-stage recipe: SFT, then DPO with ``--init-from`` the SFT run. The reference pass's
+    log-probabilities are transformers' own for the SFT run's exported weights."""
+    case = CASES["qwen3-dpo"]
+    _, tokenizer, data = _setup(case, tmp_path)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["chosen"]}]}
+            )
+            + "\n"
+            for r in _records()
+            if isinstance(r["prompt"], str)
+        )
+    )
+    slide_hf.train(
+        tmp_path / "model", data=chats, output=tmp_path / "sft", device="cpu", dtype="float32", seq_len=SEQ,
+        batch_size=1, steps=2, lr=LR, save_dtype="float32", packing=False,
+    )  # fmt: skip
+    slide_hf.train(
+        tmp_path / "model", data=data, output=tmp_path / "dpo", device="cpu", dtype="float32", seq_len=SEQ,
+        batch_size=BATCH, grad_accum=ACCUM, steps=1, packing=False, no_shuffle=True, lr=LR,
+        objective="dpo", init_from=tmp_path / "sft", init_weights_only=True,
+    )  # fmt: skip
+    (saved,) = (tmp_path / "dpo/.data-cache/reference").glob("logps-*.pt")
+    reference = torch.load(saved)
+    sft = AutoModelForCausalLM.from_pretrained(tmp_path / "sft/model", attn_implementation="eager").float().eval()
+    rows = _rows(tokenizer, _records(), packing=False)
+    with torch.no_grad():
+        chosen, rejected, _ = _completion_logps(sft, rows, slice(0, len(rows.input_ids)))
+    expected = torch.stack([chosen, rejected], dim=1).reshape(-1)
+    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        before = torch.stack(_completion_logps(base, rows, slice(0, len(rows.input_ids)))[:2], dim=1).reshape(-1)
+    assert (reference - before).abs().max() > 1e-2  # the SFT steps moved them: the test can tell
