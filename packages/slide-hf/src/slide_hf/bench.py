@@ -243,6 +243,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "planned_gpu_peak_gib": round(plan.gpu_peak_bytes / 2**30, 2),
         "host_peak_rss_gib": round(rss.peak / 2**30, 2),
         "planned_host_peak_gib": round(plan.host_peak_bytes / 2**30, 2),
+        "seq_tile": plan.inputs.seq_tile,  # the blocks' tile (--seq-tile auto: the plan's choice), 0 untiled
         "host_bytes_per_param": round(rss.peak / params, 2),
         "pcie_gbps": {"h2d": round(h2d_gbps, 1), "d2h": round(d2h_gbps, 1)},
         "bound_ms": {k: round(v, 1) for k, v in bounds.items()},
