@@ -101,7 +101,14 @@ CASES = {
     "bf16-state-resident-clips": Case(state_format="bf16", max_grad_norm=0.05, resident=("embed",), master_rtol=1e-3),
     "streamed": Case(streamed=("layers.0", "layers.2", "head"), resident=("embed",)),  # shards updated on the device
     "bf16-state-streamed-nvme": Case(state_format="bf16", streamed=("layers.0", "head"), offloaded=("layers.2",)),
-    "streamed-accum": Case(accum=2, streamed=("layers.1", "head")),  # several contributions: the host's path
+    # several contributions: the earlier ones summed on the host, the last on the device (Note [Streamed accumulation])
+    "streamed-accum": Case(accum=2, streamed=("layers.1", "head")),
+    "streamed-tied-accum-clips": Case(
+        tied=True, accum=2, max_grad_norm=0.05, streamed=("embed", "layers.0", "layers.2")
+    ),
+    "streamed-accum-nan-on-one-rank": Case(
+        accum=2, max_grad_norm=1e6, poison_step=2, steps=4, streamed=("embed", "layers.1", "head")
+    ),
     # speculative device updates of the shards, corrected on the host (Note [Streamed speculation])
     "streamed-clips": Case(max_grad_norm=0.05, streamed=("layers.0", "layers.2", "head"), resident=("embed",)),
     "streamed-nan-on-one-rank": Case(max_grad_norm=1e6, poison_step=2, steps=4, streamed=("embed", "layers.2")),

@@ -63,6 +63,26 @@ GRID: dict[str, tuple[str, ...]] = {
 """`--update-placement gpu` is refused on the CPU device, by plan and train in the same words:
 tests/hf/test_plan_hostile.py."""
 
+GPU_STREAMED: dict[str, tuple[str, ...]] = {
+    "gpu placement, accumulation": ("--update-placement", "gpu", "--grad-accum", "2"),
+}
+"""Rows of GRID whose units stream: the CPU device refuses `--update-placement gpu` in both commands, yet the
+engine's streamed path runs on it as on a GPU (tests/core/test_streamed_pipeline.py), so these lift that
+refusal to hold plan and run to one another. Accumulation: the streamed units' sums (Note [Streamed
+accumulation] in slide_core/engine/streamed_pipeline.py)."""
+
+
+@pytest.mark.parametrize("flags", list(GPU_STREAMED.values()), ids=list(GPU_STREAMED))
+def test_a_gpu_streamed_plan_is_its_run(flags, slide, tmp_path: Path, monkeypatch) -> None:
+    from slide_hf.planner import plan as planning
+
+    monkeypatch.setattr(planning, "_refuse_gpu_updates", lambda inputs: None)
+    status, out, err = slide("plan", *_BASE, *flags, "--json")
+    assert status == 0, err
+    assert json.loads(out)["engine_config"]["streamed_units"]
+    test_plan_json_is_the_runs_engine_config_buffers_and_host_allocations(flags, slide, tmp_path, monkeypatch)
+
+
 DATA_PARALLEL: dict[str, tuple[str, ...]] = {
     "split master, bf16 state, accumulation": ("--master", "split", "--optimizer-state", "bf16", "--grad-accum", "2"),
 }

@@ -167,13 +167,26 @@ def test_a_split_master_stages_its_planes_and_one_fp32_buffer():
         assert cost.stream_device_bytes - fp32[cost.name] == 4 * cost.numel + ties
 
 
-def test_units_with_several_gradient_contributions_are_not_offered_for_streaming():
-    """The engine updates them on the host even when streamed (Note [When a streamed unit is updated on
-    the host]), so streaming them would only cost memory."""
-    accumulating = _inputs(grad_accum=2)
-    costs = unit_costs(accumulating.shape, accumulating)
-    assert not any(c.can_stream for c in costs) and all(c.streamed == c.host for c in costs)
-    assert plan_with_placement(accumulating, "auto").inputs.streamed_units == ()
+def test_units_with_several_gradient_contributions_stream_at_the_price_of_their_sums():
+    """Note [Streamed accumulation]: with gradient accumulation every unit may stream. The contributions
+    before the last cross d2h and are summed on the host, their fp32 sum goes up with the master, every load
+    reads the host, and each staging set holds an fp32 sum besides master and moments; a tied embedding
+    with one micro-batch sums its two shares the same way."""
+    one, accumulating = _inputs(), _inputs(grad_accum=2)
+    single = {c.name: c for c in unit_costs(one.shape, one)}
+    d = one.compute_dtype_bytes
+    h2d_rate, d2h_rate = HOST_BOUND.h2d_gbps * 1e9, HOST_BOUND.d2h_gbps * 1e9
+    for cost in unit_costs(accumulating.shape, accumulating):
+        n, alone = cost.numel, single[cost.name]
+        assert cost.can_stream and cost.streamed != cost.host
+        assert cost.stream_device_bytes == alone.stream_device_bytes + 3 * 4 * n  # an fp32 sum in each set
+        assert cost.streamed["pcie d2h"] == pytest.approx(alone.streamed["pcie d2h"] + n * d / d2h_rate)
+        sum_up = alone.streamed["pcie h2d"] + 4 * n / h2d_rate  # the sum, and every load from the host
+        assert cost.streamed["pcie h2d"] == pytest.approx(sum_up) or cost.streamed["pcie h2d"] > sum_up
+    streamed = plan_with_placement(dataclasses.replace(accumulating, bandwidths=GPU_BOUND), "gpu")
+    assert len(streamed.inputs.streamed_units) == 8
+    largest = max(c.stream_device_bytes for c in unit_costs(streamed.shape, streamed.inputs))
+    assert streamed.gpu_breakdown["streamed_staging"] == largest
     tied = PlanInputs(
         ModelShape.of(
             ToyModel(ToyConfig(vocab_size=4096, hidden_size=256, num_heads=4, num_layers=2, tie_embeddings=True))
@@ -183,7 +196,12 @@ def test_units_with_several_gradient_contributions_are_not_offered_for_streaming
         bandwidths=HOST_BOUND,
     )
     offered = {c.name for c in unit_costs(tied.shape, tied) if c.can_stream}
-    assert offered == {"layers.0", "layers.1", "head"}  # the model's own names
+    assert offered == {"embed", "layers.0", "layers.1", "head"}  # the model's own names
+    embed = dataclasses.replace(tied, streamed_units=("embed",))
+    sums = {c.name: c.stream_device_bytes for c in unit_costs(embed.shape, embed)}
+    plain = {c.name: c.stream_device_bytes for c in unit_costs(tied.shape, tied)}
+    for cost in unit_costs(tied.shape, tied):
+        assert sums[cost.name] == plain[cost.name] + 3 * 4 * cost.numel
 
 
 def test_gpu_streams_with_clipping_and_is_refused_in_one_line_on_the_cpu_device_or_past_the_budget():

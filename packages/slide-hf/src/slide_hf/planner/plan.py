@@ -430,8 +430,7 @@ def _refuse_gpu_updates(inputs: PlanInputs) -> None:
 
 def _all_streamed(inputs: PlanInputs) -> Plan:
     """Residents in the spare memory less the staging of the largest unit, every other unit whose moments
-    are in host RAM streamed (one the engine updates on the host anyway, with several gradient contributions
-    per step, included: it is what was asked); with two staging sets where three do not fit the GPU budget
+    are in host RAM streamed; with two staging sets where three do not fit the GPU budget
     (a large vocabulary's embedding streamed sizes every set); one line when two do not fit either."""
     budget = inputs.gpu_memory_bytes
     if inputs.staging_sets > 2 and budget is not None:

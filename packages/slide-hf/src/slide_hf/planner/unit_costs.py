@@ -17,9 +17,11 @@ one term per unit that depends on where the unit is updated:
   speculation] there): compute-dtype bytes per parameter on the d2h link and into host memory. The plan
   prices a step that speculates; a step that clips adds a host correction pass, and the step after it
   updates the streamed units on the host (Note [Deferred clipped steps]). A unit with several
-  gradient contributions per step (gradient accumulation, a tied embedding) is updated on the host even
-  when streamed (Note [When a streamed unit is updated on the host] there): its streamed terms are its host
-  terms, and it is not offered for streaming (``UnitCost.can_stream``).
+  gradient contributions per step (gradient accumulation, a tied embedding) sends those before its last
+  d2h to be summed on the host as a host unit's are, the fp32 sum travels h2d with the master (4 B/param)
+  and the last contribution is added to it on the GPU (Note [Streamed accumulation] there); every load of
+  such a unit reads the host master, and with clipping the fp32 sum (not the compute-dtype gradient) goes
+  back d2h for a correction. The staging then holds an fp32 sum per set (``stream_device_bytes``).
 - ``resident``: only the GPU update.
 
 :func:`unit_costs` gives those terms and :func:`fixed_times` the fixed part; :func:`resource_times` sums them
@@ -74,10 +76,11 @@ class UnitCost:
     resident, and the GPU memory streaming it needs.
 
     ``stream_device_bytes``: GPU bytes the streamed updates hold when this is the largest streamed unit:
-    ``PlanInputs.staging_sets`` staging sets (Note [Three staging sets] in update_staging.py), with
-    clipping the fp32 ``c_u * g`` of one transfer chunk, and the device optimizer's scratch for its ranges. ``can_stream``: False for a unit whose moments live on
-    NVMe (the engine streams only units whose state is in host RAM), and for one the engine would update on
-    the host anyway (several gradient contributions per step)."""
+    ``PlanInputs.staging_sets`` staging sets (Note [Three staging sets] in update_staging.py; each with an
+    fp32 summed gradient when a streamed unit gets several contributions a step), with clipping the fp32
+    ``c_u * g`` of one transfer chunk, and the device optimizer's scratch for its ranges. ``can_stream``:
+    False for a unit whose moments live on NVMe (the engine streams only units whose state is in host
+    RAM)."""
 
     name: str
     numel: int
@@ -123,15 +126,24 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
     arrays = inputs.state_arrays()
     device_optimizer = inputs.device_optimizer()
     loads = _named_loads(shape, inputs)
+    # The staging sets hold an fp32 sum once any streamed unit sums contributions (update_staging.py).
+    summing = inputs.grad_accum > 1 or (shape.tied and shape.names[0] in inputs.streamed_units)
     costs = []
     for name, n in shape.named_numels.items():
         contributions = inputs.grad_accum * (2 if name == shape.names[0] and shape.tied else 1)
+        summed = contributions > 1  # Note [Streamed accumulation]: the earlier ones summed on the host
+        earlier = (contributions - 1) * n * d  # streamed: the contributions before the last, d2h
+        sum_up = 4 * n if summed else 0  # streamed: their fp32 sum, h2d with the master
         travelling = n * (STREAMED_MASTER_BYTES + state_bytes)  # master and moments, one way
-        kept = n * d if inputs.clipping else 0  # the gradient kept for a clipping correction (d2h)
-        # The GPU update reads the summed gradient, master and moments, writes them and the compute copy.
+        kept = n * (4 if summed else d) if inputs.clipping else 0  # the gradient kept for a correction (d2h)
+        # The GPU update reads the final gradient, master and moments, writes them and the compute copy;
+        # a summed one first adds the last contribution to the staged sum.
         gpu_update = n * (d + 8 + 2 * state_bytes + d) / gpu_mem
+        gpu_streamed = gpu_update + (n * (8 + d) / gpu_mem if summed else 0.0)
         host_h2d, host_d2h = loads[name] * n * load_bytes, contributions * n * d  # bytes
-        streamed_h2d, streamed_d2h = min(loads[name], 1.0) * n * load_bytes + travelling, travelling + kept
+        streamed_loads = loads[name] if summed else min(loads[name], 1.0)  # a summed unit's loads read the host
+        streamed_h2d = streamed_loads * n * load_bytes + travelling + sum_up
+        streamed_d2h = travelling + kept + earlier
         host = {
             "pcie h2d": host_h2d / h2d,
             "pcie d2h": host_d2h / d2h,
@@ -140,13 +152,14 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
             "cpu": n / adam_rate,
         }
         streamed = {
-            "gpu compute": gpu_update,
+            "gpu compute": gpu_streamed,
             "pcie h2d": streamed_h2d / h2d,
             "pcie d2h": streamed_d2h / d2h,
             "pcie duplex": (streamed_h2d + streamed_d2h) / duplex,
-            "host memory": (2 * travelling + kept) / host_mem,
+            # the DMA of master and moments both ways and the kept gradient; the host's sums, as a host
+            # unit's (the last contribution is the GPU's), and the sum read once for its upload
+            "host memory": (2 * travelling + kept + (contributions - 1) * n * (8 + d) + sum_up) / host_mem,
         }
-        on_device = contributions == 1  # else the engine sends the gradient to the host optimizer
         chunk = inputs.transfer_chunk_numel
         staging = StreamedPipeline.device_bytes(
             n,
@@ -154,6 +167,7 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
             split=inputs.master_format == "split",
             sets=inputs.staging_sets,
             clipping_chunk=chunk if inputs.clipping else None,
+            summing=summing,
         )
         longest = StreamedPipeline.optimizer_range_numel(n, chunk, clipping=inputs.clipping)
         device_bytes = staging + device_optimizer.device_scratch_bytes(longest)
@@ -162,10 +176,10 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
                 name=name,
                 numel=n,
                 host=host,
-                streamed=streamed if on_device else host,
+                streamed=streamed,
                 resident={"gpu compute": gpu_update},
                 stream_device_bytes=device_bytes,
-                can_stream=name not in on_nvme and on_device,
+                can_stream=name not in on_nvme,
             )
         )
     return tuple(costs)

@@ -65,8 +65,7 @@ def streaming_order(
 
     Memory: the streamed updates hold their staging sets sized by the largest streamed unit, so the bytes are
     ``max(stream_device_bytes)`` over the streamed units (``UnitCost.stream_device_bytes``): a move that would
-    raise that past the budget is not taken. A unit with ``can_stream`` False (moments on NVMe, several
-    gradient contributions) stays."""
+    raise that past the budget is not taken. A unit with ``can_stream`` False (moments on NVMe) stays."""
     streamed: set[str] = set()
     totals = step_resources(fixed, units, streamed)
     held = 0
