@@ -241,8 +241,6 @@ class HeadUnit(HFUnit):
     def grads_in_forward(self) -> frozenset[str]:
         """The LM head matrix, when slide-kernels' fused loss (which makes its gradient in the forward)
         is installed."""
-        if self.preference is not None:  # its weighted cross-entropy returns the gradient through autograd
-            return frozenset()
         return frozenset({self.lm_head_name}) if _fused_linear_cross_entropy() is not None else frozenset()
 
     def forward_into(
@@ -261,7 +259,9 @@ class HeadUnit(HFUnit):
         """The head's loss on its final hidden state: the summed token cross-entropy, or with a preference
         objective the summed pair losses (Note [Preference loss through a weighted cross-entropy])."""
         if self.preference is not None:
-            return self.preference.loss_sum(hidden, weight, inputs.shift_labels, softcap=self.softcap)
+            return self.preference.loss_sum(
+                hidden, weight, inputs.shift_labels, softcap=self.softcap, grad_weight_out=grad_weight_out
+            )
         return causal_lm_loss_sum(
             hidden, weight, inputs.shift_labels, softcap=self.softcap, grad_weight_out=grad_weight_out
         )

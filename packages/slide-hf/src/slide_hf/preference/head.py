@@ -103,11 +103,18 @@ class PreferenceHead:
 
     # -- the loss -----------------------------------------------------------------------------------------
     def loss_sum(
-        self, hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, *, softcap: float | None
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        shift_labels: torch.Tensor,
+        *,
+        softcap: float | None,
+        grad_weight_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The summed pair losses of this micro-batch (fp32, 0-dim), with the exact gradient (Note [Preference
         loss through a weighted cross-entropy]); during the reference pass, zero, having recorded the
-        completions' log-probabilities."""
+        completions' log-probabilities. ``grad_weight_out``: the engine's buffer for the head matrix's
+        gradient, which the fused kernel writes as SFT's does (``Unit.grads_in_forward``)."""
         training = torch.is_grad_enabled()
         h = hidden.reshape(-1, hidden.shape[-1])
         tokens, completions = decode_tags(shift_labels.reshape(-1))
@@ -135,7 +142,10 @@ class PreferenceHead:
         if fused is None:
             carrier = _WeightedCrossEntropy.apply(h, weight, token_weights, tokens, softcap)
         else:
-            weighted = fused[0](h, weight, tokens, reduction="sum", softcap=softcap, row_weight=token_weights)
+            weighted = fused[0](
+                h, weight, tokens, reduction="sum", softcap=softcap, row_weight=token_weights,
+                grad_weight_out=grad_weight_out,
+            )  # fmt: skip
             carrier = weighted - weighted.detach()
         return total.detach() + carrier
 
