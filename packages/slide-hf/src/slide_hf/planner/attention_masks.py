@@ -74,8 +74,9 @@ class AttentionMasks:
 def attention_masks(inputs: PlanInputs) -> AttentionMasks:
     """The masks of ``inputs``' model on its planned device (a GPU where ``inputs.accelerator``, with what is
     installed here: plan on the machine that trains) at its sequence length, batch and packing."""
-    model = inputs.model
-    if not hasattr(model, "attention_for") or getattr(model, "config", None) is None:
+    model: Any = inputs.model
+    config = getattr(model, "config", None)
+    if not hasattr(model, "attention_for") or config is None:
         return AttentionMasks()  # a shape filled by hand or a model that is not an HF adapter's
     device_type = "cuda" if inputs.accelerator else "cpu"
     dtype = torch.bfloat16 if inputs.compute_dtype_bytes == 2 else torch.float32
@@ -84,7 +85,7 @@ def attention_masks(inputs: PlanInputs) -> AttentionMasks:
     for layer_type, implementation in model.attention_for(device_type, dtype).items():
         if layer_type in _RECURRENT:
             continue
-        masked = inputs.packed_rows or _past_window(model.config, layer_type, seq)
+        masked = inputs.packed_rows or _past_window(config, layer_type, seq)
         if implementation == _EAGER or (implementation == _SDPA and masked):
             layers.append((layer_type, implementation))
     square = inputs.batch_size * seq * seq
@@ -98,5 +99,5 @@ def _past_window(config: Any, layer_type: str, seq_len: int) -> bool:
     """Whether ``layer_type`` restricts attention within a sequence of ``seq_len`` beyond causality (HF's
     config attribute of its window or chunk, read without touching the model's per-type configs)."""
     attribute = _WINDOWED.get(layer_type)
-    window = getattr(config, attribute, None) if attribute is not None else None
+    window: Any = getattr(config, attribute, None) if attribute is not None else None
     return bool(window) and seq_len >= int(window)  # HF skips the mask only below the window
