@@ -148,6 +148,7 @@ def test_the_loop_moves_units_on_a_drift_and_says_why(caplog: pytest.LogCaptureF
     rates.host = _busy(FAST_HOST)
     back = [loop.after_step(step, {}, engine) for step in (9, 10)][1]
     assert back is not None and back.to_host == change.streamed and back.streamed == ()
+    assert loop.check_every == 4  # back where the first move started: the loop checks half as often
     assert " now updated on the host (GPU-streamed " in back.line()
 
 

@@ -646,7 +646,7 @@ class _Trainer:
         self.step_times_s: list[float] = []
         self.meter: InStepMeter | None = None  # each term of the steps beside the plan's (slide_hf/in_step_rates.py)
         self.replacement: Replacement | None = None  # moves units from the measured rates (slide_hf/replacement.py)
-        self._streamed_logged: str | None = None  # the placement the metrics last named
+        self._streamed_logged: tuple[str, ...] | None = None  # the placement the metrics last named
 
     def run(self) -> int:
         """Train inside the running engine from the resumed step (or 0) to the last; the final state is
@@ -788,14 +788,14 @@ class _Trainer:
         replacement = self.replacement
         if replacement is None:
             return None
-        ran = compact_units(replacement.streamed, replacement.order)
+        ran = replacement.streamed
         change = replacement.after_step(step, times, self.engine)
         if change is not None and self.meter is not None:
             self.meter.placed(change.streamed)
         if ran == self._streamed_logged:
             return None
         self._streamed_logged = ran
-        return ran
+        return compact_units(ran, replacement.order)
 
     def evaluate(self, step: int) -> None:
         """Eval loss at ``step``; with --save-best, a new best is checkpointed and kept from pruning."""

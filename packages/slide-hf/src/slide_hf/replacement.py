@@ -16,8 +16,9 @@ slide_core/engine/replacement.py), and masters and moments stay what the host wo
 
 Hysteresis: a check compares the measured rates with those the last decision used, not with the plan's, so
 after a decision (a move or a placement kept) the rates must drift again before the next; the planner's
-own gain threshold and ``min_gain`` keep a near tie from moving units; and the steps right after a move
-(its warm-up) are not measured. PCIe keeps the doctor's rates, as every plan does: a copy's span includes
+own gain threshold and ``min_gain`` keep a near tie from moving units; the steps right after a move (its
+warm-up) are not measured; and a move back to the placement the previous move left checks half as often
+from then on (``BACK_OFF``). PCIe keeps the doctor's rates, as every plan does: a copy's span includes
 the time it queues behind the other direction, which the plan's duplex term models
 (docs/design/engine.md, "Plans that learn the machine").
 """
@@ -45,6 +46,13 @@ the current placement was chosen with (the plan is a planning number, within 10 
 MIN_GAIN = 0.03
 """Units move only when the new placement's planned step is shorter by more than this fraction: a move costs
 one drain of the pipeline, and a near tie must not flap."""
+
+
+BACK_OFF = 16
+"""A move back to the placement the previous move left doubles the steps between checks, up to this many
+times ``check_every``: where the measured rates depend on the placement itself (a host AdamW that runs
+faster with fewer units beside the DMA), two placements that each look better from the other settle
+instead of alternating."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,11 @@ class Replacement:
         self.streamed = tuple(inputs.streamed_units)
         """The units updated on the GPU now."""
         self.changes: list[PlacementChange] = []
-        self._check_every, self._drift, self._min_gain = check_every, drift, min_gain
+        self.check_every = check_every
+        """Steps measured between two checks (doubled by a move back: ``BACK_OFF``)."""
+        self._drift, self._min_gain = drift, min_gain
+        self._max_check_every = BACK_OFF * check_every
+        self._left: tuple[str, ...] | None = None  # the placement the last move left
         self._rates = rates or measured_rates
         bandwidths = inputs.bandwidths
         self.chosen_with = MeasuredRates(
@@ -175,8 +187,7 @@ class Replacement:
         (already made and logged)."""
         meter = self._meter
         meter.add(times)
-        terms = meter.terms()
-        if terms is None or meter.steps < self._check_every:
+        if meter.steps < self.check_every:
             return None
         measured = self._rates(meter).over(self.chosen_with)
         self._meter = self._new_meter(0)
@@ -187,7 +198,9 @@ class Replacement:
         if change is None:
             return None
         engine.place_streamed(change.streamed)  # note: waits for every pending update (a step boundary)
-        self.streamed = change.streamed
+        if self._left is not None and set(change.streamed) == set(self._left):  # back where the last move left
+            self.check_every = min(2 * self.check_every, self._max_check_every)  # check half as often
+        self._left, self.streamed = self.streamed, change.streamed
         self._meter = self._new_meter(1)  # the first step after a move fills the new pipeline
         self.changes.append(change)
         log.info("%s", change.line())
