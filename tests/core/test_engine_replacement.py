@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 import torch
 from test_engine import _assert_close, _reference_run
-from test_streamed_pipeline import _policy, _Recorder, _assert_same_bits, _clip_regime
+from test_streamed_pipeline import _assert_same_bits, _clip_regime, _policy, _Recorder
 
 from slide_core import AdamWConfig, HostParameters, LRSchedule
 from slide_core.devices.cpu import CPUDevice
@@ -164,3 +164,43 @@ def test_only_the_units_the_streamed_path_was_built_for_can_move() -> None:
         EngineConfig(streamable_units=("embed",), resident_units=("embed",))
     with pytest.raises(ValueError, match="streamable_units and offloaded_units"):
         EngineConfig(streamable_units=("layers.0",), offloaded_units=("layers.0",))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("state_format", "master_format"), [("fp32", "fp32"), ("bf16", "split"), ("int8", "fp32")])
+def test_moving_units_on_a_gpu_tracks_the_host_run(state_format: str, master_format: str) -> None:
+    """On a CUDA GPU, with the optimizer a run builds: moves both ways between steps keep the losses of the
+    all-host run (CUDA's atomic sums differ run to run, so not bits: tests/core/test_streamed_gpu.py), and
+    the staging the moved units use is the one allocated when the engine started."""
+    from slide_core.devices.cuda import CUDADevice
+    from slide_core.optim import build_optimizer
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = ToyConfig(tie_embeddings=False, num_layers=4, hidden_size=128, intermediate_size=344, vocab_size=512)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=5)
+    batches = toy_batches(cfg, steps=6, accum=1, seed=9, batch=4, seq=64)
+    adam = AdamWConfig(weight_decay=0.1, state_format=state_format)
+    dtype = torch.bfloat16 if master_format == "split" else torch.float32
+    base = dict(compute_dtype=dtype, transfer_chunk_numel=8192, resident_units=("layers.3",), block_slots=2)
+
+    def run(config: EngineConfig, moves: Mapping[int, Sequence[str]]) -> list[float]:
+        with CUDADevice() as device:
+            host = HostParameters(model, master_format=master_format)
+            load_init(host, init)
+            with Engine(model, device, host, build_optimizer("auto", adam), config) as engine:
+                staging = [t.data_ptr() for s in engine.pipelines.streamed.staging.sets for t in s.state.values()]
+                losses = []
+                for step, micro in enumerate(batches):
+                    losses.append(engine.step(micro, lr=3e-3).loss)
+                    if step + 1 in moves:
+                        engine.place_streamed(moves[step + 1])
+                after = [t.data_ptr() for s in engine.pipelines.streamed.staging.sets for t in s.state.values()]
+                assert after == staging
+        return losses
+
+    host = run(EngineConfig(**base), {})
+    moved = run(EngineConfig(**base, streamable_units=STREAMABLE), MOVES)
+    assert moved == pytest.approx(host, rel=1e-3)
+    assert moved[-1] < moved[0]
