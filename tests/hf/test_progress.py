@@ -96,3 +96,15 @@ def test_fit_fields_drops_the_least_important_first():
     assert fit_fields(fields, 30) == "3/10  loss 1.0  ETA 0:07"
     assert fit_fields(fields, 15) == "3/10  ETA 0:07"
     assert fit_fields(fields, 1) == "3/10"
+
+
+def test_a_pass_logs_labeled_lines_with_the_time_remaining(caplog):
+    from slide_hf.progress import PassProgress
+
+    with caplog.at_level(logging.INFO, logger="slide.train"), PassProgress("reference pass", 25, live=False) as p:
+        for done in range(1, 26):
+            p.update(done)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("reference pass: 1/25 micro-batches  ETA ")
+    assert lines[-1].startswith("reference pass: 25/25 micro-batches  ETA 0:00")
+    assert len(lines) <= 12  # about one a tenth, and the last

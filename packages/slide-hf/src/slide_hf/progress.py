@@ -18,7 +18,7 @@ import time
 from collections import deque
 from typing import Any
 
-__all__ = ["Progress", "fit_fields", "format_duration"]
+__all__ = ["PassProgress", "Progress", "fit_fields", "format_duration"]
 
 log = logging.getLogger("slide.train")
 
@@ -166,3 +166,54 @@ class Progress:
             f"eval at step {record['step']}: eval_loss {record['eval_loss']:.4f}  perplexity {record['perplexity']:.4g}"
         )
         log.info(line)  # as every other line: no timestamp or source link, and once (the live bar stays below)
+
+
+class PassProgress:
+    """Progress of a pass over ``total`` micro-batches before training (DPO's reference pass): a live bar on
+    a terminal, else a labeled log line at every tenth and at the end, each with the time remaining (the
+    mean time per micro-batch so far times those left). A context manager."""
+
+    def __init__(self, label: str, total: int, *, live: bool | None = None, console: Any = None) -> None:
+        self.label = label
+        self.total = total
+        self.live = sys.stderr.isatty() if live is None else live
+        self._console = console
+        self._started = 0.0
+        self._next_line = 0
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> PassProgress:
+        self._started = time.perf_counter()
+        if self.live:
+            from rich.progress import BarColumn, Progress, TextColumn
+
+            self._progress = Progress(
+                TextColumn(f"[bold]{self.label}"),
+                BarColumn(),
+                TextColumn("{task.fields[status]}"),
+                transient=False,
+                console=self._console,
+            )
+            self._progress.__enter__()
+            self._task = self._progress.add_task(self.label, total=self.total, status="starting")
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc_info)
+            self._progress = None
+
+    def seconds_remaining(self, done: int) -> float:
+        elapsed = time.perf_counter() - self._started
+        return elapsed / max(done, 1) * max(0, self.total - done)
+
+    def update(self, done: int) -> str:
+        """``done`` of the micro-batches are through; returns the status text."""
+        status = f"{done}/{self.total} micro-batches  ETA {format_duration(self.seconds_remaining(done))}"
+        if self._progress is not None:
+            self._progress.update(self._task, completed=done, status=status)
+        elif done >= self._next_line or done == self.total:
+            log.info("%s: %s", self.label, status)
+            self._next_line = done + max(1, -(-self.total // 10))
+        return status

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,15 @@ import torch
 
 from slide_hf.errors import UserError
 from slide_hf.preference.head import PreferenceHead
-from slide_hf.progress import format_duration
+from slide_hf.progress import PassProgress
 
 __all__ = ["REFERENCE_DIR", "compute_reference", "prepare_reference", "reference_path", "weights_fingerprint"]
 
 log = logging.getLogger("slide.train")
 
 REFERENCE_DIR = "reference"
-_LINES = 10
-"""Progress lines a reference pass writes at most (plus the last)."""
+_UPDATES = 50
+"""Evaluations a reference pass is split into at most, so its progress moves (each costs one CPU-GPU sync)."""
 
 
 def weights_fingerprint(source: str | Path, *, extra: str = "") -> str:
@@ -58,18 +57,15 @@ def compute_reference(
 ) -> torch.Tensor:
     """Run the reference pass over ``batches`` (every row once) through ``evaluate`` (the engine's
     forward-only path) with ``head`` collecting; returns the log-probabilities, one per completion, on the
-    host. Progress and the time remaining are logged as the pass goes."""
+    host. Progress and the time remaining show as the pass goes (slide_hf/progress.py)."""
     head.start_reference(device)
     total = len(batches)
-    every = max(1, total // _LINES)
-    started = time.perf_counter()
+    every = max(1, total // _UPDATES)
     try:
-        for done in range(0, total, every):
-            evaluate(batches[done : done + every])
-            finished = min(done + every, total)
-            elapsed = time.perf_counter() - started
-            remaining = elapsed / finished * (total - finished)
-            log.info("reference pass: %d/%d micro-batches  ETA %s", finished, total, format_duration(remaining))
+        with PassProgress("reference pass", total) as progress:
+            for done in range(0, total, every):
+                evaluate(batches[done : done + every])
+                progress.update(min(done + every, total))
     finally:
         head.collecting = False
     assert head.reference is not None
