@@ -86,6 +86,21 @@ def test_a_streamed_unit_waits_for_a_free_staging_set():
     assert two > three + 1.0
 
 
+def test_a_summed_streamed_unit_sends_its_earlier_gradients_and_stages_once():
+    """Note [Streamed accumulation]: a streamed unit with several contributions is a host unit in the
+    micro-batches before the last (its gradient out, 5 s a block on the d2h link here, and summed on the
+    host) and stages master, moments and the sum in the last only: with gradients that heavy the earlier
+    micro-batches are bound by the link, where a unit staged in every micro-batch never sends one."""
+    summed = [
+        _block(i, "streamed", stage_bytes=1.0, writeback_bytes=1.0, grad_bytes=5.0, accumulate_s=1.0, summed=True)
+        for i in range(4)
+    ]
+    rates = _rates(h2d=1.0, d2h=1.0, duplex=2.0, micro_batches=3)
+    once = simulate_step(summed, rates)
+    every = simulate_step([dataclasses.replace(unit, summed=False) for unit in summed], rates)
+    assert once > every + 1.0
+
+
 def test_the_forward_loads_slow_down_while_the_host_optimizer_works():
     units = [_block(i, load_bytes=1.0, update_s=5.0) for i in range(2)]
     fast = simulate_step([dataclasses.replace(u, update_s=0.0) for u in units], _rates(h2d=1.0))

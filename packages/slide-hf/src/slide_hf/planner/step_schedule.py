@@ -26,6 +26,10 @@ finished:
   the next forward runs;
 - a streamed unit's staging upload: a free staging set (the write-back of the streamed unit ``staging_sets``
   earlier in the backward); its GPU update follows its backward on the compute stream, its write-back that.
+  A summed one (several gradient contributions a step, Note [Streamed accumulation] in
+  slide_core/engine/streamed_pipeline.py) is a host-updated unit in every micro-batch but the last (its
+  gradient out, the host's sum); in the last its backward loads the host master and its staging brings the
+  sum with master and moments.
 
 The last ``block_slots`` blocks of the forward are still in their slots when the backward begins and load
 no more. While the backward both loads and sends gradients, the link carries the two directions at the
@@ -66,8 +70,9 @@ class UnitWork:
     """One unit's work in a step (seconds, bytes), in forward order in :func:`simulate_step`'s ``units``.
 
     ``placement``: ``host`` (gradient out, host update), ``streamed`` (master and moments in for the
-    backward, GPU update, back out; only a unit with one gradient contribution per step, which the engine
-    updates on the GPU: pass ``host`` for one with several) or ``resident`` (GPU update; no transfers). ``forward_s`` and
+    backward, GPU update, back out; with ``summed``, several gradient contributions a step: the earlier
+    ones out and summed on the host as a host unit's, ``accumulate_s`` each) or ``resident`` (GPU update;
+    no transfers). ``forward_s`` and
     ``backward_s``: GPU compute per micro-batch (the head's forward and backward both in ``forward_s``).
     ``load_bytes``: one weight load; ``loads_in_backward``: whether the backward loads it again (False for
     the embedding, whose backward reads no weights, and the head, computed at once). ``stage_bytes``,
@@ -89,6 +94,7 @@ class UnitWork:
     accumulate_s: float = 0.0
     is_block: bool = True
     loads_in_backward: bool = True
+    summed: bool = False
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -418,11 +424,14 @@ class _Schedule:
         for position, unit in reversed(list(enumerate(units))):
             ready = _NO_WAIT
             slot_free = _NO_WAIT
-            if unit.placement == "streamed":
+            on_gpu = unit.placement == "resident" or (unit.placement == "streamed" and (last or not unit.summed))
+            if unit.placement == "streamed" and (last or not unit.summed):
                 sets = rates.staging_sets
                 set_free = streamed_done[-sets] if len(streamed_done) >= sets else _NO_WAIT
                 if unit.is_block and unit.name not in kept:
                     slot_free = blocks.take(tape)
+                if unit.summed and unit.loads_in_backward and unit.name not in kept:  # the load reads the host
+                    slot_free = servers.run("h2d", slot_free, unit.load_bytes / h2d_rate, tape)
                 ready = servers.run("h2d", tape.max(set_free, slot_free), unit.stage_bytes / h2d_rate, tape)
             elif unit.placement != "resident" and unit.loads_in_backward and unit.name not in kept:
                 slot_free = blocks.take(tape) if unit.is_block else _NO_WAIT
@@ -431,7 +440,7 @@ class _Schedule:
                 ready = loaded[unit.name]
             computed = servers.run("compute", ready, unit.backward_s, tape)
             released = computed
-            if unit.placement in ("resident", "streamed"):
+            if on_gpu:
                 if last:
                     gpu_updated = servers.run("compute", computed, unit.update_s, tape)
                     released = gpu_updated

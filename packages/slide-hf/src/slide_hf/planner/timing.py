@@ -101,8 +101,8 @@ def scheduled_step_s(
             continue
         placement = placements[name]
         cost = by_name[name]
-        if placement == "streamed" and cost.streamed is cost.host:  # several contributions: host-updated
-            placement = "host"
+        contributions = inputs.grad_accum * (2 if name == shape.names[0] and shape.tied else 1)
+        summed = placement == "streamed" and contributions > 1  # Note [Streamed accumulation]
         if name == shape.names[-1]:  # the head
             forward_s, backward_s = 6 * n * tokens / rate, 0.0
         elif name == shape.names[0]:  # the embedding
@@ -111,7 +111,8 @@ def scheduled_step_s(
             forward_s = 2 * (n + attention) * tokens / rate
             backward_s = 6 * (n + attention) * tokens / rate
         travelling = n * (STREAMED_MASTER_BYTES + state_bytes_per_param(inputs.optimizer_state))  # each way
-        gpu_update = cost.resident.get("gpu compute", 0.0)
+        gpu_update = (cost.streamed if summed else cost.resident).get("gpu compute", 0.0)
+        kept = (4 if summed else d) * n if inputs.clipping else 0  # the gradient kept for a correction
         work.append(
             UnitWork(
                 name=name,
@@ -122,12 +123,13 @@ def scheduled_step_s(
                 load_bytes=n * load_bytes,
                 grad_bytes=n * d * (2 if name == shape.names[0] and shape.tied else 1),
                 update_s=n / host_rate if placement == "host" else gpu_update,
-                stage_bytes=travelling,
+                stage_bytes=travelling + (4 * n if summed else 0),  # a summed unit's fp32 sum goes up too
                 # with clipping, the gradient kept for a correction goes d2h ahead of the write-back
-                writeback_bytes=travelling + (n * d if inputs.clipping else 0),
+                writeback_bytes=travelling + kept,
                 accumulate_s=n * accumulate_bytes / (bw.host_mem_gbps * 1e9),
                 is_block=name in shape.block_names,
                 loads_in_backward=name in shape.block_names,
+                summed=summed,
             )
         )
     rates = ScheduleRates(
