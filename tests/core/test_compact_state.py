@@ -182,6 +182,122 @@ def test_kernel_is_independent_of_thread_count() -> None:
         assert torch.equal(tensor, results[1][1][name]), name
 
 
+def _edge_case_range(
+    state_format: str, n: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Master, fp32 gradient and stored moments where the kernels' shortcuts could go wrong: 64-element
+    blocks of zeros, of one repeated value, of subnormals (gradients, moments and int8 scales), of huge
+    gradients, of a single non-zero element, and random ones spanning many orders of magnitude."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen) * 0.02
+    grad = torch.randn(n, generator=gen) * torch.logspace(-12, 2, n)[torch.randperm(n, generator=gen)]
+    state = _empty_state(state_format, n)
+    if state_format == "int8":
+        state["exp_avg"].copy_(torch.randint(-120, 121, (n,), generator=gen, dtype=torch.int8))
+        state["exp_avg_sq"].copy_(torch.randint(0, 241, (n,), generator=gen, dtype=torch.int16).to(torch.uint8))
+        for name in ("exp_avg_scale", "exp_avg_sq_scale"):
+            scale = state[name]
+            scale.copy_(torch.rand(scale.numel(), generator=gen) * torch.logspace(-30, 0, scale.numel()))
+            scale[1::5] = 1e-40  # subnormal block scales
+            scale[2::7] = 0.0
+    else:
+        state["exp_avg"].copy_((torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16))
+        state["exp_avg_sq"].copy_((torch.rand(n, generator=gen) * 1e-6).to(torch.bfloat16))
+    blocks = n // QUANT_BLOCK
+    for block in range(0, blocks, 6):
+        lo, hi = block * QUANT_BLOCK, (block + 1) * QUANT_BLOCK
+        kind = (block // 6) % 5
+        if kind == 0:
+            grad[lo:hi] = 0.0
+            if state_format == "int8":
+                state["exp_avg"][lo:hi] = 0
+                state["exp_avg_sq"][lo:hi] = 0
+        elif kind == 1:
+            grad[lo:hi] = 3.0e-3
+        elif kind == 2:
+            grad[lo:hi] = torch.randn(QUANT_BLOCK, generator=gen) * 1e-40
+        elif kind == 3:
+            grad[lo:hi] = torch.randn(QUANT_BLOCK, generator=gen) * 1e18
+        else:
+            grad[lo:hi] = 0.0
+            grad[lo + 17] = -2.5e-2
+    return master, grad, state
+
+
+@needs_numba
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_kernels_are_bit_identical_to_the_torch_reference_on_edge_cases(state_format: str) -> None:
+    """The fused kernels against the torch path, the reference written op by op from state_formats'
+    recipe (``CompactAdamW(fused=False)``), on data that exercises every branch of the kernels' integer
+    shortcuts (the hash index's carry into its high half split off into its own run, the codes' range
+    tests done as float compares, the signed conversion): masters, codes and scales bit for bit, over
+    steps with and without decay, a gradient scale, bf16 and fp32 gradients, a small and a large beta1
+    (lerp from either end), for ranges whose hash indices cross 2^32 inside a 64-element block and inside
+    a 4096-element work item, and for a range that does not (Note [Streamed updates are the host's
+    arithmetic])."""
+    from slide_core.master_store import Fp32Master
+
+    n = 64 * 150
+    for origin in (0, 2**32 - 32, 2**32 - 5096, 2**33 + 64):  # index 2^32 at element 32, at 5096, nowhere
+        for beta1 in (0.9, 0.3):
+            config = AdamWConfig(weight_decay=0.1, beta1=beta1, state_format=state_format, state_seed=11)
+            master, grad, state = _edge_case_range(state_format, n, seed=origin % 1000 + int(beta1 * 10))
+            results = []
+            for fused in (True, False):
+                optimizer = CompactAdamW(config, fused=fused, threads=2)
+                values, moments = master.clone(), {k: t.clone() for k, t in state.items()}
+                for step, (decay, scale, dtype) in enumerate(
+                    [(True, 1.0, torch.float32), (False, 0.5, torch.bfloat16), (True, 1.0, torch.bfloat16)], start=1
+                ):
+                    optimizer.step(
+                        Fp32Master(values, origin), grad.to(dtype) * step, moments, lr=1e-3, step=step,
+                        decay=decay, grad_scale=scale,
+                    )  # fmt: skip
+                results.append((values, moments))
+            (master_k, state_k), (master_t, state_t) = results
+            for name in state_k:
+                assert torch.equal(_bits(state_k[name]), _bits(state_t[name])), (origin, beta1, name)
+            assert torch.equal(_bits(master_k), _bits(master_t)), (origin, beta1)
+
+
+@needs_numba
+def test_int8_kernel_keeps_a_partial_last_block_bit_identical() -> None:
+    """A range that ends inside a 64-element block (which ``CompactAdamW`` refuses but the kernel handles,
+    scaling the block by its elements only) stores the codes the torch reference gives the range padded
+    with zeros: zero moments and gradients change neither the block's largest magnitude nor the others'
+    codes."""
+    import numpy as np
+
+    from slide_core.optim import _adamw_kernels
+    from slide_core.optim.compact_adamw import _kernels, _moment_array
+
+    n, tail = 64 * 9, 64 * 9 - 23
+    config = AdamWConfig(weight_decay=0.1, state_format="int8", state_seed=5)
+    master, grad, state = _edge_case_range("int8", n, seed=3)
+    master[tail:], grad[tail:] = 0.0, 0.0
+    state["exp_avg"][tail:], state["exp_avg_sq"][tail:] = 0, 0
+    key = stream_key(config.state_seed, 4)
+    origin = 2**32 - 64 * 8 - 40  # the low half of the hash index also wraps inside a block
+    want_master, want_state = master.clone(), {k: t.clone() for k, t in state.items()}
+    from slide_core.master_store import Fp32Master
+
+    CompactAdamW(config, fused=False).step(
+        Fp32Master(want_master, origin), grad, want_state, lr=1e-3, step=4, decay=True, grad_scale=0.5
+    )
+    got_master = master.clone()[:tail]
+    got_state = {k: t.clone() for k, t in state.items()}
+    got_state["exp_avg"], got_state["exp_avg_sq"] = got_state["exp_avg"][:tail], got_state["exp_avg_sq"][:tail]
+    moments = tuple(_moment_array(got_state[name], name) for name in ("exp_avg", "exp_avg_sq"))
+    scales = tuple(got_state[name].numpy() for name in ("exp_avg_scale", "exp_avg_sq_scale"))
+    _kernels().step[("int8", "fp32")](
+        got_master.numpy(), _adamw_kernels.grad_array(grad[:tail]), *moments, *scales, np.int64(origin),
+        np.uint32(key[0]), np.uint32(key[1]), np.float32(0.5), *_adamw_kernels.step_scalars(config, 1e-3, 4, True),
+    )  # fmt: skip
+    assert torch.equal(_bits(got_master), _bits(want_master[:tail]))
+    for name, tensor in got_state.items():
+        assert torch.equal(_bits(tensor), _bits(want_state[name][: tensor.numel()])), name
+
+
 @pytest.mark.parametrize(("state_format", "rtol"), [("bf16", 0.02), ("int8", 0.1)])
 def test_compact_updates_follow_fp32_adamw(state_format: str, rtol: float) -> None:
     """Over 20 steps the parameter change stays within ``rtol`` (relative, 2-norm) of fp32 AdamW's."""

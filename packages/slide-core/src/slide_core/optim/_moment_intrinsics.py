@@ -33,7 +33,7 @@ lowers to, or None where it does not apply (numba then reports a typing error)."
 
 # The intrinsics as jitted code calls them (numba's stub types an ``_Intrinsic``'s call with its definition's
 # parameters, the typing context included, so these are cast from it once, in ``numba_twins``).
-Hash32: TypeAlias = Callable[[np.uint32, int, np.uint32, np.uint32, np.uint32], np.uint32]
+Hash32: TypeAlias = Callable[[np.uint32, int, np.uint32, np.uint32], np.uint32]
 High16: TypeAlias = Callable[[np.uint32], np.uint32]
 SrBf16: TypeAlias = Callable[[np.float32, np.uint32], np.uint16]
 AbsBits: TypeAlias = Callable[[np.float32], np.uint32]
@@ -52,15 +52,19 @@ DecodeV8: TypeAlias = Callable[[np.uint8, np.float32], np.float32]
 class NumbaTwins:
     """The intrinsics (numba ``@intrinsic`` objects, callable from jitted code only).
 
-    - ``hash32(lo0, j, hi0, k0, k1) -> uint32``: :func:`element_bits` of index ``lo0 + j + 2^32 hi0``
-      (``lo0``/``hi0`` uint32 halves of a block's first index, ``j`` intp < 2^31).
+    - ``hash32(lo0, j, hi_key, k0) -> uint32``: :func:`element_bits` of index ``lo0 + j + 2^32 hi`` with
+      ``hi_key = hi ^ k1`` (``lo0``/``hi`` uint32 halves of a run's first index, ``j`` intp). The run must
+      not carry into the high half (``lo0 + j < 2^32`` for every ``j``): callers split a run where it
+      would (:func:`slide_core.optim.compact_adamw._hash_run`), so the high half's term is one constant
+      per run instead of a per-element unsigned compare, add and xor.
     - ``high16(h) -> uint32``: ``h >> 16`` (exp_avg_sq's random bits).
     - ``sr_bf16(x, rand) -> uint16``: ``_sr_bf16_t`` of fp32 ``x`` with the low 16 bits of ``rand``.
     - ``abs_bits(x) -> uint32``: the bits of ``|x|``; for non-negative floats their order is the values'
       order, so a block maximum is an integer max (which vectorises; a float max reduction does not
       without fast-math).
     - ``encode_m8(x, inv, rand) -> int8`` / ``encode_v8(x, inv, rand) -> uint8``: ``_encode_int8_t`` of
-      ``x`` given ``inv`` = 1 / its block's scale (0 for an all-zero block).
+      ``x`` given ``inv`` = 1 / its block's scale (0 for an all-zero block; never negative, which the
+      code's range test relies on).
     - ``decode_m8(code, scale)`` / ``decode_v8(code, scale) -> float32``: ``_decode_int8_t``.
     """
 
@@ -97,16 +101,13 @@ def numba_twins() -> NumbaTwins:
         return b.xor(x, b.lshr(x, c(16)))
 
     @intrinsic
-    def hash32(
-        typingctx: BaseContext, lo0: types.Type, j: types.Type, hi0: types.Type, k0: types.Type, k1: types.Type
-    ) -> Typing:
+    def hash32(typingctx: BaseContext, lo0: types.Type, j: types.Type, hi_key: types.Type, k0: types.Type) -> Typing:
         def codegen(context: Any, b: ir.IRBuilder, signature: Signature, args: Sequence[ir.Value]) -> ir.Value:
-            lo0, j, hi0, k0, k1 = args
-            lo = b.add(lo0, b.trunc(j, i32))
-            hi = b.add(hi0, b.zext(b.icmp_unsigned("<", lo, lo0), i32))  # the carry into the high half
-            return mix(b, b.xor(b.xor(mix(b, b.xor(lo, k0)), hi), k1))
+            lo0, j, hi_key, k0 = args
+            lo = b.add(lo0, b.trunc(j, i32))  # no carry into the high half: the caller's contract
+            return mix(b, b.xor(mix(b, b.xor(lo, k0)), hi_key))
 
-        return types.uint32(types.uint32, types.intp, types.uint32, types.uint32, types.uint32), codegen
+        return types.uint32(types.uint32, types.intp, types.uint32, types.uint32), codegen
 
     @intrinsic
     def high16(typingctx: BaseContext, h: types.Type) -> Typing:
@@ -148,12 +149,20 @@ def numba_twins() -> NumbaTwins:
             rand16 = b.and_(rand, c(0xFFFF))
             normal = b.sub(b.lshr(b.add(u, b.shl(rand16, c(shift - 16))), c(shift)), c(112 << mantissa_bits))
             small = b.select(b.fcmp_ordered("<", r, cf(2.0**-14)), r, cf(2.0**-14))  # only used below 2^-14
-            fixed = b.fptoui(b.fmul(small, cf(2.0 ** (14 + mantissa_bits + 16))), i32)
+            # small is in [0, 2^-14] (r >= +0 or NaN, and NaN takes 2^-14), so the product is at most
+            # 2^(mantissa_bits + 16) < 2^31, where a signed conversion equals the unsigned one: AVX2 has
+            # the signed one only (fptoui costs four more instructions per lane group).
+            fixed = b.fptosi(b.fmul(small, cf(2.0 ** (14 + mantissa_bits + 16))), i32)
             low = b.lshr(b.add(fixed, rand16), c(16))
             if not signed:  # exp_avg_sq: a positive value never rounds to zero
                 positive = b.fcmp_ordered(">", x, cf(0.0))
                 low = b.select(b.and_(positive, b.icmp_unsigned("==", low, c(0))), c(1), low)
-            code = b.select(b.icmp_unsigned(">=", u, c(113 << 23)), normal, low)
+            # ``u >= bits(2^-14)`` as unsigned integers, compared as floats: ``inv`` is >= 0 (1 / a
+            # block's largest magnitude, +Inf for the smallest subnormal ones, or 0), so ``r`` is +0, positive or
+            # NaN, where the two orders agree and "not below" takes NaN (of either sign, as the unsigned
+            # compare does) to ``normal``. AVX2 compares only signed integers; one float compare
+            # replaces the max-and-equal pair an unsigned compare lowers to.
+            code = b.select(b.fcmp_unordered(">=", r, cf(2.0**-14)), normal, low)
             if signed:
                 code = b.select(b.fcmp_ordered("<", x, cf(0.0)), b.neg(code), code)
             return b.trunc(code, i8)
@@ -179,7 +188,12 @@ def numba_twins() -> NumbaTwins:
                 magnitude = b.zext(code, i32)
             bits = b.shl(b.add(magnitude, c(112 << mantissa_bits)), c(23 - mantissa_bits))
             small = b.fmul(b.uitofp(magnitude, f32), cf(2.0 ** -(14 + mantissa_bits)))
-            r = b.select(b.icmp_unsigned(">=", magnitude, c(1 << mantissa_bits)), b.bitcast(bits, f32), small)
+            # ``magnitude >= 2^mantissa_bits`` (a normal code), tested on the value it decodes to: for
+            # every magnitude a code has (0..128 signed, 0..255 unsigned) that value is finite, and it is
+            # at least 2^-14 exactly for the normal ones. LLVM narrows an integer compare of the widened
+            # byte back to byte lanes and widens the mask again (four instructions); the float compare is one.
+            normal = b.bitcast(bits, f32)
+            r = b.select(b.fcmp_ordered(">=", normal, cf(2.0**-14)), normal, small)
             value = b.fmul(r, scale)
             return b.select(negative, b.fneg(value), value) if signed else value
 

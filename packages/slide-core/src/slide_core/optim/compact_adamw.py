@@ -137,15 +137,25 @@ _decode_m8: DecodeM8
 _decode_v8: DecodeV8
 
 
+def _hash_run_py(first: np.int64, numel: int, k1: np.uint32) -> tuple[int, np.uint32, np.uint32]:
+    """How many of ``numel`` elements from hash index ``first`` on keep its high 32 bits (all of them but
+    once every 2^32 indices), and ``hash32``'s operands for them: the low half of ``first`` and the
+    high half xor ``k1``, one constant per run (``NumbaTwins.hash32``)."""
+    lo = int(first & 0xFFFFFFFF)
+    return min(numel, (1 << 32) - lo), np.uint32(lo), np.uint32(np.uint32(first >> 32) ^ k1)
+
+
+_hash_run = _hash_run_py
+
+
 def _bf16_block_py(
     p: Fp32Array,
     g: GradArray,
     m: Uint16Array,
     v: Uint16Array,
     lo0: np.uint32,
-    hi0: np.uint32,
+    hi_key: np.uint32,
     k0: np.uint32,
-    k1: np.uint32,
     scale: np.float32,
     decay: np.float32,
     coeff: np.float32,
@@ -156,14 +166,15 @@ def _bf16_block_py(
     eps: np.float32,
     neg_step: np.float32,
 ) -> None:
-    """One work item (slices from index 0, so LLVM vectorises it; ``lo0``/``hi0``: its first slab index)."""
+    """One run of a work item (slices from index 0, so LLVM vectorises it; ``lo0``/``hi_key``: its first
+    hash index as ``_hash_run`` gives it)."""
     for j in range(p.shape[0]):
         gi = _as_fp32(g[j]) * scale
         mi, vi, step = _adam(
             gi, _as_fp32(m[j]), _as_fp32(v[j]), coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step
         )
         p[j] = p[j] * decay + step
-        bits = _hash32(lo0, j, hi0, k0, k1)
+        bits = _hash32(lo0, j, hi_key, k0)
         m[j] = _sr_bf16(mi, bits)
         v[j] = _sr_bf16(vi, _high16(bits))
 
@@ -189,16 +200,20 @@ def _adamw_bf16_py(
     eps: np.float32,
     neg_step: np.float32,
 ) -> None:
-    """bf16 moments (``m``, ``v``: uint16 bits): widen, update in fp32, round back stochastically."""
+    """bf16 moments (``m``, ``v``: uint16 bits): widen, update in fp32, round back stochastically. A work
+    item is one run of ``_bf16_block`` unless its hash index carries into the high half inside it."""
     n = p.shape[0]
     for b in _prange((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         e = min(s + BLOCK, n)
-        first = index0 + s
-        _bf16_block(
-            p[s:e], g[s:e], m[s:e], v[s:e], np.uint32(first & 0xFFFFFFFF), np.uint32(first >> 32), k0, k1, scale,
-            decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
-        )  # fmt: skip
+        while s < e:
+            run, lo0, hi_key = _hash_run(index0 + s, e - s, k1)
+            r = s + run
+            _bf16_block(
+                p[s:r], g[s:r], m[s:r], v[s:r], lo0, hi_key, k0, scale, decay, coeff, large, beta2,
+                one_minus_beta2, bc2_sqrt, eps, neg_step,
+            )  # fmt: skip
+            s = r
 
 
 def _int8_block_py(
@@ -208,6 +223,7 @@ def _int8_block_py(
     v: Uint8Array,
     mt: Fp32Array,
     vt: Fp32Array,
+    k: int,
     m_scale: np.float32,
     v_scale: np.float32,
     scale: np.float32,
@@ -220,11 +236,13 @@ def _int8_block_py(
     eps: np.float32,
     neg_step: np.float32,
 ) -> tuple[np.uint32, np.uint32]:
-    """Pass 1 over one 64-element block: decode, fp32 AdamW, master step; the new moments go to ``mt``/``vt``.
-    Returns the bits of their largest magnitudes (integer maxima of non-negative floats' bits)."""
+    """Pass 1 over the first ``k`` elements of one 64-element block: decode, fp32 AdamW, master step; the
+    new moments go to ``mt``/``vt``. Returns the bits of their largest magnitudes (integer maxima of
+    non-negative floats' bits). Callers pass ``k`` as the literal ``QUANT_BLOCK`` for a whole block: the
+    trip count LLVM then knows drops the vector loop's remainder and its run-time checks."""
     m_max = np.uint32(0)
     v_max = np.uint32(0)
-    for j in range(p.shape[0]):
+    for j in range(k):
         gi = _as_fp32(g[j]) * scale
         mi = _decode_m8(m[j], m_scale)
         vi = _decode_v8(v[j], v_scale)
@@ -240,23 +258,51 @@ def _int8_block_py(
 _int8_block = _int8_block_py
 
 
+def _int8_run_py(
+    m: Int8Array,
+    v: Uint8Array,
+    mt: Fp32Array,
+    vt: Fp32Array,
+    start: int,
+    stop: int,
+    m_inv: np.float32,
+    v_inv: np.float32,
+    lo0: np.uint32,
+    hi_key: np.uint32,
+    k0: np.uint32,
+) -> None:
+    """Pass 2 over elements ``[start, stop)`` of a block, one hash run (``_hash_run``) from ``start``."""
+    for j in range(start, stop):
+        bits = _hash32(lo0, j - start, hi_key, k0)
+        m[j] = _encode_m8(mt[j], m_inv, bits)
+        v[j] = _encode_v8(vt[j], v_inv, _high16(bits))
+
+
+_int8_run = _int8_run_py
+
+
 def _int8_encode_py(
     m: Int8Array,
     v: Uint8Array,
     mt: Fp32Array,
     vt: Fp32Array,
+    k: int,
     m_inv: np.float32,
     v_inv: np.float32,
-    lo0: np.uint32,
-    hi0: np.uint32,
+    first: np.int64,
     k0: np.uint32,
     k1: np.uint32,
 ) -> None:
-    """Pass 2: the block's new moments as codes against its new scales."""
-    for j in range(m.shape[0]):
-        bits = _hash32(lo0, j, hi0, k0, k1)
-        m[j] = _encode_m8(mt[j], m_inv, bits)
-        v[j] = _encode_v8(vt[j], v_inv, _high16(bits))
+    """Pass 2: the block's ``k`` new moments as codes against its new scales (``first``: its hash index).
+    A whole block that keeps its high half, nearly every one, is one run of a trip count LLVM knows."""
+    j = 0
+    while j < k:
+        run, lo0, hi_key = _hash_run(first + j, k - j, k1)
+        if run == QUANT_BLOCK:
+            _int8_run(m, v, mt, vt, 0, QUANT_BLOCK, m_inv, v_inv, lo0, hi_key, k0)
+        else:  # a range's tail, or the block where the index's low half wraps
+            _int8_run(m, v, mt, vt, j, j + run, m_inv, v_inv, lo0, hi_key, k0)
+        j += run
 
 
 _int8_encode = _int8_encode_py
@@ -295,18 +341,23 @@ def _adamw_int8_py(
             qs = q * QUANT_BLOCK
             qe = min(qs + QUANT_BLOCK, e)
             k = qe - qs
-            m_bits, v_bits = _int8_block(
-                p[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt[:k], vt[:k], m_scale[q], v_scale[q], scale, decay,
-                coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
-            )  # fmt: skip
+            if k == QUANT_BLOCK:
+                m_bits, v_bits = _int8_block(
+                    p[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt, vt, QUANT_BLOCK, m_scale[q], v_scale[q], scale,
+                    decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+                )  # fmt: skip
+            else:
+                m_bits, v_bits = _int8_block(
+                    p[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt, vt, k, m_scale[q], v_scale[q], scale, decay,
+                    coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+                )  # fmt: skip
             m_max = _bits_f32(np.uint64(m_bits))
             v_max = _bits_f32(np.uint64(v_bits))
             m_scale[q] = m_max
             v_scale[q] = v_max
-            first = index0 + qs
             _int8_encode(
-                m[qs:qe], v[qs:qe], mt[:k], vt[:k], one / m_max if m_max > zero else zero,
-                one / v_max if v_max > zero else zero, np.uint32(first & 0xFFFFFFFF), np.uint32(first >> 32), k0, k1,
+                m[qs:qe], v[qs:qe], mt, vt, k, one / m_max if m_max > zero else zero,
+                one / v_max if v_max > zero else zero, index0 + qs, k0, k1,
             )  # fmt: skip
 
 
@@ -319,16 +370,13 @@ def _adamw_int8_py(
 def _bf16_split_block_py(
     hi: Uint16Array,
     lo: Uint16Array,
-    ties: Uint8Array,
-    first: int,
     flags: Uint8Array,
     g: GradArray,
     m: Uint16Array,
     v: Uint16Array,
     lo0: np.uint32,
-    hi0: np.uint32,
+    hi_key: np.uint32,
     k0: np.uint32,
-    k1: np.uint32,
     scale: np.float32,
     decay: np.float32,
     coeff: np.float32,
@@ -339,8 +387,7 @@ def _bf16_split_block_py(
     eps: np.float32,
     neg_step: np.float32,
 ) -> None:
-    """``_bf16_block_py`` over a split master block."""
-    _read_ties(lo, ties, first, flags)
+    """``_bf16_block_py`` over a run of a split master block (its tie flags already read into ``flags``)."""
     for j in range(hi.shape[0]):
         pj = _load_master(hi[j], lo[j], flags[j])
         gi = _as_fp32(g[j]) * scale
@@ -350,10 +397,9 @@ def _bf16_split_block_py(
         h, low, flags[j] = _store_master(pj * decay + step)
         hi[j] = h
         lo[j] = low
-        bits = _hash32(lo0, j, hi0, k0, k1)
+        bits = _hash32(lo0, j, hi_key, k0)
         m[j] = _sr_bf16(mi, bits)
         v[j] = _sr_bf16(vi, _high16(bits))
-    _write_ties(lo, ties, first, flags)
 
 
 _bf16_split_block = _bf16_split_block_py
@@ -386,12 +432,17 @@ def _adamw_bf16_split_py(
     for b in _prange((skip + n + BLOCK - 1) // BLOCK):
         s = max(b * BLOCK - skip, 0)
         e = min((b + 1) * BLOCK - skip, n)
-        start = index0 + s
-        _bf16_split_block(
-            hi[s:e], lo[s:e], ties, first + s, flags[s:e], g[s:e], m[s:e], v[s:e], np.uint32(start & 0xFFFFFFFF),
-            np.uint32(start >> 32), k0, k1, scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps,
-            neg_step,
-        )  # fmt: skip
+        _read_ties(lo[s:e], ties, first + s, flags[s:e])
+        i = s
+        while i < e:
+            run, lo0, hi_key = _hash_run(index0 + i, e - i, k1)
+            r = i + run
+            _bf16_split_block(
+                hi[i:r], lo[i:r], flags[i:r], g[i:r], m[i:r], v[i:r], lo0, hi_key, k0, scale, decay, coeff, large,
+                beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+            )  # fmt: skip
+            i = r
+        _write_ties(lo[s:e], ties, first + s, flags[s:e])
 
 
 def _int8_split_block_py(
@@ -403,6 +454,7 @@ def _int8_split_block_py(
     v: Uint8Array,
     mt: Fp32Array,
     vt: Fp32Array,
+    k: int,
     m_scale: np.float32,
     v_scale: np.float32,
     scale: np.float32,
@@ -418,7 +470,7 @@ def _int8_split_block_py(
     """``_int8_block_py`` over a split master block (its tie flags already read into ``flags``)."""
     m_max = np.uint32(0)
     v_max = np.uint32(0)
-    for j in range(hi.shape[0]):
+    for j in range(k):
         pj = _load_master(hi[j], lo[j], flags[j])
         gi = _as_fp32(g[j]) * scale
         mi = _decode_m8(m[j], m_scale)
@@ -475,18 +527,24 @@ def _adamw_int8_split_py(
             q = qs // QUANT_BLOCK
             qe = min(qs + QUANT_BLOCK, e)
             k = qe - qs
-            m_bits, v_bits = _int8_split_block(
-                hi[qs:qe], lo[qs:qe], flags[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt[:k], vt[:k], m_scale[q],
-                v_scale[q], scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
-            )  # fmt: skip
+            if k == QUANT_BLOCK:
+                m_bits, v_bits = _int8_split_block(
+                    hi[qs:qe], lo[qs:qe], flags[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt, vt, QUANT_BLOCK,
+                    m_scale[q], v_scale[q], scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps,
+                    neg_step,
+                )  # fmt: skip
+            else:
+                m_bits, v_bits = _int8_split_block(
+                    hi[qs:qe], lo[qs:qe], flags[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt, vt, k, m_scale[q],
+                    v_scale[q], scale, decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+                )  # fmt: skip
             m_max = _bits_f32(np.uint64(m_bits))
             v_max = _bits_f32(np.uint64(v_bits))
             m_scale[q] = m_max
             v_scale[q] = v_max
-            start = index0 + qs
             _int8_encode(
-                m[qs:qe], v[qs:qe], mt[:k], vt[:k], one / m_max if m_max > zero else zero,
-                one / v_max if v_max > zero else zero, np.uint32(start & 0xFFFFFFFF), np.uint32(start >> 32), k0, k1,
+                m[qs:qe], v[qs:qe], mt, vt, k, one / m_max if m_max > zero else zero,
+                one / v_max if v_max > zero else zero, index0 + qs, k0, k1,
             )  # fmt: skip
         _write_ties(lo[s:e], ties, first + s, flags[s:e])
 
@@ -502,7 +560,7 @@ _bits_f32 = _bits_f32_py
 @functools.cache
 def _kernels() -> CompactKernels:
     """Compile (or load from numba's cache) the compact-state kernels; numba is imported only here."""
-    global _adam, _as_fp32, _prange, _bits_f32, _bf16_block, _int8_block, _int8_encode
+    global _adam, _as_fp32, _prange, _bits_f32, _bf16_block, _int8_block, _int8_encode, _int8_run, _hash_run
     global _load_master, _store_master, _read_ties, _write_ties, _bf16_split_block, _int8_split_block
     global _hash32, _high16, _sr_bf16, _abs_bits, _encode_m8, _encode_v8, _decode_m8, _decode_v8
     import numba
@@ -533,6 +591,7 @@ def _kernels() -> CompactKernels:
     _encode_m8, _encode_v8, _decode_m8, _decode_v8 = t.encode_m8, t.encode_v8, t.decode_m8, t.decode_v8
     _bits_f32 = _as_stand_in(bits_f32, _bits_f32_py)
     _bf16_block, _int8_block, _int8_encode = inline(_bf16_block_py), inline(_int8_block_py), inline(_int8_encode_py)
+    _int8_run, _hash_run = inline(_int8_run_py), inline(_hash_run_py)
     _load_master, _store_master = _adamw_kernels._load_master, _adamw_kernels._store_master
     _read_ties, _write_ties = _adamw_kernels._read_ties, _adamw_kernels._write_ties
     _bf16_split_block, _int8_split_block = inline(_bf16_split_block_py), inline(_int8_split_block_py)
