@@ -357,9 +357,16 @@ def test_ref_model_is_the_reference(tmp_path: Path) -> None:
 
     shutil.copytree(tmp_path / "model", tmp_path / "ref")
     default = _train(case, tmp_path, data, "default")
-    named = _train(case, tmp_path, data, "named", ref_model=tmp_path / "ref")
+    named = _train(case, tmp_path, data, "named", ref_model=tmp_path / "ref", steps=2, save_every=1)
+    named += _train_more(tmp_path / "named")  # a resume reads the saved pass of --ref-model
     assert [r["loss"] for r in named] == [r["loss"] for r in default]
     assert all(math.isfinite(r["rewards/margins"]) for r in named)
+
+
+def _train_more(run: Path) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    slide_hf.train(resume=run, steps=STEPS, on_step=records.append)
+    return records
 
 
 @pytest.mark.slow

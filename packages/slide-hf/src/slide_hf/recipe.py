@@ -73,7 +73,13 @@ from slide_hf.model_checkpoint import load_best_for_export, read_best
 from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.plan_check import PlanCheck
 from slide_hf.planner import output_disk as disk
-from slide_hf.preference.run import attach_objective, load_preference_data, preference_metrics, run_reference
+from slide_hf.preference.run import (
+    attach_objective,
+    load_preference_data,
+    needs_reference_pass,
+    preference_metrics,
+    run_reference,
+)
 from slide_hf.progress import Progress
 from slide_hf.replacement import Replacement, compact_units
 from slide_hf.resume import (
@@ -213,12 +219,15 @@ def _train(
         if main:
             tokenizer_dir = _save_tokenizer(model.tokenizer, model.config, run_dir.path, model.model_dir)
             run_dir.record_outputs()  # what --overwrite may remove later (slide_hf/run_files.py)
-        if preference is not None and cfg.ref_model is not None:  # DPO's reference pass, its own weights and engine
+        cache = run_dir.path / DATA_CACHE
+        if cfg.ref_model is not None and needs_reference_pass(cfg, preference, data.dataset, cache, model.model_dir):
+            # DPO's reference pass on --ref-model: its own weights and engine, closed before training starts
+            assert preference is not None  # needs_reference_pass says so
             reference = _setup_weights(cfg, dataclasses.replace(model, model_dir=cfg.ref_model), optimizer, group)
             with _setup_engine(model, device, reference, optimizer, options, placement, run_dir, group) as ref_engine:
                 run_reference(
-                    cfg, preference, data.dataset, run_dir.path / DATA_CACHE, model.model_dir, device.torch_device,
-                    evaluate=ref_engine.evaluate, resumed=resumed is not None,
+                    cfg, preference, data.dataset, cache, model.model_dir, device.torch_device,
+                    evaluate=ref_engine.evaluate, resumed=False,  # --ref-model's weights never change
                 )  # fmt: skip
             del reference
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
@@ -230,9 +239,9 @@ def _train(
         if Replacement.wanted(placement.plan):  # --update-placement auto, one process (slide_hf/replacement.py)
             trainer.replacement = Replacement(placement.plan)
         with trainer.stop, parts as engine:
-            if preference is not None and cfg.ref_model is None:  # DPO: the starting weights are the reference
+            if preference is not None:  # DPO: the saved pass, or one now on the starting weights (the reference)
                 run_reference(
-                    cfg, preference, data.dataset, run_dir.path / DATA_CACHE, model.model_dir, device.torch_device,
+                    cfg, preference, data.dataset, cache, model.model_dir, device.torch_device,
                     evaluate=engine.evaluate, resumed=resumed is not None,
                 )  # fmt: skip
             first_step = trainer.run()

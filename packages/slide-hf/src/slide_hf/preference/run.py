@@ -20,7 +20,14 @@ from slide_hf.preference.losses import PairLoss
 from slide_hf.preference.reference import compute_reference, prepare_reference, reference_path, weights_fingerprint
 from slide_hf.spelling import option
 
-__all__ = ["attach_objective", "load_preference_data", "preference_metrics", "reference_source", "run_reference"]
+__all__ = [
+    "attach_objective",
+    "load_preference_data",
+    "needs_reference_pass",
+    "preference_metrics",
+    "reference_source",
+    "run_reference",
+]
 
 log = logging.getLogger("slide.train")
 
@@ -70,6 +77,21 @@ def reference_source(cfg: TrainConfig, model_dir: Path | None) -> tuple[str | Pa
     return cfg.model, weights_fingerprint(cfg.model, extra=f"preset seed {cfg.seed}")
 
 
+def _reference_file(cfg: TrainConfig, dataset: Any, cache_dir: Path, model_dir: Path | None) -> Path:
+    _, fingerprint = reference_source(cfg, model_dir)
+    return reference_path(cache_dir, dataset.digest, fingerprint)
+
+
+def needs_reference_pass(
+    cfg: TrainConfig, head: PreferenceHead | None, dataset: Any, cache_dir: Path, model_dir: Path | None
+) -> bool:
+    """Whether this run must run DPO's reference pass: DPO, and no saved pass of this data and reference
+    (a resumed run always has one)."""
+    if head is None or not head.loss.needs_reference:
+        return False
+    return not _reference_file(cfg, dataset, cache_dir, model_dir).is_file()
+
+
 def run_reference(
     cfg: TrainConfig,
     head: PreferenceHead,
@@ -85,8 +107,7 @@ def run_reference(
     (an engine holding the reference's weights); SimPO needs none. Returns whether a pass ran."""
     if not head.loss.needs_reference:
         return False
-    _, fingerprint = reference_source(cfg, model_dir)
-    path = reference_path(cache_dir, dataset.digest, fingerprint)
+    path = _reference_file(cfg, dataset, cache_dir, model_dir)
     batches = list(eval_batches(dataset, cfg.batch_size))
     return prepare_reference(
         head, path, device, compute=lambda: compute_reference(evaluate, head, batches, device), resumed=resumed
