@@ -269,3 +269,25 @@ def test_rows_out_receives_each_rows_loss(backend, small_chunks):
     expected = F.cross_entropy(hidden.double() @ weight.double().T, target, reduction="none")
     torch.testing.assert_close(rows, expected.float(), **FP32_TOL)
     torch.testing.assert_close(loss, rows.sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [(torch.float32, {"rtol": 2e-3, "atol": 1e-5}), (torch.bfloat16, {"rtol": 2e-2, "atol": 2e-3})],
+)
+def test_cuda_row_weights(cuda_compiled, dtype, tol, monkeypatch):
+    """The compiled kernel's row weights at a real vocabulary, several chunks, against float64 torch."""
+    monkeypatch.setattr(lce_module, "CHUNK_LOGITS_BYTES", 256 * 32000 * 2)
+    hidden, weight, target, _ = make_inputs(1031, 512, 32000, dtype=dtype, device=cuda_compiled)
+    row_weight = torch.randn(1031, device=cuda_compiled)
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
+    loss = linear_cross_entropy(leaves[0], leaves[1], target, reduction="sum", softcap=30.0, row_weight=row_weight)
+    loss.backward()
+    ref_leaves = [t.detach().double().requires_grad_() for t in (hidden, weight)]
+    ref = _weighted_reference(ref_leaves[0], ref_leaves[1], target, row_weight.double(), reduction="sum", softcap=30.0)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.float(), **tol)
+    for a, b in zip((leaves[0].grad, leaves[1].grad), (ref_leaves[0].grad, ref_leaves[1].grad), strict=True):
+        assert a.dtype == dtype
+        assert (a.double() - b).norm() / b.norm() < tol["rtol"]
