@@ -173,3 +173,13 @@ def test_a_negative_tile_is_one_line(slide: Any) -> None:
     status, _, err = slide("plan", "--model", "tiny-llama", "--seq-tile", "-1")
     assert status == 2 and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and "--seq-tile" in err
+
+
+def test_auto_tiles_a_micro_batch_of_short_rows_that_does_not_fit_untiled(slide: Any) -> None:
+    """Tiles count the micro-batch's tokens: 64 rows of 2048 tokens of Llama-3.1-8B do not fit 24 GiB untiled
+    (tests/hf/test_cli_plan.py), and auto tiles them until they do."""
+    argv = ("plan", "--model", "llama3.1-8b", "--batch-size", "64", "--gpu-memory", "24GiB", "--host-memory", "1TiB")
+    status, out, err = slide(*argv, "--no-packing", "--json")
+    assert status == 0, err
+    plan = json.loads(out)
+    assert plan["fits"] and 0 < plan["seq_tile"] < 64 * 2048 and plan["seq_tile_source"] == "auto"
