@@ -399,7 +399,8 @@ def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
 def streamed_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
     """GPU bytes of the GPU-streamed updates (``EngineConfig.streamed_units``): the staging sets of
     ``StreamedPipeline.device_bytes`` (``PlanInputs.staging_sets``, each one unit's fp32 master or a split
-    master's planes and the moments as stored, plus a split master's one fp32 buffer) and the device
+    master's planes and the moments as stored, and an fp32 summed gradient where a streamed unit gets
+    several contributions a step, plus a split master's one fp32 buffer) and the device
     optimizer's scratch for its ranges, both sized by the largest
     streamed unit (``UnitCost.stream_device_bytes``). The grad ring prices the host-updated units alone,
     as the engine sizes it (Note [The ring is sized for the host's units] in grad_transfer.py); the
