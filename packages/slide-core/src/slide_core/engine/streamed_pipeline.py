@@ -312,8 +312,8 @@ class StreamedPipeline(HostPipeline):
         name, ctx = unit.name, self._ctx
         seen = self._loads.get(name, 0)
         self._loads[name] = seen + 1
-        if ctx is None or not self._on_device(ctx, name):
-            return
+        if ctx is None or name in self._contributed or not self._on_device(ctx, name):
+            return  # updated already: a load after the step's update is an evaluation's, from the host
         if ctx.expected[name] > 1:  # staged at a load of its last micro-batch, which reads the host
             if self._ready(name, ctx) and self._can_stage(name, ctx):  # (Note [Streamed accumulation])
                 self._stage(name)
@@ -493,9 +493,8 @@ class StreamedPipeline(HostPipeline):
             self._sum_on_host(unit, slot, grads, contribution, ctx)
             return
         self._sent[name] = contribution.index + 1
-        self._stage(
-            name
-        )  # queued with its backward load, at its contribution before the last, or at the previous update
+        # queued with a load of the step's last micro-batch, at the update before it, or here
+        self._stage(name)
         self._wait_grads_free(unit, slot)
         write_gradients(unit, slot.grads, grads, add=False)
         start = self.timer.start()
@@ -525,7 +524,11 @@ class StreamedPipeline(HostPipeline):
         [Streamed accumulation])."""
         name = unit.name
         if contribution.index == ctx.expected[name] - 2:  # resolved by :meth:`apply` once it is summed
-            self._summing[name] = (contribution.index, Future())
+            summed: Future[None] = Future()
+            lo, hi = self.shards[name]
+            if lo == hi:  # an empty shard sends no chunk: nothing to wait for
+                summed.set_result(None)
+            self._summing[name] = (contribution.index, summed)
         super().contribute(unit, slot, grads, contribution, ctx)
         self._sent[name] = contribution.index + 1
 
