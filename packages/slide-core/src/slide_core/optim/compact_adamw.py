@@ -308,6 +308,19 @@ def _int8_encode_py(
 _int8_encode = _int8_encode_py
 
 
+def _int8_scales_py(m_bits: np.uint32, v_bits: np.uint32) -> tuple[np.float32, np.float32, np.float32, np.float32]:
+    """A block's new scales (its largest magnitudes, from pass 1's maxima of their bits) and the inverses
+    pass 2 multiplies by (0 for an all-zero block)."""
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    m_max = _bits_f32(np.uint64(m_bits))
+    v_max = _bits_f32(np.uint64(v_bits))
+    return m_max, v_max, one / m_max if m_max > zero else zero, one / v_max if v_max > zero else zero
+
+
+_int8_scales = _int8_scales_py
+
+
 def _adamw_int8_py(
     p: Fp32Array,
     g: GradArray,
@@ -330,8 +343,6 @@ def _adamw_int8_py(
 ) -> None:
     """int8 moments with one fp32 scale per 64-element block (``m`` int8, ``v`` uint8)."""
     n = p.shape[0]
-    one = np.float32(1.0)
-    zero = np.float32(0.0)
     for b in _prange((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         e = min(s + BLOCK, n)
@@ -341,24 +352,29 @@ def _adamw_int8_py(
             qs = q * QUANT_BLOCK
             qe = min(qs + QUANT_BLOCK, e)
             k = qe - qs
-            if k == QUANT_BLOCK:
+            first = index0 + qs
+            run, lo0, hi_key = _hash_run(first, k, k1)
+            if run == QUANT_BLOCK:
+                # A whole block whose hash indices keep their high half (all but a range's tail and one
+                # block in 2^26): both passes with the trip count LLVM knows, in one branch (measured
+                # ~10 % faster per element than testing the two passes' conditions apart).
                 m_bits, v_bits = _int8_block(
                     p[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt, vt, QUANT_BLOCK, m_scale[q], v_scale[q], scale,
                     decay, coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
                 )  # fmt: skip
-            else:
-                m_bits, v_bits = _int8_block(
-                    p[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt, vt, k, m_scale[q], v_scale[q], scale, decay,
-                    coeff, large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
-                )  # fmt: skip
-            m_max = _bits_f32(np.uint64(m_bits))
-            v_max = _bits_f32(np.uint64(v_bits))
+                m_max, v_max, m_inv, v_inv = _int8_scales(m_bits, v_bits)
+                m_scale[q] = m_max
+                v_scale[q] = v_max
+                _int8_run(m[qs:qe], v[qs:qe], mt, vt, 0, QUANT_BLOCK, m_inv, v_inv, lo0, hi_key, k0)
+                continue
+            m_bits, v_bits = _int8_block(
+                p[qs:qe], g[qs:qe], m[qs:qe], v[qs:qe], mt, vt, k, m_scale[q], v_scale[q], scale, decay, coeff,
+                large, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step,
+            )  # fmt: skip
+            m_max, v_max, m_inv, v_inv = _int8_scales(m_bits, v_bits)
             m_scale[q] = m_max
             v_scale[q] = v_max
-            _int8_encode(
-                m[qs:qe], v[qs:qe], mt, vt, k, one / m_max if m_max > zero else zero,
-                one / v_max if v_max > zero else zero, index0 + qs, k0, k1,
-            )  # fmt: skip
+            _int8_encode(m[qs:qe], v[qs:qe], mt, vt, k, m_inv, v_inv, first, k0, k1)
 
 
 # Split master (slide_core/split_master.py): the same kernels with the master read and written through
@@ -561,6 +577,7 @@ _bits_f32 = _bits_f32_py
 def _kernels() -> CompactKernels:
     """Compile (or load from numba's cache) the compact-state kernels; numba is imported only here."""
     global _adam, _as_fp32, _prange, _bits_f32, _bf16_block, _int8_block, _int8_encode, _int8_run, _hash_run
+    global _int8_scales
     global _load_master, _store_master, _read_ties, _write_ties, _bf16_split_block, _int8_split_block
     global _hash32, _high16, _sr_bf16, _abs_bits, _encode_m8, _encode_v8, _decode_m8, _decode_v8
     import numba
@@ -591,7 +608,7 @@ def _kernels() -> CompactKernels:
     _encode_m8, _encode_v8, _decode_m8, _decode_v8 = t.encode_m8, t.encode_v8, t.decode_m8, t.decode_v8
     _bits_f32 = _as_stand_in(bits_f32, _bits_f32_py)
     _bf16_block, _int8_block, _int8_encode = inline(_bf16_block_py), inline(_int8_block_py), inline(_int8_encode_py)
-    _int8_run, _hash_run = inline(_int8_run_py), inline(_hash_run_py)
+    _int8_run, _hash_run, _int8_scales = inline(_int8_run_py), inline(_hash_run_py), inline(_int8_scales_py)
     _load_master, _store_master = _adamw_kernels._load_master, _adamw_kernels._store_master
     _read_ties, _write_ties = _adamw_kernels._read_ties, _adamw_kernels._write_ties
     _bf16_split_block, _int8_split_block = inline(_bf16_split_block_py), inline(_int8_split_block_py)
