@@ -8,6 +8,7 @@ slide_core/engine/grad_ring.py (exercised by the accumulated and tied cases).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -337,6 +338,33 @@ def test_consecutive_nan_steps_raise() -> None:
             for name, want in views.items():
                 assert _rel(host.views(unit)[name], want) <= RTOL, f"{unit}.{name} not rolled back"
     _no_threads_left(before)
+
+
+@pytest.mark.timeout(30)
+def test_skipped_steps_are_numbered_as_the_run_counts_them(caplog: pytest.LogCaptureFixture) -> None:
+    """A run that starts from another run's AdamW state continues its Adam step count (bias correction),
+    but its messages number the steps from its own first: the skip warning and the stop name run steps."""
+    cfg = ToyConfig(num_layers=3)
+    model = _PoisonableToy(cfg)
+    init = toy_init(model, seed=2)
+    batches = toy_batches(cfg, steps=6, accum=1, seed=1)
+    config = EngineConfig(compute_dtype=torch.float32, transfer_chunk_numel=1024, max_grad_norm=0.05, timeout_s=10)
+    with CPUDevice() as device:
+        host = HostParameters(model, device.alloc_pinned)
+        load_init(host, init)
+        with (
+            caplog.at_level(logging.WARNING),
+            pytest.raises(EngineError) as caught,
+            Engine(model, device, host, TorchAdamW(AdamWConfig()), config) as engine,
+        ):
+            engine.restore_schedule_state({"step": 100, "steps_before": 100})
+            for step, micro in enumerate(batches):
+                model.poison(step >= 1)
+                engine.step(micro, lr=LR)
+        assert engine.step_count == 101 and engine.schedule_state()["steps_before"] == 100
+    skipped = [r.getMessage() for r in caplog.records if "skipped: gradient norm" in r.getMessage()]
+    assert [m.split(" skipped")[0] for m in skipped] == ["step 2", "step 2", "step 2"]
+    assert "(the last, step 2," in str(caught.value)
 
 
 @pytest.mark.timeout(30)

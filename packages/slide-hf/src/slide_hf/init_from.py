@@ -172,7 +172,7 @@ def restore_adam_state(point: InitPoint, engine: Engine) -> None:
         raise UserError(f"{option('init_from')}: {corrupt_message(error, _use)}") from None
     except StateFormatMismatch as error:
         raise UserError(f"{option('init_from')}: {error}") from None
-    engine.restore_schedule_state({"step": point.adam_step})
+    engine.restore_schedule_state({"step": point.adam_step, "steps_before": point.adam_step})
     log.info(
         "started from the weights and AdamW state of %s (its moments after %d Adam steps); this run's own lr "
         "schedule starts at its step 1",

@@ -88,7 +88,7 @@ class NoClipping(ClipStrategy):
             bad = [name for name, value in by_name.items() if name in ctx.device_updated and not math.isfinite(value)]
             if bad:
                 raise EngineError(
-                    f"non-finite gradients in {', '.join(bad)} at step {ctx.step}; with max_grad_norm = 0 the "
+                    f"non-finite gradients in {', '.join(bad)} at step {ctx.run_step}; with max_grad_norm = 0 the "
                     "engine cannot skip a step exactly, so it stops here. Lower --lr, or set max_grad_norm > 0 "
                     "to skip such steps"
                 )
@@ -257,12 +257,12 @@ class SpeculativeClipping(ClipStrategy):
         policy.nonfinite_streak += 1
         bad = [name for name, value in squares_by.items() if name in ctx.device_updated and not math.isfinite(value)]
         where = self.nonfinite_unit or ", ".join(bad) or "the total (its square overflowed fp32)"
-        log.warning("step %d skipped: gradient norm %s (non-finite gradients in %s)", ctx.step, norm, where)
+        log.warning("step %d skipped: gradient norm %s (non-finite gradients in %s)", ctx.run_step, norm, where)
         if policy.nonfinite_streak >= policy.max_consecutive:
             for name, future in ctx.updated.items():
                 workers.wait(future, f"the rollback of {name}")
             raise EngineError(
-                f"non-finite gradients in {policy.nonfinite_streak} consecutive steps (the last, step {ctx.step}, "
+                f"non-finite gradients in {policy.nonfinite_streak} consecutive steps (the last, step {ctx.run_step}, "
                 f"in {where}); every one was skipped and the weights are those from before the first. "
                 "Training diverged: lower --lr (or raise --warmup-steps), or check the data"
             )

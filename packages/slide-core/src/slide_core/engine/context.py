@@ -92,6 +92,14 @@ class StepContext:
     device_updated: frozenset[str]
     """Units updated on the device this step (resident ones, and streamed ones whose update stands as
     applied): their final gradient and its norm stay there."""
+    steps_before: int = 0
+    """Adam steps the moments had taken before this run's first step (a run started from another run's
+    AdamW state): messages number the step as the run counts it, :attr:`run_step`."""
+
+    @property
+    def run_step(self) -> int:
+        """This step's number as the run counts it, from 1 (the Adam step less the steps before the run)."""
+        return self.step - self.steps_before
 
     def contribution(self, unit: Unit, micro_batch: int, share: int = 0) -> Contribution:
         """The contribution ``unit`` gets in ``micro_batch``: its ``share``-th of that micro-batch (a tied

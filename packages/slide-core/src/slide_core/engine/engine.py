@@ -133,6 +133,9 @@ class Engine(Evaluation):
         self.model, self.device, self.host_params, self.optimizer = model, device, host_params, optimizer
         self.dtype = cfg.compute_dtype
         self.step_count = 0
+        self.steps_before = 0
+        """Adam steps taken before this run's first (a run started from another run's AdamW state); its
+        own step is ``step_count - steps_before`` (``StepContext.run_step``)."""
         self.timeline = Timeline(cfg.record_timings)
         self.timer = ComputeTimer(device, self.timeline)  # compute-stream spans, shared with the pipelines
         self.clip_policy = ClipPolicy(cfg)
@@ -285,6 +288,7 @@ class Engine(Evaluation):
         [Deferred clipped steps]; speculation and deferral round differently)."""
         return {
             "step": self.step_count,
+            "steps_before": self.steps_before,
             "nonfinite_streak": self.clip_policy.nonfinite_streak,
             "defer_clipped_updates": self.clip_policy.defer_next,
         }
@@ -292,6 +296,7 @@ class Engine(Evaluation):
     def restore_schedule_state(self, state: Mapping[str, int | bool]) -> None:
         """Continue from :meth:`schedule_state` of a saved run (keys it lacks keep a fresh run's values)."""
         self.step_count = int(state.get("step", self.step_count))
+        self.steps_before = int(state.get("steps_before", self.steps_before))
         self.clip_policy.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         self.clip_policy.defer_next = bool(state.get("defer_clipped_updates", False))
 
@@ -353,7 +358,9 @@ class Engine(Evaluation):
             expected[model.embedding.name] += micro_batches
         clip = self.clip_policy.for_step()
         on_device = self.pipelines.updated_on_device(clip, expected)
-        ctx = StepContext(self.step_count, lr, micro_batches, expected, clip, self.updated, on_device)
+        ctx = StepContext(
+            self.step_count, lr, micro_batches, expected, clip, self.updated, on_device, self.steps_before
+        )
         self.pipelines.begin_step(ctx)
         return ctx
 
