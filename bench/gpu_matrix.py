@@ -66,6 +66,7 @@ class Row:
     seq_len: int = 1024  # bench rows' --seq-len on the GPU
     quick_seq_len: int = 32  # ... and in the quick mode
     quick_args: tuple[str, ...] = ()  # added in the quick mode only
+    pairs: bool = False  # train rows: --data is a preference pair file written for the row (bench/preference.py)
 
 
 def rows() -> list[Row]:
@@ -140,7 +141,19 @@ def rows() -> list[Row]:
             quick_args=("--seq-tile", "64"),
         ),
     ]
-    return options + train + families + long
+    # DPO: the reference pass, then training, on a pair file written for the row. `slide train` has no --layers,
+    # so the whole Llama-3.1-8B runs (about 95 GiB of host RAM, as its SFT benchmarks at 24 GiB).
+    preference = [
+        Row(
+            "train: dpo, llama3.1-8b",
+            "train",
+            "llama3.1-8b",
+            "tiny-llama",
+            args=("--objective", "dpo"),
+            pairs=True,
+        ),
+    ]
+    return options + train + families + long + preference
 
 
 @dataclass
@@ -184,6 +197,9 @@ def row_argv(row: Row, s: Settings, workdir: Path) -> list[str]:
         argv += ["--json", str(workdir / "bench.json")]
     else:
         batch, seq, steps = (2, 64, 4) if s.quick else (8, 512, 6)
+        if row.pairs:  # a pair's two sequences share a row: the quick mode's rows are longer
+            seq = max(seq, 128)
+            argv += ["--data", str(write_pairs(workdir, batch * steps, seq))]
         argv += ["--batch-size", str(batch), "--seq-len", str(seq), "--steps", str(steps)]
         argv += ["--output", str(workdir / "run"), "--lr", "1e-3"]
     if row.clip is not None:
@@ -193,6 +209,19 @@ def row_argv(row: Row, s: Settings, workdir: Path) -> list[str]:
         nvme.mkdir(exist_ok=True)
         argv += ["--nvme-dir", str(nvme)]
     return argv + list(row.args) + list(row.quick_args if s.quick else ())
+
+
+def write_pairs(workdir: Path, pairs: int, seq_len: int) -> Path:
+    """``pairs`` synthetic preference pairs sized for rows of ``seq_len`` (bench/preference.py writes them)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_preference", Path(__file__).with_name("preference.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_preference"] = module  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    path, _ = module.write_data(workdir, pairs, seq_len)
+    return path
 
 
 def run_row(row: Row, s: Settings) -> Outcome:

@@ -160,3 +160,31 @@ def test_the_long_context_row_runs_in_the_cpu_quick_mode(tmp_path: Path) -> None
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     (row,) = json.loads((tmp_path / "gpu_matrix.json").read_text())["rows"]
     assert row["ok"] and not row["skipped"] and row["losses"], row
+
+
+def test_the_dpo_row_trains_llama_8b_on_a_pair_file_and_a_tiny_model_in_the_quick_mode(tmp_path: Path) -> None:
+    matrix = _matrix()
+    (row,) = [row for row in matrix.rows() if "dpo" in row.name]
+    on_gpu = matrix.row_argv(row, matrix.Settings("cuda", False, tmp_path, tmp_path, None, None), tmp_path / "gpu")
+    given = dict(zip(on_gpu[1::2], on_gpu[2::2], strict=False))
+    assert on_gpu[0] == "train" and given["--model"] == "llama3.1-8b" and given["--gpu-memory"] == "24"
+    assert "--objective dpo" in " ".join(on_gpu)
+    pairs = [json.loads(line) for line in Path(given["--data"]).read_text().splitlines()]
+    assert len(pairs) == 8 * 6 and {"prompt", "chosen", "rejected"} <= set(pairs[0])  # 6 steps of 8 rows
+    quick = matrix.row_argv(row, matrix.Settings("cpu", True, tmp_path, tmp_path, None, None), tmp_path / "cpu")
+    given = dict(zip(quick[1::2], quick[2::2], strict=False))
+    assert given["--model"] == "tiny-llama" and given["--seq-len"] == "128"
+    assert Path(given["--data"]).is_file()
+
+
+def test_the_dpo_row_runs_in_the_cpu_quick_mode(tmp_path: Path) -> None:
+    quick = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--scratch", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *quick, "--rows", "train: dpo"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "gpu_matrix.json").read_text())["rows"]
+    assert row["ok"] and not row["skipped"] and len(row["losses"]) == 4, row

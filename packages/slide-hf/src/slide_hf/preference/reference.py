@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ def compute_reference(
     head.start_reference(device)
     total = len(batches)
     every = max(1, total // _UPDATES)
+    started = time.perf_counter()
     try:
         with PassProgress("reference pass", total) as progress:
             for done in range(0, total, every):
@@ -69,7 +71,16 @@ def compute_reference(
     finally:
         head.collecting = False
     assert head.reference is not None
-    return head.reference.detach().cpu()  # note: a CPU-GPU sync point (once per run)
+    reference = head.reference.detach().cpu()  # note: a CPU-GPU sync point (once per run)
+    # Its time and tokens (padding included: the pass computes it), what bench/preference.py holds against
+    # the forward's FLOP bound; the pass has no metrics record of its own.
+    elapsed_s = time.perf_counter() - started
+    tokens = sum(int(batch.input_ids.numel()) for batch in batches)
+    log.info(
+        "reference pass: %d tokens in %d micro-batches in %.3f s (%.0f tok/s)",
+        tokens, total, elapsed_s, tokens / max(elapsed_s, 1e-9),
+    )  # fmt: skip
+    return reference
 
 
 def prepare_reference(
