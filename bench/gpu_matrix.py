@@ -142,7 +142,9 @@ def rows() -> list[Row]:
         ),
     ]
     # DPO: the reference pass, then training, on a pair file written for the row. `slide train` has no --layers,
-    # so the whole Llama-3.1-8B runs (about 95 GiB of host RAM, as its SFT benchmarks at 24 GiB).
+    # so the whole Llama-3.1-8B runs (about 95 GiB of host RAM, as its SFT benchmarks at 24 GiB), and its final
+    # checkpoint and export need about 105 GiB free under --scratch (refused in one line otherwise). Last, so
+    # the rows before it have the disk.
     preference = [
         Row(
             "train: dpo, llama3.1-8b",

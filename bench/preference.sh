@@ -2,12 +2,17 @@
 # DPO against SFT on the same tokens, on one GPU: a synthetic pair file (bench/preference.py data), then
 # `slide train --objective dpo` and `slide train` (SFT) on each pair's two sequences, same rows, batch and
 # steps. Usage, from the repository root, with bench/gpu_env.sh sourced first:
-#   bash bench/preference.sh OUT_DIR [--budget-s S] [--model M] [--gpu-memory G] [--steps N] [--dry-run]
+#   bash bench/preference.sh OUT_DIR [--budget-s S] [--model M] [--gpu-memory G] [--steps N] [--dry-run] [-- ARGS]
 # --budget-s: no run starts after that many seconds, and each is cut at the budget's end (default 560).
 # --model (default llama3.1-8b: a preset, random weights, the bundled byte tokenizer), --gpu-memory (24).
 # --steps: training steps of each run (default 6); the pair file holds several times more pairs, all of
 #   which DPO's reference pass reads.
 # --dry-run: the same on the CPU with tiny-llama and short rows (what the tests run); peaks unchecked.
+# ARGS after --: more `slide train` options for both runs (e.g. -- --optimizer-state int8).
+# Disk: `slide train` always writes a final checkpoint and the exported model; for llama3.1-8b that is about
+# 90 GiB + 15 GiB (46 + 15 with --optimizer-state int8), refused in one line at the start where the disk of
+# OUT_DIR has less. Each run's checkpoints/ and model/ are removed once it ends (the table reads only
+# metrics.jsonl and train.log), so the second run finds the disk the first had.
 # Writes OUT_DIR/pairs.jsonl, sft.jsonl, dpo/ and sft/ (the runs, each with metrics.jsonl and train.log,
 # its console output in dpo.log and sft.log), then OUT_DIR/preference.md (printed) and preference.json:
 # finite losses, DPO policy tok/s against SFT's (target >= 0.9), the reference pass's tok/s against the
@@ -16,7 +21,7 @@
 set -uo pipefail
 out=${1:?usage: bench/preference.sh OUT_DIR [--budget-s S] [--model M] [--gpu-memory G] [--dry-run]}
 shift
-budget=560 dry=0 model="" gpu_memory=24 steps=6
+budget=560 dry=0 model="" gpu_memory=24 steps=6 extra=()
 while [ $# -gt 0 ]; do
   case $1 in
     --budget-s) budget=$2; shift 2 ;;
@@ -24,6 +29,7 @@ while [ $# -gt 0 ]; do
     --gpu-memory) gpu_memory=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
     --dry-run) dry=1; shift ;;
+    --) shift; extra=("$@"); break ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
 done
@@ -43,7 +49,7 @@ fi
 pairs=$((pairs_per_step * (steps > reference_steps ? steps : reference_steps)))
 "$python" bench/preference.py data "$out" --pairs "$pairs" --seq-len "$seq_len" > /dev/null || exit 1
 common=(--model "$model" "${device[@]}" --seq-len "$seq_len" --batch-size "$batch" --steps "$steps" --lr 1e-6
-  --no-shuffle --overwrite)
+  --no-shuffle --overwrite "${extra[@]}")
 began=$SECONDS
 for run in dpo sft; do
   left=$((budget - (SECONDS - began)))
@@ -53,6 +59,7 @@ for run in dpo sft; do
   t0=$SECONDS
   timeout "$left" "$python" -m slide_hf train "${common[@]}" "${data[@]}" --output "$out/$run" > "$out/$run.log" 2>&1
   echo "   rc=$? in $((SECONDS - t0)) s"
+  rm -rf "$out/$run/checkpoints" "$out/$run/model"
 done
 "$python" bench/preference.py summarize "$out" --model "$model" --seq-len "$seq_len" "${checks[@]}" \
   ${matmul:+--matmul-tflops "$matmul"}
