@@ -162,12 +162,14 @@ def test_the_long_context_row_runs_in_the_cpu_quick_mode(tmp_path: Path) -> None
     assert row["ok"] and not row["skipped"] and row["losses"], row
 
 
-def test_the_dpo_row_trains_llama_8b_on_a_pair_file_and_a_tiny_model_in_the_quick_mode(tmp_path: Path) -> None:
+def test_the_dpo_row_trains_tiny_llama_on_a_pair_file(tmp_path: Path) -> None:
+    """As the other train rows, tiny-llama on the GPU too: a whole 8B's final checkpoint and export need more
+    disk than the matrix's machines have (bench/preference.sh measures the 8B)."""
     matrix = _matrix()
     (row,) = [row for row in matrix.rows() if "dpo" in row.name]
     on_gpu = matrix.row_argv(row, matrix.Settings("cuda", False, tmp_path, tmp_path, None, None), tmp_path / "gpu")
     given = dict(zip(on_gpu[1::2], on_gpu[2::2], strict=False))
-    assert on_gpu[0] == "train" and given["--model"] == "llama3.1-8b" and given["--gpu-memory"] == "24"
+    assert on_gpu[0] == "train" and given["--model"] == "tiny-llama" and given["--gpu-memory"] == "24"
     assert "--objective dpo" in " ".join(on_gpu)
     pairs = [json.loads(line) for line in Path(given["--data"]).read_text().splitlines()]
     assert len(pairs) == 8 * 6 and {"prompt", "chosen", "rejected"} <= set(pairs[0])  # 6 steps of 8 rows
