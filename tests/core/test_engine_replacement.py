@@ -204,3 +204,33 @@ def test_moving_units_on_a_gpu_tracks_the_host_run(state_format: str, master_for
     moved = run(EngineConfig(**base, streamable_units=STREAMABLE), MOVES)
     assert moved == pytest.approx(host, rel=1e-3)
     assert moved[-1] < moved[0]
+
+
+def test_streamed_uploads_and_write_backs_are_timed_spans_with_their_bytes() -> None:
+    """The streamed units' master and moments to their staging set and back are spans of their own
+    (``upload``, ``write_back``), with the bytes they moved, so a run can time PCIe under load; a unit
+    moved to the host records none."""
+    cfg = ToyConfig(tie_embeddings=False, num_layers=3)
+    model = ToyModel(cfg)
+    init = toy_init(model, seed=3)
+    batches = toy_batches(cfg, steps=2, accum=1, seed=6)
+    config = EngineConfig(
+        compute_dtype=torch.float32, transfer_chunk_numel=1024, streamed_units=("layers.1",),
+        streamable_units=STREAMABLE,
+    )  # fmt: skip
+    with CPUDevice() as device:
+        host = HostParameters(model, device.alloc_pinned)
+        load_init(host, init)
+        with Engine(model, device, host, TorchAdamW(AdamWConfig()), config) as engine:
+            engine.step(batches[0], lr=1e-3)
+            engine.wait_idle()
+            times = engine.unit_times()
+            numel = next(unit.layout.numel for unit in model.units if unit.name == "layers.1")
+            moved = numel * 4 * 3  # fp32 master and two fp32 moments, each way
+            assert times["layers.1"].bytes["upload"] == moved and times["layers.1"].bytes["write_back"] == moved
+            assert times["layers.1"].ms["upload"] > 0 and times["layers.1"].ms["write_back"] > 0
+            assert all("upload" not in t.bytes for name, t in times.items() if name != "layers.1")
+            engine.place_streamed(())
+            engine.step(batches[1], lr=1e-3)
+            engine.wait_idle()
+            assert all(t.bytes.get("upload", 0) == 0 for t in engine.unit_times().values())

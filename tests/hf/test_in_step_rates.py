@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from slide_core.engine.timeline import UnitTimes
+from slide_core.engine.timeline import Timeline, UnitTimes
 from slide_core.testing import ToyConfig, ToyModel
 from slide_hf.in_step_rates import InStepMeter, InStepRates, learn_rates, learned_inputs, workload_key
 from slide_hf.machine_rates import HostIdentity
@@ -218,8 +218,9 @@ def test_slide_plan_uses_the_rates_earlier_steps_measured_here_and_says_so(slide
     busy = defaults.cpu_adam_busy_rate(before["optimizer_state"], before["master"]) / 4
     key = before["workload"]
     formats = f"{before['master']}/{before['optimizer_state']}"
+    pcie = {"h2d": defaults.h2d_gbps / 2, "d2h": defaults.d2h_gbps / 2}  # the streamed copies' under load
     InStepRates(
-        HostIdentity.here(), "2026-12-07T00:00:00+00:00", {formats: busy}, {key: defaults.gpu_tflops / 2}
+        HostIdentity.here(), "2026-12-07T00:00:00+00:00", {formats: busy}, {key: defaults.gpu_tflops / 2}, pcie
     ).save()
     status, out, err = slide(*argv)
     assert status == 0, err
@@ -227,6 +228,76 @@ def test_slide_plan_uses_the_rates_earlier_steps_measured_here_and_says_so(slide
     assert "rates measured in steps here 2026-12-07" in after["rates_source"]
     planned, learned = before["inputs"]["bandwidths"], after["inputs"]["bandwidths"]
     assert learned["gpu_tflops"] == planned["gpu_tflops"] / 2
+    assert "PCIe's (h2d 12.5 GB/s, d2h 12.5 GB/s)" in after["rates_source"]
+    assert (learned["h2d_gbps"], learned["d2h_gbps"]) == (planned["h2d_gbps"] / 2, planned["d2h_gbps"] / 2)
     assert learned["cpu_adam_busy_gparams"] == [[before["master"], before["optimizer_state"], busy]]
     assert after["resource_s"]["gpu compute"] > before["resource_s"]["gpu compute"]
     assert after["step_time_s"] > before["step_time_s"]
+
+
+class _Event:
+    """A device event that has completed at ``t_ms``."""
+
+    def __init__(self, t_ms: float) -> None:
+        self.t_ms = t_ms
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_ms(self, end: _Event) -> float:
+        return end.t_ms - self.t_ms
+
+
+def _streamed_step(plan, *, h2d_gbps: float, d2h_gbps: float, moved: int = 10**8) -> dict[str, UnitTimes]:
+    """One step's spans with each of two streamed units' uploads and write-backs moving ``moved`` bytes at
+    these rates, recorded through a :class:`Timeline` as the streamed pipeline records them."""
+    timeline = Timeline(enabled=True)
+    for name in ("layers.0", "layers.1"):
+        timeline.device_span(name, "upload", _Event(0.0), _Event(moved / (h2d_gbps * 1e9) * 1e3), moved)
+        timeline.device_span(name, "write_back", _Event(0.0), _Event(moved / (d2h_gbps * 1e9) * 1e3), moved)
+    times = _times(plan, busy_gparams=2.0, tflops=250.0)
+    for name, unit_times in timeline.take().items():
+        times[name].ms.update(unit_times.ms)
+        times[name].bytes.update(unit_times.bytes)
+    return times
+
+
+def test_the_meter_measures_the_streamed_copies_pcie_rate_from_their_spans():
+    plan = make_plan(_inputs())
+    meter = InStepMeter(plan, warmup_steps=1)
+    meter.add(_streamed_step(plan, h2d_gbps=1.0, d2h_gbps=1.0))  # the warm-up: not counted
+    for _ in range(3):
+        meter.add(_streamed_step(plan, h2d_gbps=20.0, d2h_gbps=25.0))
+    assert meter.pcie_gbps() == {"h2d": pytest.approx(20.0), "d2h": pytest.approx(25.0)}
+    rates = meter.rates(HERE)
+    assert rates is not None and rates.streamed_pcie_gbps == meter.pcie_gbps()
+    terms = meter.terms()
+    assert terms.streamed_h2d_s == pytest.approx(2e8 / 20e9)  # per step: two uploads
+    assert terms.streamed_h2d_s / terms.planned_streamed_h2d_s == pytest.approx(50.0 / 20.0)
+    assert terms.streamed_d2h_s / terms.planned_streamed_d2h_s == pytest.approx(50.0 / 25.0)
+    assert "streamed upload" in terms.line() and "streamed write-back" in terms.line()
+    assert {"streamed_h2d_s", "streamed_d2h_s"} <= set(terms.to_dict())
+    # A run that streams nothing measures no PCIe rate and reports no such term.
+    quiet = InStepMeter(plan, warmup_steps=0)
+    quiet.add(_times(plan, busy_gparams=2.0, tflops=250.0))
+    assert quiet.pcie_gbps() == {} and "streamed_h2d_s" not in quiet.terms().to_dict()
+
+
+def test_learned_pcie_rates_round_trip_and_lower_the_next_plans_link(environ):
+    InStepRates(HERE, "2026-12-01T00:00:00+00:00", {"fp32/fp32": 2.0}).save(environ)
+    InStepRates(HERE, "2026-12-02T00:00:00+00:00", streamed_pcie_gbps={"h2d": 20.0, "d2h": 60.0}).save(environ)
+    kept = InStepRates.load(HERE, environ)
+    assert kept.streamed_pcie_gbps == {"h2d": 20.0, "d2h": 60.0} and kept.cpu_adam_busy_gparams == {"fp32/fp32": 2.0}
+    assert InStepRates.from_json(kept.to_json()) == kept
+    older = kept.to_json()
+    del older["streamed_pcie_gbps"]  # a file written before PCIe was measured in steps
+    assert InStepRates.from_json(older).streamed_pcie_gbps == {}
+    inputs, taken = learned_inputs(_inputs(), HERE, environ)
+    # The slower direction is laid over the doctor's rate; a faster one is not (a span under load cannot
+    # time the link faster than alone).
+    assert inputs.bandwidths.h2d_gbps == 20.0 and inputs.bandwidths.d2h_gbps == 50.0
+    assert "PCIe's (h2d 20 GB/s)" in taken
+    assert make_plan(inputs).step_time_s >= make_plan(_inputs()).step_time_s

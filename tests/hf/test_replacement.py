@@ -22,7 +22,7 @@ from slide_core.testing import ToyConfig, ToyModel, load_init, toy_batches, toy_
 from slide_hf.planner import Bandwidths, ModelShape, PlanInputs, make_plan, plan_with_placement
 from slide_hf.planner.plan import GPU_MARGIN_FRACTION, replan_streamed, with_streamable
 from slide_hf.planner.unit_costs import unit_costs
-from slide_hf.replacement import MeasuredRates, Replacement, compact_units
+from slide_hf.replacement import MeasuredRates, Replacement, _with_rates, compact_units
 
 GiB = 1 << 30
 BLOCKS = tuple(f"layers.{i}" for i in range(6))
@@ -101,6 +101,35 @@ def test_the_planner_replaces_the_units_from_measured_rates():
     assert replan_streamed(planned, FAST_HOST).inputs.streamed_units == ()
 
 
+def test_a_slower_pcie_measured_in_steps_streams_fewer_units():
+    """The streamed copies' PCIe rate measured in the run is one of the planner's inputs: a link slower
+    under load than the doctor measured makes streaming dearer, so the same decision streams fewer units."""
+    planned = plan_with_placement(_inputs(bandwidths=MIXED), "auto", replaceable=True)
+    streamed = set(planned.inputs.streamed_units)
+    assert streamed
+    chosen_with = MeasuredRates(_busy(MIXED), MIXED.gpu_tflops, MIXED.h2d_gbps, MIXED.d2h_gbps)
+    assert set(replan_streamed(planned, _with_rates(planned.inputs, chosen_with)).inputs.streamed_units) == streamed
+    slow_link = dataclasses.replace(chosen_with, h2d_gbps=MIXED.h2d_gbps / 4, d2h_gbps=MIXED.d2h_gbps / 4)
+    bandwidths = _with_rates(planned.inputs, slow_link)
+    assert (bandwidths.h2d_gbps, bandwidths.d2h_gbps) == (MIXED.h2d_gbps / 4, MIXED.d2h_gbps / 4)
+    fewer = set(replan_streamed(planned, bandwidths).inputs.streamed_units)
+    assert fewer < streamed
+    # A faster measured link is not laid over the plan's: spans under load never time the link alone.
+    fast_link = dataclasses.replace(chosen_with, h2d_gbps=4 * MIXED.h2d_gbps)
+    assert _with_rates(planned.inputs, fast_link).h2d_gbps == MIXED.h2d_gbps
+
+
+def test_the_loop_moves_units_to_the_host_when_the_measured_pcie_is_slow():
+    planned = plan_with_placement(_inputs(bandwidths=MIXED), "auto", replaceable=True)
+    rates = _Rates(_busy(MIXED), MIXED.gpu_tflops, h2d=MIXED.h2d_gbps / 4, d2h=MIXED.d2h_gbps / 4)
+    loop = Replacement(planned, warmup_steps=0, check_every=1, rates=rates)
+    assert loop.chosen_with.h2d_gbps == MIXED.h2d_gbps  # the plan's rates until a check
+    change = loop.after_step(1, {}, _Engine())
+    assert change is not None and change.to_host and not change.to_gpu
+    assert change.rates.h2d_gbps == MIXED.h2d_gbps / 4
+    assert change.to_dict()["measured"]["d2h_gbps"] == MIXED.d2h_gbps / 4
+
+
 # ---- the loop ------------------------------------------------------------------------------------------
 class _Engine:
     """Records the moves a loop makes."""
@@ -116,11 +145,11 @@ class _Engine:
 class _Rates:
     """An injected rates source: the host AdamW's busy rate the test says."""
 
-    def __init__(self, host: float, gpu: float) -> None:
-        self.host, self.gpu = host, gpu
+    def __init__(self, host: float, gpu: float, h2d: float | None = None, d2h: float | None = None) -> None:
+        self.host, self.gpu, self.h2d, self.d2h = host, gpu, h2d, d2h
 
     def __call__(self, meter) -> MeasuredRates:
-        return MeasuredRates(self.host, self.gpu)
+        return MeasuredRates(self.host, self.gpu, self.h2d, self.d2h)
 
 
 def test_the_loop_moves_units_on_a_drift_and_says_why(caplog: pytest.LogCaptureFixture):

@@ -13,10 +13,16 @@ over its bandwidths (:func:`learned_inputs`):
 - the host AdamW's *busy* rate, per master and state format: parameters of the host-updated units over the
   seconds of their update spans (the schedule models the optimizer's idle time itself);
 - the GPU's achieved rate, per workload (the model's shape, micro-batch, sequence and compute dtype): the
-  plan's FLOPs per step over the seconds of the forward, backward and head spans.
+  plan's FLOPs per step over the seconds of the forward, backward and head spans;
+- PCIe each way as the GPU-streamed units' copies reach it (``h2d``, ``d2h``): the bytes of their uploads
+  (master and moments into a staging set) and write-backs over the seconds of those spans (the engine's
+  ``upload`` and ``write_back`` phases, streamed_pipeline.py).
 
-PCIe keeps the doctor's rates: a copy's span on its stream includes the time it queues behind the other
-direction's, so it does not time the link alone (the plan's duplex term models that sharing).
+A copy's span on its stream includes the time it shares the link with the other direction's, so the
+PCIe rate measured in steps is the rate the streamed copies reach *under load*, not the link's alone.
+It is laid over the plan's rates only where it is slower than them (:func:`learned_inputs`): a host
+whose PCIe is slower in its steps than `slide doctor` measured it then streams fewer units, and one
+whose copies share the link well keeps the doctor's rates and the plan's duplex term for the sharing.
 """
 
 from __future__ import annotations
@@ -35,12 +41,25 @@ from typing import Any
 from slide_hf import machine_rates
 from slide_hf.machine_rates import HostIdentity
 
-__all__ = ["InStepMeter", "InStepRates", "MeasuredTerms", "learn_rates", "learned_inputs", "workload_key"]
+__all__ = [
+    "PCIE_DIRECTIONS",
+    "InStepMeter",
+    "InStepRates",
+    "MeasuredTerms",
+    "learn_rates",
+    "learned_inputs",
+    "slower_pcie",
+    "workload_key",
+]
 
 log = logging.getLogger("slide.in_step_rates")
 
 _VERSION = 1
 _COMPUTE_PHASES = ("forward", "backward", "head")
+PCIE_DIRECTIONS = {"h2d": "upload", "d2h": "write_back"}
+"""A PCIe direction's key in :attr:`InStepRates.streamed_pcie_gbps` to the engine's phase that times it."""
+_MIN_SPAN_S = 1e-4
+"""Span totals below this are too short to trust as a rate (timer resolution)."""
 
 
 def workload_key(inputs: Any) -> str:
@@ -69,6 +88,8 @@ class InStepRates:
     - ``cpu_adam_busy_gparams``: ``"master/state"`` (e.g. ``"split/bf16"``) to the host AdamW's busy rate,
       1e9 parameters/s;
     - ``gpu_tflops``: :func:`workload_key` to the achieved rate, 1e12 FLOP/s of the plan's count;
+    - ``streamed_pcie_gbps``: ``"h2d"`` and ``"d2h"`` to the rate the GPU-streamed units' uploads and
+      write-backs reached, GB/s (a file written before they were measured has none);
     - ``measured_at``: when the newest of them was measured.
     """
 
@@ -76,6 +97,7 @@ class InStepRates:
     measured_at: str
     cpu_adam_busy_gparams: Mapping[str, float] = field(default_factory=dict)
     gpu_tflops: Mapping[str, float] = field(default_factory=dict)
+    streamed_pcie_gbps: Mapping[str, float] = field(default_factory=dict)
 
     def merged(self, newer: InStepRates) -> InStepRates:
         """These rates with ``newer``'s replacing the ones they measure again (the rest kept)."""
@@ -84,6 +106,7 @@ class InStepRates:
             measured_at=newer.measured_at,
             cpu_adam_busy_gparams={**self.cpu_adam_busy_gparams, **newer.cpu_adam_busy_gparams},
             gpu_tflops={**self.gpu_tflops, **newer.gpu_tflops},
+            streamed_pcie_gbps={**self.streamed_pcie_gbps, **newer.streamed_pcie_gbps},
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -93,6 +116,7 @@ class InStepRates:
             "measured_at": self.measured_at,
             "cpu_adam_busy_gparams": dict(self.cpu_adam_busy_gparams),
             "gpu_tflops": dict(self.gpu_tflops),
+            "streamed_pcie_gbps": dict(self.streamed_pcie_gbps),
         }
 
     @classmethod
@@ -106,6 +130,7 @@ class InStepRates:
                 measured_at=str(data["measured_at"]),
                 cpu_adam_busy_gparams=_rates(data["cpu_adam_busy_gparams"], "cpu_adam_busy_gparams"),
                 gpu_tflops=_rates(data["gpu_tflops"], "gpu_tflops"),
+                streamed_pcie_gbps=_rates(data.get("streamed_pcie_gbps", {}), "streamed_pcie_gbps"),
             )
         except (KeyError, TypeError) as error:
             raise ValueError(f"missing or malformed field: {error}") from None
@@ -161,7 +186,8 @@ def learned_inputs(
 ) -> tuple[Any, str | None]:
     """``inputs`` with this machine's in-step rates laid over its bandwidths, and a phrase naming what was
     taken (None: nothing measured here yet). The host AdamW's busy rates apply to every workload; the GPU's
-    achieved rate only to the workload it was measured on (:func:`workload_key`)."""
+    achieved rate only to the workload it was measured on (:func:`workload_key`); the streamed copies'
+    PCIe rates to every workload, each direction only where slower than the plan's (:func:`slower_pcie`)."""
     identity = identity or HostIdentity.here()
     rates = InStepRates.load(identity, environ)
     if rates is None:
@@ -177,6 +203,10 @@ def learned_inputs(
     if gpu is not None:
         changes["gpu_tflops"] = gpu
         taken.append("the GPU's on this workload")
+    pcie = slower_pcie(inputs.bandwidths, rates.streamed_pcie_gbps)
+    if pcie:
+        changes.update(pcie)
+        taken.append("PCIe's (" + ", ".join(f"{key[:3]} {value:.3g} GB/s" for key, value in pcie.items()) + ")")
     if not taken:
         return inputs, None
     bandwidths = dataclasses.replace(inputs.bandwidths, **changes)
@@ -185,21 +215,41 @@ def learned_inputs(
     )
 
 
+def slower_pcie(bandwidths: Any, measured: Mapping[str, float]) -> dict[str, float]:
+    """``Bandwidths`` fields (``h2d_gbps``, ``d2h_gbps``) to lay ``measured`` (the streamed copies' rates
+    by direction, GB/s) over: each direction where it is slower than ``bandwidths``' rate. A faster one is
+    left out: a span under load never times the link faster than alone, so it would only be noise."""
+    changes = {}
+    for direction in PCIE_DIRECTIONS:
+        rate = measured.get(direction)
+        field_name = f"{direction}_gbps"
+        if rate is not None and rate < getattr(bandwidths, field_name):
+            changes[field_name] = rate
+    return changes
+
+
 @dataclass(frozen=True)
 class MeasuredTerms:
-    """Per step, measured and planned: the host AdamW's busy seconds and the GPU's compute seconds (None
-    where the run has none of that work)."""
+    """Per step, measured and planned: the host AdamW's busy seconds, the GPU's compute seconds, and the
+    seconds of the GPU-streamed units' uploads and write-backs (planned: their bytes at the plan's PCIe
+    rate each way); None where the run has none of that work."""
 
     host_update_s: float | None
     planned_host_update_s: float | None
     gpu_compute_s: float | None
     planned_gpu_compute_s: float | None
+    streamed_h2d_s: float | None = None
+    planned_streamed_h2d_s: float | None = None
+    streamed_d2h_s: float | None = None
+    planned_streamed_d2h_s: float | None = None
 
     def line(self) -> str:
         parts = []
         for name, measured, planned in (
             ("GPU compute", self.gpu_compute_s, self.planned_gpu_compute_s),
             ("host AdamW busy", self.host_update_s, self.planned_host_update_s),
+            ("streamed upload", self.streamed_h2d_s, self.planned_streamed_h2d_s),
+            ("streamed write-back", self.streamed_d2h_s, self.planned_streamed_d2h_s),
         ):
             if measured is not None and planned:
                 parts.append(f"{name} {measured:.3g} s / {planned:.3g} s (x{measured / planned:.2f})")
@@ -209,6 +259,8 @@ class MeasuredTerms:
         terms = {
             "gpu_compute_s": (self.gpu_compute_s, self.planned_gpu_compute_s),
             "host_update_busy_s": (self.host_update_s, self.planned_host_update_s),
+            "streamed_h2d_s": (self.streamed_h2d_s, self.planned_streamed_h2d_s),
+            "streamed_d2h_s": (self.streamed_d2h_s, self.planned_streamed_d2h_s),
         }
         return {
             name: {"measured": measured, "planned": planned, "ratio": measured / planned if planned else None}
@@ -224,7 +276,8 @@ class InStepMeter:
     step). Feed it each step's :meth:`Engine.unit_times` (:meth:`add`); :meth:`terms` and :meth:`rates`
     then give the per-step figures and the rates to cache. A run that moves units between the host and
     the GPU-streamed update says so (:meth:`placed`), so that only the host's spans count as the host
-    AdamW's. Holds sums only: nothing grows with the steps."""
+    AdamW's; the streamed units' uploads and write-backs count wherever they ran (their spans carry the
+    bytes they moved). Holds sums only: nothing grows with the steps."""
 
     def __init__(self, plan: Any, *, warmup_steps: int = 1) -> None:
         inputs = plan.inputs
@@ -240,12 +293,15 @@ class InStepMeter:
         self._workload = workload_key(inputs)
         self._planned_busy_rate = inputs.bandwidths.cpu_adam_busy_rate(inputs.optimizer_state, inputs.master_format)
         self._planned_tflops = inputs.bandwidths.gpu_tflops
+        self._planned_gbps = {"h2d": inputs.bandwidths.h2d_gbps, "d2h": inputs.bandwidths.d2h_gbps}
         self._warmup = warmup_steps
         self._seen = 0
         self._steps = 0
         self._update_s = 0.0
         self._host_numel = 0  # host-updated parameters summed over the measured steps
         self._compute_s = 0.0
+        self._pcie_s = dict.fromkeys(PCIE_DIRECTIONS, 0.0)  # streamed copies' span seconds, per direction
+        self._pcie_bytes = dict.fromkeys(PCIE_DIRECTIONS, 0.0)
 
     def placed(self, streamed: Iterable[str]) -> None:
         """From the next step on, the units in ``streamed`` are updated on the GPU as they stream, every
@@ -267,6 +323,9 @@ class InStepMeter:
         self._update_s += _sum_ms(times, self._host_units, ("update",)) / 1e3
         self._host_numel += sum(self._host_units.values())
         self._compute_s += _sum_ms(times, None, _COMPUTE_PHASES) / 1e3
+        for direction, phase in PCIE_DIRECTIONS.items():
+            self._pcie_s[direction] += _sum_ms(times, None, (phase,)) / 1e3
+            self._pcie_bytes[direction] += sum(_bytes(unit_times, phase) for unit_times in times.values())
 
     def terms(self) -> MeasuredTerms | None:
         """Per-step means of the measured steps beside the plan's figures; None before a measured step."""
@@ -275,12 +334,32 @@ class InStepMeter:
         host_numel = self._host_numel / self._steps  # per step (the same in every step of one placement)
         measured_update = self._update_s / self._steps if host_numel else None
         measured_compute = self._compute_s / self._steps if self._compute_s > 0 else None
+        pcie: dict[str, tuple[float | None, float | None]] = {}
+        for direction in PCIE_DIRECTIONS:
+            moved, seconds = self._pcie_bytes[direction], self._pcie_s[direction]
+            if moved > 0 and seconds > 0:
+                pcie[direction] = (seconds / self._steps, moved / self._steps / (self._planned_gbps[direction] * 1e9))
+            else:
+                pcie[direction] = (None, None)
         return MeasuredTerms(
             host_update_s=measured_update,
             planned_host_update_s=host_numel / (self._planned_busy_rate * 1e9) if host_numel else None,
             gpu_compute_s=measured_compute,
             planned_gpu_compute_s=self._flops / (self._planned_tflops * 1e12),
+            streamed_h2d_s=pcie["h2d"][0],
+            planned_streamed_h2d_s=pcie["h2d"][1],
+            streamed_d2h_s=pcie["d2h"][0],
+            planned_streamed_d2h_s=pcie["d2h"][1],
         )
+
+    def pcie_gbps(self) -> dict[str, float]:
+        """The streamed copies' achieved rate each way (GB/s) over the measured steps: their bytes over
+        their spans' seconds; a direction without copies, or too little of them to time, is left out."""
+        return {
+            direction: self._pcie_bytes[direction] / self._pcie_s[direction] / 1e9
+            for direction in PCIE_DIRECTIONS
+            if self._pcie_bytes[direction] > 0 and self._pcie_s[direction] > _MIN_SPAN_S
+        }
 
     def rates(self, identity: HostIdentity | None = None) -> InStepRates | None:
         """The rates these steps measured (None: none measured, or a span total too small to trust)."""
@@ -288,18 +367,20 @@ class InStepMeter:
         if terms is None:
             return None
         busy = {}
-        if terms.host_update_s is not None and terms.host_update_s > 1e-4:
+        if terms.host_update_s is not None and terms.host_update_s > _MIN_SPAN_S:
             busy[self._formats] = self._host_numel / self._update_s / 1e9
         gpu = {}
-        if terms.gpu_compute_s is not None and terms.gpu_compute_s > 1e-4:
+        if terms.gpu_compute_s is not None and terms.gpu_compute_s > _MIN_SPAN_S:
             gpu[self._workload] = self._flops / terms.gpu_compute_s / 1e12
-        if not busy and not gpu:
+        pcie = self.pcie_gbps()
+        if not busy and not gpu and not pcie:
             return None
         return InStepRates(
             identity=identity or HostIdentity.here(),
             measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
             cpu_adam_busy_gparams=busy,
             gpu_tflops=gpu,
+            streamed_pcie_gbps=pcie,
         )
 
 
@@ -318,6 +399,7 @@ def learn_rates(meter: InStepMeter, environ: Mapping[str, str] | None = None) ->
         return None
     measured = [f"host AdamW {k} {v:.2f} Gparam/s busy" for k, v in rates.cpu_adam_busy_gparams.items()]
     measured += [f"GPU {v:.0f} TFLOPS on this workload" for v in rates.gpu_tflops.values()]
+    measured += [f"streamed {k} {v:.3g} GB/s" for k, v in rates.streamed_pcie_gbps.items()]
     log.info(
         "rates measured in the steps (%s) kept in %s: the next plan on this machine uses them",
         ", ".join(measured),
@@ -329,3 +411,8 @@ def learn_rates(meter: InStepMeter, environ: Mapping[str, str] | None = None) ->
 def _sum_ms(times: Mapping[str, Any], units: Iterable[str] | None, phases: tuple[str, ...]) -> float:
     names = times.keys() if units is None else [name for name in units if name in times]
     return sum(times[name].ms.get(phase, 0.0) for name in names for phase in phases)
+
+
+def _bytes(unit_times: Any, phase: str) -> float:
+    moved = getattr(unit_times, "bytes", None)  # spans recorded without their bytes count none
+    return float(moved.get(phase, 0.0)) if moved is not None else 0.0

@@ -18,9 +18,11 @@ Hysteresis: a check compares the measured rates with those the last decision use
 after a decision (a move or a placement kept) the rates must drift again before the next; the planner's
 own gain threshold and ``min_gain`` keep a near tie from moving units; the steps right after a move (its
 warm-up) are not measured; and a move back to the placement the previous move left checks half as often
-from then on (``BACK_OFF``). PCIe keeps the doctor's rates, as every plan does: a copy's span includes
-the time it queues behind the other direction, which the plan's duplex term models
-(docs/design/engine.md, "Plans that learn the machine").
+from then on (``BACK_OFF``). PCIe each way is measured too, from the streamed units' uploads and
+write-backs (their bytes over their spans, :meth:`InStepMeter.pcie_gbps`), and laid over the plan's rate
+where slower (:func:`~slide_hf.in_step_rates.slower_pcie`): a link slower under load than `slide doctor`
+measured it alone makes streaming dearer, so the planner streams fewer units (docs/design/engine.md,
+"Plans that learn the machine").
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from slide_hf.in_step_rates import InStepMeter
+from slide_hf.in_step_rates import InStepMeter, slower_pcie
 
 __all__ = ["MeasuredRates", "PlacementChange", "Replacement", "compact_units", "without_replacement"]
 
@@ -58,23 +60,24 @@ instead of alternating."""
 @dataclass(frozen=True)
 class MeasuredRates:
     """The rates a placement is chosen with: the host AdamW's busy rate (1e9 params/s) in the run's master
-    and state format, and the GPU's achieved rate (1e12 FLOP/s of the plan's count); None where the steps
-    measured none of that work (every unit streamed, say)."""
+    and state format, the GPU's achieved rate (1e12 FLOP/s of the plan's count), and the rate the streamed
+    units' uploads (``h2d_gbps``) and write-backs (``d2h_gbps``) reached, GB/s; None where the steps
+    measured none of that work (every unit streamed, or none, say)."""
 
     host_adam_gparams: float | None
     gpu_tflops: float | None
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
 
     def drifted(self, chosen_with: MeasuredRates, drift: float) -> bool:
         """Whether a rate measured here differs from ``chosen_with``'s by more than ``drift`` (relative)."""
-        pairs = ((self.host_adam_gparams, chosen_with.host_adam_gparams), (self.gpu_tflops, chosen_with.gpu_tflops))
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(chosen_with), strict=True)
         return any(now is not None and then and abs(now / then - 1) > drift for now, then in pairs)
 
     def over(self, chosen_with: MeasuredRates) -> MeasuredRates:
         """These rates, with ``chosen_with``'s where these measured none."""
-        return MeasuredRates(
-            self.host_adam_gparams if self.host_adam_gparams is not None else chosen_with.host_adam_gparams,
-            self.gpu_tflops if self.gpu_tflops is not None else chosen_with.gpu_tflops,
-        )
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(chosen_with), strict=True)
+        return MeasuredRates(*(now if now is not None else then for now, then in pairs))
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,10 @@ class Replacement:
         self._rates = rates or measured_rates
         bandwidths = inputs.bandwidths
         self.chosen_with = MeasuredRates(
-            bandwidths.cpu_adam_busy_rate(inputs.optimizer_state, inputs.master_format), bandwidths.gpu_tflops
+            bandwidths.cpu_adam_busy_rate(inputs.optimizer_state, inputs.master_format),
+            bandwidths.gpu_tflops,
+            bandwidths.h2d_gbps,
+            bandwidths.d2h_gbps,
         )
         """The rates the current placement was chosen with: the plan's, then each check's."""
         self._meter = self._new_meter(warmup_steps)
@@ -245,19 +251,21 @@ class Replacement:
 
 
 def measured_rates(meter: InStepMeter) -> MeasuredRates:
-    """The host AdamW's busy rate and the GPU's achieved rate over the steps ``meter`` summed (None where
-    it timed none of that work)."""
+    """The host AdamW's busy rate, the GPU's achieved rate and the streamed copies' PCIe rates over the
+    steps ``meter`` summed (None where it timed none of that work)."""
     rates = meter.rates()
     if rates is None:
         return MeasuredRates(None, None)
     busy = next(iter(rates.cpu_adam_busy_gparams.values()), None)
     gpu = next(iter(rates.gpu_tflops.values()), None)
-    return MeasuredRates(busy, gpu)
+    pcie = rates.streamed_pcie_gbps
+    return MeasuredRates(busy, gpu, pcie.get("h2d"), pcie.get("d2h"))
 
 
 def _with_rates(inputs: Any, measured: MeasuredRates) -> Any:
     """``inputs``' bandwidths with ``measured`` laid over them, as :func:`~slide_hf.in_step_rates.learned_inputs`
-    lays a cache's: the busy rate for the run's formats, the GPU's (this run's workload's by construction)."""
+    lays a cache's: the busy rate for the run's formats, the GPU's (this run's workload's by construction),
+    and PCIe each way where the streamed copies reached less than the plan's rate."""
     changes: dict[str, Any] = {}
     bandwidths = inputs.bandwidths
     if measured.host_adam_gparams is not None:
@@ -266,6 +274,8 @@ def _with_rates(inputs: Any, measured: MeasuredRates) -> Any:
         changes["cpu_adam_busy_gparams"] = (*kept, (*formats, measured.host_adam_gparams))
     if measured.gpu_tflops is not None:
         changes["gpu_tflops"] = measured.gpu_tflops
+    pcie = {"h2d": measured.h2d_gbps, "d2h": measured.d2h_gbps}
+    changes.update(slower_pcie(bandwidths, {key: value for key, value in pcie.items() if value is not None}))
     return dataclasses.replace(bandwidths, **changes)
 
 

@@ -426,16 +426,21 @@ class StreamedPipeline(HostPipeline):
         device, host_params = self.device, self.host_params
         lo, hi = self.shards[name]
         n = hi - lo
+        timing = self.timeline.enabled
         with device.stream("h2d"):
             if free_after is not None:
                 device.wait_event("h2d", free_after)
+            start = device.record_event("h2d", timing=True) if timing else None  # after the wait: copies only
             if host_params.split:
-                for staged_plane, host_plane in zip(self._planes(name, staged), self._host_planes(name), strict=True):
-                    device.copy_to_device(staged_plane, host_plane)
+                copies = list(zip(self._planes(name, staged), self._host_planes(name), strict=True))
             else:
-                device.copy_to_device(self._staged_master(staged)[:n], host_params.flat(name)[lo:hi])
-            for array, host in self._host_state_of(name).items():
-                device.copy_to_device(staged.state[array][: host.numel()], host)
+                copies = [(self._staged_master(staged)[:n], host_params.flat(name)[lo:hi])]
+            copies += [(staged.state[array][: host.numel()], host) for array, host in self._host_state_of(name).items()]
+            for target, source in copies:
+                device.copy_to_device(target, source)
+            if start is not None:  # master and moments: the upload's rate (the sum below waits on the host)
+                nbytes = sum(source.numel() * source.element_size() for _, source in copies)
+                self.timeline.device_span(name, "upload", start, device.record_event("h2d", timing=True), nbytes)
             if summed is not None:
                 self.workers.wait(summed, f"the host's sum of {name}'s earlier gradients")
                 device.copy_to_device(self._sums(staged)[:n], self._host_sum(name, n))
@@ -754,11 +759,17 @@ class StreamedPipeline(HostPipeline):
             copies = [(host_params.flat(name)[lo:hi], self._staged_master(staged)[:n])]
         copies += [(host, staged.state[array][: host.numel()]) for array, host in self._host_state_of(name).items()]
         copies += [kept] if kept is not None else []
+        timing = self.timeline.enabled
         with device.stream("d2h"):
             device.wait_event("d2h", updated)
+            start = device.record_event("d2h", timing=True) if timing else None  # after the wait: copies only
             for target, source in copies:
                 target.copy_(source, non_blocking=True)
-            return device.record_event("d2h")
+            written = device.record_event("d2h", timing=timing)
+        if start is not None:
+            nbytes = sum(source.numel() * source.element_size() for _, source in copies)
+            self.timeline.device_span(name, "write_back", start, written, nbytes)
+        return written
 
     def flush(self) -> None:
         for future in self._write_backs:

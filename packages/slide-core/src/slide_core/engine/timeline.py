@@ -16,8 +16,11 @@ from slide_core.device import Device, Event
 
 __all__ = ["PHASES", "TRACKS", "ComputeTimer", "Timeline", "TraceSpan", "UnitTimes"]
 
-PHASES = ("forward", "backward", "head", "eval", "h2d", "d2h", "update", "wait")
-"""``eval``: the compute of :meth:`Engine.evaluate` (forward and loss), kept apart from training's."""
+PHASES = ("forward", "backward", "head", "eval", "h2d", "d2h", "update", "wait", "upload", "write_back")
+"""``eval``: the compute of :meth:`Engine.evaluate` (forward and loss), kept apart from training's.
+``upload`` and ``write_back``: a GPU-streamed unit's master and moments to its staging set and back
+(streamed_pipeline.py), kept apart from the loads' ``h2d`` and the gradients' ``d2h`` so that their bytes
+over their seconds give the rate the streamed copies reached in the step."""
 
 TRACKS = {
     "forward": "GPU compute",
@@ -26,6 +29,8 @@ TRACKS = {
     "eval": "GPU compute",
     "h2d": "h2d",
     "d2h": "d2h",
+    "upload": "h2d",
+    "write_back": "d2h",
 }
 """Which timeline track a phase is drawn on; ``update`` goes to 'CPU update' (or 'GPU compute' when a
 device-resident unit is updated on the compute stream)."""
@@ -42,7 +47,11 @@ class TraceSpan:
 
 @dataclass
 class UnitTimes:
+    """Milliseconds per phase, and the bytes the spans of a phase moved where the recorder knows them
+    (the streamed copies': ``bytes["upload"]`` over ``ms["upload"]`` is their achieved rate)."""
+
     ms: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     @property
     def overlap(self) -> float | None:
@@ -59,7 +68,7 @@ class Timeline:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._lock = threading.Lock()
-        self._pending: list[tuple[str, str, Event, Event]] = []
+        self._pending: list[tuple[str, str, Event, Event, int]] = []
         self.units: dict[str, UnitTimes] = defaultdict(UnitTimes)
         self._trace_origin: tuple[Event, float] | None = None
         self.trace: list[TraceSpan] = []
@@ -78,10 +87,12 @@ class Timeline:
             spans, self.trace = self.trace, []
         return sorted(spans, key=lambda span: span.start_ms)
 
-    def device_span(self, unit: str, phase: str, start: Event, end: Event) -> None:
+    def device_span(self, unit: str, phase: str, start: Event, end: Event, nbytes: int = 0) -> None:
+        """Record the device work between ``start`` and ``end`` (timing events), which moved ``nbytes``
+        (0: not a copy, or not counted); resolved later (:meth:`resolve`), never here."""
         if self.enabled:
             with self._lock:
-                self._pending.append((unit, phase, start, end))
+                self._pending.append((unit, phase, start, end, nbytes))
 
     def host_span(self, unit: str, phase: str, ms: float) -> None:
         """Record ``ms`` of host work on ``unit`` that ended just now."""
@@ -97,19 +108,21 @@ class Timeline:
         with self._lock:
             pending, self._pending = self._pending, []
         keep = []
-        for unit, phase, start, end in pending:
+        for unit, phase, start, end, nbytes in pending:
             if block:
                 end.synchronize()  # note: CPU-GPU sync point (only when a caller asks for final numbers)
             if end.query():
                 duration = start.elapsed_ms(end)
                 with self._lock:
                     self.units[unit].ms[phase] += duration
+                    if nbytes:
+                        self.units[unit].bytes[phase] += nbytes
                     if self._trace_origin is not None:
                         track = TRACKS.get(phase, "GPU compute")
                         offset = self._trace_origin[0].elapsed_ms(start)
                         self.trace.append(TraceSpan(unit, phase, track, offset, duration))
             else:
-                keep.append((unit, phase, start, end))
+                keep.append((unit, phase, start, end, nbytes))
         with self._lock:
             self._pending = keep + self._pending
 
