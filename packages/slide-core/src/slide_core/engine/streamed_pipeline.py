@@ -570,12 +570,16 @@ class StreamedPipeline(HostPipeline):
         written = self._write_back(name, staged, self.device.record_event("compute"))
         if kept is None:
             slot.grads_free = None  # read by the compute stream only: stream order frees it
-            landed = self.workers["d2h"].submit(_resolve_when_done, written, ctx.updated[name])
-            self._write_backs.append(landed)
+            self._resolve_after(written, name, ctx)
         else:
             slot.grads_free = kept.freed
             self._speculated[name] = _Speculated(written, kept.norm_sq)
         return written
+
+    def _resolve_after(self, written: Event, name: str, ctx: StepContext) -> None:
+        """An update that stands as applied: a d2h-thread job resolves the unit's 'updated' future once its
+        write-back ``written`` has landed (Note [Update futures])."""
+        self._write_backs.append(self.workers["d2h"].submit(_resolve_when_done, written, ctx.updated[name]))
 
     def _update_summed(
         self,
@@ -600,7 +604,7 @@ class StreamedPipeline(HostPipeline):
                 norms.add(unit, final, first=True)
             self._step_on_device(unit, staged, final, ctx, None)
             written = self._write_back(name, staged, device.record_event("compute"))
-            self._write_backs.append(self.workers["d2h"].submit(_resolve_when_done, written, ctx.updated[name]))
+            self._resolve_after(written, name, ctx)
             return written
         lo, hi = self.shards[name]
         chunks = gradient_chunks(hi, self.chunk_numel, unit.layout.decay_numel, start=lo)
