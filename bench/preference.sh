@@ -49,7 +49,7 @@ fi
 pairs=$((pairs_per_step * (steps > reference_steps ? steps : reference_steps)))
 "$python" bench/preference.py data "$out" --pairs "$pairs" --seq-len "$seq_len" > /dev/null || exit 1
 common=(--model "$model" "${device[@]}" --seq-len "$seq_len" --batch-size "$batch" --steps "$steps" --lr 1e-6
-  --no-shuffle --overwrite "${extra[@]}")
+  --no-shuffle --overwrite --keep-checkpoints 0 "${extra[@]}")
 began=$SECONDS
 for run in dpo sft; do
   left=$((budget - (SECONDS - began)))

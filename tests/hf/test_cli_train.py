@@ -288,7 +288,7 @@ def test_optimizer_options_change_the_trajectory(slide, tmp_path, flag, value):
         (("--max-grad-norm", "-1"), "--max-grad-norm must be a finite number >= 0, got -1.0"),
         (("--grad-accum", "0"), "--grad-accum must be an integer >= 1, got 0"),
         (("--block-slots", "0"), "--block-slots must be an integer in [1, 64], got 0"),
-        (("--keep-checkpoints", "0"), "--keep-checkpoints must be an integer in [1, 1000000], got 0"),
+        (("--keep-checkpoints", "-1"), "--keep-checkpoints must be an integer in [0, 1000000], got -1"),
         (("--save-every", "-2"), "--save-every must be an integer >= 0, got -2"),
         (("--nvme-fraction", "1.5"), "--nvme-fraction must be a finite number in [0, 1], got 1.5"),
         (("--nvme-fraction", "-0.1"), "--nvme-fraction must be a finite number in [0, 1], got -0.1"),

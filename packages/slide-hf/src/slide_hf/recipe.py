@@ -91,7 +91,7 @@ from slide_hf.resume import (
     run_data_digests,
 )
 from slide_hf.run_dir import RunDir, default_output, inputs_of, run_of
-from slide_hf.run_export import export_run_model, export_weights, set_aside_weights
+from slide_hf.run_export import export_run_model, export_weights, set_aside_weights, streamed_master
 from slide_hf.run_log import RunLog
 from slide_hf.setup import (
     EngineParts,
@@ -254,7 +254,9 @@ def _train(
             final_step = max(first_step, data.total_steps)
             model_out = run_dir.path / "model"
             model_step = final_step  # the step model/ holds: with --save-best, the best one's
-            if main:
+            if trainer.exported is not None:  # --keep-checkpoints 0: written from the training state already
+                model_out = trainer.exported
+            elif main:
                 if cfg.save_best:
                     model_step = load_best_for_export(host, run_dir.path, trainer.best, final_step)
                 with run_dir.keeping_user_files("model"):  # the export replaces model/ whole
@@ -656,10 +658,12 @@ class _Trainer:
         self.meter: InStepMeter | None = None  # each term of the steps beside the plan's (slide_hf/in_step_rates.py)
         self.replacement: Replacement | None = None  # moves units from the measured rates (slide_hf/replacement.py)
         self._streamed_logged: tuple[str, ...] | None = None  # the placement the metrics last named
+        self.exported: Path | None = None  # model/, when --keep-checkpoints 0 wrote it from the training state
 
     def run(self) -> int:
         """Train inside the running engine from the resumed step (or 0) to the last; the final state is
-        checkpointed whatever --save-every says. Returns the first step."""
+        checkpointed whatever --save-every says, or with --keep-checkpoints 0 exported from the training
+        state (a checkpoint only where that export cannot finish). Returns the first step."""
         cfg, data, engine, stop = self.cfg, self.data, self.engine, self.stop
         # Resume: each unit's arrays stream to where the unit lives.
         first_step = 0
@@ -722,12 +726,15 @@ class _Trainer:
                     self._collect(wait=True)
                     raise stop.stopped(f"after step {done}; its checkpoint is saved", self.output)
             # Training is over. The final state is checkpointed first, whatever --save-every says, so the
-            # export can fail (full disk, a signal) without losing the run.
+            # export can fail (full disk, a signal) without losing the run; with --keep-checkpoints 0 the
+            # export is written from the training state instead, a checkpoint only where it cannot finish.
             final_step = max(first_step, data.total_steps)
-            if self.last_saved != final_step:
+            if cfg.keep_checkpoints == 0:  # also a finished run resumed from its stop's checkpoint, deleted then
+                self.exported = self.export_from_training_state(final_step)
+            elif self.last_saved != final_step:
                 self.checkpoint(final_step, wait=True)
             self._collect(wait=True)
-        if self._stopping():
+        if self._stopping() and self.exported is None:
             raise stop.stopped(f"after step {final_step}; its checkpoint is saved", self.output)
         if self.main and self.plan is not None and self.step_times_s:
             gpu_peak = self.device.peak_memory_bytes() if self.device.is_accelerator else None
@@ -859,9 +866,47 @@ class _Trainer:
     def _prune(self) -> None:
         """Keep the newest --keep-checkpoints and the best one (Note [Retention] in slide_core's
         checkpoint/retention.py, docs/checkpoints.md "Retention"): at most --keep-checkpoints + 1 once a save
-        is published; checkpoints of abandoned lines go first. Rank 0 alone prunes, with no save in flight."""
+        is published; checkpoints of abandoned lines go first. Rank 0 alone prunes, with no save in flight.
+        With --keep-checkpoints 0 the one a stop writes is kept: the run resumes from it."""
         if self.main:
-            prune(self.checkpoints, self.cfg.keep_checkpoints, protect=self._protected())
+            prune(self.checkpoints, max(self.cfg.keep_checkpoints, 1), protect=self._protected())
+
+    def export_from_training_state(self, step: int) -> Path:
+        """--keep-checkpoints 0 (Note [Export only] in slide_hf/run_export.py): write ``model/`` from the
+        masters as the running engine keeps them, one unit at a time; when it cannot finish, the checkpoint
+        of ``step`` is written in its place. Once it is written, the run's checkpoints (those a stop left)
+        are deleted: this option keeps none."""
+        master = self.engine.checkpoint_arrays()["master"]  # note: waits for every pending update (a host sync)
+
+        def keep() -> None:
+            self._save(step)
+
+        with self.run_dir.keeping_user_files("model"):  # the export replaces model/ whole
+            exported = export_run_model(
+                self.model.slide_model,
+                streamed_master(self.model.slide_model, master),
+                self.model.config,
+                self.output,
+                step,
+                dtype=None if self.cfg.save_dtype == "auto" else DTYPES[self.cfg.save_dtype],
+                tokenizer_dir=self.output / "tokenizer",
+                stop=self.stop,
+                keep=None if self.last_saved == step else keep,  # a finished run resumed: it is on disk
+            )
+        removed = prune(self.checkpoints, 0)
+        if removed:
+            names = ", ".join(p.name for p in removed)
+            log.info(
+                "deleted %s: %s keeps no checkpoint once the model is written", names, option("keep_checkpoints", 0)
+            )
+        else:
+            log.info(
+                "model of step %d written from the training state; no checkpoint kept (%s)",
+                step,
+                option("keep_checkpoints", 0),
+            )
+        self.run_dir.record_outputs()
+        return exported
 
     def _make_room(self) -> None:
         """--save-delete-first: before a save writes, delete down to --keep-checkpoints - 1 (the best

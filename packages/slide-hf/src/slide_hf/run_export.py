@@ -6,6 +6,14 @@ the export then either publishes a complete model directory or fails with one li
 checkpoint is kept and gives the command that finishes the job (``slide export RUN RUN/model``), and
 leaves no temporary directory behind.
 
+Note [Export only]: with ``--keep-checkpoints 0`` the run's end writes no checkpoint, for a disk that
+holds the export but not the fp32 master and moments (an 8B run's checkpoint is several times its bf16
+export). The export is then read from the training state, unit by unit like a weights-only save, while
+the engine still runs: so when it cannot finish (a full disk, a signal) nothing is lost yet, and the
+state it could not write goes to a checkpoint instead (``keep``), which the message then points to, as
+it does for a run that checkpointed first. Only when that checkpoint cannot be written either is the
+step's training lost, and the message says so.
+
 A run's weights-only saves (``--save-weights-every``, :func:`export_weights`) are the same export made
 mid-run into ``<output>/weights/step-NNNNNNNN``: the weights of that step, without optimizer state, read
 unit by unit from wherever the engine keeps each master (the master array of a checkpoint, an
@@ -15,7 +23,7 @@ unit by unit from wherever the engine keeps each master (the master array of a c
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -38,6 +46,7 @@ __all__ = [
     "export_run_model",
     "export_weights",
     "set_aside_weights",
+    "streamed_master",
     "weights_dir",
     "write_error",
 ]
@@ -97,8 +106,10 @@ def export_run_model(
     dtype: torch.dtype | None,
     tokenizer_dir: Path | None,
     stop: StopSignal,
+    keep: Callable[[], None] | None = None,
 ) -> Path:
-    """Write ``run/model`` from the masters of step ``step``, whose checkpoint is already saved.
+    """Write ``run/model`` from the masters of step ``step``, whose checkpoint is already saved, or, with
+    ``keep`` (Note [Export only]), is written by ``keep`` when the export cannot finish.
 
     A first SIGINT/SIGTERM during the export (``stop``'s handlers are still installed) cancels it between
     shards, a second interrupts it at once; either way the temp directory is removed and
@@ -131,11 +142,21 @@ def export_run_model(
         else:
             signal_name = stop.requested or "SIGINT"
             code = stop.exit_code if stop.requested else 130
-        raise RunStopped(
-            f"stopped by {signal_name} during the export; the checkpoint of step {step} is kept: {finish}", code
-        ) from None
+        kept = _kept(keep, step, finish)
+        raise RunStopped(f"stopped by {signal_name} during the export; {kept}", code) from None
     except UserError as error:
-        raise UserError(f"{error}; the checkpoint of step {step} is kept: {finish}") from None
+        raise UserError(f"{error}; {_kept(keep, step, finish)}") from None
+
+
+def _kept(keep: Callable[[], None] | None, step: int, finish: str) -> str:
+    """What an export that could not finish leaves: the checkpoint of ``step``, written now by ``keep``
+    when the run had not written it first (Note [Export only]), and how to finish."""
+    if keep is not None:
+        try:
+            keep()
+        except UserError as error:
+            return f"the checkpoint of step {step} could not be written in its place either ({error}): retrain"
+    return f"the checkpoint of step {step} is kept: {finish}"
 
 
 def weights_dir(run: Path, step: int) -> Path:
@@ -188,6 +209,12 @@ class _StreamedMaster:
         return self._views
 
 
+def streamed_master(model: SlideModel, master: ArraySource) -> HostParameters:
+    """What the export reads (``unit_views()`` alone) over ``master``, the run's fp32 master in slab order
+    as the engine keeps it (``Engine.checkpoint_arrays()["master"]`` of a world of one), one unit at a time."""
+    return cast("HostParameters", _StreamedMaster(model, master))
+
+
 def export_weights(
     model: SlideModel,
     master: ArraySource,
@@ -203,7 +230,7 @@ def export_weights(
     (``Engine.checkpoint_arrays()["master"]`` of a world of one). Atomic like every export; a full disk
     is one :class:`UserError` line that says the run's checkpoints are kept."""
     target = weights_dir(run, step)
-    host = cast("HostParameters", _StreamedMaster(model, master))  # the export reads unit_views() alone
+    host = streamed_master(model, master)
     try:
         return export_model(model, host, config, target, dtype=dtype, tokenizer_dir=tokenizer_dir, overwrite=True)
     except UserError as error:

@@ -37,6 +37,7 @@ from slide_hf.planner.attention_masks import attention_masks
 from slide_hf.planner.plan import check_update_placement
 from slide_hf.planner.seq_fit import SequenceFit, sequence_fit
 from slide_hf.sizes import SIZE_RULE
+from slide_hf.spelling import option
 
 if TYPE_CHECKING:
     from slide_hf.options import TrainConfig
@@ -352,14 +353,14 @@ def render(
     lines.append(_row("disk", format_bytes(plan.disk_bytes), "NVMe: offloaded Adam state and activations"))
     if outputs is not None:
         lines.append(_row("output disk", format_bytes(outputs.total_bytes), "checkpoints and the exported model"))
-        lines.append(
-            _row(
-                "  checkpoints",
-                format_bytes(outputs.checkpoints_bytes),
-                f"{outputs.checkpoints_at_once} at once (kept, best, the one being written) x "
-                f"{format_bytes(outputs.checkpoint_bytes)}",
-            )
+        at_once = (
+            f"none at the end ({option('keep_checkpoints', 0)}); a stop writes one of "
+            f"{format_bytes(outputs.checkpoint_bytes)}"
+            if outputs.export_only
+            else f"{outputs.checkpoints_at_once} at once (kept, best, the one being written) x "
+            f"{format_bytes(outputs.checkpoint_bytes)}"
         )
+        lines.append(_row("  checkpoints", format_bytes(outputs.checkpoints_bytes), at_once))
         lines.append(_row("  export", format_bytes(outputs.export_bytes), "the HF model directory"))
     lines.append(_row("params", f"{plan.params:,}"))
     lines.append(_row("max batch", _max_batch(plan, gpu_source)))

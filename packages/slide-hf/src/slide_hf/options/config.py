@@ -394,10 +394,12 @@ class TrainConfig:
     keep_checkpoints: int = option(
         2,
         help="how many resumable checkpoints to keep, the newest; with --save-best the best one is kept in "
-        "addition when it is older (default {default})",
-        helps={"plan": "checkpoints slide train keeps, for the disk (default {default})"},
+        "addition when it is older; 0: the run ends with the exported model alone, written from the training "
+        "state, for a disk that holds the export but not a checkpoint (a stop still writes one to resume "
+        "from) (default {default})",
+        helps={"plan": "checkpoints slide train keeps, for the disk; 0: the export alone (default {default})"},
         commands=_TRAIN_PLAN,
-        rule=positive_int(10**6),
+        rule=Rule("int", 0, 10**6),
     )
     save_weights_every: int = option(
         0,

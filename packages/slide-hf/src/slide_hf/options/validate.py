@@ -135,6 +135,25 @@ def _one_process_saving(name: str, why: str) -> Callable[[TrainConfig, int], Non
     return check
 
 
+def _export_only_is_one_process(cfg: TrainConfig, world_size: int) -> None:
+    if cfg.keep_checkpoints == 0 and world_size > 1:
+        raise UserError(
+            f"{option('keep_checkpoints', 0)} does not run with data parallel ({world_size} processes) yet: the "
+            "export from the training state is one process's"
+        )
+
+
+def _export_only_without(name: str, what: str) -> CrossRule:
+    """``--keep-checkpoints 0`` ends the run with the export alone, written from the training state
+    (docs/checkpoints.md "Export only"): an option that writes or keeps checkpoints has nothing to act on."""
+
+    def check(cfg: TrainConfig, world_size: int) -> None:
+        if cfg.keep_checkpoints == 0 and getattr(cfg, name):
+            raise UserError(f"{option(name)} {what}, and {option('keep_checkpoints', 0)} keeps none; give one")
+
+    return CrossRule(("keep_checkpoints", name), check)
+
+
 def _disk_tier_needs_a_directory(name: str) -> Callable[[TrainConfig, int], None]:
     """A tier that keeps files (``nvme``, ``gds``) needs ``--nvme-dir``: refused before anything is built."""
 
@@ -220,6 +239,11 @@ CROSS_RULES: tuple[CrossRule, ...] = (
         ("save_async",),
         _one_process_saving("save_async", "the ranks publish a checkpoint together, between steps"),
     ),
+    CrossRule(("keep_checkpoints",), _export_only_is_one_process),
+    _export_only_without("save_every", "writes checkpoints mid-run"),
+    _export_only_without("save_best", "keeps the best checkpoint"),
+    _export_only_without("save_delete_first", "makes room for the next checkpoint"),
+    _export_only_without("save_async", "writes checkpoints in the background"),
     # The preference objectives (docs/preference.md).
     _preference_option("beta", ("dpo", "simpo"), lambda cfg: cfg.beta is not None),
     _preference_option("gamma", ("simpo",), lambda cfg: cfg.gamma != 0.5),

@@ -6,7 +6,8 @@ master and the optimizer's moments as the ``optimizer_state`` option stores them
 many exist at once follows the retention rule of docs/checkpoints.md (Note [Retention] in slide_core's
 checkpoint/retention.py): the newest ``--keep-checkpoints``, the best one when ``--save-best`` keeps an
 older one, and the one being written (the previous ones stay until it is published), unless
-``--save-delete-first`` deletes the oldest before it writes. The export is every parameter once in the
+``--save-delete-first`` deletes the oldest before it writes; none with ``--keep-checkpoints 0``, whose run
+ends with the export alone, written from the training state. The export is every parameter once in the
 export dtype, and so is each weights-only save (``--save-weights-every``), all of which are kept.
 
 `slide plan` shows these numbers; `slide train` refuses, before loading anything, an output disk that
@@ -70,9 +71,14 @@ class OutputDisk:
         return self.checkpoints_bytes + self.weights_bytes + self.export_bytes
 
     @property
+    def export_only(self) -> bool:
+        """``--keep-checkpoints 0``: the run ends with the export alone; only a stop writes a checkpoint."""
+        return self.checkpoints_at_once == 0
+
+    @property
     def minimum_bytes(self) -> int:
-        """Less than this and the run cannot finish: one checkpoint and the export."""
-        return self.checkpoint_bytes + self.export_bytes
+        """Less than this and the run cannot finish: one checkpoint and the export, or the export alone."""
+        return (0 if self.export_only else self.checkpoint_bytes) + self.export_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -91,7 +97,9 @@ def checkpoints_kept(keep_checkpoints: int, save_best: bool) -> int:
 
 def checkpoints_at_once(keep_checkpoints: int, save_best: bool, delete_first: bool = False) -> int:
     """The most that exist at once: those kept, and the one being written unless ``delete_first`` made
-    room for it first."""
+    room for it first; none when ``keep_checkpoints`` is 0 (the run ends with the export alone)."""
+    if keep_checkpoints == 0:
+        return 0
     return checkpoints_kept(keep_checkpoints, save_best) + int(not delete_first)
 
 
@@ -162,9 +170,27 @@ def free_bytes(directory: Path) -> int:
 
 
 def check_output_disk(directory: Path, need: OutputDisk) -> None:
-    """Refuse in one line an output disk that cannot hold one checkpoint and the export; warn when it holds
-    that but not every checkpoint the retention keeps at once."""
+    """Refuse in one line an output disk that cannot hold one checkpoint and the export (the export alone
+    with ``--keep-checkpoints 0``); warn when it holds that but not every checkpoint the retention keeps at
+    once, or, exporting alone, not the checkpoint a stop would write."""
     free = free_bytes(directory)
+    if need.export_only:
+        if free < need.export_bytes + need.weights_bytes:
+            raise UserError(
+                f"the disk of {directory} has {format_bytes(free)} free, but the exported model takes "
+                f"{format_bytes(need.export_bytes)}{_weights_clause(need)}; free space there or choose another "
+                f"{option('output')}"
+            )
+        if free < need.checkpoint_bytes + need.export_bytes:
+            log.warning(
+                "the disk of %s has %s free: enough for the %s export, not for the %s checkpoint a stop "
+                "(SIGINT/SIGTERM) or a failed export writes to resume from",
+                directory,
+                format_bytes(free),
+                format_bytes(need.export_bytes),
+                format_bytes(need.checkpoint_bytes),
+            )
+        return
     if free < need.minimum_bytes:
         raise UserError(
             f"the disk of {directory} has {format_bytes(free)} free, but one checkpoint takes "
@@ -186,3 +212,9 @@ def check_output_disk(directory: Path, need: OutputDisk) -> None:
             option("keep_checkpoints"),
             option("save_delete_first"),
         )
+
+
+def _weights_clause(need: OutputDisk) -> str:
+    if not need.weights_saves:
+        return ""
+    return f" and {need.weights_saves} weights-only saves {format_bytes(need.weights_bytes)}"
