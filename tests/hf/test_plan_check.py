@@ -63,3 +63,24 @@ def test_slide_train_logs_its_host_buffers_against_the_plans(slide, tmp_path, ca
     found = re.search(r"host buffers ([\d.]+) / ([\d.]+) GiB \(x([\d.]+)\)", measured)
     assert found is not None, measured
     assert float(found.group(1)) > 0 and abs(float(found.group(3)) - 1.0) <= 0.01, measured
+
+
+def test_steps_after_a_clipped_step_are_compared_with_the_deferred_plan() -> None:
+    """With clipping firing, every step after the first waits for the norm (Note [Deferred steps]): the
+    run's steps are compared with the plan for the steps they were."""
+    from slide_hf.planner.plan import Plan
+
+    plan = SimpleNamespace(
+        step_time_s=2.0,
+        clipped_step_time_s=3.0,
+        host_peak_bytes=10 * GiB,
+        gpu_peak_bytes=20 * GiB,
+    )
+    plan.expected_step_s = lambda norms, max_norm: Plan.expected_step_s(plan, norms, max_norm)  # type: ignore[arg-type]
+    times = [9.0, 3.1, 3.0, 2.9]
+    firing = PlanCheck.of(plan, times, gpu_peak_bytes=22 * GiB, grad_norms=[12.0] * 4, max_grad_norm=1.0)
+    assert firing.planned_step_s == 3.0 and "step 3 s / 3 s (x1.00)" in firing.line()
+    under = PlanCheck.of(plan, times, gpu_peak_bytes=22 * GiB, grad_norms=[0.5] * 4, max_grad_norm=1.0)
+    assert under.planned_step_s == 2.0
+    off = PlanCheck.of(plan, times, gpu_peak_bytes=22 * GiB, grad_norms=[12.0] * 4, max_grad_norm=0.0)
+    assert off.planned_step_s == 2.0

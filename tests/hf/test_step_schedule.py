@@ -141,3 +141,34 @@ def test_the_plan_takes_the_larger_of_the_schedule_and_the_resources():
     assert plan.step_time_s > others
     assert plan.resource_bound_s == max(plan.compute_s, plan.pcie_s, plan.update_s, plan.disk_s)
     assert plan.to_dict()["resource_bound_s"] == plan.resource_bound_s
+
+
+def test_a_deferred_step_starts_the_host_updates_after_the_backward():
+    """Note [Deferred steps]: the four blocks above, every step after one that clipped. No update starts
+    before the backward ends (12 s into it); block 0's 4 s then gate its forward, block 1's the next, and so
+    on: 4 x 4 s of updates, the last forward (1 s) and the backward (12 s), 29 s against 20 speculating."""
+    units = [_block(i, update_s=4.0) for i in range(4)]
+    assert simulate_step(units, _rates(), deferred=True) == pytest.approx(29.0)
+    free = [_block(i) for i in range(4)]  # with free updates, waiting for the norm costs nothing
+    assert simulate_step(free, _rates(), deferred=True) == pytest.approx(simulate_step(free, _rates()))
+
+
+def test_a_plan_with_clipping_prices_the_steps_while_clipping_fires():
+    """The deferred step waits for the whole backward before its host updates, so it is never shorter than
+    the speculating one, and it is longer where the host optimizer has a backlog to hide."""
+    from slide_core.testing import ToyConfig, ToyModel
+
+    model = ToyModel(ToyConfig(vocab_size=4096, hidden_size=256, num_heads=4, intermediate_size=768, num_layers=6))
+    # The host optimizer's pass about half the GPU's compute: speculating, it hides behind the backward.
+    slow_host = Bandwidths(cpu_adam_gparams=1.0, gpu_tflops=1.0, host_mem_gbps=1000.0, h2d_gbps=50.0, d2h_gbps=50.0)
+    unclipped = make_plan(PlanInputs(model, batch_size=4, seq_len=128, bandwidths=slow_host))
+    assert unclipped.clipped_step_time_s is None
+    assert unclipped.expected_step_s([5.0, 5.0], 1.0) == unclipped.step_time_s
+    plan = make_plan(PlanInputs(model, batch_size=4, seq_len=128, bandwidths=slow_host, max_grad_norm=1.0))
+    assert plan.clipped_step_time_s is not None and plan.clipped_step_time_s > plan.step_time_s
+    assert plan.to_dict()["clipped_step_time_s"] == plan.clipped_step_time_s
+    # Each step is planned by the norm of the step before it: clipped (above 1) -> deferred.
+    assert plan.expected_step_s([2.0, 2.0, 0.5], 1.0) == plan.clipped_step_time_s
+    assert plan.expected_step_s([None, 0.5, 2.0], 1.0) == plan.step_time_s
+    assert plan.expected_step_s([float("nan"), 0.999], 1.0) == plan.step_time_s  # a skipped step, one under
+    assert plan.expected_step_s([2.0, 0.5], 1.0) == pytest.approx((plan.step_time_s + plan.clipped_step_time_s) / 2)

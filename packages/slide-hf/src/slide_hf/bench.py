@@ -198,6 +198,10 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         learn_rates(meter)
     steady = times[cfg.warmup :] or times
     step_s = statistics.median(steady)
+    # Each measured step's plan: deferred after a step that clipped (Plan.expected_step_s).
+    norm_before = [None, *norms[:-1]]  # the norm of the step before each step
+    before_steady = norm_before[cfg.warmup :] or norm_before
+    planned_step_s = plan.expected_step_s(before_steady, cfg.options.max_grad_norm)
     tokens = cfg.options.batch_size * cfg.options.seq_len
     units = {}
     for name, records in per_unit.items():
@@ -256,7 +260,8 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         "streamable_units": list(plan.inputs.streamable_units),
         "streamed_units_per_step": streamed_per_step,
         "placement_changes": [change.to_dict() for change in replacement.changes] if replacement is not None else [],
-        "measured_against_predicted": measured_against_predicted(plan.resource_s, plan.step_time_s, bounds, step_s),
+        "measured_against_predicted": measured_against_predicted(plan.resource_s, planned_step_s, bounds, step_s),
+        "planned_step_s": {"speculating": plan.step_time_s, "deferred": plan.clipped_step_time_s},
         "measured_against_planned_terms": terms.to_dict() if terms is not None else {},
         "losses": [round(x, 4) for x in losses],
         "attention": attention_summary(model, device.torch_device.type, torch.bfloat16),

@@ -55,15 +55,23 @@ class PlanCheck:
         terms: MeasuredTerms | None = None,
         host_buffers_bytes: int | None = None,
         world_size: int = 1,
+        grad_norms: Sequence[float | None] = (),
+        max_grad_norm: float = 0.0,
     ) -> PlanCheck:
         """``plan``: the run's placed plan; ``step_times_s``: every step's wall time, in order;
         ``gpu_peak_bytes``: the device's peak, None on the CPU device. The CPU device has no step time in
-        its plan (the planner's rates are a GPU's and its PCIe link's), so only its host peak is compared."""
+        its plan (the planner's rates are a GPU's and its PCIe link's), so only its host peak is compared.
+        ``grad_norms``: each step's gradient norm, in order, with clipping at ``max_grad_norm``: a step
+        after one that clipped is compared with the plan's deferred step (``Plan.expected_step_s``)."""
         warm = list(step_times_s[1:]) or list(step_times_s)
         on_gpu = gpu_peak_bytes is not None
+        planned_step_s = plan.step_time_s
+        if max_grad_norm > 0 and grad_norms:
+            norm_before = [None, *grad_norms[:-1]]  # the norm of the step before each step
+            planned_step_s = plan.expected_step_s(norm_before[1:] or norm_before, max_grad_norm)
         return cls(
             step_s=statistics.median(warm) if warm and on_gpu else None,
-            planned_step_s=plan.step_time_s if on_gpu else None,
+            planned_step_s=planned_step_s if on_gpu else None,
             host_peak_bytes=host_peak_rss_bytes(),
             planned_host_peak_bytes=plan.host_peak_bytes,
             gpu_peak_bytes=gpu_peak_bytes,

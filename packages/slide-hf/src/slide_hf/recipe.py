@@ -655,6 +655,7 @@ class _Trainer:
         self._process = psutil.Process()
         self.plan: Any = None  # the placed plan, whose terms the run's log measures (slide_hf/plan_check.py)
         self.step_times_s: list[float] = []
+        self.grad_norms: list[float | None] = []  # each step's, beside its time: a clipped step defers the next
         self.meter: InStepMeter | None = None  # each term of the steps beside the plan's (slide_hf/in_step_rates.py)
         self.replacement: Replacement | None = None  # moves units from the measured rates (slide_hf/replacement.py)
         self._streamed_logged: tuple[str, ...] | None = None  # the placement the metrics last named
@@ -746,6 +747,8 @@ class _Trainer:
                 terms=terms,
                 host_buffers_bytes=self.engine.host_allocations.total_bytes,
                 world_size=self.group.world_size,
+                grad_norms=self.grad_norms,
+                max_grad_norm=self.cfg.max_grad_norm,
             )
             log.info("%s", check.line())
             if self.device.is_accelerator and self.meter is not None:
@@ -759,6 +762,7 @@ class _Trainer:
 
     def _log_step(self, result: Any, micro_batches: list[Any]) -> None:
         self.step_times_s.append(result.wall_s)
+        self.grad_norms.append(result.grad_norm)
         times = self.engine.unit_times()
         if self.meter is not None:
             self.meter.add(times)

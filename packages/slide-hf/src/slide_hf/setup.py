@@ -409,11 +409,15 @@ def open_engine(
     config = engine_config(placement)
     plan = placement.plan
     if device.is_accelerator:
+        clipped = (
+            "" if plan.clipped_step_time_s is None else f" ({plan.clipped_step_time_s:.3g} s while clipping fires)"
+        )
         log.info(
-            "plan: GPU peak %.2f GiB, host peak %.2f GiB, step %.3g s",
+            "plan: GPU peak %.2f GiB, host peak %.2f GiB, step %.3g s%s",
             plan.gpu_peak_bytes / 2**30,
             plan.host_peak_bytes / 2**30,
             plan.step_time_s,
+            clipped,
         )
     else:  # the CPU device's memory is the host's; the planner has no CPU compute rate for its step
         log.info("plan: host peak %.2f GiB (the CPU device)", plan.host_peak_bytes / 2**30)

@@ -386,6 +386,16 @@ def render(
                 f"{ordering:+.0%} on the busiest resource: loads wait for updates, slots and staging sets",
             )
         )
+    if plan.clipped_step_time_s is not None:
+        clipped_tokens_s = plan.tokens_per_step / plan.clipped_step_time_s if plan.clipped_step_time_s > 0 else 0
+        lines.append(
+            _row(
+                "  while clipping fires",
+                f"{plan.clipped_step_time_s:.3g} s",
+                f"{clipped_tokens_s:,.0f} tokens/s: each step after one that clips waits for the norm "
+                "before the host updates",
+            )
+        )
     if rates_source is not None:
         lines.append(_row("  rates", "", rates_source))
     overlap_note = (

@@ -7,7 +7,9 @@ Also the searches over plans: :func:`largest_batch` (the biggest batch under mem
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +92,10 @@ class Plan:
     """Seconds per step of each resource (slide_hf/planner/unit_costs.py ``RESOURCES``). ``compute_s`` is its
     GPU compute, ``pcie_s`` the larger PCIe direction, ``update_s`` the larger of host memory and CPU,
     ``disk_s`` NVMe."""
+    clipped_step_time_s: float | None = None
+    """With clipping (``--max-grad-norm``): the step while clipping fires on every step, each one then
+    deferred, its host updates after the backward (Note [Deferred steps] in step_schedule.py); None without.
+    ``step_time_s`` is the step while the norm stays under the limit."""
     resource_bound_s: float = 0.0
     """The largest of ``compute_s``, ``pcie_s``, ``update_s`` and ``disk_s``: the step if every resource
     overlapped every other. ``step_time_s`` is the larger of it and the step of the engine's order
@@ -114,6 +120,18 @@ class Plan:
     def engine_host_bytes(self) -> int:
         """Host bytes of the engine's own buffers (everything but the process baseline and NVMe staging)."""
         return sum(self.host_breakdown[key] for key in ENGINE_HOST_BUFFERS)
+
+    def expected_step_s(self, grad_norms: Sequence[float | None], max_grad_norm: float) -> float:
+        """The planned step for steps that ran after steps with these gradient norms: a step after one
+        that clipped is deferred (``clipped_step_time_s``, Note [Deferred steps] in step_schedule.py), any
+        other speculates or runs unclipped (``step_time_s``). The median over the steps, as a run's step
+        is the median of its steps; ``step_time_s`` with no norms."""
+        if self.clipped_step_time_s is None or max_grad_norm <= 0:
+            return self.step_time_s
+        planned = [
+            self.clipped_step_time_s if _clipped(norm, max_grad_norm) else self.step_time_s for norm in grad_norms
+        ]
+        return statistics.median(planned) if planned else self.step_time_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,6 +175,7 @@ class Plan:
             "update_s": self.update_s,
             "disk_s": self.disk_s,
             "step_time_s": self.step_time_s,
+            "clipped_step_time_s": self.clipped_step_time_s,
             "resource_bound_s": self.resource_bound_s,
             "tokens_per_s": self.tokens_per_s,
             "overlap": self.overlap,
@@ -164,6 +183,12 @@ class Plan:
             "critical_batch_size": self.critical_batch_size,
             "resource_s": dict(self.resource_s),
         }
+
+
+def _clipped(norm: float | None, max_grad_norm: float) -> bool:
+    """Whether a step of gradient norm ``norm`` clipped: its coefficient ``max_norm / (norm + 1e-6)`` (as
+    ``torch.nn.utils.clip_grad_norm_`` forms it) is below 1."""
+    return norm is not None and math.isfinite(norm) and max_grad_norm / (norm + 1e-6) < 1.0
 
 
 def make_plan(inputs: PlanInputs) -> Plan:
@@ -406,6 +431,10 @@ def _with_streamed(plan: Plan, *, candidates: set[str] | None = None, budget_byt
     return best
 
 
+_RESERVE_ROUNDS = 4
+"""Placements of the residents :func:`_all_streamed_with` tries, each reserving the previous one's overshoot
+of the GPU budget besides the staging; one or two settle it (a resident unit is the step of the search)."""
+
 _GAIN = 0.01
 """Streaming more units must shorten the planned step by more than this fraction: the plan is a planning
 number (within 10 % of measured steps), and a streamed unit costs GPU memory and PCIe both ways for it."""
@@ -447,10 +476,17 @@ def _all_streamed_with(inputs: PlanInputs, *, refuse: bool = False) -> Plan:
     on_nvme = set(inputs.offloaded_units)
     streamable = [c for c in unit_costs(shape, inputs) if c.name not in on_nvme]
     reserve = max((c.stream_device_bytes for c in streamable), default=0)
-    placed = _with_resident(inputs, reserve_bytes=reserve)
-    names = tuple(c.name for c in streamable if c.name not in placed.resident_units)
-    plan = make_plan(dataclasses.replace(placed, streamed_units=names))
     budget = inputs.gpu_memory_bytes
+    for _ in range(_RESERVE_ROUNDS):
+        placed = _with_resident(inputs, reserve_bytes=reserve)
+        names = tuple(c.name for c in streamable if c.name not in placed.resident_units)
+        plan = make_plan(dataclasses.replace(placed, streamed_units=names))
+        over = plan.gpu_peak_bytes - budget if budget is not None else 0
+        if over <= 0 or not placed.resident_units:
+            break
+        # The residents took room the streamed units' peak needs (their staging beside the backward's
+        # largest phase, which the reserve alone does not see): fewer residents, by the overshoot.
+        reserve += over
     if refuse and budget is not None and plan.gpu_peak_bytes > budget:
         staging = plan.gpu_breakdown.get("streamed_staging", 0)
         raise UserError(

@@ -55,6 +55,11 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     update_s = max(resources["cpu"], resources["host memory"])
     binding = max(resources, key=resources.__getitem__)  # the resource whose line is the largest
     scheduled_s = scheduled_step_s(shape, inputs, costs, placements)
+    clipped_s = None
+    if inputs.clipping:  # Note [Deferred steps] in step_schedule.py: a step after one that clipped
+        deferred = {name: "host" if where == "streamed" else where for name, where in placements.items()}
+        deferred_resources = resource_times(fixed_times(shape, inputs, compute_s, disk_s), costs, deferred)
+        clipped_s = max(scheduled_step_s(shape, inputs, costs, deferred, deferred=True), *deferred_resources.values())
     # What the backward must hide: the host-updated units' gradients going out and their updates.
     d2h_s = sum(cost.host["pcie d2h"] for cost in costs if placements[cost.name] == "host")
     hide = d2h_s + update_s
@@ -71,6 +76,7 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
         # at once, the host optimizer at its busy rate): each one's time bounds the step, so the step is
         # never shorter than a resource it runs on.
         "step_time_s": max(scheduled_s, *resources.values()),
+        "clipped_step_time_s": clipped_s,
         "resource_bound_s": max(resources.values()),
         "overlap": overlap,
         "binding": binding,
@@ -80,11 +86,17 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
 
 
 def scheduled_step_s(
-    shape: ModelShape, inputs: PlanInputs, costs: tuple[UnitCost, ...], placements: dict[str, str]
+    shape: ModelShape,
+    inputs: PlanInputs,
+    costs: tuple[UnitCost, ...],
+    placements: dict[str, str],
+    *,
+    deferred: bool = False,
 ) -> float:
     """The step time of the engine's order (slide_hf/planner/step_schedule.py) for ``placements``: each
     unit's compute split from the step's FLOPs as :func:`_times` counts them, its transfers and its update
-    priced as :func:`~slide_hf.planner.unit_costs.unit_costs` prices them."""
+    priced as :func:`~slide_hf.planner.unit_costs.unit_costs` prices them. ``deferred``: the steady state of
+    steps that each clip (Note [Deferred steps] there)."""
     bw = inputs.bandwidths
     d = inputs.compute_dtype_bytes
     seq = inputs.seq_len
@@ -140,4 +152,4 @@ def scheduled_step_s(
         staging_sets=inputs.staging_sets,
         micro_batches=inputs.grad_accum,
     )
-    return simulate_step(work, rates)
+    return simulate_step(work, rates, deferred=deferred)
