@@ -218,6 +218,7 @@ ENGINE_SAMPLES: dict[str, Any] = {
     "grad_accum": 2,
     "max_grad_norm": 0.5,
     "update_placement": "auto",
+    "objective": "simpo",
 }
 """A value other than the default for every option the engine reads (valid together)."""
 ENGINE_EXPECTED: dict[str, Any] = {

@@ -228,6 +228,7 @@ def _train(
                 run_reference(
                     cfg, preference, data.dataset, cache, model.model_dir, device.torch_device,
                     evaluate=ref_engine.evaluate, resumed=False,  # --ref-model's weights never change
+                    planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device),
                 )  # fmt: skip
             del reference
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
@@ -243,6 +244,7 @@ def _train(
                 run_reference(
                     cfg, preference, data.dataset, cache, model.model_dir, device.torch_device,
                     evaluate=engine.evaluate, resumed=resumed is not None,
+                    planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device),
                 )  # fmt: skip
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
@@ -599,6 +601,14 @@ def _setup_engine(
 
 
 # -- the loop -----------------------------------------------------------------------------------------------
+def _reference_micro_batch_s(plan: Any, device: Any) -> float | None:
+    """The plan's seconds per micro-batch of DPO's reference pass; None on the CPU device (the planner's
+    rates are a GPU's) or without one."""
+    if not device.is_accelerator or plan.reference_step_s is None:
+        return None
+    return float(plan.reference_step_s) / plan.inputs.grad_accum
+
+
 class _Trainer:
     """The loop over optimizer steps and what it does between them (evaluate, checkpoint), as methods over
     one run's state. ``stop`` turns SIGINT/SIGTERM into a checkpoint at the end of the current step.

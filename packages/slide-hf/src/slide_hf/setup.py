@@ -94,6 +94,9 @@ class RunOptions:
     packed_rows: bool
     """Rows may hold several documents (``--no-packing`` off; `slide bench`'s random rows do not): with
     SDPA, their attention needs explicit (S x S) masks, which the plan prices."""
+    objective: str
+    """``--objective``: a preference run's head computes the log-probabilities in one more LM-head pass,
+    and DPO's reference pass runs before the first step; the plan prices both."""
 
     @classmethod
     def from_config(
@@ -326,6 +329,7 @@ def plan_inputs(
         accelerator=accelerator,
         max_grad_norm=options.max_grad_norm,
         report_grad_norm=options.report_grad_norm,
+        objective=options.objective,
         offload_optimizer=planning_kind(state_tier),
         state_tier=state_tier is not None,
         state_tier_class=state_tier,

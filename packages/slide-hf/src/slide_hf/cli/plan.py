@@ -396,6 +396,14 @@ def render(
                 "before the host updates",
             )
         )
+    if plan.reference_step_s is not None:
+        lines.append(
+            _row(
+                "  reference pass",
+                f"{plan.reference_step_s:.3g} s",
+                "per step's worth of pairs, once before the first step (--objective dpo: a forward of each pair)",
+            )
+        )
     if rates_source is not None:
         lines.append(_row("  rates", "", rates_source))
     overlap_note = (

@@ -210,8 +210,9 @@ class TrainConfig:
         Objective.SFT,
         help="what to train: sft (next-token loss), dpo or simpo (preference pairs: records of prompt, chosen and "
         "rejected; docs/preference.md) (default {default})",
-        commands=_TRAIN_DATA,
+        commands=frozenset({*_TRAIN_DATA, "plan"}),  # the plan prices the head's extra pass and the reference pass
         choices=Objective,
+        engine=EngineField("objective", _enum_value),
     )
     beta: float | None = option(
         None,

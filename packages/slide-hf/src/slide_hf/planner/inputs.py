@@ -368,6 +368,11 @@ class PlanInputs:
     max_grad_norm: float = 0.0
     """``--max-grad-norm``; above 0 (:attr:`clipping`) gradients land in a full-model pinned store (for the
     exact rollback) instead of the ring."""
+    objective: str = "sft"
+    """``--objective`` (sft, dpo, simpo): a preference head runs the LM head's matmul once more per token (its
+    log-probabilities without grad, Note [Preference loss through a weighted cross-entropy] in
+    slide_hf/preference/head.py), and DPO runs a reference pass, one forward of every pair, before the first
+    step (``Plan.reference_step_s``)."""
     report_grad_norm: bool | None = None
     """``EngineConfig.report_grad_norm``; None: as `slide train` decides it (with one micro-batch, or with
     clipping, where the norm costs nothing more)."""
@@ -390,13 +395,23 @@ class PlanInputs:
 
         # The options a user gives, by their one rule each (slide_hf/options); the rules between options
         # were applied where the options were built (TrainConfig.validate), before anything was resolved.
-        names = ("batch_size", "seq_len", "seq_tile", "grad_accum", "block_slots", "nvme_fraction", "optimizer_state")
+        names = (
+            "batch_size",
+            "seq_len",
+            "seq_tile",
+            "grad_accum",
+            "block_slots",
+            "nvme_fraction",
+            "optimizer_state",
+        )
         for name in names:
             check_option(name, getattr(self, name))
         for name in ("transfer_chunk_numel", "grad_ring_slots"):  # the engine's, not an option
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
+        if self.objective not in ("sft", "dpo", "simpo"):
+            raise UserError(f"{option('objective')} must be one of sft, dpo, simpo, got {self.objective!r}")
         if self.compute_dtype_bytes not in (2, 4):
             raise UserError(f"compute dtype must be 2 (bf16) or 4 (fp32) bytes, got {self.compute_dtype_bytes}")
         for name in ("offload_optimizer", "offload_activations"):  # how a tier's bytes are counted
@@ -433,6 +448,11 @@ class PlanInputs:
     @functools.cached_property
     def shape(self) -> ModelShape:
         return self.model if isinstance(self.model, ModelShape) else ModelShape.of(self.model)
+
+    @property
+    def preference(self) -> bool:
+        """Whether the head computes a preference loss (``--objective`` dpo or simpo)."""
+        return self.objective != "sft"
 
     @property
     def clipping(self) -> bool:

@@ -92,6 +92,9 @@ class Plan:
     """Seconds per step of each resource (slide_hf/planner/unit_costs.py ``RESOURCES``). ``compute_s`` is its
     GPU compute, ``pcie_s`` the larger PCIe direction, ``update_s`` the larger of host memory and CPU,
     ``disk_s`` NVMe."""
+    reference_step_s: float | None = None
+    """``--objective dpo``: seconds of the reference pass over one step's worth of pairs (a forward of each,
+    before the first step; the run's pass takes this times its steps' worth of pairs); None otherwise."""
     clipped_step_time_s: float | None = None
     """With clipping (``--max-grad-norm``): the step while clipping fires on every step, each one then
     deferred, its host updates after the backward (Note [Deferred steps] in step_schedule.py); None without.
@@ -154,6 +157,7 @@ class Plan:
                 "offload_activations": i.offload_activations,
                 "bandwidths": dataclasses.asdict(i.bandwidths),
                 "fused_loss": i.fused_loss,
+                "objective": i.objective,
                 "resident_units": list(i.resident_units),
                 "streamed_units": list(i.streamed_units),
                 "streamable_units": list(i.streamable_units),
@@ -176,6 +180,7 @@ class Plan:
             "disk_s": self.disk_s,
             "step_time_s": self.step_time_s,
             "clipped_step_time_s": self.clipped_step_time_s,
+            "reference_step_s": self.reference_step_s,
             "resource_bound_s": self.resource_bound_s,
             "tokens_per_s": self.tokens_per_s,
             "overlap": self.overlap,

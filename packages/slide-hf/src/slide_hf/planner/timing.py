@@ -36,7 +36,8 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     layers = shape.num_blocks
     attn_dim = shape.num_heads * shape.head_dim
     head_matrix = shape.vocab_size * shape.hidden_size
-    flops_per_token = 8 * shape.block_params + 6 * head_matrix + 8 * layers * seq * attn_dim
+    head_passes = _head_flops_per_param(inputs)
+    flops_per_token = 8 * shape.block_params + head_passes * head_matrix + 8 * layers * seq * attn_dim
     bwd_flops_per_token = 6 * shape.block_params + 6 * head_matrix + 6 * layers * seq * attn_dim
     flops = float(tokens * flops_per_token)
     gpu_rate = inputs.bandwidths.gpu_tflops * 1e12
@@ -66,7 +67,9 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     overlap = backward_s / hide if hide > 0 else math.inf
     per_sample_bwd = backward_s / inputs.batch_size
     critical = math.ceil(hide / per_sample_bwd - 1e-9) if per_sample_bwd > 0 else None
+    reference_s = _reference_step_s(shape, inputs, costs, placements) if inputs.objective == "dpo" else None
     return {
+        "reference_step_s": reference_s,
         "flops_per_step": flops,
         "compute_s": resources["gpu compute"],
         "pcie_s": pcie_s,
@@ -83,6 +86,33 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
         "critical_batch_size": max(1, critical) if critical is not None else None,
         "resource_s": resources,
     }
+
+
+def _head_flops_per_param(inputs: PlanInputs) -> int:
+    """FLOPs per head-matrix parameter and token of a step: the fused cross-entropy's forward and backward
+    (2 + 4); a preference head's log-probabilities without grad run the matmul once more (+2, Note
+    [Preference loss through a weighted cross-entropy] in slide_hf/preference/head.py)."""
+    return 8 if inputs.preference else 6
+
+
+def _reference_step_s(
+    shape: ModelShape, inputs: PlanInputs, costs: tuple[UnitCost, ...], placements: dict[str, str]
+) -> float:
+    """DPO's reference pass over one step's worth of pairs: a forward of every micro-batch through the
+    engine's evaluation path, the head computing log-probabilities only (2 FLOPs per parameter and token,
+    the attention's 4 per layer), each sliding unit's weights loaded once per micro-batch; the larger of
+    the GPU's compute and the h2d loads, which overlap."""
+    seq = inputs.seq_len
+    tokens = inputs.batch_size * seq * inputs.grad_accum
+    attn_dim = shape.num_heads * shape.head_dim
+    head_matrix = shape.vocab_size * shape.hidden_size
+    flops = tokens * (2 * shape.block_params + 2 * head_matrix + 4 * shape.num_blocks * seq * attn_dim)
+    compute_s = flops / (inputs.bandwidths.gpu_tflops * 1e12)
+    sliding = sum(n for name, n in shape.named_numels.items() if placements.get(name, "host") != "resident")
+    loads_s = (
+        inputs.grad_accum * sliding * h2d_bytes_per_param(inputs.master_format) / (inputs.bandwidths.h2d_gbps * 1e9)
+    )
+    return max(compute_s, loads_s)
 
 
 def scheduled_step_s(
@@ -116,7 +146,7 @@ def scheduled_step_s(
         contributions = inputs.grad_accum * (2 if name == shape.names[0] and shape.tied else 1)
         summed = placement == "streamed" and contributions > 1  # Note [Streamed accumulation]
         if name == shape.names[-1]:  # the head
-            forward_s, backward_s = 6 * n * tokens / rate, 0.0
+            forward_s, backward_s = _head_flops_per_param(inputs) * n * tokens / rate, 0.0
         elif name == shape.names[0]:  # the embedding
             forward_s = backward_s = 0.0
         else:

@@ -54,11 +54,17 @@ def reference_path(run: Path, data_digest: str, model_digest: str) -> Path:
 
 
 def compute_reference(
-    evaluate: Callable[[Sequence[Any]], Any], head: PreferenceHead, batches: Sequence[Any], device: torch.device
+    evaluate: Callable[[Sequence[Any]], Any],
+    head: PreferenceHead,
+    batches: Sequence[Any],
+    device: torch.device,
+    planned_micro_batch_s: float | None = None,
 ) -> torch.Tensor:
     """Run the reference pass over ``batches`` (every row once) through ``evaluate`` (the engine's
     forward-only path) with ``head`` collecting; returns the log-probabilities, one per completion, on the
-    host. Progress and the time remaining show as the pass goes (slide_hf/progress.py)."""
+    host. Progress and the time remaining show as the pass goes (slide_hf/progress.py); the log line at
+    the end puts the plan's time (``planned_micro_batch_s`` per micro-batch, ``Plan.reference_step_s``)
+    beside the pass's."""
     head.start_reference(device)
     total = len(batches)
     every = max(1, total // _UPDATES)
@@ -76,9 +82,10 @@ def compute_reference(
     # the forward's FLOP bound; the pass has no metrics record of its own.
     elapsed_s = time.perf_counter() - started
     tokens = sum(int(batch.input_ids.numel()) for batch in batches)
+    planned = "" if planned_micro_batch_s is None else f"; planned {planned_micro_batch_s * total:.3g} s"
     log.info(
-        "reference pass: %d tokens in %d micro-batches in %.3f s (%.0f tok/s)",
-        tokens, total, elapsed_s, tokens / max(elapsed_s, 1e-9),
+        "reference pass: %d tokens in %d micro-batches in %.3f s (%.0f tok/s)%s",
+        tokens, total, elapsed_s, tokens / max(elapsed_s, 1e-9), planned,
     )  # fmt: skip
     return reference
 

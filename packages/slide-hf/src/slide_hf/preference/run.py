@@ -102,15 +102,21 @@ def run_reference(
     *,
     evaluate: Callable[[Any], Any],
     resumed: bool,
+    planned_micro_batch_s: float | None = None,
 ) -> bool:
     """DPO: the reference log-probabilities, from this run's saved pass or a new one through ``evaluate``
-    (an engine holding the reference's weights); SimPO needs none. Returns whether a pass ran."""
+    (an engine holding the reference's weights); SimPO needs none. Returns whether a pass ran.
+    ``planned_micro_batch_s``: the plan's seconds per micro-batch of the pass, logged beside its time."""
     if not head.loss.needs_reference:
         return False
     path = _reference_file(cfg, dataset, cache_dir, model_dir)
     batches = list(eval_batches(dataset, cfg.batch_size))
     return prepare_reference(
-        head, path, device, compute=lambda: compute_reference(evaluate, head, batches, device), resumed=resumed
+        head,
+        path,
+        device,
+        compute=lambda: compute_reference(evaluate, head, batches, device, planned_micro_batch_s),
+        resumed=resumed,
     )
 
 
