@@ -8,7 +8,7 @@ the rejected sequence of a pair in one row, positions restarting), and ``torch.o
 Three steps of two accumulated micro-batches of two pairs: each step's loss is the mean over its four pairs,
 and it must match to 1e-5. The weights after the three steps are judged, as in test_reference_exactness.py
 (Note [Conditioning of the comparison]), against the same reference run in float64: every tensor within
-1e-5 of its norm, and within ``UPDATE_TOL`` of its own total update or at worst ``NOISE_FACTOR`` times as
+1e-5 of its norm (``WEIGHT_RTOL``), and within ``UPDATE_TOL`` of its own total update or at worst ``NOISE_FACTOR`` times as
 far as transformers' own fp32 run is (two fp32 runs differ by rounding alone: an untied head's rows of
 tokens no completion uses take Adam steps of rounding-noise gradients, 1e-5 of the head's norm apart).
 The metrics are checked against the reference too.
@@ -41,7 +41,9 @@ PAIRS = STEPS * ACCUM * BATCH
 LR, WEIGHT_DECAY, BETAS, EPS = 3e-3, 0.1, (0.9, 0.999), 1e-6
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-5
-"""Per tensor, |ours - float64 reference| / |float64 reference|."""
+"""Per tensor, |ours - float64 reference| / |float64 reference|; or, where transformers' own fp32 run is
+that far already (the CPU's matmul kernels set the rounding: on one 2-core machine its layer-1 ``o_proj``
+lands 1.14e-5 of the norm from float64), at most ``NOISE_FACTOR`` times as far as it is."""
 UPDATE_TOL = 1e-4
 """Per tensor, |ours - float64 reference| / |its update|: a wrong gradient is 1e-2 of an update or more."""
 NOISE_FACTOR = 4.0
@@ -313,9 +315,12 @@ def test_preference_training_matches_an_independent_reference(name: str, tmp_pat
     for key, ours in exported.items():
         truth = state64[key].detach()
         error = (ours.double() - truth).norm().item()
-        assert error <= WEIGHT_RTOL * truth.norm().item(), f"{key}: {error / truth.norm().item():.2e} of its norm"
-        update = (truth - initial[key]).norm().item()
         hf_error = (state[key].double() - truth).norm().item()
+        norm = truth.norm().item()
+        assert error <= max(WEIGHT_RTOL * norm, NOISE_FACTOR * hf_error), (
+            f"{key}: {error / norm:.2e} of its norm (fp32 HF: {hf_error / norm:.2e})"
+        )
+        update = (truth - initial[key]).norm().item()
         bound = max(UPDATE_TOL * update, NOISE_FACTOR * hf_error)
         assert update > 0 and error <= bound, (
             f"{key}: {error / update:.2e} of its update (fp32 HF: {hf_error / update:.2e})"
