@@ -71,14 +71,33 @@ def test_peaks_beyond_the_plan_fail_their_row() -> None:
     assert not outcome.ok and "host peak 19.43 GiB > plan 17.81 GiB + 5 %" in outcome.failures[0]
 
 
-@pytest.mark.slow
-def test_every_row_runs_in_the_cpu_quick_mode(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The whole CPU quick mode, run once for the module: the tests of every row, the long context row and
+    the DPO row read the same run (each row's argv depends only on the row and the settings, so the run of
+    one row alone, `--rows NAME`, is the same run as that row's in the whole matrix)."""
+    out = tmp_path_factory.mktemp("gpu_matrix_quick")
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(tmp_path), "--scratch", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out), "--scratch", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
     )
+    return done, out
+
+
+def _quick_row(quick_run: tuple[subprocess.CompletedProcess[str], Path], name: str) -> dict:
+    """The report's row ``name`` from the shared quick run (its own failure, not another row's)."""
+    done, out = quick_run
+    report = out / "gpu_matrix.json"
+    assert report.is_file(), done.stdout[-4000:] + done.stderr[-2000:]
+    (row,) = [row for row in json.loads(report.read_text())["rows"] if row["name"] == name]
+    return row
+
+
+@pytest.mark.slow
+def test_every_row_runs_in_the_cpu_quick_mode(quick_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    done, tmp_path = quick_run
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_matrix.json").read_text())
     names = [row["name"] for row in report["rows"]]
@@ -149,16 +168,11 @@ def test_the_long_context_row_runs_32k_tokens_on_the_gpu_and_tiles_in_the_quick_
     assert "--seq-len 256" in line and "--seq-tile 64" in line  # 2 x 256 tokens in tiles of 64
 
 
-def test_the_long_context_row_runs_in_the_cpu_quick_mode(tmp_path: Path) -> None:
-    quick = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--scratch", str(tmp_path)]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *quick, "--rows", "long context"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    (row,) = json.loads((tmp_path / "gpu_matrix.json").read_text())["rows"]
+def test_the_long_context_row_runs_in_the_cpu_quick_mode(
+    quick_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    (name,) = [row.name for row in _matrix().rows() if row.name.startswith("long context")]
+    row = _quick_row(quick_run, name)
     assert row["ok"] and not row["skipped"] and row["losses"], row
 
 
@@ -179,14 +193,6 @@ def test_the_dpo_row_trains_tiny_llama_on_a_pair_file(tmp_path: Path) -> None:
     assert Path(given["--data"]).is_file()
 
 
-def test_the_dpo_row_runs_in_the_cpu_quick_mode(tmp_path: Path) -> None:
-    quick = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--scratch", str(tmp_path)]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *quick, "--rows", "train: dpo"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    (row,) = json.loads((tmp_path / "gpu_matrix.json").read_text())["rows"]
+def test_the_dpo_row_runs_in_the_cpu_quick_mode(quick_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    row = _quick_row(quick_run, "train: dpo")
     assert row["ok"] and not row["skipped"] and len(row["losses"]) == 4, row
