@@ -57,17 +57,35 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     xdist's own ``xdist_group`` marks still form groups. They do not reach the scheduler under pytest 9
     (xdist 3.8 renames ``item._nodeid``, which a pytest 9 node no longer reads), so the modules are grouped
-    here, by reading their source, on the controller, which has no collected items to look at."""
+    here, by reading their source, on the controller, which has no collected items to look at.
+
+    Note [The slow tests go first]: xdist orders the units by their number of tests, so the single tests
+    would go in collection order, and a slow one (a subprocess run of tens of seconds) collected late would
+    run alone at the end while the other worker idles. The units go longest first instead, as far as the
+    controller can tell from the source: the module groups (xdist's order, largest first), then the single
+    tests marked ``slow`` (``@pytest.mark.slow`` on the test function), then the rest, each in collection
+    order. The fast single tests then even out the end of the run."""
     if config.getvalue("dist") != "loadgroup":
         return None
+    import re
+
     from xdist.scheduler import LoadGroupScheduling
 
     root = config.rootpath
+    slow_mark = re.compile(r"^@pytest\.mark\.slow\b[^\n]*\n(?:@[^\n]*\n|\s[^\n]*\n)*?def (test_\w+)", re.M)
 
     class ModuleFixtureScheduling(LoadGroupScheduling):
         def __init__(self, config: pytest.Config, log: Any) -> None:
             super().__init__(config, log)
             self.shares_a_module_fixture: dict[str, bool] = {}
+            self.slow_tests: dict[str, set[str]] = {}
+            self.ordered = False
+
+        def _read(self, module: str) -> None:
+            source = root / module
+            text = source.read_text(encoding="utf-8") if source.is_file() else ""
+            self.shares_a_module_fixture[module] = 'scope="module"' in text
+            self.slow_tests[module] = set(slow_mark.findall(text))
 
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
@@ -75,10 +93,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 return scope
             module = nodeid.split("::", 1)[0]
             if module not in self.shares_a_module_fixture:
-                source = root / module
-                text = source.read_text(encoding="utf-8") if source.is_file() else ""
-                self.shares_a_module_fixture[module] = 'scope="module"' in text
+                self._read(module)
             return module if self.shares_a_module_fixture[module] else nodeid
+
+        def _priority(self, scope: str, tests: dict[str, bool]) -> int:
+            if len(tests) > 1 or scope not in tests:  # a module group (or an xdist_group)
+                return 0
+            module, _, name = scope.partition("::")
+            if module not in self.slow_tests:
+                self._read(module)
+            return 1 if name.split("[", 1)[0] in self.slow_tests[module] else 2
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # the queue is complete when the first unit is assigned (Note above)
+                self.ordered = True
+                units = sorted(self.workqueue.items(), key=lambda unit: self._priority(*unit))  # stable
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
 
     return ModuleFixtureScheduling(config, log)
 

@@ -60,6 +60,7 @@ def _composition(group: ProcessGroupContext | SingleProcess) -> dict:
             }
 
 
+@pytest.mark.slow
 def test_one_process_runs_the_pipelines_of_every_world_size(tmp_path: Path) -> None:
     """A 2-rank gloo run composes each unit's pipeline from the same classes as one process (there is no
     sharded pipeline class); only the shards and the collectives differ."""

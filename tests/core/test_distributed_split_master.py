@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from slide_core import AdamWConfig, HostParameters
@@ -83,6 +84,7 @@ def _rank_main(out: Path) -> None:
     torch.save(results, out / f"rank{group.rank}.pt")
 
 
+@pytest.mark.slow
 def test_three_ranks_train_and_resume_alike_with_either_master(tmp_path: Path) -> None:
     procs = launch_ranks([sys.executable, __file__, str(tmp_path)], WORLD_SIZE)
     for rank, (code, err) in enumerate(wait_ranks(procs, 240.0)):

@@ -310,6 +310,7 @@ SIGNAL_RUN = ("--device", "cpu", "--dtype", "float32", "--seq-len", "16", "--bat
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_a_second_sigterm_to_a_running_slide_train_exits_143(tmp_path: Path, torch_kernels) -> None:
     """The first SIGTERM asks for a checkpoint after the step; a second, while the step still runs, ends
     the run at once with 143 (128 + 15), as a shell reports a process SIGTERM ended: a scheduler that sends

@@ -209,6 +209,7 @@ run above is, into ``rank<RANK>.json`` of the folder its first argument names.""
 
 
 @pytest.mark.parametrize("flags", list(DATA_PARALLEL.values()), ids=list(DATA_PARALLEL))
+@pytest.mark.slow
 def test_each_gloo_rank_is_the_per_rank_plan(flags, slide, tmp_path: Path) -> None:
     """Two gloo ranks on the CPU device: each rank's engine config and plan are `slide plan
     --nproc-per-node 2`'s, and what each rank's engine holds is the plan's per-rank host buffers (its

@@ -181,6 +181,7 @@ def test_non_hf_models_keep_the_formula():
     assert BlockActivations.of(toy) is None and ModelShape.of(toy).activations is None
 
 
+@pytest.mark.slow
 def test_measurement_is_fast_cached_and_runs_no_gpu_code():
     """`slide plan` and `slide train` call it: under 2 s for a hybrid model, once per shape, no GPU code:
     it imports nothing of triton or slide-kernels (building the model may: the adapters check their fused
@@ -208,6 +209,7 @@ def test_measurement_is_fast_cached_and_runs_no_gpu_code():
     assert imported == "False" and cuda == "False"
 
 
+@pytest.mark.slow
 def test_slide_plan_no_longer_fits_qwen35_by_underpricing(capsys):
     """At 16 x 1024 tokens in 24 GiB the formula planned Qwen3.5-9B at 21.2 GiB with two resident units,
     and the run died out of memory. Now the backward holds the measured delta-net bytes, the placement

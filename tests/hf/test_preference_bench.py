@@ -136,6 +136,7 @@ def test_a_dpo_run_without_its_reference_line_or_result_fails(tmp_path: Path) ->
     assert "sft: RuntimeError: out of memory" in report.failures
 
 
+@pytest.mark.slow
 def test_the_script_runs_dpo_and_sft_in_its_cpu_dry_mode(tmp_path: Path) -> None:
     """Two steps of tiny-llama each, on the CPU: the pair file, both runs, and the table read back."""
     env = dict(os.environ, PYTHON=sys.executable)
