@@ -197,3 +197,46 @@ def test_evaluate_needs_micro_batches() -> None:
             run.engine.evaluate([(ids,)])
     finally:
         run.close()
+
+
+@pytest.mark.parametrize("case", ["untied-slots1", "tied", "resident", "nvme-state", "everything"])
+def test_evaluation_by_groups_is_bit_exact(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Evaluation by groups]: each unit visited once for a group of micro-batches gives the loss of
+    visiting it once per micro-batch, bit for bit, and loads each sliding unit once per group."""
+    from slide_core.engine import evaluation
+
+    cfg = _model(False).cfg
+    micro_batches = _eval_batches(cfg) + [b for step in toy_batches(cfg, steps=2, accum=2, seed=4) for b in step]
+    host_batches = [evaluation.split_micro_batch(m, i) for i, m in enumerate(micro_batches)]
+    results, loads = {}, {}
+    for group in (1, evaluation.MAX_EVAL_GROUP):
+        monkeypatch.setattr(evaluation, "MAX_EVAL_GROUP", group)
+        run = _Run(case)
+        try:
+            # the toy's blocks hold every micro-batch's activations beyond the first
+            assert run.engine._group_size(host_batches) == min(group, len(micro_batches))
+            loads[group] = _count_loads(run, monkeypatch)
+            results[group] = run.engine.evaluate(micro_batches)
+        finally:
+            run.close()
+    one, grouped = results[1], results[evaluation.MAX_EVAL_GROUP]
+    assert grouped == one  # the same summed loss, bit for bit, and the same token counts
+    model = _model(CASES[case][0])
+    _assert_eval_equal(grouped, _reference_eval(model, toy_init(model, seed=5), micro_batches))
+    # Fewer loads where the slots cannot keep every sliding unit between micro-batches; never more.
+    assert len(loads[evaluation.MAX_EVAL_GROUP]) <= len(loads[1])
+    if case == "untied-slots1":
+        assert len(loads[evaluation.MAX_EVAL_GROUP]) * 2 <= len(loads[1])
+
+
+def _count_loads(run: _Run, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the units the run's loader loads from now on, in order."""
+    loaded: list[str] = []
+    original = run.engine.loader._load
+
+    def load(slot, unit):
+        loaded.append(unit.name)
+        return original(slot, unit)
+
+    monkeypatch.setattr(run.engine.loader, "_load", load)
+    return loaded

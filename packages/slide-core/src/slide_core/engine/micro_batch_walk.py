@@ -14,6 +14,8 @@ evaluation.py) walks the same forward loop, keeping no block input, then the hea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from slide_core.device import Device
@@ -88,13 +90,52 @@ class MicroBatchWalk:
         self._backward_embedding(position, schedule, ids, inputs, grad_x, ctx)
         return position + 1
 
-    def evaluate(self, batch: HostMicroBatch, loss_sum: torch.Tensor, schedule: list[Visit], position: int) -> int:
-        """The forward of one micro-batch and its head's summed loss into ``loss_sum``, without grad."""
-        ids, labels, positions = batch.to_device(self.device.torch_device)
-        inputs = self.model.prepare_inputs(ids, labels, self.dtype, position_ids=positions)
-        x, position = self._forward(ids, inputs, schedule, position, keep_inputs=False)
-        self._evaluate_head(position, schedule, x, inputs, loss_sum)
+    def evaluate(
+        self, batches: Sequence[HostMicroBatch], loss_sum: torch.Tensor, schedule: list[Visit], position: int
+    ) -> int:
+        """The forward of a group of micro-batches and their heads' summed losses into ``loss_sum``, without
+        grad: each unit is visited once for the whole group (Note [Evaluation by groups] in evaluation.py),
+        its slot loaded once, every micro-batch's activation carried through it in order."""
+        device = self.device.torch_device
+        prepared = []
+        for batch in batches:
+            ids, labels, positions = batch.to_device(device)
+            prepared.append((ids, self.model.prepare_inputs(ids, labels, self.dtype, position_ids=positions)))
+        xs = [ids for ids, _ in prepared]
+        for _ in range(1 + len(self.model.blocks)):  # the embedding, then every block
+            xs = [self._compute(position, schedule, x, inputs) for x, (_, inputs) in zip(xs, prepared, strict=True)]
+            position += 1
+        for x, (_, inputs) in zip(xs, prepared, strict=True):  # the losses added in the micro-batches' order
+            self._evaluate_head(position, schedule, x, inputs, loss_sum)
         return position + 1
+
+    @staticmethod
+    def inputs_bytes(inputs: object) -> int:
+        """Device bytes of the tensors a micro-batch's side inputs hold (masks, rotary tables, labels), found
+        through dicts, sequences, dataclasses and attributes, each tensor counted once."""
+        seen: set[int] = set()
+        total = 0
+        stack: list[tuple[object, int]] = [(inputs, 0)]
+        while stack:
+            item, depth = stack.pop()
+            if isinstance(item, torch.Tensor):
+                if id(item) not in seen:
+                    seen.add(id(item))
+                    total += item.numel() * item.element_size()
+                continue
+            if depth >= 4 or id(item) in seen:
+                continue
+            seen.add(id(item))
+            if isinstance(item, dict):
+                children = list(item.values())
+            elif isinstance(item, (list, tuple)):
+                children = list(item)
+            elif hasattr(item, "__dict__"):
+                children = list(vars(item).values())
+            else:
+                continue
+            stack.extend((child, depth + 1) for child in children)
+        return total
 
     def _forward(
         self, ids: torch.Tensor, inputs: object, schedule: list[Visit], position: int, *, keep_inputs: bool

@@ -110,9 +110,26 @@ def _reference_step_s(
     compute_s = flops / (inputs.bandwidths.gpu_tflops * 1e12)
     sliding = sum(n for name, n in shape.named_numels.items() if placements.get(name, "host") != "resident")
     loads_s = (
-        inputs.grad_accum * sliding * h2d_bytes_per_param(inputs.master_format) / (inputs.bandwidths.h2d_gbps * 1e9)
+        inputs.grad_accum
+        * sliding
+        * h2d_bytes_per_param(inputs.master_format)
+        / eval_group_size(shape, inputs)
+        / (inputs.bandwidths.h2d_gbps * 1e9)
     )
     return max(compute_s, loads_s)
+
+
+def eval_group_size(shape: ModelShape, inputs: PlanInputs) -> int:
+    """Micro-batches an evaluation (DPO's reference pass too) carries through each unit per load, as the
+    engine chooses them (Note [Evaluation by groups] in slide_core/engine/evaluation.py): beyond the first,
+    as many activations as fit in one block's weights in the compute dtype, at most ``MAX_EVAL_GROUP``. The
+    side inputs (rotary tables, masks) are left out here, so this is the engine's group or a little more."""
+    from slide_core.engine.evaluation import MAX_EVAL_GROUP
+
+    d = inputs.compute_dtype_bytes
+    per_batch = inputs.batch_size * inputs.seq_len * shape.activation_width * d
+    largest_block = max((shape.named_numels[name] for name in shape.block_names), default=0)
+    return max(1, min(MAX_EVAL_GROUP, 1 + largest_block * d // max(per_batch, 1)))
 
 
 def scheduled_step_s(
