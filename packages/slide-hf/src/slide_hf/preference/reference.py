@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from slide_core.engine.evaluation import MAX_EVAL_GROUP
 from slide_hf.errors import UserError
 from slide_hf.preference.head import PreferenceHead
 from slide_hf.progress import PassProgress
@@ -67,7 +68,9 @@ def compute_reference(
     beside the pass's."""
     head.start_reference(device)
     total = len(batches)
-    every = max(1, total // _UPDATES)
+    # No fewer micro-batches per evaluation than it carries through each unit per load (Note
+    # [Evaluation by groups] in slide_core/engine/evaluation.py).
+    every = max(MAX_EVAL_GROUP, total // _UPDATES)
     started = time.perf_counter()
     try:
         with PassProgress("reference pass", total) as progress:
