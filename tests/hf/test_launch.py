@@ -250,3 +250,70 @@ def test_more_cpu_ranks_than_cores_is_one_line(monkeypatch, capsys) -> None:
         check_ranks_for_cores("auto", 5)  # auto without a GPU runs on the CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     check_ranks_for_cores("cuda", 5)  # GPU ranks are bounded by the GPUs instead
+
+
+_ORPHAN = """
+import os, signal, subprocess, sys, time
+if sys.argv[1] == "launcher":  # a launcher: starts its rank in a session of its own, as torch's does
+    rank = subprocess.Popen([sys.executable, "-c", sys.argv[2], "rank"], start_new_session=True, env={**os.environ, "TORCHELASTIC_RUN_ID": "x"})
+    print(rank.pid, flush=True)
+    time.sleep(60)
+else:  # the rank: asks for the signal, then says which signal ended it
+    from slide_hf.launch import stop_with_launcher
+    signal.signal(signal.SIGTERM, lambda number, frame: (open(os.environ["MARK"], "w").write("SIGTERM"), os._exit(0)))
+    assert stop_with_launcher()
+    time.sleep(60)
+"""
+
+
+def test_a_rank_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
+    """Note [A rank outlives no launcher]: SIGKILL the launcher and its rank, in a session of its own so no
+    group signal reaches it, gets SIGTERM (which a real rank answers by checkpointing with the others)."""
+    import signal
+    import time
+
+    mark = tmp_path / "mark"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN, "launcher", _ORPHAN],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "MARK": str(mark)},
+    )
+    assert launcher.stdout is not None
+    rank_pid = int(launcher.stdout.readline())
+    try:
+        time.sleep(3)  # the rank imports slide_hf and asks
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mark.read_text() == "SIGTERM"
+        assert _gone_within(rank_pid, 10)  # nothing left behind
+    finally:
+        launcher.kill()
+        if not _gone_within(rank_pid, 0):
+            os.kill(rank_pid, signal.SIGKILL)
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` has exited (or is a zombie nobody reaped yet) within ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def test_only_a_launched_rank_asks_to_stop_with_its_launcher() -> None:
+    from slide_hf.launch import stop_with_launcher
+
+    assert not stop_with_launcher(environ={})

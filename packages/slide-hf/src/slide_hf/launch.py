@@ -36,11 +36,21 @@ interpreter's shutdown). Killed there, it is reported as "killed by SIGTERM" and
 so the launch would end naming the wrong cause. A launched rank that leaves its groups on an exception
 therefore ignores SIGTERM from then on (:func:`failure_outlives_peers`): it is already exiting, and the
 launcher's SIGKILL after the shutdown timeout still bounds the wait.
+
+Note [A rank outlives no launcher]: torch's launcher starts each rank in a session of its own, so a signal
+to the command's process group does not reach the ranks past it, and when the launcher itself is killed
+(SIGKILL, an out-of-memory kill, a closed terminal's SIGHUP it does not pass on) nothing stops them: they
+would train on, unseen, holding the GPU, the run directory's lock and the host's memory, until their next
+collective with a rank that also lost its way. So a launched rank asks the kernel (Linux's
+``PR_SET_PDEATHSIG``) for a SIGTERM when its parent, the launcher, exits: the same signal the launcher
+would have passed on, so the ranks stop together after their step and write their checkpoint (Note [Stop on
+every rank] in recipe.py). A rank whose launcher was already gone when it asked stops the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -65,6 +75,7 @@ __all__ = [
     "main",
     "relaunch",
     "share_host_cores",
+    "stop_with_launcher",
 ]
 
 FLAG = "--nproc-per-node"
@@ -213,6 +224,32 @@ def main(argv: Sequence[str]) -> int:
         print(f"slide train: stopped by {_signal_name(error.sigval)}", file=sys.stderr)
         return 128 + int(error.sigval)
     return 0
+
+
+_PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option: the signal this process gets when its parent exits."""
+
+
+def stop_with_launcher(environ: Mapping[str, str] | None = None) -> bool:
+    """In a rank that torch's launcher started (``TORCHELASTIC_RUN_ID`` set), on Linux: a SIGTERM when the
+    launcher exits (Note [A rank outlives no launcher]). Returns whether it was asked for."""
+    env = os.environ if environ is None else environ
+    if not env.get("TORCHELASTIC_RUN_ID") or not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        asked = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        asked = False
+    if not asked:
+        logging.getLogger("slide.train").warning(
+            "cannot ask to stop with the launcher (prctl); a killed launcher leaves this rank running"
+        )
+        return False
+    if parent == 1 or os.getppid() != parent:  # the launcher was gone already (this rank was re-parented)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 @contextlib.contextmanager

@@ -68,7 +68,7 @@ from slide_hf.errors import Interrupted, RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
 from slide_hf.in_step_rates import InStepMeter, learn_rates
 from slide_hf.init_from import InitPoint, init_point, init_record, load_initial_master, restore_adam_state
-from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run
+from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run, stop_with_launcher
 from slide_hf.model_checkpoint import load_best_for_export, read_best
 from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.plan_check import PlanCheck
@@ -156,6 +156,7 @@ def train(
 
     The output directory is this run's alone while it runs (slide_hf/run_dir.py): locked, refused when it
     holds another run unless resuming or ``overwrite``, and a resumed run defaults to its own directory."""
+    stop_with_launcher()  # a launched rank stops when its launcher is gone (Note [A rank outlives no launcher])
     group = _process_group(cfg)
     cfg.validate(group.world_size)  # the options' rules for this many processes (slide_hf/options/validate.py)
     _check_reporting(cfg, group)  # trackers and the Hub: refused before any data is read
