@@ -349,6 +349,11 @@ def check_bench(outcome: Outcome, result: dict[str, Any], s: Settings) -> None:
     outcome.facts["tokens_per_s"] = slide["tokens_per_s"]
     outcome.facts["resident_units"] = slide["resident_units"]
     outcome.facts["attention"] = slide.get("attention")
+    linear = slide.get("linear_attention")  # which delta-rule path the linear-attention layers ran, if any
+    outcome.facts["linear_attention"] = linear
+    if outcome.row.needs_fla and s.device != "cpu" and not (linear or "").startswith("flash-linear-attention"):
+        # a "+fla" row that ran the torch path measured nothing of what it names (fla's kernels are CUDA only)
+        outcome.fail(f"flash-linear-attention did not run: linear attention {linear!r}")
     if s.device != "cpu":
         check_peak(outcome, "gpu", slide["gpu_peak_gib"], slide["planned_gpu_peak_gib"], GPU_SLACK)
     if not s.in_process:
