@@ -64,7 +64,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     run alone at the end while the other worker idles. The units go longest first instead, as far as the
     controller can tell from the source: the module groups (xdist's order, largest first), then the single
     tests marked ``slow`` (``@pytest.mark.slow`` on the test function), then the rest, each in collection
-    order. The fast single tests then even out the end of the run."""
+    order. The fast single tests then even out the end of the run.
+
+    Note [One worker launches the ranks]: the modules that launch several processes (``launch_ranks``, or
+    `slide train --nproc-per-node 2` run as a subprocess) are one unit, run by one worker one after another,
+    while the other worker runs the tests that stay in one process. Two launches at once put 4 to 6 processes
+    on 2 cores, and ranks that wait for each other in a collective then wait for a core as well: a 2-rank
+    run took 2 to 3 times as long beside another launch as beside a single-process test."""
     if config.getvalue("dist") != "loadgroup":
         return None
     import re
@@ -79,6 +85,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             super().__init__(config, log)
             self.shares_a_module_fixture: dict[str, bool] = {}
             self.slow_tests: dict[str, set[str]] = {}
+            self.launches_ranks: dict[str, bool] = {}
             self.ordered = False
 
         def _read(self, module: str) -> None:
@@ -86,6 +93,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             text = source.read_text(encoding="utf-8") if source.is_file() else ""
             self.shares_a_module_fixture[module] = 'scope="module"' in text
             self.slow_tests[module] = set(slow_mark.findall(text))
+            self.launches_ranks[module] = "launch_ranks(" in text or (
+                '"--nproc-per-node", "2"' in text and "subprocess.run(" in text
+            )
 
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
@@ -94,6 +104,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             module = nodeid.split("::", 1)[0]
             if module not in self.shares_a_module_fixture:
                 self._read(module)
+            if self.launches_ranks[module]:  # Note [One worker launches the ranks]
+                return "ranks launched"
             return module if self.shares_a_module_fixture[module] else nodeid
 
         def _priority(self, scope: str, tests: dict[str, bool]) -> int:

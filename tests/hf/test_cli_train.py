@@ -258,6 +258,12 @@ def test_lr_schedule_and_warmup(slide, tmp_path, schedule, warmup, expected):
     assert [r["lr"] for r in records] == pytest.approx([0.004 * f for f in expected], abs=1e-12)
 
 
+@pytest.fixture(scope="module")
+def base_trajectory() -> dict[str, list[float]]:
+    """The losses of the run without the flag, which every case of the next test compares with (one run)."""
+    return {}
+
+
 @pytest.mark.parametrize(
     ("flag", "value"),
     [
@@ -268,9 +274,11 @@ def test_lr_schedule_and_warmup(slide, tmp_path, schedule, warmup, expected):
         ("--adam-eps", "0.001"),
     ],
 )
-def test_optimizer_options_change_the_trajectory(slide, tmp_path, flag, value):
+def test_optimizer_options_change_the_trajectory(slide, tmp_path, flag, value, base_trajectory):
     # Adam's first update is lr * sign(g) whatever the betas; the third loss sees two updates.
-    base = _losses(_run(slide, tmp_path / "base", "--steps", "3", "--lr-schedule", "constant"))
+    if "losses" not in base_trajectory:  # the same run for every flag: run by the first case, read by the rest
+        base_trajectory["losses"] = _losses(_run(slide, tmp_path / "base", "--steps", "3", "--lr-schedule", "constant"))
+    base = base_trajectory["losses"]
     other = _losses(_run(slide, tmp_path / "other", "--steps", "3", "--lr-schedule", "constant", flag, value))
     assert other[0] == base[0]  # the same initial weights and batch
     assert other[2] != base[2]

@@ -108,18 +108,26 @@ def two_ranks(tmp_path_factory) -> Path:
     return dp
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The same run in one plain process (no launcher's variables) at the same global batch, 2 rows per step:
+    what the 2-process run and the 1-process run under torchrun are compared with (one run serves both)."""
+    one = tmp_path_factory.mktemp("one") / "run"
+    ((code, err),) = _slide_train(one, batch_size=2, world_size=1)
+    assert code == 0, err[-3000:]
+    return one
+
+
 def _weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "model" / "model.safetensors"))
 
 
 @pytest.mark.slow
-def test_slide_train_in_two_processes_matches_one_process(two_ranks: Path, tmp_path: Path) -> None:
+def test_slide_train_in_two_processes_matches_one_process(two_ranks: Path, one_process: Path) -> None:
     """Two ranks with 1 row each train exactly what one process does with 2 rows: the same per-step
     losses and the same exported weights; rank 0 alone writes the run's files, and every rank its shards
     into each checkpoint's step directory, beside the manifest."""
-    ((code, err),) = _slide_train(tmp_path / "one", batch_size=2, world_size=1)
-    assert code == 0, err[-3000:]
-    dp, one = two_ranks, tmp_path / "one"
+    dp, one = two_ranks, one_process
     want = _losses(one)
     assert len(want) == STEPS
     assert _losses(dp) == pytest.approx(want, rel=1e-5)
@@ -144,15 +152,13 @@ def test_slide_train_in_two_processes_matches_one_process(two_ranks: Path, tmp_p
 
 
 @pytest.mark.slow
-def test_one_process_under_torchrun_runs_the_collective_path(tmp_path: Path) -> None:
+def test_one_process_under_torchrun_runs_the_collective_path(one_process: Path, tmp_path: Path) -> None:
     """torchrun with one process (its variables set, WORLD_SIZE=1) opens a group and runs the sharded path
     with one shard per unit (Note [One rank under torchrun]): the same losses and exported weights as the
     plain single process, and the same checkpoint layout (a manifest and one shard of every unit whole)."""
-    ((code, err),) = _slide_train(tmp_path / "plain", 2, 1)
-    assert code == 0, err[-3000:]
     ((code, err),) = _slide_train(tmp_path / "launched", 2, 1, launched=True)
     assert code == 0, err[-3000:]
-    plain, launched = tmp_path / "plain", tmp_path / "launched"
+    plain, launched = one_process, tmp_path / "launched"
     assert _losses(launched) == pytest.approx(_losses(plain), rel=1e-6)
     want, got = _weights(plain), _weights(launched)
     for name, tensor in want.items():
