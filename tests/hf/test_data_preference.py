@@ -180,3 +180,76 @@ def test_tags_round_trip() -> None:
     assert completions.tolist() == [-1, 9, 9, -1, 9]
     assert int(tagged[1]) >> PAIR_TAG_SHIFT == 10
     assert pair_count(tagged) == 1  # completion 9 is pair 4's rejected
+
+
+def _numbered_pairs(first: int, count: int) -> list[dict[str, Any]]:
+    return [
+        {"prompt": f"Question {i}?", "chosen": f"Answer {i}.", "rejected": f"No answer {i}, sorry."}
+        for i in range(first, first + count)
+    ]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_several_sources_are_prepared_in_order_each_a_part_numbered_across_all(
+    tmp_path: Path, tokenizer: Any, packing: bool
+) -> None:
+    """`--data a --data b` with an objective: each source's pairs in rows of their own (no row holds two
+    sources' pairs), one part each for --data-weights, and the completions numbered across both, so the
+    rows equal one file's wherever no packed row would have crossed the boundary."""
+    whole = _write(tmp_path / "all.jsonl", *_numbered_pairs(0, 7))
+    first = _write(tmp_path / "a.jsonl", *_numbered_pairs(0, 3))
+    second = _write(tmp_path / "b.jsonl", *_numbered_pairs(3, 4))
+    options = DataOptions(seq_len=SEQ, packing=packing)
+    one, two = load_pairs(whole, tokenizer, options), load_pairs((first, second), tokenizer, options)
+    assert [(p.name, p.examples) for p in two.parts] == [(str(first), 3), (str(second), 4)]
+    assert two.parts[0].first_row == 0 and two.parts[1].first_row == two.parts[0].rows
+    assert sum(p.rows for p in two.parts) == two.stats.rows and two.stats.examples == 7
+    assert two.source == f"{first} + {second}"
+    _, completions = decode_tags(two.labels)
+    assert set(completions[completions >= 0].tolist()) == set(range(14))  # one number per completion
+    for row in range(two.parts[0].rows, two.stats.rows):  # the second source's rows hold its pairs alone
+        _, tags = decode_tags(two.labels[row])
+        assert tags[tags >= 0].min() >= 2 * 3
+    if not packing:  # one pair a row: the same rows as the one file's, bit for bit
+        assert torch.equal(one.input_ids, two.input_ids) and torch.equal(one.labels, two.labels)
+        assert one.digest == two.digest
+    shown = preview_pairs((first, second), tokenizer, options, 4)  # the first pairs of each in turn
+    assert len(shown) == 4
+
+
+def test_a_source_without_pairs_is_refused_by_name(tmp_path: Path, tokenizer: Any) -> None:
+    good = _write(tmp_path / "a.jsonl", GOOD)
+    empty = _write(tmp_path / "empty.jsonl")
+    with pytest.raises(UserError, match=r"empty\.jsonl holds no preference pair"):
+        load_pairs((good, empty), tokenizer, DataOptions(seq_len=SEQ))
+
+
+@pytest.mark.slow
+def test_dpo_on_several_sources_trains_as_on_their_concatenation(tmp_path: Path, model_dir: Path) -> None:
+    """One pair a row, in order: two --data files give the one file's run, weights bit for bit; with
+    --data-weights the run samples the parts and trains with finite losses."""
+    from safetensors.torch import load_file
+
+    import slide_hf
+
+    whole = _write(tmp_path / "all.jsonl", *_numbered_pairs(0, 8))
+    first = _write(tmp_path / "a.jsonl", *_numbered_pairs(0, 3))
+    second = _write(tmp_path / "b.jsonl", *_numbered_pairs(3, 5))
+    common = dict(
+        objective="dpo", device="cpu", dtype="float32", seq_len=SEQ, batch_size=2, steps=3, no_shuffle=True,
+        packing=False, lr=1e-3, save_dtype="float32", keep_checkpoints=0,
+    )  # fmt: skip
+
+    def run(name: str, data: Any, **more: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+        records: list[dict[str, Any]] = []
+        slide_hf.train(model_dir, data=data, output=tmp_path / name, on_step=records.append, **common, **more)
+        files = sorted((tmp_path / name / "model").glob("*.safetensors"))
+        return [r["loss"] for r in records], {k: v for f in files for k, v in load_file(f).items()}
+
+    losses_one, weights_one = run("one", whole)
+    losses_two, weights_two = run("two", [first, second])
+    assert losses_two == losses_one
+    assert weights_two.keys() == weights_one.keys()
+    assert all(torch.equal(weights_two[k], weights_one[k]) for k in weights_one)
+    losses, _ = run("weighted", [first, second], data_weights=[1, 3])
+    assert len(losses) == 3 and all(np.isfinite(losses))

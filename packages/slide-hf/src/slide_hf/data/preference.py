@@ -209,58 +209,77 @@ def _pairs(source: Any, tokenizer: Any, options: DataOptions, count: int | None 
         yield encoder.encode(parse_pair(record))
 
 
+def _sources(source: Any) -> tuple[Any, ...]:
+    """``--data`` as a tuple of sources: one, or several (each prepared on its own, in order)."""
+    return tuple(source) if isinstance(source, tuple | list) else (source,)
+
+
 def preview_pairs(source: Any, tokenizer: Any, options: DataOptions, count: int) -> list[EncodedPair]:
-    """The first ``count`` pairs as trained, for `slide data --objective dpo`."""
-    return list(_pairs(source, tokenizer, options, count))
+    """The first ``count`` pairs as trained, for `slide data --objective dpo`; of several sources, the first
+    pairs of each in turn until ``count`` are shown."""
+    sources = _sources(source)
+    share = -(-count // len(sources))
+    shown: list[EncodedPair] = []
+    for one in sources:
+        shown += _pairs(one, tokenizer, options, min(share, count - len(shown)))
+    return shown
 
 
 def load_pairs(source: Any, tokenizer: Any, options: DataOptions) -> Dataset:
     """Every pair of ``source`` in rows (see the module docstring); ``stats.examples`` counts the pairs,
     ``stats.truncated_examples`` those cut to the limit. Prepared in memory: a pair's two sequences are a
-    few thousand tokens, and the rows are what the reference pass and every step read."""
+    few thousand tokens, and the rows are what the reference pass and every step read. Several sources
+    (``--data`` repeated) are prepared one after another, as training text is: no row holds pairs of two
+    sources, each source is a part of its own (which ``--data-weights`` samples), and the pairs are
+    numbered across all of them, so each completion keeps one number for its reference log-probability."""
     if source is None:
         raise UserError(f"{option('objective')} dpo and simpo train on pairs: pass {option('data')} FILE")
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
-    used = options.seq_len
-    pairs = truncated = tokens = loss_tokens = 0
-    for number, pair in enumerate(_pairs(source, tokenizer, options)):
-        documents = [
-            (ids, tag_labels(labels, 2 * number + side)) for side, (ids, labels) in enumerate(pair.sequences())
-        ]
-        if not options.packing or used + pair.tokens > options.seq_len:
-            rows.append([])
-            used = 0
-        rows[-1] += documents
-        used += pair.tokens
-        pairs += 1
-        truncated += pair.truncated
-        tokens += pair.tokens
-        loss_tokens += sum(int((labels != IGNORE).sum()) for _, labels in pair.sequences())
-    if not pairs:
-        raise UserError(f"{source} holds no preference pair")
+    parts: list[SourcePart] = []
+    pairs = truncated = 0
+    for one in _sources(source):
+        first_row, used = len(rows), options.seq_len  # a source starts a row of its own
+        count = tokens = loss_tokens = 0
+        for pair in _pairs(one, tokenizer, options):
+            documents = [
+                (ids, tag_labels(labels, 2 * pairs + side)) for side, (ids, labels) in enumerate(pair.sequences())
+            ]
+            if not options.packing or used + pair.tokens > options.seq_len:
+                rows.append([])
+                used = 0
+            rows[-1] += documents
+            used += pair.tokens
+            pairs += 1
+            count += 1
+            truncated += pair.truncated
+            tokens += pair.tokens
+            loss_tokens += sum(int((labels != IGNORE).sum()) for _, labels in pair.sequences())
+        if not count:
+            raise UserError(f"{one} holds no preference pair")
+        parts.append(SourcePart(str(one), first_row, len(rows) - first_row, count, tokens, loss_tokens))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     input_ids, labels, positions = _fill(rows, options.seq_len, pad)
     digest = hashlib.sha256()
     for array in (input_ids, labels, positions):
         digest.update(array.tobytes())
     cells = len(rows) * options.seq_len
+    all_tokens = sum(part.tokens for part in parts)
     stats = DataStats(
         examples=pairs,
         rows=len(rows),
-        tokens=tokens,
-        loss_tokens=loss_tokens,
-        padding_fraction=(cells - tokens) / cells,
+        tokens=all_tokens,
+        loss_tokens=sum(part.loss_tokens for part in parts),
+        padding_fraction=(cells - all_tokens) / cells,
         truncated_examples=truncated,
         skipped_examples=0,
     )
-    name = str(source)
     return Dataset(
         torch.from_numpy(input_ids),
         torch.from_numpy(labels),
         torch.from_numpy(positions),
-        name,
+        " + ".join(part.name for part in parts),
         stats,
-        (SourcePart(name, 0, len(rows), pairs, tokens, loss_tokens),),
+        tuple(parts),
         digest.hexdigest(),
     )
 

@@ -208,14 +208,6 @@ def _preference_is_one_process(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-def _preference_is_one_source(cfg: TrainConfig, world_size: int) -> None:
-    if cfg.preference and isinstance(cfg.data, tuple):
-        raise UserError(
-            f"{option('objective', cfg.objective.value)} trains on one {option('data')} source of pairs; got "
-            f"{len(cfg.data)}"
-        )
-
-
 CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule(("lr", "weight_decay"), _weight_decay),
     CrossRule(("eval_data", "eval_fraction"), _one_eval_source),
@@ -251,7 +243,6 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     _preference_option("label_smoothing", ("dpo", "simpo"), lambda cfg: cfg.label_smoothing > 0),
     _preference_option("ref_model", ("dpo",), lambda cfg: cfg.ref_model is not None),
     CrossRule(("label_smoothing", "dpo_loss", "objective"), _smoothing_is_not_ipo),
-    CrossRule(("data", "objective"), _preference_is_one_source),
     CrossRule(("objective",), _preference_is_one_process),
     _preference_without("train_on_inputs", "the loss is on each pair's completions alone"),
     _preference_without("eval_data", "the evaluation measures next-token loss"),
