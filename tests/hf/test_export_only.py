@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train_faults import terminate_while_exporting
 
 from slide_core.checkpoint import list_checkpoints, writer
 from slide_hf.cli.main import main
@@ -220,15 +221,9 @@ def test_sigterm_during_the_export_writes_a_checkpoint_in_its_place(
 ) -> None:
     import slide_hf.export as export_module
 
-    real = export_module.save_file
-
-    def terminated_while_writing(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's SIGTERM arrives mid-export
-        return real(*args, **kwargs)
-
     run = tmp_path / "run"
     with monkeypatch.context() as patch:
-        patch.setattr(export_module, "save_file", terminated_while_writing)
+        terminate_while_exporting(patch)
         assert main(["train", "--output", str(run), *RUN, *EXPORT_ONLY]) == 143
     line = _one_line(capsys)
     assert "error" not in line

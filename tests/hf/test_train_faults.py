@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -107,24 +109,26 @@ def test_full_disk_during_the_final_export_keeps_a_checkpoint_to_export_from(
     assert (run / "model" / "tokenizer.json").is_file()
 
 
-@pytest.mark.timeout(180)
-def test_sigterm_during_the_final_export_stops_cleanly_and_resume_finishes(
-    tmp_path: Path, monkeypatch, capsys, reference: Path
-) -> None:
-    import os
-    import signal
-
+def terminate_while_exporting(patch: pytest.MonkeyPatch) -> None:
+    """Within ``patch``: the scheduler's SIGTERM arrives as the export writes its first shard."""
     import slide_hf.export as export_module
 
     real = export_module.save_file
 
     def terminated_while_writing(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's SIGTERM arrives mid-export
+        os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
 
+    patch.setattr(export_module, "save_file", terminated_while_writing)
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_during_the_final_export_stops_cleanly_and_resume_finishes(
+    tmp_path: Path, monkeypatch, capsys, reference: Path
+) -> None:
     run = tmp_path / "run"
     with monkeypatch.context() as patch:
-        patch.setattr(export_module, "save_file", terminated_while_writing)
+        terminate_while_exporting(patch)
         assert main(["train", "--output", str(run), *RUN]) == 143
     line = _one_line(capsys)
     assert "error" not in line

@@ -47,7 +47,7 @@ from .slot_loader import SlotLoader
 from .slots import SlotWindow
 from .workers import Workers
 
-__all__ = ["EvalResult", "Evaluation"]
+__all__ = ["MAX_EVAL_GROUP", "EvalResult", "Evaluation", "eval_group_size"]
 
 
 @dataclass(frozen=True)
@@ -120,11 +120,19 @@ class Evaluation:
         width = model.activation_width() or _hidden_width(model)
         per_batch = int(first.input_ids.numel()) * width * itemsize + inputs_bytes
         room = max((block.layout.param_numel for block in model.blocks), default=0) * itemsize
-        return max(1, min(len(batches), MAX_EVAL_GROUP, 1 + room // max(per_batch, 1)))
+        return min(len(batches), eval_group_size(per_batch, room))
 
 
 MAX_EVAL_GROUP = 8
 """Micro-batches per group at most: past a few, each unit's load is a small share of its compute already."""
+
+
+def eval_group_size(per_batch_bytes: int, block_bytes: int) -> int:
+    """Micro-batches an evaluation carries through each unit per load (Note [Evaluation by groups]): one,
+    and as many more as ``block_bytes`` (the largest block's weights in the compute dtype) holds of
+    ``per_batch_bytes`` (one micro-batch's activation and side inputs), at most :data:`MAX_EVAL_GROUP`. The
+    planner prices the reference pass with the same rule."""
+    return max(1, min(MAX_EVAL_GROUP, 1 + block_bytes // max(per_batch_bytes, 1)))
 
 
 def _hidden_width(model: SlideModel) -> int:

@@ -58,6 +58,7 @@ __all__ = [
     "load_split",
     "open_source",
     "preview",
+    "source_list",
 ]
 
 DataSource = str | Path | None | Sequence[str | Path]
@@ -142,7 +143,8 @@ def open_source(source: str | Path | None, *, max_record_bytes: int = DEFAULT_MA
     raise UserError(f"data file {path} does not exist")
 
 
-def _sources(source: DataSource) -> list[str | Path | None]:
+def source_list(source: DataSource) -> list[str | Path | None]:
+    """``--data`` as a list of sources: one (None: the bundled text), or several, in order."""
     if isinstance(source, str | Path) or source is None:
         return [source]
     sources: list[str | Path | None] = list(source)
@@ -152,7 +154,7 @@ def _sources(source: DataSource) -> list[str | Path | None]:
 
 
 def _open_all(source: DataSource, options: DataOptions) -> list[Source]:
-    return [open_source(one, max_record_bytes=options.max_record_bytes) for one in _sources(source)]
+    return [open_source(one, max_record_bytes=options.max_record_bytes) for one in source_list(source)]
 
 
 def load_dataset(source: DataSource, tokenizer: Any, options: DataOptions, *, cache_dir: Path | None = None) -> Dataset:

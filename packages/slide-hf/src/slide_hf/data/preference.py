@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from slide_hf.data.chat import ChatEncoder
-from slide_hf.data.dataset import Dataset, DataStats, SourcePart, open_source
+from slide_hf.data.dataset import Dataset, DataStats, SourcePart, open_source, source_list
 from slide_hf.data.options import IGNORE, DataOptions
 from slide_hf.data.readers import Record
 from slide_hf.data.schemas import ChatExample, _content, _messages, _type
@@ -209,15 +209,10 @@ def _pairs(source: Any, tokenizer: Any, options: DataOptions, count: int | None 
         yield encoder.encode(parse_pair(record))
 
 
-def _sources(source: Any) -> tuple[Any, ...]:
-    """``--data`` as a tuple of sources: one, or several (each prepared on its own, in order)."""
-    return tuple(source) if isinstance(source, tuple | list) else (source,)
-
-
 def preview_pairs(source: Any, tokenizer: Any, options: DataOptions, count: int) -> list[EncodedPair]:
     """The first ``count`` pairs as trained, for `slide data --objective dpo`; of several sources, the first
     pairs of each in turn until ``count`` are shown."""
-    sources = _sources(source)
+    sources = source_list(source)
     share = -(-count // len(sources))
     shown: list[EncodedPair] = []
     for one in sources:
@@ -237,7 +232,7 @@ def load_pairs(source: Any, tokenizer: Any, options: DataOptions) -> Dataset:
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
     parts: list[SourcePart] = []
     pairs = truncated = 0
-    for one in _sources(source):
+    for one in source_list(source):
         first_row, used = len(rows), options.seq_len  # a source starts a row of its own
         count = tokens = loss_tokens = 0
         for pair in _pairs(one, tokenizer, options):

@@ -51,7 +51,8 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
 
     costs = unit_costs(shape, inputs)
     placements = {cost.name: placement_of(cost.name, inputs) for cost in costs}
-    resources = resource_times(fixed_times(shape, inputs, compute_s, disk_s), costs, placements)
+    fixed = fixed_times(shape, inputs, compute_s, disk_s)
+    resources = resource_times(fixed, costs, placements)
     pcie_s = max(resources["pcie h2d"], resources["pcie d2h"], resources["pcie duplex"])
     update_s = max(resources["cpu"], resources["host memory"])
     binding = max(resources, key=resources.__getitem__)  # the resource whose line is the largest
@@ -59,7 +60,7 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     clipped_s = None
     if inputs.clipping:  # Note [Deferred steps] in step_schedule.py: a step after one that clipped
         deferred = {name: "host" if where == "streamed" else where for name, where in placements.items()}
-        deferred_resources = resource_times(fixed_times(shape, inputs, compute_s, disk_s), costs, deferred)
+        deferred_resources = resource_times(fixed, costs, deferred)
         clipped_s = max(scheduled_step_s(shape, inputs, costs, deferred, deferred=True), *deferred_resources.values())
     # What the backward must hide: the host-updated units' gradients going out and their updates.
     d2h_s = sum(cost.host["pcie d2h"] for cost in costs if placements[cost.name] == "host")
@@ -120,16 +121,15 @@ def _reference_step_s(
 
 
 def eval_group_size(shape: ModelShape, inputs: PlanInputs) -> int:
-    """Micro-batches an evaluation (DPO's reference pass too) carries through each unit per load, as the
-    engine chooses them (Note [Evaluation by groups] in slide_core/engine/evaluation.py): beyond the first,
-    as many activations as fit in one block's weights in the compute dtype, at most ``MAX_EVAL_GROUP``. The
-    side inputs (rotary tables, masks) are left out here, so this is the engine's group or a little more."""
-    from slide_core.engine.evaluation import MAX_EVAL_GROUP
+    """Micro-batches an evaluation (DPO's reference pass too) carries through each unit per load, by the
+    engine's rule (:func:`slide_core.engine.evaluation.eval_group_size`). The side inputs (rotary tables,
+    masks) are left out here, so this is the engine's group or a little more."""
+    from slide_core.engine.evaluation import eval_group_size as engine_rule
 
     d = inputs.compute_dtype_bytes
     per_batch = inputs.batch_size * inputs.seq_len * shape.activation_width * d
     largest_block = max((shape.named_numels[name] for name in shape.block_names), default=0)
-    return max(1, min(MAX_EVAL_GROUP, 1 + largest_block * d // max(per_batch, 1)))
+    return engine_rule(per_batch, largest_block * d)
 
 
 def scheduled_step_s(
