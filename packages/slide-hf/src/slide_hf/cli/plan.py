@@ -131,9 +131,10 @@ def run(args: argparse.Namespace) -> int:
     distributed = args.nproc_per_node * args.nnodes > 1
     placement = cfg.update_placement.value
     check_update_placement(inputs, placement)  # as `slide train` refuses it, distributed or not
-    if (gpu_cap is None or plan.gpu_peak_bytes <= gpu_cap) and not distributed:
-        # spare GPU memory holds whole units (master + Adam state), then the updates streamed to the GPU
-        plan = plan_with_placement(inputs, placement, replaceable=True)  # as one `slide train` process places
+    if gpu_cap is None or plan.gpu_peak_bytes <= gpu_cap:
+        # spare GPU memory holds whole units (master + Adam state), then the updates streamed to the GPU, as
+        # each `slide train` rank places them; only a one-process run may move units between steps
+        plan = plan_with_placement(inputs, placement, replaceable=not distributed)
     dp = _data_parallel(plan, args) if distributed else None
     outputs = _output_disk(model, cfg)
     problem = _positions_problem(model, seq_len)
@@ -401,7 +402,8 @@ def render(
             _row(
                 "  reference pass",
                 f"{plan.reference_step_s:.3g} s",
-                "per step's worth of pairs, once before the first step (--objective dpo: a forward of each pair)",
+                "per step's worth of pairs, once before the first step (--objective dpo: a forward of each pair, "
+                "held-out pairs at the same rate)",
             )
         )
     if rates_source is not None:

@@ -118,9 +118,9 @@ def _host_hint(inputs: PlanInputs, shape: ModelShape, available: int) -> str:
     for flag, change in steps:
         flags.append(flag)
         changes.update(change)
-        if _host_peak(shape, dataclasses.replace(inputs, **changes)) <= available:
+        if _host_peak(shape, _trial(inputs, **changes)) <= available:
             return "try " + " ".join(flags)
-    trial = dataclasses.replace(inputs, **changes)
+    trial = _trial(inputs, **changes)
     best, _ = largest_batch(trial, gpu_cap=None, host_cap=available, shape=shape)
     if best and best < inputs.batch_size:
         return "try " + " ".join([*flags, f"{option('batch_size')} {best}"])
@@ -145,6 +145,19 @@ def _compact_state_that_fits(inputs: PlanInputs, shape: ModelShape, available: i
     return None
 
 
+def _trial(inputs: PlanInputs, **changes: Any) -> PlanInputs:
+    """``inputs`` with a hint's ``changes``, as the run they suggest would place it: a unit whose Adam state
+    the change moves to NVMe is no longer one the run may move to the GPU-streamed update (a streamed unit
+    keeps its state in RAM; ``UnitCost.can_stream``)."""
+    trial = dataclasses.replace(inputs, **changes)
+    on_tier = set(trial.offloaded_units)
+    if on_tier & set(trial.streamable_units):
+        trial = dataclasses.replace(
+            trial, streamable_units=tuple(n for n in trial.streamable_units if n not in on_tier)
+        )
+    return trial
+
+
 def _smallest_nvme_fraction(inputs: PlanInputs, shape: ModelShape, available: int) -> float | None:
     """The smallest ``--nvme-fraction`` (in steps of 0.05) whose host peak fits, or None: each unit's
     Adam state moved to NVMe costs disk time every step, so the hint moves no more than needed."""
@@ -152,7 +165,6 @@ def _smallest_nvme_fraction(inputs: PlanInputs, shape: ModelShape, available: in
         fraction = twentieths / 20
         if inputs.offload_optimizer == "nvme" and fraction <= inputs.nvme_fraction:
             continue
-        trial = dataclasses.replace(inputs, offload_optimizer="nvme", nvme_fraction=fraction)
-        if _host_peak(shape, trial) <= available:
+        if _host_peak(shape, _trial(inputs, offload_optimizer="nvme", nvme_fraction=fraction)) <= available:
             return fraction
     return None
