@@ -27,7 +27,6 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
     "smoothing of a half": ({"objective": "dpo", "label_smoothing": 0.5}, "--label-smoothing must be"),
     "beta of zero": ({"objective": "dpo", "beta": 0.0}, "--beta must be"),
     "unknown objective": ({"objective": "orpo"}, "--objective must be"),
-    "evaluation": ({"objective": "dpo", "eval_fraction": 0.1}, "--eval-fraction does not run with --objective dpo"),
     "inputs trained": ({"objective": "simpo", "train_on_inputs": True}, "--train-on-inputs does not run with"),
 }
 

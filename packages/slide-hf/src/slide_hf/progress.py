@@ -161,10 +161,13 @@ class Progress:
         return fit_fields([("step", f"{step}/{self.total_steps}"), *fields], room)
 
     def evaluation(self, record: dict[str, Any]) -> None:
-        """One evaluation's line (always logged: it is what a user compares checkpoints by)."""
-        line = (
-            f"eval at step {record['step']}: eval_loss {record['eval_loss']:.4f}  perplexity {record['perplexity']:.4g}"
-        )
+        """One evaluation's line (always logged: it is what a user compares checkpoints by): SFT's with its
+        perplexity, a preference run's with its held-out pairs' reward accuracy and margin."""
+        line = f"eval at step {record['step']}: eval_loss {record['eval_loss']:.4f}"
+        if record.get("perplexity") is not None:
+            line += f"  perplexity {record['perplexity']:.4g}"
+        if record.get("eval_rewards/accuracies") is not None:  # a preference run (docs/preference.md)
+            line += f"  reward acc {record['eval_rewards/accuracies']:.2f}  margin {record['eval_rewards/margins']:.3g}"
         log.info(line)  # as every other line: no timestamp or source link, and once (the live bar stays below)
 
 

@@ -74,7 +74,10 @@ from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_
 from slide_hf.plan_check import PlanCheck
 from slide_hf.planner import output_disk as disk
 from slide_hf.preference.run import (
+    PreferenceObjective,
     attach_objective,
+    eval_metrics,
+    evaluation_scope,
     load_preference_data,
     needs_reference_pass,
     preference_metrics,
@@ -205,7 +208,8 @@ def _train(
         only = cfg.init_weights_only
         init = init_point(cfg.init_from, model.slide_model, weights_only=only, state_format=cfg.optimizer_state.value)
     data = _setup_data_once(cfg, model, run_dir.path, group, resumed)
-    preference = attach_objective(cfg, model.slide_model, data.dataset)  # None for SFT (docs/preference.md)
+    # None for SFT (docs/preference.md); a head for the training pairs, and one for the held-out pairs
+    preference = attach_objective(cfg, model.slide_model, data.dataset, data.eval_set)
     optimizer = _setup_optimizer(cfg, options)
     if main:
         disk.check_output_disk(run_dir.path, _output_disk(cfg, model, optimizer, data.total_steps))
@@ -221,13 +225,13 @@ def _train(
             tokenizer_dir = _save_tokenizer(model.tokenizer, model.config, run_dir.path, model.model_dir)
             run_dir.record_outputs()  # what --overwrite may remove later (slide_hf/run_files.py)
         cache = run_dir.path / DATA_CACHE
-        if cfg.ref_model is not None and needs_reference_pass(cfg, preference, data.dataset, cache, model.model_dir):
+        if cfg.ref_model is not None and needs_reference_pass(cfg, preference, cache, model.model_dir):
             # DPO's reference pass on --ref-model: its own weights and engine, closed before training starts
             assert preference is not None  # needs_reference_pass says so
             reference = _setup_weights(cfg, dataclasses.replace(model, model_dir=cfg.ref_model), optimizer, group)
             with _setup_engine(model, device, reference, optimizer, options, placement, run_dir, group) as ref_engine:
                 run_reference(
-                    cfg, preference, data.dataset, cache, model.model_dir, device.torch_device,
+                    cfg, preference, cache, model.model_dir, device.torch_device,
                     evaluate=ref_engine.evaluate, resumed=False,  # --ref-model's weights never change
                     planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device),
                 )  # fmt: skip
@@ -236,6 +240,7 @@ def _train(
         trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group)
         trainer.resumed = resumed
         trainer.init = init
+        trainer.objective = preference
         trainer.plan = placement.plan
         trainer.meter = InStepMeter(placement.plan)
         if Replacement.wanted(placement.plan):  # --update-placement auto, one process (slide_hf/replacement.py)
@@ -243,7 +248,7 @@ def _train(
         with trainer.stop, parts as engine:
             if preference is not None:  # DPO: the saved pass, or one now on the starting weights (the reference)
                 run_reference(
-                    cfg, preference, data.dataset, cache, model.model_dir, device.torch_device,
+                    cfg, preference, cache, model.model_dir, device.torch_device,
                     evaluate=engine.evaluate, resumed=resumed is not None,
                     planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device),
                 )  # fmt: skip
@@ -651,7 +656,9 @@ class _Trainer:
         }
         tokenizer = model.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.evaluator = _Evaluator(engine, data.eval_set, cfg.batch_size, group) if data.eval_set is not None else None
+        self.evaluator: _Evaluator | None = None
+        if data.eval_set is not None:  # exp of a preference run's pair loss is no perplexity
+            self.evaluator = _Evaluator(engine, data.eval_set, cfg.batch_size, group, perplexity=not cfg.preference)
         self.losses: list[float] = []
         self.best: dict[str, Any] = {}  # the published best (best.json), what pruning protects
         self.best_candidate: dict[str, Any] | None = None  # a better one whose checkpoint is not published yet
@@ -661,6 +668,7 @@ class _Trainer:
         self.saver = BackgroundSaver() if cfg.save_async and group.world_size == 1 else None
         self.resumed: tuple[Path, dict[str, Any]] | None = None  # the checkpoint and its state, when resuming
         self.init: InitPoint | None = None  # --init-from: the checkpoint this new run starts from
+        self.objective: PreferenceObjective | None = None  # DPO/SimPO: the heads of the training and held-out pairs
         self.steps_before = 0  # Adam steps before this run's first (--init-from): the engine counts them too
         self.progress: Progress | None = None
         self._process = psutil.Process()
@@ -784,7 +792,7 @@ class _Trainer:
         real_tokens = counted[0]
         self.stop.agree(counted[1:])
         # DPO/SimPO: TRL's rewards/* and logps/* (a CPU-GPU sync, once per step); nothing for SFT.
-        preference = preference_metrics(getattr(self.model.slide_model.head, "preference", None))
+        preference = preference_metrics(self.objective)
         if self.run_log is None:
             return
         record = {
@@ -831,7 +839,11 @@ class _Trainer:
     def evaluate(self, step: int) -> None:
         """Eval loss at ``step``; with --save-best, a new best is checkpointed and kept from pruning."""
         assert self.evaluator is not None
-        record = self.evaluator.run(step)
+        # DPO/SimPO: the held-out pairs' own head computes their loss (Note [A head per pair set]), and
+        # TRL's eval_rewards/* and eval_logps/* join the record.
+        with evaluation_scope(self.objective):
+            record = self.evaluator.run(step)
+        record |= eval_metrics(self.objective)
         if self.run_log is None:  # not rank 0: only the checkpoint below is every rank's
             if self.cfg.save_best and record["eval_loss"] < self.best.get("eval_loss", math.inf):
                 if self.last_saved != step:
@@ -1027,8 +1039,8 @@ def _load_data(cfg: TrainConfig, tokenizer: Any, options: DataOptions, cache_dir
     packing, so no document is in both; --eval-data is prepared with the same options."""
     from slide_hf.data.notes import each_note_once
 
-    if cfg.preference:  # pairs, kept together in rows (slide_hf/data/preference.py); no evaluation split
-        return load_preference_data(cfg, tokenizer, options), None
+    if cfg.preference:  # pairs, kept together in rows and split by pair (slide_hf/data/preference.py)
+        return load_preference_data(cfg, tokenizer, options)
     with each_note_once():  # a note on the template is said once for --data and --eval-data
         if cfg.eval_fraction > 0:
             return load_split(
@@ -1065,8 +1077,10 @@ class _Evaluator:
 
     GROUP = 64
 
-    def __init__(self, engine: Engine, rows: Any, batch_size: int, group: RunGroup) -> None:
+    def __init__(self, engine: Engine, rows: Any, batch_size: int, group: RunGroup, *, perplexity: bool = True) -> None:
         self.engine, self.rows, self.batch_size, self.group = engine, rows, batch_size, group
+        self.perplexity = perplexity
+        """Whether the record has the perplexity, exp of the mean token loss (SFT's)."""
 
     def _own_micro_batches(self) -> Iterator[Any]:
         rank, world_size = self.group.rank, self.group.world_size
@@ -1094,13 +1108,10 @@ class _Evaluator:
         self.group.sum_values(sums, list(sums), "the sum of the evaluation's losses", ready=_nothing)
         loss_sum, loss_tokens = sums["loss_sum"], int(sums["loss_tokens"])
         loss = loss_sum / loss_tokens if loss_tokens else math.nan
-        return {
-            "step": step,
-            "eval_loss": loss,
-            "perplexity": math.exp(min(loss, 700.0)),
-            "eval_loss_tokens": loss_tokens,
-            "eval_time_s": time.perf_counter() - began,
-        }
+        record: dict[str, Any] = {"step": step, "eval_loss": loss}
+        if self.perplexity:
+            record["perplexity"] = math.exp(min(loss, 700.0))
+        return record | {"eval_loss_tokens": loss_tokens, "eval_time_s": time.perf_counter() - began}
 
     def _add(self, group: list[Any], loss_sum: float, loss_tokens: int) -> tuple[float, int]:
         try:

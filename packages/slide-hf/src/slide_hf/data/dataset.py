@@ -54,6 +54,7 @@ __all__ = [
     "Dataset",
     "SourcePart",
     "dropped_reasoning_line",
+    "held_out",
     "load_dataset",
     "load_split",
     "open_source",
@@ -177,9 +178,9 @@ def load_split(
     ``eval``."""
     if not 0.0 < eval_fraction < 1.0:
         raise UserError(f"{option('eval_fraction')} must be between 0 and 1 (exclusive), got {eval_fraction}")
-    train, held_out = _prepare(source, tokenizer, options, cache_dir=cache_dir, eval_fraction=eval_fraction, seed=seed)
-    assert held_out is not None
-    return train, held_out
+    train, held = _prepare(source, tokenizer, options, cache_dir=cache_dir, eval_fraction=eval_fraction, seed=seed)
+    assert held is not None
+    return train, held
 
 
 def preview(source: DataSource, tokenizer: Any, options: DataOptions, count: int) -> list[EncodedRecord]:
@@ -396,8 +397,8 @@ def _build(
             examples = (parse_record(record, vocab_size=options.vocab_size) for record in reader.records())
             for record in encoder.encode(examples):
                 records += 1
-                held_out = eval_fraction > 0 and _held_out(seed, ordinal, record.index, eval_fraction)
-                splits["eval" if held_out else "train"].add(record)
+                to_eval = eval_fraction > 0 and held_out(seed, ordinal, record.index, eval_fraction)
+                splits["eval" if to_eval else "train"].add(record)
             for split in splits.values():
                 split.end_source(reader.name)
     except BaseException:
@@ -435,9 +436,10 @@ def _build(
     return meta
 
 
-def _held_out(seed: int, source: int, index: int, fraction: float) -> bool:
+def held_out(seed: int, source: int, index: int, fraction: float) -> bool:
     """Whether record ``index`` of the ``source``-th source is held out (the first source keys by the
-    record alone, as a single source always has, so its split does not change when sources are added)."""
+    record alone, as a single source always has, so its split does not change when sources are added).
+    Preference pairs are split by the same rule (slide_hf/data/preference.py), one record a pair."""
     key = f"{seed}:{index}" if source == 0 else f"{seed}:{source}:{index}"
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") < fraction * 2**64

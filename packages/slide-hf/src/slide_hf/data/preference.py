@@ -17,6 +17,10 @@ Rows: a pair's chosen sequence, then its rejected one, each a document of its ow
 no attention across them; each document's first label is ``IGNORE``). With packing, pairs fill rows in
 file order, a new row when the next pair does not fit; without, one pair per row. Labels carry which
 completion they belong to (Note [Tagged preference labels] in slide_hf/preference/tags.py).
+
+Held-out pairs (``--eval-data``, or ``--eval-fraction`` of ``--data`` split by whole records, as SFT splits
+them) are rows of their own, their pairs numbered from 0: the evaluation has a head of its own (Note [A
+head per pair set] in slide_hf/preference/run.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 import torch
 
 from slide_hf.data.chat import ChatEncoder
-from slide_hf.data.dataset import Dataset, DataStats, SourcePart, open_source, source_list
+from slide_hf.data.dataset import Dataset, DataStats, SourcePart, held_out, open_source, source_list
 from slide_hf.data.options import IGNORE, DataOptions
 from slide_hf.data.readers import Record
 from slide_hf.data.schemas import ChatExample, _content, _messages, _type
@@ -39,7 +43,15 @@ from slide_hf.errors import UserError
 from slide_hf.preference.tags import tag_labels
 from slide_hf.spelling import option
 
-__all__ = ["EncodedPair", "PairEncoder", "PairExample", "load_pairs", "parse_pair", "preview_pairs"]
+__all__ = [
+    "EncodedPair",
+    "PairEncoder",
+    "PairExample",
+    "load_pair_split",
+    "load_pairs",
+    "parse_pair",
+    "preview_pairs",
+]
 
 Turns = str | list[dict[str, Any]]
 
@@ -220,63 +232,123 @@ def preview_pairs(source: Any, tokenizer: Any, options: DataOptions, count: int)
     return shown
 
 
-def load_pairs(source: Any, tokenizer: Any, options: DataOptions) -> Dataset:
+def load_pairs(source: Any, tokenizer: Any, options: DataOptions, *, what: str = "data") -> Dataset:
     """Every pair of ``source`` in rows (see the module docstring); ``stats.examples`` counts the pairs,
     ``stats.truncated_examples`` those cut to the limit. Prepared in memory: a pair's two sequences are a
     few thousand tokens, and the rows are what the reference pass and every step read. Several sources
     (``--data`` repeated) are prepared one after another, as training text is: no row holds pairs of two
     sources, each source is a part of its own (which ``--data-weights`` samples), and the pairs are
-    numbered across all of them, so each completion keeps one number for its reference log-probability."""
+    numbered across all of them, so each completion keeps one number for its reference log-probability.
+    ``what``: the option that named ``source`` (``data``, ``eval_data``), for the messages."""
+    if source is None:
+        raise UserError(f"{option('objective')} dpo and simpo train on pairs: pass {option(what)} FILE")
+    rows = _PairRows(options)
+    for one in source_list(source):
+        for pair in _pairs(one, tokenizer, options):
+            rows.add(pair)
+        if not rows.end_source(str(one)):
+            raise UserError(f"{option(what)} {one} holds no preference pair")
+    return rows.dataset(tokenizer)
+
+
+def load_pair_split(
+    source: Any, tokenizer: Any, options: DataOptions, *, eval_fraction: float, seed: int
+) -> tuple[Dataset, Dataset]:
+    """``(train, eval)``: the pairs of ``source`` (as :func:`load_pairs` reads them) split as SFT splits
+    records (slide_hf/data/dataset.py's :func:`held_out`: about ``eval_fraction`` of each source's records,
+    chosen by ``seed``), one record a pair, so a pair's chosen and rejected are always on the same side.
+    Each side's pairs are numbered from 0 in their own rows: the training rows are those of a file holding
+    the training pairs alone. A split that leaves either side without a pair is one line."""
     if source is None:
         raise UserError(f"{option('objective')} dpo and simpo train on pairs: pass {option('data')} FILE")
-    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
-    parts: list[SourcePart] = []
-    pairs = truncated = 0
-    for one in source_list(source):
-        first_row, used = len(rows), options.seq_len  # a source starts a row of its own
-        count = tokens = loss_tokens = 0
-        for pair in _pairs(one, tokenizer, options):
-            documents = [
-                (ids, tag_labels(labels, 2 * pairs + side)) for side, (ids, labels) in enumerate(pair.sequences())
-            ]
-            if not options.packing or used + pair.tokens > options.seq_len:
-                rows.append([])
-                used = 0
-            rows[-1] += documents
-            used += pair.tokens
-            pairs += 1
+    train, held = _PairRows(options), _PairRows(options)
+    for ordinal, one in enumerate(source_list(source)):
+        count = 0
+        for index, pair in enumerate(_pairs(one, tokenizer, options)):
+            (held if held_out(seed, ordinal, index, eval_fraction) else train).add(pair)
             count += 1
-            truncated += pair.truncated
-            tokens += pair.tokens
-            loss_tokens += sum(int((labels != IGNORE).sum()) for _, labels in pair.sequences())
+        trained = train.end_source(str(one))
+        held.end_source(str(one))
         if not count:
-            raise UserError(f"{one} holds no preference pair")
-        parts.append(SourcePart(str(one), first_row, len(rows) - first_row, count, tokens, loss_tokens))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    input_ids, labels, positions = _fill(rows, options.seq_len, pad)
-    digest = hashlib.sha256()
-    for array in (input_ids, labels, positions):
-        digest.update(array.tobytes())
-    cells = len(rows) * options.seq_len
-    all_tokens = sum(part.tokens for part in parts)
-    stats = DataStats(
-        examples=pairs,
-        rows=len(rows),
-        tokens=all_tokens,
-        loss_tokens=sum(part.loss_tokens for part in parts),
-        padding_fraction=(cells - all_tokens) / cells,
-        truncated_examples=truncated,
-        skipped_examples=0,
-    )
-    return Dataset(
-        torch.from_numpy(input_ids),
-        torch.from_numpy(labels),
-        torch.from_numpy(positions),
-        " + ".join(part.name for part in parts),
-        stats,
-        tuple(parts),
-        digest.hexdigest(),
-    )
+            raise UserError(f"{option('data')} {one} holds no preference pair")
+        if not trained:
+            raise UserError(
+                f"{option('eval_fraction')} {eval_fraction} holds out all {count} pair(s) of {one}, leaving none "
+                "to train; lower it"
+            )
+    if not held.pairs:
+        raise UserError(
+            f"{option('eval_fraction')} {eval_fraction} holds out none of the {train.pairs} pair(s) of "
+            f"{' + '.join(map(str, source_list(source)))}; raise it"
+        )
+    return train.dataset(tokenizer), held.dataset(tokenizer, suffix=" (eval split)")
+
+
+class _PairRows:
+    """Rows of pairs under construction, in the order they are added: a pair's two sequences side by side
+    in one row (packed, or one pair a row), a new row at each source, completions numbered from 0."""
+
+    def __init__(self, options: DataOptions) -> None:
+        self.options = options
+        self.rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+        self.parts: list[SourcePart] = []
+        self.pairs = 0
+        self.truncated = 0
+        self._used = options.seq_len  # a source starts a row of its own
+        self._part_start = (0, 0, 0, 0)  # rows, pairs, tokens, loss tokens when the source began
+        self._tokens = self._loss_tokens = 0
+
+    def add(self, pair: EncodedPair) -> None:
+        documents = [
+            (ids, tag_labels(labels, 2 * self.pairs + side)) for side, (ids, labels) in enumerate(pair.sequences())
+        ]
+        if not self.options.packing or self._used + pair.tokens > self.options.seq_len:
+            self.rows.append([])
+            self._used = 0
+        self.rows[-1] += documents
+        self._used += pair.tokens
+        self.pairs += 1
+        self.truncated += pair.truncated
+        self._tokens += pair.tokens
+        self._loss_tokens += sum(int((labels != IGNORE).sum()) for _, labels in pair.sequences())
+
+    def end_source(self, name: str) -> int:
+        """Close one source's rows as a part (none when it added no pair); returns its pairs."""
+        now = (len(self.rows), self.pairs, self._tokens, self._loss_tokens)
+        start = self._part_start
+        rows, pairs, tokens, loss_tokens = (b - a for a, b in zip(start, now, strict=True))
+        if pairs:
+            self.parts.append(SourcePart(name, start[0], rows, pairs, tokens, loss_tokens))
+        self._part_start = now
+        self._used = self.options.seq_len
+        return pairs
+
+    def dataset(self, tokenizer: Any, *, suffix: str = "") -> Dataset:
+        seq_len = self.options.seq_len
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        input_ids, labels, positions = _fill(self.rows, seq_len, pad)
+        digest = hashlib.sha256()
+        for array in (input_ids, labels, positions):
+            digest.update(array.tobytes())
+        cells = len(self.rows) * seq_len
+        stats = DataStats(
+            examples=self.pairs,
+            rows=len(self.rows),
+            tokens=self._tokens,
+            loss_tokens=self._loss_tokens,
+            padding_fraction=(cells - self._tokens) / cells,
+            truncated_examples=self.truncated,
+            skipped_examples=0,
+        )
+        return Dataset(
+            torch.from_numpy(input_ids),
+            torch.from_numpy(labels),
+            torch.from_numpy(positions),
+            " + ".join(part.name for part in self.parts) + suffix,
+            stats,
+            tuple(self.parts),
+            digest.hexdigest(),
+        )
 
 
 def _fill(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, pad: int) -> tuple[np.ndarray, ...]:

@@ -245,8 +245,6 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule(("label_smoothing", "dpo_loss", "objective"), _smoothing_is_not_ipo),
     CrossRule(("objective",), _preference_is_one_process),
     _preference_without("train_on_inputs", "the loss is on each pair's completions alone"),
-    _preference_without("eval_data", "the evaluation measures next-token loss"),
-    _preference_without("eval_fraction", "the evaluation measures next-token loss"),
 )
 """Every cross-option rule, in the order they are checked (the first that fails is the one line)."""
 

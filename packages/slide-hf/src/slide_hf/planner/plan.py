@@ -94,7 +94,8 @@ class Plan:
     ``disk_s`` NVMe."""
     reference_step_s: float | None = None
     """``--objective dpo``: seconds of the reference pass over one step's worth of pairs (a forward of each,
-    before the first step; the run's pass takes this times its steps' worth of pairs); None otherwise."""
+    before the first step; the run's pass takes this times its steps' worth of pairs, and the held-out pairs'
+    pass of an evaluation this per micro-batch of them too); None otherwise."""
     clipped_step_time_s: float | None = None
     """With clipping (``--max-grad-norm``): the step while clipping fires on every step, each one then
     deferred, its host updates after the backward (Note [Deferred steps] in step_schedule.py); None without.

@@ -6,7 +6,10 @@ the prepared pairs, so they are computed once, before the first step, by the eng
 path (``Engine.evaluate``, Note [Evaluation between steps]) with the head collecting per-completion sums
 (preference/head.py), and saved in the run directory under a name made of the data digest and a
 fingerprint of the reference's weight files. A resumed run finds them there and never recomputes them: its
-own weights are no longer the reference's. Tested by ``test_resume_reuses_the_reference_pass``.
+own weights are no longer the reference's. The held-out pairs of an evaluation (``--eval-data``,
+``--eval-fraction``) have a pass of their own, right after the training pairs', saved the same way under
+their rows' digest (Note [A head per pair set] in preference/run.py). Tested by
+``test_resume_is_bit_exact_and_reuses_the_reference_pass`` and ``test_resume_with_evaluation_is_bit_exact``.
 """
 
 from __future__ import annotations
@@ -60,12 +63,14 @@ def compute_reference(
     batches: Sequence[Any],
     device: torch.device,
     planned_micro_batch_s: float | None = None,
+    *,
+    label: str = "reference pass",
 ) -> torch.Tensor:
     """Run the reference pass over ``batches`` (every row once) through ``evaluate`` (the engine's
     forward-only path) with ``head`` collecting; returns the log-probabilities, one per completion, on the
-    host. Progress and the time remaining show as the pass goes (slide_hf/progress.py); the log line at
-    the end puts the plan's time (``planned_micro_batch_s`` per micro-batch, ``Plan.reference_step_s``)
-    beside the pass's."""
+    host. Progress and the time remaining show as the pass goes (slide_hf/progress.py), under ``label``
+    (the held-out pairs' pass has its own); the log line at the end puts the plan's time
+    (``planned_micro_batch_s`` per micro-batch, ``Plan.reference_step_s``) beside the pass's."""
     head.start_reference(device)
     total = len(batches)
     # No fewer micro-batches per evaluation than it carries through each unit per load (Note
@@ -73,7 +78,7 @@ def compute_reference(
     every = max(MAX_EVAL_GROUP, total // _UPDATES)
     started = time.perf_counter()
     try:
-        with PassProgress("reference pass", total) as progress:
+        with PassProgress(label, total) as progress:
             for done in range(0, total, every):
                 evaluate(batches[done : done + every])
                 progress.update(min(done + every, total))
@@ -87,8 +92,8 @@ def compute_reference(
     tokens = sum(int(batch.input_ids.numel()) for batch in batches)
     planned = "" if planned_micro_batch_s is None else f"; planned {planned_micro_batch_s * total:.3g} s"
     log.info(
-        "reference pass: %d tokens in %d micro-batches in %.3f s (%.0f tok/s)%s",
-        tokens, total, elapsed_s, tokens / max(elapsed_s, 1e-9), planned,
+        "%s: %d tokens in %d micro-batches in %.3f s (%.0f tok/s)%s",
+        label, tokens, total, elapsed_s, tokens / max(elapsed_s, 1e-9), planned,
     )  # fmt: skip
     return reference
 

@@ -1,18 +1,32 @@
 """What `slide train --objective dpo|simpo` adds to the recipe: the head's objective, the pairs, the
-reference pass and the per-step metrics. The recipe calls these at fixed places (slide_hf/recipe.py);
-everything else about the run (placement, engine, checkpoints, resume) is SFT's."""
+reference pass, the per-step metrics and the evaluation of held-out pairs. The recipe calls these at fixed
+places (slide_hf/recipe.py); everything else about the run (placement, engine, checkpoints, resume) is SFT's.
+
+Note [A head per pair set]: the held-out pairs (``--eval-data``, ``--eval-fraction``) are rows of their own,
+their completions numbered from 0 (slide_hf/data/preference.py), and a :class:`PreferenceHead` of their
+own computes their loss: its reference log-probabilities, its per-micro-batch sums over its completions and
+its metric sums. The evaluation and the held-out pairs' reference pass put that head on the model's head
+unit and the training head back after (:meth:`PreferenceObjective.computing`). So the training head's
+tensors are exactly those of a run without evaluation (the same sizes, so the same reductions), a step's
+metrics never mix with an evaluation's, and the run trains bit for bit as one without evaluation
+(``test_evaluation_changes_no_training_bit``). Evaluations run between steps only, never while the head
+computes a step's loss.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from slide_hf.data import DataOptions, eval_batches
-from slide_hf.data.preference import load_pairs
+from slide_hf.data import DataOptions, Dataset, eval_batches
+from slide_hf.data.preference import load_pair_split, load_pairs
 from slide_hf.errors import UserError
 from slide_hf.options import TrainConfig
 from slide_hf.preference.head import PreferenceHead
@@ -21,7 +35,11 @@ from slide_hf.preference.reference import compute_reference, prepare_reference, 
 from slide_hf.spelling import option
 
 __all__ = [
+    "PairSet",
+    "PreferenceObjective",
     "attach_objective",
+    "eval_metrics",
+    "evaluation_scope",
     "load_preference_data",
     "needs_reference_pass",
     "preference_metrics",
@@ -31,36 +49,88 @@ __all__ = [
 
 log = logging.getLogger("slide.train")
 
+EVAL_PREFIX = "eval_"
+"""TRL's prefix of an evaluation's metrics: ``eval_rewards/chosen`` beside a step's ``rewards/chosen``."""
 
-def load_preference_data(cfg: TrainConfig, tokenizer: Any, options: DataOptions) -> Any:
-    """The pairs of ``--data`` in rows (slide_hf/data/preference.py), their truncations said once."""
-    dataset = load_pairs(cfg.data, tokenizer, options)
-    stats = dataset.stats
-    log.info(
-        "data: %d preference pairs in %d rows of %d tokens (%s)", stats.examples, stats.rows, options.seq_len,
-        "packed" if options.packing else "one pair a row",
-    )  # fmt: skip
-    if stats.truncated_examples:
-        log.warning(
-            "%s: truncated %d pair(s) with a sequence longer than %s / 2 = %d tokens (the end of the completion)",
-            dataset.source, stats.truncated_examples, option("seq_len"), options.seq_len // 2,
+
+@dataclass(frozen=True)
+class PairSet:
+    """Pairs in rows and the head that computes their loss; ``label`` names their reference pass."""
+
+    head: PreferenceHead
+    rows: Dataset
+    label: str
+
+
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """A preference run's pair sets: the training pairs, and the held-out pairs (None without evaluation),
+    each with its own head (Note [A head per pair set]); ``unit``: the model's head unit, whose
+    ``preference`` is the head it computes with (the training head outside :meth:`computing`)."""
+
+    unit: Any
+    train: PairSet
+    held_out: PairSet | None
+
+    @property
+    def sets(self) -> tuple[PairSet, ...]:
+        return (self.train,) if self.held_out is None else (self.train, self.held_out)
+
+    @contextlib.contextmanager
+    def computing(self, pairs: PairSet) -> Iterator[None]:
+        """The model computes ``pairs``' loss inside the block; the training head is back after it."""
+        self.unit.preference = pairs.head
+        try:
+            yield
+        finally:
+            self.unit.preference = self.train.head
+
+
+def load_preference_data(cfg: TrainConfig, tokenizer: Any, options: DataOptions) -> tuple[Dataset, Dataset | None]:
+    """The pairs of ``--data`` in rows (slide_hf/data/preference.py), and the held-out pairs (``--eval-data``,
+    or ``--eval-fraction`` of ``--data`` split by pair) or None; their truncations said once."""
+    eval_set: Dataset | None
+    if cfg.eval_fraction > 0:
+        fraction, seed = cfg.eval_fraction, cfg.seed
+        dataset, eval_set = load_pair_split(cfg.data, tokenizer, options, eval_fraction=fraction, seed=seed)
+    else:
+        dataset = load_pairs(cfg.data, tokenizer, options)
+        eval_set = load_pairs(cfg.eval_data, tokenizer, options, what="eval_data") if cfg.eval_data else None
+    for what, rows in (("data", dataset), ("eval data", eval_set)):
+        if rows is None:
+            continue
+        stats = rows.stats
+        log.info(
+            "%s: %d preference pairs in %d rows of %d tokens (%s)", what, stats.examples, stats.rows, options.seq_len,
+            "packed" if options.packing else "one pair a row",
         )  # fmt: skip
-    return dataset
+        if stats.truncated_examples:
+            log.warning(
+                "%s: truncated %d pair(s) with a sequence longer than %s / 2 = %d tokens (the end of the completion)",
+                rows.source, stats.truncated_examples, option("seq_len"), options.seq_len // 2,
+            )  # fmt: skip
+    return dataset, eval_set
 
 
-def attach_objective(cfg: TrainConfig, slide_model: Any, dataset: Any) -> PreferenceHead | None:
-    """Give the model's head the run's preference loss (None for SFT, which leaves the head as it is)."""
+def attach_objective(
+    cfg: TrainConfig, slide_model: Any, dataset: Dataset, eval_set: Dataset | None = None
+) -> PreferenceObjective | None:
+    """Give the model's head the run's preference loss, with a head of the same loss for ``eval_set``'s
+    pairs (Note [A head per pair set]); None for SFT, which leaves the head as it is."""
     if not cfg.preference:
         return None
     loss = PairLoss(cfg.objective.value, cfg.resolved_beta, cfg.gamma, cfg.dpo_loss.value, cfg.label_smoothing)
-    head = PreferenceHead(loss, dataset.stats.examples)
-    slide_model.head.preference = head
+    train = PairSet(PreferenceHead(loss, dataset.stats.examples), dataset, "reference pass")
+    held_out = None
+    if eval_set is not None:
+        held_out = PairSet(PreferenceHead(loss, eval_set.stats.examples), eval_set, "reference pass of the eval pairs")
+    slide_model.head.preference = train.head
     log.info(
-        "objective %s: beta %g%s over %d pairs", cfg.objective.value, loss.beta,
+        "objective %s: beta %g%s over %d pairs%s", cfg.objective.value, loss.beta,
         f", gamma {loss.gamma:g}" if loss.objective == "simpo" else f", loss {loss.dpo_loss}",
-        head.pairs,
+        train.head.pairs, "" if held_out is None else f", evaluated on {held_out.head.pairs} held-out pairs",
     )  # fmt: skip
-    return head
+    return PreferenceObjective(slide_model.head, train, held_out)
 
 
 def reference_source(cfg: TrainConfig, model_dir: Path | None) -> tuple[str | Path, str]:
@@ -77,25 +147,24 @@ def reference_source(cfg: TrainConfig, model_dir: Path | None) -> tuple[str | Pa
     return cfg.model, weights_fingerprint(cfg.model, extra=f"preset seed {cfg.seed}")
 
 
-def _reference_file(cfg: TrainConfig, dataset: Any, cache_dir: Path, model_dir: Path | None) -> Path:
+def _reference_file(cfg: TrainConfig, rows: Dataset, cache_dir: Path, model_dir: Path | None) -> Path:
     _, fingerprint = reference_source(cfg, model_dir)
-    return reference_path(cache_dir, dataset.digest, fingerprint)
+    return reference_path(cache_dir, rows.digest, fingerprint)
 
 
 def needs_reference_pass(
-    cfg: TrainConfig, head: PreferenceHead | None, dataset: Any, cache_dir: Path, model_dir: Path | None
+    cfg: TrainConfig, objective: PreferenceObjective | None, cache_dir: Path, model_dir: Path | None
 ) -> bool:
-    """Whether this run must run DPO's reference pass: DPO, and no saved pass of this data and reference
-    (a resumed run always has one)."""
-    if head is None or not head.loss.needs_reference:
+    """Whether this run must run DPO's reference pass: DPO, and no saved pass of this reference for the
+    training pairs or the held-out ones (a resumed run always has both)."""
+    if objective is None or not objective.train.head.loss.needs_reference:
         return False
-    return not _reference_file(cfg, dataset, cache_dir, model_dir).is_file()
+    return any(not _reference_file(cfg, pairs.rows, cache_dir, model_dir).is_file() for pairs in objective.sets)
 
 
 def run_reference(
     cfg: TrainConfig,
-    head: PreferenceHead,
-    dataset: Any,
+    objective: PreferenceObjective,
     cache_dir: Path,
     model_dir: Path | None,
     device: torch.device,
@@ -104,22 +173,45 @@ def run_reference(
     resumed: bool,
     planned_micro_batch_s: float | None = None,
 ) -> bool:
-    """DPO: the reference log-probabilities, from this run's saved pass or a new one through ``evaluate``
-    (an engine holding the reference's weights); SimPO needs none. Returns whether a pass ran.
-    ``planned_micro_batch_s``: the plan's seconds per micro-batch of the pass, logged beside its time."""
-    if not head.loss.needs_reference:
-        return False
-    path = _reference_file(cfg, dataset, cache_dir, model_dir)
-    batches = list(eval_batches(dataset, cfg.batch_size))
-    return prepare_reference(
-        head,
-        path,
-        device,
-        compute=lambda: compute_reference(evaluate, head, batches, device, planned_micro_batch_s),
-        resumed=resumed,
-    )
+    """DPO: the reference log-probabilities of the training pairs, then of the held-out pairs, each from
+    this run's saved pass or a new one through ``evaluate`` (an engine holding the reference's weights);
+    SimPO needs none. Returns whether a pass ran. ``planned_micro_batch_s``: the plan's seconds per
+    micro-batch of a pass (the same for both: a forward of each pair), logged beside its time."""
+    ran = False
+    for pairs in objective.sets:
+        if not pairs.head.loss.needs_reference:
+            continue
+        head = pairs.head
+        batches = list(eval_batches(pairs.rows, cfg.batch_size))
+        with objective.computing(pairs):
+            ran |= prepare_reference(
+                head,
+                _reference_file(cfg, pairs.rows, cache_dir, model_dir),
+                device,
+                compute=functools.partial(
+                    compute_reference, evaluate, head, batches, device, planned_micro_batch_s, label=pairs.label
+                ),
+                resumed=resumed,
+            )
+    return ran
 
 
-def preference_metrics(head: PreferenceHead | None) -> dict[str, float]:
+def preference_metrics(objective: PreferenceObjective | None) -> dict[str, float]:
     """The step's TRL-named metrics (empty for SFT). Note: a CPU-GPU sync point, once per step."""
-    return {} if head is None else head.take_metrics()
+    return {} if objective is None else objective.train.head.take_metrics()
+
+
+def evaluation_scope(objective: PreferenceObjective | None) -> contextlib.AbstractContextManager[None]:
+    """Where an evaluation runs: with the held-out pairs' head on the model (Note [A head per pair set]);
+    nothing to do for SFT."""
+    if objective is None or objective.held_out is None:
+        return contextlib.nullcontext()
+    return objective.computing(objective.held_out)
+
+
+def eval_metrics(objective: PreferenceObjective | None) -> dict[str, float]:
+    """The evaluation's TRL-named metrics, means over the held-out pairs with the ``eval_`` prefix (empty
+    for SFT). Note: a CPU-GPU sync point, once per evaluation."""
+    if objective is None or objective.held_out is None:
+        return {}
+    return {EVAL_PREFIX + name: value for name, value in objective.held_out.head.take_metrics().items()}
