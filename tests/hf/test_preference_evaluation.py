@@ -73,6 +73,11 @@ def _train(case: Case, tmp_path: Path, data: Path, output: str, **extra: Any) ->
     return steps, evaluations
 
 
+def _timeless(evaluations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Evaluation records less their wall time: what two runs of the same evaluations share, bit for bit."""
+    return [{key: value for key, value in e.items() if key != "eval_time_s"} for e in evaluations]
+
+
 def _model(path: Path, dtype: torch.dtype = torch.float64) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").to(dtype).eval()
 
@@ -176,13 +181,25 @@ def test_resume_with_evaluation_is_bit_exact(tmp_path: Path, caplog: pytest.LogC
     assert sum("reference log-probabilities of" in line and " from " in line for line in caplog.messages) == 2
     assert [path.stat().st_mtime_ns for path in saved] == stamps
     assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]
-    for ours, theirs in zip(first_evals + rest_evals, whole_evals, strict=True):
-        assert {k: v for k, v in ours.items() if k != "eval_time_s"} == {
-            k: v for k, v in theirs.items() if k != "eval_time_s"
-        }
+    assert _timeless(first_evals + rest_evals) == _timeless(whole_evals)
     ours_weights, theirs_weights = _exported(tmp_path / "parts"), _exported(tmp_path / "whole")
     for key in theirs_weights:
         assert torch.equal(ours_weights[key], theirs_weights[key]), key
+
+
+@pytest.mark.slow
+def test_ref_model_is_the_held_out_pairs_reference_too(tmp_path: Path) -> None:
+    """``--ref-model`` naming a copy of the starting model: both reference passes run on its engine, before
+    training's, and every evaluation is the default reference's, bit for bit."""
+    import shutil
+
+    case = CASES["llama-dpo-smoothed"]
+    _, data, eval_data = _setup(case, tmp_path)
+    shutil.copytree(tmp_path / "model", tmp_path / "ref")
+    _, default = _train(case, tmp_path, data, "default", eval_data=eval_data, eval_every=1)
+    _, named = _train(case, tmp_path, data, "named", eval_data=eval_data, eval_every=1, ref_model=tmp_path / "ref")
+    assert len(sorted((tmp_path / "named/.data-cache/reference").glob("logps-*.pt"))) == 2
+    assert _timeless(named) == _timeless(default)
 
 
 @pytest.mark.slow
