@@ -84,8 +84,8 @@ def rows() -> list[Row]:
         Row("master split, state bf16", "bench", args=("--master", "split", "--optimizer-state", "bf16"), **llama),
         Row("clipping fires", "bench", clip=1e-3, **llama),
         # Every unit streamed, the 128K-vocabulary embedding and head too: two staging sets of the tied
-        # embedding (11.8 GiB with fp32 state and the fp32 sum of its two contributions) do not fit 12 or
-        # 16 GiB, which the plan refuses in one line; 20 GiB fits.
+        # embedding and one fp32 sum of its two contributions (10.3 GiB with fp32 state; 16.6 GiB in all at
+        # 16 x 1024) do not fit 12 or 16 GiB, which the plan refuses in one line; 20 GiB fits.
         Row("update gpu", "bench", args=("--update-placement", "gpu"), needs_gpu=True, **{**llama, "gpu_memory": "20"}),
         Row(
             "update gpu, master split, state bf16",

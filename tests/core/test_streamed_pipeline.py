@@ -441,8 +441,8 @@ def test_a_streamed_tied_embedding_sums_both_shares_for_the_device(accum: int, m
 
 def test_staging_is_three_sets_of_the_largest_shard() -> None:
     """What the planner prices is what the staging allocates: three sets (Note [Three staging sets]), a
-    split master's planes in each and one fp32 buffer its updates decode into; an fp32 sum in each once a
-    step sums a streamed unit."""
+    split master's planes in each and one fp32 buffer its updates decode into; with accumulation an fp32
+    sum per set once a step sums (tests/core/test_sums_pool.py: one per summing unit in flight)."""
     arrays = state_arrays("int8")
     with CPUDevice() as device:
         for split in (False, True):
@@ -455,10 +455,12 @@ def test_staging_is_three_sets_of_the_largest_shard() -> None:
             assert len(staging.sets) == 3
             assert (staging.values is not None) == split
             assert all((staged.master is None) == split for staged in staging.sets)
-            staging.hold_sums()  # a step that sums a streamed unit (Note [Streamed accumulation])
-            staging.hold_sums()  # once
-            held += sum(staged.sums.numel() * staged.sums.element_size() for staged in staging.sets)
-            assert held == UpdateStaging.bytes_for(10_000, arrays, split=split, summing=True)
+            summing = [10_000, 10_000, 4_000, 9_000]  # accumulation: every streamed unit sums
+            staging.hold_sums(summing)
+            staging.hold_sums(summing)  # once
+            assert len(staging.sums.buffers) == 3
+            held += sum(h.values.numel() * h.values.element_size() for h in staging.sums.buffers)
+            assert held == UpdateStaging.bytes_for(10_000, arrays, split=split, summing_numels=summing)
 
 
 def test_streamed_units_leave_the_ring_to_the_host_units() -> None:

@@ -36,6 +36,7 @@ from slide_core.allocation_ledger import HostAllocations
 from slide_core.devices.cpu import CPUDevice
 from slide_core.engine import Engine, EngineConfig
 from slide_core.engine.host_span import outside
+from slide_core.engine.update_staging import UpdateStaging
 from slide_core.optim import TorchAdamW
 from slide_core.optim.compact_adamw import CompactAdamW
 from slide_core.optim.fused_adamw import FusedAdamW
@@ -53,6 +54,9 @@ allocates through plain torch calls, which on the CPU device look like the host'
 _STREAMED_UPDATE = ("StreamedPipeline", "UpdateStaging")
 """Owners whose allocations are the GPU-streamed updates' (their staging sets, and the optimizer replica's
 scratch when it steps a staged unit): the plan's ``streamed_staging``."""
+_HOST_OWNERS = ("HostState",)
+"""Owners whose allocations are the host's whoever asks for them: a streamed unit's fp32 host accumulator,
+which the streamed update's upload reads (Note [Streamed accumulation])."""
 
 _TORCH_ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like")
 _NUMPY_ALLOCATORS = ("empty", "zeros")
@@ -91,7 +95,8 @@ class _AllocationLog:
             frame = frame.f_back
         if owner is None:
             return None
-        side = getattr(self._calls, "side", None) or ("device" if resident or streamed else "host")
+        on_device = (resident or streamed) and owner not in _HOST_OWNERS
+        side = getattr(self._calls, "side", None) or ("device" if on_device else "host")
         return _Site(side, owner, function or "", streamed and side == "device")
 
     def record(self, value: Any) -> None:
@@ -210,6 +215,8 @@ _CASES = [
     _Case("tiers", torch.bfloat16, "bf16", state_on_tier=0.5, activations_on_tier=True, clipping=True),
     _Case("streamed-split-bf16", torch.bfloat16, "bf16", master_format="split", streamed=("block.0", "head")),
     _Case("streamed-fp32-resident", resident=("embedding",), streamed=("block.1", "block.2")),
+    _Case("streamed-tied", tied=True, streamed=("embedding", "block.0", "block.2", "head")),
+    _Case("streamed-tied-accum", tied=True, grad_accum=2, streamed=("embedding", "block.0", "block.2")),
 ]
 
 _TOY_NAMES = {"embedding": "embed", "head": "head", **{f"block.{i}": f"layers.{i}" for i in range(3)}}
@@ -377,3 +384,55 @@ def test_breakdowns_are_the_engine_buffers():
     assert set(buffers.device) == set(ENGINE_DEVICE_BUFFERS)
     assert {k: plan.host_breakdown[k] for k in buffers.host} == buffers.host
     assert {k: plan.gpu_breakdown[k] for k in buffers.device} == buffers.device
+
+
+def _staging_bytes(staging: UpdateStaging) -> int:
+    """Device bytes an engine's staging holds: every set's master or planes and state, a split master's
+    fp32 buffer and the summed gradients' pool."""
+    tensors = [t for staged in staging.sets for t in (*staged.planes.values(), *staged.state.values())]
+    tensors += [staged.master for staged in staging.sets if staged.master is not None]
+    tensors += [staging.values] if staging.values is not None else []
+    tensors += [held.values for held in staging.sums.buffers]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_the_plan_prices_a_tied_models_streamed_staging_as_the_engine_holds_it(grad_accum: int) -> None:
+    """Every unit of a tied model streamed: the plan's streamed staging is, to the byte, what the engine's
+    staging holds after its steps (its sets, and one summed gradient for the tied embedding alone, or one
+    per set with accumulation: Note [One sum per summing unit in flight]) plus the device optimizer's
+    scratch for the ranges it steps, which the plan prices at its peak."""
+    from slide_core.engine.streamed_pipeline import StreamedPipeline
+
+    case = _Case(
+        "streamed-tied",
+        tied=True,
+        grad_accum=grad_accum,
+        streamed=("embedding", "block.0", "block.1", "block.2", "head"),
+    )
+    model = ToyModel(
+        ToyConfig(vocab_size=512, hidden_size=64, num_heads=4, intermediate_size=128, num_layers=3, tie_embeddings=True)
+    )
+    optimizer = _optimizer(case)
+    planned = make_plan(_plan_inputs(model, case, optimizer)).gpu_breakdown["streamed_staging"]
+    config = EngineConfig(
+        compute_dtype=case.compute_dtype,
+        transfer_chunk_numel=_CHUNK,
+        streamed_units=tuple(_TOY_NAMES[name] for name in case.streamed),
+    )
+    generator = torch.Generator().manual_seed(0)
+    with CPUDevice() as device:
+        host = HostParameters(model)
+        load_init(host, toy_init(model, seed=0))
+        with Engine(model, device, host, optimizer, config) as engine:
+            for _ in range(2):
+                ids = [torch.randint(0, 512, (_BATCH, _SEQ), generator=generator) for _ in range(grad_accum)]
+                engine.step([(i, i.clone()) for i in ids], lr=1e-3)
+            engine.wait_idle()
+            staging = engine.pipelines.streamed.staging
+            held = _staging_bytes(staging)
+    numel = {unit.name: unit.layout.numel for unit in model.units}
+    sums = [held.values.numel() for held in staging.sums.buffers]
+    assert sums == ([numel["embed"]] if grad_accum == 1 else [max(numel.values())] * len(staging.sets))
+    largest = StreamedPipeline.optimizer_range_numel(max(numel.values()), _CHUNK, clipping=False)
+    assert held == planned - optimizer.device_replica().device_scratch_bytes(largest)

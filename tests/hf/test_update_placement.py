@@ -9,7 +9,7 @@ import pytest
 from slide_core.testing import ToyConfig, ToyModel
 from slide_hf.errors import UserError
 from slide_hf.planner import Bandwidths, ModelShape, PlanInputs, make_plan, plan_with_placement
-from slide_hf.planner.unit_costs import RESOURCES, UnitCost, unit_costs
+from slide_hf.planner.unit_costs import RESOURCES, UnitCost, staging_price, unit_costs
 from slide_hf.planner.update_placement import choose_streamed_units, step_resources
 
 GiB = 1 << 30
@@ -170,8 +170,9 @@ def test_a_split_master_stages_its_planes_and_one_fp32_buffer():
 def test_units_with_several_gradient_contributions_stream_at_the_price_of_their_sums():
     """Note [Streamed accumulation]: with gradient accumulation every unit may stream. The contributions
     before the last cross d2h and are summed on the host, their fp32 sum goes up with the master, every load
-    reads the host, and each staging set holds an fp32 sum besides master and moments; a tied embedding
-    with one micro-batch sums its two shares the same way."""
+    reads the host, and the staging lends the unit an fp32 sum while it is staged: one per set once every
+    unit sums (Note [One sum per summing unit in flight]); a tied embedding with one micro-batch sums its
+    two shares the same way, and is then the one unit holding a sum."""
     one, accumulating = _inputs(), _inputs(grad_accum=2)
     single = {c.name: c for c in unit_costs(one.shape, one)}
     d = one.compute_dtype_bytes
@@ -179,29 +180,30 @@ def test_units_with_several_gradient_contributions_stream_at_the_price_of_their_
     for cost in unit_costs(accumulating.shape, accumulating):
         n, alone = cost.numel, single[cost.name]
         assert cost.can_stream and cost.streamed != cost.host
-        assert cost.stream_device_bytes == alone.stream_device_bytes + 3 * 4 * n  # an fp32 sum in each set
+        assert cost.stream_device_bytes == alone.stream_device_bytes + 4 * n  # its fp32 sum, streamed alone
         assert cost.streamed["pcie d2h"] == pytest.approx(alone.streamed["pcie d2h"] + n * d / d2h_rate)
         sum_up = alone.streamed["pcie h2d"] + 4 * n / h2d_rate  # the sum, and every load from the host
         assert cost.streamed["pcie h2d"] == pytest.approx(sum_up) or cost.streamed["pcie h2d"] > sum_up
     streamed = plan_with_placement(dataclasses.replace(accumulating, bandwidths=GPU_BOUND), "gpu")
     assert len(streamed.inputs.streamed_units) == 8
-    largest = max(c.stream_device_bytes for c in unit_costs(streamed.shape, streamed.inputs))
-    assert streamed.gpu_breakdown["streamed_staging"] == largest
-    tied = PlanInputs(
-        ModelShape.of(
-            ToyModel(ToyConfig(vocab_size=4096, hidden_size=256, num_heads=4, num_layers=2, tie_embeddings=True))
-        ),
-        seq_len=64,
-        gpu_memory_bytes=8 * GiB,
-        bandwidths=HOST_BOUND,
-    )
+    largest = max(single.values(), key=lambda c: c.numel)
+    assert streamed.gpu_breakdown["streamed_staging"] == largest.stream_device_bytes + 3 * 4 * largest.numel
+
+    def two_blocks(*, tied: bool) -> PlanInputs:
+        config = ToyConfig(vocab_size=4096, hidden_size=256, num_heads=4, num_layers=2, tie_embeddings=tied)
+        return PlanInputs(ModelShape.of(ToyModel(config)), seq_len=64, gpu_memory_bytes=8 * GiB, bandwidths=HOST_BOUND)
+
+    tied, untied = two_blocks(tied=True), two_blocks(tied=False)
     offered = {c.name for c in unit_costs(tied.shape, tied) if c.can_stream}
     assert offered == {"embed", "layers.0", "layers.1", "head"}  # the model's own names
-    embed = dataclasses.replace(tied, streamed_units=("embed",))
-    sums = {c.name: c.stream_device_bytes for c in unit_costs(embed.shape, embed)}
-    plain = {c.name: c.stream_device_bytes for c in unit_costs(tied.shape, tied)}
-    for cost in unit_costs(tied.shape, tied):
-        assert sums[cost.name] == plain[cost.name] + 3 * 4 * cost.numel
+    price = staging_price(tied.shape, tied)
+    costs = {c.name: c for c in unit_costs(tied.shape, tied)}
+    embed = costs["embed"].numel
+    alone = {c.name: c.stream_device_bytes for c in unit_costs(untied.shape, untied)}  # no unit sums
+    assert costs["embed"].stream_device_bytes == price(["embed"]) == alone["embed"] + 4 * embed
+    blocks = ["layers.0", "layers.1", "head"]
+    assert price(blocks) == max(costs[name].stream_device_bytes for name in blocks)  # none of them sums
+    assert price(["embed", *blocks]) == price(["embed"])  # one sum, the embedding's, whatever else streams
 
 
 def test_gpu_streams_with_clipping_and_is_refused_in_one_line_on_the_cpu_device_or_past_the_budget():

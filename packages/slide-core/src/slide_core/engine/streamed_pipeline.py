@@ -52,11 +52,12 @@ gradient's norm stays there (:meth:`StreamedPipeline.updates_on_device`).
 Note [Streamed accumulation]: with several gradient contributions to a unit in a step (gradient
 accumulation over micro-batches, a tied embedding's head share and its own), every contribution but the
 last goes the host's way: d2h, and summed by the optimizer thread into the unit's fp32 host accumulator
-(``HostPipeline.apply``). The unit's upload then copies that sum into its staging set's fp32 ``sums``
-beside master and moments (update_staging.py; allocated once, at the first step that sums), the last
-contribution is added to it on the device right after its backward, and the device updates the shard
-with the total. No buffer is as large as the model: the sum lives in host RAM between micro-batches (the
-host placement's accumulator, page-locked once) and on the device only as long as the master beside it.
+(``HostPipeline.apply``). The unit's upload then copies that sum into the fp32 ``sums`` its staging set
+borrows beside master and moments (a pool of one buffer per summing unit in flight, allocated at the first
+step that sums: Note [One sum per summing unit in flight] in sums_pool.py), the last contribution is added
+to it on the device right after its backward, and the device updates the shard with the total. No buffer
+is as large as the model: the sum lives in host RAM between micro-batches (the host placement's
+accumulator, page-locked once) and on the device only as long as the master beside it.
 Exactness: the device adds the last contribution to the host's sum as the host's ``accum.add_`` would
 (fp32 plus a compute-dtype value, one rounding), so the final gradient is the host placement's bit for
 bit; without clipping its norm is folded on the device as a resident unit's is. A step that speculates
@@ -126,7 +127,7 @@ pass over the unit's master and state only in a step that clips; the step after 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -222,13 +223,16 @@ class StreamedPipeline(HostPipeline):
         split: bool,
         sets: int = STAGING_SETS,
         clipping_chunk: int | None = None,
-        summing: bool = False,
+        summing_numels: Collection[int] = (),
     ) -> int:
-        """Device bytes this pipeline allocates: its staging sets (:meth:`UpdateStaging.bytes_for`, with
-        ``summing`` the fp32 sum in each: a streamed unit gets several contributions a step, Note [Streamed
-        accumulation]), and with clipping (``clipping_chunk``: the transfer chunk) the fp32 ``c_u * g`` of
-        one chunk (Note [Streamed speculation])."""
-        staging = UpdateStaging.bytes_for(max_shard_numel, state_arrays, split=split, sets=sets, summing=summing)
+        """Device bytes this pipeline allocates: its staging sets and the pool of fp32 sums for the units
+        that get several contributions a step, of shards of ``summing_numels`` elements
+        (:meth:`UpdateStaging.bytes_for`; Note [One sum per summing unit in flight] in sums_pool.py), and
+        with clipping (``clipping_chunk``: the transfer chunk) the fp32 ``c_u * g`` of one chunk (Note
+        [Streamed speculation])."""
+        staging = UpdateStaging.bytes_for(
+            max_shard_numel, state_arrays, split=split, sets=sets, summing_numels=summing_numels
+        )
         return staging + (4 * min(max_shard_numel, clipping_chunk) if clipping_chunk else 0)
 
     @staticmethod
@@ -300,8 +304,11 @@ class StreamedPipeline(HostPipeline):
         self._sent.clear()
         self._summing.clear()
         self._write_backs = [future for future in self._write_backs if not future.done()]
-        if any(ctx.expected[name] > 1 and self._on_device(ctx, name) for name in self.backward_order):
-            self.staging.hold_sums()  # once per run (Note [Streamed accumulation])
+        # The summed gradients' pool, allocated at the first step that sums (Note [One sum per summing unit
+        # in flight]), for every unit this pipeline may update on the device, moved there or not: a move
+        # allocates nothing.
+        summing = [hi - lo for name, (lo, hi) in self.shards.spans.items() if ctx.expected[name] > 1]
+        self.staging.hold_sums(summing)
         self._stage_after(None, ctx)
 
     # -- the upload, queued by the main thread, run by the h2d thread ------------------------------------
@@ -402,10 +409,11 @@ class StreamedPipeline(HostPipeline):
     def _stage(self, name: str) -> None:
         if name in self._staged:
             return
-        staged = self.staging.take()
         previous = self._previous.get(name)
         summing = self._summing.get(name)
-        summed = None if summing is None else summing[1]
+        lo, hi = self.shards[name]
+        staged = self.staging.take(None if summing is None else hi - lo)
+        summed = None if summing is None else (summing[1], _sum_free_after(staged))
         uploaded = self.workers["h2d"].submit(self._upload, name, staged, previous, staged.free_after, summed)
         self._staged[name] = (staged, uploaded)
 
@@ -415,12 +423,13 @@ class StreamedPipeline(HostPipeline):
         staged: StagingSet,
         previous: Future[None] | None,
         free_after: Event | None,
-        summed: Future[None] | None,
+        summed: tuple[Future[None], Event | None] | None,
     ) -> Event:
         """h2d thread: once the unit's previous update is done, its master shard (fp32, or a split
         master's planes as they are) and state into ``staged``, after the write-back that last read it,
-        and once the host has summed them (``summed``), its earlier contributions; returns the event the
-        backward's load and the update wait for."""
+        and, ``summed``, once the host has summed them, its earlier contributions into the set's ``sums``
+        after the write-back that last read that buffer (Note [One sum per summing unit in flight]);
+        returns the event the backward's load and the update wait for."""
         if previous is not None:
             self.workers.wait(previous, f"the update of {name} before streaming it")
         device, host_params = self.device, self.host_params
@@ -442,7 +451,10 @@ class StreamedPipeline(HostPipeline):
                 nbytes = sum(source.numel() * source.element_size() for _, source in copies)
                 self.timeline.device_span(name, "upload", start, device.record_event("h2d", timing=True), nbytes)
             if summed is not None:
-                self.workers.wait(summed, f"the host's sum of {name}'s earlier gradients")
+                host_summed, sums_free_after = summed
+                self.workers.wait(host_summed, f"the host's sum of {name}'s earlier gradients")
+                if sums_free_after is not None:
+                    device.wait_event("h2d", sums_free_after)
                 device.copy_to_device(self._sums(staged)[:n], self._host_sum(name, n))
             return device.record_event("h2d")
 
@@ -665,8 +677,8 @@ class StreamedPipeline(HostPipeline):
 
     @staticmethod
     def _sums(staged: StagingSet) -> torch.Tensor:
-        assert staged.sums is not None, "a step that sums a streamed unit holds the sums (begin_step)"
-        return staged.sums
+        assert staged.sums is not None, "a summing unit's set borrows a summed-gradient buffer (_stage)"
+        return staged.sums.values
 
     @staticmethod
     def _staged_master(staged: StagingSet) -> torch.Tensor:
@@ -803,6 +815,12 @@ class _Speculated:
     norm_sq: torch.Tensor | None
     applied: float = 1.0
     zeroed: bool = False
+
+
+def _sum_free_after(staged: StagingSet) -> Event | None:
+    """Main thread, as the set is taken: when the summed-gradient buffer it borrowed may be written."""
+    assert staged.sums is not None, "a summing unit's set borrows a summed-gradient buffer"
+    return staged.sums.free_after
 
 
 def _resolve_when_done(landed: Event, updated: Future[None]) -> None:

@@ -397,23 +397,20 @@ def _resident_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
 
 
 def streamed_staging_bytes(shape: ModelShape, inputs: PlanInputs) -> int:
-    """GPU bytes of the GPU-streamed updates (``EngineConfig.streamed_units``): the staging sets of
-    ``StreamedPipeline.device_bytes`` (``PlanInputs.staging_sets``, each one unit's fp32 master or a split
-    master's planes and the moments as stored, and an fp32 summed gradient where a streamed unit gets
-    several contributions a step, plus a split master's one fp32 buffer) and the device
-    optimizer's scratch for its ranges, both sized by the largest
-    streamed unit (``UnitCost.stream_device_bytes``). The grad ring prices the host-updated units alone,
-    as the engine sizes it (Note [The ring is sized for the host's units] in grad_transfer.py); the
-    clipping store still prices every unit that is not resident. The units a run may move to the streamed
-    update between steps (``PlanInputs.streamable_units``) size the staging as the streamed ones do: the
-    engine builds it for them from the start (Note [Re-placement at a step boundary] in
-    slide_core/engine/replacement.py)."""
-    staged = {*inputs.streamed_units, *inputs.streamable_units}
-    if not staged:
-        return 0
-    from slide_hf.planner.unit_costs import unit_costs
+    """GPU bytes of the GPU-streamed updates (``EngineConfig.streamed_units``), as their owners report
+    them (``unit_costs.staging_price``): the staging sets of ``StreamedPipeline.device_bytes``
+    (``PlanInputs.staging_sets``, each one unit's fp32 master or a split master's planes and the moments
+    as stored, sized by the largest streamed unit, plus a split master's one fp32 buffer), the pool of fp32
+    summed gradients for the streamed units that get several contributions a step (one per such unit in
+    flight, Note [One sum per summing unit in flight] in slide_core/engine/sums_pool.py) and the device
+    optimizer's scratch for its ranges. The grad ring prices the host-updated units alone, as the engine
+    sizes it (Note [The ring is sized for the host's units] in grad_transfer.py); the clipping store still
+    prices every unit that is not resident. The units a run may move to the streamed update between steps
+    (``PlanInputs.streamable_units``) size the staging as the streamed ones do: the engine builds it for
+    them from the start (Note [Re-placement at a step boundary] in slide_core/engine/replacement.py)."""
+    from slide_hf.planner.unit_costs import staging_price
 
-    return max(cost.stream_device_bytes for cost in unit_costs(shape, inputs) if cost.name in staged)
+    return staging_price(shape, inputs)({*inputs.streamed_units, *inputs.streamable_units})
 
 
 def _resident_max_numel(shape: ModelShape, inputs: PlanInputs) -> int:

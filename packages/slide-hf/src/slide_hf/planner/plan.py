@@ -27,7 +27,7 @@ from slide_hf.planner.memory import (
     resident_scratch_bytes,
 )
 from slide_hf.planner.timing import _times
-from slide_hf.planner.unit_costs import fixed_times, unit_costs
+from slide_hf.planner.unit_costs import fixed_times, staging_price, unit_costs
 from slide_hf.planner.update_placement import streaming_order
 from slide_hf.sizes import format_bytes
 from slide_hf.spelling import option
@@ -314,8 +314,9 @@ def plan_with_placement(inputs: PlanInputs, update_placement: str = "host", *, r
     Resident units are chosen by :func:`slide_core.engine.placement.choose_resident_units` (embedding, head,
     then the first blocks); without a GPU budget, or for a :class:`ModelShape`, there are none. Their greedy
     takes all the spare memory it can use, so ``auto`` weighs two plans: residents in all of it, then
-    streaming in what is left; and residents in the spare memory less what streaming the largest block
-    takes, then streaming in that (when it streams any unit). The faster wins (a tie keeps the first).
+    streaming in what is left; and residents in the spare memory less what streaming the blocks takes
+    (staging sets of the largest), then streaming in that (when it streams any unit). The faster wins (a
+    tie keeps the first).
     ``replaceable``: with ``auto``, also the units the run may move to the streamed update between steps
     (:func:`with_streamable`), for a run that re-places from the rates its steps measure.
     """
@@ -328,7 +329,7 @@ def plan_with_placement(inputs: PlanInputs, update_placement: str = "host", *, r
     candidates = [_with_streamed(plan)]
     costs = [c for c in unit_costs(plan.shape, inputs) if c.can_stream and c.name in plan.shape.block_names]
     if costs and not isinstance(inputs.model, ModelShape):
-        reserve = max(c.stream_device_bytes for c in costs)
+        reserve = staging_price(plan.shape, inputs)(c.name for c in costs)
         reserved = _with_streamed(make_plan(_with_resident(inputs, reserve_bytes=reserve)))
         if reserved.inputs.streamed_units:  # memory held back for streaming that streams nothing is wasted
             candidates.append(reserved)
@@ -338,27 +339,34 @@ def plan_with_placement(inputs: PlanInputs, update_placement: str = "host", *, r
 
 def with_streamable(plan: Plan) -> Plan:
     """``plan`` with the units its run may move to the GPU-streamed update between steps, should its steps
-    measure other rates than the plan's (``PlanInputs.streamable_units``; slide_hf/replacement.py): every
-    unit that is neither resident nor streamed, could stream (``UnitCost.can_stream``) and needs no more
-    GPU memory to stream than the staging the run holds. That staging is the streamed units' (the plan
-    prices it already), or, where it holds less than a block needs and the spare GPU memory holds a
-    block's, a block's: so a run whose plan streams no block may still move blocks once its steps show
-    the host optimizer slower than planned. The staging is allocated once (Note [Re-placement at a step
-    boundary] in slide_core/engine/replacement.py) and priced here, so the placed plan still fits the
-    budget; its step time is unchanged (the units start on the host)."""
+    measure other rates than the plan's (``PlanInputs.streamable_units``; slide_hf/replacement.py): units
+    that are neither resident nor streamed and could stream (``UnitCost.can_stream``), for as long as the
+    GPU memory of streaming them with the streamed ones (``unit_costs.staging_price``: the staging sets of
+    the largest, the summed gradients of those that sum) stays within the staging the run holds, the
+    smallest first. That staging is the streamed units' (the plan prices it already), or, where the
+    blocks need more and the spare GPU memory holds theirs, the blocks': so a run whose plan streams no
+    block may still move blocks once its steps show the host optimizer slower than planned. The staging
+    is allocated once (Note [Re-placement at a step boundary] in slide_core/engine/replacement.py) and
+    priced here, so the placed plan still fits the budget; its step time is unchanged (the units start on
+    the host)."""
     inputs = plan.inputs
     if inputs.gpu_memory_bytes is None or not inputs.accelerator:
         return plan
     held = set(inputs.resident_units) | set(inputs.streamed_units)
-    every = unit_costs(plan.shape, inputs)
-    costs = [c for c in every if c.can_stream and c.name not in held]
-    staged = max((c.stream_device_bytes for c in every if c.name in inputs.streamed_units), default=0)
-    blocks = [c.stream_device_bytes for c in costs if c.name in plan.shape.block_names]
-    if blocks and staged < max(blocks) <= staged + _spare_bytes(plan):
-        staged = max(blocks)
-    names = tuple(c.name for c in costs if c.stream_device_bytes <= staged)
-    if not names:
+    price = staging_price(plan.shape, inputs)
+    costs = [c for c in unit_costs(plan.shape, inputs) if c.can_stream and c.name not in held]
+    streamed = list(inputs.streamed_units)
+    staged = price(streamed)
+    blocks = price([*streamed, *(c.name for c in costs if c.name in plan.shape.block_names)])
+    if staged < blocks <= staged + _spare_bytes(plan):
+        staged = blocks
+    chosen: list[str] = []
+    for cost in sorted(costs, key=lambda c: c.stream_device_bytes):  # stable: forward order among equals
+        if price([*streamed, *chosen, cost.name]) <= staged:
+            chosen.append(cost.name)
+    if not chosen:
         return plan
+    names = tuple(c.name for c in costs if c.name in chosen)
     return make_plan(dataclasses.replace(inputs, streamable_units=names))
 
 
@@ -426,7 +434,7 @@ def _with_streamed(plan: Plan, *, candidates: set[str] | None = None, budget_byt
                     fixed[resource] += seconds
         movable = [cost for cost in movable if cost.name in candidates]
     budget = _spare_bytes(plan) if budget_bytes is None else budget_bytes
-    order = [name for name, _ in streaming_order(fixed, movable, budget)]
+    order = [name for name, _ in streaming_order(fixed, movable, budget, staging_price(plan.shape, inputs))]
     best = plan
     for count in range(1, len(order) + 1):
         streamed = set(order[:count])
@@ -464,9 +472,10 @@ def _refuse_gpu_updates(inputs: PlanInputs) -> None:
 
 
 def _all_streamed(inputs: PlanInputs) -> Plan:
-    """Residents in the spare memory less the staging of the largest unit, every other unit whose moments
-    are in host RAM streamed; with two staging sets where three do not fit the GPU budget
-    (a large vocabulary's embedding streamed sizes every set); one line when two do not fit either."""
+    """Residents in the spare memory less the staging of streaming every unit whose moments are in host RAM
+    (sets of the largest), every other such unit streamed; with two staging sets where three do not fit
+    the GPU budget (a large vocabulary's embedding streamed sizes every set); one line when two do not fit
+    either."""
     budget = inputs.gpu_memory_bytes
     if inputs.staging_sets > 2 and budget is not None:
         plan = _all_streamed_with(inputs)
@@ -481,7 +490,7 @@ def _all_streamed_with(inputs: PlanInputs, *, refuse: bool = False) -> Plan:
     shape = inputs.shape
     on_nvme = set(inputs.offloaded_units)
     streamable = [c for c in unit_costs(shape, inputs) if c.name not in on_nvme]
-    reserve = max((c.stream_device_bytes for c in streamable), default=0)
+    reserve = staging_price(shape, inputs)(c.name for c in streamable)
     budget = inputs.gpu_memory_bytes
     for _ in range(_RESERVE_ROUNDS):
         placed = _with_resident(inputs, reserve_bytes=reserve)

@@ -21,11 +21,14 @@ one term per unit that depends on where the unit is updated:
   d2h to be summed on the host as a host unit's are, the fp32 sum travels h2d with the master (4 B/param)
   and the last contribution is added to it on the GPU (Note [Streamed accumulation] there); every load of
   such a unit reads the host master, and with clipping the fp32 sum (not the compute-dtype gradient) goes
-  back d2h for a correction. The staging then holds an fp32 sum per set (``stream_device_bytes``).
+  back d2h for a correction. The staging then lends such a unit an fp32 sum while it is staged
+  (:func:`staging_price`).
 - ``resident``: only the GPU update.
 
 :func:`unit_costs` gives those terms and :func:`fixed_times` the fixed part; :func:`resource_times` sums them
 for a placement. The host terms sum to the formulas :func:`slide_hf.planner.make_plan` documents.
+:func:`staging_price` gives the GPU bytes of streaming a set of units, which are no sum of per-unit terms
+(the staging sets are sized by the largest unit, the summed gradients' pool by how many units sum).
 
 PCIe has three resources: each direction alone at its measured rate, and ``pcie duplex``, the bytes of both
 directions at the rate they reach together (``Bandwidths.duplex_gbps``), which is less than the sum of the
@@ -35,14 +38,14 @@ two: a step moving much both ways (GPU-streamed units) is bound by the duplex te
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from slide_core.optim.state_formats import state_bytes_per_param
 from slide_hf.planner.inputs import HOST_ADAM_BUSY_SHARE, ModelShape, PlanInputs
 from slide_hf.planner.traffic import adam_bytes_per_param, block_loads, h2d_bytes_per_param
 
-__all__ = ["RESOURCES", "UnitCost", "fixed_times", "resource_times", "unit_costs"]
+__all__ = ["RESOURCES", "StagingPrice", "UnitCost", "fixed_times", "resource_times", "staging_price", "unit_costs"]
 
 RESOURCES = ("gpu compute", "pcie h2d", "pcie d2h", "pcie duplex", "host memory", "cpu", "nvme")
 """The resources a step's time is the largest of, in the order plans print them."""
@@ -75,12 +78,12 @@ class UnitCost:
     """What one unit adds to each resource (seconds per step) when updated on the host, GPU-streamed or
     resident, and the GPU memory streaming it needs.
 
-    ``stream_device_bytes``: GPU bytes the streamed updates hold when this is the largest streamed unit:
-    ``PlanInputs.staging_sets`` staging sets (Note [Three staging sets] in update_staging.py; each with an
-    fp32 summed gradient when a streamed unit gets several contributions a step), with clipping the fp32
-    ``c_u * g`` of one transfer chunk, and the device optimizer's scratch for its ranges. ``can_stream``:
-    False for a unit whose moments live on NVMe (the engine streams only units whose state is in host
-    RAM)."""
+    ``stream_device_bytes``: GPU bytes the streamed updates hold to stream this unit alone
+    (:func:`staging_price` of it): ``PlanInputs.staging_sets`` staging sets of its size (Note [Three staging
+    sets] in update_staging.py), its fp32 summed gradient when it gets several contributions a step, with
+    clipping the fp32 ``c_u * g`` of one transfer chunk, and the device optimizer's scratch for its ranges;
+    the bytes of several streamed units are :func:`staging_price` of them all. ``can_stream``: False for a
+    unit whose moments live on NVMe (the engine streams only units whose state is in host RAM)."""
 
     name: str
     numel: int
@@ -108,8 +111,6 @@ def _named_loads(shape: ModelShape, inputs: PlanInputs) -> dict[str, float]:
 
 def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
     """Every unit's terms, in forward order (embedding, blocks, head)."""
-    from slide_core.engine.streamed_pipeline import StreamedPipeline
-
     bw = inputs.bandwidths
     d = inputs.compute_dtype_bytes
     load_bytes = h2d_bytes_per_param(inputs.master_format)
@@ -123,11 +124,8 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
         x * 1e9 for x in (bw.h2d_gbps, bw.d2h_gbps, bw.duplex_gbps, bw.host_mem_gbps, bw.gpu_mem_gbps)
     )
     on_nvme = set(inputs.offloaded_units)
-    arrays = inputs.state_arrays()
-    device_optimizer = inputs.device_optimizer()
     loads = _named_loads(shape, inputs)
-    # The staging sets hold an fp32 sum once any streamed unit sums contributions (update_staging.py).
-    summing = inputs.grad_accum > 1 or (shape.tied and shape.names[0] in inputs.streamed_units)
+    staging = staging_price(shape, inputs)
     costs = []
     for name, n in shape.named_numels.items():
         contributions = inputs.grad_accum * (2 if name == shape.names[0] and shape.tied else 1)
@@ -160,17 +158,6 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
             # unit's (the last contribution is the GPU's), and the sum read once for its upload
             "host memory": (2 * travelling + kept + (contributions - 1) * n * (8 + d) + sum_up) / host_mem,
         }
-        chunk = inputs.transfer_chunk_numel
-        staging = StreamedPipeline.device_bytes(
-            n,
-            arrays,
-            split=inputs.master_format == "split",
-            sets=inputs.staging_sets,
-            clipping_chunk=chunk if inputs.clipping else None,
-            summing=summing,
-        )
-        longest = StreamedPipeline.optimizer_range_numel(n, chunk, clipping=inputs.clipping)
-        device_bytes = staging + device_optimizer.device_scratch_bytes(longest)
         costs.append(
             UnitCost(
                 name=name,
@@ -178,11 +165,49 @@ def unit_costs(shape: ModelShape, inputs: PlanInputs) -> tuple[UnitCost, ...]:
                 host=host,
                 streamed=streamed,
                 resident={"gpu compute": gpu_update},
-                stream_device_bytes=device_bytes,
+                stream_device_bytes=staging((name,)),
                 can_stream=name not in on_nvme,
             )
         )
     return tuple(costs)
+
+
+StagingPrice = Callable[[Iterable[str]], int]
+"""GPU bytes the streamed updates hold to stream the units it is given (:func:`staging_price`)."""
+
+
+def staging_price(shape: ModelShape, inputs: PlanInputs) -> StagingPrice:
+    """The GPU bytes of streaming a set of units, as the engine allocates them (``StreamedPipeline`` and
+    the device optimizer report their own sizes): the staging sets sized by the largest unit and the pool
+    of summed gradients for those of them that get several contributions a step (the engine's rule,
+    ``RunLayout.accumulating``: every unit with accumulation, the tied embedding without; Note [One sum
+    per summing unit in flight] in slide_core/engine/sums_pool.py), with clipping the fp32 ``c_u * g`` of
+    one transfer chunk, and the device optimizer's scratch for the longest range it steps. 0 for none."""
+    from slide_core.engine.streamed_pipeline import StreamedPipeline
+
+    numel = shape.named_numels
+    summing = set(inputs.layout(shape).accumulating(inputs.grad_accum))
+    arrays, split, sets = inputs.state_arrays(), inputs.master_format == "split", inputs.staging_sets
+    chunk, clipping = inputs.transfer_chunk_numel, inputs.clipping
+    device_optimizer = inputs.device_optimizer()
+
+    def price(names: Iterable[str]) -> int:
+        staged = [name for name in names if name in numel]
+        if not staged:
+            return 0
+        largest = max(numel[name] for name in staged)
+        staging = StreamedPipeline.device_bytes(
+            largest,
+            arrays,
+            split=split,
+            sets=sets,
+            clipping_chunk=chunk if clipping else None,
+            summing_numels=[numel[name] for name in staged if name in summing],
+        )
+        longest = StreamedPipeline.optimizer_range_numel(largest, chunk, clipping=clipping)
+        return staging + device_optimizer.device_scratch_bytes(longest)
+
+    return price
 
 
 def fixed_times(shape: ModelShape, inputs: PlanInputs, compute_s: float, disk_s: float) -> dict[str, float]:

@@ -10,9 +10,9 @@ slide_hf/planner/unit_costs.py and the GPU memory a plan leaves spare.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from slide_hf.planner.unit_costs import RESOURCES, UnitCost, resource_times
+from slide_hf.planner.unit_costs import RESOURCES, StagingPrice, UnitCost, resource_times
 
 __all__ = ["choose_streamed_units", "step_resources", "streaming_order"]
 
@@ -27,7 +27,10 @@ def step_resources(fixed: Mapping[str, float], units: Sequence[UnitCost], stream
 
 
 def choose_streamed_units(
-    fixed: Mapping[str, float], units: Sequence[UnitCost], device_budget_bytes: int
+    fixed: Mapping[str, float],
+    units: Sequence[UnitCost],
+    device_budget_bytes: int,
+    staging_bytes: StagingPrice | None = None,
 ) -> tuple[str, ...]:
     """The units of ``units`` to GPU-stream (in ``units``' order) so that the step's largest resource time
     is smallest, with the streamed updates' GPU memory within ``device_budget_bytes``: the moves of
@@ -42,7 +45,7 @@ def choose_streamed_units(
     streamed: set[str] = set()
     totals = step_resources(fixed, units, streamed)
     current = max(totals.values())
-    for name, step_s in streaming_order(fixed, units, device_budget_bytes):
+    for name, step_s in streaming_order(fixed, units, device_budget_bytes, staging_bytes):
         if step_s >= current * (1 - _EPSILON):
             break
         streamed.add(name)
@@ -51,7 +54,10 @@ def choose_streamed_units(
 
 
 def streaming_order(
-    fixed: Mapping[str, float], units: Sequence[UnitCost], device_budget_bytes: int
+    fixed: Mapping[str, float],
+    units: Sequence[UnitCost],
+    device_budget_bytes: int,
+    staging_bytes: StagingPrice | None = None,
 ) -> tuple[tuple[str, float], ...]:
     """Every unit that may stream, in the order a greedy search moves them to the GPU, each with the step's
     largest resource time once it has moved: start with every unit on the host; move, one at a time, the
@@ -63,21 +69,18 @@ def streaming_order(
     helps more than a block does; beyond that the search is not exhaustive, which costs little because a
     move's effect on each resource is proportional to the unit's size.
 
-    Memory: the streamed updates hold their staging sets sized by the largest streamed unit, so the bytes are
-    ``max(stream_device_bytes)`` over the streamed units (``UnitCost.stream_device_bytes``): a move that would
-    raise that past the budget is not taken. A unit with ``can_stream`` False (moments on NVMe) stays."""
+    Memory: a move that would raise the GPU bytes of streaming the moved units, ``staging_bytes`` of them
+    (the plan's :func:`~slide_hf.planner.unit_costs.staging_price`: staging sets sized by the largest, and a
+    summed gradient per summing unit in flight), past the budget is not taken; without it, the largest
+    ``UnitCost.stream_device_bytes`` of them. A unit with ``can_stream`` False (moments on NVMe) stays."""
+    price = staging_bytes if staging_bytes is not None else _largest_of(units)
     streamed: set[str] = set()
     totals = step_resources(fixed, units, streamed)
-    held = 0
     order: list[tuple[str, float]] = []
     while True:
         best: tuple[float, UnitCost] | None = None
         for unit in units:
-            if (
-                unit.name in streamed
-                or not unit.can_stream
-                or max(held, unit.stream_device_bytes) > device_budget_bytes
-            ):
+            if unit.name in streamed or not unit.can_stream or price([*streamed, unit.name]) > device_budget_bytes:
                 continue
             trial = max(totals[r] - unit.host.get(r, 0.0) + unit.streamed.get(r, 0.0) for r in RESOURCES)
             if best is None or trial < best[0]:
@@ -87,6 +90,16 @@ def streaming_order(
         step_s, unit = best
         streamed.add(unit.name)
         order.append((unit.name, step_s))
-        held = max(held, unit.stream_device_bytes)
         for resource in RESOURCES:
             totals[resource] += unit.streamed.get(resource, 0.0) - unit.host.get(resource, 0.0)
+
+
+def _largest_of(units: Sequence[UnitCost]) -> StagingPrice:
+    """The largest ``stream_device_bytes`` of the units named: the GPU bytes of streaming them where those
+    are the staging of the largest alone."""
+    by_name = {unit.name: unit.stream_device_bytes for unit in units}
+
+    def price(names: Iterable[str]) -> int:
+        return max((by_name[name] for name in names), default=0)
+
+    return price
