@@ -95,6 +95,24 @@ def test_eval_batches_cover_every_row_once_in_order():
         list(eval_batches(data, 0))
 
 
+@pytest.mark.parametrize(("rows", "world_size"), [(7, 2), (7, 3), (9, 3), (2, 3)])
+def test_eval_batches_of_the_ranks(rows: int, world_size: int):
+    """Note [Every rank evaluates as many micro-batches]: rank r takes micro-batches r, r + N, ... of one
+    process's, and a rank one short ends with a filler (the first micro-batch, every label ignored)."""
+    data = _numbered(rows)
+    whole = list(eval_batches(data, 2))
+    ranks = [list(eval_batches(data, 2, rank=rank, world_size=world_size)) for rank in range(world_size)]
+    assert len({len(share) for share in ranks}) == 1  # every rank as many
+    for rank, share in enumerate(ranks):
+        own = whole[rank::world_size]
+        assert all(torch.equal(got.input_ids, want.input_ids) for got, want in zip(share, own, strict=False))
+        assert all(torch.equal(got.labels, want.labels) for got, want in zip(share, own, strict=False))
+        for filler in share[len(own) :]:
+            assert torch.equal(filler.input_ids, whole[0].input_ids) and bool((filler.labels == -100).all())
+    with pytest.raises(ValueError, match="rank 2 is not in a world of size 2"):
+        list(eval_batches(data, 2, rank=2, world_size=2))
+
+
 # ---- weighted mixtures ---------------------------------------------------------------------------------------
 
 

@@ -111,6 +111,9 @@ def test_slide_plan_takes_the_objective(slide: Slide):
     assert found and all(isinstance(v, float) and v > 0 for v in found)
     status, out, err = slide(*base, "--objective", "ppo")
     assert status != 0 and "--objective" in err and "Traceback" not in err
+    status, out, err = slide(*base, "--objective", "dpo", "--nproc-per-node", "2")  # as `slide train` runs it
+    assert status == 0, err
+    assert "reference pass" in out and "data parallel" in out.lower()
 
 
 def test_the_reference_pass_logs_its_plan_beside_its_time(caplog):

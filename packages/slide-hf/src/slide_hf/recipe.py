@@ -37,7 +37,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,14 +225,14 @@ def _train(
             tokenizer_dir = _save_tokenizer(model.tokenizer, model.config, run_dir.path, model.model_dir)
             run_dir.record_outputs()  # what --overwrite may remove later (slide_hf/run_files.py)
         cache = run_dir.path / DATA_CACHE
-        if cfg.ref_model is not None and needs_reference_pass(cfg, preference, cache, model.model_dir):
+        if cfg.ref_model is not None and needs_reference_pass(cfg, preference, cache, model.model_dir, group):
             # DPO's reference pass on --ref-model: its own weights and engine, closed before training starts
             assert preference is not None  # needs_reference_pass says so
             reference = _setup_weights(cfg, dataclasses.replace(model, model_dir=cfg.ref_model), optimizer, group)
             with _setup_engine(model, device, reference, optimizer, options, placement, run_dir, group) as ref_engine:
                 run_reference(
                     cfg, preference, cache, model.model_dir, device.torch_device,
-                    evaluate=ref_engine.evaluate, resumed=False,  # --ref-model's weights never change
+                    evaluate=ref_engine.evaluate, resumed=False, group=group,  # --ref-model's weights never change
                     planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device),
                 )  # fmt: skip
             del reference
@@ -249,7 +249,7 @@ def _train(
             if preference is not None:  # DPO: the saved pass, or one now on the starting weights (the reference)
                 run_reference(
                     cfg, preference, cache, model.model_dir, device.torch_device,
-                    evaluate=engine.evaluate, resumed=resumed is not None,
+                    evaluate=engine.evaluate, resumed=resumed is not None, group=group,
                     planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device),
                 )  # fmt: skip
             first_step = trainer.run()
@@ -792,7 +792,7 @@ class _Trainer:
         real_tokens = counted[0]
         self.stop.agree(counted[1:])
         # DPO/SimPO: TRL's rewards/* and logps/* (a CPU-GPU sync, once per step); nothing for SFT.
-        preference = preference_metrics(self.objective)
+        preference = preference_metrics(self.objective, self.group)
         if self.run_log is None:
             return
         record = {
@@ -843,7 +843,7 @@ class _Trainer:
         # TRL's eval_rewards/* and eval_logps/* join the record.
         with evaluation_scope(self.objective):
             record = self.evaluator.run(step)
-        record |= eval_metrics(self.objective)
+        record |= eval_metrics(self.objective, self.group)
         if self.run_log is None:  # not rank 0: only the checkpoint below is every rank's
             if self.cfg.save_best and record["eval_loss"] < self.best.get("eval_loss", math.inf):
                 if self.last_saved != step:
@@ -1072,8 +1072,8 @@ class _Evaluator:
 
     With data parallel rank ``r`` evaluates micro-batches ``r, r + N, ...`` and the loss sums and token
     counts are summed over the ranks. Every evaluation load is an all-gather, so every rank must evaluate
-    as many micro-batches in the same groups: a rank one short adds a filler micro-batch whose labels are
-    all -100, which adds no loss and no token."""
+    as many micro-batches in the same groups (Note [Every rank evaluates as many micro-batches] in
+    slide_hf/data/batches.py)."""
 
     GROUP = 64
 
@@ -1082,22 +1082,12 @@ class _Evaluator:
         self.perplexity = perplexity
         """Whether the record has the perplexity, exp of the mean token loss (SFT's)."""
 
-    def _own_micro_batches(self) -> Iterator[Any]:
-        rank, world_size = self.group.rank, self.group.world_size
-        total = -(-len(self.rows) // self.batch_size)
-        filler = None
-        for index, micro_batch in enumerate(eval_batches(self.rows, self.batch_size)):
-            filler = filler or micro_batch._replace(labels=torch.full_like(micro_batch.labels, -100))
-            if index % world_size == rank:
-                yield micro_batch
-        if rank >= total % world_size and total % world_size and filler is not None:
-            yield filler  # this rank has one micro-batch fewer than rank 0
-
     def run(self, step: int) -> dict[str, Any]:
         began = time.perf_counter()
         loss_sum, loss_tokens = 0.0, 0
         group: list[Any] = []
-        for micro_batch in self._own_micro_batches():
+        rank, world_size = self.group.rank, self.group.world_size
+        for micro_batch in eval_batches(self.rows, self.batch_size, rank=rank, world_size=world_size):
             group.append(micro_batch)
             if len(group) == self.GROUP:
                 loss_sum, loss_tokens = self._add(group, loss_sum, loss_tokens)

@@ -26,6 +26,7 @@ import torch
 
 from slide_hf.data.dataset import Dataset
 from slide_hf.data.mixture import mixture_order
+from slide_hf.data.options import IGNORE
 from slide_hf.errors import UserError
 from slide_hf.spelling import option
 
@@ -120,9 +121,24 @@ class Batches:
         return [_micro_batch(self.dataset, chunk[mine]) for chunk in order.split(self.batch_size * self.world_size)]
 
 
-def eval_batches(dataset: Dataset, batch_size: int) -> Iterator[MicroBatch]:
-    """Every row once, in order, ``batch_size`` rows at a time (the last batch may be smaller)."""
+def eval_batches(dataset: Dataset, batch_size: int, *, rank: int = 0, world_size: int = 1) -> Iterator[MicroBatch]:
+    """Every row once, in order, ``batch_size`` rows at a time (the last batch may be smaller).
+
+    Note [Every rank evaluates as many micro-batches]: with ``world_size`` ranks, rank ``r`` takes the
+    micro-batches ``r, r + N, ...`` of that order, so the ranks together see each once, as one process
+    does. Every load of an evaluation is an all-gather, so the ranks must call the engine's ``evaluate``
+    with as many micro-batches in the same groups: a rank with one fewer than rank 0 ends with a filler, a
+    copy of the first micro-batch whose labels are all ``IGNORE``, which adds no loss, no label token and
+    (under a preference head) no pair. SFT's evaluation and DPO's reference pass both take their
+    micro-batches here (``test_eval_batches_of_the_ranks``)."""
     if batch_size < 1:
         raise UserError(f"the evaluation batch size must be positive, got {batch_size}")
-    for start in range(0, len(dataset), batch_size):
-        yield _micro_batch(dataset, slice(start, start + batch_size))
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    total = -(-len(dataset) // batch_size)
+    for index, start in enumerate(range(0, len(dataset), batch_size)):
+        if index % world_size == rank:
+            yield _micro_batch(dataset, slice(start, start + batch_size))
+    if total and rank >= total % world_size > 0:  # one micro-batch fewer than rank 0
+        first = _micro_batch(dataset, slice(0, batch_size))
+        yield first._replace(labels=torch.full_like(first.labels, IGNORE))

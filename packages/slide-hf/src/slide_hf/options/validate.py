@@ -200,14 +200,6 @@ def _preference_without(name: str, why: str) -> CrossRule:
     return CrossRule((name, "objective"), check)
 
 
-def _preference_is_one_process(cfg: TrainConfig, world_size: int) -> None:
-    if cfg.preference and world_size > 1:
-        raise UserError(
-            f"{option('objective', cfg.objective.value)} does not run with data parallel ({world_size} processes) yet: "
-            "its reference pass and metrics are one process's"
-        )
-
-
 CROSS_RULES: tuple[CrossRule, ...] = (
     CrossRule(("lr", "weight_decay"), _weight_decay),
     CrossRule(("eval_data", "eval_fraction"), _one_eval_source),
@@ -243,7 +235,6 @@ CROSS_RULES: tuple[CrossRule, ...] = (
     _preference_option("label_smoothing", ("dpo", "simpo"), lambda cfg: cfg.label_smoothing > 0),
     _preference_option("ref_model", ("dpo",), lambda cfg: cfg.ref_model is not None),
     CrossRule(("label_smoothing", "dpo_loss", "objective"), _smoothing_is_not_ipo),
-    CrossRule(("objective",), _preference_is_one_process),
     _preference_without("train_on_inputs", "the loss is on each pair's completions alone"),
 )
 """Every cross-option rule, in the order they are checked (the first that fails is the one line)."""

@@ -21,6 +21,10 @@ The engine divides the step's summed head values by ``SlideModel.loss_token_coun
 model answers with the number of pairs (tags.py's :func:`pair_count`), so the step's loss and gradient are
 the mean over all pairs of the step, across micro-batches and accumulation, as TRL's with the same
 effective batch. A pair's two completions are always in one row (data/preference.py), so in one micro-batch.
+With data parallel the engine sums those counts over the ranks before the first micro-batch (as it sums
+SFT's label tokens), so every rank divides by the pairs of the global batch, and the ranks' summed
+gradients are one process's at that batch; the metrics' sums are added over the ranks the same way
+(:meth:`PreferenceHead.take_metric_sums`, preference/run.py).
 
 During the DPO reference pass (:attr:`PreferenceHead.collecting`) the head only adds each completion's
 summed log-probability into :attr:`PreferenceHead.reference`, indexed by the completion's global number.
@@ -38,7 +42,7 @@ import torch.nn.functional as F
 from slide_hf.preference.losses import PairLoss, pair_losses
 from slide_hf.preference.tags import decode_tags
 
-__all__ = ["METRIC_NAMES", "PreferenceHead", "PreferenceMetrics"]
+__all__ = ["METRIC_NAMES", "PreferenceHead", "PreferenceMetrics", "metric_means"]
 
 _CHUNK_ELEMENTS = 1 << 25
 """Logits per chunk (rows x vocab): 128 MiB in fp32, whatever the vocabulary."""
@@ -89,17 +93,21 @@ class PreferenceHead:
         self.reference = reference.to(device=device, dtype=torch.float32)
         self.collecting = False
 
+    def take_metric_sums(self) -> torch.Tensor:
+        """The sums of the metrics of the micro-batches since the last call, on the host in float64: the
+        pairs, then one sum per name of :data:`METRIC_NAMES` (zeros where none was computed); resets them.
+        Sums, not means, so that data-parallel ranks can add theirs (:func:`metric_means`). Note: a
+        CPU-GPU sync point (once per logged step)."""
+        if self._metric_sums is None:
+            return torch.zeros(1 + len(METRIC_NAMES), dtype=torch.float64)
+        sums = self._metric_sums.to("cpu", torch.float64)
+        self._metric_sums.zero_()
+        return sums
+
     def take_metrics(self) -> PreferenceMetrics:
         """The metrics of the micro-batches since the last call, as means over their pairs; resets them.
         Note: a CPU-GPU sync point (once per logged step)."""
-        if self._metric_sums is None:
-            return {}
-        sums = self._metric_sums.tolist()
-        self._metric_sums.zero_()
-        pairs = sums[0]
-        if pairs == 0:
-            return {}
-        return {name: value / pairs for name, value in zip(METRIC_NAMES, sums[1:], strict=True)}
+        return metric_means(self.take_metric_sums())
 
     # -- the loss -----------------------------------------------------------------------------------------
     def loss_sum(
@@ -181,6 +189,15 @@ class PreferenceHead:
         if self._metric_sums is None or self._metric_sums.device != metrics.device:
             self._metric_sums = torch.zeros_like(metrics)
         self._metric_sums.add_(metrics)
+
+
+def metric_means(sums: torch.Tensor) -> PreferenceMetrics:
+    """The metrics as means over the pairs, from :meth:`PreferenceHead.take_metric_sums` (one rank's, or
+    every rank's added); empty where no pair was computed."""
+    pairs, *values = sums.tolist()
+    if pairs == 0:
+        return {}
+    return {name: value / pairs for name, value in zip(METRIC_NAMES, values, strict=True)}
 
 
 @functools.cache

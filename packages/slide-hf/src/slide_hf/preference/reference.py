@@ -10,6 +10,17 @@ own weights are no longer the reference's. The held-out pairs of an evaluation (
 ``--eval-fraction``) have a pass of their own, right after the training pairs', saved the same way under
 their rows' digest (Note [A head per pair set] in preference/run.py). Tested by
 ``test_resume_is_bit_exact_and_reuses_the_reference_pass`` and ``test_resume_with_evaluation_is_bit_exact``.
+
+Note [The ranks share the reference pass]: with data parallel each rank computes its share of the rows,
+the micro-batches ``r, r + N, ...`` of one process's order, as many as every other rank's (``eval_batches``
+with its rank: every load of the pass is an all-gather, Note [Every rank evaluates as many micro-batches]
+in slide_hf/data/batches.py). A completion is in one micro-batch, so in one rank's share, and the others'
+log-probabilities of it stay zero; the ranks' tensors are summed, so every rank holds every completion's,
+each exactly the value one process computes from the same micro-batch (``x + 0`` rounds to ``x``), and
+trains on whatever rows it is given. Rank 0 alone saves the file, under the same name as one process's;
+whether a pass is saved is rank 0's answer on every rank, so all run it or none, and a resume on any
+number of ranks reads it on every rank. Tested by ``test_two_ranks_train_as_one_process`` and
+``test_a_resume_of_two_ranks_reads_the_reference_pass`` (tests/hf/test_preference_data_parallel.py).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from typing import Any
 
 import torch
 
+from slide_core.collectives import Collectives
 from slide_core.engine.evaluation import MAX_EVAL_GROUP
 from slide_hf.errors import UserError
 from slide_hf.preference.head import PreferenceHead
@@ -65,20 +77,24 @@ def compute_reference(
     planned_micro_batch_s: float | None = None,
     *,
     label: str = "reference pass",
+    group: Collectives | None = None,
 ) -> torch.Tensor:
     """Run the reference pass over ``batches`` (every row once) through ``evaluate`` (the engine's
     forward-only path) with ``head`` collecting; returns the log-probabilities, one per completion, on the
     host. Progress and the time remaining show as the pass goes (slide_hf/progress.py), under ``label``
     (the held-out pairs' pass has its own); the log line at the end puts the plan's time
-    (``planned_micro_batch_s`` per micro-batch, ``Plan.reference_step_s``) beside the pass's."""
+    (``planned_micro_batch_s`` per micro-batch, ``Plan.reference_step_s``) beside the pass's.
+    With data parallel (``group``), ``batches`` is this rank's share of the rows and every rank returns
+    every completion's (Note [The ranks share the reference pass])."""
     head.start_reference(device)
     total = len(batches)
     # No fewer micro-batches per evaluation than it carries through each unit per load (Note
     # [Evaluation by groups] in slide_core/engine/evaluation.py).
     every = max(MAX_EVAL_GROUP, total // _UPDATES)
     started = time.perf_counter()
-    try:
-        with PassProgress(label, total) as progress:
+    ranks = 1 if group is None else group.world_size
+    try:  # rank 0 alone shows a live bar (the others log no progress either)
+        with PassProgress(label, total, live=None if group is None or group.rank == 0 else False) as progress:
             for done in range(0, total, every):
                 evaluate(batches[done : done + every])
                 progress.update(min(done + every, total))
@@ -86,14 +102,17 @@ def compute_reference(
         head.collecting = False
     assert head.reference is not None
     reference = head.reference.detach().cpu()  # note: a CPU-GPU sync point (once per run)
+    if group is not None:
+        group.all_reduce_host_(reference, f"the sum of the {label}'s log-probabilities")
     # Its time and tokens (padding included: the pass computes it), what bench/preference.py holds against
-    # the forward's FLOP bound; the pass has no metrics record of its own.
+    # the forward's FLOP bound; the pass has no metrics record of its own. With data parallel, this rank's.
     elapsed_s = time.perf_counter() - started
     tokens = sum(int(batch.input_ids.numel()) for batch in batches)
     planned = "" if planned_micro_batch_s is None else f"; planned {planned_micro_batch_s * total:.3g} s"
+    share = "" if ranks == 1 else f" (each of {ranks} ranks its share)"
     log.info(
-        "%s: %d tokens in %d micro-batches in %.3f s (%.0f tok/s)%s",
-        label, tokens, total, elapsed_s, tokens / max(elapsed_s, 1e-9), planned,
+        "%s: %d tokens in %d micro-batches in %.3f s (%.0f tok/s)%s%s",
+        label, tokens, total, elapsed_s, tokens / max(elapsed_s, 1e-9), planned, share,
     )  # fmt: skip
     return reference
 
@@ -105,10 +124,18 @@ def prepare_reference(
     *,
     compute: Callable[[], torch.Tensor],
     resumed: bool,
+    group: Collectives | None = None,
 ) -> bool:
     """Give ``head`` its reference log-probabilities: from ``path`` when a pass of this data and reference
-    was saved there, else from ``compute()`` (then saved). Returns whether the pass ran."""
-    if path.is_file():
+    was saved there, else from ``compute()`` (then saved). Returns whether the pass ran. With data parallel
+    (``group``) every rank takes rank 0's answer to whether the file is there, so all run the pass or none
+    (it is collective); rank 0 alone writes the file, every rank reads it (a resume: the run directory is
+    on a file system every rank sees, as its checkpoints are)."""
+    saved_pass = path.is_file()
+    # Rank 0 answers after writing any earlier pass's file (--ref-model's): the others read it after that.
+    if group is not None:
+        saved_pass = group.broadcast_object(saved_pass, f"rank 0's answer whether {path.name} is saved")
+    if saved_pass:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         head.use_reference(saved, device)
         log.info("reference log-probabilities of %d pairs from %s", head.pairs, path)
@@ -119,10 +146,11 @@ def prepare_reference(
             "longer the reference's, so they cannot be computed again (start the run anew)"
         )
     reference = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    torch.save(reference, partial)
-    os.replace(partial, path)
+    if group is None or group.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save(reference, partial)
+        os.replace(partial, path)
     head.use_reference(reference, device)
     log.info("reference log-probabilities of %d pairs saved to %s", head.pairs, path)
     return True

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
+from slide_core.collectives import Collectives
 from slide_hf.data import DataOptions, Dataset, eval_batches
 from slide_hf.data.preference import load_pair_split, load_pairs
 from slide_hf.errors import UserError
 from slide_hf.options import TrainConfig
-from slide_hf.preference.head import PreferenceHead
+from slide_hf.preference.head import PreferenceHead, metric_means
 from slide_hf.preference.losses import PairLoss
 from slide_hf.preference.reference import compute_reference, prepare_reference, reference_path, weights_fingerprint
 from slide_hf.spelling import option
@@ -153,13 +154,19 @@ def _reference_file(cfg: TrainConfig, rows: Dataset, cache_dir: Path, model_dir:
 
 
 def needs_reference_pass(
-    cfg: TrainConfig, objective: PreferenceObjective | None, cache_dir: Path, model_dir: Path | None
+    cfg: TrainConfig,
+    objective: PreferenceObjective | None,
+    cache_dir: Path,
+    model_dir: Path | None,
+    group: Collectives,
 ) -> bool:
     """Whether this run must run DPO's reference pass: DPO, and no saved pass of this reference for the
-    training pairs or the held-out ones (a resumed run always has both)."""
+    training pairs or the held-out ones (a resumed run always has both). Rank 0's answer on every rank:
+    the pass is collective (Note [The ranks share the reference pass])."""
     if objective is None or not objective.train.head.loss.needs_reference:
         return False
-    return any(not _reference_file(cfg, pairs.rows, cache_dir, model_dir).is_file() for pairs in objective.sets)
+    missing = any(not _reference_file(cfg, pairs.rows, cache_dir, model_dir).is_file() for pairs in objective.sets)
+    return bool(group.broadcast_object(missing, "rank 0's answer whether the reference pass is saved"))
 
 
 def run_reference(
@@ -171,34 +178,35 @@ def run_reference(
     *,
     evaluate: Callable[[Any], Any],
     resumed: bool,
+    group: Collectives,
     planned_micro_batch_s: float | None = None,
 ) -> bool:
     """DPO: the reference log-probabilities of the training pairs, then of the held-out pairs, each from
     this run's saved pass or a new one through ``evaluate`` (an engine holding the reference's weights);
-    SimPO needs none. Returns whether a pass ran. ``planned_micro_batch_s``: the plan's seconds per
-    micro-batch of a pass (the same for both: a forward of each pair), logged beside its time."""
+    SimPO needs none. Returns whether a pass ran. With data parallel each rank of ``group`` computes its
+    share of the rows and every rank ends with every completion's (Note [The ranks share the reference
+    pass] in preference/reference.py). ``planned_micro_batch_s``: the plan's seconds per micro-batch of a
+    pass (the same for both: a forward of each pair), logged beside its time."""
     ran = False
     for pairs in objective.sets:
         if not pairs.head.loss.needs_reference:
             continue
         head = pairs.head
-        batches = list(eval_batches(pairs.rows, cfg.batch_size))
+        batches = list(eval_batches(pairs.rows, cfg.batch_size, rank=group.rank, world_size=group.world_size))
+        compute = functools.partial(
+            compute_reference, evaluate, head, batches, device, planned_micro_batch_s, label=pairs.label, group=group
+        )
         with objective.computing(pairs):
-            ran |= prepare_reference(
-                head,
-                _reference_file(cfg, pairs.rows, cache_dir, model_dir),
-                device,
-                compute=functools.partial(
-                    compute_reference, evaluate, head, batches, device, planned_micro_batch_s, label=pairs.label
-                ),
-                resumed=resumed,
-            )
+            path = _reference_file(cfg, pairs.rows, cache_dir, model_dir)
+            ran |= prepare_reference(head, path, device, compute=compute, resumed=resumed, group=group)
     return ran
 
 
-def preference_metrics(objective: PreferenceObjective | None) -> dict[str, float]:
-    """The step's TRL-named metrics (empty for SFT). Note: a CPU-GPU sync point, once per step."""
-    return {} if objective is None else objective.train.head.take_metrics()
+def preference_metrics(objective: PreferenceObjective | None, group: Collectives) -> dict[str, float]:
+    """The step's TRL-named metrics (empty for SFT), means over the global batch's pairs: with data
+    parallel the ranks' sums are added first (every rank calls this). Note: a CPU-GPU sync point, once
+    per step."""
+    return {} if objective is None else _global_metrics(objective.train.head, group, "the step's")
 
 
 def evaluation_scope(objective: PreferenceObjective | None) -> contextlib.AbstractContextManager[None]:
@@ -209,9 +217,18 @@ def evaluation_scope(objective: PreferenceObjective | None) -> contextlib.Abstra
     return objective.computing(objective.held_out)
 
 
-def eval_metrics(objective: PreferenceObjective | None) -> dict[str, float]:
-    """The evaluation's TRL-named metrics, means over the held-out pairs with the ``eval_`` prefix (empty
-    for SFT). Note: a CPU-GPU sync point, once per evaluation."""
+def eval_metrics(objective: PreferenceObjective | None, group: Collectives) -> dict[str, float]:
+    """The evaluation's TRL-named metrics, means over the held-out pairs (every rank's) with the ``eval_``
+    prefix (empty for SFT). Note: a CPU-GPU sync point, once per evaluation."""
     if objective is None or objective.held_out is None:
         return {}
-    return {EVAL_PREFIX + name: value for name, value in objective.held_out.head.take_metrics().items()}
+    metrics = _global_metrics(objective.held_out.head, group, "the evaluation's")
+    return {EVAL_PREFIX + name: value for name, value in metrics.items()}
+
+
+def _global_metrics(head: PreferenceHead, group: Collectives, whose: str) -> dict[str, float]:
+    """``head``'s metrics as means over every rank's pairs: the sums (pairs included) summed over the
+    ranks, then divided, so N ranks log what one process logs at the same batch."""
+    sums = head.take_metric_sums()
+    group.all_reduce_host_(sums, f"the sum of {whose} preference metrics")
+    return metric_means(sums)
