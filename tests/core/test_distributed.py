@@ -58,6 +58,11 @@ class Case:
     """Units updated on the device as they stream (streamed_pipeline.py)."""
     to_root: bool = False
     """The engine closes with ``master_to_root``: only rank 0's master is gathered whole."""
+    streamable: tuple[str, ...] = ()
+    """Units the run may move between the host and the device update between steps."""
+    moves: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """``(step, units)``: after ``step``, every rank updates ``units`` on the device (``Engine.place_streamed``)
+    and the other streamable ones on the host (Note [Re-placement at a step boundary])."""
     state_format: str = "fp32"
     """How the Adam moments are stored (``bf16``: CompactAdamW, rounded stochastically by element index)."""
     master_rtol: float = RTOL
@@ -79,8 +84,12 @@ class Case:
             resident_units=self.resident,
             offloaded_units=self.offloaded,
             streamed_units=self.streamed,
+            streamable_units=self.streamable,
         )
 
+
+MOVABLE = ("embed", "layers.0", "layers.1", "layers.2", "head")
+"""The units of the re-placement cases' streamed path."""
 
 CASES = {
     "plain": Case(),
@@ -112,6 +121,17 @@ CASES = {
     # speculative device updates of the shards, corrected on the host (Note [Streamed speculation])
     "streamed-clips": Case(max_grad_norm=0.05, streamed=("layers.0", "layers.2", "head"), resident=("embed",)),
     "streamed-nan-on-one-rank": Case(max_grad_norm=1e6, poison_step=2, steps=4, streamed=("embed", "layers.2")),
+    # every rank moves the same units between its steps: the bits of one process making the same moves
+    "moved": Case(steps=4, streamable=MOVABLE, moves=((1, ("layers.0", "layers.1")), (2, ("embed", "head")))),
+    "moved-tied-accum-clips": Case(
+        tied=True,
+        accum=2,
+        max_grad_norm=0.05,
+        steps=4,
+        streamed=("layers.2",),
+        streamable=("embed", "layers.0", "layers.1", "head"),
+        moves=((1, ("embed", "layers.1")), (3, ())),
+    ),
 }
 CHECKPOINT_CASES = {"clips-4": Case(max_grad_norm=0.05, steps=4)}
 RESHARD_CASE = Case(accum=2, max_grad_norm=0.05, steps=4, resident=("embed",), offloaded=("layers.1",))
@@ -202,6 +222,9 @@ def _run(
                 model.blocks[1].poisoned = poisons and step == case.poison_step
                 result = engine.step(micro, lr=LR)
                 results.append((result.step, result.loss, result.grad_norm, result.skipped, result.loss_tokens))
+                for after, units in case.moves:
+                    if step == after:
+                        engine.place_streamed(units)
                 if step == die_after:
                     assert obituary is not None
                     obituary.write_text(repr(time.time()))

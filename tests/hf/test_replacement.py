@@ -304,3 +304,93 @@ def test_train_metrics_carry_the_placement_when_it_changes(slide, monkeypatch, t
     assert list(named) == [1, 12] and named[1] == "none" and named[12] != "none"
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("placement after step 11")]
     assert f"units {named[12]} now updated on the GPU (host AdamW " in line
+
+
+# ---- data parallel: rank 0 decides for every rank --------------------------------------------------------
+class _Ranks:
+    """Two ranks' ``broadcast_object`` played in one process: rank 0's value, handed to rank 1 in turn."""
+
+    def __init__(self, rank: int, wire: list) -> None:
+        self.rank, self._wire = rank, wire
+
+    def broadcast_object(self, value, what: str):
+        if self.rank == 0:
+            self._wire.append(value)
+            return value
+        return self._wire.pop(0)
+
+
+def test_every_rank_takes_rank_0s_decision():
+    """Note [Ranks place alike]: rank 1's steps measure a host that streaming would not help, rank 0's one a
+    hundred times slower than planned; both ranks move the units rank 0's rates call for, after the same
+    step, and both keep rank 0's rates for the next check's hysteresis."""
+    planned = plan_with_placement(_inputs(bandwidths=FAST_HOST), "auto", replaceable=True)
+    wire: list = []
+    rates = [_Rates(_busy(HOST_BOUND), FAST_HOST.gpu_tflops), _Rates(_busy(FAST_HOST), FAST_HOST.gpu_tflops)]
+    loops = [Replacement(planned, warmup_steps=0, check_every=2, rates=rates[r], ranks=_Ranks(r, wire)) for r in (0, 1)]
+    engines = [_Engine(), _Engine()]
+    for step in (1, 2):
+        changes = [loop.after_step(step, {}, engine) for loop, engine in zip(loops, engines, strict=True)]
+    assert changes[0] is not None and changes[0] == changes[1] and not wire
+    assert engines[0].moves == engines[1].moves == [changes[0].streamed]
+    assert loops[1].chosen_with == loops[0].chosen_with == changes[0].rates
+    alone = Replacement(planned, warmup_steps=0, check_every=2, rates=rates[1])
+    assert [alone.after_step(step, {}, _Engine()) for step in (1, 2)] == [None, None]  # rank 1's own rates: no move
+
+
+_MOVING_RANK = """
+import json, sys
+from slide_core.engine import Engine
+from slide_hf import recipe, replacement
+from slide_hf.cli.main import main
+from slide_hf.planner import make_plan
+from slide_hf.replacement import MeasuredRates
+import dataclasses, os
+
+record, argv = sys.argv[1], sys.argv[2:]
+rank = int(os.environ["RANK"])
+placing, stepping = recipe.place_units, Engine.step
+placed_per_step = []
+
+def placed(model, device, options, **kwargs):  # the CPU device's plan moves nothing: let the blocks move
+    placement = placing(model, device, options, **kwargs)
+    inputs = placement.plan.inputs
+    plan = make_plan(dataclasses.replace(inputs, streamable_units=tuple(inputs.shape.block_names)))
+    return dataclasses.replace(placement, plan=plan)
+
+def step(engine, *args, **kwargs):
+    result = stepping(engine, *args, **kwargs)
+    placed_per_step.append(list(engine.streamed_units))
+    return result
+
+recipe.place_units, Engine.step = placed, step
+# rank 0's steps measure a host AdamW at a thousand parameters a second (move the blocks to the GPU); the
+# other rank's, one that streaming would not help: every rank must still make rank 0's move
+slow = MeasuredRates(1e-6, None) if rank == 0 else MeasuredRates(1e6, None)
+replacement.measured_rates = lambda meter: slow
+status = main(argv)
+with open(os.path.join(record, f"rank{rank}.json"), "w") as out:
+    json.dump(placed_per_step, out)
+sys.exit(status)
+"""
+
+
+@pytest.mark.slow
+def test_gloo_ranks_of_slide_train_move_the_same_units_after_the_same_step(tmp_path) -> None:
+    """Two gloo ranks of `slide train` whose steps measure different host rates: rank 0's check moves the
+    blocks after step 11 and every rank's engine updates the same units from step 12 on."""
+    import subprocess
+    import sys
+
+    from slide_core.testing import launch_ranks, wait_ranks
+
+    record = tmp_path / "ranks"
+    record.mkdir()
+    argv = ("train", "--device", "cpu", "--dtype", "float32", "--steps", "13",
+            "--seq-len", "32", "--batch-size", "2", "--output", str(tmp_path / "run"))  # fmt: skip
+    command = [sys.executable, "-c", _MOVING_RANK, str(record), *argv]
+    for rank, (code, err) in enumerate(wait_ranks(launch_ranks(command, 2, stdout=subprocess.DEVNULL), 240.0)):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    per_rank = [json.loads((record / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0][:11] == [[]] * 11 and per_rank[0][11] and per_rank[0][11] == per_rank[0][12]

@@ -243,8 +243,8 @@ def _train(
         trainer.objective = preference
         trainer.plan = placement.plan
         trainer.meter = InStepMeter(placement.plan)
-        if Replacement.wanted(placement.plan):  # --update-placement auto, one process (slide_hf/replacement.py)
-            trainer.replacement = Replacement(placement.plan)
+        if Replacement.wanted(placement.plan):  # --update-placement auto (slide_hf/replacement.py)
+            trainer.replacement = Replacement(placement.plan, ranks=group if group.world_size > 1 else None)
         with trainer.stop, parts as engine:
             if preference is not None:  # DPO: the saved pass, or one now on the starting weights (the reference)
                 run_reference(
@@ -498,15 +498,18 @@ def _setup_placement(
     model: _Model, device: Device, options: RunOptions, group: RunGroup, optimizer: Optimizer
 ) -> Placement:
     """Refuse what cannot fit before allocating anything; spend spare GPU memory on resident units. Every
-    rank takes rank 0's choice of resident and offloaded units: a resident unit's collectives differ from
-    a sliding one's, so the ranks must place alike."""
-    # Units move between the host and the GPU-streamed update in one process only: ranks would have to
-    # agree on every move (slide_hf/replacement.py).
-    replaceable = group.world_size == 1
-    placement = place_units(model.slide_model, device, options, optimizer=optimizer, replaceable=replaceable)
-    chosen = (placement.resident, placement.offloaded, placement.streamed)
-    resident, offloaded, streamed = group.broadcast_object(chosen, "rank 0's placement")
-    return dataclasses.replace(placement, resident=resident, offloaded=offloaded, streamed=streamed)
+    rank takes rank 0's choice of resident, offloaded, streamed and movable units: a resident unit's
+    collectives differ from a sliding one's, and the units that move between steps move on every rank
+    (Note [Ranks place alike] in slide_hf/replacement.py), so the ranks must place alike."""
+    placement = place_units(model.slide_model, device, options, optimizer=optimizer, replaceable=True)
+    plan = placement.plan
+    chosen = (placement.resident, placement.offloaded, placement.streamed, plan.inputs.streamable_units)
+    resident, offloaded, streamed, movable = group.broadcast_object(chosen, "rank 0's placement")
+    if movable != plan.inputs.streamable_units:  # a host whose measured rates placed otherwise (the staging)
+        from slide_hf.planner import make_plan
+
+        plan = make_plan(dataclasses.replace(plan.inputs, streamable_units=movable))
+    return dataclasses.replace(placement, plan=plan, resident=resident, offloaded=offloaded, streamed=streamed)
 
 
 def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:

@@ -23,6 +23,15 @@ write-backs (their bytes over their spans, :meth:`InStepMeter.pcie_gbps`), and l
 where slower (:func:`~slide_hf.in_step_rates.slower_pcie`): a link slower under load than `slide doctor`
 measured it alone makes streaming dearer, so the planner streams fewer units (docs/design/engine.md,
 "Plans that learn the machine").
+
+Note [Ranks place alike]: with data parallel every rank must update the same units in the same place in the
+same step (a unit's collectives do not depend on its placement, but its shard's update must run where the
+engine looks for it on every rank). Each rank measures its own steps, but only rank 0 decides: at every
+check it decides from its rates and hands its decision (the rates it used and the move, if any) to every
+rank (``broadcast_object``, one small collective every ``check_every`` steps, never inside a step), and
+every rank applies that same decision to its own engine and its own hysteresis. The ranks count the same
+steps, so they reach each check together. Tested with gloo ranks by tests/hf/test_replacement.py, and the
+engine's moves by tests/core/test_distributed.py's ``moved`` cases.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from typing import Any, Protocol
 
 from slide_hf.in_step_rates import InStepMeter, slower_pcie
 
-__all__ = ["MeasuredRates", "PlacementChange", "Replacement", "compact_units", "without_replacement"]
+__all__ = ["MeasuredRates", "PlacementChange", "Ranks", "Replacement", "compact_units"]
 
 log = logging.getLogger("slide.replacement")
 
@@ -132,6 +141,16 @@ class PlacesStreamed(Protocol):
     def place_streamed(self, names: Sequence[str]) -> tuple[frozenset[str], frozenset[str]]: ...
 
 
+class Ranks(Protocol):
+    """The ranks of a data-parallel run, as the placement loop needs them (slide_core's
+    ``ProcessGroupContext`` and ``SingleProcess``): rank 0's decision on every rank."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def broadcast_object(self, value: Any, what: str) -> Any: ...
+
+
 RatesSource = Callable[[InStepMeter], MeasuredRates]
 """Reads the rates of the steps a meter summed (by default :func:`measured_rates`); a test hands one in."""
 
@@ -150,7 +169,10 @@ class Replacement:
         drift: float = DRIFT,
         min_gain: float = MIN_GAIN,
         rates: RatesSource | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
+        """``ranks``: a data-parallel run's, whose rank 0 decides for all (Note [Ranks place alike]); None
+        for one process."""
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
         inputs = plan.inputs
@@ -167,6 +189,7 @@ class Replacement:
         self._max_check_every = BACK_OFF * check_every
         self._left: tuple[str, ...] | None = None  # the placement the last move left
         self._rates = rates or measured_rates
+        self._ranks = ranks
         bandwidths = inputs.bandwidths
         self.chosen_with = MeasuredRates(
             bandwidths.cpu_adam_busy_rate(inputs.optimizer_state, inputs.master_format),
@@ -195,11 +218,11 @@ class Replacement:
         meter.add(times)
         if meter.steps < self.check_every:
             return None
-        measured = self._rates(meter).over(self.chosen_with)
         self._meter = self._new_meter(0)
-        if not measured.drifted(self.chosen_with, self._drift):
+        decided = self._decision(step, meter)
+        if decided is None:
             return None
-        change = self.decide(step, measured)
+        measured, change = decided
         self.chosen_with = measured  # hysteresis: the next check needs a new drift from these
         if change is None:
             return None
@@ -211,6 +234,20 @@ class Replacement:
         self.changes.append(change)
         log.info("%s", change.line())
         return change
+
+    def _decision(self, step: int, meter: InStepMeter) -> tuple[MeasuredRates, PlacementChange | None] | None:
+        """A check's outcome: None where the rates have not drifted from those of the last decision, else
+        those rates and the move they call for (None: the placement stays). With data parallel, rank 0's,
+        on every rank (Note [Ranks place alike])."""
+        ranks = self._ranks
+        decided: tuple[MeasuredRates, PlacementChange | None] | None = None
+        if ranks is None or ranks.rank == 0:
+            measured = self._rates(meter).over(self.chosen_with)
+            if measured.drifted(self.chosen_with, self._drift):
+                decided = (measured, self.decide(step, measured))
+        if ranks is not None:
+            decided = ranks.broadcast_object(decided, f"rank 0's placement check after step {step}")
+        return decided
 
     def decide(self, step: int, measured: MeasuredRates) -> PlacementChange | None:
         """The planner's placement at ``measured`` rates (:func:`~slide_hf.planner.plan.replan_streamed`),
@@ -277,17 +314,6 @@ def _with_rates(inputs: Any, measured: MeasuredRates) -> Any:
     pcie = {"h2d": measured.h2d_gbps, "d2h": measured.d2h_gbps}
     changes.update(slower_pcie(bandwidths, {key: value for key, value in pcie.items() if value is not None}))
     return dataclasses.replace(bandwidths, **changes)
-
-
-def without_replacement(placement: Any) -> Any:
-    """``placement`` with no unit left to move (a data-parallel run, whose ranks would have to agree on
-    each move), its plan priced again without that staging."""
-    from slide_hf.planner import make_plan
-
-    inputs = placement.plan.inputs
-    if not inputs.streamable_units:
-        return placement
-    return dataclasses.replace(placement, plan=make_plan(dataclasses.replace(inputs, streamable_units=())))
 
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")

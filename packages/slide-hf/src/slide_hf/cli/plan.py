@@ -132,9 +132,9 @@ def run(args: argparse.Namespace) -> int:
     placement = cfg.update_placement.value
     check_update_placement(inputs, placement)  # as `slide train` refuses it, distributed or not
     if gpu_cap is None or plan.gpu_peak_bytes <= gpu_cap:
-        # spare GPU memory holds whole units (master + Adam state), then the updates streamed to the GPU, as
-        # each `slide train` rank places them; only a one-process run may move units between steps
-        plan = plan_with_placement(inputs, placement, replaceable=not distributed)
+        # spare GPU memory holds whole units (master + Adam state), then the updates streamed to the GPU, and
+        # the units a run may move between them, as each `slide train` rank places them
+        plan = plan_with_placement(inputs, placement, replaceable=True)
     dp = _data_parallel(plan, args) if distributed else None
     outputs = _output_disk(model, cfg)
     problem = _positions_problem(model, seq_len)
