@@ -133,6 +133,31 @@ def test_one_rank_is_the_single_process_plan() -> None:
     assert dp.interconnect_s == 0 and dp.step_time_s == pytest.approx(rank.step_time_s, rel=1e-12)
 
 
+
+@pytest.mark.parametrize(("world", "link_gbps"), [(1, 100.0), (4, 100.0), (4, 0.01)])
+def test_the_reference_pass_of_ranks_by_hand(world: int, link_gbps: float) -> None:
+    """DPO's reference pass under data parallel (Note [The ranks share the reference pass]): each rank runs
+    its share of the pairs at one process's compute, copies only its shard of each load up and all-gathers
+    the rest; a slow link makes the gathers bind."""
+    from slide_hf.planner.timing import eval_group_size
+
+    shape = _shape()
+    inputs = PlanInputs(shape, batch_size=2, seq_len=128, grad_accum=2, objective="dpo", bandwidths=BW)
+    rank = make_plan(inputs)
+    dp = plan_data_parallel(rank, world, 1, Interconnect(intra_gbps=link_gbps))
+    tokens, attn = 2 * 128 * 2, shape.num_heads * shape.head_dim * 128
+    head = shape.vocab_size * shape.hidden_size
+    compute_s = tokens * (2 * shape.block_params + 2 * head + 4 * shape.num_blocks * attn) / 400e12
+    loaded = 2 * shape.total_numel / eval_group_size(shape, inputs)  # no resident unit without a GPU budget
+    loads_s = loaded * 4 / world / 50e9  # fp32 master
+    gathers_s = loaded * 2 * (world - 1) / world / (link_gbps * 1e9)
+    assert dp.reference_step_s == pytest.approx(max(compute_s, loads_s, gathers_s), rel=1e-12)
+    if world == 1:
+        assert dp.reference_step_s == pytest.approx(rank.reference_step_s, rel=1e-12)
+    if link_gbps < 1:
+        assert dp.reference_step_s == pytest.approx(gathers_s, rel=1e-12)
+    assert plan_data_parallel(make_plan(PlanInputs(shape, bandwidths=BW)), world).reference_step_s is None
+
 def test_bad_counts_are_one_line() -> None:
     rank = make_plan(PlanInputs(_shape()))
     with pytest.raises(UserError, match="--nproc-per-node and --nnodes must be >= 1, got 0 and 1"):

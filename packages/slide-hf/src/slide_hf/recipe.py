@@ -233,7 +233,7 @@ def _train(
                 run_reference(
                     cfg, preference, cache, model.model_dir, device.torch_device,
                     evaluate=ref_engine.evaluate, resumed=False, group=group,  # --ref-model's weights never change
-                    planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device),
+                    planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device, group.world_size),
                 )  # fmt: skip
             del reference
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
@@ -250,7 +250,7 @@ def _train(
                 run_reference(
                     cfg, preference, cache, model.model_dir, device.torch_device,
                     evaluate=engine.evaluate, resumed=resumed is not None, group=group,
-                    planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device),
+                    planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device, group.world_size),
                 )  # fmt: skip
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
@@ -610,12 +610,18 @@ def _setup_engine(
 
 
 # -- the loop -----------------------------------------------------------------------------------------------
-def _reference_micro_batch_s(plan: Any, device: Any) -> float | None:
-    """The plan's seconds per micro-batch of DPO's reference pass; None on the CPU device (the planner's
-    rates are a GPU's) or without one."""
+def _reference_micro_batch_s(plan: Any, device: Any, world_size: int) -> float | None:
+    """The plan's seconds per micro-batch of DPO's reference pass (with data parallel, each rank's: its
+    shard of each load, the rest all-gathered at the planner's stated link rate); None on the CPU device
+    (the planner's rates are a GPU's) or without one."""
     if not device.is_accelerator or plan.reference_step_s is None:
         return None
-    return float(plan.reference_step_s) / plan.inputs.grad_accum
+    step_s = float(plan.reference_step_s)
+    if world_size > 1:
+        from slide_hf.planner.distributed import Interconnect, ranks_reference_step_s
+
+        step_s = ranks_reference_step_s(plan, world_size, Interconnect().intra_gbps)
+    return step_s / plan.inputs.grad_accum
 
 
 class _Trainer:

@@ -38,10 +38,18 @@ from slide_hf.errors import UserError
 from slide_hf.planner.inputs import ModelShape, PlanInputs
 from slide_hf.planner.memory import engine_buffers
 from slide_hf.planner.plan import Plan
+from slide_hf.planner.timing import reference_pass
 from slide_hf.planner.traffic import block_loads, h2d_bytes_per_param
+from slide_hf.planner.unit_costs import placement_of
 from slide_hf.sizes import format_bytes
 
-__all__ = ["DataParallelPlan", "Interconnect", "plan_data_parallel", "render_data_parallel"]
+__all__ = [
+    "DataParallelPlan",
+    "Interconnect",
+    "plan_data_parallel",
+    "ranks_reference_step_s",
+    "render_data_parallel",
+]
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,10 @@ class DataParallelPlan:
     """The larger of the interconnect's time and the largest of the others times the single process's
     ordering cost (its plan's step over its largest resource, ``Plan.resource_bound_s``)."""
     binding: str
+    reference_step_s: float | None = None
+    """DPO's reference pass over one rank's step's worth of pairs, each rank its share (Note [The ranks share
+    the reference pass] in slide_hf/preference/reference.py): the rank's forward compute, its shard of
+    each load over PCIe and the all-gather of the rest, which overlap; None for other objectives."""
 
     @property
     def world_size(self) -> int:
@@ -120,6 +132,7 @@ class DataParallelPlan:
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
             "binding": self.binding,
+            "reference_step_s": self.reference_step_s,
         }
 
 
@@ -182,7 +195,20 @@ def plan_data_parallel(
         interconnect_bytes=link_bytes,
         step_time_s=max(own * ordering, interconnect_s),
         binding=binding,
+        reference_step_s=ranks_reference_step_s(rank, world, gbps) if inputs.objective == "dpo" else None,
     )
+
+
+def ranks_reference_step_s(rank: Plan, world: int, link_gbps: float) -> float:
+    """The reference pass of one rank's pairs: its compute as one process's; each evaluation load copies
+    the rank's shard of every sliding unit up and all-gathers the rest in the compute dtype (a ring:
+    ``(N - 1) / N`` of it through each link)."""
+    inputs, shape = rank.inputs, rank.shape
+    placements = {name: placement_of(name, inputs) for name in shape.names}
+    parts = reference_pass(shape, inputs, placements)
+    loads_s = parts.load_bytes / world / (inputs.bandwidths.h2d_gbps * 1e9)
+    gather_s = parts.loaded_params * inputs.compute_dtype_bytes * (world - 1) / world / (link_gbps * 1e9)
+    return max(parts.compute_s, loads_s, gather_s)
 
 
 def _pcie_parts(shape: ModelShape, inputs: PlanInputs) -> tuple[float, float, float]:
@@ -218,6 +244,14 @@ def render_data_parallel(dp: DataParallelPlan) -> str:
         ),
         ("  binding limit", dp.binding, ""),
     ]
+    if dp.reference_step_s is not None:
+        rows.append(
+            (
+                "  reference pass",
+                f"{dp.reference_step_s:.3g} s",
+                "per step's worth of pairs, each rank its share (--objective dpo, once before the first step)",
+            )
+        )
     lines = []
     for label, value, note in rows:
         text = f"{label:<22}{value:>12}"

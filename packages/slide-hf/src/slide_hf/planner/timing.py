@@ -9,6 +9,8 @@ not a benchmark.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from slide_core.optim.state_formats import state_bytes_per_param
@@ -103,21 +105,36 @@ def _reference_step_s(
     engine's evaluation path, the head computing log-probabilities only (2 FLOPs per parameter and token,
     the attention's 4 per layer), each sliding unit's weights loaded once per micro-batch; the larger of
     the GPU's compute and the h2d loads, which overlap."""
+    pass_ = reference_pass(shape, inputs, placements)
+    return max(pass_.compute_s, pass_.load_bytes / (inputs.bandwidths.h2d_gbps * 1e9))
+
+
+@dataclass(frozen=True)
+class ReferencePass:
+    """DPO's reference pass over one rank's step's worth of pairs, in parts a data-parallel plan rescales
+    (slide_hf/planner/distributed.py): the GPU's forward compute, the bytes its loads copy up, and the
+    weights (parameters) those loads carry through the units."""
+
+    compute_s: float
+    load_bytes: float
+    loaded_params: float
+
+
+def reference_pass(shape: ModelShape, inputs: PlanInputs, placements: Mapping[str, str]) -> ReferencePass:
+    """The parts of :func:`_reference_step_s`: each sliding unit (any placement but resident) loaded once
+    per group of micro-batches (:func:`eval_group_size`)."""
     seq = inputs.seq_len
     tokens = inputs.batch_size * seq * inputs.grad_accum
     attn_dim = shape.num_heads * shape.head_dim
     head_matrix = shape.vocab_size * shape.hidden_size
     flops = tokens * (2 * shape.block_params + 2 * head_matrix + 4 * shape.num_blocks * seq * attn_dim)
-    compute_s = flops / (inputs.bandwidths.gpu_tflops * 1e12)
     sliding = sum(n for name, n in shape.named_numels.items() if placements.get(name, "host") != "resident")
-    loads_s = (
-        inputs.grad_accum
-        * sliding
-        * h2d_bytes_per_param(inputs.master_format)
-        / eval_group_size(shape, inputs)
-        / (inputs.bandwidths.h2d_gbps * 1e9)
+    loaded = inputs.grad_accum * sliding / eval_group_size(shape, inputs)
+    return ReferencePass(
+        compute_s=flops / (inputs.bandwidths.gpu_tflops * 1e12),
+        load_bytes=loaded * h2d_bytes_per_param(inputs.master_format),
+        loaded_params=loaded,
     )
-    return max(compute_s, loads_s)
 
 
 def eval_group_size(shape: ModelShape, inputs: PlanInputs) -> int:
