@@ -133,7 +133,6 @@ def test_one_rank_is_the_single_process_plan() -> None:
     assert dp.interconnect_s == 0 and dp.step_time_s == pytest.approx(rank.step_time_s, rel=1e-12)
 
 
-
 @pytest.mark.parametrize(("world", "link_gbps"), [(1, 100.0), (4, 100.0), (4, 0.01)])
 def test_the_reference_pass_of_ranks_by_hand(world: int, link_gbps: float) -> None:
     """DPO's reference pass under data parallel (Note [The ranks share the reference pass]): each rank runs
@@ -157,6 +156,7 @@ def test_the_reference_pass_of_ranks_by_hand(world: int, link_gbps: float) -> No
     if link_gbps < 1:
         assert dp.reference_step_s == pytest.approx(gathers_s, rel=1e-12)
     assert plan_data_parallel(make_plan(PlanInputs(shape, bandwidths=BW)), world).reference_step_s is None
+
 
 def test_bad_counts_are_one_line() -> None:
     rank = make_plan(PlanInputs(_shape()))
