@@ -37,7 +37,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,7 @@ from slide_hf.model_checkpoint import load_best_for_export, read_best
 from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.plan_check import PlanCheck
 from slide_hf.planner import output_disk as disk
+from slide_hf.preference.reference import PassStopped
 from slide_hf.preference.run import (
     PreferenceObjective,
     attach_objective,
@@ -225,19 +226,23 @@ def _train(
             tokenizer_dir = _save_tokenizer(model.tokenizer, model.config, run_dir.path, model.model_dir)
             run_dir.record_outputs()  # what --overwrite may remove later (slide_hf/run_files.py)
         cache = run_dir.path / DATA_CACHE
+        stop = _StopRequests(others=group.world_size - 1)
         if cfg.ref_model is not None and needs_reference_pass(cfg, preference, cache, model.model_dir, group):
             # DPO's reference pass on --ref-model: its own weights and engine, closed before training starts
             assert preference is not None  # needs_reference_pass says so
             reference = _setup_weights(cfg, dataclasses.replace(model, model_dir=cfg.ref_model), optimizer, group)
-            with _setup_engine(model, device, reference, optimizer, options, placement, run_dir, group) as ref_engine:
+            ref_parts = _setup_engine(model, device, reference, optimizer, options, placement, run_dir, group)
+            with stop, _stops_the_pass(stop, group, run_dir.path), ref_parts as ref_engine:
                 run_reference(
                     cfg, preference, cache, model.model_dir, device.torch_device,
                     evaluate=ref_engine.evaluate, resumed=False, group=group,  # --ref-model's weights never change
                     planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device, group.world_size),
+                    stopping=_pass_stopping(stop, group),
                 )  # fmt: skip
             del reference
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
         trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group)
+        trainer.stop = stop
         trainer.resumed = resumed
         trainer.init = init
         trainer.objective = preference
@@ -247,11 +252,13 @@ def _train(
             trainer.replacement = Replacement(placement.plan, ranks=group if group.world_size > 1 else None)
         with trainer.stop, parts as engine:
             if preference is not None:  # DPO: the saved pass, or one now on the starting weights (the reference)
-                run_reference(
-                    cfg, preference, cache, model.model_dir, device.torch_device,
-                    evaluate=engine.evaluate, resumed=resumed is not None, group=group,
-                    planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device, group.world_size),
-                )  # fmt: skip
+                with _stops_the_pass(stop, group, run_dir.path):
+                    run_reference(
+                        cfg, preference, cache, model.model_dir, device.torch_device,
+                        evaluate=engine.evaluate, resumed=resumed is not None, group=group,
+                        planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device, group.world_size),
+                        stopping=_pass_stopping(stop, group),
+                    )  # fmt: skip
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
             # host never holds both (Note [Resident host copies] in slide_core's engine). The whole master
@@ -610,6 +617,37 @@ def _setup_engine(
 
 
 # -- the loop -----------------------------------------------------------------------------------------------
+def _pass_stopping(stop: _StopRequests, group: RunGroup) -> Callable[[], bool]:
+    """Whether a reference pass should stop now (Note [A stop during the reference pass] in
+    preference/reference.py): a signal this process took, or, with data parallel, one any rank took, summed
+    over the ranks as a step sums them (Note [Stop on every rank]), so every rank stops after the same
+    evaluation of the pass."""
+
+    def stopping() -> bool:
+        if group.world_size > 1:
+            stop.agree(group.sum_counts(stop.local_flags(), "the ranks' stop requests during the reference pass"))
+        return stop.agreed is not None
+
+    return stopping
+
+
+@contextlib.contextmanager
+def _stops_the_pass(stop: _StopRequests, group: RunGroup, output: Path) -> Iterator[None]:
+    """A reference pass stopped by a signal ends the run in one line with the signal's exit status: nothing
+    is trained or saved yet, so the run starts again (``--overwrite`` replaces only slide's files)."""
+    try:
+        yield
+    except PassStopped as stopped:
+        name = stop.requested or stop.agreed
+        again = f"start it again with the same command and {option('overwrite')}"
+        raise RunStopped(
+            f"stopped by {name} during the {stopped.label}, after {stopped.done} of its {stopped.total} "
+            f"micro-batches{' on each rank' if group.world_size > 1 else ''}; nothing is trained or saved yet in "
+            f"{output}: {again}",
+            stop.exit_code,
+        ) from None
+
+
 def _reference_micro_batch_s(plan: Any, device: Any, world_size: int) -> float | None:
     """The plan's seconds per micro-batch of DPO's reference pass (with data parallel, each rank's: its
     shard of each load, the rest all-gathered at the planner's stated link rate); None on the CPU device

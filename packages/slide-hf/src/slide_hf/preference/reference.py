@@ -41,13 +41,32 @@ from slide_hf.errors import UserError
 from slide_hf.preference.head import PreferenceHead
 from slide_hf.progress import PassProgress
 
-__all__ = ["REFERENCE_DIR", "compute_reference", "prepare_reference", "reference_path", "weights_fingerprint"]
+__all__ = [
+    "REFERENCE_DIR",
+    "PassStopped",
+    "compute_reference",
+    "prepare_reference",
+    "reference_path",
+    "weights_fingerprint",
+]
 
 log = logging.getLogger("slide.train")
 
 REFERENCE_DIR = "reference"
 _UPDATES = 50
-"""Evaluations a reference pass is split into at most, so its progress moves (each costs one CPU-GPU sync)."""
+"""Evaluations a reference pass is split into at least, so its progress moves (each costs one CPU-GPU sync)."""
+_MOST_PER_EVALUATION = 8 * MAX_EVAL_GROUP
+"""Micro-batches an evaluation of the pass carries at most, so a stop request is seen within seconds
+(Note [A stop during the reference pass]): an 8B's micro-batch of 16 x 1,024 tokens is about 0.1 s of an H100."""
+
+
+class PassStopped(Exception):
+    """A SIGINT or SIGTERM came during a reference pass: it stopped after ``done`` of its ``total``
+    micro-batches, nothing saved (Note [A stop during the reference pass])."""
+
+    def __init__(self, label: str, done: int, total: int) -> None:
+        super().__init__(f"{label} stopped after {done} of {total} micro-batches")
+        self.label, self.done, self.total = label, done, total
 
 
 def weights_fingerprint(source: str | Path, *, extra: str = "") -> str:
@@ -78,6 +97,7 @@ def compute_reference(
     *,
     label: str = "reference pass",
     group: Collectives | None = None,
+    stopping: Callable[[], bool] | None = None,
 ) -> torch.Tensor:
     """Run the reference pass over ``batches`` (every row once) through ``evaluate`` (the engine's
     forward-only path) with ``head`` collecting; returns the log-probabilities, one per completion, on the
@@ -85,12 +105,20 @@ def compute_reference(
     (the held-out pairs' pass has its own); the log line at the end puts the plan's time
     (``planned_micro_batch_s`` per micro-batch, ``Plan.reference_step_s``) beside the pass's.
     With data parallel (``group``), ``batches`` is this rank's share of the rows and every rank returns
-    every completion's (Note [The ranks share the reference pass])."""
+    every completion's (Note [The ranks share the reference pass]). ``stopping``, asked after each
+    evaluation (with data parallel, by every rank together), raises :class:`PassStopped` when it says so.
+
+    Note [A stop during the reference pass]: the pass runs before the first step and may take hours on a
+    large pair file, so a SIGINT or SIGTERM (a scheduler's notice, a user's Ctrl-C) stops it within one
+    evaluation of at most ``_MOST_PER_EVALUATION`` micro-batches, where it used to be seen only after the
+    whole pass and a first step. Nothing of it is saved (a partial pass is not the reference of any step),
+    and the run has no checkpoint yet, so the message says to start the run again. Tested by
+    tests/hf/test_preference_signals.py."""
     head.start_reference(device)
     total = len(batches)
     # No fewer micro-batches per evaluation than it carries through each unit per load (Note
-    # [Evaluation by groups] in slide_core/engine/evaluation.py).
-    every = max(MAX_EVAL_GROUP, total // _UPDATES)
+    # [Evaluation by groups] in slide_core/engine/evaluation.py), no more than a stop may wait for.
+    every = max(MAX_EVAL_GROUP, min(total // _UPDATES, _MOST_PER_EVALUATION))
     started = time.perf_counter()
     ranks = 1 if group is None else group.world_size
     try:  # rank 0 alone shows a live bar (the others log no progress either)
@@ -98,6 +126,8 @@ def compute_reference(
             for done in range(0, total, every):
                 evaluate(batches[done : done + every])
                 progress.update(min(done + every, total))
+                if stopping is not None and stopping():
+                    raise PassStopped(label, min(done + every, total), total)
     finally:
         head.collecting = False
     assert head.reference is not None

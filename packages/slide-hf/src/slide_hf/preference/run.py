@@ -180,13 +180,15 @@ def run_reference(
     resumed: bool,
     group: Collectives,
     planned_micro_batch_s: float | None = None,
+    stopping: Callable[[], bool] | None = None,
 ) -> bool:
     """DPO: the reference log-probabilities of the training pairs, then of the held-out pairs, each from
     this run's saved pass or a new one through ``evaluate`` (an engine holding the reference's weights);
     SimPO needs none. Returns whether a pass ran. With data parallel each rank of ``group`` computes its
     share of the rows and every rank ends with every completion's (Note [The ranks share the reference
     pass] in preference/reference.py). ``planned_micro_batch_s``: the plan's seconds per micro-batch of a
-    pass (the same for both: a forward of each pair), logged beside its time."""
+    pass (the same for both: a forward of each pair), logged beside its time. ``stopping``: asked between
+    the pass's evaluations (Note [A stop during the reference pass] in preference/reference.py)."""
     ran = False
     for pairs in objective.sets:
         if not pairs.head.loss.needs_reference:
@@ -194,8 +196,9 @@ def run_reference(
         head = pairs.head
         batches = list(eval_batches(pairs.rows, cfg.batch_size, rank=group.rank, world_size=group.world_size))
         compute = functools.partial(
-            compute_reference, evaluate, head, batches, device, planned_micro_batch_s, label=pairs.label, group=group
-        )
+            compute_reference, evaluate, head, batches, device, planned_micro_batch_s,
+            label=pairs.label, group=group, stopping=stopping,
+        )  # fmt: skip
         with objective.computing(pairs):
             path = _reference_file(cfg, pairs.rows, cache_dir, model_dir)
             ran |= prepare_reference(head, path, device, compute=compute, resumed=resumed, group=group)
