@@ -266,3 +266,39 @@ def test_kill_9_at_random_times_then_recovery_gives_the_uninterrupted_model(tmp_
         _recover(run, capsys)
         assert _same_model(run / "model", reference), f"attempt {attempt} (random seed {seed})"
         assert not list(run.glob(".model.tmp-*")) and not list((run / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_during_an_evaluation_cuts_it_short_and_checkpoints_the_step(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Note [A stop cuts an evaluation short]: a SIGTERM in an evaluation's first group ends it there (no
+    record), the step just done is checkpointed, the run stops with 143 and a resume finishes the run."""
+    from slide_core.engine import Engine
+    from slide_hf import recipe
+
+    monkeypatch.setattr(recipe._Evaluator, "GROUP", 2)  # groups of 2 micro-batches: several per evaluation
+    evaluate = Engine.evaluate
+    calls: list[int] = []
+
+    def evaluating(engine: Engine, batches, *args, **kwargs):
+        calls.append(len(batches))
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(engine, batches, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "evaluate", evaluating)
+    output = tmp_path / "run"
+    argv = ["train", "--output", str(output), "--steps", "4", "--seq-len", "32", "--batch-size", "1"]
+    argv += ["--eval-fraction", "0.25", "--eval-every", "2"]
+    assert main(argv) == 143
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM after step 2; its checkpoint is saved" in err
+    assert calls == [2]  # the evaluation went no further than the group the signal came in
+    assert [path.name for path in list_checkpoints(output / "checkpoints")] == ["step-00000002"]
+    assert "eval_loss" not in (output / "metrics.jsonl").read_text()
+
+    monkeypatch.setattr(Engine, "evaluate", evaluate)
+    assert main(["train", "--resume", str(output)]) == 0
+    records = (output / "metrics.jsonl").read_text()
+    assert records.count('"eval_loss"') == 1  # the last step's evaluation (steps 3 and 4)

@@ -237,7 +237,7 @@ def _train(
                     cfg, preference, cache, model.model_dir, device.torch_device,
                     evaluate=ref_engine.evaluate, resumed=False, group=group,  # --ref-model's weights never change
                     planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device, group.world_size),
-                    stopping=_pass_stopping(stop, group),
+                    stopping=_stop_requested(stop, group),
                 )  # fmt: skip
             del reference
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
@@ -257,7 +257,7 @@ def _train(
                         cfg, preference, cache, model.model_dir, device.torch_device,
                         evaluate=engine.evaluate, resumed=resumed is not None, group=group,
                         planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device, group.world_size),
-                        stopping=_pass_stopping(stop, group),
+                        stopping=_stop_requested(stop, group),
                     )  # fmt: skip
             first_step = trainer.run()
             # Free the host Adam state before the GPU-resident masters come back for the export, so the
@@ -617,11 +617,11 @@ def _setup_engine(
 
 
 # -- the loop -----------------------------------------------------------------------------------------------
-def _pass_stopping(stop: _StopRequests, group: RunGroup) -> Callable[[], bool]:
-    """Whether a reference pass should stop now (Note [A stop during the reference pass] in
-    preference/reference.py): a signal this process took, or, with data parallel, one any rank took, summed
-    over the ranks as a step sums them (Note [Stop on every rank]), so every rank stops after the same
-    evaluation of the pass."""
+def _stop_requested(stop: _StopRequests, group: RunGroup) -> Callable[[], bool]:
+    """Whether a long pass between steps (DPO's reference pass, an evaluation) should stop now (Note [A stop
+    during the reference pass] in preference/reference.py, Note [A stop cuts an evaluation short]): a signal
+    this process took, or, with data parallel, one any rank took, summed over the ranks as a step sums them
+    (Note [Stop on every rank]), so every rank stops after the same part of the pass."""
 
     def stopping() -> bool:
         if group.world_size > 1:
@@ -889,8 +889,13 @@ class _Trainer:
         # DPO/SimPO: the held-out pairs' own head computes their loss (Note [A head per pair set]), and
         # TRL's eval_rewards/* and eval_logps/* join the record.
         with evaluation_scope(self.objective):
-            record = self.evaluator.run(step)
-        record |= eval_metrics(self.objective, self.group)
+            cut = self.evaluator.run(step, stopping=_stop_requested(self.stop, self.group))
+        metrics = eval_metrics(self.objective, self.group)  # taken either way: a cut one's are partial sums
+        if cut is None:  # Note [A stop cuts an evaluation short]: the step's checkpoint and the stop follow
+            if self.main:
+                log.info("evaluation at step %d cut short by %s; no record", step, self.stop.agreed)
+            return
+        record = cut | metrics
         if self.run_log is None:  # not rank 0: only the checkpoint below is every rank's
             if self.cfg.save_best and record["eval_loss"] < self.best.get("eval_loss", math.inf):
                 if self.last_saved != step:
@@ -1120,7 +1125,13 @@ class _Evaluator:
     With data parallel rank ``r`` evaluates micro-batches ``r, r + N, ...`` and the loss sums and token
     counts are summed over the ranks. Every evaluation load is an all-gather, so every rank must evaluate
     as many micro-batches in the same groups (Note [Every rank evaluates as many micro-batches] in
-    slide_hf/data/batches.py)."""
+    slide_hf/data/batches.py).
+
+    Note [A stop cuts an evaluation short]: an evaluation of a large held-out set runs for minutes between
+    two steps, longer than a scheduler's notice before it kills the job. So a SIGINT or SIGTERM is looked
+    for after each group (every rank together, with data parallel): the evaluation is dropped, no record
+    is written, and the run checkpoints the step just done and stops, as after any step. Tested by
+    tests/hf/test_train_faults.py."""
 
     GROUP = 64
 
@@ -1129,7 +1140,9 @@ class _Evaluator:
         self.perplexity = perplexity
         """Whether the record has the perplexity, exp of the mean token loss (SFT's)."""
 
-    def run(self, step: int) -> dict[str, Any]:
+    def run(self, step: int, *, stopping: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+        """The evaluation record at ``step``; None where ``stopping``, asked after each group, said to stop
+        (Note [A stop cuts an evaluation short])."""
         began = time.perf_counter()
         loss_sum, loss_tokens = 0.0, 0
         group: list[Any] = []
@@ -1139,6 +1152,8 @@ class _Evaluator:
             if len(group) == self.GROUP:
                 loss_sum, loss_tokens = self._add(group, loss_sum, loss_tokens)
                 group = []
+                if stopping is not None and stopping():
+                    return None
         if group:
             loss_sum, loss_tokens = self._add(group, loss_sum, loss_tokens)
         sums = {"loss_sum": loss_sum, "loss_tokens": float(loss_tokens)}
