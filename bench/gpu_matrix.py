@@ -147,6 +147,14 @@ def rows() -> list[Row]:
     # about 105 GiB of disk, more than the matrix's machines hold. Its speed at 8B is bench/preference.sh's.
     preference = [
         Row("train: dpo", "train", args=("--objective", "dpo"), pairs=True, **tiny),
+        # held-out pairs: their own reference pass, then eval_loss and eval_rewards/* at steps 3 and 6
+        Row(
+            "train: dpo + evaluation",
+            "train",
+            args=("--objective", "dpo", "--eval-fraction", "0.25", "--eval-every", "3"),
+            pairs=True,
+            **tiny,
+        ),
     ]
     return options + train + families + long + preference
 

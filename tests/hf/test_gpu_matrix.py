@@ -196,3 +196,10 @@ def test_the_dpo_row_trains_tiny_llama_on_a_pair_file(tmp_path: Path) -> None:
 def test_the_dpo_row_runs_in_the_cpu_quick_mode(quick_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     row = _quick_row(quick_run, "train: dpo")
     assert row["ok"] and not row["skipped"] and len(row["losses"]) == 4, row
+
+
+def test_the_dpo_row_with_held_out_pairs_runs_in_the_cpu_quick_mode(
+    quick_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    row = _quick_row(quick_run, "train: dpo + evaluation")
+    assert row["ok"] and not row["skipped"] and len(row["losses"]) == 4 and row["eval_losses"], row
