@@ -76,7 +76,7 @@ def test_keep_one_with_save_best_keeps_the_newest_and_an_older_best(
     addition; once a later step is the best, one checkpoint stays, not two."""
     losses = {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5, 5: 2.7}
 
-    def evaluate(self: Any, step: int) -> dict[str, Any]:
+    def evaluate(self: Any, step: int, **_: Any) -> dict[str, Any]:
         return {"step": step, "eval_loss": losses[step], "perplexity": 1.0, "eval_loss_tokens": 1, "eval_time_s": 0.0}
 
     monkeypatch.setattr(recipe._Evaluator, "run", evaluate)
@@ -91,7 +91,7 @@ def test_keep_one_with_save_best_keeps_the_newest_and_an_older_best(
 
 
 def test_keep_one_when_the_best_is_the_newest_leaves_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def evaluate(self: Any, step: int) -> dict[str, Any]:  # every step improves: the best is the newest
+    def evaluate(self: Any, step: int, **_: Any) -> dict[str, Any]:  # every step improves: the best is the newest
         return {"step": step, "eval_loss": 10.0 - step, "perplexity": 1.0, "eval_loss_tokens": 1, "eval_time_s": 0.0}
 
     monkeypatch.setattr(recipe._Evaluator, "run", evaluate)
@@ -142,7 +142,7 @@ def test_weights_saves_and_an_abandoned_line_pruned_by_the_same_rule(tmp_path: P
 
 
 def _scripted(monkeypatch: pytest.MonkeyPatch, losses: dict[int, float]) -> None:
-    def evaluate(self: Any, step: int) -> dict[str, Any]:
+    def evaluate(self: Any, step: int, **_: Any) -> dict[str, Any]:
         return {"step": step, "eval_loss": losses[step], "perplexity": 1.0, "eval_loss_tokens": 1, "eval_time_s": 0.0}
 
     monkeypatch.setattr(recipe._Evaluator, "run", evaluate)

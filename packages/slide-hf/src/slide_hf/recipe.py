@@ -241,8 +241,9 @@ def _train(
                 )  # fmt: skip
             del reference
         parts = _setup_engine(model, device, host, optimizer, options, placement, run_dir, group)
-        trainer = _Trainer(cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group)
-        trainer.stop = stop
+        trainer = _Trainer(
+            cfg, run_dir, model, data, parts.engine, device, run_log, flops, on_step, on_eval, group, stop
+        )  # fmt: skip
         trainer.resumed = resumed
         trainer.init = init
         trainer.objective = preference
@@ -682,6 +683,7 @@ class _Trainer:
         on_step: Callable[[dict[str, Any]], None] | None,
         on_eval: Callable[[dict[str, Any]], None] | None,
         group: RunGroup,
+        stop: _StopRequests,
     ) -> None:
         self.cfg, self.run_dir, self.output, self.data, self.model = cfg, run_dir, run_dir.path, data, model
         self.engine, self.device, self.run_log = engine, device, run_log
@@ -689,7 +691,8 @@ class _Trainer:
         self.main = group.rank == 0
         self.flops_per_token = flops_per_token
         self.on_step, self.on_eval = on_step, on_eval
-        self.stop = _StopRequests(others=group.world_size - 1)
+        self.stop = stop
+        """The run's stop requests, installed by the caller around the engine's life (the reference pass too)."""
         self.checkpoints = self.output / "checkpoints"
         # What `slide export` needs to turn any checkpoint of this run into an HF directory.
         self.run_state = {
