@@ -302,3 +302,26 @@ def test_sigterm_during_an_evaluation_cuts_it_short_and_checkpoints_the_step(
     assert main(["train", "--resume", str(output)]) == 0
     records = (output / "metrics.jsonl").read_text()
     assert records.count('"eval_loss"') == 1  # the last step's evaluation (steps 3 and 4)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_before_the_first_step_is_one_line_and_a_rerun_starts(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A SIGTERM while the run prepares its data (before the run's own handlers) ends `slide train` as
+    Ctrl-C does: one line, 143, its temporary files gone, so the same command starts again."""
+    from slide_hf import recipe
+
+    prepare = recipe._setup_data_once
+
+    def preparing(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice as the data is tokenized
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "_setup_data_once", preparing)
+    output = tmp_path / "run"
+    argv = ["train", "--output", str(output), "--steps", "2", "--seq-len", "32"]
+    assert main(argv) == 143
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("slide train:")]
+    assert line == "slide train: interrupted by SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the command's handler is gone again
+    monkeypatch.setattr(recipe, "_setup_data_once", prepare)
+    assert main(argv) == 0 and (output / "model").is_dir()

@@ -25,12 +25,15 @@ do not fragment that way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from slide_hf.cli.kernel_fault import third_party_fault
@@ -60,6 +63,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends a command as Ctrl-C does: raised as :class:`Interrupted` (a ``KeyboardInterrupt``), so
+    the cleanup written for Ctrl-C runs (a tokenization's temporary files, a half-written cache entry) and
+    the command prints one line and exits 143, where the default action killed the process silently
+    (a scheduler's notice while a large data set was tokenized, before the run's own handlers,
+    slide_hf/recipe.py's ``_StopRequests``, take over; they restore this one when they leave). Only in the
+    main thread, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted("SIGTERM", 128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:  # unless the command set its own on the way out (a failing rank ignores the launcher's SIGTERM,
+        # Note [A failing rank keeps its status] in slide_hf/launch.py)
+        if signal.getsignal(signal.SIGTERM) is interrupt:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read at the first CUDA allocation
     parser = build_parser()
@@ -75,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     module = importlib.import_module(f"slide_hf.cli.{args.command}")
     try:
-        return int(module.run(args) or 0)
+        with _terminate_as_interrupt():
+            return int(module.run(args) or 0)
     except UserError as error:
         print(f"slide {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
