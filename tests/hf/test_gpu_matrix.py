@@ -180,7 +180,7 @@ def test_the_dpo_row_trains_tiny_llama_on_a_pair_file(tmp_path: Path) -> None:
     """As the other train rows, tiny-llama on the GPU too: a whole 8B's final checkpoint and export need more
     disk than the matrix's machines have (bench/preference.sh measures the 8B)."""
     matrix = _matrix()
-    (row,) = [row for row in matrix.rows() if "dpo" in row.name]
+    (row,) = [row for row in matrix.rows() if row.name == "train: dpo"]
     on_gpu = matrix.row_argv(row, matrix.Settings("cuda", False, tmp_path, tmp_path, None, None), tmp_path / "gpu")
     given = dict(zip(on_gpu[1::2], on_gpu[2::2], strict=False))
     assert on_gpu[0] == "train" and given["--model"] == "tiny-llama" and given["--gpu-memory"] == "24"
