@@ -626,7 +626,7 @@ def _stop_requested(stop: _StopRequests, group: RunGroup) -> Callable[[], bool]:
 
     def stopping() -> bool:
         if group.world_size > 1:
-            stop.agree(group.sum_counts(stop.local_flags(), "the ranks' stop requests during the reference pass"))
+            stop.agree(group.sum_counts(stop.local_flags(), "the ranks' stop requests during a pass between steps"))
         return stop.agreed is not None
 
     return stopping
