@@ -70,7 +70,7 @@ def _times(shape: ModelShape, inputs: PlanInputs) -> dict[str, Any]:
     overlap = backward_s / hide if hide > 0 else math.inf
     per_sample_bwd = backward_s / inputs.batch_size
     critical = math.ceil(hide / per_sample_bwd - 1e-9) if per_sample_bwd > 0 else None
-    reference_s = _reference_step_s(shape, inputs, costs, placements) if inputs.objective == "dpo" else None
+    reference_s = _reference_step_s(shape, inputs, placements) if inputs.objective == "dpo" else None
     return {
         "reference_step_s": reference_s,
         "flops_per_step": flops,
@@ -98,9 +98,7 @@ def _head_flops_per_param(inputs: PlanInputs) -> int:
     return 8 if inputs.preference else 6
 
 
-def _reference_step_s(
-    shape: ModelShape, inputs: PlanInputs, costs: tuple[UnitCost, ...], placements: dict[str, str]
-) -> float:
+def _reference_step_s(shape: ModelShape, inputs: PlanInputs, placements: Mapping[str, str]) -> float:
     """DPO's reference pass over one step's worth of pairs: a forward of every micro-batch through the
     engine's evaluation path, the head computing log-probabilities only (2 FLOPs per parameter and token,
     the attention's 4 per layer), each sliding unit's weights loaded once per micro-batch; the larger of
