@@ -7,6 +7,8 @@
 # --budget-s: no run starts after that many seconds, and each is cut at the budget's end (default 580).
 # --layers N: each run keeps the first N decoder layers (a host without RAM for a whole 8B model's Adam state).
 # --models, --seq-lens: other models or lengths than the defaults.
+# --flags "...": more `slide bench` and `slide plan` flags for every run and plan, e.g. "--master split
+#   --optimizer-state bf16" where the host's RAM does not hold fp32 Adam state beside the sliding activations.
 # --dry-run: the same steps on the CPU with tiny models and short rows (what the tests run); peaks unchecked.
 # Per run: OUT_DIR/run-<model>-<seq_len>.json (slide bench's JSON) and .log; per model: OUT_DIR/plan-<model>.json.
 # Then OUT_DIR/long_context.md (printed): finite losses, GPU peak vs plan (+3 %), host peak vs plan (+5 %),
@@ -14,13 +16,14 @@
 set -uo pipefail
 out=${1:?usage: bench/long_context.sh OUT_DIR [--budget-s S] [--layers N] [--dry-run]}
 shift
-budget=580 dry=0 layers=() given_models="" given_seqs=""
+budget=580 dry=0 layers=() given_models="" given_seqs="" flags=()
 while [ $# -gt 0 ]; do
   case $1 in
     --budget-s) budget=$2; shift 2 ;;
     --layers) layers=(--layers "$2"); shift 2 ;;
     --models) given_models=$2; shift 2 ;;
     --seq-lens) given_seqs=$2; shift 2 ;;
+    --flags) read -r -a flags <<< "$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
@@ -45,13 +48,13 @@ for model in "${models[@]}"; do
     if [ "$left" -lt 20 ]; then echo "== $name: not run (budget spent)" > "$out/$name.log"; continue; fi
     echo "== $name ($left s left)"
     t0=$SECONDS
-    timeout "$left" "$python" -m slide_hf bench --model "$model" "${device[@]}" "${layers[@]}" --batch-size 1 \
+    timeout "$left" "$python" -m slide_hf bench --model "$model" "${device[@]}" "${layers[@]}" "${flags[@]}" --batch-size 1 \
       --seq-len "$seq" --steps 3 --warmup 1 --json "$out/$name.json" > "$out/$name.log" 2>&1
     echo "   rc=$? in $((SECONDS - t0)) s"
   done
   # The longest --seq-len the larger budget holds at batch 1 (rows of one sequence, as the runs' are), and
   # the plan at that length: whether this host's RAM holds it too.
-  plan=("$python" -m slide_hf plan --model "$model" "${planned[@]}" --batch-size 1 --no-packing --json)
+  plan=("$python" -m slide_hf plan --model "$model" "${planned[@]}" "${flags[@]}" --batch-size 1 --no-packing --json)
   "${plan[@]}" --seq-len "${seq_lens[-1]}" > "$out/plan-$model.json" 2> "$out/plan-$model.log" || true
   longest=$("$python" -c "import json, sys; print(json.load(open(sys.argv[1])).get('longest_seq_len') or '')" \
     "$out/plan-$model.json" 2> /dev/null)
