@@ -130,7 +130,31 @@ def test_the_reference_pass_logs_its_plan_beside_its_time(caplog):
     with caplog.at_level(logging.INFO, logger=reference.log.name):
         reference.compute_reference(lambda group: None, head, batches, torch.device("cpu"), 0.5)  # type: ignore[arg-type]
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("reference pass: 48 tokens"))
-    assert line.endswith("; planned 1.5 s")
+    assert line.endswith("; planned 1.5 s")  # three micro-batches are one evaluation: no rate after the first
+
+
+def test_the_reference_pass_logs_its_rate_after_the_first_evaluation(caplog):
+    """The first evaluation warms the kernels up; the rate of the rest is the pass's steady one, what
+    bench/preference.py holds against the forward's FLOP bound."""
+    from slide_hf.preference import reference
+
+    head = SimpleNamespace(collecting=False, reference=None)
+
+    def start(device):
+        head.reference = torch.zeros(4)
+        head.collecting = True
+
+    head.start_reference = start
+    evaluations = []
+    batches = [
+        SimpleNamespace(input_ids=torch.zeros(2, 8, dtype=torch.long)) for _ in range(3 * reference.MAX_EVAL_GROUP)
+    ]
+    with caplog.at_level(logging.INFO, logger=reference.log.name):
+        reference.compute_reference(evaluations.append, head, batches, torch.device("cpu"), 0.5)  # type: ignore[arg-type]
+    assert len(evaluations) == 3
+    rest = 16 * sum(len(group) for group in evaluations[1:])
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("reference pass: 384 tokens"))
+    assert f"; after the first evaluation: {rest} tokens in " in line, line
 
 
 def _values(tree: object, key: str) -> list[object]:

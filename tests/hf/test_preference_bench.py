@@ -79,6 +79,30 @@ def test_the_log_lines_it_reads() -> None:
     assert bench.planned_peaks(log) == (21.4, 94.9)
     assert bench.planned_peaks("plan: host peak 1.29 GiB\n") == (0.0, 1.29)
     assert bench.reference_pass("nothing") is None
+    assert bench.reference_pass_steady(log) is None  # a pass of one evaluation has no rate after it
+    steady = log.replace(
+        "(31775 tok/s)",
+        "(31775 tok/s); planned 6.48 s; after the first evaluation: 196608 tokens in 4.000 s (49152 tok/s)",
+    )
+    assert bench.reference_pass(steady) == (262144, 8.25)
+    assert bench.reference_pass_steady(steady) == (196608, 4.0)
+
+
+def test_the_reference_share_is_the_rate_after_the_first_evaluation(tmp_path: Path) -> None:
+    bench = _bench()
+    _run_dir(tmp_path, "dpo", [0.69, 0.68, 0.67], 22.0, reference=True)
+    _run_dir(tmp_path, "sft", [11.9, 11.8, 11.7], 22.0, reference=False)
+    log = tmp_path / "dpo" / "train.log"
+    log.write_text(
+        log.read_text().replace(
+            "(32768 tok/s)", "(32768 tok/s); after the first evaluation: 196608 tokens in 4.000 s (49152 tok/s)"
+        )
+    )
+    report = bench.build_report(tmp_path, "llama3.1-8b", 1024, None)
+    shaped = bench.Report(report.dpo, report.sft, 800.0, 40960.0)
+    assert shaped.dpo.reference_tokens_per_s == pytest.approx(32768.0)  # the whole pass, warm-up included
+    assert shaped.reference_share == pytest.approx(49152.0 / 40960.0)
+    assert "196,608 tokens in 4.00 s: 49,152 tok/s" in bench.markdown(shaped, "llama3.1-8b")
 
 
 def _run_dir(root: Path, name: str, losses: list[float], gpu_gb: float, reference: bool) -> None:

@@ -120,11 +120,14 @@ def compute_reference(
     # [Evaluation by groups] in slide_core/engine/evaluation.py), no more than a stop may wait for.
     every = max(MAX_EVAL_GROUP, min(total // _UPDATES, _MOST_PER_EVALUATION))
     started = time.perf_counter()
+    first_done_at: float | None = None  # when the first evaluation, which warms the kernels up, ended
     ranks = 1 if group is None else group.world_size
     try:  # rank 0 alone shows a live bar (the others log no progress either)
         with PassProgress(label, total, live=None if group is None or group.rank == 0 else False) as progress:
             for done in range(0, total, every):
                 evaluate(batches[done : done + every])
+                if done == 0:
+                    first_done_at = time.perf_counter()
                 progress.update(min(done + every, total))
                 if stopping is not None and stopping():
                     raise PassStopped(label, min(done + every, total), total)
@@ -141,10 +144,23 @@ def compute_reference(
     planned = "" if planned_micro_batch_s is None else f"; planned {planned_micro_batch_s * total:.3g} s"
     share = "" if ranks == 1 else f" (each of {ranks} ranks its share)"
     log.info(
-        "%s: %d tokens in %d micro-batches in %.3f s (%.0f tok/s)%s%s",
+        "%s: %d tokens in %d micro-batches in %.3f s (%.0f tok/s)%s%s%s",
         label, tokens, total, elapsed_s, tokens / max(elapsed_s, 1e-9), planned, share,
+        _after_first(batches[every:], time.perf_counter() - first_done_at if first_done_at else 0.0),
     )  # fmt: skip
     return reference
+
+
+def _after_first(rest: Sequence[Any], elapsed_s: float) -> str:
+    """The pass's rate after its first evaluation, for the log line: the first compiles and warms the
+    forward's kernels (about 2 s of an 8B's first micro-batches on an H100), which a pass over a few hundred
+    pairs cannot amortize, as a training run's first step does not; its steady rate is what a pass over a
+    real pair file runs at (bench/preference.py holds that one against the FLOP bound). Empty with one
+    evaluation."""
+    if not rest or elapsed_s <= 0.0:
+        return ""
+    tokens = sum(int(batch.input_ids.numel()) for batch in rest)
+    return f"; after the first evaluation: {tokens} tokens in {elapsed_s:.3f} s ({tokens / elapsed_s:.0f} tok/s)"
 
 
 def prepare_reference(
