@@ -34,7 +34,7 @@ if [ "$dry" = 1 ]; then
   models=(tiny-llama test-qwen3) seq_lens=(256 512) device=(--device cpu --seq-tile 64) planned=(--device cpu)
   matmul="" checks=(--no-peak-checks)
 else
-  models=(llama3.1-8b qwen3-8b) seq_lens=(32768 65536 131072) device=(--gpu-memory 24) planned=(--gpu-memory 76)
+  models=(llama3.1-8b qwen3-8b-yarn) seq_lens=(32768 65536 131072) device=(--gpu-memory 24) planned=(--gpu-memory 76)
   checks=()
   matmul=$("$python" bench/long_context.py matmul 2> "$out/matmul.log" | tail -1)
   echo "bf16 matmul: ${matmul:-not measured} TFLOP/s"

@@ -146,3 +146,34 @@ def test_a_version_1_cache_still_loads_without_the_rates_it_lacks(environ):
     rates = load_cached(HERE, environ)
     assert rates is not None and rates.h2d_gbps == 40.0
     assert rates.cpu_adam_split_gparams == {} and rates.pcie_duplex_gbps is None
+
+
+def test_a_training_run_measures_a_machine_nothing_cached_once(environ, caplog):
+    """`slide train` and `slide bench` on a GPU pass ``measure_if_absent``: the documented defaults are a slow
+    machine's (an 8B step planned at 5x its time on an H100 host), so an unmeasured machine is measured once
+    and cached; the next run reads the cache; `slide plan` (without it) never measures."""
+    assert planning_bandwidths(identity=HERE, environ=environ)[1].startswith("documented defaults")
+    assert not cache_path(HERE, environ).exists()  # planning alone wrote nothing
+    with caplog.at_level(logging.INFO, logger="slide.machine_rates"):
+        bandwidths, source = planning_bandwidths(identity=HERE, environ=environ, measure_if_absent=True, sizes=TINY)
+    assert "measuring them once" in caplog.text and "before this run" in source
+    cached = load_cached(HERE, environ)
+    assert cached is not None and bandwidths == cached.bandwidths(Bandwidths())
+    assert bandwidths.host_mem_gbps == cached.host_triad_gbps and bandwidths != Bandwidths()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="slide.machine_rates"):
+        again, source = planning_bandwidths(identity=HERE, environ=environ, measure_if_absent=True, sizes=TINY)
+    assert again == bandwidths and "measuring" not in caplog.text and source.startswith("measured here")
+
+
+def test_a_measurement_that_fails_plans_from_the_defaults(environ, caplog, monkeypatch):
+    import slide_hf.machine_rates as machine_rates
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(machine_rates, "refresh_cached", full_disk)
+    with caplog.at_level(logging.INFO, logger="slide.machine_rates"):
+        bandwidths, source = planning_bandwidths(identity=HERE, environ=environ, measure_if_absent=True, sizes=TINY)
+    assert bandwidths == Bandwidths() and source.startswith("documented defaults")
+    assert "No space left on device" in caplog.text and "documented defaults" in caplog.text

@@ -205,7 +205,7 @@ ENGINE_SAMPLES: dict[str, Any] = {
     "gpu_memory": "3GiB",
     "optimizer": "torch",
     "optimizer_state": "bf16",
-    "master": "auto",
+    "master": "fp32",
     "offload_optimizer": "nvme",
     "nvme_dir": "scratch",
     "nvme_fraction": 0.5,

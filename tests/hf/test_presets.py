@@ -40,6 +40,10 @@ def test_published_shapes():
     assert not c.tie_word_embeddings and c.vocab_size == 128256
     assert PRESETS["llama3.2-3b"]().tie_word_embeddings
     assert PRESETS["qwen3-8b"]().head_dim == 128
+    yarn = PRESETS["qwen3-8b-yarn"]()  # Qwen3-8B's model card: YaRN, factor 4 over 32,768, for 131,072 tokens
+    assert yarn.max_position_embeddings == 131072 and PRESETS["qwen3-8b"]().max_position_embeddings == 40960
+    assert yarn.rope_parameters["rope_type"] == "yarn" and yarn.rope_parameters["factor"] == 4.0
+    assert yarn.rope_parameters["original_max_position_embeddings"] == 32768
     assert PRESETS["mistral-7b"]().sliding_window is None
     tiny = PRESETS["tiny-llama"]()
     assert (tiny.hidden_size, tiny.num_hidden_layers, tiny.intermediate_size, tiny.max_position_embeddings) == (

@@ -25,6 +25,7 @@ import dataclasses
 import gc
 import hashlib
 import json
+import logging
 import statistics
 import threading
 import time
@@ -45,6 +46,8 @@ from slide_hf.setup import RunOptions, flops_per_token, make_device, make_optimi
 
 if TYPE_CHECKING:
     from slide_hf.adapters.base import HFCausalLM
+
+log = logging.getLogger("slide.bench")
 
 __all__ = ["BenchConfig", "describe_unit", "measured_against_predicted", "run_bench", "write_trace"]
 
@@ -137,7 +140,9 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     # Refuse, in one line with the fix to try, a run the host cannot hold (rather than be OOM-killed); place
     # units as `slide train` would, or within --resident-gib.
     resident_bytes = None if cfg.resident_gib is None else int(cfg.resident_gib * 2**30)
-    placement = place_units(model, device, options, resident_bytes=resident_bytes, replaceable=True)
+    placement = place_units(
+        model, device, options, resident_bytes=resident_bytes, replaceable=True, measure_machine=True
+    )
     plan, resident, offloaded = placement.plan, placement.resident, placement.offloaded
     # The delta rule delta-net layers run here, decided (a check on the GPU) and logged before the engine.
     owner = getattr(model, "linear_attention", None)
@@ -176,6 +181,9 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
                     engine.wait_idle()
                 times.append(time.perf_counter() - start)
                 losses.append(stepped.loss)
+                # A line a step: a long step (an 8B at 128K tokens: a minute) shows it ran, and how far a
+                # run cut short by its caller's timeout got.
+                log.info("step %d/%d: %.2f s", index + 1, len(batches), times[-1])
                 norms.append(stepped.grad_norm)
                 if traced:
                     spans = engine.timeline.end_trace()

@@ -8,9 +8,12 @@ server's twelve channels; PCIe 4 against 5), so they are measured once per machi
 cached as JSON under the user cache directory (``$XDG_CACHE_HOME/slide``, else ``~/.cache/slide``), one
 file per :class:`HostIdentity`: a home directory shared by several machines keeps one measurement each.
 
-Planning never measures (it runs in seconds, on any machine): it reads this machine's cache, or, without
+`slide plan` never measures (it runs in seconds, on any machine): it reads this machine's cache, or, without
 one, uses the documented defaults of :class:`~slide_hf.planner.Bandwidths`, and says which
-(:func:`planning_bandwidths`). A cache file that cannot be read is one logged line and counts as absent;
+(:func:`planning_bandwidths`). Those defaults are a slow machine's (an 8B DPO step on an H100 host planned at
+11.8 s where it takes 2.2 s), so the first `slide train` or `slide bench` on a GPU machine without a cache
+measures it once, a few seconds before its plan, and caches what it measured (``measure_if_absent``): a
+user who never ran `slide doctor` gets a placement and a plan line from this machine's rates. A cache file that cannot be read is one logged line and counts as absent;
 `slide doctor` then measures again and rewrites it. A version 1 file (written before the split-master and
 duplex rates were measured) still loads, without them: planning uses their documented defaults.
 
@@ -408,17 +411,35 @@ def refresh_cached(
 
 
 def planning_bandwidths(
-    defaults: Any = None, identity: HostIdentity | None = None, environ: Mapping[str, str] | None = None
+    defaults: Any = None,
+    identity: HostIdentity | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    measure_if_absent: bool = False,
+    sizes: MeasureSizes = MeasureSizes(),
 ) -> tuple[Any, str]:
     """``(Bandwidths, where they come from)`` for planning here: this machine's cached measurement, or
-    ``defaults`` (the documented :class:`~slide_hf.planner.Bandwidths` defaults) without one. Never measures."""
+    ``defaults`` (the documented :class:`~slide_hf.planner.Bandwidths` defaults) without one. With
+    ``measure_if_absent`` (a training run on a GPU), a machine with no cache is measured now at ``sizes``
+    and the cache written, as `slide doctor` would; a measurement that fails is one logged line, and the
+    defaults plan the run."""
     from slide_hf.planner import Bandwidths
 
     base = defaults if defaults is not None else Bandwidths()
     rates = load_cached(identity, environ)
+    if rates is None and measure_if_absent:
+        log.info("this machine's rates are not cached: measuring them once (a few seconds; `slide doctor` shows them)")
+        try:
+            rates, path = refresh_cached(sizes, identity, environ)
+        except (OSError, RuntimeError, ValueError) as error:  # a full disk, a busy GPU: plan from the defaults
+            log.warning(
+                "measuring this machine's rates failed (%s); planning with the documented defaults", _first_line(error)
+            )
+        else:
+            return rates.bandwidths(base), f"measured here {rates.measured_at}, before this run (cached in {path})"
     if rates is None:
         return base, "documented defaults (no measurement of this machine cached; `slide doctor` measures it)"
-    return rates.bandwidths(base), f"measured here {rates.measured_at} (cached by `slide doctor`)"
+    return rates.bandwidths(base), f"measured here {rates.measured_at} (cached; `slide doctor` measures again)"
 
 
 def _first_line(error: BaseException) -> str:

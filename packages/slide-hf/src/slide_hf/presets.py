@@ -14,6 +14,7 @@ thread count or scheduling -- and torch releases the GIL inside ``normal_``.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -180,6 +181,25 @@ def _yarn_rope(theta: float, *, factor: float, original: int, attention_factor: 
     }
 
 
+_QWEN3_8B: dict[str, Any] = {  # Qwen/Qwen3-8B's config.json
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": _default_rope(1000000.0),
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "max_window_layers": 36,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "dtype": "bfloat16",
+}
+
 PRESETS: dict[str, PresetFactory] = {
     # ---- demo ----------------------------------------------------------------------------------------
     "tiny-llama": _preset(
@@ -268,24 +288,18 @@ PRESETS: dict[str, PresetFactory] = {
         eos_token_id=151643,
         dtype="bfloat16",
     ),
-    "qwen3-8b": _preset(  # Qwen/Qwen3-8B
+    "qwen3-8b": _preset("qwen3", **_QWEN3_8B),  # Qwen/Qwen3-8B
+    # Qwen3-8B at 131,072 positions, as its model card says to run past 32,768: YaRN, factor 4 over 32,768
+    # (the attention factor HF derives for it, 0.1 ln 4 + 1, written out)
+    "qwen3-8b-yarn": _preset(
         "qwen3",
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters=_default_rope(1000000.0),
-        tie_word_embeddings=False,
-        attention_bias=False,
-        max_window_layers=36,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        dtype="bfloat16",
+        **{
+            **_QWEN3_8B,
+            "max_position_embeddings": 131072,
+            "rope_parameters": _yarn_rope(
+                1000000.0, factor=4.0, original=32768, attention_factor=0.1 * math.log(4.0) + 1
+            ),
+        },
     ),
     "mistral-7b": _preset(  # mistralai/Mistral-7B-v0.3
         "mistral",

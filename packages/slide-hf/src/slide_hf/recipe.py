@@ -509,7 +509,9 @@ def _setup_placement(
     rank takes rank 0's choice of resident, offloaded, streamed and movable units: a resident unit's
     collectives differ from a sliding one's, and the units that move between steps move on every rank
     (Note [Ranks place alike] in slide_hf/replacement.py), so the ranks must place alike."""
-    placement = place_units(model.slide_model, device, options, optimizer=optimizer, replaceable=True)
+    placement = place_units(  # rank 0's is the one taken, so rank 0 alone measures an unmeasured machine
+        model.slide_model, device, options, optimizer=optimizer, replaceable=True, measure_machine=group.rank == 0
+    )
     plan = placement.plan
     chosen = (placement.resident, placement.offloaded, placement.streamed, plan.inputs.streamable_units)
     resident, offloaded, streamed, movable = group.broadcast_object(chosen, "rank 0's placement")

@@ -212,6 +212,7 @@ def place_units(
     resident_bytes: int | None = None,
     optimizer: Optimizer | None = None,
     replaceable: bool = False,
+    measure_machine: bool = False,
 ) -> Placement:
     """Check the run fits (host RAM, GPU budget) before anything is allocated, then choose the units that
     live on the GPU (``resident_bytes`` of them, else whatever the GPU budget leaves spare) and those whose
@@ -220,7 +221,10 @@ def place_units(
     `slide doctor` has cached them). ``optimizer``: the run's, whose scratch the plan prices and whose
     ``--master`` it resolves (None: the one ``options`` name, built without compiling). ``replaceable``:
     with ``auto``, the run may move units between the host and the GPU-streamed update from the rates its
-    own steps measure (slide_hf/replacement.py), so the plan prices the staging that needs."""
+    own steps measure (slide_hf/replacement.py), so the plan prices the staging that needs.
+    ``measure_machine``: on an accelerator whose rates `slide doctor` never cached, measure them first (a
+    few seconds, once per machine; slide_hf/machine_rates.py), where the documented defaults would plan a
+    slow machine's steps and place the units for one."""
     from slide_core.engine.placement import choose_resident_units
     from slide_hf.adapters.token_tiles import use_seq_tile
     from slide_hf.in_step_rates import learned_inputs
@@ -243,7 +247,7 @@ def place_units(
         accelerator=device.is_accelerator,
         gpu_memory_bytes=gpu_budget,
         optimizer=optimizer if optimizer is not None else unbuilt_optimizer(options),
-        bandwidths=planning_bandwidths()[0] if device.is_accelerator else Bandwidths(),
+        bandwidths=planning_bandwidths(measure_if_absent=measure_machine)[0] if device.is_accelerator else Bandwidths(),
     )
     if device.is_accelerator:  # what earlier runs measured in their steps here (slide_hf/in_step_rates.py)
         inputs, learned = learned_inputs(inputs)

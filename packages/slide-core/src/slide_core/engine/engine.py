@@ -164,7 +164,8 @@ class Engine(Evaluation):
             self.window = SlotWindow(device, sliding, edge, cfg.block_slots, self.dtype)
             for slot in self.window.all_slots():
                 slot.grads.zero_()  # alignment padding is never written by compute; keep it zero
-            self.optimizer.reserve(cfg.transfer_chunk_numel)
+            if self.pipelines.layout.host_steps:  # what the plan prices (RunLayout.host_steps)
+                self.optimizer.reserve(cfg.transfer_chunk_numel)
             if self._activation_tier is not None:
                 self.stash = TierActivationStash(device, self._activation_tier, workers, ledger=self._ledger)
             else:

@@ -125,6 +125,16 @@ class RunLayout:
         return tuple(name for name in self.sliding if name not in self.streamed)
 
     @functools.cached_property
+    def host_steps(self) -> bool:
+        """Whether the host optimizer may step a range in this run: a host-optimized unit's, a streamed one's
+        in a run that re-places units between steps (``streamable_units``: a streamed unit may move to the
+        host), or a streamed one's when a step clips (its correction and the next step's update run on the
+        host). Without any, the engine reserves no host scratch and the plan prices none: a run whose every
+        sliding unit is GPU-streamed for good holds none."""
+        replaces = bool(self.config.streamable_units)
+        return bool(self.host_optimized or replaces or (self.streamed and self.config.max_grad_norm > 0))
+
+    @functools.cached_property
     def state_in_host_slabs(self) -> tuple[str, ...]:
         """Units whose optimizer state the host slabs hold: every sliding unit but those on the tier
         (a streamed unit's state travels from the slabs to the device and back)."""

@@ -75,7 +75,8 @@ _COMMAND: ContextVar[Command] = ContextVar("slide_hf_options_command", default="
 call, as slide_hf/spelling.py's choice of spelling does, and is `slide train` outside it."""
 _MASTER_HELP = (
     "how the host stores the fp32 master: split (a bf16 plane the GPU copies as it is, half the host-to-device "
-    "bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32 (default), or auto (split when it can run)"
+    "bytes, plus the low 16 bits and a tie bit: exact; bf16 only), fp32 (one fp32 slab), or auto (default: split "
+    "when it can run, else fp32)"
 )
 
 
@@ -290,7 +291,7 @@ class TrainConfig:
         engine=AS_DECLARED,
     )
     master: MasterFormat = option(
-        MasterFormat.FP32, help=_MASTER_HELP, commands=RUNS, choices=MasterFormat, engine=AS_DECLARED
+        MasterFormat.AUTO, help=_MASTER_HELP, commands=RUNS, choices=MasterFormat, engine=AS_DECLARED
     )
     adam_beta1: float = option(0.9, help="default {default}", rule=Rule("float", 0, 1, high_open=True))
     adam_beta2: float = option(0.999, help="default {default}", rule=Rule("float", 0, 1, high_open=True))

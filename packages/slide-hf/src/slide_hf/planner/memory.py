@@ -172,7 +172,7 @@ def engine_buffers(shape: ModelShape, inputs: PlanInputs, world_size: int = 1) -
         "optimizer_scratch": _host_optimizer(inputs).host_scratch_bytes(
             inputs.transfer_chunk_numel, corrects=inputs.clipping, split_master=inputs.master_format == "split"
         )
-        if layout.sliding
+        if layout.host_steps
         else 0,
         "grad_norms": laid_out["grad_norms"],
         # Double buffers in front of NVMe: one unit's m and v (or one block input) read ahead while the
