@@ -12,7 +12,7 @@
 #               entropy's row weights and the compact-moment kernels: every GPU test of those files (~3 min)
 #   gemma3      bench/diagnose_blocks.py on Gemma 3's streamed blocks (expect every block at 12-14 ms)
 #   8b-PLACEMENT[-split][-bf16|-int8][-clip]   llama3.1-8b --gpu-memory 24, update placement host|gpu|auto, with
-#               --master split, --optimizer-state bf16|int8 and --max-grad-norm 1 when named (~1 min each)
+#               --master split (else fp32), --optimizer-state bf16|int8 and --max-grad-norm 1 when named (~1 min each)
 #   3b-PLACEMENT[-split][-bf16|-int8]   llama3.2-3b --gpu-memory 12, against plain PyTorch in the same run
 #   14b-PLACEMENT[-split][-bf16|-int8]  qwen2.5-14b --gpu-memory 24, RAM only (--resident-gib 0 with host)
 # --budget-s: no step starts after that many seconds, and each is cut at the budget's end (default 580).
@@ -45,7 +45,7 @@ variant() {  # 8b-auto-split-bf16 -> the bench options of that run
          [ "$placement" = host ] && opts+=(--resident-gib 0) ;;
   esac
   opts+=(--update-placement "$placement")
-  [[ -$rest- == *-split-* ]] && opts+=(--master split)
+  if [[ -$rest- == *-split-* ]]; then opts+=(--master split); else opts+=(--master fp32); fi  # auto is the default
   [[ -$rest- == *-bf16-* ]] && opts+=(--optimizer-state bf16)
   [[ -$rest- == *-int8-* ]] && opts+=(--optimizer-state int8)
   [[ -$rest- == *-clip-* ]] && opts+=(--max-grad-norm 1)
