@@ -1,6 +1,7 @@
 """The Python side of bench/long_context.sh: the card's matmul rate, and the table of the long-sequence runs.
 
     python bench/long_context.py matmul                                  # bf16 TFLOP/s of this GPU
+    python bench/long_context.py attention --model M --seq-len N         # one layer's attention, s (JSON)
     python bench/long_context.py summarize OUT_DIR [--matmul-tflops X]   # OUT_DIR's runs as a markdown table
 
 Each run is `slide bench --json OUT_DIR/run-<model>-<seq_len>.json` at batch 1; each plan, `slide plan --json`
@@ -11,6 +12,14 @@ matmuls (6 FLOPs per parameter and token) and attention's score and value produc
 seq_len per token; slide_hf/setup.py's ``flops_per_token``, the FLOPs `slide bench` reports its TFLOP/s on),
 at the matmul rate measured in the same call. The engine's recompute forward is work the bound does not
 credit, so a tiled run that is compute-bound reaches about 3/4 of it.
+
+Beside it, the step's own bound: the work the step runs, each kind at the rate measured for it in the same
+call. Its dense matmuls are 8 FLOPs per block parameter and token (forward, the backward's recompute forward,
+and the backward's two products) and 6 per LM-head parameter (the fused loss computes the head once each
+way), at the matmul rate; its attention is each layer's attention forward twice (forward and recompute) and
+its backward once, timed at this sequence length on this card (``attention``: SDPA, causal, batch 1, the
+model's heads). What a run reaches of that bound is what the engine loses to transfers, waits and the
+work around the matmuls; the first bound says what a whole step's FLOPs would reach with no recompute.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +50,9 @@ class Run:
     host_peak_gib: float | None = None
     host_plan_gib: float | None = None
     flops_per_token: float | None = None
+    dense_flops_per_token: float | None = None  # what the step's matmuls run, recompute included
+    layers: int | None = None
+    attention_s: tuple[float, float] | None = None  # one layer's attention forward and backward, measured
     seq_tile: int | None = None
     failures: list[str] = field(default_factory=list)
 
@@ -53,10 +66,37 @@ class Run:
             return None
         return matmul_tflops * 1e12 / self.flops_per_token
 
+    def step_bound_tokens_per_s(self, matmul_tflops: float | None) -> float | None:
+        """Tokens/s if the step's dense matmuls (recompute included) ran at ``matmul_tflops`` and each layer's
+        attention (forward twice, backward once) took the time measured for it, and nothing else took time."""
+        if not matmul_tflops or not self.dense_flops_per_token or not self.attention_s or not self.layers:
+            return None
+        forward_s, backward_s = self.attention_s
+        seconds = self.seq_len * self.dense_flops_per_token / (matmul_tflops * 1e12)
+        seconds += self.layers * (2 * forward_s + backward_s)
+        return self.seq_len / seconds
+
 
 def flops_per_token(params: int, layers: int, hidden: int, seq_len: int) -> float:
     """Dense matmuls and attention, forward and backward, per token (slide_hf/setup.py's formula)."""
     return 6.0 * params + 12.0 * layers * hidden * seq_len
+
+
+def dense_flops_per_token(params: int, hidden: int, vocab: int, tied: bool) -> float:
+    """The step's matmul FLOPs per token as the engine runs them: 8 per block parameter (forward, recompute
+    forward, backward's two products), 6 per LM-head parameter (its fused loss runs once each way), none for
+    the embedding's lookup. ``params`` counts the embedding once, and the head too when it is not tied."""
+    head = vocab * hidden
+    blocks = params - head - (0 if tied else head)
+    return 8.0 * blocks + 6.0 * head
+
+
+def read_attention(path: Path) -> tuple[float, float] | None:
+    """(forward s, backward s) of one layer's attention from ``attention``'s JSON, where it was measured."""
+    if not path.exists() or not path.read_text().strip():
+        return None
+    timed = json.loads(path.read_text())
+    return float(timed["forward_s"]), float(timed["backward_s"])
 
 
 def read_run(path: Path, model: str, seq_len: int, hidden: int | None, *, peaks: bool = True) -> Run:
@@ -78,6 +118,11 @@ def read_run(path: Path, model: str, seq_len: int, hidden: int | None, *, peaks:
     layers = int(result.get("layers", {}).get("run") or 0)
     if hidden and layers:
         run.flops_per_token = flops_per_token(int(slide["params"]), layers, hidden, seq_len)
+    shape = _shape(model)
+    if shape is not None:
+        run.dense_flops_per_token = dense_flops_per_token(int(slide["params"]), shape.hidden, shape.vocab, shape.tied)
+    run.layers = layers or None
+    run.attention_s = read_attention(path.with_name(f"attention-{model}-{seq_len}.json"))
     check(run, peaks=peaks)
     return run
 
@@ -130,17 +175,20 @@ def markdown(runs: list[Run], longest: list[Longest], matmul_tflops: float | Non
     lines = [
         f"Long sequences at batch 1 ({rate}; FLOP bound: 6 x params + 12 x layers x hidden x seq_len per token)",
         "",
-        "| model | seq-len | tile | result | tok/s | FLOP bound tok/s | of bound | GPU peak / plan GiB "
-        "| host peak / plan GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | seq-len | tile | result | tok/s | FLOP bound tok/s | of bound | step's own bound tok/s | of it "
+        "| GPU peak / plan GiB | host peak / plan GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         result = "ok" if run.ok else "FAIL: " + (run.error or "; ".join(run.failures))
         bound = run.bound_tokens_per_s(matmul_tflops)
         share = f"{run.tokens_per_s / bound:.0%}" if bound and run.tokens_per_s else ""
+        own = run.step_bound_tokens_per_s(matmul_tflops)
+        own_share = f"{run.tokens_per_s / own:.0%}" if own and run.tokens_per_s else ""
         lines.append(
-            f"| {run.model} | {run.seq_len:,} | {run.seq_tile or 'untiled'} | {result} | {_num(run.tokens_per_s)} | {_num(bound)} | {share} | "
-            f"{_pair(run.gpu_peak_gib, run.gpu_plan_gib)} | {_pair(run.host_peak_gib, run.host_plan_gib)} |"
+            f"| {run.model} | {run.seq_len:,} | {run.seq_tile or 'untiled'} | {result} | {_num(run.tokens_per_s)} "
+            f"| {_num(bound)} | {share} | {_num(own)} | {own_share} "
+            f"| {_pair(run.gpu_peak_gib, run.gpu_plan_gib)} | {_pair(run.host_peak_gib, run.host_plan_gib)} |"
         )
     lines += [
         "",
@@ -162,15 +210,92 @@ def _pair(measured: float | None, planned: float | None) -> str:
     return f"{measured:.2f} / {planned:.2f}" if measured is not None and planned is not None else ""
 
 
-def _hidden_size(model: str) -> int | None:
-    """The model's hidden size from its config (no weights read), for the attention FLOPs."""
+@dataclass(frozen=True)
+class Shape:
+    """What the bounds need of a model's config (no weights read)."""
+
+    hidden: int
+    vocab: int
+    tied: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def _shape(model: str) -> Shape | None:
     from slide_hf import resolve_model
 
     try:
         config, _ = resolve_model(model)
     except Exception:  # a model this tree cannot resolve: no bound for it, the run's row still prints
         return None
-    return int(getattr(config, "hidden_size", 0) or 0) or None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    if not hidden or not heads:
+        return None
+    return Shape(
+        hidden=hidden,
+        vocab=int(config.vocab_size),
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        heads=heads,
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
+    )
+
+
+def _hidden_size(model: str) -> int | None:
+    """The model's hidden size from its config (no weights read), for the attention FLOPs."""
+    shape = _shape(model)
+    return shape.hidden if shape is not None else None
+
+
+def time_attention(model: str, seq_len: int, *, reps: int = 3) -> dict[str, float]:
+    """One layer's attention of ``model`` at batch 1 and ``seq_len`` tokens: SDPA, causal, its keys and values
+    widened to the query heads as the HF path does, in bf16 on a GPU (fp32 on the CPU, for the dry run).
+    The medians of ``reps`` timed forwards and forward-and-backwards after one untimed of each."""
+    import statistics
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    shape = _shape(model)
+    if shape is None:
+        raise SystemExit(f"cannot read {model}'s config")
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def tensor(heads: int) -> torch.Tensor:
+        size = (1, heads, seq_len, shape.head_dim)
+        return torch.randn(size, device=device, dtype=dtype, generator=generator).requires_grad_(True)
+
+    q = tensor(shape.heads)
+    k, v = (tensor(shape.kv_heads) for _ in range(2))
+    group = shape.heads // shape.kv_heads
+
+    def forward() -> torch.Tensor:
+        wide_k, wide_v = (x.repeat_interleave(group, dim=1) if group > 1 else x for x in (k, v))
+        return F.scaled_dot_product_attention(q, wide_k, wide_v, is_causal=True)
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        sync()
+        samples = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    out_grad = torch.randn((1, shape.heads, seq_len, shape.head_dim), device=device, dtype=dtype, generator=generator)
+    with torch.no_grad():
+        forward_s = timed(forward)
+    both_s = timed(lambda: torch.autograd.grad(forward(), (q, k, v), out_grad))
+    return {"forward_s": forward_s, "backward_s": max(both_s - forward_s, 0.0)}
 
 
 def summarize(
@@ -186,7 +311,13 @@ def summarize(
     summary = {
         "matmul_tflops": matmul_tflops,
         "runs": [
-            {**run.__dict__, "ok": run.ok, "bound_tokens_per_s": run.bound_tokens_per_s(matmul_tflops)} for run in runs
+            {
+                **run.__dict__,
+                "ok": run.ok,
+                "bound_tokens_per_s": run.bound_tokens_per_s(matmul_tflops),
+                "step_bound_tokens_per_s": run.step_bound_tokens_per_s(matmul_tflops),
+            }
+            for run in runs
         ],
         "longest": [entry.__dict__ for entry in longest],
     }
@@ -199,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("matmul", help="print this GPU's bf16 matmul TFLOP/s")
+    attention = commands.add_parser("attention", help="time one layer's attention at a length (JSON)")
+    attention.add_argument("--model", required=True)
+    attention.add_argument("--seq-len", type=int, required=True)
     table = commands.add_parser("summarize", help="the runs in OUT_DIR as a markdown table")
     table.add_argument("out", type=Path)
     table.add_argument("--models", required=True, help="comma-separated, as the runs were named")
@@ -211,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         from gpu_matrix import measure_matmul_tflops
 
         print(f"{measure_matmul_tflops():.1f}")
+        return 0
+    if args.command == "attention":
+        print(json.dumps(time_attention(args.model, args.seq_len)))
         return 0
     models = [m for m in args.models.split(",") if m]
     seq_lens = [int(s) for s in args.seq_lens.split(",") if s]

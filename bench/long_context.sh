@@ -10,9 +10,11 @@
 # --flags "...": more `slide bench` and `slide plan` flags for every run and plan, e.g. "--master split
 #   --optimizer-state bf16" where the host's RAM does not hold fp32 Adam state beside the sliding activations.
 # --dry-run: the same steps on the CPU with tiny models and short rows (what the tests run); peaks unchecked.
-# Per run: OUT_DIR/run-<model>-<seq_len>.json (slide bench's JSON) and .log; per model: OUT_DIR/plan-<model>.json.
+# Per run: OUT_DIR/run-<model>-<seq_len>.json (slide bench's JSON) and .log, and attention-<model>-<seq_len>.json
+# (one layer's attention timed at that length); per model: OUT_DIR/plan-<model>.json.
 # Then OUT_DIR/long_context.md (printed): finite losses, GPU peak vs plan (+3 %), host peak vs plan (+5 %),
-# tok/s and the step's FLOP bound at the bf16 matmul rate measured at the start (bench/long_context.py).
+# tok/s against the step's FLOP bound at the bf16 matmul rate measured at the start, and against the step's own
+# bound: its matmuls (recompute included) at that rate and its attention as timed (bench/long_context.py).
 set -uo pipefail
 out=${1:?usage: bench/long_context.sh OUT_DIR [--budget-s S] [--layers N] [--dry-run]}
 shift
@@ -48,6 +50,9 @@ for model in "${models[@]}"; do
     if [ "$left" -lt 20 ]; then echo "== $name: not run (budget spent)" > "$out/$name.log"; continue; fi
     echo "== $name ($left s left)"
     t0=$SECONDS
+    # one layer's attention at this length, timed apart: the step's own bound (bench/long_context.py)
+    timeout "$left" "$python" bench/long_context.py attention --model "$model" --seq-len "$seq" \
+      > "$out/attention-$model-$seq.json" 2> "$out/attention-$model-$seq.log"
     timeout "$left" "$python" -m slide_hf bench --model "$model" "${device[@]}" "${layers[@]}" "${flags[@]}" --batch-size 1 \
       --seq-len "$seq" --steps 3 --warmup 1 --json "$out/$name.json" > "$out/$name.log" 2>&1
     echo "   rc=$? in $((SECONDS - t0)) s"

@@ -110,3 +110,29 @@ def test_the_script_runs_in_its_cpu_dry_mode(tmp_path: Path) -> None:
     assert run["ok"] and run["seq_tile"] == 64 and run["losses"] and run["flops_per_token"] > 0
     assert "| test-qwen3 | 256 | 64 | ok |" in (tmp_path / "long_context.md").read_text()
     assert (tmp_path / "plan-test-qwen3.json").exists()
+    timed = json.loads((tmp_path / "attention-test-qwen3-256.json").read_text())  # one layer's attention, timed
+    assert timed["forward_s"] > 0 and timed["backward_s"] >= 0
+    assert run["attention_s"] == [timed["forward_s"], timed["backward_s"]] and run["dense_flops_per_token"] > 0
+
+
+def test_the_steps_own_bound_is_its_matmuls_with_recompute_and_its_attention_as_timed(tmp_path: Path) -> None:
+    """An 8B at 32K: 8 FLOPs per block parameter and token, 6 per head parameter, none for the embedding
+    (untied), at the matmul rate; each layer's attention forward twice and backward once, as timed."""
+    bench = _bench()
+    path = tmp_path / "run-llama3.1-8b-32768.json"
+    path.write_text(json.dumps(_result([11.9, 11.8, 11.7], (23.5, 23.3), (120.0, 118.0))))
+    (tmp_path / "attention-llama3.1-8b-32768.json").write_text(json.dumps({"forward_s": 0.01, "backward_s": 0.025}))
+    run = bench.read_run(path, "llama3.1-8b", 32768, 4096)
+    head = 128256 * 4096
+    dense = 8 * (8_030_261_248 - 2 * head) + 6 * head
+    assert run.dense_flops_per_token == dense and run.attention_s == (0.01, 0.025) and run.layers == 32
+    seconds = 32768 * dense / 800e12 + 32 * (2 * 0.01 + 0.025)
+    assert run.step_bound_tokens_per_s(800.0) == pytest.approx(32768 / seconds)
+    assert run.step_bound_tokens_per_s(None) is None
+    table = bench.markdown([run], [], 800.0)
+    assert f"| {32768 / seconds:,.0f} | {2000.0 / (32768 / seconds):.0%} |" in table
+    # a tied head is counted once: the embedding's matrix is the head's
+    assert bench.dense_flops_per_token(1000 + 10 * 4, 4, 10, tied=True) == 8 * 1000 + 6 * 40
+    # without the timing (an older run directory), no step bound, the row still prints
+    (tmp_path / "attention-llama3.1-8b-32768.json").unlink()
+    assert bench.read_run(path, "llama3.1-8b", 32768, 4096).step_bound_tokens_per_s(800.0) is None
