@@ -437,9 +437,22 @@ def planning_bandwidths(
             )
         else:
             return rates.bandwidths(base), f"measured here {rates.measured_at}, before this run (cached in {path})"
+        finally:
+            _release_measurement_memory()
     if rates is None:
         return base, "documented defaults (no measurement of this machine cached; `slide doctor` measures it)"
     return rates.bandwidths(base), f"measured here {rates.measured_at} (cached; `slide doctor` measures again)"
+
+
+def _release_measurement_memory() -> None:
+    """Give back what a measurement inside a run cached: the CUDA allocator's device blocks and the pinned
+    host blocks of its transfers (torch keeps both for reuse), which the run's plan does not price: its
+    GPU and host peaks stay the run's own."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty_cache is not None:
+            host_empty_cache()
 
 
 def _first_line(error: BaseException) -> str:
