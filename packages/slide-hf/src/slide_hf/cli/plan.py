@@ -350,7 +350,7 @@ def render(
         if placed["streamed"]:
             lines.append(_row("  GPU-streamed", "", unit_names(placed["streamed"])))
     lines.append(_row("host peak", format_bytes(plan.host_peak_bytes)))
-    lines += [_row(f"  {k.replace('_', ' ')}", format_bytes(v)) for k, v in plan.host_breakdown.items() if v]
+    lines += [_row(f"  {_host_buffer_name(k, plan)}", format_bytes(v)) for k, v in plan.host_breakdown.items() if v]
     lines.append(_row("disk", format_bytes(plan.disk_bytes), "NVMe: offloaded Adam state and activations"))
     if outputs is not None:
         lines.append(_row("output disk", format_bytes(outputs.total_bytes), "checkpoints and the exported model"))
@@ -489,3 +489,11 @@ def unit_names(names: tuple[str, ...]) -> str:
         parts.append(name)
     close()
     return ", ".join(parts)
+
+
+def _host_buffer_name(key: str, plan: Plan) -> str:
+    """A host buffer's row: its ledger name (the run's, slide_core/allocation_ledger.py), the master's by the
+    format the run stores it in (a split master is its bf16 plane and its low bits, not one fp32 slab)."""
+    if key == "master_fp32":
+        return f"master ({plan.inputs.master_format})"
+    return key.replace("_", " ")
