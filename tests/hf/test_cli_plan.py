@@ -26,7 +26,7 @@ def test_plan_tiny_llama_table(slide):
     argv = ("plan", "--model", "tiny-llama", "--batch-size", "2", "--seq-len", "256", "--gpu-memory", "700MiB")
     status, out, err = slide(*argv)
     assert status == 0, err
-    for label in ("GPU peak", "block slots", "host peak", "master fp32", "disk", "params", "max batch"):
+    for label in ("GPU peak", "block slots", "host peak", "master (split)", "disk", "params", "max batch"):
         assert label in out
     for label in ("step time", "in engine order", "overlap", "binding limit", "critical batch", "fits"):
         assert label in out
