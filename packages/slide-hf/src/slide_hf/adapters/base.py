@@ -595,9 +595,21 @@ def _runtime_config(config: PreTrainedConfig) -> PreTrainedConfig:
     attention logit cap.
     """
     config = copy.deepcopy(config)
-    if getattr(config, "_experts_implementation", None) is None and hasattr(config, "num_experts"):
+    if getattr(config, "_experts_implementation", None) is None and _has_experts(config):
         config._experts_implementation = "grouped_mm"
     return config
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""How configs name their routed experts: Qwen3-MoE and Qwen3-Next ``num_experts``, Llama 4
+``num_local_experts``, DeepSeek-V3 ``n_routed_experts``."""
+
+
+def _has_experts(config: PreTrainedConfig) -> bool:
+    """Whether ``config`` routes tokens to experts, whatever its family calls their count. HF's
+    ``from_config`` gives every such model the ``grouped_mm`` experts; left unset, an experts class falls
+    back to its per-expert loop (DeepSeek-V3's streamed blocks ran at 8 % of the card's matmul rate)."""
+    return any(getattr(config, name, None) for name in _EXPERT_COUNTS)
 
 
 def _repoint_config(root: nn.Module, old: PreTrainedConfig, new: PreTrainedConfig) -> None:
