@@ -12,7 +12,8 @@
   rotary layers get a weightless L2 norm (``use_qk_norm``).
 * MLP: layers in ``config.moe_layers`` route each token to ``num_experts_per_tok`` of
   ``num_local_experts`` experts (sigmoid router scores) plus a shared expert; the others are dense with
-  ``intermediate_size_mlp``. Experts are fused in memory and on disk alike.
+  ``intermediate_size_mlp``. Experts are fused in memory and on disk alike. Each token goes through its
+  chosen experts alone (slide_hf/adapters/llama4_moe.py), where HF's module runs it through all of them.
 * transformers has no flash-attention path for Llama 4 (``_supports_flash_attn`` is False: its chunked
   masks need a mask), so the attention rule never picks flash-attn here and an explicit request is refused.
 """
@@ -32,6 +33,7 @@ from transformers.models.llama4.modeling_llama4 import (
 
 from slide_hf.adapters.attention import AttentionSupport
 from slide_hf.adapters.base import HFCausalLM
+from slide_hf.adapters.llama4_moe import route_experts_by_token
 from slide_hf.errors import UserError
 
 if TYPE_CHECKING:
@@ -55,6 +57,11 @@ class Llama4TextAdapter(HFCausalLM):
                 "'flex_attention' or 'eager'"
             )
         super().__init__(config)
+
+    def make_layer(self, index: int) -> nn.Module:
+        layer = super().make_layer(index)
+        route_experts_by_token(layer)
+        return layer
 
     def make_norm(self) -> nn.Module:
         return Llama4TextRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
