@@ -168,6 +168,9 @@ def test_the_split_master_is_refused_where_it_cannot_run() -> None:
     assert choose_master_format("auto", torch.bfloat16, TorchAdamW(ADAM)) == "split"
     assert choose_master_format("auto", torch.float32, TorchAdamW(ADAM)) == "fp32"
     assert choose_master_format("fp32", torch.bfloat16, TorchAdamW(ADAM)) == "fp32"
+    # auto splits for what a link saves: the CPU device keeps one fp32 slab; asked for, split runs there
+    assert choose_master_format("auto", torch.bfloat16, TorchAdamW(ADAM), accelerator=False) == "fp32"
+    assert choose_master_format("split", torch.bfloat16, TorchAdamW(ADAM), accelerator=False) == "split"
     with pytest.raises(ValueError, match="the compute dtype is float32"):
         choose_master_format("split", torch.float32, TorchAdamW(ADAM))
 

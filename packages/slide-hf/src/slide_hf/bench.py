@@ -128,7 +128,6 @@ def _pcie_gbps(device: Any) -> tuple[float, float]:
 
 def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
     from slide_core import AdamWConfig, HostParameters
-    from slide_core.engine import choose_master_format
     from slide_hf import build_model, init_random
     from slide_hf.adapters import attention_summary
 
@@ -159,10 +158,7 @@ def run_engine(cfg: BenchConfig, config: Any) -> dict[str, Any]:
         h2d_gbps, d2h_gbps = _pcie_gbps(device)
         began = time.perf_counter()
         optimizer = make_optimizer(options.optimizer, AdamWConfig(state_format=options.optimizer_state))
-        try:
-            master_format = choose_master_format(options.master, options.compute_dtype, optimizer)
-        except ValueError as error:
-            raise UserError(f"--master {options.master}: {error}") from None
+        master_format = placement.plan.inputs.master_format  # as the plan resolved --master (and priced it)
         host = HostParameters(model, master_format=master_format)  # as `slide train`: pins what it streams
         init_random(model, host, config, seed=0)
         setup_s = time.perf_counter() - began

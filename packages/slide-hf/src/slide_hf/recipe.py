@@ -217,7 +217,7 @@ def _train(
     placement = _setup_placement(model, device, options, group, optimizer)
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
-        host = _setup_weights(cfg, model, optimizer, group, init)
+        host = _setup_weights(cfg, model, placement.plan.inputs.master_format, group, init)
         # Each rank reads at its own pace (Note [Waits on one rank's work]).
         group.barrier("the wait for every rank to load the weights", slow=True)
         flops = _log_run(cfg, model, data, device, optimizer, group)
@@ -230,7 +230,9 @@ def _train(
         if cfg.ref_model is not None and needs_reference_pass(cfg, preference, cache, model.model_dir, group):
             # DPO's reference pass on --ref-model: its own weights and engine, closed before training starts
             assert preference is not None  # needs_reference_pass says so
-            reference = _setup_weights(cfg, dataclasses.replace(model, model_dir=cfg.ref_model), optimizer, group)
+            reference = _setup_weights(
+                cfg, dataclasses.replace(model, model_dir=cfg.ref_model), placement.plan.inputs.master_format, group
+            )
             ref_parts = _setup_engine(model, device, reference, optimizer, options, placement, run_dir, group)
             with stop, _stops_the_pass(stop, group, run_dir.path), ref_parts as ref_engine:
                 run_reference(
@@ -533,22 +535,20 @@ def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
 
 
 def _setup_weights(
-    cfg: TrainConfig, model: _Model, optimizer: Optimizer, group: RunGroup, init: InitPoint | None = None
+    cfg: TrainConfig, model: _Model, master_format: str, group: RunGroup, init: InitPoint | None = None
 ) -> HostParameters:
     """The fp32 master: HF weights, a preset's seeded random init, or with ``--init-from`` (``init``) the
-    checkpoint's master, stored as ``--master`` resolves for this dtype and optimizer. The engine pins what
-    it streams and gives back what lives on the GPU. With data parallel a rank writes (and so holds) only
-    its shards of the master (Note [Sharded master] in slide_core's engine/host_pipeline.py); the final
-    drain gathers it whole."""
-    from slide_core.engine import choose_master_format
+    checkpoint's master, stored in ``master_format``: ``--master`` as the plan resolved it for this dtype,
+    optimizer and device (``PlanInputs.master_format``), so the run holds what the plan priced. The engine
+    pins what it streams and gives back what lives on the GPU. With data parallel a rank writes (and so
+    holds) only its shards of the master (Note [Sharded master] in slide_core's engine/host_pipeline.py);
+    the final drain gathers it whole."""
     from slide_hf import init_random, load_weights
 
-    try:
-        master_format = choose_master_format(cfg.master, _compute_dtype(cfg), optimizer)
-    except ValueError as error:
-        raise UserError(f"{option('master', cfg.master)}: {error}") from None
+    if master_format != "fp32" and master_format != "split":  # what a resolved --master is (resolve_master)
+        raise AssertionError(f"an unresolved master format {master_format!r}")
     log.info("host master: %s", master_format)
-    host = HostParameters(model.slide_model, master_format=master_format)
+    host = HostParameters(model.slide_model, master_format="split" if master_format == "split" else "fp32")
     host.keep_shards(UnitShards(group, model.slide_model.units).partial())  # none in a world of one
     if init is not None:
         load_initial_master(init, host)

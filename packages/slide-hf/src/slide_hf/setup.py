@@ -275,13 +275,14 @@ def place_units(
     return Placement(plan, resident, tier_class, plan.inputs.offloaded_units, streamed)
 
 
-def resolve_master(options: RunOptions, optimizer: Optimizer) -> str:
+def resolve_master(options: RunOptions, optimizer: Optimizer, *, accelerator: bool) -> str:
     """``--master`` as the run allocates it: :func:`~slide_core.engine.choose_master_format` (``auto`` is split
-    where it can run), its refusal one line naming the option."""
+    where it can run on an ``accelerator``), its refusal one line naming the option. The plan resolves it
+    (``PlanInputs.master_format``) and the run allocates the plan's."""
     from slide_core.engine import choose_master_format
 
     try:
-        return choose_master_format(options.master, options.compute_dtype, optimizer)
+        return choose_master_format(options.master, options.compute_dtype, optimizer, accelerator=accelerator)
     except ValueError as error:
         raise UserError(f"{option('master', options.master)}: {error}") from None
 
@@ -341,7 +342,7 @@ def plan_inputs(
         offload_activations=planning_kind(activation_tier),
         activation_tier_class=activation_tier,
         optimizer_state=options.optimizer_state,
-        master_format=resolve_master(options, optimizer),
+        master_format=resolve_master(options, optimizer, accelerator=accelerator),
         optimizer=optimizer,
         fused_loss=fused_loss_available(),
         bandwidths=bandwidths,

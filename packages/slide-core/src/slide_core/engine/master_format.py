@@ -26,12 +26,17 @@ __all__ = ["MASTER_FORMATS", "check_master_format", "choose_master_format"]
 MASTER_FORMATS = ("auto", "fp32", "split")
 
 
-def choose_master_format(requested: str, compute_dtype: torch.dtype, optimizer: Optimizer) -> MasterFormat:
+def choose_master_format(
+    requested: str, compute_dtype: torch.dtype, optimizer: Optimizer, *, accelerator: bool = True
+) -> MasterFormat:
     """The format to allocate: ``fp32`` or ``split`` as asked (split refused in one line where it cannot
-    run), and for ``auto`` split whenever it can run (bf16 compute, an optimizer that steps it)."""
+    run), and for ``auto`` split whenever it can run (bf16 compute, an optimizer that steps it) on an
+    ``accelerator``. What split saves is half the bytes each load sends to the device (measured 1.20x on an
+    8B step and 1.08x on a 3B one on an H100 host); the CPU device sends nothing across a link, and its
+    host step decodes and encodes the split halves, so ``auto`` keeps one fp32 slab there."""
     if requested not in MASTER_FORMATS:
         raise ValueError(f"master format must be one of {', '.join(MASTER_FORMATS)}, got {requested!r}")
-    if requested == "fp32":
+    if requested == "fp32" or (requested == "auto" and not accelerator):
         return "fp32"
     reason = _split_refused(compute_dtype, optimizer)
     if requested == "split" and reason is not None:
