@@ -64,7 +64,7 @@ class PreferenceHead:
     """A preference loss over ``pairs`` pairs (the prepared data's), as a head computes it.
 
     Holds per-run state on the device it computes on: the DPO reference log-probabilities (one per
-    completion) and the sums of the step's metrics, read and reset once per logged step (:meth:`take_metrics`).
+    completion) and the sums of the step's metrics, read and reset once per logged step (:meth:`take_metric_sums`).
     """
 
     def __init__(self, loss: PairLoss, pairs: int) -> None:
@@ -103,11 +103,6 @@ class PreferenceHead:
         sums = self._metric_sums.to("cpu", torch.float64)
         self._metric_sums.zero_()
         return sums
-
-    def take_metrics(self) -> PreferenceMetrics:
-        """The metrics of the micro-batches since the last call, as means over their pairs; resets them.
-        Note: a CPU-GPU sync point (once per logged step)."""
-        return metric_means(self.take_metric_sums())
 
     # -- the loss -----------------------------------------------------------------------------------------
     def loss_sum(
