@@ -9,7 +9,8 @@
 #   kernel-tests    the compact-moment AdamW and split-master codec kernels, and the streamed-update tests
 #   streamed-tests  only tests/core/test_streamed_gpu.py
 #   engine-gpu-tests  streamed updates (clipping, accumulation, pooled sums), units moved between host and GPU, the cross-
-#               entropy's row weights and the compact-moment kernels: every GPU test of those files (~3 min)
+#               entropy's row weights, the compact-moment kernels and Llama 4's routed experts: every GPU test of
+#               those files (~1 min on an H100)
 #   gemma3      bench/diagnose_blocks.py on Gemma 3's streamed blocks (expect every block at 12-14 ms)
 #   8b-PLACEMENT[-split][-bf16|-int8][-clip]   llama3.1-8b --gpu-memory 24, update placement host|gpu|auto, with
 #               --master split (else fp32), --optimizer-state bf16|int8 and --max-grad-norm 1 when named (~1 min each)
@@ -62,7 +63,8 @@ for step in "$@"; do
     streamed-tests) run streamed-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_streamed_gpu.py ;;
     engine-gpu-tests) run engine-gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_streamed_gpu.py \
                         tests/core/test_engine_replacement.py tests/kernels/test_linear_cross_entropy.py \
-                        tests/kernels/test_compact_adamw.py tests/core/test_compact_state.py tests/core/test_sums_pool.py ;;
+                        tests/kernels/test_compact_adamw.py tests/core/test_compact_state.py tests/core/test_sums_pool.py \
+                        tests/hf/test_llama4_moe.py ;;
     gemma3) run gemma3 python3 bench/diagnose_blocks.py --model gemma3-12b --layers 8 --no-sync --steps 2 ;;
     8b-*|3b-*|14b-*) variant "$step" ;;
     *) echo "unknown step $step"; exit 2 ;;
