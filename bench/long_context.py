@@ -244,12 +244,6 @@ def _shape(model: str) -> Shape | None:
     )
 
 
-def _hidden_size(model: str) -> int | None:
-    """The model's hidden size from its config (no weights read), for the attention FLOPs."""
-    shape = _shape(model)
-    return shape.hidden if shape is not None else None
-
-
 def time_attention(model: str, seq_len: int, *, reps: int = 3) -> dict[str, float]:
     """One layer's attention of ``model`` at batch 1 and ``seq_len`` tokens: SDPA, causal, its keys and values
     widened to the query heads as the HF path does, in bf16 on a GPU (fp32 on the CPU, for the dry run).
@@ -303,7 +297,8 @@ def summarize(
 ) -> str:
     runs, longest = [], []
     for model in models:
-        hidden = _hidden_size(model)
+        shape = _shape(model)
+        hidden = shape.hidden if shape is not None else None  # for the attention FLOPs
         for seq_len in seq_lens:
             runs.append(read_run(out / f"run-{model}-{seq_len}.json", model, seq_len, hidden, peaks=peaks))
         longest.append(read_plan(out / f"plan-{model}.json", model))

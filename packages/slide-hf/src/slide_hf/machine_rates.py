@@ -13,8 +13,9 @@ one, uses the documented defaults of :class:`~slide_hf.planner.Bandwidths`, and 
 (:func:`planning_bandwidths`). Those defaults are a slow machine's (an 8B DPO step on an H100 host planned at
 11.8 s where it takes 2.2 s), so the first `slide train` or `slide bench` on a GPU machine without a cache
 measures it once, a few seconds before its plan, and caches what it measured (``measure_if_absent``): a
-user who never ran `slide doctor` gets a placement and a plan line from this machine's rates. A cache file that cannot be read is one logged line and counts as absent;
-`slide doctor` then measures again and rewrites it. A version 1 file (written before the split-master and
+user who never ran `slide doctor` gets a placement and a plan line from this machine's rates. A cache file
+that cannot be read is one logged line and counts as absent; `slide doctor` then measures again and
+rewrites it. A version 1 file (written before the split-master and
 duplex rates were measured) still loads, without them: planning uses their documented defaults.
 
 Every measurement runs on random data (never zeros: a zero page can be shared, and a compressing memory

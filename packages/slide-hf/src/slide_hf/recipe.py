@@ -60,6 +60,7 @@ from slide_core.device import Device
 from slide_core.distributed import ProcessGroupContext
 from slide_core.engine import Engine, EngineError
 from slide_core.engine.shards import UnitShards
+from slide_core.master_store import MasterFormat
 from slide_core.optim.state_formats import StateFormatMismatch
 from slide_core.schedule import warmup_from_ratio
 from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load_dataset, load_split
@@ -535,7 +536,7 @@ def _setup_run_log(cfg: TrainConfig, output: Path) -> RunLog:
 
 
 def _setup_weights(
-    cfg: TrainConfig, model: _Model, master_format: str, group: RunGroup, init: InitPoint | None = None
+    cfg: TrainConfig, model: _Model, master_format: MasterFormat, group: RunGroup, init: InitPoint | None = None
 ) -> HostParameters:
     """The fp32 master: HF weights, a preset's seeded random init, or with ``--init-from`` (``init``) the
     checkpoint's master, stored in ``master_format``: ``--master`` as the plan resolved it for this dtype,
@@ -545,10 +546,8 @@ def _setup_weights(
     the final drain gathers it whole."""
     from slide_hf import init_random, load_weights
 
-    if master_format != "fp32" and master_format != "split":  # what a resolved --master is (resolve_master)
-        raise AssertionError(f"an unresolved master format {master_format!r}")
     log.info("host master: %s", master_format)
-    host = HostParameters(model.slide_model, master_format="split" if master_format == "split" else "fp32")
+    host = HostParameters(model.slide_model, master_format=master_format)
     host.keep_shards(UnitShards(group, model.slide_model.units).partial())  # none in a world of one
     if init is not None:
         load_initial_master(init, host)

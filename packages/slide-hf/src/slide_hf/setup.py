@@ -34,6 +34,7 @@ from slide_core.collectives import Collectives
 from slide_core.device import Device
 from slide_core.devices import auto_device_name
 from slide_core.engine import Engine, EngineConfig
+from slide_core.master_store import MasterFormat
 from slide_core.optim import build_optimizer
 from slide_core.tier import Tier, TierRequest
 from slide_hf.defaults import check_seq_tile, resolve_seq_tile
@@ -275,7 +276,7 @@ def place_units(
     return Placement(plan, resident, tier_class, plan.inputs.offloaded_units, streamed)
 
 
-def resolve_master(options: RunOptions, optimizer: Optimizer, *, accelerator: bool) -> str:
+def resolve_master(options: RunOptions, optimizer: Optimizer, *, accelerator: bool) -> MasterFormat:
     """``--master`` as the run allocates it: :func:`~slide_core.engine.choose_master_format` (``auto`` is split
     where it can run on an ``accelerator``), its refusal one line naming the option. The plan resolves it
     (``PlanInputs.master_format``) and the run allocates the plan's."""

@@ -17,6 +17,7 @@ import torch
 
 from slide_core.engine.config import EngineConfig
 from slide_core.engine.layout import RunLayout
+from slide_core.master_store import MasterFormat
 from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optim.state_formats import StateArray, state_arrays
 from slide_core.optimizer import Optimizer
@@ -362,7 +363,7 @@ class PlanInputs:
     staging_sets: int = _ENGINE_DEFAULTS.staging_sets
     """Device staging sets of the streamed units (``EngineConfig.staging_sets``): three, or two where the
     GPU budget cannot hold three (:func:`~slide_hf.planner.plan.plan_with_placement`)."""
-    master_format: str = "fp32"
+    master_format: MasterFormat = "fp32"
     """``--master`` as it resolves: ``fp32`` (the h2d reads 4 B/param and casts on the GPU) or ``split``
     (2 B/param, the bf16 plane as it is; the host holds 4 B/param + 1 tie bit; bf16 compute only)."""
     max_grad_norm: float = 0.0

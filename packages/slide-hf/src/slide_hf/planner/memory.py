@@ -36,7 +36,7 @@ from slide_core.engine.host_state import HostState
 from slide_core.engine.master_upload import MasterUpload
 from slide_core.engine.resident import resident_numel_bytes
 from slide_core.engine.resident_pipeline import ResidentPipeline
-from slide_core.host_params import HostParameters, MasterFormat
+from slide_core.host_params import HostParameters
 from slide_core.optim.adamw_config import AdamWConfig
 from slide_core.optimizer import Optimizer
 from slide_core.tier import TierRequest
@@ -200,7 +200,7 @@ def master_bytes(shape: ModelShape, inputs: PlanInputs, world_size: int = 1) -> 
     every plane of its shards of the host-updated units (Note [Sharded master] in slide_core's
     engine/host_pipeline.py), and in the plane the host-to-device copy reads, the spans the engine
     page-locks (:func:`pinned_master_numel`), with the resident units inside them."""
-    master_format: MasterFormat = "split" if inputs.master_format == "split" else "fp32"
+    master_format = inputs.master_format
     resident = set(inputs.resident_units)
     host_numel = sum(n for name, n in shape.named_numels.items() if name not in resident)
     copied_plane = HostParameters.h2d_bytes_for(host_numel, master_format)
