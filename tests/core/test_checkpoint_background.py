@@ -191,3 +191,39 @@ def test_signals_while_waiting_neither_lose_the_save_nor_cut_the_wait_short(tmp_
     assert writers == [] and signals == {"result": 0, "join": 0}
     assert seen == [tmp_path / "step-00000001"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]  # no staging directory left
+
+
+def test_the_second_save_copies_into_the_first_saves_buffers(tmp_path: Path) -> None:
+    """Note [Snapshot buffers are kept]: the copies of a written save are reused by the next one (no new
+    host memory, no first-touch page faults), and each checkpoint still holds its own step's values."""
+    live = _arrays(1)
+    with BackgroundSaver() as saver:
+        assert saver.held_bytes == 0
+        saver.submit(tmp_path, 1, live, {})
+        first = dict(saver._buffers)
+        held = saver.held_bytes
+        assert held == 3000 * 4 + 3000 * 4 + 3000 * 2
+        for array in live.values():
+            (array if isinstance(array, torch.Tensor) else array.data).add_(1)
+        expected_second = {name: (a if isinstance(a, torch.Tensor) else a.data).clone() for name, a in live.items()}
+        saver.submit(tmp_path, 2, live, {})  # waits for step 1's write, then copies into its buffers
+        assert all(saver._buffers[name] is first[name] for name in first)
+        assert saver.held_bytes == held
+        saver.wait()
+    assert saver.held_bytes == 0  # closed: the memory is given back
+    out = {
+        "master": torch.empty(3000),
+        "exp_avg": torch.empty(3000),
+        "exp_avg_sq": torch.empty(3000, dtype=torch.bfloat16),
+    }
+    load_checkpoint(tmp_path / "step-00000001", out)
+    assert torch.equal(out["master"], _arrays(1)["master"])
+    load_checkpoint(tmp_path / "step-00000002", out)
+    assert all(torch.equal(out[name], expected_second[name]) for name in out)
+
+
+def test_a_buffer_of_another_size_is_not_reused() -> None:
+    kept = {"master": torch.zeros(10), "exp_avg": torch.zeros(5)}
+    copies = snapshot({"master": torch.ones(10), "exp_avg": torch.ones(6)}, reuse=kept)
+    assert copies["master"] is kept["master"] and torch.equal(kept["master"], torch.ones(10))
+    assert copies["exp_avg"] is not kept["exp_avg"] and torch.equal(kept["exp_avg"], torch.zeros(5))

@@ -57,12 +57,15 @@ class PlanCheck:
         world_size: int = 1,
         grad_norms: Sequence[float | None] = (),
         max_grad_norm: float = 0.0,
+        extra_host_bytes: int = 0,
     ) -> PlanCheck:
         """``plan``: the run's placed plan; ``step_times_s``: every step's wall time, in order;
         ``gpu_peak_bytes``: the device's peak, None on the CPU device. The CPU device has no step time in
         its plan (the planner's rates are a GPU's and its PCIe link's), so only its host peak is compared.
         ``grad_norms``: each step's gradient norm, in order, with clipping at ``max_grad_norm``: a step
-        after one that clipped is compared with the plan's deferred step (``Plan.expected_step_s``)."""
+        after one that clipped is compared with the plan's deferred step (``Plan.expected_step_s``).
+        ``extra_host_bytes``: host memory the run holds beside the engine's, planned outside ``plan`` (a
+        background save's copy, slide_hf/planner/save_cost.py)."""
         warm = list(step_times_s[1:]) or list(step_times_s)
         on_gpu = gpu_peak_bytes is not None
         planned_step_s = plan.step_time_s
@@ -73,7 +76,7 @@ class PlanCheck:
             step_s=statistics.median(warm) if warm and on_gpu else None,
             planned_step_s=planned_step_s if on_gpu else None,
             host_peak_bytes=host_peak_rss_bytes(),
-            planned_host_peak_bytes=plan.host_peak_bytes,
+            planned_host_peak_bytes=plan.host_peak_bytes + extra_host_bytes,
             gpu_peak_bytes=gpu_peak_bytes,
             planned_gpu_peak_bytes=None if gpu_peak_bytes is None else plan.gpu_peak_bytes,
             terms=terms if on_gpu else None,

@@ -73,7 +73,10 @@ from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run, sto
 from slide_hf.model_checkpoint import load_best_for_export, read_best
 from slide_hf.options import DType, TrainConfig, check_adamw, config_dict, data_sources, default_lr
 from slide_hf.plan_check import PlanCheck
+from slide_hf.planner import Plan
 from slide_hf.planner import output_disk as disk
+from slide_hf.planner.fit import available_host_bytes
+from slide_hf.planner.save_cost import SaveCost, save_cost
 from slide_hf.preference.reference import PassStopped
 from slide_hf.preference.run import (
     PreferenceObjective,
@@ -213,9 +216,11 @@ def _train(
     # None for SFT (docs/preference.md); a head for the training pairs, and one for the held-out pairs
     preference = attach_objective(cfg, model.slide_model, data.dataset, data.eval_set)
     optimizer = _setup_optimizer(cfg, options)
+    outputs = _output_disk(cfg, model, optimizer, data.total_steps)
     if main:
-        disk.check_output_disk(run_dir.path, _output_disk(cfg, model, optimizer, data.total_steps))
+        disk.check_output_disk(run_dir.path, outputs)
     placement = _setup_placement(model, device, options, group, optimizer)
+    saving = _plan_saves(cfg, outputs, placement.plan) if main else None
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
         host = _setup_weights(cfg, model, placement.plan.inputs.master_format, group, init)
@@ -251,6 +256,7 @@ def _train(
         trainer.init = init
         trainer.objective = preference
         trainer.plan = placement.plan
+        trainer.save_copy_bytes = 0 if saving is None else saving.copy_bytes  # held from the first save on
         trainer.meter = InStepMeter(placement.plan)
         if Replacement.wanted(placement.plan):  # --update-placement auto (slide_hf/replacement.py)
             trainer.replacement = Replacement(placement.plan, ranks=group if group.world_size > 1 else None)
@@ -466,6 +472,27 @@ def _output_disk(cfg: TrainConfig, model: _Model, optimizer: Optimizer, total_st
         export_itemsize=torch.empty((), dtype=export_dtype).element_size(),
         total_steps=total_steps,
     )
+
+
+def _plan_saves(cfg: TrainConfig, outputs: disk.OutputDisk, plan: Plan) -> SaveCost | None:
+    """What each mid-run checkpoint will cost (slide_hf/planner/save_cost.py), as `slide plan` prices it,
+    logged; a warning when --save-async's copy cannot fit beside the run's host peak, so the saves will be
+    written in the foreground (each save checks the host again: ``_room_for_a_copy``). None for a run that
+    saves only at its end (always in the foreground)."""
+    if not (cfg.save_every > 0 or cfg.save_best) or outputs.export_only:
+        return None
+    saving = save_cost(
+        outputs,
+        background=cfg.save_async,
+        host_peak_bytes=plan.host_peak_bytes,
+        host_available=available_host_bytes(),
+        bandwidths=plan.inputs.bandwidths,
+    )
+    if saving.background and not saving.copy_fits:
+        log.warning("%s: %s", option("save_async"), saving.describe())
+    else:
+        log.info("%s", saving.describe())
+    return saving
 
 
 def _setup_device(options: RunOptions, group: RunGroup) -> Device:
@@ -724,6 +751,7 @@ class _Trainer:
         self.progress: Progress | None = None
         self._process = psutil.Process()
         self.plan: Any = None  # the placed plan, whose terms the run's log measures (slide_hf/plan_check.py)
+        self.save_copy_bytes = 0  # the plan's --save-async copy, held beside the engine (slide_hf/planner/save_cost.py)
         self.step_times_s: list[float] = []
         self.grad_norms: list[float | None] = []  # each step's, beside its time: a clipped step defers the next
         self.meter: InStepMeter | None = None  # each term of the steps beside the plan's (slide_hf/in_step_rates.py)
@@ -819,6 +847,7 @@ class _Trainer:
                 world_size=self.group.world_size,
                 grad_norms=self.grad_norms,
                 max_grad_norm=self.cfg.max_grad_norm,
+                extra_host_bytes=self.save_copy_bytes,
             )
             log.info("%s", check.line())
             if self.device.is_accelerator and self.meter is not None:
@@ -1006,8 +1035,11 @@ class _Trainer:
         """Write the whole run state at ``step`` as one checkpoint, then call ``then`` with its path once
         it is published (rank 0 prunes there). With --save-async and not ``wait`` the state is copied
         between steps and written on a thread (Note [Background snapshot]); ``then`` runs when a later
-        :meth:`_collect` finds it written."""
+        :meth:`_collect` finds it written. Logs how long the save held training up, which `slide plan`
+        prices (slide_hf/planner/save_cost.py)."""
+        began = time.perf_counter()
         self._collect(wait=True)  # one save at a time
+        waited = time.perf_counter() - began
         arrays = self.engine.checkpoint_arrays()  # note: waits for every pending update (a host sync), only when saving
         batches = self.data.batches
         state = {**self.run_state, "data": {"epoch": batches.position.epoch, "index": batches.position.index}}
@@ -1015,15 +1047,26 @@ class _Trainer:
         state["engine"] = self.engine.schedule_state()
         if self.cfg.save_delete_first:
             self._make_room()
-        if self.saver is not None and not wait and self._room_for_a_copy(checkpoint_nbytes(arrays, state)):
+        if self.saver is not None and not wait and self._room_for_a_copy(checkpoint_nbytes(arrays, state), self.saver):
             self.saver.submit(self.checkpoints, step, arrays, state, then=lambda path: self._published(path, then))
+            self._log_pause(step, began, "copied; written in the background", waited)
             return step
         try:
             saved = save_checkpoint(self.checkpoints, step, arrays, state, self.group)
         except CheckpointWriteError as error:
             raise UserError(error.strerror) from error
         self._published(saved, then)
+        self._log_pause(step, began, "written", waited)
         return step
+
+    def _log_pause(self, step: int, began: float, how: str, waited: float) -> None:
+        """The run's log: how long the save of ``step`` held training up, ``waited`` of it for the save
+        before it to be written (--save-async saves closer together than a write takes)."""
+        if not self.main:
+            return
+        paused = time.perf_counter() - began
+        previous = f" ({waited:.3g} s of it waiting for the previous save's write)" if waited >= 0.01 else ""
+        log.info("checkpoint of step %d %s: training paused %.3g s%s", step, how, paused, previous)
 
     def _published(self, saved: Path, then: Callable[[Path], None]) -> None:
         """``saved`` is published: its ``then`` (pruning, best.json) first, so that the record of the run's
@@ -1034,11 +1077,13 @@ class _Trainer:
         if self.main:
             self.run_dir.record_outputs()  # the new checkpoint's files are slide's (slide_hf/run_files.py)
 
-    def _room_for_a_copy(self, nbytes: int) -> bool:
-        """Whether host memory can hold the copy a background save writes from; when it cannot, the save
-        is written in the foreground this time, with a warning, rather than push the host into swap."""
+    def _room_for_a_copy(self, nbytes: int, saver: BackgroundSaver) -> bool:
+        """Whether host memory can hold the copy a background save writes from, beside the copies the
+        saver keeps from its last save (Note [Snapshot buffers are kept] in slide_core's
+        checkpoint/background.py); when it cannot, the save is written in the foreground this time, with a
+        warning, rather than push the host into swap."""
         available = psutil.virtual_memory().available
-        if available >= nbytes:
+        if available >= nbytes - saver.held_bytes:
             return True
         log.warning(
             "%s: a background checkpoint copies %s to host memory and %s is available; this one is written in "

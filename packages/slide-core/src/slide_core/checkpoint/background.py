@@ -9,6 +9,18 @@ update (``Engine.checkpoint_arrays`` waits for them), so the copy is the state o
 files are byte for byte those a save in the foreground of the same step writes
 (``test_background_checkpoint_equals_foreground``).
 
+Note [Snapshot buffers are kept]: the copy is the only part of a background save that holds training up,
+and into freshly allocated pageable memory it runs at the speed of the kernel's first-touch page faults,
+not of memory: 2 GiB took 0.4-3.2 s that way on a 2-core development machine, against 0.1 s into pages
+already touched. So the saver keeps the copies of its previous save once that save is written, and the
+next :meth:`BackgroundSaver.submit` copies into them wherever an array keeps its size and dtype (every
+array, in a run whose layout does not change): from the second save on the copy runs at memory speed.
+The price is that one checkpoint's bytes of host memory stay held from the first background save to the
+end of the run, rather than only while a save is written; ``slide plan --save-async`` counts them in the
+host peak (slide_hf/planner/save_cost.py), and :attr:`BackgroundSaver.held_bytes` tells a run that checks
+the host before a save what it already holds. Tested by
+``test_the_second_save_copies_into_the_first_saves_buffers``.
+
 The write itself is :func:`~.writer.save_checkpoint`, atomic as ever: a failure on the thread leaves no
 published checkpoint, only a staging directory it removes, and is raised in the caller's thread by the
 next :meth:`~BackgroundSaver.poll`, :meth:`~BackgroundSaver.wait` or :meth:`~BackgroundSaver.submit`, or
@@ -51,16 +63,26 @@ class _ShardCopy:
         out.copy_(self.data[start : start + out.numel()])
 
 
-def snapshot(arrays: Mapping[str, torch.Tensor | ArraySource]) -> dict[str, torch.Tensor | ArraySource]:
-    """A copy of every array in host memory of its own (Note [Background snapshot]): a tensor is cloned,
-    a source read block by block into a new tensor; a shard of part of its array keeps its place in the
-    whole array (one process's "shard" of every unit is the whole array, copied as a plain tensor)."""
+def snapshot(
+    arrays: Mapping[str, torch.Tensor | ArraySource], reuse: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor | ArraySource]:
+    """A copy of every array in host memory of its own (Note [Background snapshot]): a tensor copied, a
+    source read block by block; into ``reuse``'s tensor of the same name where it has the array's size
+    and dtype (Note [Snapshot buffers are kept]), else into a new one. A shard of part of its array keeps
+    its place in the whole array (one process's "shard" of every unit is the whole array, copied as a
+    plain tensor)."""
+    reuse = reuse or {}
     copies: dict[str, torch.Tensor | ArraySource] = {}
     for name, array in arrays.items():
-        if isinstance(array, torch.Tensor):
-            data = array.detach().to("cpu", copy=True).contiguous()
+        shape = tuple(array.shape) if isinstance(array, torch.Tensor) else (array.numel,)
+        kept = reuse.get(name)
+        if kept is not None and tuple(kept.shape) == shape and kept.dtype == array.dtype:
+            data = kept
         else:
-            data = torch.empty(array.numel, dtype=array.dtype)
+            data = torch.empty(shape, dtype=array.dtype)
+        if isinstance(array, torch.Tensor):
+            data.copy_(array.detach())
+        else:
             per_block = max(1, manifest.BLOCK_BYTES // array.dtype.itemsize)
             for start in range(0, array.numel, per_block):
                 array.read_into(start, data[start : start + per_block])
@@ -79,6 +101,16 @@ class _Pending:
     then: Callable[[Path], None]
 
 
+def _buffers(copies: Mapping[str, torch.Tensor | ArraySource]) -> dict[str, torch.Tensor]:
+    """The host tensors a snapshot's copies are held in, by array name."""
+    buffers: dict[str, torch.Tensor] = {}
+    for name, copy in copies.items():
+        data = copy.data if isinstance(copy, _ShardCopy) else copy
+        assert isinstance(data, torch.Tensor), "a snapshot copies every array into a host tensor"
+        buffers[name] = data
+    return buffers
+
+
 class BackgroundSaver:
     """Writes one checkpoint at a time on its own thread (Note [Background snapshot]). A context
     manager: the thread starts in ``__enter__``; ``__exit__`` (or :meth:`close`, safe to call twice)
@@ -93,6 +125,8 @@ class BackgroundSaver:
         self._group = group
         self._pool: ThreadPoolExecutor | None = None
         self._pending: _Pending | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        """The copies of the latest save, kept for the next one (Note [Snapshot buffers are kept])."""
 
     def __enter__(self) -> BackgroundSaver:
         if self._pool is None:
@@ -109,6 +143,12 @@ class BackgroundSaver:
             raise  # a signal while closing: re-raised by close once the save in flight is written
         except Exception as failure:
             log.error("the checkpoint written in the background failed too: %s", failure)
+
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes the saver holds for its copies (Note [Snapshot buffers are kept]): what a save of
+        the same arrays needs beyond it is the difference."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
 
     @property
     def pending_step(self) -> int | None:
@@ -129,7 +169,8 @@ class BackgroundSaver:
         if self._pool is None:
             raise RuntimeError("BackgroundSaver.submit needs an open saver (use it as a context manager)")
         self.wait()
-        copies = snapshot(arrays)
+        copies = snapshot(arrays, reuse=self._buffers)  # the previous save is written: its copies are free
+        self._buffers = _buffers(copies)
         future = self._pool.submit(save_checkpoint, root, step, copies, dict(extra), self._group)
         self._pending = _Pending(step, future, then)
 
@@ -179,5 +220,6 @@ class BackgroundSaver:
                 except KeyboardInterrupt as signal:
                     interrupted = interrupted or signal
                     log.warning("a checkpoint is still being written; waiting")
+        self._buffers = {}  # nothing more is saved: give the copies' memory back
         if interrupted is not None:
             raise interrupted

@@ -35,6 +35,7 @@ from slide_hf.planner import (
 )
 from slide_hf.planner.attention_masks import attention_masks
 from slide_hf.planner.plan import check_update_placement
+from slide_hf.planner.save_cost import SaveCost, save_cost
 from slide_hf.planner.seq_fit import SequenceFit, sequence_fit
 from slide_hf.sizes import SIZE_RULE
 from slide_hf.spelling import option
@@ -137,6 +138,13 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_with_placement(inputs, placement, replaceable=True)
     dp = _data_parallel(plan, args) if distributed else None
     outputs = _output_disk(model, cfg)
+    saving = save_cost(
+        outputs,
+        background=cfg.save_async,
+        host_peak_bytes=plan.host_peak_bytes,
+        host_available=host_cap,
+        bandwidths=plan.inputs.bandwidths,
+    )
     problem = _positions_problem(model, seq_len)
     try:
         check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source)
@@ -147,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         payload.update({"optimizer": optimizer, "optimizer_state": cfg.optimizer_state.value})
         payload.update({"master": inputs.master_format})
         payload.update({"state_tier": cfg.offload_optimizer, "output_disk": outputs.to_dict()})
+        payload["checkpoint_save"] = None if outputs.export_only else saving.to_dict()
         payload.update({"problem": problem, "gpu_memory_source": gpu_source, "host_memory_source": host_source})
         payload.update({"update_placement": placement, "rates_source": rates_source})
         payload.update(sequences.to_dict())
@@ -168,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
             optimizer=f"{optimizer}, {_state_words(cfg.optimizer_state)}Adam state on {cfg.offload_optimizer}, "
             f"{inputs.master_format} master",
             outputs=outputs,
+            saving=saving,
             update_placement=placement,
             rates_source=rates_source,
             sequences=sequences,
@@ -321,12 +331,14 @@ def render(
     problem: str | None,
     optimizer: str | None = None,
     outputs: Any = None,
+    saving: SaveCost | None = None,
     update_placement: str | None = None,
     rates_source: str | None = None,
     sequences: SequenceFit | None = None,
 ) -> str:
     """The human-readable table; ``optimizer`` says which host optimizer and state tier were planned,
-    ``outputs`` (an ``OutputDisk``) what the run's checkpoints and export take, ``update_placement`` the
+    ``outputs`` (an ``OutputDisk``) what the run's checkpoints and export take, ``saving`` what one of
+    those checkpoints costs the loop (slide_hf/planner/save_cost.py), ``update_placement`` the
     ``--update-placement`` the units were placed by, ``rates_source`` where the step time's rates came from
     and ``sequences`` how long a sequence the GPU budget holds."""
     i = plan.inputs
@@ -351,6 +363,14 @@ def render(
             lines.append(_row("  GPU-streamed", "", unit_names(placed["streamed"])))
     lines.append(_row("host peak", format_bytes(plan.host_peak_bytes)))
     lines += [_row(f"  {_host_buffer_name(k, plan)}", format_bytes(v)) for k, v in plan.host_breakdown.items() if v]
+    if saving is not None and saving.in_background:
+        lines.append(
+            _row(
+                f"  with {option('save_async')}",
+                format_bytes(saving.host_peak_bytes),
+                f"the copy a background save writes from, {format_bytes(saving.copy_bytes)}, held from the first save on",
+            )
+        )
     lines.append(_row("disk", format_bytes(plan.disk_bytes), "NVMe: offloaded Adam state and activations"))
     if outputs is not None:
         lines.append(_row("output disk", format_bytes(outputs.total_bytes), "checkpoints and the exported model"))
@@ -363,6 +383,8 @@ def render(
         )
         lines.append(_row("  checkpoints", format_bytes(outputs.checkpoints_bytes), at_once))
         lines.append(_row("  export", format_bytes(outputs.export_bytes), "the HF model directory"))
+        if saving is not None and not outputs.export_only:
+            lines.append(_row("  each save", f"{saving.pause_s:.3g} s", saving.why()))
     lines.append(_row("params", f"{plan.params:,}"))
     lines.append(_row("max batch", _max_batch(plan, gpu_source)))
     if sequences is not None and i.accelerator:

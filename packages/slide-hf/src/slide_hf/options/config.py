@@ -422,7 +422,9 @@ class TrainConfig:
     save_async: bool = option(
         False,
         help="write --save-every and --save-best checkpoints in the background while training goes on, from "
-        "a copy taken between steps (host RAM: one checkpoint's size while it is written)",
+        "a copy taken between steps (host RAM: one checkpoint's size, held from the first save on)",
+        helps={"plan": "slide train writes checkpoints in the background: price the copy's pause and host RAM"},
+        commands=_TRAIN_PLAN,
         action="store_true",
     )
     push_to_hub: str | None = option(

@@ -1,0 +1,115 @@
+"""What a resumable checkpoint costs the training loop: how long a save holds it up, and with
+``--save-async`` the host memory of the copy it writes from.
+
+A save in the foreground holds the loop for the whole write, one checkpoint's bytes at the disk's rate. A
+background save (``--save-async``, Note [Background snapshot] in slide_core's checkpoint/background.py)
+holds it only for a copy of the master and optimizer state in host memory; the write goes on while
+training does. From the second save on that copy lands in the buffers the first one left
+(Note [Snapshot buffers are kept]), a memory-to-memory copy: one read and one write of each byte at the
+host's memory bandwidth. The first save also maps that memory, which the kernel does page by page and
+which runs several times slower (measured in docs/benchmarks.md); the pause priced here is the steady
+one. The buffers stay held to the end of the run, so the run's host peak grows by one checkpoint: where
+the host does not have that beside the run's own peak, the run writes each save in the foreground instead
+(with a warning), and so the plan prices the foreground pause for it.
+
+`slide plan` shows these numbers, and `slide train` logs them and warns at the start when a background
+save cannot fit (slide_hf/recipe.py), both from :func:`save_cost`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from slide_hf.planner.inputs import Bandwidths
+from slide_hf.planner.output_disk import OutputDisk
+from slide_hf.sizes import format_bytes
+from slide_hf.spelling import option
+
+__all__ = ["SaveCost", "save_cost"]
+
+
+@dataclass(frozen=True)
+class SaveCost:
+    """One checkpoint save of a run: ``checkpoint_bytes`` written; ``background`` when ``--save-async``
+    was asked; ``copy_fits`` whether the copy fits the host beside the run's peak (True when unknown);
+    ``host_peak_bytes`` the run's peak with the copy held where it is; ``write_s`` the write at
+    ``disk_gbps``; ``copy_s`` the copy at ``host_mem_gbps``."""
+
+    checkpoint_bytes: int
+    background: bool
+    copy_fits: bool
+    host_peak_bytes: int
+    write_s: float
+    copy_s: float
+    disk_gbps: float
+    host_mem_gbps: float
+
+    @property
+    def in_background(self) -> bool:
+        """Whether saves are written in the background: asked for, and the copy fits."""
+        return self.background and self.copy_fits
+
+    @property
+    def copy_bytes(self) -> int:
+        """Host memory held for the copy from the first save on (0 in the foreground)."""
+        return self.checkpoint_bytes if self.in_background else 0
+
+    @property
+    def pause_s(self) -> float:
+        """How long one save holds the training loop up."""
+        return self.copy_s if self.in_background else self.write_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "in_background": self.in_background,
+            "copy_bytes": self.copy_bytes,
+            "pause_s": self.pause_s,
+        }
+
+    def describe(self) -> str:
+        """One line for the run's log: the pause, then :meth:`why`."""
+        return f"each checkpoint save pauses training {self.pause_s:.3g} s: {self.why()}"
+
+    def why(self) -> str:
+        """What the pause is (a write or a copy) and what else the save costs; `slide plan`'s row."""
+        size = format_bytes(self.checkpoint_bytes)
+        writing = f"writing {size} at {self.disk_gbps:g} GB/s"
+        if self.in_background:
+            return (
+                f"a copy of {size} at host memory speed (the first save also maps it, slower); {writing} "
+                f"(~{self.write_s:.3g} s) goes on while training does"
+            )
+        if self.background:
+            return (
+                f"{writing}; {option('save_async')}'s copy of {size} does not fit beside the run's host peak, "
+                "so each save is written in the foreground"
+            )
+        return f"{writing} ({option('save_async')}: a copy instead, {size} of host RAM)"
+
+
+def save_cost(
+    outputs: OutputDisk,
+    *,
+    background: bool,
+    host_peak_bytes: int,
+    host_available: int | None,
+    bandwidths: Bandwidths,
+) -> SaveCost:
+    """The cost of one save of a run whose checkpoints ``outputs`` prices (slide_hf/planner/output_disk.py),
+    whose host peak without a copy is ``host_peak_bytes``, on a host with ``host_available`` bytes for the
+    run (None: not checked), at ``bandwidths``'s disk and host memory rates."""
+    nbytes = outputs.checkpoint_bytes
+    copy_fits = host_available is None or host_peak_bytes + nbytes <= host_available
+    with_copy = host_peak_bytes + (nbytes if background and copy_fits else 0)
+    return SaveCost(
+        checkpoint_bytes=nbytes,
+        background=background,
+        copy_fits=copy_fits,
+        host_peak_bytes=with_copy,
+        write_s=nbytes / (bandwidths.disk_gbps * 1e9),
+        copy_s=2 * nbytes / (bandwidths.host_mem_gbps * 1e9),  # each byte read once and written once
+        disk_gbps=bandwidths.disk_gbps,
+        host_mem_gbps=bandwidths.host_mem_gbps,
+    )
