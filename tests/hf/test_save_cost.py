@@ -24,10 +24,17 @@ def _outputs(checkpoint: int = 90 * GiB) -> OutputDisk:
 
 
 def test_a_foreground_save_pauses_for_the_write() -> None:
-    cost = save_cost(_outputs(), background=False, host_peak_bytes=100 * GiB, host_available=120 * GiB, bandwidths=RATES)
+    cost = save_cost(
+        _outputs(), background=False, host_peak_bytes=100 * GiB, host_available=120 * GiB, bandwidths=RATES
+    )
     assert cost.pause_s == pytest.approx(90 * GiB / 2e9) and cost.copy_bytes == 0
     assert cost.host_peak_bytes == 100 * GiB
-    assert "writing 90.0 GiB at 2 GB/s" in cost.why() and "--save-async: a copy instead" in cost.why()
+    assert "writing 90.0 GiB at 2 GB/s, assumed until a save on this disk is measured" in cost.why()
+    assert "--save-async would pause for a copy instead" in cost.why()
+    measured = save_cost(
+        _outputs(), background=False, host_peak_bytes=0, host_available=None, bandwidths=RATES, write_gbps=0.5
+    )
+    assert measured.pause_s == pytest.approx(90 * GiB / 0.5e9) and "at 0.5 GB/s, measured by a save" in measured.why()
 
 
 def test_a_background_save_pauses_for_a_copy_and_holds_it() -> None:
@@ -108,3 +115,38 @@ def test_a_run_that_saves_only_at_its_end_prices_nothing(tmp_path: Path, caplog)
     lines = [r.getMessage() for r in caplog.records]
     assert not any(line.startswith("each checkpoint save pauses") for line in lines)
     assert any(line.startswith("checkpoint of step 2 written: training paused") for line in lines)
+
+
+@pytest.mark.usefixtures("torch_kernels")
+def test_a_foreground_save_measures_the_disk_for_the_next_plan(tmp_path: Path, monkeypatch, caplog) -> None:
+    """The first run prices its saves at the assumed disk rate and keeps the rate its saves were written
+    at for that file system; the next run, and `slide plan`, price with it (slide_hf/in_step_rates.py)."""
+    from slide_hf import in_step_rates
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(in_step_rates, "_MIN_WRITE_BYTES", 1)  # tiny-llama's checkpoint is 34 MiB
+    with caplog.at_level(logging.INFO, logger="slide.train"):
+        train(_config(tmp_path / "first", steps=2))
+    first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("each checkpoint save"))
+    assert "assumed until a save on this disk is measured" in first
+    rate = in_step_rates.checkpoint_write_gbps(tmp_path / "elsewhere")  # the same file system
+    assert rate is not None and rate > 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="slide.train"):
+        train(_config(tmp_path / "second", steps=2))
+    second = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("each checkpoint save"))
+    assert "measured by a save on this disk" in second
+
+
+def test_a_rates_file_without_write_rates_still_loads() -> None:
+    """A cache written before checkpoint writes were measured reads back with none."""
+    from slide_hf.in_step_rates import InStepRates
+
+    old = {
+        "version": 1,
+        "identity": {"hostname": "h", "cpu_model": "c", "gpu_name": "g"},
+        "measured_at": "2026-12-06T00:00:00+00:00",
+        "cpu_adam_busy_gparams": {"fp32/fp32": 2.0},
+        "gpu_tflops": {},
+    }
+    assert InStepRates.from_json(old).checkpoint_write_gbps == {}

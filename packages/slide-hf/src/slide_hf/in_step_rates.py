@@ -16,7 +16,11 @@ over its bandwidths (:func:`learned_inputs`):
   plan's FLOPs per step over the seconds of the forward, backward and head spans;
 - PCIe each way as the GPU-streamed units' copies reach it (``h2d``, ``d2h``): the bytes of their uploads
   (master and moments into a staging set) and write-backs over the seconds of those spans (the engine's
-  ``upload`` and ``write_back`` phases, streamed_pipeline.py).
+  ``upload`` and ``write_back`` phases, streamed_pipeline.py);
+- a checkpoint's write, per file system (its mount point, :func:`~slide_hf.planner.output_disk.disk_key`):
+  a save in the foreground's bytes over its seconds, files synced (:func:`learn_checkpoint_write`), which
+  prices the next plan's saves on that disk (slide_hf/planner/save_cost.py) where `slide doctor`, which
+  never measures the output disk, leaves the planner's assumed disk rate.
 
 A copy's span on its stream includes the time it shares the link with the other direction's, so the
 PCIe rate measured in steps is the rate the streamed copies reach *under load*, not the link's alone.
@@ -46,6 +50,8 @@ __all__ = [
     "InStepMeter",
     "InStepRates",
     "MeasuredTerms",
+    "checkpoint_write_gbps",
+    "learn_checkpoint_write",
     "learn_rates",
     "learned_inputs",
     "slower_pcie",
@@ -55,6 +61,8 @@ __all__ = [
 log = logging.getLogger("slide.in_step_rates")
 
 _VERSION = 1
+_MIN_WRITE_BYTES = 64 << 20
+"""A smaller checkpoint's write time is mostly the fixed cost of files and syncs, not the disk's rate."""
 _COMPUTE_PHASES = ("forward", "backward", "head")
 PCIE_DIRECTIONS = {"h2d": "upload", "d2h": "write_back"}
 """A PCIe direction's key in :attr:`InStepRates.streamed_pcie_gbps` to the engine's phase that times it."""
@@ -90,6 +98,8 @@ class InStepRates:
     - ``gpu_tflops``: :func:`workload_key` to the achieved rate, 1e12 FLOP/s of the plan's count;
     - ``streamed_pcie_gbps``: ``"h2d"`` and ``"d2h"`` to the rate the GPU-streamed units' uploads and
       write-backs reached, GB/s (a file written before they were measured has none);
+    - ``checkpoint_write_gbps``: a file system's mount point to the rate a checkpoint was written there,
+      GB/s (none in a file written before);
     - ``measured_at``: when the newest of them was measured.
     """
 
@@ -98,6 +108,7 @@ class InStepRates:
     cpu_adam_busy_gparams: Mapping[str, float] = field(default_factory=dict)
     gpu_tflops: Mapping[str, float] = field(default_factory=dict)
     streamed_pcie_gbps: Mapping[str, float] = field(default_factory=dict)
+    checkpoint_write_gbps: Mapping[str, float] = field(default_factory=dict)
 
     def merged(self, newer: InStepRates) -> InStepRates:
         """These rates with ``newer``'s replacing the ones they measure again (the rest kept)."""
@@ -107,6 +118,7 @@ class InStepRates:
             cpu_adam_busy_gparams={**self.cpu_adam_busy_gparams, **newer.cpu_adam_busy_gparams},
             gpu_tflops={**self.gpu_tflops, **newer.gpu_tflops},
             streamed_pcie_gbps={**self.streamed_pcie_gbps, **newer.streamed_pcie_gbps},
+            checkpoint_write_gbps={**self.checkpoint_write_gbps, **newer.checkpoint_write_gbps},
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -117,6 +129,7 @@ class InStepRates:
             "cpu_adam_busy_gparams": dict(self.cpu_adam_busy_gparams),
             "gpu_tflops": dict(self.gpu_tflops),
             "streamed_pcie_gbps": dict(self.streamed_pcie_gbps),
+            "checkpoint_write_gbps": dict(self.checkpoint_write_gbps),
         }
 
     @classmethod
@@ -131,6 +144,7 @@ class InStepRates:
                 cpu_adam_busy_gparams=_rates(data["cpu_adam_busy_gparams"], "cpu_adam_busy_gparams"),
                 gpu_tflops=_rates(data["gpu_tflops"], "gpu_tflops"),
                 streamed_pcie_gbps=_rates(data.get("streamed_pcie_gbps", {}), "streamed_pcie_gbps"),
+                checkpoint_write_gbps=_rates(data.get("checkpoint_write_gbps", {}), "checkpoint_write_gbps"),
             )
         except (KeyError, TypeError) as error:
             raise ValueError(f"missing or malformed field: {error}") from None
@@ -213,6 +227,39 @@ def learned_inputs(
     return dataclasses.replace(inputs, bandwidths=bandwidths), (
         f"{' and '.join(taken)} rates measured in steps here {rates.measured_at}"
     )
+
+
+def learn_checkpoint_write(
+    directory: Path, nbytes: int, seconds: float, environ: Mapping[str, str] | None = None
+) -> float | None:
+    """Keep the rate a checkpoint of ``nbytes`` was written at in ``seconds`` into ``directory``, for the
+    plans of saves on its file system (a checkpoint under 64 MiB, or a cache that cannot be written, keeps
+    nothing: the run does not depend on it). Returns the rate in GB/s, if kept."""
+    from slide_hf.planner.output_disk import disk_key
+
+    if nbytes < _MIN_WRITE_BYTES or seconds <= 0:
+        return None
+    rate = nbytes / seconds / 1e9
+    rates = InStepRates(
+        identity=HostIdentity.here(),
+        measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        checkpoint_write_gbps={disk_key(directory): rate},
+    )
+    try:
+        rates.save(environ)
+    except OSError as error:
+        log.warning("could not keep the checkpoint write rate measured here (%s)", error)
+        return None
+    return rate
+
+
+def checkpoint_write_gbps(directory: Path, environ: Mapping[str, str] | None = None) -> float | None:
+    """The rate a run of this machine wrote a checkpoint at on ``directory``'s file system, GB/s; None
+    where none was measured."""
+    from slide_hf.planner.output_disk import disk_key
+
+    rates = InStepRates.load(HostIdentity.here(), environ)
+    return None if rates is None else rates.checkpoint_write_gbps.get(disk_key(directory))
 
 
 def slower_pcie(bandwidths: Any, measured: Mapping[str, float]) -> dict[str, float]:

@@ -67,7 +67,7 @@ from slide_hf.data import Batches, DataOptions, DataPosition, eval_batches, load
 from slide_hf.defaults import DEMO_EPOCHS, model_positions, resolve_seq_len
 from slide_hf.errors import Interrupted, RunStopped, UserError
 from slide_hf.export import use_tokenizer_special_tokens
-from slide_hf.in_step_rates import InStepMeter, learn_rates
+from slide_hf.in_step_rates import InStepMeter, checkpoint_write_gbps, learn_checkpoint_write, learn_rates
 from slide_hf.init_from import InitPoint, init_point, init_record, load_initial_master, restore_adam_state
 from slide_hf.launch import failure_outlives_peers, host_cores_for_this_run, stop_with_launcher
 from slide_hf.model_checkpoint import load_best_for_export, read_best
@@ -220,7 +220,7 @@ def _train(
     if main:
         disk.check_output_disk(run_dir.path, outputs)
     placement = _setup_placement(model, device, options, group, optimizer)
-    saving = _plan_saves(cfg, outputs, placement.plan) if main else None
+    saving = _plan_saves(cfg, outputs, placement.plan, run_dir.path) if main else None
     run_log = _setup_run_log(cfg, run_dir.path) if main else None
     with device, run_log or contextlib.nullcontext():
         host = _setup_weights(cfg, model, placement.plan.inputs.master_format, group, init)
@@ -474,7 +474,7 @@ def _output_disk(cfg: TrainConfig, model: _Model, optimizer: Optimizer, total_st
     )
 
 
-def _plan_saves(cfg: TrainConfig, outputs: disk.OutputDisk, plan: Plan) -> SaveCost | None:
+def _plan_saves(cfg: TrainConfig, outputs: disk.OutputDisk, plan: Plan, output: Path) -> SaveCost | None:
     """What each mid-run checkpoint will cost (slide_hf/planner/save_cost.py), as `slide plan` prices it,
     logged; a warning when --save-async's copy cannot fit beside the run's host peak, so the saves will be
     written in the foreground (each save checks the host again: ``_room_for_a_copy``). None for a run that
@@ -487,6 +487,7 @@ def _plan_saves(cfg: TrainConfig, outputs: disk.OutputDisk, plan: Plan) -> SaveC
         host_peak_bytes=plan.host_peak_bytes,
         host_available=available_host_bytes(),
         bandwidths=plan.inputs.bandwidths,
+        write_gbps=checkpoint_write_gbps(output),
     )
     if saving.background and not saving.copy_fits:
         log.warning("%s: %s", option("save_async"), saving.describe())
@@ -1051,10 +1052,13 @@ class _Trainer:
             self.saver.submit(self.checkpoints, step, arrays, state, then=lambda path: self._published(path, then))
             self._log_pause(step, began, "copied; written in the background", waited)
             return step
+        writing = time.perf_counter()
         try:
             saved = save_checkpoint(self.checkpoints, step, arrays, state, self.group)
         except CheckpointWriteError as error:
             raise UserError(error.strerror) from error
+        if self.main and self.group.world_size == 1:  # the rate the next plan of a save on this disk takes
+            learn_checkpoint_write(self.checkpoints, checkpoint_nbytes(arrays, state), time.perf_counter() - writing)
         self._published(saved, then)
         self._log_pause(step, began, "written", waited)
         return step

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import textwrap
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slide_hf.defaults import model_positions, resolve_seq_len
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         bandwidths=bandwidths,
         optimizer=unbuilt_optimizer(options),
     )
-    from slide_hf.in_step_rates import learned_inputs, workload_key
+    from slide_hf.in_step_rates import checkpoint_write_gbps, learned_inputs, workload_key
 
     if accelerator:  # what earlier runs measured in their steps here (slide_hf/in_step_rates.py)
         inputs, learned = learned_inputs(inputs)
@@ -144,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         host_peak_bytes=plan.host_peak_bytes,
         host_available=host_cap,
         bandwidths=plan.inputs.bandwidths,
+        write_gbps=checkpoint_write_gbps(cfg.output or Path("runs")),  # where `slide train` writes by default
     )
     problem = _positions_problem(model, seq_len)
     try:

@@ -141,7 +141,12 @@ class TrainConfig:
         commands=_TRAIN_DATA,
         metavar="SIZE",
     )
-    output: Path | None = option(None, help="output directory (default runs/<timestamp>-<suffix>)")
+    output: Path | None = option(
+        None,
+        help="output directory (default runs/<timestamp>-<suffix>)",
+        helps={"plan": "slide train's output directory (default runs/): its disk's measured write rate prices saves"},
+        commands=_TRAIN_PLAN,
+    )
     overwrite: bool = option(False, help="reuse a non-empty --output, replacing slide's files", action="store_true")
     device: str = option(
         "auto",

@@ -17,6 +17,7 @@ cannot hold one checkpoint and the export (:func:`check_output_disk`).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -33,6 +34,7 @@ __all__ = [
     "check_output_disk",
     "checkpoints_at_once",
     "checkpoints_kept",
+    "disk_key",
     "free_bytes",
     "output_disk",
     "run_output_disk",
@@ -161,12 +163,25 @@ def run_output_disk(
     )
 
 
-def free_bytes(directory: Path) -> int:
-    """Free bytes on the file system of ``directory`` (its nearest existing ancestor) for this user."""
+def _nearest_existing(directory: Path) -> Path:
     path = Path(directory).expanduser().absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
-    return shutil.disk_usage(path).free
+    return path
+
+
+def free_bytes(directory: Path) -> int:
+    """Free bytes on the file system of ``directory`` (its nearest existing ancestor) for this user."""
+    return shutil.disk_usage(_nearest_existing(directory)).free
+
+
+def disk_key(directory: Path) -> str:
+    """The mount point of the file system ``directory`` (its nearest existing ancestor) is on: what a
+    measured checkpoint write rate is kept under (slide_hf/in_step_rates.py)."""
+    path = _nearest_existing(directory).resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return str(path)
 
 
 def check_output_disk(directory: Path, need: OutputDisk) -> None:

@@ -8,7 +8,9 @@ training does. From the second save on that copy lands in the buffers the first 
 (Note [Snapshot buffers are kept]), a memory-to-memory copy: one read and one write of each byte at the
 host's memory bandwidth. The first save also maps that memory, which the kernel does page by page and
 which runs several times slower (measured in docs/benchmarks.md); the pause priced here is the steady
-one. The buffers stay held to the end of the run, so the run's host peak grows by one checkpoint: where
+one. The write is priced at the rate a run measured writing a checkpoint on the output's file system
+(slide_hf/in_step_rates.py: every save in the foreground measures it), else at the planner's disk rate,
+which the line calls assumed: `slide doctor` does not measure the output disk. The buffers stay held to the end of the run, so the run's host peak grows by one checkpoint: where
 the host does not have that beside the run's own peak, the run writes each save in the foreground instead
 (with a warning), and so the plan prices the foreground pause for it.
 
@@ -34,7 +36,8 @@ class SaveCost:
     """One checkpoint save of a run: ``checkpoint_bytes`` written; ``background`` when ``--save-async``
     was asked; ``copy_fits`` whether the copy fits the host beside the run's peak (True when unknown);
     ``host_peak_bytes`` the run's peak with the copy held where it is; ``write_s`` the write at
-    ``disk_gbps``; ``copy_s`` the copy at ``host_mem_gbps``."""
+    ``disk_gbps`` (``write_measured``: a rate a run measured writing a checkpoint on this disk, else the
+    planner's assumed disk rate); ``copy_s`` the copy at ``host_mem_gbps``."""
 
     checkpoint_bytes: int
     background: bool
@@ -44,6 +47,7 @@ class SaveCost:
     copy_s: float
     disk_gbps: float
     host_mem_gbps: float
+    write_measured: bool = False
 
     @property
     def in_background(self) -> bool:
@@ -75,18 +79,23 @@ class SaveCost:
     def why(self) -> str:
         """What the pause is (a write or a copy) and what else the save costs; `slide plan`'s row."""
         size = format_bytes(self.checkpoint_bytes)
-        writing = f"writing {size} at {self.disk_gbps:g} GB/s"
+        rate = (
+            "measured by a save on this disk"
+            if self.write_measured
+            else "assumed until a save on this disk is measured"
+        )
+        writing = f"writing {size} at {self.disk_gbps:.3g} GB/s, {rate}"
         if self.in_background:
             return (
                 f"a copy of {size} at host memory speed (the first save also maps it, slower); {writing} "
-                f"(~{self.write_s:.3g} s) goes on while training does"
+                f"(~{self.write_s:.3g} s), goes on while training does"
             )
         if self.background:
             return (
                 f"{writing}; {option('save_async')}'s copy of {size} does not fit beside the run's host peak, "
                 "so each save is written in the foreground"
             )
-        return f"{writing} ({option('save_async')}: a copy instead, {size} of host RAM)"
+        return f"{writing}; {option('save_async')} would pause for a copy instead, holding {size} of host RAM"
 
 
 def save_cost(
@@ -96,11 +105,14 @@ def save_cost(
     host_peak_bytes: int,
     host_available: int | None,
     bandwidths: Bandwidths,
+    write_gbps: float | None = None,
 ) -> SaveCost:
     """The cost of one save of a run whose checkpoints ``outputs`` prices (slide_hf/planner/output_disk.py),
     whose host peak without a copy is ``host_peak_bytes``, on a host with ``host_available`` bytes for the
-    run (None: not checked), at ``bandwidths``'s disk and host memory rates."""
+    run (None: not checked), at ``bandwidths``'s host memory rate and ``write_gbps`` (a checkpoint write
+    a run measured on the output's disk, slide_hf/in_step_rates.py), else ``bandwidths``'s disk rate."""
     nbytes = outputs.checkpoint_bytes
+    disk_gbps = write_gbps if write_gbps is not None else bandwidths.disk_gbps
     copy_fits = host_available is None or host_peak_bytes + nbytes <= host_available
     with_copy = host_peak_bytes + (nbytes if background and copy_fits else 0)
     return SaveCost(
@@ -108,8 +120,9 @@ def save_cost(
         background=background,
         copy_fits=copy_fits,
         host_peak_bytes=with_copy,
-        write_s=nbytes / (bandwidths.disk_gbps * 1e9),
+        write_s=nbytes / (disk_gbps * 1e9),
         copy_s=2 * nbytes / (bandwidths.host_mem_gbps * 1e9),  # each byte read once and written once
-        disk_gbps=bandwidths.disk_gbps,
+        disk_gbps=disk_gbps,
         host_mem_gbps=bandwidths.host_mem_gbps,
+        write_measured=write_gbps is not None,
     )
