@@ -127,6 +127,33 @@ def test_train_refuses_gpu_updates_on_the_cpu_device_in_the_words_of_the_plan(sl
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (("--keep-checkpoints", "0"), "--save-async writes checkpoints in the background, and --keep-checkpoints 0"),
+        (("--nproc-per-node", "2"), "--save-async does not run with data parallel (2 processes)"),
+    ],
+    ids=["keeping no checkpoint", "data parallel"],
+)
+def test_a_background_save_the_run_refuses_is_refused_by_the_plan(slide, extra, words):
+    """`slide plan --save-async` prices a background save (slide_hf/planner/save_cost.py) only where
+    `slide train` would run one: the same option rules refuse the rest in one line."""
+    status, out, err = slide("plan", "--model", "tiny-llama", "--device", "cpu", "--save-async", *extra)
+    assert status == 2 and out == ""
+    assert _one_line(err).startswith(f"slide plan: error: {words}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("output", ["/dev/null", "", "/no/such/place/at/all"])
+def test_an_output_that_is_no_directory_still_plans_its_saves(slide, output):
+    """`slide plan --output` only names the disk whose measured write rate prices a save: a file, the
+    current directory or a path that does not exist yet is priced from its nearest existing ancestor."""
+    status, out, err = slide("plan", "--model", "tiny-llama", "--device", "cpu", "--output", output, "--save-async")
+    assert status == 0, err
+    assert "each save" in out and "Traceback" not in err
+
+
+@pytest.mark.timeout(120)
 def test_a_billion_micro_batches_plan_at_once(slide):
     """The step schedule's cost once grew with ``--grad-accum`` (1e4 took 36 s); a billion plans as fast as one."""
     status, out, err = slide("plan", "--model", "tiny-llama", "--grad-accum", "1000000000", "--gpu-memory", "4GiB")
