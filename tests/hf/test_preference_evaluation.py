@@ -328,3 +328,26 @@ def test_the_evaluation_line_of_a_preference_run() -> None:
         "eval at step 4: eval_loss 0.5000  reward acc 0.75  margin 1.25",
         "eval at step 4: eval_loss 2.0000  perplexity 7.389",
     ]
+
+
+def test_a_step_sums_its_counts_and_metrics_in_one_host_collective(tmp_path: Path, monkeypatch) -> None:
+    """A DPO step's token count, stop signals and TRL metrics are added over the ranks together: one host
+    collective a step (this process's group counts them), and the metrics still reach the log."""
+    from slide_core.collectives import SingleProcess
+
+    case = CASES["qwen3-dpo"]
+    _setup_training(case, tmp_path)
+    calls: list[str] = []
+    monkeypatch.setattr(SingleProcess, "all_reduce_host_", lambda self, tensor, what: calls.append(what))
+    monkeypatch.setattr(SingleProcess, "sum_counts", lambda self, counts, what: calls.append(what) or list(counts))
+    data = _write(tmp_path / "pairs.jsonl", _records(4))
+    steps: list[dict[str, Any]] = []
+    slide_hf.train(
+        tmp_path / "model", data=data, output=tmp_path / "run", device="cpu", dtype="float32", seq_len=512,
+        batch_size=1, steps=2, objective="dpo", on_step=steps.append,
+    )  # fmt: skip
+    assert calls.count("the sum of the step's real tokens, signals and metrics") == 2
+    assert not [
+        what for what in calls if "preference metrics" in what or ("real tokens" in what and "metrics" not in what)
+    ]
+    assert all(name in record for record in steps for name in METRIC_NAMES)

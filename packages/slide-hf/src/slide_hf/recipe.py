@@ -85,8 +85,9 @@ from slide_hf.preference.run import (
     evaluation_scope,
     load_preference_data,
     needs_reference_pass,
-    preference_metrics,
     run_reference,
+    step_metric_sums,
+    step_metrics,
 )
 from slide_hf.progress import Progress
 from slide_hf.replacement import Replacement, compact_units
@@ -868,12 +869,18 @@ class _Trainer:
             self.meter.add(times)
         placement = self._placement(result.step - self.steps_before, times)
         real_tokens = _real_tokens(micro_batches, self.pad_id)
-        # Every rank's rows (the engine's counts already are), and its signals.
-        counted = self.group.sum_counts([real_tokens, *self.stop.local_flags()], "the sum of the step's real tokens")
-        real_tokens = counted[0]
-        self.stop.agree(counted[1:])
-        # DPO/SimPO: TRL's rewards/* and logps/* (a CPU-GPU sync, once per step); nothing for SFT.
-        preference = preference_metrics(self.objective, self.group)
+        # One host collective a step: every rank's rows (the engine's counts already are), its signals and,
+        # for DPO/SimPO, its sums of TRL's rewards/* and logps/* (a CPU-GPU sync; none for SFT). Counts
+        # travel as float64, exact below 2**53.
+        counts = [real_tokens, *self.stop.local_flags()]
+        metric_sums = step_metric_sums(self.objective)
+        summed = torch.tensor(counts, dtype=torch.float64)
+        if metric_sums is not None:
+            summed = torch.cat([summed, metric_sums])
+        self.group.all_reduce_host_(summed, "the sum of the step's real tokens, signals and metrics")
+        real_tokens, *flags = (int(value) for value in summed[: len(counts)].tolist())
+        self.stop.agree(flags)
+        preference = {} if metric_sums is None else step_metrics(summed[len(counts) :])
         if self.run_log is None:
             return
         record = {

@@ -43,9 +43,10 @@ __all__ = [
     "evaluation_scope",
     "load_preference_data",
     "needs_reference_pass",
-    "preference_metrics",
     "reference_source",
     "run_reference",
+    "step_metric_sums",
+    "step_metrics",
 ]
 
 log = logging.getLogger("slide.train")
@@ -205,11 +206,18 @@ def run_reference(
     return ran
 
 
-def preference_metrics(objective: PreferenceObjective | None, group: Collectives) -> dict[str, float]:
-    """The step's TRL-named metrics (empty for SFT), means over the global batch's pairs: with data
-    parallel the ranks' sums are added first (every rank calls this). Note: a CPU-GPU sync point, once
-    per step."""
-    return {} if objective is None else _global_metrics(objective.train.head, group, "the step's")
+def step_metric_sums(objective: PreferenceObjective | None) -> torch.Tensor | None:
+    """This rank's sums of the step's TRL-named metrics (float64 on the host: the pairs, then one sum per
+    metric), to add over the ranks in the step's one host collective with its token counts and signals
+    (``_Trainer._log_step`` in slide_hf/recipe.py), then :func:`step_metrics`; None for SFT. Note: a
+    CPU-GPU sync point, once per step."""
+    return None if objective is None else objective.train.head.take_metric_sums()
+
+
+def step_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """The step's metrics as means over the global batch's pairs, from every rank's
+    :func:`step_metric_sums` added."""
+    return metric_means(sums)
 
 
 def evaluation_scope(objective: PreferenceObjective | None) -> contextlib.AbstractContextManager[None]:
