@@ -152,6 +152,14 @@ def _measure(path: Path) -> dict:
     return json.loads(done.stderr.strip().splitlines()[-1])
 
 
+def _measure_best(path: Path, runs: int = 2) -> dict:
+    """:func:`_measure` ``runs`` times: the quickest run's seconds, with the worst exit code and memory
+    growth of them all."""
+    measured = [_measure(path) for _ in range(runs)]
+    best = min(measured, key=lambda run: run["seconds"])
+    return {**best, "code": max(run["code"] for run in measured), "growth": max(run["growth"] for run in measured)}
+
+
 def _record(tmp_path: Path, kind: str, megabytes: int) -> Path:
     body = "word " * (megabytes * 200_000)
     if kind == "text":
@@ -168,8 +176,10 @@ def _record(tmp_path: Path, kind: str, megabytes: int) -> Path:
 def test_one_huge_text_record_costs_time_and_memory_in_proportion(tmp_path):
     """`slide data` on one 2 MB and one 8 MB text (`--max-record-size 64MiB`): one whole-record tokenizer
     call held ~200 bytes of memory per byte of record (10 GB for 50 MB) and grew faster than the record;
-    in pieces the time grows about linearly and the memory stays a small multiple of the record."""
-    small, large = (_measure(_record(tmp_path, "text", megabytes)) for megabytes in (2, 8))
+    in pieces the time grows about linearly and the memory stays a small multiple of the record. Each
+    size is timed twice and its quicker run kept: a test worker beside it on a 2-core machine once made
+    one run 12x the other."""
+    small, large = (_measure_best(_record(tmp_path, "text", megabytes)) for megabytes in (2, 8))
     assert small["code"] == large["code"] == 0, (small, large)
     assert large["seconds"] / small["seconds"] < 8, (small, large)  # 4 times the bytes; 16 if quadratic
     assert large["growth"] < 40 * 8_000_000, (small, large)  # bytes per byte of record, ids and labels included

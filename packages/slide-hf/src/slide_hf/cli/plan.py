@@ -366,13 +366,9 @@ def render(
     lines.append(_row("host peak", format_bytes(plan.host_peak_bytes)))
     lines += [_row(f"  {_host_buffer_name(k, plan)}", format_bytes(v)) for k, v in plan.host_breakdown.items() if v]
     if saving is not None and saving.in_background:
-        lines.append(
-            _row(
-                f"  with {option('save_async')}",
-                format_bytes(saving.host_peak_bytes),
-                f"the copy a background save writes from, {format_bytes(saving.copy_bytes)}, held from the first save on",
-            )
-        )
+        copy = format_bytes(saving.copy_bytes)
+        held = f"the copy a background save writes from, {copy}, held from the first save on"
+        lines.append(_row(f"  with {option('save_async')}", format_bytes(saving.host_peak_bytes), held))
     lines.append(_row("disk", format_bytes(plan.disk_bytes), "NVMe: offloaded Adam state and activations"))
     if outputs is not None:
         lines.append(_row("output disk", format_bytes(outputs.total_bytes), "checkpoints and the exported model"))

@@ -8,11 +8,13 @@ training does. From the second save on that copy lands in the buffers the first 
 (Note [Snapshot buffers are kept]), a memory-to-memory copy: one read and one write of each byte at the
 host's memory bandwidth. The first save also maps that memory, which the kernel does page by page and
 which runs several times slower (measured in docs/benchmarks.md); the pause priced here is the steady
-one. The write is priced at the rate a run measured writing a checkpoint on the output's file system
-(slide_hf/in_step_rates.py: every save in the foreground measures it), else at the planner's disk rate,
-which the line calls assumed: `slide doctor` does not measure the output disk. The buffers stay held to the end of the run, so the run's host peak grows by one checkpoint: where
+one. The buffers stay held to the end of the run, so the run's host peak grows by one checkpoint: where
 the host does not have that beside the run's own peak, the run writes each save in the foreground instead
 (with a warning), and so the plan prices the foreground pause for it.
+
+The write is priced at the rate a run measured writing a checkpoint on the output's file system
+(slide_hf/in_step_rates.py: every save in the foreground measures it), else at the planner's disk rate,
+which the line calls assumed: `slide doctor` does not measure the output disk.
 
 `slide plan` shows these numbers, and `slide train` logs them and warns at the start when a background
 save cannot fit (slide_hf/recipe.py), both from :func:`save_cost`.
