@@ -329,6 +329,21 @@ def test_a_compact_state_that_fits_in_ram_is_offered_beside_the_exact_fix():
     assert str(info.value).endswith("--optimizer-state int8 (rounded moments, not exact: docs/optimizer_state.md)")
 
 
+def test_the_compact_state_offer_prices_that_state_when_the_plan_holds_the_runs_optimizer():
+    """`slide plan` and `slide train` plan with the run's optimizer (``PlanInputs.optimizer``), whose state
+    arrays are the fp32 ones: the offer must price the compact format's own arrays, not those."""
+    from slide_core.optim import AdamWConfig, build_optimizer
+
+    shape = ModelShape.of(_toy())
+    fp32 = build_optimizer("torch-adamw", AdamWConfig(state_format="fp32"), warmup=False)
+    plan = make_plan(PlanInputs(shape, batch_size=8, seq_len=256, optimizer=fp32))
+    bf16 = make_plan(PlanInputs(shape, batch_size=8, seq_len=256, optimizer_state="bf16")).host_peak_bytes
+    assert bf16 < plan.host_peak_bytes
+    with pytest.raises(UserError) as info:
+        check_fits(plan, host_available=bf16, gpu_available=None)
+    assert str(info.value).endswith("--optimizer-state bf16 (rounded moments, not exact: docs/optimizer_state.md)")
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [

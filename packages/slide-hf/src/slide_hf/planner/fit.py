@@ -135,12 +135,14 @@ COMPACT_STATES = ("bf16", "int8")
 
 def _compact_state_that_fits(inputs: PlanInputs, shape: ModelShape, available: int) -> str | None:
     """The first state format more compact than the run's with which the host side fits as it is (no more
-    on NVMe), or None. Offered beside the exact fixes, never instead of them: it changes the math."""
+    on NVMe), or None. Offered beside the exact fixes, never instead of them: it changes the math. Each
+    format is priced with the shipped optimizer that keeps it (``optimizer=None``): the run's own
+    optimizer, which the plan may hold, keeps the run's format."""
     formats: tuple[str, ...] = COMPACT_STATES
     if inputs.optimizer_state in formats:
         formats = formats[formats.index(inputs.optimizer_state) + 1 :]
     for state in formats:
-        if _host_peak(shape, dataclasses.replace(inputs, optimizer_state=state)) <= available:
+        if _host_peak(shape, dataclasses.replace(inputs, optimizer_state=state, optimizer=None)) <= available:
             return state
     return None
 
