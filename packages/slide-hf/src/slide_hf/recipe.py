@@ -77,6 +77,7 @@ from slide_hf.planner import Plan
 from slide_hf.planner import output_disk as disk
 from slide_hf.planner.fit import available_host_bytes
 from slide_hf.planner.save_cost import SaveCost, save_cost
+from slide_hf.preference.head import metric_means
 from slide_hf.preference.reference import PassStopped
 from slide_hf.preference.run import (
     PreferenceObjective,
@@ -87,7 +88,6 @@ from slide_hf.preference.run import (
     needs_reference_pass,
     run_reference,
     step_metric_sums,
-    step_metrics,
 )
 from slide_hf.progress import Progress
 from slide_hf.replacement import Replacement, compact_units
@@ -880,7 +880,7 @@ class _Trainer:
         self.group.all_reduce_host_(summed, "the sum of the step's real tokens, signals and metrics")
         real_tokens, *flags = (int(value) for value in summed[: len(counts)].tolist())
         self.stop.agree(flags)
-        preference = {} if metric_sums is None else step_metrics(summed[len(counts) :])
+        preference = {} if metric_sums is None else metric_means(summed[len(counts) :])
         if self.run_log is None:
             return
         record = {

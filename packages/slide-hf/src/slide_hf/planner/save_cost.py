@@ -36,17 +36,15 @@ __all__ = ["SaveCost", "save_cost"]
 @dataclass(frozen=True)
 class SaveCost:
     """One checkpoint save of a run: ``checkpoint_bytes`` written; ``background`` when ``--save-async``
-    was asked; ``copy_fits`` whether the copy fits the host beside the run's peak (True when unknown);
-    ``host_peak_bytes`` the run's peak with the copy held where it is; ``write_s`` the write at
-    ``disk_gbps`` (``write_measured``: a rate a run measured writing a checkpoint on this disk, else the
-    planner's assumed disk rate); ``copy_s`` the copy at ``host_mem_gbps``."""
+    was asked; ``copy_fits`` whether the copy fits the host beside ``run_host_peak_bytes``, the run's peak
+    without it (True when the host is unknown); the write at ``disk_gbps`` (``write_measured``: a rate a
+    run measured writing a checkpoint on this disk, else the planner's assumed disk rate); the copy at
+    ``host_mem_gbps``."""
 
     checkpoint_bytes: int
     background: bool
     copy_fits: bool
-    host_peak_bytes: int
-    write_s: float
-    copy_s: float
+    run_host_peak_bytes: int
     disk_gbps: float
     host_mem_gbps: float
     write_measured: bool = False
@@ -62,17 +60,28 @@ class SaveCost:
         return self.checkpoint_bytes if self.in_background else 0
 
     @property
+    def host_peak_bytes(self) -> int:
+        """The run's host peak with the copy held where it is."""
+        return self.run_host_peak_bytes + self.copy_bytes
+
+    @property
+    def write_s(self) -> float:
+        """Writing one checkpoint to the disk."""
+        return self.checkpoint_bytes / (self.disk_gbps * 1e9)
+
+    @property
+    def copy_s(self) -> float:
+        """Copying one checkpoint into the kept buffers: each byte read once and written once."""
+        return 2 * self.checkpoint_bytes / (self.host_mem_gbps * 1e9)
+
+    @property
     def pause_s(self) -> float:
         """How long one save holds the training loop up."""
         return self.copy_s if self.in_background else self.write_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            **asdict(self),
-            "in_background": self.in_background,
-            "copy_bytes": self.copy_bytes,
-            "pause_s": self.pause_s,
-        }
+        derived = ("in_background", "copy_bytes", "host_peak_bytes", "write_s", "copy_s", "pause_s")
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
     def describe(self) -> str:
         """One line for the run's log: the pause, then :meth:`why`."""
@@ -114,17 +123,12 @@ def save_cost(
     run (None: not checked), at ``bandwidths``'s host memory rate and ``write_gbps`` (a checkpoint write
     a run measured on the output's disk, slide_hf/in_step_rates.py), else ``bandwidths``'s disk rate."""
     nbytes = outputs.checkpoint_bytes
-    disk_gbps = write_gbps if write_gbps is not None else bandwidths.disk_gbps
-    copy_fits = host_available is None or host_peak_bytes + nbytes <= host_available
-    with_copy = host_peak_bytes + (nbytes if background and copy_fits else 0)
     return SaveCost(
         checkpoint_bytes=nbytes,
         background=background,
-        copy_fits=copy_fits,
-        host_peak_bytes=with_copy,
-        write_s=nbytes / (disk_gbps * 1e9),
-        copy_s=2 * nbytes / (bandwidths.host_mem_gbps * 1e9),  # each byte read once and written once
-        disk_gbps=disk_gbps,
+        copy_fits=host_available is None or host_peak_bytes + nbytes <= host_available,
+        run_host_peak_bytes=host_peak_bytes,
+        disk_gbps=write_gbps if write_gbps is not None else bandwidths.disk_gbps,
         host_mem_gbps=bandwidths.host_mem_gbps,
         write_measured=write_gbps is not None,
     )

@@ -46,7 +46,6 @@ __all__ = [
     "reference_source",
     "run_reference",
     "step_metric_sums",
-    "step_metrics",
 ]
 
 log = logging.getLogger("slide.train")
@@ -209,15 +208,10 @@ def run_reference(
 def step_metric_sums(objective: PreferenceObjective | None) -> torch.Tensor | None:
     """This rank's sums of the step's TRL-named metrics (float64 on the host: the pairs, then one sum per
     metric), to add over the ranks in the step's one host collective with its token counts and signals
-    (``_Trainer._log_step`` in slide_hf/recipe.py), then :func:`step_metrics`; None for SFT. Note: a
-    CPU-GPU sync point, once per step."""
+    (``_Trainer._log_step`` in slide_hf/recipe.py), then means over the global batch's pairs
+    (:func:`~slide_hf.preference.head.metric_means`); None for SFT. Note: a CPU-GPU sync point, once per
+    step."""
     return None if objective is None else objective.train.head.take_metric_sums()
-
-
-def step_metrics(sums: torch.Tensor) -> dict[str, float]:
-    """The step's metrics as means over the global batch's pairs, from every rank's
-    :func:`step_metric_sums` added."""
-    return metric_means(sums)
 
 
 def evaluation_scope(objective: PreferenceObjective | None) -> contextlib.AbstractContextManager[None]:
