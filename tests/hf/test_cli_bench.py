@@ -22,6 +22,23 @@ def test_bench_prints_and_writes_one_result(slide, tmp_path) -> None:
     assert engine["nvme_state_units"] == [] and engine["planned_disk_bytes"] == 0
 
 
+def test_bench_trace_draws_the_main_threads_waits_beside_the_updates(slide, tmp_path) -> None:
+    """A step longer than its busiest resource stood still somewhere: the trace shows each wait for a unit's
+    parameters on its own track, in the same clock as the host updates it waited on."""
+    status, _, err = slide("bench", *TINY, "--trace", tmp_path / "trace")
+    assert status == 0, err
+    events = json.loads((tmp_path / "trace" / "trace.json").read_text())["traceEvents"]
+    tracks = {event["args"]["name"]: event["tid"] for event in events if event["ph"] == "M"}
+    assert list(tracks) == ["GPU compute", "h2d", "d2h", "CPU update", "main thread waits"]
+    spans = [event for event in events if event["ph"] == "X"]
+    waits = [span for span in spans if span["tid"] == tracks["main thread waits"]]
+    updates = [span for span in spans if span["tid"] == tracks["CPU update"]]
+    assert waits and updates
+    assert {span["cat"] for span in waits} == {"wait"} and {span["cat"] for span in updates} == {"update"}
+    assert "embedding" in {span["name"] for span in waits}  # the step's first load waits for its update
+    assert all(span["dur"] >= 0 for span in waits)
+
+
 def test_bench_seq_len_defaults_to_2048_or_the_models_context_length(slide) -> None:
     status, out, err = slide("bench", "--model", "test-gpt2", "--batch-size", "1", "--steps", "2", "--warmup", "1")
     assert status == 0, err

@@ -404,9 +404,10 @@ def _plain_attention(config: Any) -> str:
 
 
 def write_trace(spans: list[Any], directory: Path) -> dict[str, str]:
-    """A Chrome trace (chrome://tracing, Perfetto) and a PNG timeline of one step, four tracks."""
+    """A Chrome trace (chrome://tracing, Perfetto) and a PNG timeline of one step, five tracks: the device's
+    three streams, the host optimizer, and the main thread's waits for parameters."""
     directory.mkdir(parents=True, exist_ok=True)
-    tracks = ["GPU compute", "h2d", "d2h", "CPU update"]
+    tracks = ["GPU compute", "h2d", "d2h", "CPU update", "main thread waits"]
     events = [
         {
             "name": span.unit,
@@ -431,7 +432,10 @@ def write_trace(spans: list[Any], directory: Path) -> dict[str, str]:
     except ImportError:
         out["png"] = "matplotlib not installed"
         return out
-    colors = {"forward": "#4c72b0", "backward": "#dd8452", "head": "#c44e52", "h2d": "#55a868", "d2h": "#8172b3"}
+    colors = {
+        "forward": "#4c72b0", "backward": "#dd8452", "head": "#c44e52", "h2d": "#55a868", "d2h": "#8172b3",
+        "wait": "#8c8c8c",
+    }  # fmt: skip
     figure, axis = plt.subplots(figsize=(16, 3.2))
     for span in spans:
         row = len(tracks) - 1 - (tracks.index(span.track) if span.track in tracks else 0)
@@ -440,7 +444,8 @@ def write_trace(spans: list[Any], directory: Path) -> dict[str, str]:
     axis.set_yticks(range(len(tracks)), list(reversed(tracks)))
     axis.set_xlabel("ms from step start")
     axis.set_title(
-        "one training step: forward (blue), backward (orange), head (red), h2d (green), d2h (purple), update"
+        "one training step: forward (blue), backward (orange), head (red), h2d (green), d2h (purple), update,"
+        " waits (grey)"
     )
     figure.tight_layout()
     png = directory / "timeline.png"

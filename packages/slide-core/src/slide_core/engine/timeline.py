@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from slide_core.device import Device, Event
 
-__all__ = ["PHASES", "TRACKS", "ComputeTimer", "Timeline", "TraceSpan", "UnitTimes"]
+__all__ = ["HOST_TRACKS", "PHASES", "TRACKS", "ComputeTimer", "Timeline", "TraceSpan", "UnitTimes"]
 
 PHASES = ("forward", "backward", "head", "eval", "h2d", "d2h", "update", "wait", "upload", "write_back")
 """``eval``: the compute of :meth:`Engine.evaluate` (forward and loss), kept apart from training's.
@@ -34,6 +34,12 @@ TRACKS = {
 }
 """Which timeline track a phase is drawn on; ``update`` goes to 'CPU update' (or 'GPU compute' when a
 device-resident unit is updated on the compute stream)."""
+
+HOST_TRACKS = {"update": "CPU update", "wait": "main thread waits"}
+"""The host phases a trace draws, each on its own track: the host optimizer's updates, and the main thread's
+waits for a unit's parameters (a forward or backward that cannot start yet). Why the waits: a step longer
+than its busiest resource is a wait somewhere, and this track says which unit's load the step stood still
+for, beside the update it waited on."""
 
 
 @dataclass(frozen=True)
@@ -99,9 +105,10 @@ class Timeline:
         if self.enabled:
             with self._lock:
                 self.units[unit].ms[phase] += ms
-                if self._trace_origin is not None and phase == "update":
+                track = HOST_TRACKS.get(phase)
+                if self._trace_origin is not None and track is not None:
                     start_ms = (time.perf_counter() - self._trace_origin[1]) * 1e3 - ms
-                    self.trace.append(TraceSpan(unit, phase, "CPU update", start_ms, ms))
+                    self.trace.append(TraceSpan(unit, phase, track, start_ms, ms))
 
     def resolve(self, *, block: bool = False) -> None:
         """Fold completed device spans into the totals; with ``block``, wait for all of them."""
