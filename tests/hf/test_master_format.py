@@ -67,6 +67,23 @@ def test_random_init_is_the_same_in_both_formats():
     _same_master(split, fp32)
 
 
+def test_overwriting_stores_what_editing_stores_without_decoding_first():
+    """init_random writes every parameter through ``overwriting``, which skips the decode ``editing`` does:
+    the planes must come out the same, padding included (zero, as fresh planes decode)."""
+    config = PRESETS["test-gemma2"]()
+    model = build_model(config)
+    edited, overwritten = (HostParameters(model, master_format="split") for _ in range(2))
+    generator = torch.Generator().manual_seed(3)
+    for unit in model.units:
+        values = {spec.name: torch.randn(spec.shape, generator=generator) for spec in unit.layout}
+        for edit in (edited.editing, overwritten.overwriting):
+            with edit(unit) as views:
+                for name, view in views.items():
+                    view.copy_(values[name])
+    for unit in model.units:  # every element, padding included, bit for bit
+        assert torch.equal(overwritten.read(unit).view(torch.int32), edited.read(unit).view(torch.int32)), unit.name
+
+
 def _run(output: Path, master: str, **overrides) -> TrainConfig:
     settings = dict(
         model="tiny-llama",

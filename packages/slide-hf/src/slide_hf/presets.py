@@ -981,8 +981,8 @@ def init_random(
     padding = getattr(model, "padding_row", lambda: None)()
     workers = threads or os.cpu_count() or 1
     with torch.no_grad(), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slide-init") as pool:
-        for unit in model.units:  # one unit at a time: a split master is encoded per unit (HostParameters.editing)
-            with host_params.editing(unit) as views:
+        for unit in model.units:  # one unit at a time: a split master is encoded per unit
+            with host_params.overwriting(unit) as views:  # every parameter is written below
                 normal_jobs = []
                 for spec in unit.layout:
                     kind, value = rule(unit, spec.name, spec.shape)
