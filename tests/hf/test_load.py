@@ -239,3 +239,19 @@ def test_peak_rss_while_loading_stays_near_final(tmp_path):
     assert weights >= 0.95 * m["slab"]
     for peak in (m["peak"], m["hwm"]):
         assert peak - m["base"] <= 1.05 * weights, m
+
+
+@pytest.mark.parametrize("preset", sorted(name for name in PRESETS if name.startswith("test-")))
+def test_checkpoint_entries_cover_every_parameter_element_once(preset):
+    """A load writes each unit through ``HostParameters.overwriting``, which does not decode the unit first:
+    that is right only if the unit's checkpoint entries, whole tensors or pieces, cover every element of
+    every parameter in its layout, each once."""
+    model = build_model(PRESETS[preset]())
+    entries = checkpoint_entries(model)
+    for unit in model.units:
+        counts = {spec.name: torch.zeros(spec.shape, dtype=torch.int16) for spec in unit.layout}
+        for entry in entries:
+            if entry.unit is unit:
+                entry.target(counts).add_(1)
+        for name, count in counts.items():
+            assert bool((count == 1).all()), f"{preset} {unit.name}.{name}: covered {count.min()}-{count.max()} times"

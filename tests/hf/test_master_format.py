@@ -37,7 +37,9 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(directory.iterdir()) if path.is_file()}
 
 
-@pytest.mark.parametrize("preset", ["test-llama", "test-gemma2", "test-qwen3-moe"])
+@pytest.mark.parametrize(
+    "preset", ["test-llama", "test-gemma2", "test-qwen3-moe", "test-gemma4-moe", "test-gemma4-ple", "test-llama4"]
+)
 def test_split_master_loads_and_exports_as_the_fp32_one(reference, tmp_path, preset):
     ref = reference(preset)  # an HF model saved to ref.path and loaded into an fp32 master
     split = HostParameters(ref.model, master_format="split")
