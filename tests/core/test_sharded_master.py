@@ -1,5 +1,5 @@
 """``HostParameters.keep_shards`` (Note [Sharded master] in slide_core/engine/host_pipeline.py): writes
-through ``write`` and ``editing`` land in the rank's shards only, in either master format (the rest keeps
+through ``write``, ``editing`` and ``overwriting`` land in the rank's shards only, in either master format (the rest keeps
 whatever the allocation held), and the pages outside them never become resident, so a rank's master
 costs it its shard's bytes."""
 
@@ -20,8 +20,9 @@ def _spans(model: ToyModel, rank: int, world_size: int) -> dict[str, tuple[int, 
     return {unit.name: shard_span(unit.layout.numel, rank, world_size) for unit in model.units}
 
 
+@pytest.mark.parametrize("writer", ["editing", "overwriting"])
 @pytest.mark.parametrize("master_format", ["fp32", "split"])
-def test_writes_land_in_the_shards_only(master_format: str) -> None:
+def test_writes_land_in_the_shards_only(master_format: str, writer: str) -> None:
     model = ToyModel(ToyConfig(num_layers=2))
     init = toy_init(model, seed=3)
     whole = HostParameters(model, master_format=master_format)
@@ -34,7 +35,7 @@ def test_writes_land_in_the_shards_only(master_format: str) -> None:
     host.keep_shards(spans)
     before = {unit.name: host.read(unit).clone() for unit in model.units}  # whatever the allocation held
     for unit in model.units:
-        with host.editing(unit) as views:  # loading and random init write this way
+        with getattr(host, writer)(unit) as views:  # loading and random init write this way
             for name, view in views.items():
                 view.copy_(init[unit.name][name])
     unit = model.blocks[0]
