@@ -189,9 +189,10 @@ class HostParameters:
         rank's shard of the unit is stored, as :meth:`write` stores it.
 
         Why not decode: planes nothing has written yet are untouched pages, which a decode maps read-only,
-        and the encode after it then takes a copy-on-write fault per page. On the development machine (2
-        cores) the encode of a 525 M-parameter embedding ran at 70 Mparam/s after a decode and at 500
-        before any, and a model's random initialization spent three quarters of its time there."""
+        and the encode after it then takes a copy-on-write fault per page: `python bench/master_setup.py`
+        on the development machine (2 cores) filled a split master 3x faster without the decode (1.92 B
+        parameters initialized in 11.2 s instead of 35.1 s; docs/benchmarks.md, "Filling the host
+        master")."""
         layout = self._unit(unit).layout
         if self.store.fp32_slab is not None:
             with self.editing(unit) as views:

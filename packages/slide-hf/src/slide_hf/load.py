@@ -146,8 +146,9 @@ def _copy_unit_by_unit(
     Why ``overwriting``, which does not decode the unit first: the entries of a unit cover every one of its
     parameters (:func:`~slide_hf.model.checkpoint_entries` lists each, whole or in pieces), so nothing
     decoded would survive; and decoding planes nothing has written yet makes the writes after it take a
-    copy-on-write fault per page. Loading a 0.98 B-parameter Llama into a split master took 14.3-14.5 s
-    with the decode and 4.9-5.5 s without, in one sitting on the development machine (fp32: 2.3-2.7 s)."""
+    copy-on-write fault per page. Loading a 0.98 B-parameter Llama into a split master took 14.0-14.3 s
+    with the decode and 4.6-4.7 s without on the development machine (fp32: 2.3-3.0 s; `python
+    bench/master_setup.py`, docs/benchmarks.md, "Filling the host master")."""
     source = {id(entry): (file, stored) for file, items in by_file.items() for entry, stored in items}
     order = {unit.name: index for index, unit in enumerate(model.units)}
     last_use = {file: max(order[entry.unit.name] for entry, _ in items) for file, items in by_file.items()}
