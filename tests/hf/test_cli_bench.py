@@ -24,7 +24,8 @@ def test_bench_prints_and_writes_one_result(slide, tmp_path) -> None:
 
 def test_bench_trace_draws_the_main_threads_waits_beside_the_updates(slide, tmp_path) -> None:
     """A step longer than its busiest resource stood still somewhere: the trace shows each wait for a unit's
-    parameters on its own track, in the same clock as the host updates it waited on."""
+    parameters on its own track, in the same clock as the host updates it waited on, over the last two
+    steps, so that the boundary where the second waits for the first one's updates is in it."""
     status, _, err = slide("bench", *TINY, "--trace", tmp_path / "trace")
     assert status == 0, err
     events = json.loads((tmp_path / "trace" / "trace.json").read_text())["traceEvents"]
@@ -35,8 +36,14 @@ def test_bench_trace_draws_the_main_threads_waits_beside_the_updates(slide, tmp_
     updates = [span for span in spans if span["tid"] == tracks["CPU update"]]
     assert waits and updates
     assert {span["cat"] for span in waits} == {"wait"} and {span["cat"] for span in updates} == {"update"}
-    assert "embedding" in {span["name"] for span in waits}  # the step's first load waits for its update
     assert all(span["dur"] >= 0 for span in waits)
+    forwards = sorted(
+        s["ts"] for s in spans if s["tid"] == tracks["GPU compute"] and s["cat"] == "forward" and s["name"] == "block.0"
+    )
+    assert len(forwards) == 2  # two steps
+    first_wait_of_second_step = max(s["ts"] for s in waits if s["name"] == "embedding" and s["ts"] < forwards[1])
+    embedding_updates = [span for span in updates if span["name"] == "embedding"]
+    assert any(span["ts"] + span["dur"] <= first_wait_of_second_step for span in embedding_updates)  # the boundary
 
 
 def test_bench_seq_len_defaults_to_2048_or_the_models_context_length(slide) -> None:

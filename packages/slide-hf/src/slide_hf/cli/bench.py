@@ -50,7 +50,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "model whose whole state does not fit this host (default: all layers)",
     )
     add("--compare", choices=("plain",), help="also run plain PyTorch in the same invocation")
-    add("--trace", type=Path, help="write trace.json (Chrome) and timeline.png of the last step here")
+    add(
+        "--trace",
+        type=Path,
+        help="write trace.json (Chrome) and timeline.png of the last two steps here, the boundary between them "
+        "included (bench/trace_waits.py reads the trace's waits)",
+    )
     add("--json", type=Path, help="also write the result to this file")
 
 
