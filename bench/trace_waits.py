@@ -71,7 +71,10 @@ def main() -> None:
         "--before-ms", type=float, default=1000.0, help="how far back the waited unit's own spans are shown"
     )
     args = parser.parse_args()
-    events = json.loads(args.trace.read_text())["traceEvents"]
+    try:
+        events = json.loads(args.trace.read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"trace_waits: {args.trace} is not a trace slide bench --trace wrote ({error!r})") from None
     print("\n".join(long_waits(events, args.min_ms, args.before_ms)))
 
 

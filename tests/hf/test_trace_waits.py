@@ -78,3 +78,11 @@ def test_no_long_wait_is_one_line_and_the_command_line_reads_a_file(tmp_path) ->
         [sys.executable, str(SCRIPT), str(path), "--min-ms", "20"], capture_output=True, text=True, check=True
     ).stdout
     assert out.startswith("wait for embedding: 280.0 ms")
+
+
+def test_a_truncated_trace_is_one_line(tmp_path) -> None:
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": BOUNDARY})[:100])
+    done = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "is not a trace" in done.stderr
