@@ -96,3 +96,32 @@ def test_a_command_whose_parser_cannot_be_built_fails_every_command(slide, monke
     monkeypatch.setattr("slide_hf.cli.export.add_parser", broken)
     with pytest.raises(RuntimeError, match="export's add_parser broke"):
         slide("plan", "--help")
+
+
+def test_lines_of_processes_sharing_stderr_never_mix_even_unbuffered(tmp_path):
+    """The ranks of a data-parallel run share one stderr and fail at the same moment. Under
+    ``PYTHONUNBUFFERED`` ``print`` writes a line's text and its newline separately, and two ranks' error
+    lines came out spliced into one (rank 1's, then rank 0's whole line, then rank 1's newline). ``say``
+    writes each line at once: two processes writing long lines as fast as they can, started together,
+    leave every line whole."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    start = time.time() + 3.0  # both processes past their imports, then writing at once
+    code = (
+        "import sys, time\nfrom slide_hf.errors import say\n"
+        f"while time.time() < {start}: pass\n"
+        "for i in range(4000):\n    say('slide train: error: ' + sys.argv[1] * 300 + ' ' + str(i))\n"
+    )
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    read_end, write_end = os.pipe()
+    writers = [subprocess.Popen([sys.executable, "-c", code, tag], stderr=write_end, env=env) for tag in "ab"]
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        lines = pipe.read().splitlines()
+    assert [writer.wait(timeout=60) for writer in writers] == [0, 0]
+    assert len(lines) == 8000
+    whole = {f"slide train: error: {tag * 300} {i}" for tag in "ab" for i in range(4000)}
+    assert set(lines) == whole

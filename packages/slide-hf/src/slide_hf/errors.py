@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["Interrupted", "RunStopped", "UnknownOption", "UserError"]
+import sys
+
+__all__ = ["Interrupted", "RunStopped", "UnknownOption", "UserError", "say"]
 
 
 class UserError(ValueError):
@@ -34,3 +36,15 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(signal_name)
         self.signal_name = signal_name
         self.exit_code = exit_code
+
+
+def say(line: str) -> None:
+    """Print ``line`` to stderr in one write, so the lines of several processes never mix.
+
+    ``print(line, file=sys.stderr)`` writes the text and its newline separately, which on a buffered stderr
+    still leaves as one write; under ``PYTHONUNBUFFERED`` (common in containers and job scripts) stderr writes
+    through, each part is a write of its own, and the ranks of a data-parallel run, which share one stderr
+    and fail together, interleave: one rank's error line ends up inside another's. A single write of up to
+    ``PIPE_BUF`` bytes (4096 on Linux) to a pipe is never split."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -59,7 +59,7 @@ import threading
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
-from slide_hf.errors import UserError
+from slide_hf.errors import UserError, say
 
 __all__ = [
     "PEER_STOPPED_STATUS",
@@ -218,10 +218,10 @@ def main(argv: Sequence[str]) -> int:
         rank, failure = first_cause(error.failures)
         code = failure.exitcode
         how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
-        print(f"slide train: rank {rank} {how}; every rank was stopped", file=sys.stderr)
+        say(f"slide train: rank {rank} {how}; every rank was stopped")
         return 128 - code if code < 0 else code or 1
     except SignalException as error:
-        print(f"slide train: stopped by {_signal_name(error.sigval)}", file=sys.stderr)
+        say(f"slide train: stopped by {_signal_name(error.sigval)}")
         return 128 + int(error.sigval)
     return 0
 

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from slide_hf.cli.kernel_fault import third_party_fault
-from slide_hf.errors import Interrupted, RunStopped, UserError
+from slide_hf.errors import Interrupted, RunStopped, UserError, say
 from slide_hf.launch import PEER_STOPPED_STATUS
 
 COMMANDS = ("train", "data", "plan", "bench", "doctor", "export")
@@ -105,35 +105,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _terminate_as_interrupt():
             return int(module.run(args) or 0)
     except UserError as error:
-        print(f"slide {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        say(f"slide {args.command}: error: {_one_line(error)}")
         return 2
     except RunStopped as stop:
-        print(f"slide {args.command}: {_one_line(stop)}", file=sys.stderr)
+        say(f"slide {args.command}: {_one_line(stop)}")
         return stop.exit_code
     except Interrupted as interrupted:  # a second SIGINT/SIGTERM during a run (slide_hf/recipe.py)
-        print(f"slide {args.command}: interrupted by {interrupted.signal_name}", file=sys.stderr)
+        say(f"slide {args.command}: interrupted by {interrupted.signal_name}")
         return interrupted.exit_code
     except KeyboardInterrupt:
-        print(f"slide {args.command}: interrupted", file=sys.stderr)
+        say(f"slide {args.command}: interrupted")
         return 130
     except Exception as error:
         if args.verbose:
             traceback.print_exc()
         if _out_of_memory(error):
-            print(f"slide {args.command}: error: {_out_of_memory_line(args)}", file=sys.stderr)
+            say(f"slide {args.command}: error: {_out_of_memory_line(args)}")
             return 2
         collective = _in_chain(error, "CollectiveError")
         if collective is not None:  # another rank stopped (its own line says why) or did not answer
-            print(f"slide {args.command}: error: {_one_line(collective)}", file=sys.stderr)
+            say(f"slide {args.command}: error: {_one_line(collective)}")
             return PEER_STOPPED_STATUS
         fault = third_party_fault(error)
         if fault is not None:
-            print(f"slide {args.command}: error: {fault}", file=sys.stderr)
+            say(f"slide {args.command}: error: {fault}")
             return 1
-        print(
+        say(
             f"slide {args.command}: internal error: {type(error).__name__}: {_one_line(error)} -- this is a bug in "
-            f"slide; please report it with the output of `slide -v {args.command} ...`",
-            file=sys.stderr,
+            f"slide; please report it with the output of `slide -v {args.command} ...`"
         )
         return 1
 
