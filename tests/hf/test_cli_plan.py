@@ -127,9 +127,9 @@ def test_bad_nvme_fraction_is_one_line(slide):
     [
         (("--nproc-per-node", "0"), "--nproc-per-node must be >= 1, got 0"),
         (("--nnodes", "-2"), "--nnodes must be >= 1, got -2"),
-        (("--intra-gbps", "inf"), "--intra-gbps must be a finite number > 0, got inf"),
-        (("--inter-gbps", "nan"), "--inter-gbps must be a finite number > 0, got nan"),
-        (("--inter-gbps", "0"), "--inter-gbps must be a finite number > 0, got 0.0"),
+        (("--intra-gbps", "inf"), "--intra-gbps must be a finite number >= 0.001 (GB/s), got inf"),
+        (("--inter-gbps", "nan"), "--inter-gbps must be a finite number >= 0.001 (GB/s), got nan"),
+        (("--inter-gbps", "0"), "--inter-gbps must be a finite number >= 0.001 (GB/s), got 0.0"),
     ],
 )
 def test_bad_data_parallel_options_are_one_line(slide, argv, message):

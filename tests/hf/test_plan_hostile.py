@@ -144,13 +144,43 @@ def test_a_background_save_the_run_refuses_is_refused_by_the_plan(slide, extra, 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("output", ["/dev/null", "", "/no/such/place/at/all"])
-def test_an_output_that_is_no_directory_still_plans_its_saves(slide, output):
-    """`slide plan --output` only names the disk whose measured write rate prices a save: a file, the
-    current directory or a path that does not exist yet is priced from its nearest existing ancestor."""
+@pytest.mark.parametrize("output", ["", "/no/such/place/at/all"])
+def test_an_output_not_made_yet_still_plans_its_saves(slide, output):
+    """`slide plan --output` names the disk whose free space and measured write rate price the saves: the
+    current directory, or a path that does not exist yet, is priced from its nearest existing ancestor."""
     status, out, err = slide("plan", "--model", "tiny-llama", "--device", "cpu", "--output", output, "--save-async")
     assert status == 0, err
     assert "each save" in out and "Traceback" not in err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("output", ["/dev/null", "a-file"])
+def test_an_output_that_is_a_file_is_refused_as_train_refuses_it(slide, output, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("the user's notes\n")
+    status, out, err = slide("plan", "--model", "tiny-llama", "--device", "cpu", "--output", output)
+    assert status == 2 and out == ""
+    assert _one_line(err) == f"slide plan: error: --output {output} is a file, not a directory"
+    assert (tmp_path / "a-file").read_text() == "the user's notes\n"
+
+
+@pytest.mark.timeout(120)
+def test_an_output_disk_too_small_for_one_checkpoint_does_not_fit(slide, monkeypatch, tmp_path):
+    """`slide train` refuses an output disk that cannot hold one checkpoint and the export before its first
+    step; the plan of the same flags says so instead of "fits yes" (and `--check` exits 2)."""
+    import shutil
+
+    from slide_hf.planner import output_disk
+
+    full = shutil.disk_usage(tmp_path)._replace(free=1 << 20)
+    monkeypatch.setattr(output_disk.shutil, "disk_usage", lambda path: full)
+    status, out, err = slide("plan", "--model", "tiny-llama", "--device", "cpu", "--output", str(tmp_path / "run"))
+    assert status == 0, err
+    assert re.search(r"^fits\s+no\s+the disk of .*run has 1\.0 MiB free, but one checkpoint takes", out, re.M), out
+    status, out, err = slide(
+        "plan", "--model", "tiny-llama", "--device", "cpu", "--output", str(tmp_path / "run"), "--check"
+    )
+    assert status == 2 and _one_line(err).startswith("slide plan: error: the disk of")
 
 
 @pytest.mark.timeout(120)
@@ -186,7 +216,6 @@ PLANS = {
     "default": ("--model", "tiny-llama", "--gpu-memory", "4GiB"),
     "no spare GPU memory": ("--model", "tiny-llama", "--gpu-memory", "700MiB"),
     "accumulation": ("--model", "tiny-llama", "--gpu-memory", "700MiB", "--grad-accum", "8"),
-    "the CPU device": ("--model", "tiny-llama", "--device", "cpu"),
     "NVMe Adam state": ("--model", "tiny-llama", "--gpu-memory", "700MiB", "--offload-optimizer", "nvme"),
     "GPU-streamed": ("--model", "tiny-llama", "--gpu-memory", "4GiB", "--update-placement", "gpu"),
     "8B host": ("--model", "llama3.1-8b", "--gpu-memory", "24GiB", "--batch-size", "8", "--host-memory", "1TB"),
@@ -232,3 +261,76 @@ def test_a_field_of_the_wrong_type_that_transformers_refuses_is_one_line(slide, 
     assert status == 2
     line = _one_line(err)
     assert line.startswith(f"slide plan: error: cannot read {model / 'config.json'}: ") and "rms_norm_eps" in line
+
+
+# ---- what the plan prints must be true and parseable --------------------------------------------------------
+
+
+def _strict_json(text: str):
+    """``json.loads`` that refuses ``Infinity`` and ``NaN``, as jq and other strict parsers do."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_with_nothing_to_hide_is_valid_json(slide):
+    """Every unit of a small model fits the GPU budget: no gradient leaves it, and the overlap is infinite.
+    `--json` wrote it as ``Infinity``, which is not JSON; it is null now, and the table says n/a."""
+    status, out, err = slide("plan", "--model", "tiny-llama", "--gpu-memory", "24GiB", "--json")
+    assert status == 0, err
+    assert _strict_json(out)["overlap"] is None
+    status, out, err = slide("plan", "--model", "tiny-llama", "--gpu-memory", "24GiB")
+    assert status == 0, err
+    assert re.search(r"^overlap\s+n/a\s", out, re.M), out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("value", ["1e-320", "0.0001"])
+def test_a_link_too_slow_to_time_a_step_is_one_line(slide, value):
+    status, out, err = slide("plan", "--model", "tiny-llama", "--gpu-memory", "24GiB", "--nproc-per-node", "2",
+                             "--intra-gbps", value)  # fmt: skip
+    assert status == 2 and out == ""
+    assert (
+        _one_line(err) == f"slide plan: error: --intra-gbps must be a finite number >= 0.001 (GB/s), got {float(value)}"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_the_cpu_device_plans_no_step_time(slide):
+    """The planner has no CPU compute rate: a step time on the CPU device would be a GPU's at the default
+    rates, some 30x faster than the CPU trains. The table says it is not planned; the JSON's timing is null
+    and its memory is still there."""
+    status, out, err = slide(
+        "plan", "--model", "tiny-llama", "--device", "cpu", "--seq-len", "128", "--batch-size", "4"
+    )
+    assert status == 0, err
+    assert re.search(r"^step time\s+not planned\s", out, re.M), out
+    assert not re.search(r"tokens/s\b", out) and "critical batch" not in out and "overlap" not in out
+    status, out, err = slide("plan", "--model", "tiny-llama", "--device", "cpu", "--seq-len", "128", "--json")
+    plan = _strict_json(out)
+    assert plan["step_time_s"] is None and plan["tokens_per_s"] is None and plan["resource_s"] is None
+    assert plan["host_peak_bytes"] > 0 and plan["fits"] is True
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_packed_rows_for_a_recurrent_model_are_refused_before_the_plan(slide, command, tmp_path):
+    """A model with linear-attention layers cannot keep packed documents apart. `slide train` refused that
+    at its first forward, after its plan (and `slide plan` said "fits yes"); both refuse it in one line now,
+    before any data is read."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": f"short document {i}"}) + "\n" for i in range(8)))
+    argv = [command, "--model", "test-qwen3.5", "--device", "cpu", "--seq-len", "64", "--batch-size", "2"]
+    if command == "train":
+        argv += ["--steps", "1", "--data", str(data), "--output", str(tmp_path / "run")]
+    status, _, err = slide(*argv)
+    assert status == 2, err
+    assert _one_line(err) == (
+        f"slide {command}: error: qwen3_5_text has linear_attention layers, whose recurrent state would flow from "
+        "one packed document into the next; train with --no-packing (one example per row)"
+    )
+    assert not any(line.startswith("plan:") for line in err.splitlines())
+    assert not (tmp_path / "run" / "data").exists()

@@ -196,6 +196,9 @@ def _train(
     main = group.rank == 0  # the rank that owns the run directory
     torch.manual_seed(cfg.seed)
     model = _setup_model(cfg)
+    from slide_hf.adapters.base import refuse_packing
+
+    refuse_packing(model.slide_model, packing=cfg.packing)  # before the data is read and tokenized
     if cfg.lr is None:  # resolved once and saved as a number, so a resume compares numbers
         resolved = default_lr(from_preset=model.model_dir is None)
         check_adamw(None, cfg.weight_decay, default_lr=resolved)  # the message says the lr was the default

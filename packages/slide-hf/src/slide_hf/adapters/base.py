@@ -58,6 +58,7 @@ __all__ = [
     "HFUnit",
     "HeadUnit",
     "causal_lm_loss_sum",
+    "refuse_packing",
 ]
 
 IGNORE_INDEX = -100
@@ -76,6 +77,21 @@ RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})
 """Layer types without attention (Qwen3-Next's gated delta nets): HF's recurrent mask (None without
 padding), no attention implementation to choose, and no way to keep packed documents apart -- HF's
 torch path carries the recurrent state and the causal convolution across the whole row."""
+
+
+def refuse_packing(model: Any, *, packing: bool) -> None:
+    """Refuse in one line packed rows for a model with recurrent layers (``RECURRENT_LAYER_TYPES``): its
+    state would flow from one packed document into the next. `slide plan` and `slide train` call it as soon
+    as the model is built, before any data is read or any plan is shown as fitting; the forward of packed
+    rows calls it too, for a caller of the engine that skipped both."""
+    if not packing:
+        return
+    recurrent = sorted({block.attention_type for block in model.blocks} & RECURRENT_LAYER_TYPES)
+    if recurrent:
+        raise UserError(
+            f"{model.config.model_type} has {', '.join(recurrent)} layers, whose recurrent state would flow "
+            "from one packed document into the next; train with --no-packing (one example per row)"
+        )
 
 
 @dataclass(frozen=True)
@@ -521,12 +537,7 @@ class HFCausalLM(SlideModel):
         if position_ids is None:
             position_ids = torch.arange(seq, device=device).unsqueeze(0)
         else:
-            recurrent = sorted({b.attention_type for b in self.blocks} & RECURRENT_LAYER_TYPES)
-            if recurrent:
-                raise UserError(
-                    f"{self.config.model_type} has {', '.join(recurrent)} layers, whose recurrent state would "
-                    "flow from one packed document into the next; train with --no-packing (one example per row)"
-                )
+            refuse_packing(self, packing=True)
             same_document = packed_sequence_mask_function(_document_ids(position_ids))
         if self.linear_attention is not None:  # decided before any block runs on this device (a GPU check)
             self.linear_attention.path_for(device, dtype)

@@ -56,7 +56,6 @@ EPILOG = textwrap.dedent(
       slide plan --model ./my-qwen --offload-optimizer nvme --nvme-fraction 0.5 --json
       slide plan --model qwen2.5-14b --host-memory 128GB --check   # exit 2 if it does not fit
 
-    sizes accept GiB, GB, MiB, MB or a byte count (GB = 1e9 bytes, GiB = 2^30).
     """
 )
 
@@ -103,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         host_cap, host_source = available_host_bytes(), "available"
     model = _build(cfg.model)
+    from slide_hf.adapters.base import refuse_packing
+
+    refuse_packing(model, packing=cfg.packing)  # as `slide train` refuses it, before its data
     seq_len = resolve_seq_len(cfg.seq_len, model.config)
     from slide_hf.machine_rates import planning_bandwidths
     from slide_hf.planner import Bandwidths
@@ -152,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source)
     except UserError as error:
         problem = problem or str(error)
+    if cfg.output is not None:  # a disk the user named; the default's is this machine's, often not the run's
+        problem = problem or _output_disk_problem(cfg.output, outputs)
     if args.json:
         payload = {"model": cfg.model, "dtype": cfg.dtype.value, **plan.to_dict(), "fits": problem is None}
         payload.update({"optimizer": optimizer, "optimizer_state": cfg.optimizer_state.value})
@@ -168,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
         payload["placement"] = {where: list(names) for where, names in plan.placement_counts().items()}
         if dp is not None:
             payload["data_parallel"] = dp.to_dict()
-        print(json.dumps(payload, sort_keys=False))
+        if not accelerator:  # no compute rate to plan a step with: nothing made up (see render)
+            payload.update(dict.fromkeys(UNTIMED_ON_CPU))
+        print(json.dumps(json_numbers(payload), sort_keys=False, allow_nan=False))
     else:
         text = render(
             plan,
@@ -194,6 +200,43 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+SLOWEST_LINK_GBPS = 0.001
+"""The slowest ``--intra-gbps``/``--inter-gbps`` planned (1 MB/s): no GPU link is slower, and a rate near
+zero (1e-320 parses as a positive float) only times a step at infinity."""
+
+UNTIMED_ON_CPU = (
+    "compute_s",
+    "pcie_s",
+    "update_s",
+    "disk_s",
+    "step_time_s",
+    "clipped_step_time_s",
+    "reference_step_s",
+    "resource_bound_s",
+    "tokens_per_s",
+    "overlap",
+    "binding",
+    "critical_batch_size",
+    "resource_s",
+)
+"""The plan's timing keys, null on the CPU device: the planner has no CPU compute rate, so a step time there
+would be a GPU's at the documented default rates, tens of times faster than the CPU runs (`slide train`
+logs only the host peak there, and measures its steps)."""
+
+
+def json_numbers(value: Any) -> Any:
+    """``value`` with every non-finite float as None: ``json.dumps`` would write ``Infinity`` or ``NaN``,
+    which is not JSON (jq and strict parsers refuse it). An infinite overlap (nothing to hide behind the
+    backward) or a step no budget can time has no number."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_numbers(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_numbers(item) for item in value]
+    return value
+
+
 def _data_parallel(plan: Plan, args: argparse.Namespace) -> Any:
     """The plan of ``--nproc-per-node`` x ``--nnodes`` ranks, each at ``plan``'s per-rank batch."""
     from slide_hf.planner.distributed import Interconnect, plan_data_parallel
@@ -212,8 +255,8 @@ def _options(args: argparse.Namespace) -> TrainConfig:
             raise UserError(f"{flag} must be >= 1, got {value}")
     cfg = TrainConfig.for_command("plan", args.nproc_per_node * args.nnodes, **given_options(args, "plan"))
     for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):
-        if not (math.isfinite(value) and value > 0):
-            raise UserError(f"{flag} must be a finite number > 0, got {value}")
+        if not (math.isfinite(value) and value >= SLOWEST_LINK_GBPS):
+            raise UserError(f"{flag} must be a finite number >= {SLOWEST_LINK_GBPS:g} (GB/s), got {value}")
     return cfg
 
 
@@ -247,6 +290,22 @@ def _output_disk(model: Any, cfg: TrainConfig) -> Any:
         params=sum(unit.layout.param_numel for unit in model.units),
         export_itemsize=torch.empty((), dtype=export_dtype).element_size(),
     )
+
+
+def _output_disk_problem(directory: Path, outputs: Any) -> str | None:
+    """What `slide train` would refuse of its output directory before its first step: a file where the
+    directory should be (an option error here too), or a disk that cannot hold one checkpoint and the export
+    (the plan then does not fit). ``directory``: ``--output``. Without it the disk is not checked: a plan made
+    here is often of a run on another machine, and this machine's ``runs/`` says nothing of that one's."""
+    from slide_hf.planner.output_disk import check_output_disk
+
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"{option('output', directory)} is a file, not a directory")
+    try:
+        check_output_disk(directory, outputs)
+    except UserError as error:
+        return str(error)
+    return None
 
 
 def _state_words(optimizer_state: str) -> str:
@@ -389,6 +448,12 @@ def render(
         lines.append(_row("longest seq-len", *_longest(sequences, i.seq_len, gpu_source)))
     if i.accelerator:
         lines += _masks_rows(i)
+    if not i.accelerator:
+        lines.append(_row("step time", "not planned", "the CPU device: `slide train` measures its steps"))
+        if optimizer is not None:
+            lines.append(_row("optimizer", "", optimizer))
+        lines.append(_row("fits", "yes" if problem is None else "no", problem or ""))
+        return "\n".join(lines)
     lines.append(
         _row(
             "step time",
@@ -428,10 +493,13 @@ def render(
         )
     if rates_source is not None:
         lines.append(_row("  rates", "", rates_source))
-    overlap_note = (
-        "larger batches raise overlap" if plan.overlap < 1 else "gradient transfer and update hide behind backward"
-    )
-    lines.append(_row("overlap", f"{plan.overlap:.2f}", overlap_note))
+    if not math.isfinite(plan.overlap):
+        lines.append(_row("overlap", "n/a", "no gradient transfer or host update to hide behind the backward"))
+    else:
+        overlap_note = (
+            "larger batches raise overlap" if plan.overlap < 1 else "gradient transfer and update hide behind backward"
+        )
+        lines.append(_row("overlap", f"{plan.overlap:.2f}", overlap_note))
     binding_s = plan.resource_s.get(plan.binding)
     lines.append(
         _row("binding limit", plan.binding, "" if binding_s is None else f"the largest resource, {binding_s:.3g} s")
