@@ -57,9 +57,10 @@ def test_text_rows_hold_documents_with_eos_and_int32_storage(tmp_path, tok):
     assert [*tok("abcde")["input_ids"], eos] in [row[:6] for row in rows] or any(
         row[i : i + 6] == [*tok("abcde")["input_ids"], eos] for row in rows for i in range(3)
     )
-    # 21 tokens of x + EOS are split into pieces of 8, 8 and 5 (a text is a stream).
-    assert data.stats.truncated_examples == 1 and data.stats.examples == 3
-    assert data.stats.tokens == 6 + 4 + 21
+    # 20 tokens of x + EOS are split into pieces of 8, 8 and 7 starting at 0, 7 and 14 (a text is a stream;
+    # each piece after the first repeats the previous one's last token, so no target is lost at a cut).
+    assert data.stats.split_examples == 1 and data.stats.truncated_examples == 0 and data.stats.examples == 3
+    assert data.stats.tokens == 6 + 4 + 23
     assert data.stats.loss_tokens == data.stats.tokens - 5  # every piece's first token carries no label
     assert (data.labels[data.position_ids == 0] == IGNORE).all()
 

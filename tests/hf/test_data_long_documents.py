@@ -1,7 +1,8 @@
 """Documents longer than ``--seq-len`` are never cut silently: the data pipeline counts them and names the
 longest (slide_hf/data/dataset.py), `slide data` prints the examples' lengths (min, median, max), and `slide
-train` warns with the same line. A text is split into row-sized pieces that keep every token; anything
-else is truncated."""
+train` warns with the same line. A text is split into row-sized pieces that keep every token (each piece
+after the first repeats its predecessor's last token, so every token but the first is trained once);
+anything else is truncated."""
 
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ def test_long_texts_are_counted_named_and_kept_whole_in_pieces(tmp_path: Path, t
     assert stats.longer_than_seq_len == sum(n > SEQ for n in lengths) == 2
     assert (stats.example_tokens_min, stats.example_tokens_max) == (min(lengths), max(lengths))
     assert stats.example_tokens_median == int(sorted(lengths)[1] + sorted(lengths)[2]) // 2
-    assert stats.tokens == sum(lengths)  # every token of the split texts is in a row
+    cuts = sum(-(-(n - 1) // (SEQ - 1)) - 1 for n in lengths)  # pieces step by SEQ - 1 tokens
+    assert stats.tokens == sum(lengths) + cuts  # every token of the split texts is in a row, each cut's twice
+    assert stats.loss_tokens == sum(n - 1 for n in lengths)  # every token but a text's first, once
+    assert (stats.split_examples, stats.truncated_examples) == (2, 0)
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     line = (
         f"{path}: split 2 text(s) longer than --seq-len {SEQ} into row-sized pieces (the longest {max(lengths)} tokens)"

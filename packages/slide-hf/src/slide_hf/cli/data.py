@@ -3,9 +3,11 @@
 The data goes through the same pipeline as `slide train` (same tokenizer resolution, chat template, masks,
 packing), so what it shows is what training sees. The first --show examples are printed before packing
 with the text that carries loss marked: in colour on a terminal, between [[ and ]] otherwise. A
-summary follows: examples, rows, tokens, loss tokens, padding, truncated and skipped examples, how many
+summary follows: examples, rows, tokens, loss tokens, padding, truncated examples (their end dropped), split
+examples (texts in row-sized pieces, every token but the first still trained), skipped examples, how many
 assistant turns' reasoning the chat template drops (never trained), and for several --data sources each one's
-share of the rows and tokens (and, with --data-weights, of the rows an epoch of training draws).
+share of the rows and tokens (and, with --data-weights, of the rows an epoch of training draws). A --show
+larger than the data shows every record.
 """
 
 from __future__ import annotations
@@ -202,27 +204,24 @@ def _tokenizer_and_config(cfg: TrainConfig) -> tuple[Any, Any]:
 
 
 def _runs(record: Any) -> list[tuple[list[int], bool]]:
-    """The record's tokens as runs of (token ids, carries loss), documents one after another."""
+    """The record's tokens as runs of (token ids, carries loss), each token once (a split text's pieces
+    overlap by a token in the rows; ``EncodedRecord.stream`` shows it once, with the label it trains)."""
     runs: list[tuple[list[int], bool]] = []
-    for document in record.documents:
-        for token, label in zip(document.input_ids.tolist(), document.labels.tolist(), strict=True):
-            trained = label != -100
-            if runs and runs[-1][1] == trained:
-                runs[-1][0].append(token)
-            else:
-                runs.append(([token], trained))
+    ids, labels = record.stream()
+    for token, label in zip(ids.tolist(), labels.tolist(), strict=True):
+        trained = label != -100
+        if runs and runs[-1][1] == trained:
+            runs[-1][0].append(token)
+        else:
+            runs.append(([token], trained))
     return runs
 
 
 def _example_json(record: Any, tokenizer: Any) -> dict[str, Any]:
-    ids = [token for document in record.documents for token in document.input_ids.tolist()]
+    stream_ids, stream_labels = record.stream()
+    ids = stream_ids.tolist()
     spans = [tokenizer.decode(run) for run, carries_loss in _runs(record) if carries_loss]
-    trained = [
-        token
-        for document in record.documents
-        for token, label in zip(document.input_ids.tolist(), document.labels.tolist(), strict=True)
-        if label != -100
-    ]
+    trained = [token for token, label in zip(ids, stream_labels.tolist(), strict=True) if label != -100]
     return {
         "where": record.where,
         "text": tokenizer.decode(ids),
@@ -236,10 +235,11 @@ def _example_json(record: Any, tokenizer: Any) -> dict[str, Any]:
 
 
 def _example_text(record: Any, tokenizer: Any, *, colour: bool) -> str:
-    tokens = sum(len(document.input_ids) for document in record.documents)
-    loss = sum(int((document.labels != -100).sum()) for document in record.documents)
-    notes = [f"{tokens} tokens", f"{loss} trained"]
-    if record.cut:
+    ids, labels = record.stream()
+    notes = [f"{len(ids)} tokens", f"{int((labels != -100).sum())} trained"]
+    if record.cut == "split":
+        notes.append(f"split into {len(record.documents)} pieces")
+    elif record.cut:
         notes.append(record.cut)
     if record.skipped:
         notes.append("skipped: no token to train")
@@ -268,6 +268,13 @@ def _length_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _split_line(split: int) -> str:
+    """The split texts, and why the summary's tokens exceed their lengths: each cut repeats one token."""
+    if not split:
+        return "0"
+    return f"{split} (texts in row-sized pieces, each after the first repeating the last token before it)"
+
+
 def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
     from slide_hf.data.dataset import dropped_reasoning_line
 
@@ -291,6 +298,7 @@ def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
             f"  padding             {summary['padding_fraction']:.1%}",
             *_length_lines(summary),
             f"  truncated examples  {summary['truncated_examples']}",
+            f"  split examples      {_split_line(summary['split_examples'])}",
             f"  skipped examples    {summary['skipped_examples']}",
             *([f"  {dropped_reasoning_line(dropped)}"] if dropped else []),
             *sources,

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import sys
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -68,14 +69,19 @@ DataSource = str | Path | None | Sequence[str | Path]
 log = logging.getLogger("slide.data")
 
 _NAMED = 5  # records named in a warning before "..."
+_PREVIEW_BATCH = 256  # records per tokenizer call in a preview: a huge --show must not gather a file first
 
 
 @dataclass(frozen=True)
 class DataStats:
-    """What a prepared split holds. ``examples`` counts records kept; ``truncated_examples`` those cut to
-    ``seq_len`` (text: split into pieces); ``skipped_examples`` those left with no token to train;
-    ``dropped_reasoning_turns`` the assistant messages of kept records whose reasoning the chat template
-    leaves out of the render (Qwen3 keeps only the replies' after the last user query), so it is not trained."""
+    """What a prepared split holds. ``examples`` counts records kept; ``tokens`` and ``loss_tokens`` the
+    tokens and targets the rows hold (a split text's overlap tokens are in two rows, a target in one);
+    ``truncated_examples`` the kept records whose end was dropped to fit ``seq_len``; ``split_examples``
+    the texts split into row-sized pieces instead, which lose no target, so the two are apart (a reader of
+    ``truncated_examples`` must not take a split text for lost data); ``skipped_examples`` those left with
+    no token to train; ``dropped_reasoning_turns`` the assistant messages of kept records whose reasoning
+    the chat template leaves out of the render (Qwen3 keeps only the replies' after the last user query),
+    so it is not trained."""
 
     examples: int
     rows: int
@@ -91,6 +97,8 @@ class DataStats:
     """The kept records' lengths in tokens before any cut (a text split into pieces counts whole)."""
     longer_than_seq_len: int = 0
     """Kept records longer than ``seq_len``: texts split into row-sized pieces, the others truncated."""
+    split_examples: int = 0
+    """Kept texts longer than ``seq_len``, split into row-sized pieces (see ``truncated_examples``)."""
 
 
 @dataclass(frozen=True)
@@ -186,8 +194,10 @@ def load_split(
 def preview(source: DataSource, tokenizer: Any, options: DataOptions, count: int) -> list[EncodedRecord]:
     """The first ``count`` records as documents (before packing), for showing which tokens carry loss; of
     several sources, the first records of each in turn until ``count`` are shown."""
+    count = min(count, sys.maxsize)  # more than a source can hold (islice's limit) shows every record
     readers = _open_all(source, options)
-    encoder = Encoder(tokenizer, options, resolve_template(tokenizer, options.chat_template), batch_size=max(count, 1))
+    template = resolve_template(tokenizer, options.chat_template)
+    encoder = Encoder(tokenizer, options, template, batch_size=max(min(count, _PREVIEW_BATCH), 1))
     shown: list[EncodedRecord] = []
     share = -(-count // len(readers))
     for reader in readers:
@@ -296,6 +306,9 @@ class _Split:
         self.cut_count = {"split": 0, "truncated": 0}
         self.skipped: list[str] = []
         self.skipped_count = 0
+        self.lost = _LostToSeqLen()  # skipped records whose every target the truncation dropped
+        self.lost_per_part: list[_LostToSeqLen] = []  # the same, each ended source's own
+        self._part_lost = _LostToSeqLen()
         self.dropped_reasoning = 0
         self.lengths = array("I")  # each kept record's tokens before any cut, for the stats' min/median/max
         self.longest = {"split": 0, "truncated": 0}
@@ -311,12 +324,17 @@ class _Split:
         start = self._part_start
         self.parts.append(SourcePart(name, start[0], *(b - a for a, b in zip(start, now, strict=True))))
         self._part_start = now
+        self.lost_per_part.append(self._part_lost)
+        self._part_lost = _LostToSeqLen()
 
     def add(self, record: EncodedRecord) -> None:
         if record.skipped:
             self.skipped_count += 1
             if len(self.skipped) < _NAMED:
                 self.skipped.append(record.where)
+            if record.lost_to_seq_len:
+                self.lost.add(record.tokens)
+                self._part_lost.add(record.tokens)
             return
         self.examples += 1
         self.dropped_reasoning += record.dropped_reasoning
@@ -343,16 +361,18 @@ class _Split:
             tokens=self.writer.tokens,
             loss_tokens=self.writer.loss_tokens,
             padding_fraction=(cells - self.writer.tokens) / cells if cells else 0.0,
-            truncated_examples=sum(self.cut_count.values()),
+            truncated_examples=self.cut_count["truncated"],
             skipped_examples=self.skipped_count,
             dropped_reasoning_turns=self.dropped_reasoning,
             **_length_stats(self.lengths),
             longer_than_seq_len=sum(self.cut_count.values()),
+            split_examples=self.cut_count["split"],
         )
 
     def notes(self, name: str) -> tuple[list[str], list[str]]:
-        """``(warnings, infos)``: every record longer than a row warns, with the count and the longest (a text
-        split into pieces still trains every token, but no longer attends across the cut), as do skips."""
+        """``(warnings, infos)``: every record longer than a row warns, with the count and the longest, as do
+        skips. A text split into pieces still trains every token but its first (each piece after the first
+        repeats the previous one's last token as context), but no token attends across a cut."""
         warnings, infos = [], []
         if self.cut_count["truncated"]:
             count = self.cut_count["truncated"]
@@ -407,11 +427,17 @@ def _build(
         raise
     name = " + ".join(reader.name for reader in readers)
     stats = {split_name: split.finish() for split_name, split in splits.items()}
+    train = splits["train"]
     if stats["train"].rows == 0:
-        raise UserError(f"{name} holds no example with a token to train ({records} record(s) read)")
-    for part in splits["train"].parts if len(readers) > 1 else []:
+        raise UserError(
+            f"{name} holds no example with a token to train ({records} record(s) read)"
+            f"{train.lost.blame(options.seq_len)}"
+        )
+    for part, lost in zip(train.parts, train.lost_per_part, strict=True) if len(readers) > 1 else []:
         if part.rows == 0:
-            raise UserError(f"{option('data')} {part.name} holds no example with a token to train")
+            raise UserError(
+                f"{option('data')} {part.name} holds no example with a token to train{lost.blame(options.seq_len)}"
+            )
     if "eval" in stats and stats["eval"].rows == 0:
         raise UserError(
             f"{option('eval_fraction')} {eval_fraction} holds out none of the {records} record(s) of {name}; raise it"
@@ -434,6 +460,28 @@ def _build(
     }
     write_meta(directory, meta)
     return meta
+
+
+class _LostToSeqLen:
+    """The skipped records that truncation to ``--seq-len`` left with no target, and the longest of them:
+    when nothing is left to train, they are why, and the longest says how large a ``--seq-len`` fits."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.longest = 0
+
+    def add(self, tokens: int) -> None:
+        self.count += 1
+        self.longest = max(self.longest, tokens)
+
+    def blame(self, seq_len: int) -> str:
+        """The clause that puts an empty split on ``--seq-len`` ("" when the limit emptied no record)."""
+        if not self.count:
+            return ""
+        return (
+            f": {self.count} record(s) lost every trained token to {option('seq_len')} {seq_len} "
+            f"(the longest {self.longest:,} tokens); raise {option('seq_len')}"
+        )
 
 
 def held_out(seed: int, source: int, index: int, fraction: float) -> bool:

@@ -5,7 +5,11 @@ Per kind:
   every token. The text is tokenized without its special tokens (a long one in checked pieces,
   :mod:`slide_hf.data.token_runs`) and they are put around it as a probe shows them; a tokenizer whose
   specials do not simply surround a text gets one call over the texts. A text longer than ``seq_len`` in
-  tokens is *split* into ``seq_len`` pieces (it is a stream; each piece still teaches);
+  tokens is *split* into pieces of at most ``seq_len`` tokens (it is a stream; each piece still teaches),
+  each piece after the first starting with the previous piece's last token: a piece's first token is only
+  context (nothing in the piece predicts it), so without that one-token overlap the token at every cut
+  would never be a target, and a last piece of one token would hold no target at all. Overlapped, every
+  token of the text but its first is a target exactly once, and rows hold one extra token per cut;
 - chat: :class:`~slide_hf.data.chat.ChatEncoder` (exact masks or a one-line refusal);
 - prompt/completion and Alpaca: through the chat template as one user and one assistant turn when there
   is a template, else plain text: the prompt tokenized alone (with the tokenizer's special tokens) then the
@@ -13,9 +17,11 @@ Per kind:
   gets at inference time; loss on the completion;
 - input_ids: as given, with ``labels`` when given (else loss on every token).
 Everything but text is *truncated* to ``seq_len`` (the end of a conversation is meaningless without its
-start). Each document's first label is ``IGNORE``: labels are HF-aligned (the head predicts ``labels[t]``
-from position ``t - 1``), so this keeps the previous document in a packed row from predicting it. A document
-left with no label to train is skipped; truncated and skipped records are counted, never silent.
+start), and the targets the cut drops are counted, so a record it leaves with none is blamed on
+``--seq-len``. Each document's first label is ``IGNORE``: labels are HF-aligned (the head predicts
+``labels[t]`` from position ``t - 1``), so this keeps the previous document in a packed row from predicting
+it. A document left with no label to train is skipped; split, truncated and skipped records are counted,
+never silent.
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ __all__ = ["Document", "EncodedRecord", "Encoder"]
 
 Pair = tuple[np.ndarray | list[int], np.ndarray | list[int]]  # token ids and labels, before cutting into documents
 
+SPLIT_OVERLAP = 1
+"""Tokens each piece of a split text after the first repeats from the end of the previous piece: the one
+token whose prediction the cut would otherwise lose (see the module docstring)."""
+
 
 @dataclass(frozen=True)
 class Document:
@@ -57,10 +67,29 @@ class EncodedRecord:
     cut: str | None = None  # "split" (a text longer than a row, in pieces) or "truncated" (its end dropped)
     dropped_reasoning: int = 0  # assistant messages whose reasoning the chat template left out (untrained)
     tokens: int = 0  # the record's length in tokens before any cut: what `slide data` reports and warns about
+    truncated_targets: int = 0  # trained tokens the truncation dropped: a skip they cause is --seq-len's doing
 
     @property
     def skipped(self) -> bool:
         return not self.documents
+
+    @property
+    def lost_to_seq_len(self) -> bool:
+        """Skipped only because truncation to ``seq_len`` dropped every token it would have trained."""
+        return self.skipped and self.truncated_targets > 0
+
+    def stream(self) -> tuple[np.ndarray, np.ndarray]:
+        """The record's ids and labels as one sequence, each token once: a split text's pieces with the
+        overlap (:data:`SPLIT_OVERLAP`) left out, so `slide data` shows the text as written; the labels are
+        those the rows train (an overlap token is a target in the piece it ends, never in the one it starts)."""
+        overlap = SPLIT_OVERLAP if self.cut == "split" else 0
+        pieces = [
+            (doc.input_ids, doc.labels) if i == 0 else (doc.input_ids[overlap:], doc.labels[overlap:])
+            for i, doc in enumerate(self.documents)
+        ]
+        if not pieces:
+            return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+        return np.concatenate([ids for ids, _ in pieces]), np.concatenate([labels for _, labels in pieces])
 
 
 class Encoder:
@@ -207,13 +236,15 @@ class Encoder:
         seq_len = self.options.seq_len
         ids_array = np.asarray(ids, dtype=np.int32)
         labels_array = np.asarray(labels, dtype=np.int32)
-        cut = None
+        longer = len(ids_array) > seq_len
+        truncated_targets = 0
         if isinstance(example, TextExample):
-            starts = range(0, len(ids_array), seq_len)
-            cut = "split" if len(ids_array) > seq_len else None
+            starts = _split_starts(len(ids_array), seq_len)
+            cut = "split" if longer else None
         else:
             starts = range(0, min(len(ids_array), 1))
-            cut = "truncated" if len(ids_array) > seq_len else None
+            cut = "truncated" if longer else None
+            truncated_targets = int((labels_array[seq_len:] != IGNORE).sum())
         documents = []
         for start in starts:
             piece_ids = ids_array[start : start + seq_len]
@@ -222,4 +253,12 @@ class Encoder:
                 piece_labels[0] = IGNORE  # see the module docstring: no document predicts another's start
             if (piece_labels != IGNORE).any():
                 documents.append(Document(piece_ids, piece_labels))
-        return EncodedRecord(index, example.where, documents, cut, dropped_reasoning, len(ids_array))
+        return EncodedRecord(index, example.where, documents, cut, dropped_reasoning, len(ids_array), truncated_targets)
+
+
+def _split_starts(length: int, seq_len: int) -> range:
+    """Where each piece of a ``length``-token text starts, pieces ``seq_len`` long: a step of
+    ``seq_len - SPLIT_OVERLAP``, so each piece after the first begins with its predecessor's last token,
+    and none starts at the last token, so every piece holds a target (one piece for a text that fits a row,
+    none for a text of one token, which has no target)."""
+    return range(0, length - SPLIT_OVERLAP, seq_len - SPLIT_OVERLAP)

@@ -42,7 +42,7 @@ __all__ = [
     "write_meta",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Bumped whenever the rows a given input produces, or what ``meta.json`` records of them, change (layout,
 masking, packing rules, statistics)."""
 
