@@ -237,7 +237,9 @@ def _train(
             run_dir.record_outputs()  # what --overwrite may remove later (slide_hf/run_files.py)
         cache = run_dir.path / DATA_CACHE
         stop = _StopRequests(others=group.world_size - 1)
-        if cfg.ref_model is not None and needs_reference_pass(cfg, preference, cache, model.model_dir, group):
+        if cfg.ref_model is not None and needs_reference_pass(
+            cfg, preference, cache, model.model_dir, group, resumed=resumed is not None
+        ):
             # DPO's reference pass on --ref-model: its own weights and engine, closed before training starts
             assert preference is not None  # needs_reference_pass says so
             reference = _setup_weights(
@@ -247,7 +249,8 @@ def _train(
             with stop, _stops_the_pass(stop, group, run_dir.path), ref_parts as ref_engine:
                 run_reference(
                     cfg, preference, cache, model.model_dir, device.torch_device,
-                    evaluate=ref_engine.evaluate, resumed=False, group=group,  # --ref-model's weights never change
+                    evaluate=ref_engine.evaluate, resumed=resumed is not None, group=group,
+                    may_compute=True,  # --ref-model's weights never change
                     planned_micro_batch_s=_reference_micro_batch_s(placement.plan, device, group.world_size),
                     stopping=_stop_requested(stop, group),
                 )  # fmt: skip

@@ -98,7 +98,7 @@ def inputs_of(cfg: TrainConfig) -> list[tuple[str, Path]]:
     from slide_hf.options.sources import data_sources
 
     found = [("model", Path(cfg.model))] + [("data", path) for path in data_sources(cfg)]
-    for name in ("eval_data", "tokenizer", "chat_template", "resume", "init_from"):
+    for name in ("eval_data", "tokenizer", "chat_template", "resume", "init_from", "ref_model"):
         value = getattr(cfg, name, None)
         if value is not None:
             found.append((name, Path(value)))

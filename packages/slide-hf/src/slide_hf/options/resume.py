@@ -42,7 +42,7 @@ def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     return values
 
 
-_INPUTS = frozenset({"model", "tokenizer", "data", "eval_data", "chat_template", "nvme_dir", "init_from"})
+_INPUTS = frozenset({"model", "tokenizer", "data", "eval_data", "chat_template", "nvme_dir", "init_from", "ref_model"})
 
 
 def _saved_input(value: Path) -> str:

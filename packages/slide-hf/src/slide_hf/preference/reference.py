@@ -26,8 +26,10 @@ number of ranks reads it on every rank. Tested by ``test_two_ranks_train_as_one_
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,12 +42,15 @@ from slide_core.engine.evaluation import MAX_EVAL_GROUP
 from slide_hf.errors import UserError
 from slide_hf.preference.head import PreferenceHead
 from slide_hf.progress import PassProgress
+from slide_hf.spelling import option
 
 __all__ = [
     "REFERENCE_DIR",
     "PassStopped",
     "compute_reference",
     "prepare_reference",
+    "record_fingerprint",
+    "recorded_fingerprint",
     "reference_path",
     "weights_fingerprint",
 ]
@@ -86,6 +91,41 @@ def weights_fingerprint(source: str | Path, *, extra: str = "") -> str:
 
 def reference_path(run: Path, data_digest: str, model_digest: str) -> Path:
     return run / REFERENCE_DIR / f"logps-{data_digest[:16]}-{model_digest[:16]}.pt"
+
+
+_SOURCE_FILE = "source.json"
+"""In the run's reference folder: the fingerprint its passes are named by (Note [A resume reads the
+reference's fingerprint])."""
+
+# Note [A resume reads the reference's fingerprint]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The passes' file names hold a fingerprint of the reference's source, taken when the run starts. A resume
+# reads it back instead of taking it again: the source it would fingerprint may be gone from the options
+# (``--init-from`` is not restored on resume), or its files touched (a README edited, a config.json's time
+# changed, the run's own files when it lies inside the model directory), and each of those named a pass that
+# was never made, so the resume was refused although the pass was there. Runs saved before the record
+# existed fingerprint the source again, as they did. Tested by
+# ``test_a_dpo_run_from_init_from_resumes_with_its_reference_pass`` and
+# ``test_a_touched_model_directory_does_not_lose_the_reference_pass``.
+
+
+def record_fingerprint(run: Path, fingerprint: str) -> None:
+    """Keep the fingerprint this run's passes are named by (rank 0, once its first pass is saved)."""
+    folder = run / REFERENCE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / (_SOURCE_FILE + ".partial")
+    partial.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+    os.replace(partial, folder / _SOURCE_FILE)
+
+
+def recorded_fingerprint(run: Path) -> str | None:
+    """The fingerprint :func:`record_fingerprint` kept in ``run``, or None (a run saved before it was kept,
+    or an unreadable record: the source is fingerprinted again then)."""
+    try:
+        value = json.loads((run / REFERENCE_DIR / _SOURCE_FILE).read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 def compute_reference(
@@ -163,6 +203,20 @@ def _after_first(rest: Sequence[Any], elapsed_s: float) -> str:
     return f"; after the first evaluation: {tokens} tokens in {elapsed_s:.3f} s ({tokens / elapsed_s:.0f} tok/s)"
 
 
+def _use_saved(head: PreferenceHead, path: Path, device: torch.device) -> None:
+    """Give ``head`` the pass saved at ``path``; a file that is damaged or not this run's pairs' pass (a
+    truncated write, another run's file) is one line naming it, not a loader's traceback."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        head.use_reference(saved, device)
+    except (OSError, EOFError, RuntimeError, ValueError, TypeError, AttributeError, pickle.UnpicklingError) as error:
+        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(
+            f"{path} is not a reference pass of this run's pairs ({cause}); it cannot be computed again for a "
+            f"resumed run: start the run anew (with {option('overwrite')})"
+        ) from None
+
+
 def prepare_reference(
     head: PreferenceHead,
     path: Path,
@@ -182,14 +236,14 @@ def prepare_reference(
     if group is not None:
         saved_pass = group.broadcast_object(saved_pass, f"rank 0's answer whether {path.name} is saved")
     if saved_pass:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        head.use_reference(saved, device)
+        _use_saved(head, path, device)
         log.info("reference log-probabilities of %d pairs from %s", head.pairs, path)
         return False
     if resumed:
         raise UserError(
-            f"the reference log-probabilities of this run are not in {path.parent}; a resumed run's weights are no "
-            "longer the reference's, so they cannot be computed again (start the run anew)"
+            f"the reference log-probabilities of these pairs are not in {path.parent}; a resumed run's weights are "
+            "no longer the reference's, so they cannot be computed again: resume with the pairs the run started "
+            "with, or start the run anew"
         )
     reference = compute()
     if group is None or group.rank == 0:

@@ -32,7 +32,14 @@ from slide_hf.errors import UserError
 from slide_hf.options import TrainConfig
 from slide_hf.preference.head import PreferenceHead, metric_means
 from slide_hf.preference.losses import PairLoss
-from slide_hf.preference.reference import compute_reference, prepare_reference, reference_path, weights_fingerprint
+from slide_hf.preference.reference import (
+    compute_reference,
+    prepare_reference,
+    record_fingerprint,
+    recorded_fingerprint,
+    reference_path,
+    weights_fingerprint,
+)
 from slide_hf.spelling import option
 
 __all__ = [
@@ -148,9 +155,11 @@ def reference_source(cfg: TrainConfig, model_dir: Path | None) -> tuple[str | Pa
     return cfg.model, weights_fingerprint(cfg.model, extra=f"preset seed {cfg.seed}")
 
 
-def _reference_file(cfg: TrainConfig, rows: Dataset, cache_dir: Path, model_dir: Path | None) -> Path:
-    _, fingerprint = reference_source(cfg, model_dir)
-    return reference_path(cache_dir, rows.digest, fingerprint)
+def _fingerprint(cfg: TrainConfig, cache_dir: Path, model_dir: Path | None, *, resumed: bool) -> str:
+    """The fingerprint naming this run's passes: a resume's as its run recorded it, else its source's now
+    (Note [A resume reads the reference's fingerprint] in preference/reference.py)."""
+    recorded = recorded_fingerprint(cache_dir) if resumed else None
+    return recorded if recorded is not None else reference_source(cfg, model_dir)[1]
 
 
 def needs_reference_pass(
@@ -159,13 +168,16 @@ def needs_reference_pass(
     cache_dir: Path,
     model_dir: Path | None,
     group: Collectives,
+    *,
+    resumed: bool = False,
 ) -> bool:
     """Whether this run must run DPO's reference pass: DPO, and no saved pass of this reference for the
     training pairs or the held-out ones (a resumed run always has both). Rank 0's answer on every rank:
     the pass is collective (Note [The ranks share the reference pass])."""
     if objective is None or not objective.train.head.loss.needs_reference:
         return False
-    missing = any(not _reference_file(cfg, pairs.rows, cache_dir, model_dir).is_file() for pairs in objective.sets)
+    fingerprint = _fingerprint(cfg, cache_dir, model_dir, resumed=resumed)
+    missing = any(not reference_path(cache_dir, pairs.rows.digest, fingerprint).is_file() for pairs in objective.sets)
     return bool(group.broadcast_object(missing, "rank 0's answer whether the reference pass is saved"))
 
 
@@ -181,6 +193,7 @@ def run_reference(
     group: Collectives,
     planned_micro_batch_s: float | None = None,
     stopping: Callable[[], bool] | None = None,
+    may_compute: bool | None = None,
 ) -> bool:
     """DPO: the reference log-probabilities of the training pairs, then of the held-out pairs, each from
     this run's saved pass or a new one through ``evaluate`` (an engine holding the reference's weights);
@@ -188,7 +201,12 @@ def run_reference(
     share of the rows and every rank ends with every completion's (Note [The ranks share the reference
     pass] in preference/reference.py). ``planned_micro_batch_s``: the plan's seconds per micro-batch of a
     pass (the same for both: a forward of each pair), logged beside its time. ``stopping``: asked between
-    the pass's evaluations (Note [A stop during the reference pass] in preference/reference.py)."""
+    the pass's evaluations (Note [A stop during the reference pass] in preference/reference.py).
+    ``resumed``: the passes are named as the run recorded them (Note [A resume reads the reference's
+    fingerprint]); ``may_compute``: a pass not saved may be computed (by default only when not resumed: a
+    resumed run's weights are no longer the reference's; ``--ref-model``'s always are)."""
+    may_compute = not resumed if may_compute is None else may_compute
+    fingerprint = _fingerprint(cfg, cache_dir, model_dir, resumed=resumed)
     ran = False
     for pairs in objective.sets:
         if not pairs.head.loss.needs_reference:
@@ -200,8 +218,10 @@ def run_reference(
             label=pairs.label, group=group, stopping=stopping,
         )  # fmt: skip
         with objective.computing(pairs):
-            path = _reference_file(cfg, pairs.rows, cache_dir, model_dir)
-            ran |= prepare_reference(head, path, device, compute=compute, resumed=resumed, group=group)
+            path = reference_path(cache_dir, pairs.rows.digest, fingerprint)
+            ran |= prepare_reference(head, path, device, compute=compute, resumed=not may_compute, group=group)
+    if ran and group.rank == 0:
+        record_fingerprint(cache_dir, fingerprint)
     return ran
 
 
