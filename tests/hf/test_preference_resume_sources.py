@@ -135,3 +135,34 @@ def test_a_relative_ref_model_resumes_from_another_directory(tmp_path, monkeypat
     records: list[dict[str, Any]] = []
     slide_hf.train(resume=tmp_path / "dpo", steps=3, ref_model=tmp_path / "sft/model", on_step=records.append)
     assert [r["step"] for r in records] == [3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("num_attention_heads", 8),
+        ("rope_parameters", {"rope_theta": 1e6, "rope_type": "default"}),
+        ("vocab_size", 320),
+    ],
+)
+def test_a_ref_model_of_another_architecture_is_one_line(tmp_path, key, value):
+    """The reference's weights run through the model's own layers: a config.json that differs in heads,
+    RoPE base or vocabulary was ignored (or failed in the load naming neither option nor directory)."""
+    sft = _sft_run(tmp_path)
+    config = json.loads((sft / "model/config.json").read_text())
+    config[key] = value
+    (sft / "model/config.json").write_text(json.dumps(config))
+    data = _pairs(tmp_path / "pairs.jsonl")
+    with pytest.raises(UserError) as caught:
+        slide_hf.train(
+            "tiny-llama",
+            data=data,
+            output=tmp_path / "dpo",
+            steps=1,
+            objective="dpo",
+            ref_model=sft / "model",
+            **COMMON,
+        )
+    assert str(caught.value).startswith(f"ref_model= {sft / 'model'} is not the model's architecture: its {key} is ")
+    assert not (tmp_path / "dpo" / ".data-cache").exists()

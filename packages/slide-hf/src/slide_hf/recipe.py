@@ -82,6 +82,7 @@ from slide_hf.preference.reference import PassStopped
 from slide_hf.preference.run import (
     PreferenceObjective,
     attach_objective,
+    check_ref_model,
     eval_metrics,
     evaluation_scope,
     load_preference_data,
@@ -199,6 +200,7 @@ def _train(
     from slide_hf.adapters.base import refuse_packing
 
     refuse_packing(model.slide_model, packing=cfg.packing)  # before the data is read and tokenized
+    check_ref_model(cfg.ref_model, model.config)  # before anything is read or run with it
     if cfg.lr is None:  # resolved once and saved as a number, so a resume compares numbers
         resolved = default_lr(from_preset=model.model_dir is None)
         check_adamw(None, cfg.weight_decay, default_lr=resolved)  # the message says the lr was the default

@@ -46,6 +46,7 @@ __all__ = [
     "PairSet",
     "PreferenceObjective",
     "attach_objective",
+    "check_ref_model",
     "eval_metrics",
     "evaluation_scope",
     "load_preference_data",
@@ -139,6 +140,51 @@ def attach_objective(
         train.head.pairs, "" if held_out is None else f", evaluated on {held_out.head.pairs} held-out pairs",
     )  # fmt: skip
     return PreferenceObjective(slide_model.head, train, held_out)
+
+
+_CONFIG_KEYS_A_REFERENCE_MAY_CHANGE = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "architectures",
+        "auto_map",
+    }
+)
+"""Keys of a config.json that say nothing of the computation: where it was saved, its storage dtype (the run
+computes in its own), the special token ids (a preset run's export sets its tokenizer's), the inference
+cache."""
+
+
+def check_ref_model(ref_model: Path | None, policy_config: Any) -> None:
+    """Refuse in one line a ``--ref-model`` whose config.json differs from the model's in anything that
+    shapes the computation. The reference's weights run through the model's own architecture (the engine
+    holds one), so a different head count, RoPE base or vocabulary would give log-probabilities of a model
+    that does not exist, or fail deep in the load naming neither option nor directory. Keys only one side
+    writes are the other's defaults and are not compared."""
+    if ref_model is None:
+        return
+    from transformers import AutoConfig
+
+    if not ref_model.is_dir():
+        raise UserError(f"{option('ref_model')} {ref_model} is not a model directory")
+    try:
+        reference = AutoConfig.from_pretrained(ref_model).to_dict()
+    except (OSError, ValueError) as error:
+        raise UserError(f"{option('ref_model')} {ref_model}: its config.json cannot be read ({error})") from None
+    policy = policy_config.to_dict()
+    for key in sorted((reference.keys() & policy.keys()) - _CONFIG_KEYS_A_REFERENCE_MAY_CHANGE):
+        if reference[key] != policy[key]:
+            raise UserError(
+                f"{option('ref_model')} {ref_model} is not the model's architecture: its {key} is "
+                f"{reference[key]!r}, the model's {policy[key]!r} (the reference runs through the model's layers)"
+            )
 
 
 def reference_source(cfg: TrainConfig, model_dir: Path | None) -> tuple[str | Path, str]:
