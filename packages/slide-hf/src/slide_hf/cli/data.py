@@ -40,6 +40,13 @@ and docs/preference.md.
 _ON, _OFF = "\x1b[1;32m", "\x1b[0m"
 _OPEN, _CLOSE = "[[", "]]"
 
+_NO_EXAMPLE_LENGTHS = dict.fromkeys(
+    ("example_tokens_min", "example_tokens_median", "example_tokens_max", "longer_than_seq_len")
+)
+"""Null in a pairs summary: pairs are not measured as texts are (each of a pair's sequences has its own limit,
+and the over-long ones are ``truncated_examples``), so the text summary leaves these out, and a 0 would be
+a false length."""
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     from slide_hf.options import add_options
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     colour = sys.stdout.isatty()
     for record in shown:
         print(_example_text(record, tokenizer, colour=colour))
-    print(_summary_text(summary, colour=colour))
+    print(_summary_text(summary, colour=colour, shown=bool(shown)))
     return 0
 
 
@@ -110,7 +117,7 @@ def _run_pairs(source: Any, tokenizer: Any, options: Any, args: argparse.Namespa
     shown = preview_pairs(source, tokenizer, options, args.show) if args.show else []
     dataset = load_pairs(source, tokenizer, options)
     summary = {"source": dataset.source, "seq_len": options.seq_len, "packing": options.packing}
-    summary |= dataclasses.asdict(dataset.stats) | {"pairs": dataset.stats.examples}
+    summary |= dataclasses.asdict(dataset.stats) | {"pairs": dataset.stats.examples} | _NO_EXAMPLE_LENGTHS
     if args.json:
         for pair in shown:
             print(json.dumps(_pair_json(pair, tokenizer), ensure_ascii=False))
@@ -119,7 +126,7 @@ def _run_pairs(source: Any, tokenizer: Any, options: Any, args: argparse.Namespa
     colour = sys.stdout.isatty()
     for pair in shown:
         print(_pair_text(pair, tokenizer, colour=colour))
-    print(_summary_text(summary, colour=colour).replace("examples ", "pairs    ", 1))
+    print(_summary_text(summary, colour=colour, shown=bool(shown)).replace("examples ", "pairs    ", 1))
     return 0
 
 
@@ -254,7 +261,7 @@ def _length_lines(summary: dict[str, Any]) -> list[str]:
     """The examples' lengths in tokens before any cut, and how many exceed a row (each text split into
     row-sized pieces, any other example truncated): what decides a --seq-len for long documents."""
     if not summary.get("example_tokens_max"):
-        return []  # a summary without them (preference pairs)
+        return []  # a summary without them (preference pairs: null)
     lines = [
         f"  example tokens      min {summary['example_tokens_min']}, median {summary['example_tokens_median']}, "
         f"max {summary['example_tokens_max']}"
@@ -275,10 +282,12 @@ def _split_line(split: int) -> str:
     return f"{split} (texts in row-sized pieces, each after the first repeating the last token before it)"
 
 
-def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
+def _summary_text(summary: dict[str, Any], *, colour: bool, shown: bool) -> str:
+    """The summary's lines; how the trained text is marked only when some was ``shown`` above it."""
     from slide_hf.data.dataset import dropped_reasoning_line
 
     marked = "in colour" if colour else f"between {_OPEN} and {_CLOSE}"
+    legend = f"; trained text above is {marked}" if shown else ""
     dropped = summary["dropped_reasoning_turns"]
     sources = []
     for share in summary.get("sources", []):
@@ -289,8 +298,8 @@ def _summary_text(summary: dict[str, Any], *, colour: bool) -> str:
         )
     return "\n".join(
         [
-            f"summary of {summary['source']} (seq-len {summary['seq_len']}, packing {'on' if summary['packing'] else 'off'}; "
-            f"trained text above is {marked})",
+            f"summary of {summary['source']} (seq-len {summary['seq_len']}, packing {'on' if summary['packing'] else 'off'}"
+            f"{legend})",
             f"  examples            {summary['examples']}",
             f"  rows                {summary['rows']}",
             f"  tokens              {summary['tokens']}",

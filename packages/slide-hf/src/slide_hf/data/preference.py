@@ -9,9 +9,10 @@ on the prompt (earlier assistant turns of a conversational prompt included).
 
 Lengths, as TRL's ``max_length`` with ``truncation_mode="keep_start"``: both sequences of a pair go in one
 row of ``--seq-len`` tokens, so each may hold ``seq_len // 2`` tokens; a longer one loses the end of its
-completion (the pair is counted as truncated, never silently), and a prompt that leaves no completion
-token within that limit is refused in one line, as are a missing or empty completion and a pair whose two
-completions are the same.
+completion (the pair is counted as truncated, never silently), and a pair either of whose sequences keeps
+no completion token within that limit (a long prompt, or turns of its own before the reply) is refused in
+one line, as are a missing, null or empty completion and a pair whose two sequences are the same (as
+written, once rendered by the chat template, or within the limit).
 
 Rows: a pair's chosen sequence, then its rejected one, each a document of its own (position ids restart,
 no attention across them; each document's first label is ``IGNORE``). With packing, pairs fill rows in
@@ -91,10 +92,9 @@ def parse_pair(record: Record) -> PairExample:
     where, fields = record.where, record.fields
     for key in ("prompt", "chosen", "rejected"):
         if fields.get(key) is None:
-            found = ", ".join(sorted(map(str, fields))) or "none"
-            raise UserError(
-                f"{where}: a preference pair needs 'prompt', 'chosen' and 'rejected'; no '{key}' (found: {found})"
-            )
+            # A null field is there: listing it among the fields found would contradict "no 'key'".
+            why = f"'{key}' is null" if key in fields else f"found: {', '.join(sorted(map(str, fields))) or 'none'}"
+            raise UserError(f"{where}: a preference pair needs 'prompt', 'chosen' and 'rejected'; no '{key}' ({why})")
     prompt = _turns(fields["prompt"], where, "prompt", completion=False)
     chosen = _turns(fields["chosen"], where, "chosen", completion=True)
     rejected = _turns(fields["rejected"], where, "rejected", completion=True)
@@ -145,16 +145,52 @@ class PairEncoder:
         self.vocab_size = options.vocab_size
 
     def encode(self, pair: PairExample) -> EncodedPair:
-        chosen = self._sequence(pair.where, pair.prompt, pair.chosen)
-        rejected = self._sequence(pair.where, pair.prompt, pair.rejected)
-        prompt_tokens = min(_first_trained(chosen[1]), _first_trained(rejected[1]))
+        """The pair as trained, or one line naming the record when either side would train nothing after the
+        cut (the pair's loss would compare a completion with an empty one) or both sides are the same tokens
+        (the loss's gradient would be zero, yet the pair would count in the step's mean)."""
+        full = {
+            "chosen": self._sequence(pair.where, pair.prompt, pair.chosen),
+            "rejected": self._sequence(pair.where, pair.prompt, pair.rejected),
+        }
+        starts = {side: _first_trained(labels) for side, (_, labels) in full.items()}
+        prompt_tokens = min(starts.values())
+        kept = {side: self._cut(sequence) for side, sequence in full.items()}
+        for side, (_, labels) in kept.items():
+            if not (labels != IGNORE).any():
+                raise UserError(self._nothing_kept(pair.where, side, starts[side], prompt_tokens))
+        if _same(kept["chosen"], kept["rejected"]):
+            raise UserError(self._same_message(pair.where, cut=not _same(full["chosen"], full["rejected"])))
+        truncated = max(len(ids) for ids, _ in full.values()) > self.limit
+        return EncodedPair(pair.where, kept["chosen"], kept["rejected"], prompt_tokens, truncated)
+
+    def _nothing_kept(self, where: str, side: str, start: int, prompt_tokens: int) -> str:
+        """Why ``side`` keeps no trained token: the shared prompt fills the limit, or the completion's own
+        turns before its reply (a system turn inside ``side``) push the reply past it."""
+        room = f"each sequence of a pair may hold {self.limit} ({option('seq_len')} / 2)"
         if prompt_tokens >= self.limit:
-            raise UserError(
-                f"{pair.where}: the prompt is {prompt_tokens} tokens, and each sequence of a pair may hold "
-                f"{self.limit} ({option('seq_len')} / 2); shorten the prompt or raise {option('seq_len')}"
+            return (
+                f"{where}: the prompt is {prompt_tokens} tokens, and {room}; shorten the prompt or raise "
+                f"{option('seq_len')}"
             )
-        truncated = max(len(chosen[0]), len(rejected[0])) > self.limit
-        return EncodedPair(pair.where, self._cut(chosen), self._cut(rejected), prompt_tokens, truncated)
+        if start >= self.limit:
+            return (
+                f"{where}: '{side}' keeps no token to train: its reply starts after {start} tokens (the prompt "
+                f"and the turns of '{side}' before the reply), and {room}; shorten them or raise {option('seq_len')}"
+            )
+        return (
+            f"{where}: '{side}' keeps no token to train: its only one within the limit is its sequence's first, "
+            "which nothing in a row predicts"
+        )
+
+    def _same_message(self, where: str, *, cut: bool) -> str:
+        """The raw-identical refusal of :func:`parse_pair`, saying what made the two sequences the same."""
+        if cut:
+            how = f"within the {self.limit} tokens each sequence of a pair may hold (raise {option('seq_len')})"
+        elif self.chat is not None:
+            how = "once rendered by the chat template"
+        else:
+            how = "once tokenized"
+        return f"{where}: 'chosen' and 'rejected' are the same {how}; a pair must prefer one completion to another"
 
     def _cut(self, sequence: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         ids, labels = sequence[0][: self.limit], sequence[1][: self.limit].copy()
@@ -202,6 +238,11 @@ class PairEncoder:
 
 def _first_trained(labels: np.ndarray) -> int:
     return int(np.argmax(labels != IGNORE))
+
+
+def _same(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
+    """Whether two sequences are the same tokens trained the same way: a pair of them teaches nothing."""
+    return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _keep_last_runs(labels: np.ndarray, keep: int) -> None:

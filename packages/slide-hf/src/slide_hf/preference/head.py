@@ -153,7 +153,8 @@ class PreferenceHead:
         return total.detach() + carrier
 
     def _pair_total(self, logps: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The summed loss over the pairs present in this micro-batch, and the sums of their metrics."""
+        """The summed loss over the pairs present in this micro-batch (both completions with a trained
+        token), and the sums of their metrics."""
         loss = self.loss
         scale = lengths.clamp(min=1)
         values = logps / scale if loss.averages else logps
@@ -164,7 +165,9 @@ class PreferenceHead:
             ref = self.reference / scale if loss.averages else self.reference
             reference = (ref[0::2], ref[1::2])
         losses, chosen_rewards, rejected_rewards = pair_losses(loss, values[0::2], values[1::2], *reference)
-        present = (lengths[0::2] > 0).float()
+        # A pair counts only with both completions here: one side alone would compare a completion with
+        # an empty one (logp 0), a loss with a gradient that teaches nothing the pair says.
+        present = ((lengths[0::2] > 0) & (lengths[1::2] > 0)).float()
         total = (losses * present).sum()
         with torch.no_grad():
             metrics = torch.stack(
