@@ -125,3 +125,16 @@ def test_lines_of_processes_sharing_stderr_never_mix_even_unbuffered(tmp_path):
     assert len(lines) == 8000
     whole = {f"slide train: error: {tag * 300} {i}" for tag in "ab" for i in range(4000)}
     assert set(lines) == whole
+
+
+@pytest.mark.parametrize(("rank", "printed"), [("0", True), ("1", False), ("", True)])
+def test_an_orderly_stop_is_said_once_for_every_rank(monkeypatch, capsys, rank, printed):
+    """A signal stops every rank of a data-parallel run together (Note [Stop on every rank]), each with
+    the same words; the console showed them once per rank. Rank 0 (or the only process) says it."""
+    from slide_hf.errors import RunStopped
+
+    monkeypatch.setenv("RANK", rank)
+    _fail_with(monkeypatch, "train", RunStopped("stopped by SIGINT during the reference pass", 130))
+    assert cli.main(["train", "--model", "tiny-llama", "--device", "cpu"]) == 130
+    err = capsys.readouterr().err
+    assert (err == "slide train: stopped by SIGINT during the reference pass\n") if printed else err == ""

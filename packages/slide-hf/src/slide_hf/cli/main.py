@@ -107,8 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as error:
         say(f"slide {args.command}: error: {_one_line(error)}")
         return 2
-    except RunStopped as stop:
-        say(f"slide {args.command}: {_one_line(stop)}")
+    except RunStopped as stop:  # every rank stops together and says the same: rank 0 says it once
+        if _is_main_rank():
+            say(f"slide {args.command}: {_one_line(stop)}")
         return stop.exit_code
     except Interrupted as interrupted:  # a second SIGINT/SIGTERM during a run (slide_hf/recipe.py)
         say(f"slide {args.command}: interrupted by {interrupted.signal_name}")
