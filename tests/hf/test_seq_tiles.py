@@ -13,7 +13,8 @@ from slide_hf import build_model, resolve_model
 from slide_hf import setup as run_setup
 from slide_hf.defaults import AUTO_SEQ_TILE_FLOOR
 from slide_hf.planner import PlanInputs, make_plan
-from slide_hf.planner.seq_fit import auto_seq_tile, longest_seq_len
+from slide_hf.planner.auto_tile import auto_seq_tile
+from slide_hf.planner.seq_fit import longest_seq_len
 from slide_hf.presets import run_overrides
 
 GiB = 1 << 30
@@ -153,9 +154,9 @@ def test_slide_plan_chooses_the_tile_that_fits(slide: Any, _fused_loss_installed
 
 
 def test_the_models_positions_end_the_search(slide: Any, _fused_loss_installed: None) -> None:
-    status, out, err = slide(
-        "plan", "--model", "llama3.1-8b", "--gpu-memory", "80", "--seq-len", "131072", "--batch-size", "1", "--json"
-    )
+    """On a host that holds it (the length search counts host RAM too: this machine's would stop it)."""
+    argv = ["--gpu-memory", "80", "--host-memory", "1TiB", "--seq-len", "131072", "--batch-size", "1", "--json"]
+    status, out, err = slide("plan", "--model", "llama3.1-8b", *argv)
     assert status == 0, err
     plan = json.loads(out)
     assert plan["longest_seq_len"] == 131072 and plan["longest_seq_len_limit"] == "positions"

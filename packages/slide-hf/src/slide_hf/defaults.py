@@ -9,7 +9,7 @@ The demo run (no ``--data``: the bundled English text, a few thousand bytes) has
 (at 2048, the whole text would be three rows) and :data:`DEMO_EPOCHS` passes over it.
 
 ``seq_tile`` left unset (``--seq-tile auto``) is chosen by the planner where the run has a GPU budget: the
-largest tile whose priced GPU peak fits it (slide_hf/planner/seq_fit.py's :func:`auto_seq_tile`, which `slide
+largest tile whose priced GPU peak fits it (slide_hf/planner/auto_tile.py's :func:`auto_seq_tile`, which `slide
 plan` and `slide train` both call through slide_hf/setup.py's ``plan_inputs``); without a budget (the CPU
 device) it is :func:`resolve_seq_tile`: tiles of :data:`DEFAULT_SEQ_TILE` tokens for rows longer than that,
 untiled below (slide_hf/adapters/token_tiles.py).

@@ -349,7 +349,7 @@ def plan_inputs(
         bandwidths=bandwidths,
     )
     if options.seq_tile is None:  # --seq-tile auto: the planner's choice, the same for the plan and the run
-        from slide_hf.planner.seq_fit import auto_seq_tile
+        from slide_hf.planner.auto_tile import auto_seq_tile
 
         inputs = dataclasses.replace(inputs, seq_tile=auto_seq_tile(inputs, gpu_memory_bytes))
     return inputs

@@ -542,9 +542,9 @@ def _longest(sequences: SequenceFit, seq_len: int, gpu_source: str) -> tuple[str
     needs = f"--seq-len {seq_len} needs {format_bytes(sequences.seq_len_gpu_bytes)} at batch 1 ({tiles})"
     if sequences.longest_seq_len is None:
         return "n/a", f"no GPU budget; {needs}"
+    bound = {"positions": "the model's positions", "host": "host RAM"}.get(sequences.limit, f"GPU memory {gpu_source}")
     if sequences.longest_seq_len == 0:
-        return "none", f"not even 2 tokens fit the GPU memory {gpu_source}; {needs}"
-    bound = "the model's positions" if sequences.positions_bound else f"GPU memory {gpu_source}"
+        return "none", f"not even 2 tokens fit the {bound}; {needs}"
     return f"{sequences.longest_seq_len:,}", f"at batch 1, limited by {bound}; {needs}"
 
 

@@ -18,7 +18,8 @@ The package, one job per module (each imports only the ones above it):
 - :mod:`~slide_hf.planner.plan`: :class:`Plan`, :func:`make_plan`, :func:`largest_batch`,
   :func:`plan_with_placement`;
 - :mod:`~slide_hf.planner.fit`: :func:`check_fits` against the machine's budgets;
-- :mod:`~slide_hf.planner.seq_fit`: the longest ``--seq-len`` a GPU budget holds.
+- :mod:`~slide_hf.planner.seq_fit`: the longest ``--seq-len`` the GPU and host budgets hold.
+- :mod:`~slide_hf.planner.auto_tile`: the tile ``--seq-tile auto`` takes.
 
 Import from ``slide_hf.planner``; the submodules are an implementation detail.
 """

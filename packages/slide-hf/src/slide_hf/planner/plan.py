@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slide_hf.errors import UserError
+from slide_hf.planner.auto_tile import at_batch
 from slide_hf.planner.inputs import Bandwidths, ModelShape, PlanInputs
 from slide_hf.planner.memory import (
     ENGINE_HOST_BUFFERS,
@@ -256,8 +257,11 @@ def largest_batch(
 ) -> tuple[int | None, str | None]:
     """``(largest batch size whose peaks fit both caps, the cap that stops it: "gpu" | "host")``.
 
-    ``(None, None)`` with no cap; ``(0, cap)`` when not even batch 1 fits. Both peaks grow with the
-    batch, so a doubling search then bisection finds it in a few dozen arithmetic evaluations.
+    ``(None, None)`` with no cap; ``(0, cap)`` when not even batch 1 fits. Each batch is tried with the tile
+    its run takes (:func:`~slide_hf.planner.auto_tile.at_batch`): ``--seq-tile auto`` chooses it again for
+    each batch, so the answer, planned as ``--batch-size``, fits, and does not depend on the planned batch's
+    tile; a tile the user gave stays. Both peaks grow with the batch (auto's at the tile that fits), so a
+    doubling search then bisection finds it in a few dozen evaluations of the byte model.
     """
     shape = shape or inputs.shape
     checks: list[tuple[str, Callable[[PlanInputs], int], int]] = []
@@ -269,7 +273,7 @@ def largest_batch(
         return None, None
 
     def blocker(batch: int) -> str | None:
-        trial = dataclasses.replace(inputs, batch_size=batch)
+        trial = at_batch(inputs, batch)
         return next((name for name, peak, cap in checks if peak(trial) > cap), None)
 
     if (first := blocker(1)) is not None:
@@ -290,7 +294,27 @@ def largest_batch(
 
 
 def _max_batch(shape: ModelShape, inputs: PlanInputs) -> tuple[int | None, str | None]:
-    return largest_batch(inputs, gpu_cap=inputs.gpu_memory_bytes, host_cap=inputs.host_memory_bytes, shape=shape)
+    """:func:`largest_batch` under the inputs' own budgets, of the run before its units are placed
+    (:func:`_unplaced`): a run of another batch places its own, so searching with the planned batch's
+    placement would stop near the planned batch."""
+    return largest_batch(
+        _unplaced(inputs), gpu_cap=inputs.gpu_memory_bytes, host_cap=inputs.host_memory_bytes, shape=shape
+    )
+
+
+def _unplaced(inputs: PlanInputs) -> PlanInputs:
+    """``inputs`` as every batch's run starts before :func:`plan_with_placement` places its units. Resident
+    units, and with ``--update-placement auto`` the streamed ones, take what GPU memory the planned batch
+    leaves spare (fewer for a larger batch), and a run is refused on its GPU peak before they are placed
+    (slide_hf/setup.py's ``place_units``); placing them only takes memory off the host. A placement that
+    streams every unit whose state is in host RAM (``--update-placement gpu``) streams them at any batch,
+    those resident at the planned one too: their staging stays."""
+    bare = dataclasses.replace(inputs, resident_units=(), streamed_units=(), streamable_units=())
+    in_ram = [name for name in bare.shape.names if name not in bare.offloaded_units]
+    placed = {*inputs.resident_units, *inputs.streamed_units}
+    if inputs.streamed_units and placed.issuperset(in_ram):
+        return dataclasses.replace(bare, streamed_units=tuple(in_ram))
+    return bare
 
 
 UPDATE_PLACEMENTS = ("auto", "host", "gpu")
