@@ -218,7 +218,8 @@ def test_dtype_bfloat16_and_float32(slide, tmp_path):
 
 def test_shape_options_set_tokens_per_step(slide, tmp_path):
     records = _run(slide, tmp_path / "run", "--seq-len", "16", "--batch-size", "3", "--grad-accum", "2")
-    assert [r["tokens"] for r in records] == [16 * 3 * 2] * 2
+    tokens = [r["tokens"] for r in records]  # real tokens: a row ending a split text may end in padding
+    assert tokens[0] == 16 * 3 * 2 and all(16 * 3 * 2 - 16 < count <= 16 * 3 * 2 for count in tokens), tokens
 
 
 def test_grad_accum_equals_the_larger_batch(slide, tmp_path, ids_data):
@@ -556,11 +557,15 @@ def test_unwritable_nvme_dir(slide, tmp_path):
 
 
 def test_nvme_options_with_ram_offload(slide, tmp_path):
+    """``--nvme-dir`` with every tier in RAM is harmless (a later resume may offload); ``--nvme-fraction``
+    there would promise an offload that does not happen, so it is refused in one line."""
     records = _run(
         slide, tmp_path / "run", "--offload-optimizer", "ram", "--offload-activations", "ram",
-        "--nvme-dir", tmp_path / "nvme", "--nvme-fraction", "0.25",
+        "--nvme-dir", tmp_path / "nvme",
     )  # fmt: skip
     assert len(records) == 2
+    _fails(slide, "--device", "cpu", "--offload-optimizer", "ram", "--nvme-fraction", "0.25",
+           match="--nvme-fraction 0.25 says which share of the units' Adam state goes to the --offload-optimizer tier")  # fmt: skip
 
 
 def test_save_dtype(slide, tmp_path, model_dir):

@@ -334,3 +334,15 @@ def test_packed_rows_for_a_recurrent_model_are_refused_before_the_plan(slide, co
     )
     assert not any(line.startswith("plan:") for line in err.splitlines())
     assert not (tmp_path / "run" / "data").exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_plan_names_where_its_budgets_came_from(slide):
+    """A test model's parameters in millions (it read "0.00 B params"), and the host budget a fit failure
+    quotes as the user gave it ("allowed by --host-memory", not "available")."""
+    status, out, err = slide("plan", "--model", "tiny-llama", "--device", "cpu")
+    assert status == 0, err
+    assert re.match(r"tiny-llama: \d+\.\d\d M params, ", out), out.splitlines()[0]
+    status, out, err = slide("plan", "--model", "tiny-llama", "--device", "cpu", "--host-memory", "1MiB")
+    assert status == 0, err
+    assert "host RAM, 1.0 MiB allowed by --host-memory; " in out, out

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     )
     problem = _positions_problem(model, seq_len)
     try:
-        check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source)
+        check_fits(plan, host_available=host_cap, gpu_available=gpu_cap, gpu_source=gpu_source, host_source=host_source)
     except UserError as error:
         problem = problem or str(error)
     if cfg.output is not None:  # a disk the user named; the default's is this machine's, often not the run's
@@ -404,7 +404,7 @@ def render(
     and ``sequences`` how long a sequence the GPU budget holds."""
     i = plan.inputs
     lines = [
-        f"{model_name}: {plan.params / 1e9:.2f} B params, batch {i.batch_size} x seq {i.seq_len} x accum "
+        f"{model_name}: {_count(plan.params)} params, batch {i.batch_size} x seq {i.seq_len} x accum "
         f"{i.grad_accum} = {plan.tokens_per_step:,} tokens/step, {dtype}",
     ]
     if not i.fused_loss:
@@ -546,6 +546,12 @@ def _longest(sequences: SequenceFit, seq_len: int, gpu_source: str) -> tuple[str
     if sequences.longest_seq_len == 0:
         return "none", f"not even 2 tokens fit the {bound}; {needs}"
     return f"{sequences.longest_seq_len:,}", f"at batch 1, limited by {bound}; {needs}"
+
+
+def _count(params: int) -> str:
+    """``8.03 B``, ``1.25 M``: a parameter count in the unit that shows its digits (a test model of a few
+    million parameters read "0.00 B")."""
+    return f"{params / 1e9:.2f} B" if params >= 10**9 else f"{params / 1e6:.2f} M"
 
 
 def _row(label: str, value: str, note: str = "") -> str:

@@ -1,7 +1,7 @@
 """Options that do something only beside another: ``--decay-fraction`` shapes the ``wsd`` schedule alone,
 ``--allow-data-change`` answers a resume's data check, ``--init-weights-only`` says what ``--init-from``
 takes, ``--eval-every`` times an evaluation that needs evaluation data, ``--data-weights`` weighs several
-``--data`` sources.
+``--data`` sources, ``--nvme-fraction`` splits the Adam state between RAM and an ``--offload-optimizer`` tier.
 
 Given without its companion such an option would change nothing, silently, and a user who wrote
 ``--decay-fraction 0.2 --lr-schedule cosine`` would believe the run decays as asked. So it is refused in
@@ -137,6 +137,17 @@ COMPANIONS: tuple[Companion, ...] = (
         lambda cfg: (
             f"needs evaluation data: give {option('eval_data', 'FILE')} or {option('eval_fraction', 'F')} "
             "(without it nothing is evaluated)"
+        ),
+        default_asks=False,
+    ),
+    Companion(
+        "nvme_fraction",
+        ("offload_optimizer",),
+        lambda cfg: cfg.offload_optimizer != "ram",
+        lambda cfg: (
+            f"says which share of the units' Adam state goes to the {option('offload_optimizer')} tier, and that "
+            f"tier is ram (nothing offloaded); give {option('offload_optimizer', 'nvme')} or leave "
+            f"{option('nvme_fraction')} out"
         ),
         default_asks=False,
     ),

@@ -52,10 +52,11 @@ def check_fits(
     host_available: int | None,
     gpu_available: int | None,
     gpu_source: str = "allowed by --gpu-memory",
+    host_source: str = "available",
 ) -> None:
     """Raise :class:`UserError` (one line, with the fix to try) when ``plan`` exceeds a budget.
 
-    A None budget is not checked. ``gpu_source`` says where the GPU budget came from.
+    A None budget is not checked. ``gpu_source`` and ``host_source`` say where each budget came from.
     """
     problems = []
     inputs, shape = plan.inputs, plan.shape
@@ -80,7 +81,7 @@ def check_fits(
                 f"{joint} {option('optimizer_state')} {compact} (rounded moments, not exact: docs/optimizer_state.md)"
             )
         problems.append(
-            f"needs {format_bytes(plan.host_peak_bytes)} host RAM, {format_bytes(host_available)} available; {hint}"
+            f"needs {format_bytes(plan.host_peak_bytes)} host RAM, {format_bytes(host_available)} {host_source}; {hint}"
         )
     if problems:
         raise UserError("; also ".join(problems))
