@@ -346,3 +346,23 @@ def test_the_plan_names_where_its_budgets_came_from(slide):
     status, out, err = slide("plan", "--model", "tiny-llama", "--device", "cpu", "--host-memory", "1MiB")
     assert status == 0, err
     assert "host RAM, 1.0 MiB allowed by --host-memory; " in out, out
+
+
+@pytest.mark.timeout(120)
+def test_a_gpu_budget_on_the_cpu_device_is_said_to_be_ignored(slide, caplog):
+    with caplog.at_level("WARNING", logger="slide.plan"):
+        status, _, err = slide("plan", "--model", "tiny-llama", "--device", "cpu", "--gpu-memory", "24GiB")
+    assert status == 0, err
+    assert "--gpu-memory is ignored on the CPU device" in caplog.messages
+
+
+def test_a_broken_link_or_a_loop_named_like_a_hub_dataset_stays_local(tmp_path, monkeypatch):
+    """``d/loop1``, a symbolic link loop here, was taken for a Hub dataset and sent to the network."""
+    from slide_hf.data.hf_datasets import is_hub_name
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d/loop1").symlink_to("loop2")
+    (tmp_path / "d/loop2").symlink_to("loop1")
+    (tmp_path / "d/gone").symlink_to("nothing-here")
+    assert not is_hub_name("d/loop1") and not is_hub_name("d/gone") and is_hub_name("org/name")

@@ -52,8 +52,10 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def is_hub_id(name: str) -> bool:
-    """``org/name`` with Hub-legal characters, and not a path that exists here."""
-    return bool(_HUB_ID.match(name)) and not Path(name).expanduser().exists() and ".." not in name
+    """``org/name`` with Hub-legal characters, and not a path here: not even a broken symbolic link or a
+    loop of them (``exists`` follows links and says False for those; a local name is never sent to the
+    network)."""
+    return bool(_HUB_ID.match(name)) and not os.path.lexists(Path(name).expanduser()) and ".." not in name
 
 
 def check_repo_id(repo_id: str, *, flag: str = "--push-to-hub") -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import textwrap
 from pathlib import Path
@@ -96,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = _with_dtype(cfg, args, accelerator)
     assert cfg.dtype is not None  # chosen as `slide train` chooses it where not given
     if not accelerator:
+        if cfg.gpu_memory is not None:  # as `slide train` says it (slide_hf/setup.py)
+            logging.getLogger("slide.plan").warning("%s is ignored on the CPU device", option("gpu_memory"))
         gpu_cap, gpu_source = None, "the CPU device: no GPU memory"
     if args.host_memory is not None:
         host_cap, host_source = parse_size(args.host_memory, what="--host-memory"), "allowed by --host-memory"
