@@ -32,6 +32,11 @@ def _sft_run(tmp_path: Path) -> Path:
     return tmp_path / "sft"
 
 
+def _dpo(data: Path, output: Path, model: str | Path = "tiny-llama", **options: Any) -> None:
+    """One DPO step on ``data`` into ``output``."""
+    slide_hf.train(model, data=data, output=output, steps=1, objective="dpo", **{**COMMON, **options})
+
+
 def _saved_pass(run: Path) -> Path:
     (saved,) = (run / ".data-cache/reference").glob("logps-*.pt")
     return saved
@@ -53,9 +58,7 @@ def test_a_dpo_run_from_init_from_resumes_with_its_reference_pass(tmp_path, capl
     sft = _sft_run(tmp_path)
     data = _pairs(tmp_path / "pairs.jsonl")
     run = tmp_path / "dpo"
-    slide_hf.train(
-        "tiny-llama", data=data, output=run, steps=1, objective="dpo", init_from=sft, init_weights_only=True, **COMMON
-    )
+    _dpo(data, run, init_from=sft, init_weights_only=True)
     stamp = _saved_pass(run).stat().st_mtime_ns
     records = _resume(run, caplog)
     assert [r["step"] for r in records] == [2]
@@ -69,7 +72,7 @@ def test_a_touched_model_directory_does_not_lose_the_reference_pass(tmp_path, ca
     model = _sft_run(tmp_path) / "model"
     data = _pairs(tmp_path / "pairs.jsonl")
     run = tmp_path / "dpo"
-    slide_hf.train(model, data=data, output=run, steps=1, objective="dpo", **COMMON)
+    _dpo(data, run, model)
     (model / "README.md").write_text("notes the user added after the run started\n")
     os.utime(model / "config.json", ns=(1, 1))
     assert [r["step"] for r in _resume(run, caplog)] == [2]
@@ -80,7 +83,7 @@ def test_a_touched_model_directory_does_not_lose_the_reference_pass(tmp_path, ca
 def test_a_damaged_reference_pass_is_one_line_naming_it(tmp_path, damage):
     data = _pairs(tmp_path / "pairs.jsonl")
     run = tmp_path / "dpo"
-    slide_hf.train("tiny-llama", data=data, output=run, steps=1, objective="dpo", **COMMON)
+    _dpo(data, run)
     saved = _saved_pass(run)
     if damage == "truncated":
         saved.write_bytes(saved.read_bytes()[:100])
@@ -104,10 +107,7 @@ def test_overwrite_never_removes_the_ref_model(tmp_path):
     sft = _sft_run(tmp_path)
     data = _pairs(tmp_path / "pairs.jsonl")
     with pytest.raises(UserError, match=r"ref.model"):
-        slide_hf.train(
-            "tiny-llama", data=data, output=sft, overwrite=True, steps=1, objective="dpo", ref_model=sft / "model",
-            **COMMON,
-        )  # fmt: skip
+        _dpo(data, sft, overwrite=True, ref_model=sft / "model")
     assert (sft / "model" / "config.json").is_file()
 
 
@@ -119,15 +119,7 @@ def test_a_relative_ref_model_resumes_from_another_directory(tmp_path, monkeypat
     _sft_run(tmp_path)
     data = _pairs(tmp_path / "pairs.jsonl")
     monkeypatch.chdir(tmp_path)
-    slide_hf.train(
-        "tiny-llama",
-        data=data,
-        output=tmp_path / "dpo",
-        steps=1,
-        objective="dpo",
-        ref_model=Path("sft/model"),
-        **COMMON,
-    )
+    _dpo(data, tmp_path / "dpo", ref_model=Path("sft/model"))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -155,14 +147,6 @@ def test_a_ref_model_of_another_architecture_is_one_line(tmp_path, key, value):
     (sft / "model/config.json").write_text(json.dumps(config))
     data = _pairs(tmp_path / "pairs.jsonl")
     with pytest.raises(UserError) as caught:
-        slide_hf.train(
-            "tiny-llama",
-            data=data,
-            output=tmp_path / "dpo",
-            steps=1,
-            objective="dpo",
-            ref_model=sft / "model",
-            **COMMON,
-        )
+        _dpo(data, tmp_path / "dpo", ref_model=sft / "model")
     assert str(caught.value).startswith(f"ref_model= {sft / 'model'} is not the model's architecture: its {key} is ")
     assert not (tmp_path / "dpo" / ".data-cache").exists()
