@@ -87,6 +87,9 @@ def test_every_run_option_is_a_toml_key_and_an_api_keyword(item, tmp_path):
     schedule_of = {"decay_fraction": "wsd", "decay_shape": "wsd", "lr_cycles": "cosine_with_restarts"}
     schedule_of |= {"lr_power": "polynomial", "lr_end": "polynomial", "lr_timescale": "inverse_sqrt"}
     companion = {"lr_schedule": schedule_of[item.name]} if item.name in schedule_of else {}  # one schedule's alone
+    companion |= (
+        {"objective": {"gamma": "simpo", "dpo_loss": "dpo"}[item.name]} if item.name in ("gamma", "dpo_loss") else {}
+    )
     cfg = train_config(**{item.name: item.default}, **companion)
     assert getattr(cfg, item.name) == item.normalised(item.default)
 

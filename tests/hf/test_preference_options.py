@@ -56,3 +56,23 @@ def test_preference_runs_data_parallel() -> None:
     """The objectives run on several processes (docs/preference.md, "Data parallel"): no rule refuses them."""
     for objective in ("dpo", "simpo"):
         TrainConfig(objective=objective).validate(2)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"objective": "dpo", "gamma": 0.5}, "--gamma 0.5 acts only with --objective simpo, got --objective dpo"),
+        ({"gamma": 0.5}, "--gamma 0.5 acts only with --objective simpo, got --objective sft"),
+        ({"objective": "simpo", "dpo_loss": "sigmoid"}, "--dpo-loss sigmoid acts only with --objective dpo, got"),
+    ],
+)
+def test_an_option_written_at_its_default_beside_another_objective_is_refused(
+    options: dict[str, Any], expected: str, tmp_path: Path, capsys: Any
+) -> None:
+    """``--gamma 0.5`` (SimPO's default) beside DPO trained as if it were not there: the value rule saw the
+    default only. What the user wrote is checked too, from flags and from a TOML file."""
+    message = _cli_error(capsys, ["train", *_flags(options)])
+    assert expected in message
+    config = tmp_path / "run.toml"
+    config.write_text(_toml(options))
+    assert _cli_error(capsys, ["train", "--config", str(config)]) == message

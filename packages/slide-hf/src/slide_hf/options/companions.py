@@ -1,7 +1,8 @@
 """Options that do something only beside another: ``--decay-fraction`` shapes the ``wsd`` schedule alone,
 ``--allow-data-change`` answers a resume's data check, ``--init-weights-only`` says what ``--init-from``
 takes, ``--eval-every`` times an evaluation that needs evaluation data, ``--data-weights`` weighs several
-``--data`` sources, ``--nvme-fraction`` splits the Adam state between RAM and an ``--offload-optimizer`` tier.
+``--data`` sources, ``--nvme-fraction`` splits the Adam state between RAM and an ``--offload-optimizer`` tier,
+``--gamma`` is SimPO's and ``--dpo-loss`` DPO's (written at their defaults beside another objective).
 
 Given without its companion such an option would change nothing, silently, and a user who wrote
 ``--decay-fraction 0.2 --lr-schedule cosine`` would believe the run decays as asked. So it is refused in
@@ -44,6 +45,9 @@ class Companion:
     used: Callable[[TrainConfig], bool]
     needs: Callable[[TrainConfig], str]
     default_asks: bool = True
+    by_value: bool = True
+    """Also refused by value, as a cross-option rule; False where a rule of its own (slide_hf/options/
+    validate.py) already refuses the value, and only the written default is left to this check."""
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -64,7 +68,7 @@ class Companion:
         """:meth:`check` by value, as a cross-option rule (slide_hf/options/validate.py). A resumed run is
         held to what its user gives now (:func:`check_given`), not to the options it saved: those were
         accepted when it started (by an older version, perhaps), and most of them cannot change now."""
-        if cfg.resume is None:
+        if cfg.resume is None and self.by_value:
             self.check(cfg)
 
 
@@ -150,6 +154,18 @@ COMPANIONS: tuple[Companion, ...] = (
             f"{option('nvme_fraction')} out"
         ),
         default_asks=False,
+    ),
+    *(
+        Companion(
+            name,
+            ("objective",),
+            lambda cfg, objective=objective: cfg.objective.value == objective,
+            lambda cfg, objective=objective: (
+                f"acts only with {option('objective', objective)}, got {option('objective', cfg.objective.value)}"
+            ),
+            by_value=False,  # validate.py's preference rules refuse the other values
+        )
+        for name, objective in (("gamma", "simpo"), ("dpo_loss", "dpo"))
     ),
     Companion(
         "data_weights",
