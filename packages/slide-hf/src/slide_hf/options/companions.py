@@ -102,6 +102,18 @@ def _schedule_only(name: str, schedule: str, part: str = "") -> Companion:
     )
 
 
+def _objective_only(name: str, objective: str) -> Companion:
+    """An option of one preference objective's loss, written at its default beside another objective
+    (validate.py's preference rules refuse its other values there)."""
+    return Companion(
+        name,
+        ("objective",),
+        lambda cfg: cfg.objective.value == objective,
+        lambda cfg: f"acts only with {option('objective', objective)}, got {option('objective', cfg.objective.value)}",
+        by_value=False,
+    )
+
+
 def _sources(cfg: TrainConfig) -> int:
     return len(data_sources(cfg))
 
@@ -155,18 +167,8 @@ COMPANIONS: tuple[Companion, ...] = (
         ),
         default_asks=False,
     ),
-    *(
-        Companion(
-            name,
-            ("objective",),
-            lambda cfg, objective=objective: cfg.objective.value == objective,
-            lambda cfg, objective=objective: (
-                f"acts only with {option('objective', objective)}, got {option('objective', cfg.objective.value)}"
-            ),
-            by_value=False,  # validate.py's preference rules refuse the other values
-        )
-        for name, objective in (("gamma", "simpo"), ("dpo_loss", "dpo"))
-    ),
+    _objective_only("gamma", "simpo"),
+    _objective_only("dpo_loss", "dpo"),
     Companion(
         "data_weights",
         ("data",),
