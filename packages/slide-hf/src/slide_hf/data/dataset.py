@@ -306,8 +306,7 @@ class _Split:
         self.cut_count = {"split": 0, "truncated": 0}
         self.skipped: list[str] = []
         self.skipped_count = 0
-        self.lost = _LostToSeqLen()  # skipped records whose every target the truncation dropped
-        self.lost_per_part: list[_LostToSeqLen] = []  # the same, each ended source's own
+        self.lost_per_part: list[_LostToSeqLen] = []  # each ended source's records that --seq-len emptied
         self._part_lost = _LostToSeqLen()
         self.dropped_reasoning = 0
         self.lengths = array("I")  # each kept record's tokens before any cut, for the stats' min/median/max
@@ -333,7 +332,6 @@ class _Split:
             if len(self.skipped) < _NAMED:
                 self.skipped.append(record.where)
             if record.lost_to_seq_len:
-                self.lost.add(record.tokens)
                 self._part_lost.add(record.tokens)
             return
         self.examples += 1
@@ -431,7 +429,7 @@ def _build(
     if stats["train"].rows == 0:
         raise UserError(
             f"{name} holds no example with a token to train ({records} record(s) read)"
-            f"{train.lost.blame(options.seq_len)}"
+            f"{_LostToSeqLen.of(train.lost_per_part).blame(options.seq_len)}"
         )
     for part, lost in zip(train.parts, train.lost_per_part, strict=True) if len(readers) > 1 else []:
         if part.rows == 0:
@@ -469,6 +467,14 @@ class _LostToSeqLen:
     def __init__(self) -> None:
         self.count = 0
         self.longest = 0
+
+    @classmethod
+    def of(cls, parts: Sequence[_LostToSeqLen]) -> _LostToSeqLen:
+        """The sources' together."""
+        together = cls()
+        together.count = sum(part.count for part in parts)
+        together.longest = max((part.longest for part in parts), default=0)
+        return together
 
     def add(self, tokens: int) -> None:
         self.count += 1

@@ -189,10 +189,9 @@ def check_ref_model(ref_model: Path | None, policy_config: Any) -> None:
 
 def reference_source(cfg: TrainConfig, model_dir: Path | None) -> tuple[str | Path, str]:
     """Where the reference weights come from (``--ref-model``, ``--init-from``, the model directory, or a
-    preset) and the fingerprint that names their pass."""
+    preset) and the fingerprint that names their pass. A ``--ref-model`` that is no model directory, or not
+    the model's architecture, was refused before (:func:`check_ref_model`)."""
     if cfg.ref_model is not None:
-        if not cfg.ref_model.is_dir():
-            raise UserError(f"{option('ref_model')} {cfg.ref_model} is not a model directory")
         return cfg.ref_model, weights_fingerprint(cfg.ref_model)
     if cfg.init_from is not None:
         return cfg.init_from, weights_fingerprint(cfg.init_from, extra="init-from")
